@@ -121,3 +121,8 @@ def validate(changes: Mapping[str, object], current: Mapping[str, int | float] |
         merged[name] = get(name).parse(raw)  # type: ignore[arg-type]
     cross_check(merged)
     return merged
+
+
+#: File the node's SSM sync writes and the connector hot-reloads (engine-scope tunables as JSON).
+TUNABLES_FILE_ENV = "TURNKV_TUNABLES_FILE"
+DEFAULT_TUNABLES_FILE = "/etc/turnkv/tunables.json"

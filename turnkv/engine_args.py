@@ -1,0 +1,108 @@
+"""How a turnkv engine is launched: the ``vllm serve`` flags, ``--kv-transfer-config`` and environment.
+
+One pure function serves the local stack (``turnkv local up``), the AWS user data (infra) and the
+tests, so an engine runs with the same settings everywhere. No I/O here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+
+from turnkv import params
+
+
+class Role(str, Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Mode(str, Enum):
+    """KV transfer direction set-up: pull (decode READs from prefill) or push (prefill WRITEs)."""
+
+    PULL = "pull"
+    PUSH = "push"
+
+
+#: Connector classes by mode. Pull is upstream's; push + bi-directional is turnkv's own (connector issue).
+CONNECTORS = {
+    Mode.PULL: ("NixlConnector", None),
+    Mode.PUSH: ("TurnkvPushBidiConnector", "connector.push_bidi.connector"),
+}
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    role: Role
+    engine_id: str
+    model: str
+    port: int
+    side_channel_port: int
+    side_channel_host: str = "127.0.0.1"
+    host: str = "127.0.0.1"
+    served_model_name: str | None = None
+    mode: Mode = Mode.PULL
+    bidirectional: bool = True
+    tensor_parallel_size: int = 1
+    max_model_len: int = 8192
+    block_size: int = 128
+    prefix_caching: bool = True
+    enforce_eager: bool = False
+    load_format: str | None = None
+    #: NIXL backends: ["UCX"] locally, ["LIBFABRIC"] on EFA.
+    backends: tuple[str, ...] = ("UCX",)
+    #: Engine tunables (catalog names), defaults from turnkv.params.
+    tunables: dict[str, int | float] = field(default_factory=lambda: params.defaults(params.Scope.ENGINE))
+    extra_args: tuple[str, ...] = ()
+
+
+def kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
+    connector, module_path = CONNECTORS[spec.mode]
+    extra: dict[str, object] = {
+        "backends": list(spec.backends),
+        "bidirectional_kv_xfer": spec.bidirectional,
+        "decoder_kv_blocks_ttl": int(spec.tunables["decoder_kv_blocks_ttl"]),
+        "kv_recompute_threshold": int(spec.tunables["kv_recompute_threshold"]),
+        "kv_lease_duration": int(spec.tunables["kv_lease_duration"]),
+    }
+    config: dict[str, object] = {
+        "kv_connector": connector,
+        "kv_role": "kv_both",
+        "engine_id": spec.engine_id,
+        # A failed or expired pull recomputes instead of failing the request.
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+    if module_path:
+        config["kv_connector_module_path"] = module_path
+    return config
+
+
+def serve_args(spec: EngineSpec) -> list[str]:
+    """``vllm serve`` argv (without the executable)."""
+    args = [
+        "serve", spec.model,
+        "--host", spec.host,
+        "--port", str(spec.port),
+        "--served-model-name", spec.served_model_name or spec.model,
+        "--tensor-parallel-size", str(spec.tensor_parallel_size),
+        "--max-model-len", str(spec.max_model_len),
+        "--block-size", str(spec.block_size),
+        "--kv-transfer-config", json.dumps(kv_transfer_config(spec), separators=(",", ":")),
+        "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching",
+    ]
+    if spec.enforce_eager:
+        args.append("--enforce-eager")
+    if spec.load_format:
+        args += ["--load-format", spec.load_format]
+    return args + list(spec.extra_args)
+
+
+def serve_env(spec: EngineSpec) -> dict[str, str]:
+    """Environment the engine needs on top of the host's."""
+    return {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": spec.side_channel_host,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port),
+        "HF_HUB_OFFLINE": "1",
+    }
