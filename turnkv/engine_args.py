@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from turnkv import params
 
 
-class Role(str, Enum):
+class Role(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
 
 
-class Mode(str, Enum):
+class Mode(StrEnum):
     """KV transfer direction set-up: pull (decode READs from prefill) or push (prefill WRITEs)."""
 
     PULL = "pull"

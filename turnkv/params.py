@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 SSM_PREFIX = "/turnkv"
 
 
-class Scope(str, Enum):
+class Scope(StrEnum):
     """Who consumes a tunable: the vLLM engines (through the connector) or the router."""
 
     ENGINE = "engine"

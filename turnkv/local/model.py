@@ -23,10 +23,13 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
 PUNCTUATION = tuple(".,;:!?'\"()[]{}-_/*+=<>@#$%&|~`^\\")
 # Role names and a few common words, so chat templates and hand-typed prompts mostly avoid <unk>.
 COMMON_WORDS = tuple(
-    "system user assistant tool function call result you are a an the of and to in is it that for on with as "
-    "this be at by from or not what which who how why when where can will do does did have has had i we they "
-    "he she my your our their please answer question tell me about explain write code file run test error "
-    "hello hi thanks yes no ok step next previous turn agent task plan search read open list show fix".split()
+    """
+    system user assistant tool function call result you are a an the of and to in is it that for on with
+    as this be at by from or not what which who how why when where can will do does did have has had i
+    we they he she my your our their please answer question tell me about explain write code file run
+    test error hello hi thanks yes no ok step next previous turn agent task plan search read open list
+    show fix
+    """.split()  # noqa: SIM905
 )
 
 # ChatML, the template most chat models use. A trailing space-free layout keeps assistant turns
