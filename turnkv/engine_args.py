@@ -50,6 +50,7 @@ class EngineSpec:
     prefix_caching: bool = True
     enforce_eager: bool = False
     load_format: str | None = None
+    dtype: str = "auto"
     #: NIXL backends: ["UCX"] locally, ["LIBFABRIC"] on EFA.
     backends: tuple[str, ...] = ("UCX",)
     #: Engine tunables (catalog names), defaults from turnkv.params.
@@ -89,6 +90,7 @@ def serve_args(spec: EngineSpec) -> list[str]:
         "--tensor-parallel-size", str(spec.tensor_parallel_size),
         "--max-model-len", str(spec.max_model_len),
         "--block-size", str(spec.block_size),
+        "--dtype", spec.dtype,
         "--kv-transfer-config", json.dumps(kv_transfer_config(spec), separators=(",", ":")),
         "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching",
     ]

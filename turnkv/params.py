@@ -113,6 +113,19 @@ def cross_check(values: Mapping[str, int | float]) -> None:
             f"lower conversation_ttl or raise decoder_kv_blocks_ttl")
 
 
+def fit_router_ttl(changes: Mapping[str, object]) -> dict[str, object]:
+    """When only the engines' TTL is changed, lower the router's conversation TTL to fit inside it."""
+    out = dict(changes)
+    if "decoder_kv_blocks_ttl" in out and "conversation_ttl" not in out:
+        try:
+            ttl = get("decoder_kv_blocks_ttl").parse(out["decoder_kv_blocks_ttl"])  # type: ignore[arg-type]
+            margin = get("expiry_margin").parse(out.get("expiry_margin", BY_NAME["expiry_margin"].default))  # type: ignore[arg-type]
+        except ParamError:
+            return out  # validate() reports the bad value
+        out["conversation_ttl"] = max(BY_NAME["conversation_ttl"].minimum, ttl - margin)
+    return out
+
+
 def validate(changes: Mapping[str, object], current: Mapping[str, int | float] | None = None) -> dict[str, int | float]:
     """Parse ``changes`` over ``current`` (defaults when None) and cross-check the result."""
     merged: dict[str, int | float] = dict(defaults())

@@ -1,7 +1,149 @@
-"""`turnkv local`."""
+"""`turnkv local up | down | status | logs`: the local stack on real vLLM CPU engines."""
 
 from __future__ import annotations
 
-import typer
+import subprocess
+import time
+from pathlib import Path
+from typing import Annotated
 
-app = typer.Typer(help="local", no_args_is_help=True)
+import typer
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from turnkv.engine_args import Mode
+
+app = typer.Typer(help="Run prefill + decode vLLM engines and the router on 127.0.0.1.", no_args_is_help=True)
+console = Console(stderr=True)
+
+StateDir = Annotated[Path, typer.Option("--state-dir", help="Where logs, state, model and caches live.")]
+DEFAULT_DIR = Path(".turnkv")
+
+
+def parse_sets(items: list[str] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"{item!r}: expected NAME=VALUE", param_hint="--set")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def start_stack(config, console: Console = console) -> dict:
+    """Start the stack with a progress display; raise typer.Exit(1) with the reason on failure."""
+    from turnkv.local.stack import StackError, Supervisor
+
+    supervisor = Supervisor(config.state_dir)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                  transient=False) as progress:
+        tasks: dict[str, int] = {}
+        started: dict[str, float] = {}
+
+        def on_event(name: str, event: str) -> None:
+            if name not in tasks:
+                tasks[name] = progress.add_task(f"{name}: {event}", total=1)
+                started[name] = time.monotonic()
+            elif event in ("healthy", "ready"):
+                took = time.monotonic() - started[name]
+                progress.update(tasks[name], description=f"{name}: {event} ({took:.0f} s)", completed=1)
+            else:
+                progress.update(tasks[name], description=f"{name}: {event}")
+
+        try:
+            return supervisor.up(config, on_event)
+        except StackError as exc:
+            progress.stop()
+            console.print(f"[red]turnkv local up failed:[/red] {exc}")
+            raise typer.Exit(1) from None
+
+
+@app.command()
+def up(
+    port: Annotated[int, typer.Option(help="Router port.")] = 8000,
+    engine_port_base: Annotated[int, typer.Option(help="Prefill engine port; decode gets +100.")] = 8100,
+    side_channel_base: Annotated[int, typer.Option(help="First NIXL side-channel port.")] = 5600,
+    mode: Annotated[Mode, typer.Option(help="KV transfer mode of the connector.")] = Mode.PULL,
+    prefill_prefix_caching: Annotated[bool, typer.Option(
+        help="Enable prefix caching on the prefill engine (off by default: the fleet case reuse is for).")] = False,
+    best_case: Annotated[bool, typer.Option(
+        help="Also start a prefix-caching prefill engine and a second router on --port+1 (benchmark best case).")]
+    = False,
+    tunable: Annotated[list[str] | None, typer.Option(
+        "--set", help="Tunable NAME=VALUE, e.g. decoder_kv_blocks_ttl=120 (see `turnkv params list`).")] = None,
+    state_dir: StateDir = DEFAULT_DIR,
+) -> None:
+    """Start one prefill and one decode real vLLM engine and the router; wait until all are healthy."""
+    from turnkv import params
+    from turnkv.local.stack import StackConfig
+
+    changes = params.fit_router_ttl(parse_sets(tunable))
+    try:
+        tunables = params.validate(changes)
+    except params.ParamError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--set") from None
+    config = StackConfig(state_dir=state_dir, router_port=port, prefill_port=engine_port_base,
+                         decode_port=engine_port_base + 100, side_channel_base=side_channel_base, mode=mode,
+                         prefill_prefix_caching=prefill_prefix_caching, best_case=best_case, tunables=tunables)
+    state = start_stack(config)
+    router = state["components"]["router"]["url"]
+    console.print(f"[green]local stack up[/green]: router {router} (OpenAI API: {router}/v1), "
+                  f"logs in {state_dir / 'logs'}; stop with `turnkv local down`")
+
+
+@app.command()
+def down(state_dir: StateDir = DEFAULT_DIR) -> None:
+    """Stop every process the stack started (whole process groups)."""
+    from turnkv.local.stack import Supervisor
+
+    stopped = Supervisor(state_dir).down(lambda name, event: console.print(f"{name}: {event}")
+                                         if event == "stopping" else None)
+    console.print(f"stopped {len(stopped)} process group(s)" if stopped else "nothing was running")
+
+
+@app.command()
+def status(state_dir: StateDir = DEFAULT_DIR) -> None:
+    """Show each component: process, health, URL and log file."""
+    from turnkv.local.stack import Supervisor
+
+    rows = list(Supervisor(state_dir).status())
+    if not rows:
+        console.print("no local stack (start one with `turnkv local up`)")
+        raise typer.Exit(1)
+    table = Table("component", "pid", "process", "health", "url", "log")
+    for r in rows:
+        table.add_row(r["name"], str(r["pid"]), "running" if r["alive"] else "[red]exited[/red]",
+                      "[green]healthy[/green]" if r["healthy"] else "[red]unhealthy[/red]", r["url"], r["log"])
+    Console().print(table)
+    if not all(r["healthy"] for r in rows):
+        raise typer.Exit(1)
+
+
+@app.command()
+def logs(
+    component: Annotated[str | None, typer.Argument(help="router, prefill-0, decode-0, ... (default: all)")] = None,
+    lines: Annotated[int, typer.Option("-n", "--lines", help="Lines to show per log.")] = 40,
+    follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep printing new lines.")] = False,
+    state_dir: StateDir = DEFAULT_DIR,
+) -> None:
+    """Print the logs of the stack's components."""
+    log_dir = state_dir / "logs"
+    files = sorted(log_dir.glob("*.log")) if log_dir.exists() else []
+    if component:
+        files = [f for f in files if f.stem == component]
+        if not files:
+            known = ", ".join(f.stem for f in sorted(log_dir.glob("*.log"))) if log_dir.exists() else "none"
+            console.print(f"no log for {component!r}; known: {known}")
+            raise typer.Exit(1)
+    if not files:
+        console.print(f"no logs under {log_dir}")
+        raise typer.Exit(1)
+    if follow:
+        subprocess.run(["tail", "-n", str(lines), "-F", *map(str, files)], check=False)
+        return
+    from turnkv.local.stack import tail
+
+    for f in files:
+        Console().rule(str(f))
+        print(tail(f, lines))

