@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from turnkv.commands import bench, doctor, local, params, router
+from turnkv.commands import bench, demo, doctor, local, params, router
 
 app = typer.Typer(
     name="turnkv",
@@ -21,6 +21,7 @@ app.add_typer(router.app, name="router")
 app.add_typer(bench.app, name="bench")
 app.add_typer(params.app, name="params")
 app.command(name="doctor")(doctor.doctor)
+app.command(name="demo")(demo.demo)
 
 
 if __name__ == "__main__":

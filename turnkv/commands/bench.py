@@ -1,7 +1,76 @@
-"""`turnkv bench`."""
+"""`turnkv bench multiturn`: the agentic multi-turn TTFT benchmark (A/B: reuse off vs on)."""
 
 from __future__ import annotations
 
-import typer
+import asyncio
+from pathlib import Path
+from typing import Annotated, Any
 
-app = typer.Typer(help="bench", no_args_is_help=True)
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
+console = Console(stderr=True)
+
+
+def run_benchmark(spec, out: Path, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run ``spec`` with a progress bar, write the report to ``out`` and print the table."""
+    from bench import report, runner
+
+    columns = (TextColumn("[bold]multi-turn"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[last]}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("bench", total=spec.total_requests, last="")
+
+        def on_result(r) -> None:
+            last = (f"conv {r.conversation} turn {r.turn + 1} {r.arm}: "
+                    + (f"TTFT {r.ttft_ms:.0f} ms" if r.error is None else f"[red]{r.error[:60]}[/red]"))
+            progress.update(task, advance=1, last=last)
+
+        try:
+            results = asyncio.run(runner.run(spec, on_result))
+        except Exception as exc:  # connection refused, no models, ...
+            progress.stop()
+            console.print(f"[red]benchmark failed:[/red] {type(exc).__name__}: {exc} (is the router at {spec.url} up?)")
+            raise typer.Exit(1) from None
+    summary = report.write(results, out, meta)
+    Console().print(report.markdown(summary))
+    console.print(f"wrote {out / 'summary.md'}, {out / 'summary.json'}, {out / 'results.jsonl'} and the chart "
+                  f"[bold]{out / 'ttft.png'}[/bold]")
+    return summary
+
+
+@app.command()
+def multiturn(
+    url: Annotated[str, typer.Option(help="Router (or any OpenAI-compatible) base URL.")] = "http://127.0.0.1:8000",
+    out: Annotated[Path, typer.Option(help="Folder for results.jsonl, summary.md/json and ttft.png.")] = Path(
+        "results/bench"),
+    ab: Annotated[bool, typer.Option("--ab", help="Play every conversation with reuse off and on (interleaved).")]
+    = False,
+    best_url: Annotated[str | None, typer.Option(help="Router over a prefix-caching prefill engine (best case).")]
+    = None,
+    conversations: Annotated[int, typer.Option(min=1, help="Conversations.")] = 3,
+    turns: Annotated[int, typer.Option(min=1, help="Turns per conversation.")] = 8,
+    system_words: Annotated[int, typer.Option(min=0, help="Shared system prompt length (words ~ tokens).")] = 500,
+    first_user_words: Annotated[int, typer.Option(min=1, help="First user message length.")] = 700,
+    turn_words: Annotated[int, typer.Option(min=1, help="Words each later turn appends (tool/user text).")] = 380,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Reply length in tokens.")] = 32,
+    concurrency: Annotated[int, typer.Option(min=1, help="Conversations in flight at once.")] = 1,
+    think_time: Annotated[float, typer.Option(min=0, help="Seconds between turns.")] = 0.0,
+    model: Annotated[str | None, typer.Option(help="Model name (default: the first of /v1/models).")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="TURNKV_API_KEY", help="Bearer token for the router.")]
+    = None,
+    seed: Annotated[int, typer.Option(help="Workload seed.")] = 7,
+) -> None:
+    """Measure TTFT per turn of agentic conversations; with --ab, reuse off vs on in one run."""
+    from bench.runner import RunSpec
+    from bench.workload import WorkloadSpec
+
+    workload = WorkloadSpec(conversations=conversations, turns=turns, system_words=system_words,
+                            first_user_words=first_user_words, turn_words=turn_words, max_tokens=max_tokens, seed=seed)
+    spec = RunSpec(url=url, workload=workload, ab=ab, best_url=best_url, model=model, concurrency=concurrency,
+                   think_time=think_time, api_key=api_key)
+    summary = run_benchmark(spec, out, {"url": url, "workload": workload.__dict__})
+    if summary["errors"]:
+        raise typer.Exit(1)

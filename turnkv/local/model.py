@@ -66,7 +66,7 @@ class ModelSpec:
 
     @property
     def fingerprint(self) -> str:
-        blob = json.dumps([asdict(self), CHAT_TEMPLATE, COMMON_WORDS, PUNCTUATION, SPECIAL_TOKENS])
+        blob = json.dumps([asdict(self), CHAT_TEMPLATE, COMMON_WORDS, PUNCTUATION, SPECIAL_TOKENS, "no-special-out"])
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -169,6 +169,14 @@ def _write_weights(directory: Path, spec: ModelSpec) -> None:
     hf_logging.disable_progress_bar()
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(LlamaConfig.from_pretrained(str(directory))).to(getattr(torch, spec.dtype))
+    # Zero output rows for the special tokens: their logit is then 0 while the best of ~1,300 random
+    # logits is well above 0, so greedy decoding never emits one. A reply therefore always runs to
+    # max_tokens (predictable prompt growth), and never holds a token that vanishes when the client
+    # sends the reply back as text (special tokens are skipped in detokenization).
+    tokenizer = json.loads((directory / "tokenizer.json").read_text())
+    special_ids = [t["id"] for t in tokenizer["added_tokens"]]
+    with torch.no_grad():
+        model.lm_head.weight[special_ids] = 0
     model.save_pretrained(str(directory), safe_serialization=True)
 
 

@@ -1,0 +1,76 @@
+"""One benchmark request: an OpenAI chat completion, streamed, timed to the first content token."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+
+@dataclass
+class Result:
+    conversation: int
+    turn: int
+    arm: str
+    ttft_ms: float | None = None
+    latency_ms: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    reused_tokens: int = 0
+    reuse_outcome: str = ""
+    reply: str = ""
+    reply_sha: str = ""
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("reply")
+        return data
+
+
+async def chat(session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str],
+               result: Result, timeout: float) -> Result:
+    """POST a streaming chat completion and fill ``result`` (errors are recorded, not raised)."""
+    started = time.perf_counter()
+    parts: list[str] = []
+    try:
+        async with session.post(url.rstrip("/") + "/v1/chat/completions", data=orjson.dumps(body),
+                                headers={"Content-Type": "application/json", **headers},
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            result.reused_tokens = int(resp.headers.get("X-TurnKV-Reused-Tokens", 0) or 0)
+            result.reuse_outcome = resp.headers.get("X-TurnKV-Reuse-Outcome", "")
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                return result
+            async for line in resp.content:
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[6:].strip()
+                if payload == b"[DONE]":
+                    break
+                chunk = orjson.loads(payload)
+                if "error" in chunk:
+                    result.error = str(chunk["error"])[:300]
+                    break
+                for choice in chunk.get("choices") or ():
+                    text = (choice.get("delta") or {}).get("content")
+                    if text:
+                        if result.ttft_ms is None:
+                            result.ttft_ms = (time.perf_counter() - started) * 1000
+                        parts.append(text)
+                usage = chunk.get("usage")
+                if usage:
+                    result.prompt_tokens = usage.get("prompt_tokens")
+                    result.completion_tokens = usage.get("completion_tokens")
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:300]
+    result.latency_ms = (time.perf_counter() - started) * 1000
+    result.reply = "".join(parts)
+    result.reply_sha = hashlib.sha256(result.reply.encode()).hexdigest()[:16]
+    if result.error is None and result.ttft_ms is None:
+        result.error = "no content token in the stream"
+    return result

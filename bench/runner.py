@@ -1,0 +1,98 @@
+"""The multi-turn A/B runner: every conversation is played with reuse off and on, turn by turn.
+
+Arms of one conversation are interleaved (turn t: off, on[, best]) so that machine noise hits them
+alike. Each arm keeps its own history (its own replies), so the comparison also checks that reuse
+never changes an answer: with greedy decoding the replies must be identical.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from bench.client import Result, chat
+from bench.workload import Conversation, WorkloadSpec, build
+
+
+@dataclass
+class RunSpec:
+    url: str
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    ab: bool = False
+    #: A router whose prefill engine keeps a prefix cache: the turn is sent there twice, the second timed.
+    best_url: str | None = None
+    model: str | None = None
+    concurrency: int = 1
+    think_time: float = 0.0
+    timeout: float = 600.0
+    api_key: str | None = None
+    words: list[str] | None = None
+
+    @property
+    def arms(self) -> list[str]:
+        arms = ["off", "on"] if self.ab else ["on"]
+        return [*arms, "best"] if self.best_url else arms
+
+    @property
+    def total_requests(self) -> int:
+        return self.workload.conversations * self.workload.turns * len(self.arms)
+
+
+async def discover_model(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(url.rstrip("/") + "/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+        resp.raise_for_status()
+        data = await resp.json()
+    return data["data"][0]["id"]
+
+
+async def run(spec: RunSpec, on_result: Callable[[Result], None] = lambda r: None) -> list[Result]:
+    run_id = uuid.uuid4().hex[:8]
+    conversations = build(spec.workload, spec.words)
+    results: list[Result] = []
+    limit = asyncio.Semaphore(spec.concurrency)
+    headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        model = spec.model or await discover_model(session, spec.url)
+
+        async def turn_request(conv: Conversation, turn: int, arm: str, replies: list[str]) -> Result:
+            body = {
+                "model": model,
+                "messages": conv.messages_for(turn, replies),
+                "max_tokens": spec.workload.max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "conversation_id": f"bench-{run_id}-{conv.index}-{arm}",
+            }
+            arm_headers = dict(headers)
+            url = spec.url
+            if arm in ("off", "best"):
+                arm_headers["X-TurnKV-Reuse"] = "off"
+            if arm == "best":
+                assert spec.best_url
+                url = spec.best_url
+                # Best case: a prefill engine whose prefix cache already holds this turn's history (every
+                # message before the new user/tool message), as if it had served the conversation so far.
+                warm = dict(body, messages=body["messages"][:-1], max_tokens=1, add_generation_prompt=False)
+                warm.pop("conversation_id")
+                await chat(session, url, warm, arm_headers, Result(conv.index, turn, "warm"), spec.timeout)
+            return await chat(session, url, body, arm_headers, Result(conv.index, turn, arm), spec.timeout)
+
+        async def converse(conv: Conversation) -> None:
+            async with limit:
+                replies: dict[str, list[str]] = {arm: [] for arm in spec.arms}
+                for turn in range(spec.workload.turns):
+                    for arm in spec.arms:
+                        result = await turn_request(conv, turn, arm, replies[arm])
+                        replies[arm].append(result.reply)
+                        results.append(result)
+                        on_result(result)
+                    if spec.think_time:
+                        await asyncio.sleep(spec.think_time)
+
+        await asyncio.gather(*(converse(c) for c in conversations))
+    return results

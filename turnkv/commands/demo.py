@@ -1,0 +1,44 @@
+"""`turnkv demo`: local stack up, the multi-turn A/B benchmark with a best case, stack down."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+console = Console(stderr=True)
+
+
+def demo(
+    out: Annotated[Path, typer.Option(help="Where the benchmark writes its report.")] = Path("results/demo"),
+    port: Annotated[int, typer.Option(help="Router port (the best-case router uses port+1).")] = 8000,
+    conversations: Annotated[int, typer.Option(min=1)] = 3,
+    turns: Annotated[int, typer.Option(min=2)] = 8,
+    state_dir: Annotated[Path, typer.Option(help="State folder of the local stack.")] = Path(".turnkv"),
+) -> None:
+    """Show the gain end to end: ~4,000-token agentic conversations, TTFT with reuse off, on, and best case."""
+    from bench.runner import RunSpec
+    from bench.workload import WorkloadSpec
+    from turnkv.commands.bench import run_benchmark
+    from turnkv.commands.local import start_stack
+    from turnkv.local.model import load_words
+    from turnkv.local.stack import StackConfig, Supervisor
+
+    config = StackConfig(state_dir=state_dir, router_port=port, best_case=True)
+    console.rule("turnkv demo: starting the local stack (prefill, decode, prefix-cached prefill, 2 routers)")
+    state = start_stack(config)
+    try:
+        workload = WorkloadSpec(conversations=conversations, turns=turns)
+        console.rule(f"multi-turn A/B: {conversations} conversations x {turns} turns, "
+                     f"~{workload.approx_last_prompt()} prompt tokens by the last turn")
+        spec = RunSpec(url=state["components"]["router"]["url"], workload=workload, ab=True,
+                       best_url=state["components"]["router-best"]["url"], words=load_words(config.model_dir))
+        summary = run_benchmark(spec, out, {"stack": "local", "workload": workload.__dict__})
+    finally:
+        console.rule("stopping the local stack")
+        Supervisor(state_dir).down()
+    if summary["errors"]:
+        console.print(f"[red]{summary['errors']} request(s) failed[/red]: {summary['error_samples']}")
+        raise typer.Exit(1)
