@@ -171,7 +171,26 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def _reap(pgid: int) -> None:
+    """Collect exit statuses of our own children in the group, so they do not linger as zombies."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-pgid, os.WNOHANG)[0] > 0:
+            pass
+
+
 def _group_alive(pgid: int) -> bool:
+    """True while any process of the group is still running (zombies do not count)."""
+    _reap(pgid)
+    proc = Path("/proc")
+    if proc.is_dir():
+        for stat in proc.glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+        return False
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:

@@ -1,0 +1,72 @@
+"""Small synchronous helpers for talking to the router and reading engine metrics in tests."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    body: dict | None = None
+    events: list[dict] = field(default_factory=list)
+
+    @property
+    def reused(self) -> int:
+        return int(self.headers.get("X-TurnKV-Reused-Tokens", "0"))
+
+    @property
+    def outcome(self) -> str:
+        return self.headers.get("X-TurnKV-Reuse-Outcome", "")
+
+
+def chat(url: str, messages: list[dict], *, conversation: str | None = None, stream: bool = False,
+         reuse: bool = True, max_tokens: int = 16, **extra) -> Reply:
+    body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+            "return_token_ids": True, **extra}
+    if conversation:
+        body["conversation_id"] = conversation
+    headers = {} if reuse else {"X-TurnKV-Reuse": "off"}
+    resp = requests.post(f"{url}/v1/chat/completions", json=body, headers=headers, stream=stream, timeout=300)
+    if resp.status_code != 200 or not stream:
+        data = resp.json()
+        reply = Reply(resp.status_code, dict(resp.headers), body=data)
+        if resp.status_code == 200:
+            choice = data["choices"][0]
+            reply.text, reply.token_ids = choice["message"]["content"], choice["token_ids"]
+        return reply
+    reply = Reply(resp.status_code, dict(resp.headers))
+    for line in resp.iter_lines():
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        reply.events.append(event)
+        for choice in event.get("choices", []):
+            reply.text += choice["delta"].get("content") or ""
+            reply.token_ids += choice.get("token_ids") or []
+    return reply
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """Sum of a Prometheus sample (all series matching ``labels``) from an engine's /metrics."""
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def words(model_dir, n: int, seed: int) -> str:
+    vocab = (model_dir / "words.txt").read_text().split()
+    rng = random.Random(seed)
+    return " ".join(rng.choice(vocab) for _ in range(n))

@@ -1,0 +1,32 @@
+"""One real local stack (prefill + decode vLLM CPU engines and the router) per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from turnkv.local.stack import StackConfig, Supervisor
+
+ROOT = Path(__file__).resolve().parents[2]
+STATE_DIR = ROOT / ".turnkv" / "e2e"  # models stay cached between runs; logs are kept for failures
+
+
+@pytest.fixture(scope="session")
+def stack():
+    if os.environ.get("TURNKV_SKIP_ENGINES"):
+        pytest.skip("TURNKV_SKIP_ENGINES is set")
+    supervisor = Supervisor(STATE_DIR)
+    supervisor.down()  # a stack left by an interrupted run
+    config = StackConfig(
+        state_dir=STATE_DIR, router_port=18000, prefill_port=18100, decode_port=18200, side_channel_base=15600,
+        # A short TTL: a decode engine holding retained blocks keeps a core busy until they expire.
+        tunables={"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45},
+    )
+    state = supervisor.up(config)
+    try:
+        yield {name: c["url"] for name, c in state["components"].items()} | {"state_dir": STATE_DIR,
+                                                                              "model_dir": config.model_dir}
+    finally:
+        supervisor.down()

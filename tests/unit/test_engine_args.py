@@ -1,0 +1,36 @@
+import json
+
+from turnkv import engine_args
+from turnkv.engine_args import EngineSpec, Mode, Role
+
+
+def spec(**kw):
+    base = dict(role=Role.PREFILL, engine_id="p0", model="/m", port=8100, side_channel_port=5600)
+    return EngineSpec(**{**base, **kw})
+
+
+def kv_config(args):
+    return json.loads(args[args.index("--kv-transfer-config") + 1])
+
+
+def test_pull_bidirectional_defaults():
+    args = engine_args.serve_args(spec(prefix_caching=False, enforce_eager=True))
+    config = kv_config(args)
+    assert config["kv_connector"] == "NixlConnector" and config["engine_id"] == "p0"
+    assert config["kv_load_failure_policy"] == "recompute"
+    extra = config["kv_connector_extra_config"]
+    assert extra["bidirectional_kv_xfer"] is True
+    assert extra["decoder_kv_blocks_ttl"] == 480 and extra["kv_recompute_threshold"] == 64
+    assert "--no-enable-prefix-caching" in args and "--enforce-eager" in args
+    assert args[args.index("--block-size") + 1] == "128"
+
+
+def test_push_mode_loads_our_connector_and_efa_backend():
+    config = kv_config(engine_args.serve_args(spec(mode=Mode.PUSH, backends=("LIBFABRIC",))))
+    assert config["kv_connector_module_path"].startswith("connector.")
+    assert config["kv_connector_extra_config"]["backends"] == ["LIBFABRIC"]
+
+
+def test_env_names_the_side_channel():
+    env = engine_args.serve_env(spec(side_channel_host="10.0.0.5"))
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.0.5" and env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"

@@ -1,0 +1,79 @@
+"""The local stack's supervisor: plan (pure) and process control with real, cheap processes."""
+
+import json
+import socket
+import sys
+import time
+
+import pytest
+
+from turnkv.local import stack
+from turnkv.local.stack import ProcessSpec, StackConfig, StackError, Supervisor
+
+
+def test_plan_pins_engines_and_wires_the_router(tmp_path):
+    procs = {p.name: p for p in stack.plan(StackConfig(state_dir=tmp_path, router_port=9000))}
+    assert list(procs) == ["prefill-0", "decode-0", "router"]
+    prefill, decode, router = procs["prefill-0"], procs["decode-0"], procs["router"]
+    cores = sorted(stack.os.sched_getaffinity(0))
+    if len(cores) > 1 and stack.shutil.which("taskset"):
+        assert prefill.argv[:3] == ["taskset", "-c", str(cores[0])]
+        assert decode.argv[:3] == ["taskset", "-c", str(cores[1])]
+    assert "--no-enable-prefix-caching" in prefill.argv and "--enable-prefix-caching" in decode.argv
+    kv = json.loads(prefill.argv[prefill.argv.index("--kv-transfer-config") + 1])
+    assert kv["engine_id"] == "prefill-0" and kv["kv_connector_extra_config"]["bidirectional_kv_xfer"]
+    assert prefill.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != decode.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+    assert prefill.env["UCX_NET_DEVICES"] == "lo"
+    assert router.argv[router.argv.index("--prefill") + 1] == prefill.url
+    assert router.argv[router.argv.index("--decode") + 1] == decode.url
+    assert router.port == 9000 and router.log.parent == (tmp_path / "logs").resolve()
+
+
+def test_best_case_adds_a_cached_prefill_and_a_second_router(tmp_path):
+    procs = {p.name: p for p in stack.plan(StackConfig(state_dir=tmp_path, best_case=True,
+                                                       prefill_prefix_caching=True))}
+    assert "--enable-prefix-caching" in procs["prefill-0"].argv
+    assert "--enable-prefix-caching" in procs["prefill-cached"].argv
+    assert procs["router-best"].port == 8001
+    argv = procs["router-best"].argv
+    assert argv[argv.index("--prefill") + 1] == procs["prefill-cached"].url
+
+
+def test_busy_port_is_named_before_anything_starts(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(StackError, match=rf"port\(s\) already in use: {port} \(router\)"):
+            Supervisor(tmp_path).up(StackConfig(state_dir=tmp_path, router_port=port))
+    assert not (tmp_path / "state.json").exists()
+
+
+def _spec(tmp_path, name, code, port=1):
+    return ProcessSpec(name, [sys.executable, "-c", code], {}, port, f"http://127.0.0.1:{port}/health",
+                       tmp_path / "logs" / f"{name}.log")
+
+
+def test_engine_dying_at_start_names_its_log(tmp_path):
+    sup = Supervisor(tmp_path)
+    proc = _spec(tmp_path, "prefill-0", "import sys; print('CUDA out of cheese'); sys.exit(3)")
+    state = {"components": {proc.name: sup._spawn(proc)}}
+    with pytest.raises(StackError) as info:
+        sup._wait_healthy([proc], state, timeout=30, on_event=lambda *a: None)
+    message = str(info.value)
+    assert "prefill-0 exited during start-up" in message and str(proc.log) in message
+    assert "CUDA out of cheese" in message
+
+
+def test_down_stops_whole_process_groups(tmp_path):
+    sup = Supervisor(tmp_path)
+    # A parent that starts a grandchild in its own group, like vllm serve and its engine-core process.
+    code = "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"
+    proc = _spec(tmp_path, "engine", code)
+    info = sup._spawn(proc)
+    sup._save({"components": {"engine": info}})
+    time.sleep(0.5)
+    assert stack._group_alive(info["pgid"])
+    assert sup.down() == ["engine"]
+    assert not stack._group_alive(info["pgid"])
+    assert not (tmp_path / "state.json").exists()
