@@ -12,9 +12,11 @@ This is the interface the CDK image stack codes against. Pure data, no I/O at im
   component parameters. Two more parameters are known only at deploy time (``ASSET_PARAMETERS``): every
   component takes ``ScriptsS3Uri`` (the ``s3://`` URL of a zip of ``SCRIPTS_DIR``, e.g. the ``s3_object_url``
   of ``aws_s3_assets.Asset(path=str(SCRIPTS_DIR))``) and the connector component takes ``TurnkvWheelS3Uri``
-  (the turnkv wheel built from this repo). ``deploy_parameters()`` merges and checks them.
-- ``recipe_version(flavor)``: a semantic version for the image recipe that changes whenever a component
-  version or a parameter does.
+  (the turnkv wheel built from this repo); ``turnkv-doctor`` takes neither. ``deploy_parameters()`` merges
+  and checks them.
+- ``recipe_fingerprint(flavor, assets)``: a short hash of everything in a recipe (parent, component versions,
+  pins, asset URLs). Image Builder recipes are immutable per name and version: put the fingerprint in the
+  recipe name (version "1.0.0") so any change makes a new recipe instead of a failed update.
 """
 
 from __future__ import annotations
@@ -43,8 +45,26 @@ ASSET_PARAMETERS: dict[str, str] = {
     "ScriptsS3Uri": "s3:// URL of a zip of ami/scripts (the component scripts, systemd units, env templates)",
     "TurnkvWheelS3Uri": "s3:// URL of the turnkv wheel built from this repo (pip wheel --no-deps .)",
 }
-#: Which components take the wheel parameter (every component takes ScriptsS3Uri).
+#: Which components take the wheel parameter; every component but turnkv-doctor takes ScriptsS3Uri.
 _WHEEL_COMPONENTS = frozenset({"turnkv-connector"})
+_NO_SCRIPTS_COMPONENTS = frozenset({"turnkv-doctor"})
+
+#: Component parameter -> the environment variable its script reads (the documents export them so).
+ENV_NAMES: dict[str, str] = {
+    "Flavor": "TURNKV_FLAVOR",
+    "EfaInstallerVersion": "TURNKV_EFA_INSTALLER_VERSION",
+    "EfaInstallerSha256": "TURNKV_EFA_INSTALLER_SHA256",
+    "LibfabricVersion": "TURNKV_LIBFABRIC_VERSION",
+    "EfaPrefix": "TURNKV_EFA_PREFIX",
+    "NixlVersion": "TURNKV_NIXL_VERSION",
+    "NixlCudaPackage": "TURNKV_NIXL_CUDA_PACKAGE",
+    "NixlGitTag": "TURNKV_NIXL_GIT_TAG",
+    "VllmVersion": "TURNKV_VLLM_VERSION",
+    "VllmNeuronVersion": "TURNKV_VLLM_NEURON_VERSION",
+    "TurnkvVersion": "TURNKV_VERSION",
+    "TurnkvWheelS3Uri": "TURNKV_WHEEL_S3_URI",
+    "CloudWatchAgentVersion": "TURNKV_CLOUDWATCH_AGENT_VERSION",
+}
 
 
 @dataclass(frozen=True)
@@ -115,13 +135,8 @@ def component_path(name: str) -> Path:
 
 
 def _component(name: str, flavor: str, lock: Mapping[str, Mapping[str, str]]) -> ComponentSpec:
-    key = f"{name}@{flavor}" if name in _FLAVORED else name
-    return ComponentSpec(name=name, path=component_path(name), version=lock.get(key, {}).get("version", "1.0.0"),
+    return ComponentSpec(name=name, path=component_path(name), version=lock.get(name, {}).get("version", "1.0.0"),
                          parameters=dict(_pins(flavor)[name]))
-
-
-#: Components whose pinned parameters differ per flavor (one lock entry each).
-_FLAVORED = frozenset({"turnkv-base", "turnkv-connector", "turnkv-doctor"})
 
 
 def build_images() -> dict[str, ImageSpec]:
@@ -141,7 +156,17 @@ IMAGES: dict[str, ImageSpec] = build_images()
 
 def asset_parameters(component: ComponentSpec) -> tuple[str, ...]:
     """Deploy-time parameter names this component declares (beyond its pins)."""
-    return ("ScriptsS3Uri", "TurnkvWheelS3Uri") if component.name in _WHEEL_COMPONENTS else ("ScriptsS3Uri",)
+    names = () if component.name in _NO_SCRIPTS_COMPONENTS else ("ScriptsS3Uri",)
+    return (*names, "TurnkvWheelS3Uri") if component.name in _WHEEL_COMPONENTS else names
+
+
+def step_env(flavor: str) -> dict[str, str]:
+    """Every pinned parameter of a flavor as the environment its scripts read (for ami/scripts/build.sh)."""
+    env: dict[str, str] = {}
+    for component in IMAGES[flavor].components:
+        for name, value in component.parameters.items():
+            env[ENV_NAMES[name]] = value
+    return env
 
 
 def deploy_parameters(component: ComponentSpec, assets: Mapping[str, str]) -> dict[str, str]:
@@ -166,7 +191,8 @@ def referenced_scripts(text: str) -> list[str]:
 
 
 def content_hash(component: ComponentSpec) -> str:
-    """Hash of the document, the scripts it references, the shared library and its pinned parameters."""
+    """Hash of the document, the scripts it references and the shared script files (not the parameters:
+    one component version serves both flavors; parameters belong to the recipe)."""
     digest = hashlib.sha256()
     text = component.path.read_text()
     digest.update(text.encode())
@@ -175,7 +201,6 @@ def content_hash(component: ComponentSpec) -> str:
     for path in sorted(paths):
         digest.update(path.relative_to(SCRIPTS_DIR).as_posix().encode() + b"\0")
         digest.update(path.read_bytes() if path.is_file() else b"<missing>")
-    digest.update(json.dumps(component.parameters, sort_keys=True).encode())
     return digest.hexdigest()
 
 
@@ -190,32 +215,40 @@ def fresh_lock(current: Mapping[str, Mapping[str, str]] | None = None) -> dict[s
     out: dict[str, dict[str, str]] = {}
     for flavor, names in ORDER.items():
         for name in names:
-            key = f"{name}@{flavor}" if name in _FLAVORED else name
-            spec = _component(name, flavor, current)
-            sha = content_hash(spec)
-            old = current.get(key)
+            sha = content_hash(_component(name, flavor, current))
+            old = current.get(name)
             if old and old.get("sha256") == sha:
-                out[key] = dict(old)
+                out[name] = dict(old)
             else:
-                out[key] = {"version": _bump(old["version"]) if old else "1.0.0", "sha256": sha}
+                out[name] = {"version": _bump(old["version"]) if old else "1.0.0", "sha256": sha}
     return out
 
 
-def recipe_version(flavor: str, lock: Mapping[str, Mapping[str, str]] | None = None) -> str:
-    """A recipe version that moves with the lock: 1.0.<sum of component patch levels>."""
-    lock = _lock() if lock is None else lock
-    total = 0
-    for name in ORDER[flavor]:
-        key = f"{name}@{flavor}" if name in _FLAVORED else name
-        major, minor, patch = (int(p) for p in lock.get(key, {}).get("version", "1.0.0").split("."))
-        total += patch + 1000 * minor + 1_000_000 * (major - 1)
-    return f"1.0.{total}"
+def recipe_fingerprint(flavor: str, assets: Mapping[str, str] | None = None) -> str:
+    """12 hex characters that change whenever anything in the flavor's recipe does (asset URLs included)."""
+    spec = IMAGES[flavor]
+    payload = {
+        "parent": spec.parent_image_ssm_parameter,
+        "instance": spec.build_instance_type,
+        "volume": spec.volume_size_gib,
+        "components": [[c.name, c.version, c.parameters] for c in spec.components],
+        "assets": dict(sorted((assets or {}).items())),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ami.recipes", description="Show or refresh the AMI recipes.")
-    parser.add_argument("--lock", action="store_true", help="rewrite ami/components.lock.json (bumps changed ones)")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--lock", action="store_true", help="rewrite ami/components.lock.json (bumps changed ones)")
+    group.add_argument("--env", choices=sorted(ORDER), help="print the pins as `export` lines for build.sh")
     args = parser.parse_args(argv)
+    if args.env:
+        import shlex
+
+        for name, value in sorted(step_env(args.env).items()):
+            print(f"export {name}={shlex.quote(value)}")
+        return 0
     if args.lock:
         LOCK_FILE.write_text(json.dumps(fresh_lock(), indent=2, sort_keys=True) + "\n")
         print(LOCK_FILE)
@@ -225,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             "parent_image_ssm_parameter": spec.parent_image_ssm_parameter,
             "build_instance_type": spec.build_instance_type,
             "volume_size_gib": spec.volume_size_gib,
-            "recipe_version": recipe_version(flavor),
+            "recipe_fingerprint": recipe_fingerprint(flavor),
             "components": [{"name": c.name, "path": str(c.path), "version": c.version, "parameters": c.parameters,
                             "asset_parameters": list(asset_parameters(c))} for c in spec.components],
         }
