@@ -103,7 +103,7 @@ def _pins(flavor: str) -> dict[str, dict[str, str]]:
         "turnkv-vllm-gpu": {"VllmVersion": versions.VLLM_GPU},
         "turnkv-vllm-neuron": {"VllmNeuronVersion": versions.VLLM_NEURON},
         "turnkv-connector": {"TurnkvVersion": versions.TURNKV, "Flavor": flavor},
-        "turnkv-cloudwatch-agent": {"CloudWatchAgentVersion": versions.CLOUDWATCH_AGENT},
+        "turnkv-cloudwatch-agent": {"CloudWatchAgentVersion": versions.CLOUDWATCH_AGENT, "Flavor": flavor},
         "turnkv-doctor": {"Flavor": flavor},
     }
 

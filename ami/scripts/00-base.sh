@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Step 00: OS packages, the turnkv folders and the Python virtualenv at /opt/turnkv/venv.
 # Env: TURNKV_FLAVOR (gpu|neuron); optional TURNKV_PYTHON (interpreter for the venv, default python3).
 STEP=00-base

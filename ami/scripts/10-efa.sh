@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Step 10: the EFA installer at the pinned version, its checksum verified, and its libfabric checked.
 # Env: TURNKV_EFA_INSTALLER_VERSION, TURNKV_EFA_INSTALLER_SHA256, TURNKV_LIBFABRIC_VERSION, TURNKV_EFA_PREFIX;
 #      optional TURNKV_EFA_BASE_URL (download host), TURNKV_REQUIRE_EFA_DEVICE (true on a node with EFA

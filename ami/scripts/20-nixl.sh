@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Step 20: NIXL with a LIBFABRIC plugin linked against the EFA libfabric.
 # The wheel's plugin is used when it links $TURNKV_EFA_PREFIX/lib/libfabric.so.1; otherwise NIXL is built
 # from source at the pinned tag with -Dlibfabric_path=$TURNKV_EFA_PREFIX. /etc/turnkv/nixl.env tells the

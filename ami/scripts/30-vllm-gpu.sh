@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Step 30: vLLM (GPU build) at the pinned version in /opt/turnkv/venv.
 # Env: TURNKV_VLLM_VERSION.
 STEP=30-vllm-gpu

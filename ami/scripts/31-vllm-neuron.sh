@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Step 31: the vLLM Neuron plugin (vllm-project/vllm-neuron at the pinned tag) in /opt/turnkv/venv.
 # It brings the vLLM version it supports and the Neuron framework packages from the Neuron pip repository.
 # Env: TURNKV_VLLM_NEURON_VERSION; optional TURNKV_NEURON_PIP_INDEX, TURNKV_VLLM_NEURON_GIT_URL.

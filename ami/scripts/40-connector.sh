@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Step 40: the turnkv wheel (CLI + connector, built from this repo and delivered as an S3 asset), the
 # systemd units, the environment templates the serving stack's user data fills in, and helpers.
 # Env: TURNKV_WHEEL_S3_URI (s3://.../turnkv-<version>-py3-none-any.whl), TURNKV_VERSION, TURNKV_FLAVOR.
@@ -48,7 +49,9 @@ install_file "$SCRIPTS_DIR/lib.sh" "$R/opt/turnkv/bin/lib.sh"
 
 # The timer starts at boot once user data has written node.env (its units check that the file exists).
 # The engine is enabled by user data after it writes engine.env.
-if [[ ! -e "$R/etc/systemd/system/timers.target.wants/turnkv-params-sync.timer" ]]; then
+timer_link="$R/etc/systemd/system/timers.target.wants/turnkv-params-sync.timer"
+# -L as well as -e: under a fake root the link's absolute target resolves outside it.
+if [[ ! -L "$timer_link" && ! -e "$timer_link" ]]; then
     systemctl --root="$TURNKV_ROOT" enable turnkv-params-sync.timer
 fi
 verify

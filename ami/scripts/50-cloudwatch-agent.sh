@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Step 50: the Amazon CloudWatch agent at the pinned version, and turnkv's agent configuration
 # (GPU or Neuron metrics, EFA counters, the EMF listener on tcp:25888 for engine and router metrics).
 # Env: TURNKV_CLOUDWATCH_AGENT_VERSION, TURNKV_FLAVOR; optional TURNKV_CLOUDWATCH_AGENT_BASE_URL.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Run every build step of one flavor in order (what the Image Builder components do one by one).
 # Usage: build.sh gpu|neuron [--verify]. The steps read their pins from the environment (TURNKV_*):
 # `python -m ami.recipes --env FLAVOR` prints them from turnkv/versions.py.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Wait for an EFA device to be visible to the EFA libfabric, then exit 0; fail hard if none shows up.
 # Installed as /opt/turnkv/bin/turnkv-efa-wait and run before the engine (EFA devices come up late on p5en).
 # Env: TURNKV_EFA_WAIT_SECONDS (default 300), TURNKV_EFA_WAIT_INTERVAL (default 5),
