@@ -12,8 +12,9 @@ case "$TURNKV_FLAVOR" in
     *) die "TURNKV_FLAVOR must be gpu or neuron, not '$TURNKV_FLAVOR'" ;;
 esac
 
-# Build tools are needed only if NIXL's LIBFABRIC plugin has to be built from source (step 20).
-PACKAGES="ca-certificates curl git python3-venv python3-dev build-essential pkg-config meson ninja-build jq"
+# libhwloc15: the nixl wheel's libplugin_LIBFABRIC.so NEEDS libhwloc.so.15 (and libfabric.so.1, which the EFA
+# installer provides) without bundling it. Build tools: only if that plugin has to be built from source (step 20).
+PACKAGES="ca-certificates curl git jq libhwloc15 python3-venv python3-dev build-essential pkg-config meson ninja-build"
 
 verify() {
     [[ -x "$VENV/bin/python" && -x "$VENV/bin/pip" ]] || die "no virtualenv at ${VENV#"$R"} (python/pip missing)"
