@@ -119,10 +119,18 @@ def test_unpinned_checksum_is_a_hard_failure(bake):
     assert result.returncode != 0
 
 
+def run_installed_efa_wait(bake, env):
+    """The copy the image runs before every engine start (ExecStartPre=/opt/turnkv/bin/turnkv-efa-wait)."""
+    import subprocess
+
+    return subprocess.run([str(bake.root / "opt/turnkv/bin/turnkv-efa-wait")], env={**bake.env, **env},
+                          capture_output=True, text=True, timeout=60)
+
+
 def test_missing_efa_device_is_a_hard_failure(bake):
     bake.bake("gpu")
-    result = bake.run_script("efa-wait.sh", env={"FAKE_EFA_DEVICE": "0", "TURNKV_EFA_WAIT_SECONDS": "10",
-                                                 "TURNKV_EFA_WAIT_INTERVAL": "5"})
+    result = run_installed_efa_wait(bake, {"FAKE_EFA_DEVICE": "0", "TURNKV_EFA_WAIT_SECONDS": "10",
+                                           "TURNKV_EFA_WAIT_INTERVAL": "5"})
     assert result.returncode == 1
     assert "ERROR: no EFA device visible to libfabric after 10s" in result.stderr
     assert "fi_getinfo: -61 (No data available)" in result.stderr
@@ -132,9 +140,16 @@ def test_missing_efa_device_is_a_hard_failure(bake):
 
 def test_late_efa_device_is_waited_for(bake):
     bake.bake("gpu")
-    result = bake.run_script("efa-wait.sh", env={"FAKE_EFA_DEVICE_AFTER": "3", "TURNKV_EFA_WAIT_SECONDS": "60"})
+    result = run_installed_efa_wait(bake, {"FAKE_EFA_DEVICE_AFTER": "3", "TURNKV_EFA_WAIT_SECONDS": "60"})
     assert result.returncode == 0, result.stderr
     assert "EFA visible to libfabric (attempt 3)" in result.stderr
+
+
+def test_efa_wait_can_be_turned_off_for_nodes_without_efa(bake):
+    bake.bake("gpu")
+    result = run_installed_efa_wait(bake, {"FAKE_EFA_DEVICE": "0", "TURNKV_EFA_REQUIRED": "false"})
+    assert result.returncode == 0 and "not waiting for EFA" in result.stderr
+    assert not any(c.startswith("fi_info -p") for c in bake.calls())
 
 
 def test_efa_step_requires_a_device_when_asked(bake):
