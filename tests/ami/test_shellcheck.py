@@ -34,7 +34,7 @@ def test_shellcheck_clean():
         print(f"shellcheck is not installed: {INSTALL_HINT}")
         pytest.skip(f"shellcheck missing: {INSTALL_HINT}")
     result = subprocess.run([binary, "--external-sources", "--severity=style", *map(str, SCRIPTS)],
-                            cwd=recipes.SCRIPTS_DIR, capture_output=True, text=True)
+                            cwd=recipes.AMI_DIR.parent, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
