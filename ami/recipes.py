@@ -1,13 +1,14 @@
 """The GPU and Neuron image recipes: which Image Builder components, in which order, with which parameters.
 
-This is the interface the CDK image stack codes against. Pure data, no I/O at import (stdlib only):
+This is the interface the CDK image stack codes against. Stdlib only; the one read at import is
+``ami/components.lock.json`` (the component versions):
 
 - ``IMAGES["gpu"]`` / ``IMAGES["neuron"]``: an ``ImageSpec`` per flavor (parent image SSM parameter, ordered
   components, build instance type, root volume size).
 - ``ComponentSpec.path``: the absolute path of the component document (YAML, schemaVersion 1.0); give its text
   to ``CfnComponent(data=...)``. ``ComponentSpec.version`` is the semantic version Image Builder needs
-  (components are immutable per version: ``ami/components.lock.json`` bumps it whenever the document, its
-  scripts or its parameters change, and a test keeps that lock fresh).
+  (components are immutable per version: ``python -m ami.recipes --lock`` bumps it whenever the document or
+  the scripts it runs change, and a test keeps that lock fresh). One version serves both flavors.
 - ``ComponentSpec.parameters``: the pinned values, all taken from ``turnkv.versions``; pass them as the recipe's
   component parameters. Two more parameters are known only at deploy time (``ASSET_PARAMETERS``): every
   component takes ``ScriptsS3Uri`` (the ``s3://`` URL of a zip of ``SCRIPTS_DIR``, e.g. the ``s3_object_url``
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -185,8 +187,6 @@ def deploy_parameters(component: ComponentSpec, assets: Mapping[str, str]) -> di
 
 def referenced_scripts(text: str) -> list[str]:
     """Script paths (relative to SCRIPTS_DIR) a component document runs: every ``scripts/<name>`` token."""
-    import re
-
     return sorted(set(re.findall(r"scripts/([A-Za-z0-9_.\-/]+\.(?:sh|service|timer|env|json|template))", text)))
 
 
