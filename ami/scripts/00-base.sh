@@ -27,9 +27,10 @@ if [[ "${1:-}" == "--verify" ]]; then verify; exit 0; fi
 if ! done_with apt-packages "$PACKAGES"; then
     log "installing OS packages: $PACKAGES"
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -q
+    # A fresh instance's unattended-upgrades may hold the dpkg lock for minutes: wait for it, don't fail.
+    apt-get -o DPkg::Lock::Timeout=600 update -q
     # shellcheck disable=SC2086 # word splitting of the package list is intended
-    apt-get install -y -q --no-install-recommends $PACKAGES
+    apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends $PACKAGES
     record apt-packages "$PACKAGES"
 fi
 

@@ -38,7 +38,8 @@ site_packages() {
 }
 
 find_plugin() {
-    find "$1" -name 'libplugin_LIBFABRIC*.so' -print 2>/dev/null | sort | head -n 1
+    [[ -d "$1" ]] || return 0
+    find "$1" -name 'libplugin_LIBFABRIC*.so' -print | sort | head -n 1
 }
 
 write_env() {
@@ -64,12 +65,16 @@ verify() {
 if [[ "${1:-}" == "--verify" ]]; then verify; exit 0; fi
 
 if ! done_with nixl-wheel "$version"; then
+    # --no-deps: nixl's dependencies (torch, numpy, the other CUDA variant) come with vLLM's own torch in the
+    # next step, which pins nixl==$version again; resolving them here would download a second torch.
     log "installing nixl==$version $TURNKV_NIXL_CUDA_PACKAGE==$version"
-    "$VENV/bin/pip" install --no-cache-dir "nixl==$version" "$TURNKV_NIXL_CUDA_PACKAGE==$version"
+    "$VENV/bin/pip" install --no-cache-dir --no-deps "nixl==$version" "$TURNKV_NIXL_CUDA_PACKAGE==$version"
     record nixl-wheel "$version"
 fi
 
-wheel_plugin="$(find_plugin "$(site_packages)")"
+# nixl imports the variant that matches the CUDA it detects (nixl_cu13 for CUDA 13): check that one's plugin,
+# not another variant's that pip may also have installed.
+wheel_plugin="$(find_plugin "$(site_packages)/${TURNKV_NIXL_CUDA_PACKAGE//-/_}.libs")"
 if [[ -n "$wheel_plugin" ]] && links_efa "$wheel_plugin"; then
     log "the wheel's LIBFABRIC plugin links the EFA libfabric: using it"
     write_env "$(dirname "$wheel_plugin")"

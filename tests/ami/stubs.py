@@ -57,6 +57,7 @@ case "$1" in
   show) [[ -f "$db/$2" ]] || exit 1; printf 'Name: %s\nVersion: %s\n' "$2" "$(<"$db/$2")";;
   install)
     shift
+    deps=1; for arg in "$@"; do [[ "$arg" == --no-deps ]] && deps=0; done
     for arg in "$@"; do
       case "$arg" in
         -*|https://*) ;;
@@ -68,6 +69,12 @@ case "$1" in
               pkg="${arg%%==*}"
               if [[ "$pkg" == nixl-cu* && "${FAKE_NIXL_WHEEL_PLUGIN:-efa}" != none ]]; then
                 plugin "$site/${pkg//-/_}.libs/nixl/libplugin_LIBFABRIC.so" "${FAKE_NIXL_WHEEL_PLUGIN:-efa}"
+              fi
+              # The nixl meta package requires both CUDA variants; the other one's plugin links a distro
+              # libfabric here, so a step that looks at the wrong variant is caught.
+              if [[ "$pkg" == nixl && "$deps" == 1 && ! -f "$db/nixl-cu12" ]]; then
+                echo "${arg##*==}" >"$db/nixl-cu12"
+                plugin "$site/nixl_cu12.libs/nixl/libplugin_LIBFABRIC.so" distro
               fi;;
         *) echo "pip stub: unexpected $arg" >&2; exit 2;;
       esac

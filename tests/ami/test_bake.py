@@ -32,10 +32,10 @@ def test_gpu_bake_runs_the_steps_in_order(bake):
     calls = bake.calls()
     order = positions(
         calls,
-        "apt-get update", "apt-get install", "python3 -m venv",
+        "apt-get -o DPkg::Lock::Timeout=600 update", "apt-get -o DPkg::Lock::Timeout=600 install", "python3 -m venv",
         f"curl -fsSL --retry 3 -o {bake.env['TURNKV_WORK_DIR']}/efa/aws-efa-installer-{versions.EFA_INSTALLER}",
         "sha256sum", "tar -xzf", "efa_installer.sh -y", "fi_info --version", "Reboot",
-        f"pip install --no-cache-dir nixl=={versions.NIXL} {versions.NIXL_CUDA_PACKAGE}=={versions.NIXL}",
+        f"pip install --no-cache-dir --no-deps nixl=={versions.NIXL} {versions.NIXL_CUDA_PACKAGE}=={versions.NIXL}",
         "readelf -d", "ldd",
         f"pip install --no-cache-dir vllm=={versions.VLLM_GPU} nixl=={versions.NIXL}",
         f"aws s3 cp --only-show-errors s3://assets-bucket/turnkv-{versions.TURNKV}-py3-none-any.whl",
@@ -47,6 +47,8 @@ def test_gpu_bake_runs_the_steps_in_order(bake):
     assert len(order) == 20 and order == sorted(set(order))
     # The wheel's plugin linked the EFA libfabric: nothing was built from source.
     assert not any(c.startswith(("git clone", "meson", "ninja")) for c in calls)
+    # vLLM's install pulled the other CUDA variant too (its plugin links a distro libfabric): not the one used.
+    assert (bake.root / "opt/turnkv/venv/lib/python3.12/site-packages/nixl_cu12.libs").is_dir()
     nixl_env = (bake.root / "etc/turnkv/nixl.env").read_text()
     assert "NIXL_PLUGIN_DIR=/opt/turnkv/venv/lib/python3.12/site-packages/nixl_cu13.libs/nixl\n" in nixl_env
     assert f"LD_LIBRARY_PATH={versions.EFA_PREFIX}/lib\n" in nixl_env
