@@ -31,12 +31,15 @@ verify() {
 
 if [[ "${1:-}" == "--verify" ]]; then verify; exit 0; fi
 
-if ! done_with turnkv-wheel "$version $wheel"; then
+# The URL names the wheel's content (the image stack puts a digest in its key): a new wheel of the same
+# version is a new URL, and is installed over the old one.
+if ! done_with turnkv-wheel "$version $uri"; then
     mkdir -p "$WORK_DIR/wheel"
     log "fetching $uri"
     aws s3 cp --only-show-errors "$uri" "$WORK_DIR/wheel/$wheel"
     "$VENV/bin/pip" install --no-cache-dir "$WORK_DIR/wheel/$wheel"
-    record turnkv-wheel "$version $wheel"
+    "$VENV/bin/pip" install --no-cache-dir --no-deps --force-reinstall "$WORK_DIR/wheel/$wheel"
+    record turnkv-wheel "$version $uri"
 fi
 
 for unit in "${UNITS[@]}"; do

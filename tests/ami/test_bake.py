@@ -209,6 +209,17 @@ def test_missing_variables_are_named(bake):
             "TURNKV_EFA_PREFIX") in result.stderr
 
 
+def test_a_new_wheel_of_the_same_version_is_installed_over_the_old(bake):
+    bake.bake("gpu")
+    first = len(bake.calls())
+    bake.assets = lambda: {"ScriptsS3Uri": "s3://assets-bucket/scripts.zip",
+                           "TurnkvWheelS3Uri": f"s3://assets-bucket/wheels/d1g35t/turnkv-{versions.TURNKV}-py3-none-any.whl"}
+    bake.bake("gpu")
+    again = [c for c in bake.calls()[first:] if c.startswith(("aws s3", "pip install"))]
+    assert again[0].startswith("aws s3 cp --only-show-errors s3://assets-bucket/wheels/d1g35t/")
+    assert again[2].startswith("pip install --no-cache-dir --no-deps --force-reinstall") and len(again) == 3
+
+
 def test_wheel_of_another_version_is_refused(bake):
     result = bake.run_script("40-connector.sh", env={"TURNKV_WHEEL_S3_URI": "s3://b/turnkv-9.9.9-py3-none-any.whl",
                                                      "TURNKV_VERSION": versions.TURNKV, "TURNKV_FLAVOR": "gpu"})
