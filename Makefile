@@ -10,7 +10,7 @@ DEPS := pyproject.toml turnkv/versions.py $(wildcard requirements/*.txt)
 EXTRAS ?= engines,infra,dev
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint unit e2e infra-test clean down redis node
+.PHONY: setup demo test lint unit e2e infra-test clean down tools
 
 setup: $(READY)
 
@@ -22,16 +22,18 @@ $(READY): $(DEPS)
 	$(BIN)/python -m turnkv.local.engine_env
 	@touch $@
 
-# Test-only servers come from Debian (redis-server) when missing.
-redis:
-	@command -v redis-server >/dev/null || { echo "installing redis-server (apt)"; \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
-	  || { echo "could not install redis-server: install it with your package manager"; exit 1; }; }
+# Test-only tools from Debian (package name = command name), installed when missing.
+APT_TOOLS := redis-server shellcheck
+tools:
+	@missing=""; for t in $(APT_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then echo "installing$$missing (apt)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
+	  || { echo "could not install$$missing: install it with your package manager"; exit 1; }; fi
 
 demo: setup
 	$(BIN)/turnkv demo --out results/demo
 
-test: setup redis
+test: setup tools
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
@@ -41,7 +43,7 @@ lint: setup
 unit: setup
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
-e2e: setup redis
+e2e: setup tools
 	$(BIN)/python -m pytest tests/e2e $(PYTEST_ARGS)
 
 infra-test: setup

@@ -36,9 +36,26 @@ AWS_CDK_CLI = "2.1100.0"
 
 #: Node images: EFA installer and what it brings.
 EFA_INSTALLER = "1.51.0"
+#: SHA-256 of aws-efa-installer-<EFA_INSTALLER>.tar.gz. Not yet recorded: no machine of this project can
+#: reach the download. Until it is, the AMI bake stops at the EFA step with a message saying how to record it
+#: (download the tarball, check its GPG signature as the EFA user guide describes, put its sha256sum here).
+EFA_INSTALLER_SHA256 = "unpinned"
 LIBFABRIC = "2.7.0amzn"
+#: Where the EFA installer puts libfabric; NIXL's LIBFABRIC plugin must link this one.
+EFA_PREFIX = "/opt/amazon/efa"
 NVIDIA_DRIVER_MIN = "580"
 CUDA = "13.0"
+#: NIXL wheel variant that matches CUDA (nixl-cu12 / nixl-cu13) and the git tag built when its plugin is unusable.
+NIXL_CUDA_PACKAGE = "nixl-cu13"
+NIXL_GIT_TAG = f"v{NIXL}"
+#: Amazon CloudWatch agent, fetched from its versioned download path (unconfirmed that this build is published
+#: there: the bake fails at the download, naming the URL, if it is not; then put a published build here).
+CLOUDWATCH_AGENT = "1.300064.0b1337"
+#: vLLM Neuron plugin for the Trainium image: a git tag of vllm-project/vllm-neuron (newest tag seen: 0.2.0).
+#: It pins its own vLLM (0.11.0 at that tag), not VLLM_GPU.
+VLLM_NEURON = "0.2.0"
+#: The turnkv package itself (the wheel the AMI installs); must equal pyproject's [project] version.
+TURNKV = "0.1.0"
 
 #: Peers we benchmark against.
 VLLM_ROUTER = "0.1.17"

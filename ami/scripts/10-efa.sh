@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
+# Step 10: the EFA installer at the pinned version, its checksum verified, and its libfabric checked.
+# Env: TURNKV_EFA_INSTALLER_VERSION, TURNKV_EFA_INSTALLER_SHA256, TURNKV_LIBFABRIC_VERSION, TURNKV_EFA_PREFIX;
+#      optional TURNKV_EFA_BASE_URL (download host), TURNKV_REQUIRE_EFA_DEVICE (true on a node with EFA
+#      interfaces; Image Builder instances have none, so the components leave it false).
+STEP=10-efa
+# shellcheck source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+require TURNKV_EFA_INSTALLER_VERSION TURNKV_EFA_INSTALLER_SHA256 TURNKV_LIBFABRIC_VERSION TURNKV_EFA_PREFIX
+version="$TURNKV_EFA_INSTALLER_VERSION"
+sha="$TURNKV_EFA_INSTALLER_SHA256"
+prefix="$TURNKV_EFA_PREFIX"
+tarball_name="aws-efa-installer-$version.tar.gz"
+url="${TURNKV_EFA_BASE_URL:-https://efa-installer.amazonaws.com}/$tarball_name"
+export PATH="$R$prefix/bin:$PATH"
+
+# The version the installer wrote down (its own record of what is on this root).
+installed_version() {
+    local file="$R/opt/amazon/efa_installed_packages"
+    [[ -f "$file" ]] || return 0
+    sed -n 's/^# EFA installer version: *//p' "$file" | head -n 1
+}
+
+verify() {
+    local have fi_path libfabric
+    have="$(installed_version)"
+    [[ "$have" == "$version" ]] || die "EFA installer ${have:-(none)} is installed, the pin is $version"
+    fi_path="$(command -v fi_info || true)"
+    [[ "$fi_path" == "$R$prefix/bin/fi_info" ]] ||
+        die "fi_info resolves to '${fi_path:-nothing}', not $prefix/bin/fi_info: a distro libfabric shadows EFA's"
+    libfabric="$(fi_info --version | sed -n 's/^libfabric: *//p' | head -n 1)"
+    [[ "$libfabric" == "$TURNKV_LIBFABRIC_VERSION"* ]] ||
+        die "libfabric at $prefix is '${libfabric:-unknown}', the pin is $TURNKV_LIBFABRIC_VERSION"
+    [[ -e "$R$prefix/lib/libfabric.so.1" ]] || die "$prefix/lib/libfabric.so.1 is missing"
+    if [[ "${TURNKV_REQUIRE_EFA_DEVICE:-false}" == "true" ]]; then
+        TURNKV_EFA_PREFIX="$prefix" bash "$SCRIPTS_DIR/efa-wait.sh"
+    fi
+}
+
+if [[ "${1:-}" == "--verify" ]]; then verify; exit 0; fi
+
+if [[ "$(installed_version)" == "$version" ]] && done_with efa-installer "$version"; then
+    log "EFA installer $version already installed"
+else
+    [[ "$sha" =~ ^[0-9a-f]{64}$ ]] ||
+        die "the EFA installer checksum is not pinned (EFA_INSTALLER_SHA256='$sha' in turnkv/versions.py). \
+Download $url, check its GPG signature as the EFA user guide describes, and record its sha256sum there."
+    mkdir -p "$WORK_DIR/efa"
+    tarball="$WORK_DIR/efa/$tarball_name"
+    log "downloading $url"
+    curl -fsSL --retry 3 -o "$tarball" "$url" || die "could not download $url"
+    actual="$(sha256_of "$tarball")"
+    if [[ "$actual" != "$sha" ]]; then
+        rm -f "$tarball"
+        die "checksum mismatch for $tarball_name: expected $sha, got $actual. Not installing it. \
+A corrupt or tampered download, or a re-published release: check the GPG signature before changing \
+EFA_INSTALLER_SHA256 in turnkv/versions.py."
+    fi
+    log "checksum ok ($actual)"
+    tar -xzf "$tarball" -C "$WORK_DIR/efa"
+    (cd "$WORK_DIR/efa/aws-efa-installer" && ./efa_installer.sh -y)
+    record efa-installer "$version"
+fi
+verify
+log "ok: EFA installer $version, libfabric $TURNKV_LIBFABRIC_VERSION at $prefix"

@@ -1,0 +1,237 @@
+"""Bake the images into a fake root with stubbed commands, running the component documents' own commands.
+
+Shows: the order of steps, idempotency (a second bake changes nothing on the root), and hard failures with
+clear messages (checksum mismatch, unpinned checksum, missing or late EFA device, NIXL plugin linking the
+wrong libfabric, missing variables).
+"""
+
+from __future__ import annotations
+
+from ami import recipes
+from turnkv import versions
+
+
+def component(flavor: str, name: str) -> recipes.ComponentSpec:
+    return next(c for c in recipes.IMAGES[flavor].components if c.name == name)
+
+
+def positions(calls: list[str], *prefixes: str) -> list[int]:
+    """Where each prefix matches, in order: each search starts after the previous match, so the list is
+    increasing exactly when the calls happened in this order (fails naming the first one out of order)."""
+    out, start = [], 0
+    for prefix in prefixes:
+        hits = [i for i, call in enumerate(calls) if i >= start and call.startswith(prefix)]
+        assert hits, f"no call starting with {prefix!r} after call {start} in:\n" + "\n".join(calls)
+        out.append(hits[0])
+        start = hits[0] + 1
+    return out
+
+
+def test_gpu_bake_runs_the_steps_in_order(bake):
+    bake.bake("gpu")
+    calls = bake.calls()
+    order = positions(
+        calls,
+        "apt-get -o DPkg::Lock::Timeout=600 update", "apt-get -o DPkg::Lock::Timeout=600 install", "python3 -m venv",
+        f"curl -fsSL --retry 3 -o {bake.env['TURNKV_WORK_DIR']}/efa/aws-efa-installer-{versions.EFA_INSTALLER}",
+        "sha256sum", "tar -xzf", "efa_installer.sh -y", "fi_info --version", "Reboot",
+        f"pip install --no-cache-dir --no-deps nixl=={versions.NIXL} {versions.NIXL_CUDA_PACKAGE}=={versions.NIXL}",
+        "readelf -d", "ldd",
+        f"pip install --no-cache-dir vllm=={versions.VLLM_GPU} nixl=={versions.NIXL}",
+        f"aws s3 cp --only-show-errors s3://assets-bucket/turnkv-{versions.TURNKV}-py3-none-any.whl",
+        "pip install --no-cache-dir", "systemctl --root=",
+        f"curl -fsSL --retry 3 -o {bake.env['TURNKV_WORK_DIR']}/cloudwatch/amazon-cloudwatch-agent.deb "
+        f"https://amazoncloudwatch-agent.s3.amazonaws.com/ubuntu/amd64/{versions.CLOUDWATCH_AGENT}/",
+        "dpkg --root=", "python -m turnkv.versions --json", "turnkv doctor --flavor gpu --image",
+    )
+    assert len(order) == 20 and order == sorted(set(order))
+    # The wheel's plugin linked the EFA libfabric: nothing was built from source.
+    assert not any(c.startswith(("git clone", "meson", "ninja")) for c in calls)
+    # vLLM's install pulled the other CUDA variant too (its plugin links a distro libfabric): not the one used.
+    assert (bake.root / "opt/turnkv/venv/lib/python3.12/site-packages/nixl_cu12.libs").is_dir()
+    nixl_env = (bake.root / "etc/turnkv/nixl.env").read_text()
+    assert "NIXL_PLUGIN_DIR=/opt/turnkv/venv/lib/python3.12/site-packages/nixl_cu13.libs/nixl\n" in nixl_env
+    assert f"LD_LIBRARY_PATH={versions.EFA_PREFIX}/lib\n" in nixl_env
+    assert (bake.root / "etc/systemd/system/timers.target.wants/turnkv-params-sync.timer").is_symlink()
+    assert (bake.root / "opt/turnkv/bin/turnkv-efa-wait").stat().st_mode & 0o111
+    pins = (bake.root / "etc/turnkv/versions.json").read_text()
+    assert f'"VLLM_GPU": "{versions.VLLM_GPU}"' in pins
+
+
+def test_second_bake_changes_nothing(bake):
+    bake.bake("gpu")
+    before = bake.manifest()
+    first_calls = len(bake.calls())
+    bake.bake("gpu")
+    after = bake.manifest()
+    assert after == before
+    again = bake.calls()[first_calls:]
+    installs = [c for c in again if c.startswith(("apt-get", "curl", "efa_installer", "pip install", "aws s3",
+                                                   "dpkg --root", "systemctl", "python3 -m venv", "tar"))]
+    assert installs == [], installs
+    assert any(c.startswith("fi_info --version") for c in again), "the second run still verifies"
+    assert len(before) > 40
+
+
+def test_neuron_bake(bake):
+    bake.bake("neuron")
+    calls = bake.calls()
+    order = positions(calls, "efa_installer.sh -y",
+                      f"pip install --no-cache-dir --extra-index-url https://pip.repos.neuron.amazonaws.com "
+                      f"vllm-neuron @ git+https://github.com/vllm-project/vllm-neuron.git@{versions.VLLM_NEURON}",
+                      "aws s3 cp", "dpkg --root=", "turnkv doctor --flavor neuron --image")
+    assert order == sorted(set(order))
+    assert not any("nixl" in c for c in calls if c.startswith("pip install"))
+    assert "nvidia_gpu" not in (bake.root / "opt/aws/amazon-cloudwatch-agent/etc/turnkv.json").read_text()
+    before = bake.manifest()
+    bake.bake("neuron")
+    assert bake.manifest() == before
+
+
+def test_test_phase_verifies_the_image(bake):
+    bake.bake("gpu")
+    bake.bake("gpu", phases=("test",))
+    assert bake.calls()[-1] == "turnkv doctor --flavor gpu --image --retry-seconds 120 --json"
+
+
+def test_checksum_mismatch_is_a_hard_failure(bake):
+    bake.overrides["EfaInstallerSha256"] = "0" * 64
+    efa = component("gpu", "turnkv-efa")
+    bake.run_phase(component("gpu", "turnkv-base"), "build")
+    result = bake.run_phase(efa, "build", check=False)
+    assert result.returncode != 0
+    assert (f"checksum mismatch for aws-efa-installer-{versions.EFA_INSTALLER}.tar.gz: expected {'0' * 64}, "
+            f"got {bake.efa_sha256}. Not installing it.") in result.stderr
+    assert not any(c.startswith(("tar", "efa_installer")) for c in bake.calls())
+    assert not (bake.root / "opt/amazon/efa").exists()
+    assert not (bake.root / "var/lib/turnkv/ami/efa-installer").exists()
+    assert not list((bake.work / "downloads/efa").glob("*.tar.gz")), "the bad download is removed"
+
+
+def test_unpinned_checksum_is_a_hard_failure(bake):
+    """The pin in turnkv/versions.py is not recorded yet: the real bake must stop, saying what to do."""
+    bake.overrides["EfaInstallerSha256"] = versions.EFA_INSTALLER_SHA256
+    bake.run_phase(component("gpu", "turnkv-base"), "build")
+    result = bake.run_phase(component("gpu", "turnkv-efa"), "build", check=False)
+    if len(versions.EFA_INSTALLER_SHA256) == 64:
+        assert "checksum mismatch" in result.stderr  # a real pin does not match the fake tarball
+    else:
+        assert "the EFA installer checksum is not pinned" in result.stderr
+        assert not any(c.startswith("curl") for c in bake.calls())
+    assert result.returncode != 0
+
+
+def run_installed_efa_wait(bake, env):
+    """The copy the image runs before every engine start (ExecStartPre=/opt/turnkv/bin/turnkv-efa-wait)."""
+    import subprocess
+
+    return subprocess.run([str(bake.root / "opt/turnkv/bin/turnkv-efa-wait")], env={**bake.env, **env},
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_missing_efa_device_is_a_hard_failure(bake):
+    bake.bake("gpu")
+    result = run_installed_efa_wait(bake, {"FAKE_EFA_DEVICE": "0", "TURNKV_EFA_WAIT_SECONDS": "10",
+                                           "TURNKV_EFA_WAIT_INTERVAL": "5"})
+    assert result.returncode == 1
+    assert "ERROR: no EFA device visible to libfabric after 10s" in result.stderr
+    assert "fi_getinfo: -61 (No data available)" in result.stderr
+    calls = bake.calls()
+    assert sum(c == "fi_info -p efa" for c in calls) == 3 and sum(c == "sleep 5" for c in calls) == 2
+
+
+def test_late_efa_device_is_waited_for(bake):
+    bake.bake("gpu")
+    result = run_installed_efa_wait(bake, {"FAKE_EFA_DEVICE_AFTER": "3", "TURNKV_EFA_WAIT_SECONDS": "60"})
+    assert result.returncode == 0, result.stderr
+    assert "EFA visible to libfabric (attempt 3)" in result.stderr
+
+
+def test_efa_wait_can_be_turned_off_for_nodes_without_efa(bake):
+    bake.bake("gpu")
+    result = run_installed_efa_wait(bake, {"FAKE_EFA_DEVICE": "0", "TURNKV_EFA_REQUIRED": "false"})
+    assert result.returncode == 0 and "not waiting for EFA" in result.stderr
+    assert not any(c.startswith("fi_info -p") for c in bake.calls())
+
+
+def test_efa_step_requires_a_device_when_asked(bake):
+    bake.run_phase(component("gpu", "turnkv-base"), "build")
+    result = bake.run_phase(component("gpu", "turnkv-efa"), "build", check=False,
+                            extra_env={"TURNKV_REQUIRE_EFA_DEVICE": "true", "FAKE_EFA_DEVICE": "0",
+                                       "TURNKV_EFA_WAIT_SECONDS": "0"})
+    assert result.returncode != 0 and "no EFA device visible to libfabric" in result.stderr
+
+
+def test_nixl_is_built_from_source_when_the_wheel_bundles_its_own_libfabric(bake):
+    bake.env["FAKE_NIXL_WHEEL_PLUGIN"] = "bundled"
+    bake.bake("gpu")
+    calls = bake.calls()
+    order = positions(calls, f"git clone --depth 1 --branch {versions.NIXL_GIT_TAG}",
+                      "meson setup", "ninja -C")
+    assert order == sorted(set(order))
+    meson = next(c for c in calls if c.startswith("meson setup"))
+    assert f"-Dlibfabric_path={versions.EFA_PREFIX}" in meson
+    assert "NIXL_PLUGIN_DIR=/opt/turnkv/nixl/lib/x86_64-linux-gnu/plugins\n" in (
+        bake.root / "etc/turnkv/nixl.env").read_text()
+    before = bake.manifest()
+    bake.bake("gpu")
+    assert bake.manifest() == before
+
+
+def test_nixl_plugin_linking_a_distro_libfabric_is_a_hard_failure(bake):
+    bake.env["FAKE_NIXL_WHEEL_PLUGIN"] = "none"
+    bake.env["FAKE_NIXL_BUILT_PLUGIN"] = "distro"
+    for name in ("turnkv-base", "turnkv-efa"):
+        bake.run_phase(component("gpu", name), "build")
+    result = bake.run_phase(component("gpu", "turnkv-nixl"), "build", check=False)
+    assert result.returncode != 0
+    assert "resolves libfabric elsewhere: \tlibfabric.so.1 => /usr/lib/x86_64-linux-gnu/libfabric.so.1" in result.stderr
+    assert (f"ERROR: the NIXL LIBFABRIC plugin built from source does not link "
+            f"{versions.EFA_PREFIX}/lib/libfabric.so.1") in result.stderr
+    assert not (bake.root / "etc/turnkv/nixl.env").exists()
+
+
+def test_a_distro_fi_info_shadowing_efa_is_caught(bake):
+    for name in ("turnkv-base", "turnkv-efa"):
+        bake.run_phase(component("gpu", name), "build")
+    (bake.root / "opt/amazon/efa/bin/fi_info").unlink()
+    distro = bake.stub_dir / "fi_info"
+    distro.write_text("#!/usr/bin/env bash\necho 'libfabric: 1.18.2'\n")
+    distro.chmod(0o755)
+    result = bake.run_phase(component("gpu", "turnkv-efa"), "validate", check=False)
+    assert result.returncode != 0 and "a distro libfabric shadows EFA's" in result.stderr
+
+
+def test_missing_variables_are_named(bake):
+    result = bake.run_script("10-efa.sh", env={"TURNKV_EFA_INSTALLER_VERSION": versions.EFA_INSTALLER})
+    assert result.returncode == 1
+    assert ("missing required variable(s): TURNKV_EFA_INSTALLER_SHA256 TURNKV_LIBFABRIC_VERSION "
+            "TURNKV_EFA_PREFIX") in result.stderr
+
+
+def test_a_new_wheel_of_the_same_version_is_installed_over_the_old(bake):
+    bake.bake("gpu")
+    first = len(bake.calls())
+    bake.assets = lambda: {"ScriptsS3Uri": "s3://assets-bucket/scripts.zip",
+                           "TurnkvWheelS3Uri": f"s3://assets-bucket/wheels/d1g35t/turnkv-{versions.TURNKV}-py3-none-any.whl"}
+    bake.bake("gpu")
+    again = [c for c in bake.calls()[first:] if c.startswith(("aws s3", "pip install"))]
+    assert again[0].startswith("aws s3 cp --only-show-errors s3://assets-bucket/wheels/d1g35t/")
+    assert again[2].startswith("pip install --no-cache-dir --no-deps --force-reinstall") and len(again) == 3
+
+
+def test_wheel_of_another_version_is_refused(bake):
+    result = bake.run_script("40-connector.sh", env={"TURNKV_WHEEL_S3_URI": "s3://b/turnkv-9.9.9-py3-none-any.whl",
+                                                     "TURNKV_VERSION": versions.TURNKV, "TURNKV_FLAVOR": "gpu"})
+    assert result.returncode == 1 and "is not turnkv " + versions.TURNKV in result.stderr
+
+
+def test_build_sh_runs_every_step_with_pins_from_recipes(bake):
+    env = {k: v for k, v in recipes.step_env("gpu").items()}
+    env.update(TURNKV_EFA_INSTALLER_SHA256=bake.efa_sha256,
+               TURNKV_WHEEL_S3_URI=f"s3://b/turnkv-{versions.TURNKV}-py3-none-any.whl")
+    result = bake.run_script("build.sh", "gpu", env=env)
+    assert result.returncode == 0, result.stderr
+    assert "all 6 steps done for gpu" in result.stderr
+    verify = bake.run_script("build.sh", "gpu", "--verify", env=env)
+    assert verify.returncode == 0, verify.stderr

@@ -1,0 +1,336 @@
+"""`turnkv doctor` checks, each passing and failing, on canned command outputs (no EFA, GPU or vLLM needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from turnkv import doctor, versions
+from turnkv.doctor import Completed, Options, Status
+
+EFA = versions.EFA_PREFIX
+PLUGIN_DIR = "/opt/turnkv/venv/lib/python3.12/site-packages/nixl_cu13.libs/nixl"
+FI_VERSION = f"fi_info: {versions.LIBFABRIC}1.0\nlibfabric: {versions.LIBFABRIC}1.0\nlibfabric api: 2.7\n"
+FI_EFA = "provider: efa\n    fabric: efa\n    domain: rdmap79s0-rdm\nprovider: efa\n    domain: rdmap80s0-rdm\n"
+LDCONFIG = (f"\tlibfabric.so.1 (libc6,x86-64) => {EFA}/lib/libfabric.so.1\n"
+            "\tlibfabric.so.1 (libc6,x86-64) => /lib/x86_64-linux-gnu/libfabric.so.1\n")
+SMI_HEADER = "| NVIDIA-SMI 580.95.05   Driver Version: 580.95.05   CUDA Version: 13.0 |\n"
+
+
+class FakeNode:
+    """Answers commands from a table keyed by the start of the command line; records every call."""
+
+    def __init__(self, responses=None, files=None, kernel="6.8.0-1015-aws"):
+        self.responses = {
+            f"{EFA}/bin/fi_info --version": Completed(0, FI_VERSION),
+            f"{EFA}/bin/fi_info -p efa": Completed(0, FI_EFA),
+            "ldconfig -p": Completed(0, LDCONFIG),
+            f"ldd {PLUGIN_DIR}/libplugin_LIBFABRIC.so": Completed(
+                0, f"\tlibfabric.so.1 => {EFA}/lib/libfabric.so.1 (0x00007f)\n"),
+            "python -c \nimport json, sys\nfrom nixl": Completed(
+                0, json.dumps({"plugins": ["LIBFABRIC", "POSIX", "UCX"], "backends": ["LIBFABRIC"]}) + "\n"),
+            "nvidia-smi --query-gpu": Completed(0, "580.95.05\n580.95.05\n"),
+            "nvidia-smi": Completed(0, SMI_HEADER),
+            "python -c import torch": Completed(0, "13.0\n"),
+            "python -c \nimport importlib": Completed(0, json.dumps({
+                "versions": {"vllm": versions.VLLM_GPU, "nixl": versions.NIXL, "turnkv": versions.TURNKV,
+                             "vllm-neuron": versions.VLLM_NEURON}, "errors": {}}) + "\n"),
+            "neuron-ls --json-output": Completed(0, json.dumps([{"neuron_device": 0}, {"neuron_device": 1}])),
+            **(responses or {}),
+        }
+        self.files = {
+            doctor.NIXL_ENV_FILE: f"NIXL_PLUGIN_DIR={PLUGIN_DIR}\nLD_LIBRARY_PATH={EFA}/lib\n",
+            "/proc/modules": "efa 184320 0 - Live 0x0\nnvidia 1 0 - Live 0x0\n",
+            "/proc/driver/nvidia/version": "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05\n",
+            **(files or {}),
+        }
+        self.kernel = kernel
+        self.calls: list[tuple[str, dict | None]] = []
+        self.clock = 0.0
+        self.sleeps: list[float] = []
+
+    def run(self, argv, env=None, timeout=0.0):
+        line = " ".join(argv)
+        self.calls.append((line, dict(env) if env else None))
+        for prefix in sorted(self.responses, key=len, reverse=True):
+            response = self.responses[prefix]
+            if line.startswith(prefix):
+                return response(self) if callable(response) else response
+        return Completed(127, "", f"{argv[0]}: not found")
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        self.clock += seconds
+
+    def node(self):
+        return doctor.Node(run=self.run, read_text=lambda p: self.files.get(p), sleep=self.sleep,
+                           monotonic=lambda: self.clock, kernel_release=lambda: self.kernel, python="python")
+
+
+def run(check, fake=None, **opts):
+    fake = fake or FakeNode()
+    return check(fake.node(), Options(**opts)), fake
+
+
+# --- EFA libfabric ------------------------------------------------------------------------------------------
+
+
+def test_libfabric_passes():
+    result, _ = run(doctor.check_libfabric)
+    assert result.status is Status.PASS and versions.LIBFABRIC in result.detail
+
+
+def test_libfabric_fails_without_the_efa_installer():
+    result, _ = run(doctor.check_libfabric, FakeNode({f"{EFA}/bin/fi_info --version": Completed(127, "", "nope")}))
+    assert result.status is Status.FAIL and versions.EFA_INSTALLER in result.fix
+
+
+def test_libfabric_fails_on_another_version():
+    old = Completed(0, "libfabric: 1.22.0amzn4.0\n")
+    result, _ = run(doctor.check_libfabric, FakeNode({f"{EFA}/bin/fi_info --version": old}))
+    assert result.status is Status.FAIL and "1.22.0amzn4.0" in result.detail
+
+
+def test_libfabric_fails_when_a_distro_copy_shadows_efa():
+    shadow = Completed(0, "\tlibfabric.so.1 (libc6,x86-64) => /lib/x86_64-linux-gnu/libfabric.so.1\n" + LDCONFIG)
+    result, _ = run(doctor.check_libfabric, FakeNode({"ldconfig -p": shadow}))
+    assert result.status is Status.FAIL and "/lib/x86_64-linux-gnu/libfabric.so.1" in result.detail
+    assert "apt-get remove libfabric1" in result.fix
+
+
+# --- EFA device -----------------------------------------------------------------------------------------------
+
+
+def test_efa_device_passes():
+    result, _ = run(doctor.check_efa_device)
+    assert result.status is Status.PASS and "2 EFA domain(s)" in result.detail
+
+
+def test_efa_device_waits_for_a_late_device():
+    def late(fake):
+        tries = sum(line.endswith("-p efa") for line, _ in fake.calls)
+        return Completed(0, FI_EFA) if tries >= 4 else Completed(61, "", "fi_getinfo: -61 (No data available)")
+
+    result, fake = run(doctor.check_efa_device, FakeNode({f"{EFA}/bin/fi_info -p efa": late}), retry_seconds=60)
+    assert result.status is Status.PASS and "attempt 4" in result.detail
+    assert fake.sleeps == [5.0, 5.0, 5.0]
+
+
+def test_efa_device_fails_after_the_retry_window():
+    none = Completed(61, "", "fi_getinfo: -61 (No data available)")
+    result, fake = run(doctor.check_efa_device, FakeNode({f"{EFA}/bin/fi_info -p efa": none}), retry_seconds=12)
+    assert result.status is Status.FAIL
+    assert "after 12s (4 tries)" in result.detail and "No data available" in result.detail
+    assert "efa-only" in result.fix and sum(fake.sleeps) == 12
+
+
+def test_efa_device_is_skipped_on_an_image_build():
+    result, fake = run(doctor.check_efa_device, image=True)
+    assert result.status is Status.SKIP and fake.calls == []
+
+
+# --- NIXL ---------------------------------------------------------------------------------------------------
+
+
+def test_nixl_passes_and_runs_with_the_plugin_env():
+    result, fake = run(doctor.check_nixl)
+    assert result.status is Status.PASS and "backend instantiated" in result.detail
+    probe = next((line, env) for line, env in fake.calls if line.startswith("python"))
+    assert probe[0].endswith(" node") and probe[1]["NIXL_PLUGIN_DIR"] == PLUGIN_DIR
+    assert probe[1]["LD_LIBRARY_PATH"] == f"{EFA}/lib"
+
+
+def test_nixl_image_mode_only_needs_the_plugin_to_load():
+    fake = FakeNode({"python -c \nimport json, sys\nfrom nixl": Completed(
+        0, json.dumps({"plugins": ["LIBFABRIC", "UCX"], "backends": []}))})
+    result, fake = run(doctor.check_nixl, fake, image=True)
+    assert result.status is Status.PASS and "plugin loads" in result.detail
+    assert any(line.endswith(" image") for line, _ in fake.calls)
+
+
+def test_nixl_fails_when_the_plugin_links_another_libfabric():
+    wrong = Completed(0, "\tlibfabric.so.1 => /lib/x86_64-linux-gnu/libfabric.so.1 (0x1)\n")
+    result, _ = run(doctor.check_nixl, FakeNode({f"ldd {PLUGIN_DIR}/libplugin_LIBFABRIC.so": wrong}))
+    assert result.status is Status.FAIL and "/lib/x86_64-linux-gnu/libfabric.so.1" in result.detail
+    assert "turnkv-nixl" in result.fix
+
+
+def test_nixl_fails_when_libfabric_is_not_found():
+    missing = Completed(0, "\tlibfabric.so.1 => not found\n")
+    result, _ = run(doctor.check_nixl, FakeNode({f"ldd {PLUGIN_DIR}/libplugin_LIBFABRIC.so": missing}))
+    assert result.status is Status.FAIL and "not found" in result.detail
+
+
+def test_nixl_fails_when_the_backend_is_not_instantiated():
+    no_backend = Completed(0, json.dumps({"plugins": ["LIBFABRIC", "UCX"], "backends": []}))
+    result, _ = run(doctor.check_nixl, FakeNode({"python -c \nimport json, sys\nfrom nixl": no_backend}))
+    assert result.status is Status.FAIL and "no LIBFABRIC backend" in result.detail
+
+
+def test_nixl_fails_when_the_agent_crashes():
+    crash = Completed(1, "", "Traceback ...\nRuntimeError: No plugins available for NIXL, cannot start transfers!")
+    result, _ = run(doctor.check_nixl, FakeNode({"python -c \nimport json, sys\nfrom nixl": crash}))
+    assert result.status is Status.FAIL and "No plugins available" in result.detail
+
+
+def test_nixl_fails_without_its_env_file():
+    result, _ = run(doctor.check_nixl, FakeNode(files={doctor.NIXL_ENV_FILE: None}))
+    assert result.status is Status.FAIL and doctor.NIXL_ENV_FILE in result.detail
+
+
+def test_nixl_is_skipped_on_neuron():
+    result, fake = run(doctor.check_nixl, flavor="neuron")
+    assert result.status is Status.SKIP and fake.calls == []
+
+
+# --- GPUDirect RDMA ---------------------------------------------------------------------------------------
+
+
+def test_gdr_passes_with_dma_buf():
+    result, _ = run(doctor.check_gdr)
+    assert result.status is Status.PASS and "dma-buf" in result.detail
+
+
+def test_gdr_passes_with_peermem_on_an_old_kernel():
+    fake = FakeNode(files={"/proc/modules": "efa_nv_peermem 16384 0 - Live 0x0\n",
+                           "/proc/driver/nvidia/version": "NVRM version: NVIDIA UNIX x86_64 Kernel Module 580.95\n"},
+                    kernel="5.10.0-1-aws")
+    result, _ = run(doctor.check_gdr, fake)
+    assert result.status is Status.PASS and "efa_nv_peermem" in result.detail
+
+
+def test_gdr_fails_on_an_old_kernel_without_peermem():
+    result, _ = run(doctor.check_gdr, FakeNode(kernel="5.10.220-209.869.amzn2.x86_64"))
+    assert result.status is Status.FAIL and "kernel 5.10.220" in result.detail and "efa_nv_peermem" in result.fix
+
+
+def test_gdr_fails_with_the_proprietary_module_and_no_peermem():
+    fake = FakeNode(files={"/proc/driver/nvidia/version": "NVRM version: NVIDIA UNIX x86_64 Kernel Module 580\n"})
+    result, _ = run(doctor.check_gdr, fake)
+    assert result.status is Status.FAIL and "not the open one" in result.detail
+
+
+def test_gdr_is_skipped_on_neuron():
+    assert run(doctor.check_gdr, flavor="neuron")[0].status is Status.SKIP
+
+
+# --- driver and CUDA / Neuron devices --------------------------------------------------------------------
+
+
+def test_driver_and_cuda_agree():
+    result, _ = run(doctor.check_driver)
+    assert result.status is Status.PASS and "driver 580.95.05" in result.detail and "torch CUDA 13.0" in result.detail
+
+
+def test_driver_too_old_for_torch_cuda():
+    fake = FakeNode({"nvidia-smi --query-gpu": Completed(0, "570.86.15\n"),
+                     "nvidia-smi": Completed(0, "| Driver Version: 570.86.15   CUDA Version: 12.8 |\n")})
+    result, _ = run(doctor.check_driver, fake)
+    assert result.status is Status.FAIL
+    assert "older than 580" in result.detail and "supports CUDA up to 12.8, torch needs 13.0" in result.detail
+
+
+def test_torch_built_for_another_cuda_major():
+    result, _ = run(doctor.check_driver, FakeNode({"python -c import torch": Completed(0, "12.8\n")}))
+    assert result.status is Status.FAIL and "torch is built for CUDA 12.8" in result.detail
+
+
+def test_no_nvidia_driver():
+    result, _ = run(doctor.check_driver, FakeNode({"nvidia-smi --query-gpu": Completed(127, "", "not found")}))
+    assert result.status is Status.FAIL and "nvidia-smi failed" in result.detail
+
+
+def test_neuron_devices_pass_and_fail():
+    ok, _ = run(doctor.check_driver, flavor="neuron")
+    assert ok.status is Status.PASS and ok.name == "neuron-devices" and "2 Neuron" in ok.detail
+    bad, _ = run(doctor.check_driver, FakeNode({"neuron-ls --json-output": Completed(0, "[]")}), flavor="neuron")
+    assert bad.status is Status.FAIL and "aws-neuronx-dkms" in bad.fix
+
+
+# --- pinned versions --------------------------------------------------------------------------------------
+
+
+def test_versions_pass():
+    result, fake = run(doctor.check_versions)
+    assert result.status is Status.PASS and f"vllm {versions.VLLM_GPU}" in result.detail
+    line = next(line for line, _ in fake.calls if "importlib" in line)
+    assert line.endswith("vllm,nixl,turnkv vllm,connector,nixl")
+
+
+def test_versions_fail_on_a_wrong_vllm_and_a_broken_connector():
+    bad = Completed(0, "INFO vllm banner\n" + json.dumps({
+        "versions": {"vllm": "0.31.0", "nixl": versions.NIXL, "turnkv": versions.TURNKV},
+        "errors": {"connector": "ImportError: cannot import name 'NixlConnector'"}}))
+    result, _ = run(doctor.check_versions, FakeNode({"python -c \nimport importlib": bad}))
+    assert result.status is Status.FAIL
+    assert f"vllm 0.31.0 (pinned {versions.VLLM_GPU})" in result.detail and "import connector" in result.detail
+
+
+def test_versions_fail_when_the_interpreter_is_missing():
+    result, _ = run(doctor.check_versions, FakeNode({"python -c \nimport importlib": Completed(127, "", "no python")}))
+    assert result.status is Status.FAIL and "could not run" in result.detail
+
+
+def test_neuron_versions_check_vllm_neuron():
+    result, fake = run(doctor.check_versions, flavor="neuron")
+    assert result.status is Status.PASS and f"vllm-neuron {versions.VLLM_NEURON}" in result.detail
+    assert any(line.endswith("vllm-neuron,turnkv vllm,connector,vllm_neuron") for line, _ in fake.calls)
+
+
+# --- the whole run and the CLI ------------------------------------------------------------------------------
+
+
+def test_a_crashing_check_is_a_failure_not_a_crash():
+    def boom(node, opts):
+        raise KeyError("x")
+
+    results = doctor.run_checks(FakeNode().node(), Options(), checks=(boom,))
+    assert results[0].status is Status.FAIL and "KeyError" in results[0].detail and doctor.failed(results)
+
+
+def test_all_checks_pass_on_a_healthy_node():
+    results = doctor.run_checks(FakeNode().node(), Options())
+    assert [r.name for r in results] == ["efa-libfabric", "efa-device", "nixl-libfabric", "gpudirect-rdma",
+                                         "driver-cuda", "pinned-versions"]
+    assert all(r.status is Status.PASS for r in results) and not doctor.failed(results)
+
+
+@pytest.fixture
+def cli(monkeypatch):
+    from turnkv.cli import app
+
+    state = {"fake": FakeNode()}
+    monkeypatch.setattr(doctor, "real_node", lambda python=None: state["fake"].node())
+    return app, state
+
+
+def test_cli_json_and_exit_code(cli):
+    app, state = cli
+    ok = CliRunner().invoke(app, ["doctor", "--json", "--flavor", "gpu"])
+    assert ok.exit_code == 0, ok.output
+    body = json.loads(ok.output)
+    assert body["ok"] is True and len(body["checks"]) == 6
+
+    state["fake"] = FakeNode({f"{EFA}/bin/fi_info -p efa": Completed(61, "", "fi_getinfo: -61")})
+    bad = CliRunner().invoke(app, ["doctor", "--json", "--retry-seconds", "0"])
+    assert bad.exit_code == 1
+    failed = [c for c in json.loads(bad.output)["checks"] if c["status"] == "fail"]
+    assert [c["name"] for c in failed] == ["efa-device"] and failed[0]["fix"]
+
+
+def test_cli_table_and_image_mode(cli):
+    app, _ = cli
+    result = CliRunner().invoke(app, ["doctor", "--image", "--flavor", "gpu"])
+    assert result.exit_code == 0, result.output
+    assert "efa-device" in result.output and "skip" in result.output and "all checks passed" in result.output
+
+
+def test_cli_flavor_from_the_image_and_a_bad_flavor(cli):
+    app, state = cli
+    state["fake"] = FakeNode(files={doctor.FLAVOR_FILE: "neuron\n"})
+    result = CliRunner().invoke(app, ["doctor", "--json"])
+    assert json.loads(result.output)["flavor"] == "neuron" and result.exit_code == 0
+    bad = CliRunner().invoke(app, ["doctor", "--flavor", "tpu"])
+    assert bad.exit_code == 2 and "tpu" in bad.output

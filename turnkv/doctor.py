@@ -1,0 +1,383 @@
+"""Checks of an engine node (or an image being baked): the field failures of the EFA / NIXL / driver layer.
+
+Each check takes a :class:`Node` (how to run a command, read a file, sleep, tell the time) and returns a
+:class:`CheckResult` (pass, fail or skip, what was seen, and the fix). The node is injected, so every check
+is unit-tested with canned outputs; :func:`real_node` is the machine's. ``turnkv doctor`` prints them.
+
+``image=True`` is for Image Builder instances: they have no EFA interfaces, so the EFA device check is
+skipped (``turnkv-efa-wait`` enforces it at every engine start) and NIXL is only asked whether the LIBFABRIC
+plugin loads, not to bring up a LIBFABRIC backend on a device.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+
+from turnkv import versions
+
+VENV_PYTHON = "/opt/turnkv/venv/bin/python"
+NIXL_ENV_FILE = "/etc/turnkv/nixl.env"
+#: What the AMI's first step recorded (gpu or neuron).
+FLAVOR_FILE = "/var/lib/turnkv/ami/flavor"
+FLAVORS = ("gpu", "neuron")
+
+
+class Status(StrEnum):
+    PASS = "pass"
+    FAIL = "fail"
+    SKIP = "skip"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+    def as_dict(self) -> dict[str, str]:
+        out = asdict(self)
+        out["status"] = self.status.value
+        return out
+
+
+@dataclass(frozen=True)
+class Completed:
+    returncode: int
+    stdout: str = ""
+    stderr: str = ""
+
+
+#: run(argv, extra_env, timeout_s) -> Completed; a missing program is returncode 127.
+Runner = Callable[[Sequence[str], Mapping[str, str] | None, float], Completed]
+
+
+@dataclass(frozen=True)
+class Node:
+    run: Runner
+    read_text: Callable[[str], str | None]
+    sleep: Callable[[float], None]
+    monotonic: Callable[[], float]
+    kernel_release: Callable[[], str]
+    python: str = VENV_PYTHON
+    efa_prefix: str = versions.EFA_PREFIX
+
+
+@dataclass(frozen=True)
+class Options:
+    flavor: str = "gpu"
+    image: bool = False
+    #: How long to wait for a late EFA device (p5en brings them up after boot).
+    retry_seconds: float = 60.0
+    retry_interval: float = 5.0
+
+
+# --- the real machine --------------------------------------------------------------------------------------
+
+
+def _run(argv: Sequence[str], extra_env: Mapping[str, str] | None = None, timeout: float = 120.0) -> Completed:
+    import os
+
+    env = {**os.environ, **(extra_env or {})}
+    try:
+        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, env=env)
+    except FileNotFoundError as exc:
+        return Completed(127, "", str(exc))
+    except subprocess.TimeoutExpired:
+        return Completed(124, "", f"{argv[0]} timed out after {timeout:.0f}s")
+    return Completed(proc.returncode, proc.stdout, proc.stderr)
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as fh:
+            return fh.read()
+    except OSError:
+        return None
+
+
+def real_node(python: str | None = None) -> Node:
+    import os
+    import platform
+    import sys
+
+    chosen = python or (VENV_PYTHON if os.access(VENV_PYTHON, os.X_OK) else sys.executable)
+    return Node(run=_run, read_text=_read_text, sleep=time.sleep, monotonic=time.monotonic,
+                kernel_release=platform.release, python=chosen)
+
+
+def detect_flavor(node: Node) -> str:
+    recorded = (node.read_text(FLAVOR_FILE) or "").strip()
+    return recorded if recorded in FLAVORS else "gpu"
+
+
+# --- helpers -----------------------------------------------------------------------------------------------
+
+
+def _tail(text: str, lines: int = 3) -> str:
+    kept = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return " | ".join(kept[-lines:]) if kept else "no output"
+
+
+def parse_env_file(text: str | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in (text or "").splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            name, _, value = line.partition("=")
+            out[name.strip()] = value.strip().strip('"')
+    return out
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
+def _last_json(text: str) -> dict | None:
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                return None
+    return None
+
+
+# --- checks ------------------------------------------------------------------------------------------------
+
+
+def check_libfabric(node: Node, opts: Options) -> CheckResult:
+    """The EFA installer's libfabric is the pinned one and no other libfabric.so.1 comes first."""
+    name = "efa-libfabric"
+    fi_info = f"{node.efa_prefix}/bin/fi_info"
+    install_fix = (f"install the EFA installer {versions.EFA_INSTALLER} (libfabric {versions.LIBFABRIC}); "
+                   "the AMI's turnkv-efa component does")
+    out = node.run([fi_info, "--version"], None, 30)
+    if out.returncode != 0:
+        return CheckResult(name, Status.FAIL, f"{fi_info} --version failed: {_tail(out.stderr or out.stdout)}",
+                           install_fix)
+    found = re.search(r"^libfabric:\s*(\S+)", out.stdout, re.M)
+    have = found.group(1) if found else "unknown"
+    if not have.startswith(versions.LIBFABRIC):
+        return CheckResult(name, Status.FAIL, f"libfabric {have} at {node.efa_prefix}, pinned {versions.LIBFABRIC}",
+                           install_fix)
+    cache = node.run(["ldconfig", "-p"], None, 30)
+    entries = re.findall(r"libfabric\.so\.1 \([^)]*\) => (\S+)", cache.stdout)
+    if entries and not entries[0].startswith(f"{node.efa_prefix}/"):
+        return CheckResult(name, Status.FAIL,
+                           f"the loader finds {entries[0]} before {node.efa_prefix}/lib/libfabric.so.1",
+                           "remove the distro libfabric (apt-get remove libfabric1) or restore "
+                           "/etc/ld.so.conf.d/000_efa.conf and run ldconfig")
+    return CheckResult(name, Status.PASS, f"libfabric {have} at {node.efa_prefix}")
+
+
+def check_efa_device(node: Node, opts: Options) -> CheckResult:
+    """`fi_info -p efa` finds a device, waiting up to retry_seconds for late EFA devices."""
+    name = "efa-device"
+    if opts.image:
+        return CheckResult(name, Status.SKIP, "image build: Image Builder instances have no EFA interface; "
+                           "turnkv-efa-wait checks before every engine start")
+    fi_info = f"{node.efa_prefix}/bin/fi_info"
+    deadline = node.monotonic() + max(0.0, opts.retry_seconds)
+    attempts = 0
+    while True:
+        attempts += 1
+        out = node.run([fi_info, "-p", "efa"], None, 30)
+        if out.returncode == 0 and "provider: efa" in out.stdout:
+            devices = sorted(set(re.findall(r"domain:\s*(\S+)", out.stdout)))
+            return CheckResult(name, Status.PASS,
+                               f"{len(devices)} EFA domain(s) visible to libfabric (attempt {attempts})")
+        if node.monotonic() >= deadline:
+            break
+        node.sleep(min(opts.retry_interval, max(0.0, deadline - node.monotonic())))
+    return CheckResult(
+        name, Status.FAIL,
+        f"'fi_info -p efa' found no EFA device after {opts.retry_seconds:.0f}s ({attempts} tries): "
+        f"{_tail(out.stderr or out.stdout)}",
+        "attach EFA interfaces in the launch template (InterfaceType efa or efa-only on every network card); "
+        "in a container, mount /dev/infiniband; on p5en wait longer (--retry-seconds)")
+
+
+NIXL_PROBE = r"""
+import json, sys
+from nixl._api import nixl_agent, nixl_agent_config
+backends = [] if sys.argv[1] == "image" else ["LIBFABRIC"]
+agent = nixl_agent("turnkv-doctor", nixl_agent_config(enable_prog_thread=False, backends=backends))
+print(json.dumps({"plugins": sorted(agent.plugin_list), "backends": sorted(agent.backends)}))
+"""
+
+
+def check_nixl(node: Node, opts: Options) -> CheckResult:
+    """NIXL's LIBFABRIC plugin links the EFA libfabric and a nixl agent instantiates the LIBFABRIC backend."""
+    name = "nixl-libfabric"
+    if opts.flavor == "neuron":
+        return CheckResult(name, Status.SKIP, "Neuron image: KV transfer does not use NIXL here")
+    rebuild = "re-run the AMI's turnkv-nixl component (it builds NIXL against the EFA libfabric when needed)"
+    env = parse_env_file(node.read_text(NIXL_ENV_FILE))
+    plugin_dir = env.get("NIXL_PLUGIN_DIR")
+    if not plugin_dir:
+        return CheckResult(name, Status.FAIL, f"{NIXL_ENV_FILE} is missing or names no NIXL_PLUGIN_DIR", rebuild)
+    plugin = f"{plugin_dir}/libplugin_LIBFABRIC.so"
+    ldd = node.run(["ldd", plugin], env, 30)
+    lines = [line.strip() for line in (ldd.stdout + ldd.stderr).splitlines() if "libfabric" in line]
+    want = f"=> {node.efa_prefix}/lib/libfabric.so"
+    if ldd.returncode != 0 or not lines or any("not found" in line for line in lines) or want not in lines[0]:
+        seen = "; ".join(lines) or _tail(ldd.stderr or ldd.stdout)
+        return CheckResult(name, Status.FAIL, f"{plugin} does not link {node.efa_prefix}/lib/libfabric.so.1 ({seen})",
+                           rebuild)
+    probe = node.run([node.python, "-c", NIXL_PROBE, "image" if opts.image else "node"], env, 120)
+    result = _last_json(probe.stdout)
+    if probe.returncode != 0 or result is None:
+        return CheckResult(name, Status.FAIL, f"nixl agent failed: {_tail(probe.stderr or probe.stdout)}",
+                           f"check the EFA device and {NIXL_ENV_FILE}; {rebuild}")
+    if "LIBFABRIC" not in result.get("plugins", []):
+        return CheckResult(name, Status.FAIL, f"NIXL does not load the LIBFABRIC plugin from {plugin_dir} "
+                           f"(plugins: {', '.join(result.get('plugins', [])) or 'none'})", rebuild)
+    if not opts.image and "LIBFABRIC" not in result.get("backends", []):
+        return CheckResult(name, Status.FAIL, "the LIBFABRIC plugin loads but no LIBFABRIC backend was instantiated",
+                           "check 'fi_info -p efa' and GPUDirect RDMA (the plugin requires it)")
+    what = "plugin loads" if opts.image else "backend instantiated"
+    return CheckResult(name, Status.PASS, f"LIBFABRIC {what}; linked to {node.efa_prefix}/lib/libfabric.so.1")
+
+
+def check_gdr(node: Node, opts: Options) -> CheckResult:
+    """GPUDirect RDMA for the LIBFABRIC plugin: dma-buf (kernel >= 5.12, open NVIDIA module) or efa-nv-peermem."""
+    name = "gpudirect-rdma"
+    if opts.flavor == "neuron":
+        return CheckResult(name, Status.SKIP, "Neuron image: no NVIDIA GPU")
+    modules = node.read_text("/proc/modules") or ""
+    if re.search(r"^efa_nv_peermem\s", modules, re.M):
+        return CheckResult(name, Status.PASS, "efa_nv_peermem module loaded")
+    release = node.kernel_release()
+    kernel_ok = _version_tuple(release)[:2] >= (5, 12)
+    driver = node.read_text("/proc/driver/nvidia/version") or ""
+    open_module = "Open Kernel Module" in driver
+    if kernel_ok and open_module:
+        return CheckResult(name, Status.PASS, f"dma-buf: kernel {release} and the open NVIDIA kernel module")
+    missing = []
+    if not kernel_ok:
+        missing.append(f"kernel {release} < 5.12")
+    if not open_module:
+        missing.append("the NVIDIA kernel module is not the open one" if driver else "no NVIDIA driver loaded")
+    return CheckResult(name, Status.FAIL, f"no dma-buf ({'; '.join(missing)}) and efa_nv_peermem is not loaded",
+                       "use the OSS NVIDIA driver base AMI (kernel >= 5.12), or modprobe efa_nv_peermem "
+                       "(EFA installer package efa-nv-peermem)")
+
+
+TORCH_PROBE = "import torch; print(torch.version.cuda or '')"
+
+
+def check_driver(node: Node, opts: Options) -> CheckResult:
+    """GPU: the NVIDIA driver is new enough and supports the CUDA torch was built for. Neuron: neuron-ls."""
+    if opts.flavor == "neuron":
+        name = "neuron-devices"
+        out = node.run(["neuron-ls", "--json-output"], None, 60)
+        try:
+            devices = json.loads(out.stdout) if out.returncode == 0 else None
+        except json.JSONDecodeError:
+            devices = None
+        if not devices:
+            return CheckResult(name, Status.FAIL,
+                               f"neuron-ls found no Neuron device: {_tail(out.stderr or out.stdout)}",
+                               "run on a Trainium instance with the Neuron driver (aws-neuronx-dkms) loaded")
+        return CheckResult(name, Status.PASS, f"{len(devices)} Neuron device(s)")
+    name = "driver-cuda"
+    smi = node.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], None, 60)
+    if smi.returncode != 0 or not smi.stdout.strip():
+        return CheckResult(name, Status.FAIL, f"nvidia-smi failed: {_tail(smi.stderr or smi.stdout)}",
+                           f"use the base OSS NVIDIA driver AMI (driver >= {versions.NVIDIA_DRIVER_MIN})")
+    driver = smi.stdout.strip().splitlines()[0].strip()
+    header = node.run(["nvidia-smi"], None, 60)
+    found = re.search(r"CUDA Version:\s*([\d.]+)", header.stdout)
+    driver_cuda = found.group(1) if found else ""
+    torch = node.run([node.python, "-c", TORCH_PROBE], None, 120)
+    torch_cuda = torch.stdout.strip().splitlines()[-1].strip() if torch.returncode == 0 and torch.stdout.strip() else ""
+    problems = []
+    if _version_tuple(driver)[:1] < _version_tuple(versions.NVIDIA_DRIVER_MIN)[:1]:
+        problems.append(f"driver {driver} is older than {versions.NVIDIA_DRIVER_MIN}")
+    if not torch_cuda:
+        problems.append(f"torch in {node.python} reports no CUDA ({_tail(torch.stderr or torch.stdout, 1)})")
+    else:
+        if _version_tuple(torch_cuda)[:1] != _version_tuple(versions.CUDA)[:1]:
+            problems.append(f"torch is built for CUDA {torch_cuda}, the image pins CUDA {versions.CUDA}")
+        if not driver_cuda:
+            problems.append("nvidia-smi shows no CUDA version")
+        elif _version_tuple(torch_cuda)[:2] > _version_tuple(driver_cuda)[:2]:
+            problems.append(f"driver {driver} supports CUDA up to {driver_cuda}, torch needs {torch_cuda}")
+    if problems:
+        return CheckResult(name, Status.FAIL, "; ".join(problems),
+                           f"bake on the base OSS NVIDIA driver AMI whose driver supports CUDA {versions.CUDA}, "
+                           f"and install vllm=={versions.VLLM_GPU} (its torch) in /opt/turnkv/venv")
+    return CheckResult(name, Status.PASS, f"driver {driver} (CUDA <= {driver_cuda}), torch CUDA {torch_cuda}")
+
+
+VERSIONS_PROBE = r"""
+import importlib, importlib.metadata as md, json, sys
+dists, modules = sys.argv[1].split(","), sys.argv[2].split(",")
+out = {"versions": {}, "errors": {}}
+for dist in dists:
+    try:
+        out["versions"][dist] = md.version(dist)
+    except md.PackageNotFoundError:
+        out["versions"][dist] = None
+for module in modules:
+    try:
+        importlib.import_module(module)
+    except Exception as exc:
+        out["errors"][module] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
+
+def expected_versions(flavor: str) -> dict[str, str]:
+    if flavor == "neuron":
+        return {"vllm-neuron": versions.VLLM_NEURON, "turnkv": versions.TURNKV}
+    return {"vllm": versions.VLLM_GPU, "nixl": versions.NIXL, "turnkv": versions.TURNKV}
+
+
+def check_versions(node: Node, opts: Options) -> CheckResult:
+    """vLLM and the connector import, at the versions pinned in turnkv/versions.py."""
+    name = "pinned-versions"
+    want = expected_versions(opts.flavor)
+    modules = ["vllm", "connector"] + (["vllm_neuron"] if opts.flavor == "neuron" else ["nixl"])
+    out = node.run([node.python, "-c", VERSIONS_PROBE, ",".join(want), ",".join(modules)], None, 300)
+    result = _last_json(out.stdout)
+    if out.returncode != 0 or result is None:
+        return CheckResult(name, Status.FAIL, f"{node.python} could not run: {_tail(out.stderr or out.stdout)}",
+                           "the AMI installs /opt/turnkv/venv; pass --python for another interpreter")
+    problems = [f"{dist} {result['versions'].get(dist) or 'missing'} (pinned {pin})"
+                for dist, pin in want.items() if result["versions"].get(dist) != pin]
+    problems += [f"import {module}: {error}" for module, error in sorted(result["errors"].items())]
+    if problems:
+        return CheckResult(name, Status.FAIL, "; ".join(problems),
+                           "rebake the image from turnkv/versions.py (or pip install the pinned versions into "
+                           "/opt/turnkv/venv)")
+    return CheckResult(name, Status.PASS, ", ".join(f"{dist} {pin}" for dist, pin in want.items()) +
+                       f"; {', '.join(modules)} import")
+
+
+CHECKS: tuple[Callable[[Node, Options], CheckResult], ...] = (
+    check_libfabric, check_efa_device, check_nixl, check_gdr, check_driver, check_versions,
+)
+
+
+def run_checks(node: Node, opts: Options,
+               checks: Sequence[Callable[[Node, Options], CheckResult]] = CHECKS) -> list[CheckResult]:
+    results = []
+    for check in checks:
+        try:
+            results.append(check(node, opts))
+        except Exception as exc:  # a check that crashes is a failed check, not a crashed doctor
+            results.append(CheckResult(check.__name__.removeprefix("check_"), Status.FAIL,
+                                       f"the check crashed: {type(exc).__name__}: {exc}", "report this as a bug"))
+    return results
+
+
+def failed(results: Sequence[CheckResult]) -> bool:
+    return any(r.status is Status.FAIL for r in results)
