@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
-logger = logging.getLogger("turnkv.connector")
+logger = logging.getLogger("vllm.turnkv")
 
 _registered = False
 
@@ -27,12 +27,15 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from connector import cpu, streaming
+    from connector import cpu, idle, streaming
 
     applied = []
-    if _enabled("cpu"):
-        applied += cpu.apply()
-    if _enabled("streaming"):
-        applied += streaming.apply()
+    for name, module in (("cpu", cpu), ("idle", idle), ("streaming", streaming)):
+        if not _enabled(name):
+            continue
+        try:
+            applied += module.apply()
+        except Exception:  # an engine without one patch beats no engine: say so loudly
+            logger.exception("turnkv plugin: patch %r failed; the engine runs without it", name)
     if applied:
         logger.info("turnkv plugin applied: %s", ", ".join(applied))

@@ -177,8 +177,21 @@ class Flow:
             raise UpstreamError(502, f"prefill engine {engine.name} returned no kv_transfer_params: "
                                      "is it running with the NIXL connector (--kv-transfer-config)?")
         if d.outcome == "hit":
-            d.reused_tokens = int(kv.get("remote_prefill_cached_tokens") or 0)
+            self._account_reuse(d, kv)
         return kv
+
+    def _account_reuse(self, d: Dispatch, prefill_params: Mapping[str, Any]) -> None:
+        """Reused tokens, from prefill's answer; a token-proof shortfall is a tokenization mismatch."""
+        d.reused_tokens = int(prefill_params.get("remote_prefill_cached_tokens") or 0)
+        verdict = prefill_params.get("turnkv_proof_verdict")
+        if isinstance(verdict, Mapping) and verdict.get("reason") in ("mismatch", "no-proof", "bad-proof"):
+            # The text history matched but the token ids did not (or could not be checked): re-tokenization,
+            # a template that renders past turns differently, or a decode engine without the turnkv connector.
+            cause = "tokenization" if verdict["reason"] == "mismatch" else "unverified"
+            self.metrics.token_mismatches.labels(cause).inc()
+            log.info("request %s: token proof verified %s of %s offered tokens (%s)", d.request_id,
+                     verdict.get("verified"), verdict.get("offered"), verdict["reason"])
+            d.outcome = "token_mismatch"
 
     def _decode_body(self, d: Dispatch, prefill_params: dict[str, Any]) -> bytes:
         body = dict(d.body)

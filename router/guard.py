@@ -38,6 +38,7 @@ REPLAY_KEYS = (
     "do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",
     "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens",
     "remote_blocks_expiry_time", "transfer_mode",
+    "turnkv_token_proof",  # decode's per-block token digests (turnkv connector): prefill verifies before pulling
 )
 REQUIRED_REPLAY_KEYS = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port", "remote_num_tokens")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 #: Why a request did or did not reuse the previous turn's KV.
-OUTCOMES = ("hit", "miss", "mismatch", "disabled", "store_error", "none")
+OUTCOMES = ("hit", "miss", "mismatch", "token_mismatch", "disabled", "store_error", "none")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60)
 
@@ -24,6 +24,8 @@ class Metrics:
                                      registry=r)
         self.leg = Histogram("turnkv_router_leg_seconds", "Latency of the prefill leg and decode's first byte.",
                              ["leg"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.token_mismatches = Counter("turnkv_router_token_mismatches",
+                                        "Reuse cut short by prefill's token proof, by cause.", ["cause"], registry=r)
         self.engine_errors = Counter("turnkv_router_engine_errors", "Engine failures by role and kind.",
                                      ["role", "kind"], registry=r)
         self.engine_healthy = Gauge("turnkv_router_engine_healthy", "1 when the engine passes health checks.",

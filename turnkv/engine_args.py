@@ -27,7 +27,7 @@ class Mode(StrEnum):
 
 #: Connector classes by mode. Pull is upstream's; push + bi-directional is turnkv's own (connector issue).
 CONNECTORS = {
-    Mode.PULL: ("NixlConnector", None),
+    Mode.PULL: ("TurnkvPullConnector", "connector.pull"),
     Mode.PUSH: ("TurnkvPushBidiConnector", "connector.push_bidi.connector"),
 }
 

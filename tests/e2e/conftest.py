@@ -23,6 +23,8 @@ def stack():
         state_dir=STATE_DIR, router_port=18000, prefill_port=18100, decode_port=18200, side_channel_base=15600,
         # A short TTL: a decode engine holding retained blocks keeps a core busy until they expire.
         tunables={"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45},
+        # The token-proof tests send a chat template that renders past assistant turns differently.
+        engine_extra_args=("--trust-request-chat-template",),
     )
     state = supervisor.up(config)
     try:

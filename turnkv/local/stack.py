@@ -48,6 +48,8 @@ class StackConfig:
     #: Engine tunables (catalog names) such as decoder_kv_blocks_ttl.
     tunables: dict[str, int | float] = field(default_factory=dict)
     kv_cache_gib: int = 2
+    #: Extra ``vllm serve`` flags for every engine (tests use --trust-request-chat-template).
+    engine_extra_args: tuple[str, ...] = ()
     startup_timeout: float = 240.0
     model_spec: model_maker.ModelSpec = field(default_factory=model_maker.ModelSpec)
 
@@ -131,7 +133,7 @@ def plan(config: StackConfig) -> list[ProcessSpec]:
                        if params.BY_NAME[k].scope is params.Scope.ROUTER or k == "decoder_kv_blocks_ttl"}
     common = dict(model=str(config.model_dir.resolve()), served_model_name=SERVED_MODEL_NAME, mode=config.mode,
                   enforce_eager=True, tunables=engine_tunables, dtype=config.model_spec.dtype,
-                  max_model_len=config.model_spec.max_position_embeddings)
+                  max_model_len=config.model_spec.max_position_embeddings, extra_args=config.engine_extra_args)
     prefill = EngineSpec(role=Role.PREFILL, engine_id="prefill-0", port=config.prefill_port,
                          side_channel_port=config.side_channel_base, prefix_caching=config.prefill_prefix_caching,
                          **common)

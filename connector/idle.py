@@ -1,0 +1,60 @@
+"""No busy engine while it only holds retained KV blocks.
+
+A finished request whose blocks are kept for another engine to read (decode's retained turn in
+bi-directional mode, prefill's blocks under lease) keeps vLLM's engine loop stepping about every
+millisecond, scheduling nothing, until the blocks are read or expire: a whole core for up to
+``decoder_kv_blocks_ttl``. When nothing is running or waiting, the engine now waits on its input
+queue for up to ``TURNKV_IDLE_TICK_MS`` (default 50 ms) between steps instead: a new request still
+wakes it at once, and retained blocks are still released when read or expired, a tick later.
+Reads by other engines do not need these steps: NIXL's progress thread serves them (see cpu.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import queue
+from typing import Any
+
+logger = logging.getLogger("vllm.turnkv.idle")
+
+
+def idle_tick_seconds() -> float:
+    try:
+        return max(0.0, float(os.environ.get("TURNKV_IDLE_TICK_MS", "50")) / 1000)
+    except ValueError:
+        return 0.05
+
+
+def only_holding_blocks(core: Any) -> bool:
+    """True when the engine has no request to compute, only connector bookkeeping."""
+    scheduler = core.scheduler
+    connector = getattr(scheduler, "connector", None)
+    return (scheduler.get_num_unfinished_requests() == 0 and not core.batch_queue
+            and not (connector is not None and connector.has_pending_push_work()))
+
+
+def apply() -> list[str]:
+    from vllm.v1.engine.core import EngineCoreProc
+
+    tick = idle_tick_seconds()
+    step = EngineCoreProc._process_engine_step
+    if tick <= 0 or getattr(step, "_turnkv_wrapped", False):
+        return []
+
+    @functools.wraps(step)
+    def process_engine_step(self: Any) -> bool:
+        model_executed = step(self)
+        if not model_executed and self.scheduler.has_requests() and only_holding_blocks(self):
+            try:
+                request = self.input_queue.get(timeout=tick)
+            except queue.Empty:
+                pass
+            else:
+                self._handle_client_request(*request)
+        return model_executed
+
+    process_engine_step._turnkv_wrapped = True  # type: ignore[attr-defined]
+    EngineCoreProc._process_engine_step = process_engine_step
+    return [f"idle-tick({tick * 1000:.0f}ms)"]

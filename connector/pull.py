@@ -1,0 +1,137 @@
+"""turnkv's pull-mode bi-directional connector: upstream NIXL pull + token-verified reuse.
+
+Load it with ``--kv-transfer-config '{"kv_connector": "TurnkvPullConnector",
+"kv_connector_module_path": "connector.pull", ...}'`` (``turnkv.engine_args`` does).
+
+Scheduler side only differs from upstream:
+- decode attaches a token proof (chained per-block digests of the token ids it holds) to the
+  ``kv_transfer_params`` it returns for a finished request;
+- prefill checks that proof against its own prompt before pulling and pulls only the verified prefix
+  (the rest is computed). Offers without a valid proof are recomputed.
+The worker side (the NIXL READ itself) is upstream's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from connector.compat import check_vllm_version
+
+check_vllm_version()
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (  # noqa: E402
+    NixlPullConnectorScheduler,
+)
+
+from connector import token_proof  # noqa: E402
+from connector.stats import TurnkvKVConnectorStats, TurnkvPromMetrics  # noqa: E402
+
+logger = logging.getLogger("vllm.turnkv.connector")
+
+#: Where the prefill engine reports its verdict in the kv_transfer_params of its response.
+VERDICT_KEY = "turnkv_proof_verdict"
+
+
+def _require_proof() -> bool:
+    return os.environ.get("TURNKV_REQUIRE_TOKEN_PROOF", "1").lower() not in ("0", "false", "no")
+
+
+class TurnkvPullScheduler(NixlPullConnectorScheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.turnkv_stats = TurnkvKVConnectorStats()
+        self._verdicts: dict[str, token_proof.Verdict] = {}
+        self._require_proof = _require_proof()
+
+    # prefill side ------------------------------------------------------------------------------
+
+    def _is_decode_offer(self, params: dict[str, Any] | None) -> bool:
+        return bool(params and params.get("do_remote_decode") and params.get("remote_block_ids")
+                    and not params.get("_remote_blocks_processed"))
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if self._is_decode_offer(params) and request.request_id not in self._verdicts:
+            self._check_offer(request, params)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def _check_offer(self, request: Any, params: dict[str, Any]) -> None:
+        remote = int(params.get("remote_num_tokens") or 0)
+        proof = params.get(token_proof.PARAMS_KEY)
+        verdict = token_proof.verify(proof, request.prompt_token_ids or [], remote)
+        if verdict.reason in ("no-proof", "bad-proof") and not self._require_proof:
+            verdict = token_proof.Verdict(verdict.offered, verdict.offered, "unverified")
+        self._verdicts[request.request_id] = verdict
+        s = self.turnkv_stats
+        s.record("turnkv_proof_offered_tokens", verdict.offered)
+        s.record("turnkv_proof_verified_tokens", verdict.verified)
+        if verdict.mismatched:
+            s.record("turnkv_proof_rejected_tokens", verdict.mismatched)
+        if verdict.reason == "mismatch":
+            s.record("turnkv_proof_mismatches", 1)
+            logger.warning("turnkv: request %s: token proof matched %d of %d offered tokens; computing the rest",
+                           request.request_id, verdict.verified, verdict.offered)
+        elif verdict.reason in ("no-proof", "bad-proof"):
+            s.record("turnkv_proof_missing", 1)
+            logger.warning("turnkv: request %s: decode's offer has %s; recomputing", request.request_id,
+                           verdict.reason)
+        if verdict.verified < remote:
+            self._limit_offer(params, verdict.verified)
+
+    def _limit_offer(self, params: dict[str, Any], verified: int) -> None:
+        """Make decode's offer cover only the verified prefix (upstream then pulls just that)."""
+        params["remote_num_tokens"] = verified
+        groups = params.get("remote_block_ids") or []
+        if verified == 0 or len(groups) != 1:
+            # Nothing (or, with several KV cache groups, nothing safely) pulled. The block ids stay, so
+            # decode is still notified and frees its blocks.
+            params["remote_num_tokens"] = 0
+            return
+        keep = -(-verified // self.block_size)
+        params["remote_block_ids"] = [list(groups[0][:keep])]
+
+    # both sides ----------------------------------------------------------------------------------
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        delay, out = super().request_finished(request, block_ids)
+        verdict = self._verdicts.pop(request.request_id, None)
+        if out is None:
+            return delay, out
+        if out.get("do_remote_decode") and delay and out.get("remote_num_tokens"):
+            # Decode: prove which tokens the retained blocks hold.
+            held = list(request.all_token_ids[: out["remote_num_tokens"]])
+            out[token_proof.PARAMS_KEY] = token_proof.make_proof(held, self.block_size)
+        if verdict is not None:
+            out[VERDICT_KEY] = {"offered": verdict.offered, "verified": verdict.verified, "reason": verdict.reason}
+        return delay, out
+
+    def take_turnkv_stats(self) -> TurnkvKVConnectorStats | None:
+        if self.turnkv_stats.is_empty():
+            return None
+        return self.turnkv_stats.clone_and_reset()
+
+
+class TurnkvPullConnector(NixlPullConnector):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = TurnkvPullScheduler(vllm_config, self.engine_id, kv_cache_config)
+
+    def get_kv_connector_stats(self) -> Any:
+        if self.connector_scheduler is not None:
+            assert isinstance(self.connector_scheduler, TurnkvPullScheduler)
+            return self.connector_scheduler.take_turnkv_stats()
+        return TurnkvKVConnectorStats.wrap(super().get_kv_connector_stats())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return TurnkvKVConnectorStats(data=data) if data is not None else TurnkvKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        return TurnkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,68 @@
+"""turnkv's connector counters, carried on vLLM's KV-connector stats path to the engine's /metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats, NixlPromMetrics
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+#: stats key -> (Prometheus counter name, help). Every value is a list of increments (vLLM's convention).
+COUNTERS: dict[str, tuple[str, str]] = {
+    "turnkv_proof_offered_tokens": (
+        "vllm:turnkv_proof_offered_tokens", "Tokens decode offered for a bi-directional pull (prefill side)."),
+    "turnkv_proof_verified_tokens": (
+        "vllm:turnkv_proof_verified_tokens", "Offered tokens whose token-id digests matched the prompt (pulled)."),
+    "turnkv_proof_rejected_tokens": (
+        "vllm:turnkv_proof_rejected_tokens", "Offered tokens not pulled because their digests did not match."),
+    "turnkv_proof_mismatches": (
+        "vllm:turnkv_proof_mismatches", "Pulls cut short by a token-id digest mismatch."),
+    "turnkv_proof_missing": (
+        "vllm:turnkv_proof_missing", "Offers without a valid token proof (nothing pulled)."),
+}
+
+
+class TurnkvKVConnectorStats(NixlKVConnectorStats):
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in COUNTERS:
+            self.data.setdefault(key, [])
+
+    def reset(self) -> None:
+        super().reset()
+        for key in COUNTERS:
+            self.data[key] = []
+
+    def record(self, key: str, value: float) -> None:
+        self.data[key].append(value)
+
+    def is_empty(self) -> bool:
+        return super().is_empty() and not any(self.data.get(key) for key in COUNTERS)
+
+    def aggregate(self, other: Any) -> Any:
+        for key in COUNTERS:
+            other.data.setdefault(key, [])
+        return super().aggregate(other)
+
+    @classmethod
+    def wrap(cls, stats: NixlKVConnectorStats | None) -> TurnkvKVConnectorStats | None:
+        if stats is None or isinstance(stats, cls):
+            return stats
+        return cls(data=dict(stats.data))
+
+
+class TurnkvPromMetrics(NixlPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.turnkv_counters = {
+            key: create_metric_per_engine(self._counter_cls(name=name, documentation=doc, labelnames=labelnames),
+                                          self.per_engine_labelvalues)
+            for key, (name, doc) in COUNTERS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        super().observe(transfer_stats_data, engine_idx)
+        for key, counter in self.turnkv_counters.items():
+            for value in transfer_stats_data.get(key, ()):
+                counter[engine_idx].inc(value)
