@@ -16,7 +16,8 @@ def kv_config(args):
 def test_pull_bidirectional_defaults():
     args = engine_args.serve_args(spec(prefix_caching=False, enforce_eager=True))
     config = kv_config(args)
-    assert config["kv_connector"] == "NixlConnector" and config["engine_id"] == "p0"
+    assert config["kv_connector"] == "TurnkvPullConnector" and config["kv_connector_module_path"] == "connector.pull"
+    assert config["engine_id"] == "p0"
     assert config["kv_load_failure_policy"] == "recompute"
     extra = config["kv_connector_extra_config"]
     assert extra["bidirectional_kv_xfer"] is True
