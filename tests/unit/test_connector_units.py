@@ -1,0 +1,83 @@
+"""Connector pieces that run inside vLLM, tested without an engine."""
+
+import asyncio
+import json
+import types
+
+import pytest
+
+from connector import compat, idle, plugin, streaming
+from turnkv import versions
+
+
+def test_unsupported_vllm_is_refused_naming_the_supported_versions():
+    assert compat.check_vllm_version(f"{versions.VLLM_CPU}+cpu") == f"{versions.VLLM_CPU}+cpu"
+    assert compat.check_vllm_version(versions.VLLM_GPU) == versions.VLLM_GPU
+    with pytest.raises(compat.UnsupportedVllmError) as info:
+        compat.check_vllm_version("0.31.2")
+    assert f"supports vLLM {versions.VLLM_CPU} and {versions.VLLM_GPU}" in str(info.value)
+    assert "0.31.2 is installed" in str(info.value)
+
+
+def test_patch_selection(monkeypatch):
+    monkeypatch.setenv("TURNKV_PATCHES", "cpu, streaming")
+    assert plugin._enabled("cpu") and plugin._enabled("streaming") and not plugin._enabled("idle")
+    monkeypatch.setenv("TURNKV_PATCHES", "all")
+    assert plugin._enabled("idle")
+
+
+def test_idle_only_when_nothing_is_running():
+    def core(unfinished, batch=(), push=False):
+        connector = types.SimpleNamespace(has_pending_push_work=lambda: push)
+        scheduler = types.SimpleNamespace(get_num_unfinished_requests=lambda: unfinished, connector=connector)
+        return types.SimpleNamespace(scheduler=scheduler, batch_queue=list(batch))
+
+    assert idle.only_holding_blocks(core(0))
+    assert not idle.only_holding_blocks(core(1))
+    assert not idle.only_holding_blocks(core(0, batch=[1]))
+    assert not idle.only_holding_blocks(core(0, push=True))
+
+
+def test_idle_tick_setting(monkeypatch):
+    monkeypatch.setenv("TURNKV_IDLE_TICK_MS", "20")
+    assert idle.idle_tick_seconds() == 0.02
+    monkeypatch.setenv("TURNKV_IDLE_TICK_MS", "nonsense")
+    assert idle.idle_tick_seconds() == 0.05
+
+
+def test_stream_gets_a_final_params_chunk_before_done():
+    params = {"do_remote_decode": True, "remote_block_ids": [[3]]}
+
+    async def engine_outputs():
+        yield types.SimpleNamespace(kv_transfer_params=None)
+        yield types.SimpleNamespace(kv_transfer_params=params)
+
+    async def original(self, request, result_generator, request_id, model_name):
+        async for _ in result_generator:
+            yield 'data: {"choices": [{"delta": {"content": "x"}}]}\n\n'
+        yield streaming.DONE
+
+    wrapped = streaming._wrap(original, "chat.completion.chunk", 2)
+
+    async def collect():
+        return [c async for c in wrapped(None, object(), engine_outputs(), "req-1", "tiny")]
+
+    chunks = asyncio.run(collect())
+    assert chunks[-1] == streaming.DONE
+    final = json.loads(chunks[-2][len("data: "):])
+    assert final["kv_transfer_params"] == params and final["choices"] == [] and final["id"] == "req-1"
+
+
+def test_stats_carry_turnkv_counters_through_aggregation():
+    from connector.stats import TurnkvKVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
+
+    ours = TurnkvKVConnectorStats()
+    assert ours.is_empty()
+    ours.record("turnkv_proof_mismatches", 1)
+    assert not ours.is_empty()
+    worker = TurnkvKVConnectorStats.wrap(NixlKVConnectorStats())
+    worker.aggregate(ours)
+    assert worker.data["turnkv_proof_mismatches"] == [1]
+    rebuilt = TurnkvKVConnectorStats(data=json.loads(json.dumps(worker.data)))
+    assert rebuilt.data["turnkv_proof_mismatches"] == [1]
