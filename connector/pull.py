@@ -29,15 +29,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (  
 
 from connector import token_proof  # noqa: E402
 from connector.stats import TurnkvKVConnectorStats, TurnkvPromMetrics  # noqa: E402
+from connector.tunables import TunablesFile  # noqa: E402
 
 logger = logging.getLogger("vllm.turnkv.connector")
 
 #: Where the prefill engine reports its verdict in the kv_transfer_params of its response.
 VERDICT_KEY = "turnkv_proof_verdict"
+#: Set by the router on a decode request whose KV the conversation's next turn will pull.
+RETAIN_KEY = "turnkv_retain"
 
 
-def _require_proof() -> bool:
-    return os.environ.get("TURNKV_REQUIRE_TOKEN_PROOF", "1").lower() not in ("0", "false", "no")
+def _flag(name: str, default: bool) -> bool:
+    return os.environ.get(name, "1" if default else "0").lower() not in ("0", "false", "no")
 
 
 class TurnkvPullScheduler(NixlPullConnectorScheduler):
@@ -45,7 +48,19 @@ class TurnkvPullScheduler(NixlPullConnectorScheduler):
         super().__init__(*args, **kwargs)
         self.turnkv_stats = TurnkvKVConnectorStats()
         self._verdicts: dict[str, token_proof.Verdict] = {}
-        self._require_proof = _require_proof()
+        # Offers without a valid proof are recomputed unless TURNKV_REQUIRE_TOKEN_PROOF=0.
+        self._require_proof = _flag("TURNKV_REQUIRE_TOKEN_PROOF", True)
+        # Decode retains a finished request's blocks only when the request asks (TURNKV_RETAIN_ON_DEMAND=0:
+        # upstream's retain-everything behaviour).
+        self._retain_on_demand = _flag("TURNKV_RETAIN_ON_DEMAND", True)
+        self._tunables = TunablesFile(self._apply_tunables)
+        self._tunables.poll()
+
+    def _apply_tunables(self, values: dict[str, int | float]) -> None:
+        if "decoder_kv_blocks_ttl" in values:
+            self.decoder_kv_blocks_ttl = int(values["decoder_kv_blocks_ttl"])
+        if "kv_recompute_threshold" in values:
+            self.kv_recompute_threshold = int(values["kv_recompute_threshold"])
 
     # prefill side ------------------------------------------------------------------------------
 
@@ -54,6 +69,7 @@ class TurnkvPullScheduler(NixlPullConnectorScheduler):
                     and not params.get("_remote_blocks_processed"))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        self._tunables.poll()
         params = request.kv_transfer_params
         if self._is_decode_offer(params) and request.request_id not in self._verdicts:
             self._check_offer(request, params)
@@ -97,7 +113,18 @@ class TurnkvPullScheduler(NixlPullConnectorScheduler):
     # both sides ----------------------------------------------------------------------------------
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
-        delay, out = super().request_finished(request, block_ids)
+        params = request.kv_transfer_params or {}
+        is_decode = bool(params) and not params.get("do_remote_decode")
+        unwanted = self._retain_on_demand and not params.get(RETAIN_KEY)
+        if is_decode and unwanted and self.is_bidirectional_kv_xfer_enabled:
+            # Nobody will come back for this turn: free its blocks now, as upstream does without bi-directional.
+            self.is_bidirectional_kv_xfer_enabled = False
+            try:
+                delay, out = super().request_finished(request, block_ids)
+            finally:
+                self.is_bidirectional_kv_xfer_enabled = True
+        else:
+            delay, out = super().request_finished(request, block_ids)
         verdict = self._verdicts.pop(request.request_id, None)
         if out is None:
             return delay, out

@@ -195,6 +195,9 @@ class Flow:
 
     def _decode_body(self, d: Dispatch, prefill_params: dict[str, Any]) -> bytes:
         body = dict(d.body)
+        if d.key is not None and d.outcome != "disabled":
+            # A conversation turn: ask decode to keep its KV for the next turn (others pin nothing).
+            prefill_params = {**prefill_params, "turnkv_retain": True}
         body["kv_transfer_params"] = prefill_params
         return orjson.dumps(body)
 

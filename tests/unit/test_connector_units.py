@@ -69,8 +69,9 @@ def test_stream_gets_a_final_params_chunk_before_done():
 
 
 def test_stats_carry_turnkv_counters_through_aggregation():
-    from connector.stats import TurnkvKVConnectorStats
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
+
+    from connector.stats import TurnkvKVConnectorStats
 
     ours = TurnkvKVConnectorStats()
     assert ours.is_empty()

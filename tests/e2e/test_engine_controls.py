@@ -1,0 +1,65 @@
+"""Connector controls on real engines: retain on demand and hot-reloaded tunables."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.e2e.client import chat, metric, words
+
+pytestmark = pytest.mark.engines
+
+
+def decode_kv_usage(stack) -> float:
+    return metric(stack["decode-0"], "vllm:kv_cache_usage_perc")
+
+
+def wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return predicate()
+
+
+def test_only_conversation_turns_retain_decode_blocks(stack):
+    router, model_dir = stack["router"], stack["model_dir"]
+    assert wait_for(lambda: decode_kv_usage(stack) == 0.0, 90), "decode still holds blocks from earlier tests"
+    one_shot = chat(router, [{"role": "user", "content": words(model_dir, 1500, 80)}])
+    assert one_shot.status == 200
+    time.sleep(0.5)
+    assert decode_kv_usage(stack) == 0.0, "a request without a conversation pinned decode blocks"
+    turn = chat(router, [{"role": "user", "content": words(model_dir, 1500, 81)}], conversation="retained")
+    assert turn.status == 200
+    assert decode_kv_usage(stack) > 0.0, "a conversation turn must keep its KV for the next turn"
+
+
+def test_hot_reload_of_the_recompute_threshold(stack):
+    router, model_dir = stack["router"], stack["model_dir"]
+    tunables = stack["state_dir"] / "tunables.json"
+    messages = [{"role": "user", "content": words(model_dir, 300, 90)}]
+
+    def next_turn(conversation: str):
+        first = chat(router, messages, conversation=conversation)
+        return chat(router, [*messages, {"role": "assistant", "content": first.text},
+                             {"role": "user", "content": "go on"}], conversation=conversation)
+
+    try:
+        tunables.write_text(json.dumps({"kv_recompute_threshold": 100000}))
+        time.sleep(1.2)
+        cold = next_turn("reload-a")
+        assert cold.outcome == "hit" and cold.reused == 0, "threshold above the offer: prefill recomputes"
+        tunables.write_text(json.dumps({"kv_recompute_threshold": -1}))  # refused, last good value stays
+        time.sleep(1.2)
+        still = next_turn("reload-b")
+        assert still.reused == 0
+        log = (stack["state_dir"] / "logs" / "prefill-0.log").read_text()
+        assert "refused kv_recompute_threshold: -1 is out of range" in log
+    finally:
+        tunables.write_text(json.dumps({"kv_recompute_threshold": 64, "decoder_kv_blocks_ttl": 60}))
+        time.sleep(1.2)
+    warm = next_turn("reload-c")
+    assert warm.outcome == "hit" and warm.reused > 300
