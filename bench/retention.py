@@ -1,0 +1,99 @@
+"""Decode KV memory held after a mixed workload: upstream (every request retained) vs retain on demand.
+
+Mixed workload: conversation turns (which the next turn will pull back) interleaved with one-shot
+requests (no conversation: nobody comes back for their KV). Upstream bi-directional decode pins every
+finished request's blocks for decoder_kv_blocks_ttl; turnkv's connector pins only what the router
+marks as a conversation turn. After the workload the decode engine's KV cache usage is read from its
+/metrics; then every conversation plays its second turn to show reuse is intact.
+
+    python -m bench.retention --out results/retention
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.client import Result, chat
+from bench.variants import stack_with_env
+from bench.workload import WorkloadSpec, build
+from turnkv.local.model import load_words
+
+VARIANTS = {
+    "upstream: retain every request": {"TURNKV_RETAIN_ON_DEMAND": "0"},
+    "turnkv: retain on demand": {},
+}
+
+
+async def decode_kv(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
+    async with session.get(url + "/metrics") as resp:
+        text = await resp.text()
+    usage, capacity = 0.0, 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:kv_cache_usage_perc":
+                usage = sample.value
+            if sample.name == "vllm:cache_config_info":
+                capacity = float(sample.labels.get("kv_cache_memory_bytes", 0))
+    return usage, capacity
+
+
+async def workload(state: dict, words: list[str], conversations: int, one_shots: int) -> dict:
+    router = state["components"]["router"]["url"]
+    decode = state["components"]["decode-0"]["url"]
+    spec = WorkloadSpec(conversations=conversations, turns=2, system_words=100, first_user_words=1200,
+                        turn_words=100, max_tokens=16, seed=5)
+    shots = build(WorkloadSpec(conversations=conversations * one_shots, turns=1, system_words=100,
+                               first_user_words=1200, seed=6), words)
+    run = str(time.time())
+    async with aiohttp.ClientSession() as session:
+        convs = build(spec, words)
+        replies: dict[int, str] = {}
+        for conv in convs:
+            body = {"model": "tiny", "messages": conv.messages_for(0, []), "max_tokens": 16, "temperature": 0,
+                    "stream": True, "conversation_id": f"ret-{run}-{conv.index}"}
+            replies[conv.index] = (await chat(session, router, body, {}, Result(conv.index, 0, "on"), 300)).reply
+            for shot in shots[conv.index * one_shots:(conv.index + 1) * one_shots]:
+                body = {"model": "tiny", "messages": shot.messages_for(0, []), "max_tokens": 16, "temperature": 0,
+                        "stream": True}
+                await chat(session, router, body, {}, Result(shot.index, 0, "one-shot"), 300)
+        usage, capacity = await decode_kv(session, decode)
+        reused = []
+        for conv in convs:
+            body = {"model": "tiny", "messages": conv.messages_for(1, [replies[conv.index]]), "max_tokens": 16,
+                    "temperature": 0, "stream": True, "conversation_id": f"ret-{run}-{conv.index}"}
+            reused.append((await chat(session, router, body, {}, Result(conv.index, 1, "on"), 300)).reused_tokens)
+    return {"decode_kv_usage_percent": round(100 * usage, 2), "decode_kv_held_mib": round(usage * capacity / 2**20, 1),
+            "requests": conversations * (1 + one_shots), "conversation_turns": conversations,
+            "turn2_reused_tokens_min": min(reused)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conversations", type=int, default=6)
+    parser.add_argument("--one-shots", type=int, default=3, help="one-shot requests per conversation turn")
+    parser.add_argument("--out", type=Path, default=Path("results/retention"))
+    parser.add_argument("--state-dir", type=Path, default=Path(".turnkv/retention"))
+    args = parser.parse_args()
+    rows = []
+    for name, env in VARIANTS.items():
+        with stack_with_env(env, args.state_dir, port_base=8500) as state:
+            words = load_words(state["model_dir"])
+            rows.append({"variant": name, **asyncio.run(workload(state, words, args.conversations, args.one_shots))})
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
+    print("| variant | requests (conversation turns) | decode KV held after | usage | turn-2 reuse (min tokens) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['variant']} | {r['requests']} ({r['conversation_turns']}) | {r['decode_kv_held_mib']} MiB | "
+              f"{r['decode_kv_usage_percent']}% | {r['turn2_reused_tokens_min']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Run the local stack once per variant (connector switches set through the environment)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+
+from turnkv.local.stack import StackConfig, Supervisor
+
+
+@contextlib.contextmanager
+def stack_with_env(env: dict[str, str], state_dir: Path, port_base: int = 8400, **config) -> Iterator[dict]:
+    """Start a stack whose engines see ``env`` (TURNKV_* switches), yield its state (+ model_dir), stop it."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    supervisor = Supervisor(state_dir)
+    stack = StackConfig(state_dir=state_dir, router_port=port_base, prefill_port=port_base + 10,
+                        decode_port=port_base + 20, side_channel_base=port_base - 2760, **config)
+    try:
+        state = supervisor.up(stack)
+        yield {**state, "model_dir": stack.model_dir}
+    finally:
+        supervisor.down()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds used so far by every live process of a process group."""
+    total = 0.0
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid:
+                t = proc.cpu_times()
+                total += t.user + t.system
+        except (psutil.Error, ProcessLookupError, PermissionError):
+            continue
+    return total
+
+
+def cpu_percent_over(pgid: int, seconds: float) -> float:
+    start_cpu, start = group_cpu_seconds(pgid), time.monotonic()
+    time.sleep(seconds)
+    return 100 * (group_cpu_seconds(pgid) - start_cpu) / (time.monotonic() - start)
