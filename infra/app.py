@@ -96,8 +96,8 @@ def build(app: cdk.App, config: DeploymentConfig | None = None, image_sources: I
     return result
 
 
-def main() -> int:
-    app = cdk.App()
+def main(app: cdk.App | None = None) -> int:
+    app = app or cdk.App()
     try:
         build(app)
     except ConfigError as exc:

@@ -25,6 +25,8 @@ class EfaLaunchTemplateProps:
     security_group: ec2.ISecurityGroup
     #: Cluster placement group; None with a targeted capacity reservation (the reservation decides placement).
     placement_group: ec2.IPlacementGroup | None = None
+    #: Only for a Capacity Block (market type capacity-block + target, here); an On-Demand Capacity
+    #: Reservation is targeted on the Auto Scaling group instead (EnginePool).
     capacity_reservation_id: str | None = None
     capacity_block: bool = False
     root_volume_gib: int | None = None
@@ -78,7 +80,3 @@ class EfaLaunchTemplate(Construct):
             cfn.add_property_override(
                 "LaunchTemplateData.CapacityReservationSpecification.CapacityReservationTarget.CapacityReservationId",
                 props.capacity_reservation_id)
-        elif props.capacity_reservation_id:
-            cfn.add_property_override("LaunchTemplateData.CapacityReservationSpecification",
-                                      {"CapacityReservationTarget": {
-                                          "CapacityReservationId": props.capacity_reservation_id}})
