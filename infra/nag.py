@@ -38,12 +38,6 @@ def apply(app: cdk.App, t: TurnkvApp) -> None:
     ssm_prefix = f"arn:<AWS::Partition>:ssm:{region}:<AWS::AccountId>:parameter/turnkv/{config.name}/*"
     assets_bucket = f"arn:<AWS::Partition>:s3:::cdk-hnb659fds-assets-<AWS::AccountId>-{region}/*"
 
-    # --- network
-    for endpoint in t.network.node.find_all():
-        if isinstance(endpoint, cdk.aws_ec2.InterfaceVpcEndpoint):
-            ack(endpoint, "EC23", "The endpoint's group admits HTTPS from the VPC's own CIDR only; the CIDR is a "
-                                  "CloudFormation reference (Fn::GetAtt Vpc.CidrBlock) that cdk-nag cannot evaluate.")
-
     # --- image
     image = t.image
     build_role = image.node.find_child("BuildRole")

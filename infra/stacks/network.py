@@ -64,8 +64,13 @@ class NetworkStack(Stack):
             gateway_endpoints={"S3": ec2.GatewayVpcEndpointOptions(service=ec2.GatewayVpcEndpointAwsService.S3)},
         )
         private = ec2.SubnetSelection(subnet_type=private_type)
+        # One group for all interface endpoints: HTTPS in from the VPC, nothing out (endpoints only answer).
+        self.endpoint_sg = ec2.SecurityGroup(self, "EndpointSecurityGroup", vpc=self.vpc, allow_all_outbound=False,
+                                             description="turnkv VPC interface endpoints: HTTPS from the VPC")
+        self.endpoint_sg.add_ingress_rule(ec2.Peer.ipv4(net.cidr), ec2.Port.tcp(443), "HTTPS from the VPC")
         for name, service in INTERFACE_ENDPOINTS.items():
-            self.vpc.add_interface_endpoint(name, service=service, subnets=private, private_dns_enabled=True)
+            self.vpc.add_interface_endpoint(name, service=service, subnets=private, private_dns_enabled=True,
+                                            security_groups=[self.endpoint_sg], open=False)
 
     @property
     def private_subnets(self) -> list[ec2.ISubnet]:

@@ -18,7 +18,7 @@ import pytest
 os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
 os.environ.setdefault("JSII_DEPRECATED", "quiet")
 
-from tests.infra import configs  # noqa: E402
+from tests.infra import configs
 
 
 @dataclass
