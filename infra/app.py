@@ -61,8 +61,20 @@ def default_image_sources(app: cdk.App) -> ImageSources:
                         deploy_parameters=recipes.deploy_parameters, recipe_fingerprint=recipes.recipe_fingerprint)
 
 
+#: Feature flags the app relies on (set unless cdk.json or -c already decides).
+FEATURE_FLAGS = {
+    # Server access logs through a bucket policy instead of the legacy LogDeliveryWrite ACL (cfn-lint W3045).
+    "@aws-cdk/aws-s3:serverAccessLogsUseBucketPolicy": True,
+    # Cross-stack references as exports (what CloudFormation protects from deletion), stated explicitly.
+    "@aws-cdk/core:defaultCrossStackReferences": "strong",
+}
+
+
 def build(app: cdk.App, config: DeploymentConfig | None = None, image_sources: ImageSources | None = None,
           run_nag: bool | None = None) -> TurnkvApp:
+    for flag, value in FEATURE_FLAGS.items():
+        if app.node.try_get_context(flag) is None:
+            app.node.set_context(flag, value)
     if config is None:
         config = from_context(app.node.try_get_context(CONFIG_KEY), app.node.try_get_context(CONFIG_FILE_KEY))
     env = cdk.Environment(account=config.account or os.environ.get("CDK_DEFAULT_ACCOUNT"), region=config.region)

@@ -32,7 +32,8 @@ CONSTRUCTS = "10.8.1"
 CDK_NAG = "3.0.2"
 CFN_LINT = "1.58.0"
 MOTO = "5.2.5"
-AWS_CDK_CLI = "2.1100.0"
+#: The CDK CLI (npm `aws-cdk`): aws-cdk-lib 2.275 writes cloud assembly schema 55, which needs CLI >= 2.1148.0.
+AWS_CDK_CLI = "2.1148.1"
 
 #: Node images: EFA installer and what it brings.
 EFA_INSTALLER = "1.51.0"

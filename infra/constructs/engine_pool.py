@@ -57,9 +57,10 @@ class EnginePool(Construct):
             vpc=props.vpc,
             vpc_subnets=ec2.SubnetSelection(subnets=[props.subnet]),
             launch_template=self.template.launch_template,
+            # min = max pins the pool size; no desired capacity, so a deploy never resets a group an operator
+            # resized by hand during an incident (aws-cdk#5215).
             min_capacity=pool.count,
             max_capacity=pool.count,
-            desired_capacity=pool.count,
             health_checks=autoscaling.HealthChecks.ec2(grace_period=Duration.minutes(props.health_grace_minutes)),
             notifications=[autoscaling.NotificationConfiguration(topic=props.notifications_topic)],
             group_metrics=[autoscaling.GroupMetrics.all()],

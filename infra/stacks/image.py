@@ -56,8 +56,6 @@ class ImageStack(Stack):
     def __init__(self, scope: Construct, construct_id: str, *, config: DeploymentConfig, sources: ImageSources,
                  flavors: tuple[str, ...], **kwargs) -> None:
         super().__init__(scope, construct_id, **kwargs)
-        # Server access logs via a bucket policy, not the legacy LogDeliveryWrite ACL.
-        self.node.set_context("@aws-cdk/aws-s3:serverAccessLogsUseBucketPolicy", True)
         self.config = config
         missing = [f for f in flavors if f not in sources.images]
         if missing:

@@ -68,8 +68,7 @@ def synthesize(raw: dict, outdir: Path, image_sources, validation: bool = False)
     from infra.app import build
     from infra.config import from_mapping
 
-    app = cdk.App(outdir=str(outdir), builtin_cloud_formation_validation=validation,
-                  context={"@aws-cdk/aws-s3:serverAccessLogsUseBucketPolicy": True})
+    app = cdk.App(outdir=str(outdir), builtin_cloud_formation_validation=validation)
     result = build(app, config=from_mapping(raw), image_sources=image_sources)
     app.synth()
     templates = {s.stack_name: json.loads((outdir / f"{s.artifact_id}.template.json").read_text())

@@ -86,7 +86,7 @@ def test_on_demand_reservation_is_targeted_on_the_group_without_placement_group(
         "CapacityReservationSpecification": {
             "CapacityReservationPreference": "capacity-reservations-only",
             "CapacityReservationTarget": {"CapacityReservationIds": ["cr-0123456789abcdef0"]}},
-        "MinSize": "2", "MaxSize": "2", "DesiredCapacity": "2"})
+        "MinSize": "2", "MaxSize": "2"})
 
 
 def test_capacity_block_uses_market_type_and_target_in_the_launch_template(gpu):
