@@ -32,6 +32,8 @@ CONSTRUCTS = "10.8.1"
 CDK_NAG = "3.0.2"
 CFN_LINT = "1.58.0"
 MOTO = "5.2.5"
+#: The CDK app reads its deployment config from YAML files (infra/config.py).
+PYYAML = "6.0.4"
 #: The CDK CLI (npm `aws-cdk`): aws-cdk-lib 2.275 writes cloud assembly schema 55, which needs CLI >= 2.1148.0.
 AWS_CDK_CLI = "2.1148.1"
 
@@ -54,6 +56,7 @@ REQUIREMENTS: dict[str, list[str]] = {
         f"constructs=={CONSTRUCTS}",
         f"cdk-nag=={CDK_NAG}",
         f"cfn-lint=={CFN_LINT}",
+        f"pyyaml=={PYYAML}",
     ],
     "peers": [f"vllm-router=={VLLM_ROUTER}"],
 }
