@@ -50,11 +50,10 @@ class TurnkvApp:
 
 def default_image_sources(app: cdk.App) -> ImageSources:
     """``ami.recipes`` (the AMI side's interface) and the turnkv wheel built from this tree."""
-    try:
-        from ami import recipes
-    except ImportError as exc:
-        raise ConfigError([("ami.recipes", f"cannot import the AMI recipes ({exc}); the image stack needs "
-                                           "ami/recipes.py from the AMI work (branch ami)")]) from None
+    if not (REPO_ROOT / "ami" / "recipes.py").is_file():
+        raise ConfigError([("ami.recipes", f"{REPO_ROOT / 'ami' / 'recipes.py'} is missing; the image stack "
+                                           "needs the AMI recipes (ami/ from the AMI work)")])
+    from ami import recipes
     wheel = app.node.try_get_context(WHEEL_KEY)
     wheel_path = Path(wheel) if wheel else build_wheel(REPO_ROOT / "dist" / "turnkv-wheel")
     return ImageSources(images=recipes.IMAGES, scripts_dir=recipes.SCRIPTS_DIR, wheel=wheel_path,

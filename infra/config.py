@@ -363,6 +363,9 @@ def from_mapping(data: Mapping[str, Any]) -> DeploymentConfig:
             ipaddress.ip_network(block_)
         except ValueError:
             r.fail(f"router.allowed_cidrs[{i}]", f"{block_!r} is not a CIDR block (e.g. 203.0.113.0/24)")
+    if public and existing is not None and not existing.public_subnet_ids:
+        r.fail("router.public", "an internet-facing ALB needs network.existing.public_subnet_ids; add them or set "
+                                "router.public: false")
     if public and not cidrs:
         r.fail("router.allowed_cidrs", "an internet-facing router needs the client CIDRs that may reach it "
                                        "(write 0.0.0.0/0 explicitly to open it to everyone)")

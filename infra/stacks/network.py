@@ -6,6 +6,7 @@ from __future__ import annotations
 from aws_cdk import RemovalPolicy, Stack
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_logs as logs
+from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
 from infra.config import DeploymentConfig
@@ -41,6 +42,9 @@ class NetworkStack(Stack):
                 private_subnet_ids=list(ex.private_subnet_ids),
                 public_subnet_ids=list(ex.public_subnet_ids) or None,
             )
+            # The VPC, its endpoints and flow logs are the owner's; record which one this deployment uses.
+            ssm.StringParameter(self, "VpcId", parameter_name=f"/turnkv/{config.name}/network/vpc-id",
+                                string_value=ex.vpc_id, description=f"VPC of turnkv deployment {config.name}")
             return
         private_type = (ec2.SubnetType.PRIVATE_WITH_EGRESS if net.nat_gateways
                         else ec2.SubnetType.PRIVATE_ISOLATED)

@@ -81,7 +81,7 @@ class RouterStack(Stack):
             valkey_sg.add_ingress_rule(self.router_sg, ec2.Port.tcp(VALKEY_PORT), "from the router")
             self.router_sg.add_egress_rule(valkey_sg, ec2.Port.tcp(VALKEY_PORT), "to Valkey")
             self.valkey = elasticache.CfnServerlessCache(
-                self, "Valkey", engine="valkey", serverless_cache_name=f"{config.prefix}-conversations",
+                self, "Valkey", engine="valkey", serverless_cache_name=f"{config.prefix}-state",
                 major_engine_version="8", description="turnkv router conversation state",
                 security_group_ids=[valkey_sg.security_group_id],
                 subnet_ids=[s.subnet_id for s in network.private_subnets])

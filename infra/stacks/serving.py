@@ -59,7 +59,13 @@ class ServingStack(Stack):
 
         key = kms.Key(self, "TopicKey", enable_key_rotation=True, removal_policy=RemovalPolicy.DESTROY,
                       description=f"turnkv {config.name} engine notifications")
-        key.grant_encrypt_decrypt(iam.ServicePrincipal("autoscaling.amazonaws.com"))
+        # Auto Scaling publishes through its service-linked role, which may not exist yet in a fresh account:
+        # allow this account's principals to use the key only via SNS in this region.
+        key.add_to_resource_policy(iam.PolicyStatement(
+            sid="PublishViaSns", principals=[iam.AnyPrincipal()],
+            actions=["kms:GenerateDataKey*", "kms:Decrypt"], resources=["*"],
+            conditions={"StringEquals": {"kms:CallerAccount": self.account,
+                                         "kms:ViaService": f"sns.{self.region}.amazonaws.com"}}))
         self.events_topic = sns.Topic(self, "EngineEvents", master_key=key, enforce_ssl=True,
                                       display_name=f"turnkv {config.name} engine pool events")
         if config.alarm_email:

@@ -48,16 +48,18 @@ class Synth:
 def image_sources(tmp_path_factory):
     """``ami.recipes`` when the AMI work is in the tree; otherwise the test stand-in (see fallback_ami.py)."""
     from infra.stacks.image import ImageSources
-    from infra.wheel import build_wheel
+    from infra.wheel import REPO_ROOT, build_wheel
 
     wheel = build_wheel(tmp_path_factory.mktemp("wheel"))
-    try:
-        from ami import recipes
-    except ImportError:
+    # Only this tree's recipes count (an editable install elsewhere may also expose an ``ami`` package).
+    if not (REPO_ROOT / "ami" / "recipes.py").is_file():
         from tests.infra import fallback_ami
 
         stand_in = fallback_ami.build(tmp_path_factory.mktemp("ami"))
         return ImageSources(wheel=wheel, **stand_in)
+    from ami import recipes
+
+    assert Path(recipes.__file__).resolve().parent == (REPO_ROOT / "ami").resolve()
     return ImageSources(images=recipes.IMAGES, scripts_dir=recipes.SCRIPTS_DIR, wheel=wheel,
                         deploy_parameters=recipes.deploy_parameters, recipe_fingerprint=recipes.recipe_fingerprint)
 
@@ -96,3 +98,14 @@ def open_router(tmp_path_factory, image_sources) -> Synth:
 @pytest.fixture(scope="session", params=["gpu", "neuron"])
 def any_app(request) -> Synth:
     return request.getfixturevalue(request.param)
+
+
+EXISTING_VPC = configs.variant(configs.NEURON, **{"network.existing": {
+    "vpc_id": "vpc-0123456789abcdef0", "cidr": "10.1.0.0/16",
+    "private_subnet_ids": ["subnet-0aaaaaaaaaaaaaaa1", "subnet-0bbbbbbbbbbbbbbb2", "subnet-0ccccccccccccccc3"]}})
+
+
+@pytest.fixture(scope="session")
+def existing_vpc(tmp_path_factory, image_sources) -> Synth:
+    """The Neuron app in a VPC that already exists (ids only: no lookups)."""
+    return synthesize(EXISTING_VPC, tmp_path_factory.mktemp("existing"), image_sources)

@@ -102,12 +102,14 @@ def test_missing_required_fields():
 
 
 def test_existing_vpc_needs_one_private_subnet_per_az():
-    raw = configs.variant(configs.GPU, **{"network.existing": {
+    raw = configs.variant(configs.GPU, **{"router.public": False, "network.existing": {
         "vpc_id": "vpc-0123456789abcdef0", "cidr": "10.1.0.0/16",
         "private_subnet_ids": ["subnet-0123456789abcdef0"]}})
     assert "one subnet per" in _problems(raw)["network.existing.private_subnet_ids"]
     raw["network"]["existing"]["private_subnet_ids"].append("subnet-0fedcba9876543210")
     c = from_mapping(raw)
+    raw["router"]["public"] = True
+    assert "public_subnet_ids" in _problems(raw)["router.public"]
     assert c.network.existing.vpc_id == "vpc-0123456789abcdef0" and c.network.vpc_cidr == "10.1.0.0/16"
 
 
