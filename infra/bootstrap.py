@@ -16,10 +16,10 @@ from turnkv import node_env
 from turnkv.engine_args import Mode, Role
 
 AGENT_CONFIG_PATH = "/opt/aws/amazon-cloudwatch-agent/etc/turnkv-agent.json"
-PROMETHEUS_CONFIG_PATH = "/opt/aws/amazon-cloudwatch-agent/etc/turnkv-prometheus.yaml"
 REGISTER_SCRIPT = "/usr/local/sbin/turnkv-register"
 USER_DATA_LOG = "/var/log/turnkv/user-data.log"
 EMF_PORT = 25888
+METRICS_SERVICE = "turnkv-metrics.service"
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,8 @@ class NodeBootstrap:
 
 
 def agent_config(b: NodeBootstrap) -> dict:
-    """CloudWatch agent: GPU (nvidia_gpu) and EFA metrics, vLLM Prometheus metrics, EMF listener on tcp:25888."""
+    """CloudWatch agent: GPU (nvidia_gpu) and EFA metrics, and the EMF listener on tcp:25888 that the engine
+    metrics bridge (and anything else on the node) writes to."""
     dims = [["InstanceId"], [mn.DEPLOYMENT, mn.ROLE]]
     metrics: dict = {
         "namespace": mn.AGENT_NAMESPACE,
@@ -76,18 +77,6 @@ def agent_config(b: NodeBootstrap) -> dict:
         "logs": {
             "metrics_collected": {
                 "emf": {"service_address": f"tcp://127.0.0.1:{EMF_PORT}"},
-                "prometheus": {
-                    "log_group_name": b.log_group,
-                    "prometheus_config_path": PROMETHEUS_CONFIG_PATH,
-                    "emf_processor": {
-                        "metric_namespace": mn.ENGINE_NAMESPACE,
-                        "metric_declaration": [{
-                            "source_labels": ["job"], "label_matcher": "^turnkv-engine$",
-                            "dimensions": [[mn.DEPLOYMENT, mn.ROLE], [mn.DEPLOYMENT, mn.ROLE, mn.POOL]],
-                            "metric_selectors": [f"^{name}$" for name in mn.VLLM_FORWARDED],
-                        }],
-                    },
-                },
             },
             "logs_collected": {"files": {"collect_list": [
                 {"file_path": "/var/log/turnkv/*.log", "log_group_name": b.log_group,
@@ -97,14 +86,22 @@ def agent_config(b: NodeBootstrap) -> dict:
     }
 
 
-def prometheus_config(b: NodeBootstrap) -> str:
-    labels = {mn.DEPLOYMENT: b.deployment, mn.ROLE: b.role.value, mn.POOL: b.pool}
-    return (
-        "global:\n  scrape_interval: 30s\n  scrape_timeout: 10s\n"
-        "scrape_configs:\n  - job_name: turnkv-engine\n    metrics_path: /metrics\n"
-        f"    static_configs:\n      - targets: ['127.0.0.1:{b.port}']\n"
-        f"        labels: {json.dumps(labels)}\n"
-    )
+def metrics_unit(b: NodeBootstrap) -> str:
+    """``turnkv-metrics.service``: the engine's Prometheus metrics to EMF (``turnkv.emf_bridge``)."""
+    return f"""[Unit]
+Description=turnkv: engine metrics (vLLM /metrics) to CloudWatch EMF on tcp:{EMF_PORT}
+After={node_env.ENGINE_SERVICE} amazon-cloudwatch-agent.service
+
+[Service]
+ExecStart={node_env.VENV_BIN}/python -m turnkv.emf_bridge --metrics-url http://127.0.0.1:{b.port}/metrics \\
+  --deployment {b.deployment} --role {b.role.value} --pool {b.pool} --log-group {b.log_group} \\
+  --emf 127.0.0.1:{EMF_PORT}
+Restart=always
+RestartSec=30
+
+[Install]
+WantedBy=multi-user.target
+"""
 
 
 def register_script(b: NodeBootstrap) -> str:
@@ -198,9 +195,7 @@ for attempt in 1 2 3 4 5; do
 done
 test -s {node_env.TUNABLES_FILE} || {{ echo "no tunables file; refusing to start the engine"; exit 1; }}
 
-# CloudWatch agent: GPU and EFA metrics, vLLM Prometheus metrics, EMF listener on tcp:{EMF_PORT}.
-cat > {PROMETHEUS_CONFIG_PATH} <<'TURNKV_EOF'
-{prometheus_config(b)}TURNKV_EOF
+# CloudWatch agent: GPU and EFA metrics, EMF listener on tcp:{EMF_PORT} (engine metrics arrive there).
 cat > {AGENT_CONFIG_PATH} <<'TURNKV_EOF'
 {agent}
 TURNKV_EOF
@@ -213,11 +208,14 @@ cat > {REGISTER_SCRIPT} <<'TURNKV_EOF'
 chmod 0755 {REGISTER_SCRIPT}
 cat > /etc/systemd/system/{node_env.REGISTER_SERVICE} <<'TURNKV_EOF'
 {REGISTER_UNIT}TURNKV_EOF
+cat > /etc/systemd/system/{METRICS_SERVICE} <<'TURNKV_EOF'
+{metrics_unit(b)}TURNKV_EOF
 
 systemctl daemon-reload
 systemctl enable --now {node_env.PARAMS_SYNC_TIMER}
 systemctl enable --now {node_env.ENGINE_SERVICE}
 systemctl enable {node_env.REGISTER_SERVICE}
 systemctl start --no-block {node_env.REGISTER_SERVICE}
+systemctl enable --now {METRICS_SERVICE}
 echo "turnkv user data done $(date -Is)"
 """

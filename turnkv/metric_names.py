@@ -6,7 +6,8 @@ from __future__ import annotations
 
 #: The router writes EMF lines to stdout (awslogs on Fargate) into this namespace.
 ROUTER_NAMESPACE = "turnkv/Router"
-#: The engine node's CloudWatch agent: Prometheus scrape of vLLM's /metrics (EMF) into this namespace.
+#: The engine node's metrics bridge (``turnkv.emf_bridge``): vLLM's Prometheus /metrics turned into EMF lines
+#: for the CloudWatch agent's listener (the agent's own Prometheus input drops histograms).
 ENGINE_NAMESPACE = "turnkv/Engine"
 #: The CloudWatch agent's own GPU / EFA / host metrics.
 AGENT_NAMESPACE = "CWAgent"
@@ -27,21 +28,28 @@ REUSED_TOKENS = "ReusedTokens"  # [Count] dims Deployment
 KV_PULL_TIME = "KvPullTime"  # [Milliseconds] dims Deployment
 PREFILL_TIME_SAVED = "PrefillTimeSaved"  # [Milliseconds] estimated, dims Deployment
 
-#: vLLM Prometheus metrics the agent forwards (names as vLLM exports them).
-VLLM_TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
-VLLM_TTFT_COUNT = "vllm:time_to_first_token_seconds_count"
-VLLM_ITL_SUM = "vllm:inter_token_latency_seconds_sum"
-VLLM_ITL_COUNT = "vllm:inter_token_latency_seconds_count"
-VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"
-VLLM_RUNNING = "vllm:num_requests_running"
-VLLM_WAITING = "vllm:num_requests_waiting"
-VLLM_NIXL_XFER_TIME_SUM = "vllm:nixl_xfer_time_seconds_sum"
-VLLM_NIXL_XFER_TIME_COUNT = "vllm:nixl_xfer_time_seconds_count"
-VLLM_NIXL_BYTES_SUM = "vllm:nixl_bytes_transferred_sum"
-VLLM_NIXL_EXPIRED = "vllm:nixl_num_kv_expired_reqs"
-VLLM_FORWARDED = (VLLM_TTFT_SUM, VLLM_TTFT_COUNT, VLLM_ITL_SUM, VLLM_ITL_COUNT, VLLM_KV_USAGE, VLLM_RUNNING,
-                  VLLM_WAITING, VLLM_NIXL_XFER_TIME_SUM, VLLM_NIXL_XFER_TIME_COUNT, VLLM_NIXL_BYTES_SUM,
-                  VLLM_NIXL_EXPIRED)
+#: vLLM Prometheus metric families the bridge reads (names as vLLM 0.32 exports them).
+VLLM_TTFT = "vllm:time_to_first_token_seconds"  # histogram
+VLLM_ITL = "vllm:inter_token_latency_seconds"  # histogram
+VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"  # gauge, 0..1
+VLLM_RUNNING = "vllm:num_requests_running"  # gauge
+VLLM_WAITING = "vllm:num_requests_waiting"  # gauge
+VLLM_NIXL_XFER_TIME = "vllm:nixl_xfer_time_seconds"  # histogram
+VLLM_NIXL_BYTES = "vllm:nixl_bytes_transferred"  # histogram (its sum: bytes moved)
+VLLM_NIXL_EXPIRED = "vllm:nixl_num_kv_expired_reqs"  # counter
+
+#: What the bridge publishes per interval (dims Deployment, Role), units in brackets.
+ENGINE_TTFT = "EngineTTFT"  # [Milliseconds] mean over the interval
+ENGINE_TTFT_P99 = "EngineTTFTp99"  # [Milliseconds] estimated from the histogram buckets
+ENGINE_ITL = "EngineITL"  # [Milliseconds] mean
+ENGINE_ITL_P99 = "EngineITLp99"  # [Milliseconds]
+KV_CACHE_USAGE = "KvCacheUsage"  # [Percent]
+REQUESTS_RUNNING = "RequestsRunning"  # [Count]
+REQUESTS_WAITING = "RequestsWaiting"  # [Count]
+NIXL_XFER_TIME = "NixlXferTime"  # [Milliseconds] mean
+NIXL_XFER_TIME_P99 = "NixlXferTimep99"  # [Milliseconds]
+NIXL_BYTES = "NixlBytes"  # [Bytes] moved during the interval
+NIXL_EXPIRED = "NixlExpiredReqs"  # [Count] reads declined because D's blocks were about to expire
 
 #: CloudWatch agent metric names (nvidia_gpu and efa sections).
 GPU_UTIL = "nvidia_smi_utilization_gpu"

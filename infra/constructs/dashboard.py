@@ -3,7 +3,6 @@ and segments that turn them into rows of widgets. Names come from ``turnkv.metri
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from aws_cdk import Duration
@@ -43,21 +42,14 @@ class RouterMetricFactory:
 
 @dataclass(frozen=True)
 class EngineMetricFactory:
-    """vLLM's Prometheus metrics (``turnkv/Engine``) and the agent's GPU/EFA metrics, per role."""
+    """Engine metrics from the node's EMF bridge (``turnkv/Engine``) and the agent's GPU/EFA metrics, per role."""
 
     deployment: str
 
-    def vllm(self, name: str, role: str, stat: str = "Average") -> cw.Metric:
+    def engine(self, name: str, role: str, stat: str = "Average", label: str | None = None) -> cw.Metric:
         return cw.Metric(namespace=mn.ENGINE_NAMESPACE, metric_name=name, statistic=stat, period=PERIOD,
-                         dimensions_map={mn.DEPLOYMENT: self.deployment, mn.ROLE: role})
-
-    def ratio_ms(self, sum_name: str, count_name: str, role: str, label: str) -> cw.MathExpression:
-        """Mean of a Prometheus histogram over the period, in ms: rate(sum) / rate(count)."""
-        key = re.sub(r"[^a-z0-9]+", "_", label.lower()).strip("_")
-        return cw.MathExpression(
-            expression=f"1000 * RATE(s_{key}) / RATE(c_{key})", label=label, period=PERIOD,
-            using_metrics={f"s_{key}": self.vllm(sum_name, role, "Maximum"),
-                           f"c_{key}": self.vllm(count_name, role, "Maximum")})
+                         dimensions_map={mn.DEPLOYMENT: self.deployment, mn.ROLE: role},
+                         label=label or f"{role} {name} {stat}")
 
     def agent(self, name: str, role: str, stat: str = "Average") -> cw.Metric:
         return cw.Metric(namespace=mn.AGENT_NAMESPACE, metric_name=name, statistic=stat, period=PERIOD,
@@ -95,24 +87,22 @@ def router_segment(f: RouterMetricFactory) -> list[list[cw.IWidget]]:
 def engine_segment(f: EngineMetricFactory, roles: tuple[str, ...], gpu: bool) -> list[list[cw.IWidget]]:
     rows: list[list[cw.IWidget]] = [
         [cw.TextWidget(markdown="## Engines: vLLM, NIXL, accelerators, EFA", width=24, height=1)]]
+    def pair(mean: str, p99: str, r: str) -> list[cw.IMetric]:
+        return [f.engine(mean, r, "Average", f"{r} mean"), f.engine(p99, r, "Maximum", f"{r} p99 (worst engine)")]
+
     rows.append([
-        _graph("Engine TTFT (mean)", [f.ratio_ms(mn.VLLM_TTFT_SUM, mn.VLLM_TTFT_COUNT, r, f"{r} TTFT")
-                                      for r in roles], unit="ms"),
-        _graph("Inter-token latency (mean)", [f.ratio_ms(mn.VLLM_ITL_SUM, mn.VLLM_ITL_COUNT, r, f"{r} ITL")
-                                             for r in roles], unit="ms"),
-        _graph("KV cache usage", [f.vllm(mn.VLLM_KV_USAGE, r, "Maximum") for r in roles], unit="fraction"),
+        _graph("Engine TTFT", [m for r in roles for m in pair(mn.ENGINE_TTFT, mn.ENGINE_TTFT_P99, r)], unit="ms"),
+        _graph("Inter-token latency", [m for r in roles for m in pair(mn.ENGINE_ITL, mn.ENGINE_ITL_P99, r)],
+               unit="ms"),
+        _graph("KV cache usage", [f.engine(mn.KV_CACHE_USAGE, r, "Maximum") for r in roles], unit="%"),
     ])
     rows.append([
-        _graph("NIXL transfer time (mean)",
-               [f.ratio_ms(mn.VLLM_NIXL_XFER_TIME_SUM, mn.VLLM_NIXL_XFER_TIME_COUNT, r, f"{r} NIXL xfer")
-                for r in roles], unit="ms"),
-        _graph("NIXL bytes transferred",
-               [cw.MathExpression(expression=f"RATE(b_{r})", label=f"{r} bytes/s", period=PERIOD,
-                                  using_metrics={f"b_{r}": f.vllm(mn.VLLM_NIXL_BYTES_SUM, r, "Maximum")})
-                for r in roles],
-               unit="bytes/s"),
+        _graph("NIXL transfer time",
+               [m for r in roles for m in pair(mn.NIXL_XFER_TIME, mn.NIXL_XFER_TIME_P99, r)], unit="ms",
+               right=[f.engine(mn.NIXL_EXPIRED, r, "Sum", f"{r} expired reads") for r in roles]),
+        _graph("NIXL bytes transferred", [f.engine(mn.NIXL_BYTES, r, "Sum") for r in roles], unit="bytes"),
         _graph("Requests running / waiting",
-               [f.vllm(mn.VLLM_RUNNING, r) for r in roles] + [f.vllm(mn.VLLM_WAITING, r) for r in roles]),
+               [f.engine(mn.REQUESTS_RUNNING, r) for r in roles] + [f.engine(mn.REQUESTS_WAITING, r) for r in roles]),
     ])
     accel = ([_graph("GPU utilization", [f.agent(mn.GPU_UTIL, r) for r in roles], unit="%")] if gpu else [])
     rows.append([

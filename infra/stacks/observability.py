@@ -20,10 +20,10 @@ from infra.stacks.router import RouterStack
 from infra.stacks.serving import ServingStack
 from turnkv import metric_names as mn
 
-#: Alarm thresholds (router p99 TTFT in ms, 5xx per minute, engine KV cache usage).
+#: Alarm thresholds (router p99 TTFT in ms, 5xx per minute, engine KV cache usage in percent).
 TTFT_P99_MS = 10_000
 ALB_5XX_PER_MIN = 10
-KV_USAGE_MAX = 0.95
+KV_USAGE_MAX_PERCENT = 95
 
 
 class ObservabilityStack(Stack):
@@ -85,8 +85,8 @@ class ObservabilityStack(Stack):
         alarm("RouterUnhealthy", tg.unhealthy_host_count(period=Duration.minutes(1)), 0,
               "A router task fails its /health check")
         for role in roles:
-            alarm(f"KvCacheFull-{role}", ef.vllm(mn.VLLM_KV_USAGE, role, "Maximum"), KV_USAGE_MAX,
-                  f"{role} engines' KV cache above {KV_USAGE_MAX:.0%}: retained blocks crowd out new requests "
+            alarm(f"KvCacheFull-{role}", ef.engine(mn.KV_CACHE_USAGE, role, "Maximum"), KV_USAGE_MAX_PERCENT,
+                  f"{role} engines' KV cache above {KV_USAGE_MAX_PERCENT}%: retained blocks crowd out new requests "
                   f"(lower decoder_kv_blocks_ttl or add decode capacity)", periods=10)
             alarm(f"EfaUnresponsive-{role}", ef.agent(mn.EFA_UNRESPONSIVE, role, "Sum"), 0,
                   f"{role} engines report unresponsive EFA peers (security group, placement or a failing node)",

@@ -8,7 +8,6 @@ import shutil
 import subprocess
 
 import pytest
-import yaml
 
 from infra import bootstrap
 from turnkv import metric_names as mn
@@ -85,13 +84,22 @@ def test_cloudwatch_agent_config():
     collected = cfg["metrics"]["metrics_collected"]
     assert "nvidia_gpu" in collected and "utilization_gpu" in collected["nvidia_gpu"]["measurement"]
     assert set(mn.EFA_MEASUREMENTS) == set(collected["efa"]["measurement"])
-    assert cfg["logs"]["metrics_collected"]["emf"]["service_address"] == "tcp://127.0.0.1:25888"
-    prom = cfg["logs"]["metrics_collected"]["prometheus"]
-    assert prom["emf_processor"]["metric_namespace"] == mn.ENGINE_NAMESPACE
-    selectors = prom["emf_processor"]["metric_declaration"][0]["metric_selectors"]
-    assert f"^{mn.VLLM_KV_USAGE}$" in selectors
+    assert cfg["logs"]["metrics_collected"] == {"emf": {"service_address": "tcp://127.0.0.1:25888"}}
     assert "nvidia_gpu" not in bootstrap.agent_config(_node(gpu=False))["metrics"]["metrics_collected"]
-    scrape = yaml.safe_load(bootstrap.prometheus_config(_node()))
-    job = scrape["scrape_configs"][0]
-    assert job["job_name"] == "turnkv-engine" and job["static_configs"][0]["targets"] == ["127.0.0.1:8000"]
-    assert job["static_configs"][0]["labels"] == {"Deployment": "prod", "Role": "decode", "Pool": "decode"}
+
+
+def test_metrics_bridge_unit_runs_the_bridge_against_the_engine(monkeypatch):
+    import turnkv.emf_bridge as bridge
+
+    unit = bootstrap.metrics_unit(_node(pool="decode-a"))
+    exec_start = re.search(r"^ExecStart=(.*?)\n(?=\S)", unit, re.M | re.S).group(1)
+    argv = exec_start.replace("\\\n", " ").split()
+    assert argv[:3] == ["/opt/turnkv/venv/bin/python", "-m", "turnkv.emf_bridge"]
+    seen = {}
+    monkeypatch.setattr(bridge, "run", lambda url, dims, log_group, interval, address: seen.update(
+        url=url, dims=dims, log_group=log_group, address=address))
+    assert bridge.main(argv[3:]) == 0
+    assert seen == {"url": "http://127.0.0.1:8000/metrics", "log_group": "/turnkv/prod/engines",
+                    "dims": {"Deployment": "prod", "Role": "decode", "Pool": "decode-a"},
+                    "address": ("127.0.0.1", 25888)}
+    assert "Restart=always" in unit

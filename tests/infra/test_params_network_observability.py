@@ -64,7 +64,7 @@ def test_dashboard_widgets(any_app):
     for wanted in ("TTFT p50 by reuse outcome", "TTFT p90 by reuse outcome", "TTFT p99 by reuse outcome",
                    "TTFT p99 by outcome and prompt length", "Reuse hit rate", "Reused tokens",
                    "KV pull time and prefill time saved", "Requests by reuse outcome", "Router errors",
-                   "Engine TTFT (mean)", "Inter-token latency (mean)", "KV cache usage", "NIXL transfer time (mean)",
+                   "Engine TTFT", "Inter-token latency", "KV cache usage", "NIXL transfer time",
                    "NIXL bytes transferred", "EFA RDMA bytes", "EFA retransmits / unresponsive remotes",
                    "ALB requests and 5xx", "Healthy / unhealthy router tasks"):
         assert wanted in titles, wanted
@@ -75,7 +75,10 @@ def test_dashboard_widgets(any_app):
     assert all(f'{mn.DEPLOYMENT}="{any_app.app.config.name}"' in e for e in ttft)
     text = json.dumps(widgets)
     assert mn.REUSE_OUTCOME in text and mn.PROMPT_BUCKET in text and "'p99'" in text
-    assert mn.VLLM_KV_USAGE in text and mn.EFA_RDMA_READ_BYTES in text and mn.EFA_RETRANS_PKTS in text
+    for name in (mn.KV_CACHE_USAGE, mn.ENGINE_TTFT_P99, mn.ENGINE_ITL, mn.NIXL_XFER_TIME, mn.NIXL_BYTES,
+                 mn.NIXL_EXPIRED, mn.EFA_RDMA_READ_BYTES, mn.EFA_RETRANS_PKTS):
+        assert f'"{name}"' in text, name
+    assert f'"{mn.ENGINE_NAMESPACE}"' in text
 
 
 def test_gpu_widget_only_with_gpus(gpu, neuron):
