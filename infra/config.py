@@ -30,6 +30,8 @@ _SUBNET = re.compile(r"^subnet-[0-9a-f]{8,17}$")
 _ACM = re.compile(r"^arn:aws[a-z-]*:acm:[a-z0-9-]+:\d{12}:certificate/[0-9a-f-]{36}$")
 _S3 = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[A-Za-z0-9_.,:/@+=-]*)?$")
 _EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
+LOG_RETENTION_DAYS = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557, 2922,
+                      3288, 3653)
 
 
 class ConfigError(ValueError):
@@ -248,6 +250,9 @@ def from_mapping(data: Mapping[str, Any]) -> DeploymentConfig:
     if nat is not None and not 0 <= nat <= len(azs or (1,)):
         r.fail("network.nat_gateways", f"{nat}: use 0 (no internet path) up to one per AZ ({len(azs)})")
     retention = r.get(n, "flow_log_retention_days", "network", int, 90)
+    if retention is not None and retention not in LOG_RETENTION_DAYS:
+        r.fail("network.flow_log_retention_days", f"{retention}: CloudWatch Logs keeps logs for one of "
+                                                  f"{', '.join(map(str, LOG_RETENTION_DAYS))} days")
     existing = None
     if n.get("existing") is not None:
         e = r.mapping(n["existing"], "network.existing", ExistingVpc)

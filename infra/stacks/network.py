@@ -89,17 +89,13 @@ class NetworkStack(Stack):
         raise ValueError(f"no private subnet in {az}")  # config validation makes this unreachable
 
 
+#: CloudWatch Logs retention periods (the only values it takes), by their RetentionDays names.
+_RETENTION = {1: "ONE_DAY", 3: "THREE_DAYS", 5: "FIVE_DAYS", 7: "ONE_WEEK", 14: "TWO_WEEKS", 30: "ONE_MONTH",
+              60: "TWO_MONTHS", 90: "THREE_MONTHS", 120: "FOUR_MONTHS", 150: "FIVE_MONTHS", 180: "SIX_MONTHS",
+              365: "ONE_YEAR", 400: "THIRTEEN_MONTHS", 545: "EIGHTEEN_MONTHS", 731: "TWO_YEARS", 1096: "THREE_YEARS",
+              1827: "FIVE_YEARS", 2192: "SIX_YEARS", 2557: "SEVEN_YEARS", 2922: "EIGHT_YEARS", 3288: "NINE_YEARS",
+              3653: "TEN_YEARS"}
+
+
 def _retention(days: int) -> logs.RetentionDays:
-    for r in sorted(logs.RetentionDays, key=lambda r: _days(r)):
-        if _days(r) >= days:
-            return r
-    return logs.RetentionDays.TEN_YEARS
-
-
-def _days(r: logs.RetentionDays) -> int:
-    names = {"ONE_DAY": 1, "THREE_DAYS": 3, "FIVE_DAYS": 5, "ONE_WEEK": 7, "TWO_WEEKS": 14, "ONE_MONTH": 30,
-             "TWO_MONTHS": 60, "THREE_MONTHS": 90, "FOUR_MONTHS": 120, "FIVE_MONTHS": 150, "SIX_MONTHS": 180,
-             "ONE_YEAR": 365, "THIRTEEN_MONTHS": 400, "EIGHTEEN_MONTHS": 545, "TWO_YEARS": 731,
-             "THREE_YEARS": 1096, "FIVE_YEARS": 1827, "SIX_YEARS": 2192, "SEVEN_YEARS": 2557, "EIGHT_YEARS": 2922,
-             "NINE_YEARS": 3288, "TEN_YEARS": 3653}
-    return names.get(r.name, 10**6)
+    return getattr(logs.RetentionDays, _RETENTION[days])

@@ -63,6 +63,7 @@ def _problems(raw) -> dict[str, str]:
     ({"network.availability_zones": ["us-east-2a"]}, "network.availability_zones", "at least two"),
     ({"network.cidr": "10.0.0.0/24"}, "network.cidr", "/20 or larger"),
     ({"alarm_email": "nobody"}, "alarm_email", "e-mail"),
+    ({"network.flow_log_retention_days": 100}, "network.flow_log_retention_days", "one of 1, 3, 5"),
     ({"router.replicas": "two"}, "router.replicas", "expected int"),
 ])
 def test_bad_values_name_the_field_and_the_fix(changes, field, fix):

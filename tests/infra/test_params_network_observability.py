@@ -99,3 +99,14 @@ def test_alarms_notify_an_encrypted_topic(any_app):
     for a in alarms.values():
         assert a["Properties"]["AlarmActions"] and a["Properties"]["OKActions"], a["Properties"]["AlarmName"]
         assert a["Properties"]["AlarmDescription"]
+
+
+def test_flow_log_retention_table_matches_the_config_choices(gpu):
+    from aws_cdk import aws_logs as logs
+
+    from infra.config import LOG_RETENTION_DAYS
+    from infra.stacks import network
+
+    assert tuple(network._RETENTION) == LOG_RETENTION_DAYS
+    assert all(hasattr(logs.RetentionDays, name) for name in network._RETENTION.values())
+    gpu.assertions("network").has_resource_properties("AWS::Logs::LogGroup", {"RetentionInDays": 90})
