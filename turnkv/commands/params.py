@@ -1,7 +1,208 @@
-"""`turnkv params`: list, get and set the tunables in SSM Parameter Store (infra issue)."""
+"""`turnkv params`: list, get, set, history and sync the tunables in SSM Parameter Store.
+
+Exit codes: 0 done, 1 AWS error, 2 a value or name the catalog refuses (the reason is printed).
+boto3 honours ``AWS_ENDPOINT_URL`` (tests point it at moto).
+"""
 
 from __future__ import annotations
 
+import getpass
+import json
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
+from turnkv import params as catalog
+
 app = typer.Typer(help="Read and change the tunables in SSM Parameter Store.", no_args_is_help=True)
+
+Deployment = Annotated[str, typer.Option("--deployment", "-d", envvar="TURNKV_DEPLOYMENT",
+                                         help="Deployment name (the CDK config's name).")]
+Region = Annotated[str | None, typer.Option("--region", envvar="AWS_REGION", help="AWS region.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)
+
+
+def _store(deployment: str, region: str | None):
+    import boto3
+
+    from turnkv.aws_params import ParamStore
+
+    session = boto3.session.Session(region_name=region)
+    try:
+        return ParamStore(session.client("ssm"), deployment), session
+    except catalog.ParamError as exc:
+        _refuse(str(exc))
+
+
+def _refuse(reason: str) -> None:
+    _console(stderr=True).print(f"[red]refused:[/red] {reason}")
+    raise typer.Exit(2)
+
+
+def _aws_error(exc: Exception) -> None:
+    _console(stderr=True).print(f"[red]AWS error:[/red] {exc}")
+    raise typer.Exit(1)
+
+
+def _aws_errors():
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    return (BotoCoreError, ClientError)
+
+
+@app.command("list")
+def list_(deployment: Deployment, region: Region = None, as_json: AsJson = False) -> None:
+    """Every tunable: stored value, default, allowed range, SSM version."""
+    from rich.table import Table
+
+    store, _ = _store(deployment, region)
+    try:
+        entries = store.entries()
+    except _aws_errors() as exc:
+        _aws_error(exc)
+    if as_json:
+        typer.echo(json.dumps({n: {"value": e.value, "stored": e.raw, "default": e.tunable.default,
+                                   "allowed": e.tunable.allowed, "scope": e.tunable.scope.value,
+                                   "version": e.version, "path": e.tunable.ssm_path(deployment),
+                                   "error": e.error} for n, e in entries.items()}, indent=2))
+        return
+    table = Table(title=f"turnkv tunables — {deployment}")
+    for column in ("name", "scope", "value", "default", "allowed", "version", "modified"):
+        table.add_column(column, justify="right" if column in {"value", "default", "version"} else "left")
+    for name, e in entries.items():
+        if e.error:
+            shown = f"[red]{e.raw} (invalid)[/red]"
+        elif e.raw is None:
+            shown = f"[dim]{e.value} (unset)[/dim]"
+        elif e.value != e.tunable.default:
+            shown = f"[bold yellow]{e.value}[/bold yellow]"
+        else:
+            shown = str(e.value)
+        modified = e.modified.strftime("%Y-%m-%d %H:%M") if e.modified else ""
+        table.add_row(name, e.tunable.scope.value, shown, str(e.tunable.default), e.tunable.allowed,
+                      str(e.version or ""), modified)
+    _console().print(table)
+    bad = [e.error for e in entries.values() if e.error]
+    try:
+        if not bad:
+            catalog.cross_check({n: e.value for n, e in entries.items()})
+    except catalog.ParamError as exc:
+        bad.append(str(exc))
+    for reason in bad:
+        _console(stderr=True).print(f"[red]warning:[/red] {reason}")
+
+
+@app.command("get")
+def get(name: Annotated[str, typer.Argument(help="Tunable name.")], deployment: Deployment,
+        region: Region = None, as_json: AsJson = False) -> None:
+    """One tunable's effective value (the default when unset)."""
+    try:
+        catalog.get(name)
+    except catalog.ParamError as exc:
+        _refuse(str(exc))
+    store, _ = _store(deployment, region)
+    try:
+        entry = store.entries()[name]
+    except _aws_errors() as exc:
+        _aws_error(exc)
+    if entry.error:
+        _refuse(f"stored value is invalid: {entry.error}")
+    if as_json:
+        typer.echo(json.dumps({"name": name, "value": entry.value, "stored": entry.raw, "version": entry.version}))
+    else:
+        typer.echo(entry.value)
+
+
+def _who(session, who: str | None) -> str:
+    if who:
+        return who
+    try:
+        arn = session.client("sts").get_caller_identity()["Arn"]
+        return arn.rsplit("/", 1)[-1] or arn
+    except Exception:  # no STS access: fall back to the local user
+        return getpass.getuser()
+
+
+@app.command("set")
+def set_(assignments: Annotated[list[str], typer.Argument(help="NAME VALUE, or NAME=VALUE ...")],
+         deployment: Deployment, region: Region = None,
+         who: Annotated[str | None, typer.Option(help="Recorded as the author (default: caller identity).")] = None,
+         dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate only.")] = False) -> None:
+    """Change tunables: validated against the catalog and its cross-checks, recorded as a labelled version."""
+    from rich.table import Table
+
+    from turnkv.aws_params import parse_assignments
+
+    try:
+        changes = parse_assignments(assignments)
+    except catalog.ParamError as exc:
+        _refuse(str(exc))
+    store, session = _store(deployment, region)
+    try:
+        if dry_run:
+            entries, merged = store.plan(changes)
+            for name in changes:
+                typer.echo(f"{name}: {entries[name].value} -> {merged[name]} (dry run, nothing written)")
+            return
+        done = store.set(changes, _who(session, who))
+    except catalog.ParamError as exc:
+        _refuse(str(exc))
+    except _aws_errors() as exc:
+        _aws_error(exc)
+    table = Table(title=f"changed — {deployment}")
+    for column in ("name", "old", "new", "version", "label"):
+        table.add_column(column)
+    for c in done:
+        table.add_row(c.name, str(c.old), f"[bold]{c.new}[/bold]", str(c.version), c.label)
+    _console().print(table)
+    _console().print("Engines pick engine-scope changes up at the next `turnkv params sync` (timer, about a minute).")
+
+
+@app.command("history")
+def history(name: str, deployment: Deployment, region: Region = None) -> None:
+    """Who changed a tunable, when, and to what (SSM parameter versions)."""
+    from rich.table import Table
+
+    try:
+        catalog.get(name)
+    except catalog.ParamError as exc:
+        _refuse(str(exc))
+    store, _ = _store(deployment, region)
+    try:
+        versions = store.history(name)
+    except _aws_errors() as exc:
+        _aws_error(exc)
+    table = Table(title=f"{name} — {deployment}")
+    for column in ("version", "value", "modified", "labels", "by"):
+        table.add_column(column)
+    for v in versions:
+        table.add_row(str(v.get("Version")), v.get("Value", ""), str(v.get("LastModifiedDate", "")),
+                      ",".join(v.get("Labels", [])), v.get("LastModifiedUser", ""))
+    _console().print(table)
+
+
+@app.command("sync")
+def sync(deployment: Deployment, region: Region = None,
+         out: Annotated[Path, typer.Option(help="JSON file the connector hot-reloads.")] = Path(
+             catalog.DEFAULT_TUNABLES_FILE),
+         quiet: Annotated[bool, typer.Option("--quiet", "-q")] = False) -> None:
+    """SSM -> the engine tunables file (atomic; left untouched when a stored value is refused)."""
+    from turnkv import aws_params
+
+    store, _ = _store(deployment, region)
+    try:
+        changed, values = aws_params.sync(store, out)
+    except catalog.ParamError as exc:
+        _refuse(f"{exc}; {out} left as it was")
+    except _aws_errors() as exc:
+        _aws_error(exc)
+    if not quiet:
+        engine = {k: v for k, v in values.items() if catalog.get(k).scope is catalog.Scope.ENGINE}
+        typer.echo(f"{out}: {'updated' if changed else 'unchanged'} {json.dumps(engine, sort_keys=True)}")

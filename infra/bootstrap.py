@@ -1,0 +1,221 @@
+"""Engine node user data and CloudWatch agent config, as pure text/dicts (tested with ``bash -n``).
+
+The AMI's units do the running (see ``turnkv/node_env.py``); this script only writes the two env files,
+syncs the tunables once, configures the CloudWatch agent, adds the Cloud Map registration unit, and
+starts the units. Values that come from CloudFormation (the Cloud Map service id) may be CDK tokens:
+they are only ever placed inside single quotes or quoted heredocs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from turnkv import metric_names as mn
+from turnkv import node_env
+from turnkv.engine_args import Mode, Role
+
+AGENT_CONFIG_PATH = "/opt/aws/amazon-cloudwatch-agent/etc/turnkv-agent.json"
+REGISTER_SCRIPT = "/usr/local/sbin/turnkv-register"
+USER_DATA_LOG = "/var/log/turnkv/user-data.log"
+EMF_PORT = 25888
+METRICS_SERVICE = "turnkv-metrics.service"
+
+
+@dataclass(frozen=True)
+class NodeBootstrap:
+    deployment: str
+    region: str
+    pool: str
+    role: Role
+    gpu: bool
+    model: str
+    served_model_name: str
+    mode: Mode
+    bidirectional: bool
+    tp_size: int
+    max_model_len: int
+    cloudmap_service_id: str
+    log_group: str
+    model_s3_uri: str | None = None
+    port: int = node_env.DEFAULT_PORT
+    side_channel_port: int = node_env.DEFAULT_SIDE_CHANNEL_PORT
+
+    def engine_env(self, engine_id: str = "", host: str = "") -> node_env.EngineEnv:
+        return node_env.EngineEnv(
+            role=self.role, engine_id=engine_id, model=self.model, served_model_name=self.served_model_name,
+            side_channel_host=host, mode=self.mode, bidirectional=self.bidirectional, tp_size=self.tp_size,
+            max_model_len=self.max_model_len, port=self.port, side_channel_port=self.side_channel_port,
+            backends=node_env.EFA_BACKENDS, model_s3_uri=self.model_s3_uri)
+
+
+def agent_config(b: NodeBootstrap) -> dict:
+    """CloudWatch agent: GPU (nvidia_gpu) and EFA metrics, and the EMF listener on tcp:25888 that the engine
+    metrics bridge (and anything else on the node) writes to."""
+    dims = [["InstanceId"], [mn.DEPLOYMENT, mn.ROLE]]
+    metrics: dict = {
+        "namespace": mn.AGENT_NAMESPACE,
+        "append_dimensions": {"InstanceId": "${aws:InstanceId}", "AutoScalingGroupName": "${aws:AutoScalingGroupName}"},
+        "aggregation_dimensions": dims,
+        "metrics_collected": {
+            "efa": {"measurement": list(mn.EFA_MEASUREMENTS), "metrics_collection_interval": 60,
+                    "append_dimensions": {mn.DEPLOYMENT: b.deployment, mn.ROLE: b.role.value}},
+            "mem": {"measurement": ["mem_used_percent"]},
+            "disk": {"measurement": ["used_percent"], "resources": ["/"]},
+        },
+    }
+    if b.gpu:
+        metrics["metrics_collected"]["nvidia_gpu"] = {
+            "measurement": ["utilization_gpu", "utilization_memory", "memory_used", "memory_total",
+                            "temperature_gpu", "power_draw"],
+            "metrics_collection_interval": 60,
+            "append_dimensions": {mn.DEPLOYMENT: b.deployment, mn.ROLE: b.role.value},
+        }
+    return {
+        "agent": {"metrics_collection_interval": 60, "run_as_user": "root", "region": b.region},
+        "metrics": metrics,
+        "logs": {
+            "metrics_collected": {
+                "emf": {"service_address": f"tcp://127.0.0.1:{EMF_PORT}"},
+            },
+            "logs_collected": {"files": {"collect_list": [
+                {"file_path": "/var/log/turnkv/*.log", "log_group_name": b.log_group,
+                 "log_stream_name": "{instance_id}/turnkv", "retention_in_days": 30},
+            ]}},
+        },
+    }
+
+
+def metrics_unit(b: NodeBootstrap) -> str:
+    """``turnkv-metrics.service``: the engine's Prometheus metrics to EMF (``turnkv.emf_bridge``)."""
+    return f"""[Unit]
+Description=turnkv: engine metrics (vLLM /metrics) to CloudWatch EMF on tcp:{EMF_PORT}
+After={node_env.ENGINE_SERVICE} amazon-cloudwatch-agent.service
+
+[Service]
+ExecStart={node_env.VENV_BIN}/python -m turnkv.emf_bridge --metrics-url http://127.0.0.1:{b.port}/metrics \\
+  --deployment {b.deployment} --role {b.role.value} --pool {b.pool} --log-group {b.log_group} \\
+  --emf 127.0.0.1:{EMF_PORT}
+Restart=always
+RestartSec=30
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def register_script(b: NodeBootstrap) -> str:
+    """Waits for the engine's /health, then registers in Cloud Map; ``deregister`` on stop."""
+    attrs = (f"AWS_INSTANCE_IPV4=$IP,AWS_INSTANCE_PORT={b.port},role={b.role.value},engine_id=$ENGINE_ID,"
+             f"side_channel_host=$IP,side_channel_port={b.side_channel_port},tp_size={b.tp_size},"
+             f"http_port={b.port},pool={b.pool}")
+    return f"""#!/bin/bash
+# turnkv: register this engine in Cloud Map once it is healthy; deregister on stop.
+set -euo pipefail
+. {node_env.ENGINE_ENV_FILE}
+SERVICE_ID='{b.cloudmap_service_id}'
+REGION='{b.region}'
+TOKEN=$(curl -sS -X PUT http://169.254.169.254/latest/api/token -H 'X-aws-ec2-metadata-token-ttl-seconds: 300')
+INSTANCE_ID=$(curl -sS -H "X-aws-ec2-metadata-token: $TOKEN" http://169.254.169.254/latest/meta-data/instance-id)
+IP="$TURNKV_SIDE_CHANNEL_HOST"
+ENGINE_ID="$TURNKV_ENGINE_ID"
+case "${{1:-register}}" in
+  register)
+    # Loading weights and compiling can take a long time on first boot.
+    for _ in $(seq 1 720); do
+      if curl -fsS -m 5 "http://127.0.0.1:{b.port}/health" >/dev/null; then
+        aws servicediscovery register-instance --region "$REGION" --service-id "$SERVICE_ID" \\
+          --instance-id "$INSTANCE_ID" --attributes "{attrs}"
+        echo "registered $INSTANCE_ID ($ENGINE_ID) in Cloud Map"
+        exit 0
+      fi
+      sleep 10
+    done
+    echo "engine never became healthy; not registering" >&2
+    exit 1
+    ;;
+  deregister)
+    aws servicediscovery deregister-instance --region "$REGION" --service-id "$SERVICE_ID" \\
+      --instance-id "$INSTANCE_ID" || true
+    ;;
+esac
+"""
+
+
+REGISTER_UNIT = f"""[Unit]
+Description=turnkv: register this engine in Cloud Map when healthy, deregister on stop
+After={node_env.ENGINE_SERVICE} network-online.target
+Requires={node_env.ENGINE_SERVICE}
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+TimeoutStartSec=7300
+ExecStart={REGISTER_SCRIPT} register
+ExecStop={REGISTER_SCRIPT} deregister
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def user_data(b: NodeBootstrap) -> str:
+    static_env = node_env.render(b.engine_env().variables(), skip=node_env.RUNTIME_VARIABLES)
+    node_file = node_env.render(node_env.NodeEnv(b.deployment, b.region).variables())
+    agent = json.dumps(agent_config(b), indent=1)
+    sync = (f"{node_env.TURNKV_BIN} params sync --deployment {b.deployment} --region {b.region} "
+            f"--out {node_env.TUNABLES_FILE}")
+    return f"""#!/bin/bash
+# turnkv engine node ({b.role.value}, pool {b.pool}); contract: turnkv/node_env.py
+set -euo pipefail
+install -d -m 0755 /etc/turnkv /var/log/turnkv
+exec > >(tee -a {USER_DATA_LOG}) 2>&1
+echo "turnkv user data start $(date -Is)"
+
+TOKEN=$(curl -sS -X PUT http://169.254.169.254/latest/api/token -H 'X-aws-ec2-metadata-token-ttl-seconds: 300')
+imds() {{ curl -fsS -H "X-aws-ec2-metadata-token: $TOKEN" "http://169.254.169.254/latest/meta-data/$1"; }}
+INSTANCE_ID=$(imds instance-id)
+# The address of card 0's interface (the only one with an IP): HTTP and the NIXL side channel.
+IP=$(imds local-ipv4)
+ENGINE_ID="{b.deployment}-{b.role.value}-$INSTANCE_ID"
+
+cat > {node_env.NODE_ENV_FILE} <<'TURNKV_EOF'
+{node_file}TURNKV_EOF
+
+cat > {node_env.ENGINE_ENV_FILE}.new <<'TURNKV_EOF'
+{static_env}TURNKV_EOF
+printf '%s=%s\\n' {node_env.ENGINE_ID} "$ENGINE_ID" {node_env.SIDE_CHANNEL_HOST} "$IP" \\
+  {node_env.VLLM_SIDE_CHANNEL_HOST} "$IP" >> {node_env.ENGINE_ENV_FILE}.new
+mv {node_env.ENGINE_ENV_FILE}.new {node_env.ENGINE_ENV_FILE}
+
+# Tunables from SSM before the engine starts (the timer keeps the file fresh afterwards).
+for attempt in 1 2 3 4 5; do
+  if {sync}; then break; fi
+  echo "params sync failed (attempt $attempt); retrying"; sleep $((attempt * 5))
+done
+test -s {node_env.TUNABLES_FILE} || {{ echo "no tunables file; refusing to start the engine"; exit 1; }}
+
+# CloudWatch agent: GPU and EFA metrics, EMF listener on tcp:{EMF_PORT} (engine metrics arrive there).
+cat > {AGENT_CONFIG_PATH} <<'TURNKV_EOF'
+{agent}
+TURNKV_EOF
+/opt/aws/amazon-cloudwatch-agent/bin/amazon-cloudwatch-agent-ctl -a fetch-config -m ec2 -s \\
+  -c file:{AGENT_CONFIG_PATH} || echo "cloudwatch agent failed to start; continuing without metrics"
+
+# Cloud Map registration once healthy; deregistration on stop (the lifecycle hook's Lambda does it too).
+cat > {REGISTER_SCRIPT} <<'TURNKV_EOF'
+{register_script(b)}TURNKV_EOF
+chmod 0755 {REGISTER_SCRIPT}
+cat > /etc/systemd/system/{node_env.REGISTER_SERVICE} <<'TURNKV_EOF'
+{REGISTER_UNIT}TURNKV_EOF
+cat > /etc/systemd/system/{METRICS_SERVICE} <<'TURNKV_EOF'
+{metrics_unit(b)}TURNKV_EOF
+
+systemctl daemon-reload
+systemctl enable --now {node_env.PARAMS_SYNC_TIMER}
+systemctl enable --now {node_env.ENGINE_SERVICE}
+systemctl enable {node_env.REGISTER_SERVICE}
+systemctl start --no-block {node_env.REGISTER_SERVICE}
+systemctl enable --now {METRICS_SERVICE}
+echo "turnkv user data done $(date -Is)"
+"""

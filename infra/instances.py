@@ -1,0 +1,57 @@
+"""Engine instance types: the ONE table of EFA interface layouts and accelerator counts.
+
+Pure data (no CDK import), so the config validation, the launch-template construct and the tests all
+read the same numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Flavor(StrEnum):
+    """Which AMI an instance type boots (``/turnkv/<deployment>/ami/<flavor>``)."""
+
+    GPU = "gpu"
+    NEURON = "neuron"
+
+
+@dataclass(frozen=True)
+class InstanceProfile:
+    instance_type: str
+    flavor: Flavor
+    #: EFA interfaces (``EfaInfo.MaximumEfaInterfaces``); one network card each.
+    efa_interfaces: int
+    #: Devices a tensor-parallel group can span: GPUs, or logical NeuronCores (LNC=2 on trn2).
+    accelerators: int
+    #: Root volume: model weights are cached there unless the AMI puts them on instance NVMe.
+    root_volume_gib: int = 1000
+
+
+#: p5en 16 EFA, p5/p5e 32, trn2 16, trn1 8 (AWS HPC recipes, moto's instance data, EC2 user guide).
+INSTANCE_TYPES: dict[str, InstanceProfile] = {
+    p.instance_type: p
+    for p in (
+        InstanceProfile("p5en.48xlarge", Flavor.GPU, efa_interfaces=16, accelerators=8),
+        InstanceProfile("p5.48xlarge", Flavor.GPU, efa_interfaces=32, accelerators=8),
+        InstanceProfile("p5e.48xlarge", Flavor.GPU, efa_interfaces=32, accelerators=8),
+        InstanceProfile("trn2.48xlarge", Flavor.NEURON, efa_interfaces=16, accelerators=64),
+        InstanceProfile("trn1.32xlarge", Flavor.NEURON, efa_interfaces=8, accelerators=32),
+    )
+}
+
+
+@dataclass(frozen=True)
+class InterfaceSlot:
+    network_card_index: int
+    device_index: int
+    interface_type: str  # "efa" (EFA + ENA, carries the instance's IP) or "efa-only" (no IP)
+
+
+def efa_layout(instance_type: str) -> tuple[InterfaceSlot, ...]:
+    """Card 0 device 0: ``efa`` (the IP for HTTP and the NIXL side channel); every other card: ``efa-only``."""
+    profile = INSTANCE_TYPES[instance_type]
+    return tuple(
+        InterfaceSlot(card, 0, "efa" if card == 0 else "efa-only") for card in range(profile.efa_interfaces)
+    )

@@ -1,0 +1,5 @@
+"""Lambda handlers, shipped inline (each file stays below CloudFormation's 4 KB ZipFile limit)."""
+
+from pathlib import Path
+
+DEREGISTER = Path(__file__).with_name("deregister.py")

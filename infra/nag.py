@@ -1,0 +1,114 @@
+"""cdk-nag (AwsSolutions) on every synth, and every acknowledgement with its reason.
+
+cdk-nag 3 acknowledges one finding at a time (``Rule[Finding]``), on the narrowest construct that
+carries it. Synth fails (``ValidationFailed``) on any finding not listed here, so a new wildcard or an open
+security group cannot slip in unnoticed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import aws_cdk as cdk
+from cdk_nag import AwsSolutionsChecks
+from constructs import IConstruct
+
+if TYPE_CHECKING:
+    from infra.app import TurnkvApp
+
+PACK = "AwsSolutions"
+
+
+def ack(scope: IConstruct, rule: str, reason: str, finding: str | None = None) -> None:
+    """Acknowledge ``AwsSolutions-<rule>`` (``[finding]``) on ``scope`` and everything under it."""
+    rule_id = f"{PACK}::{PACK}-{rule}" + (f"[{finding}]" if finding else "")
+    cdk.Validations.of(scope).acknowledge(cdk.Acknowledgment(id=rule_id, reason=reason))
+
+
+def _logical(construct: IConstruct) -> str:
+    """The token cdk-nag prints for a resource's ARN: ``<LogicalId.Arn>``."""
+    stack = cdk.Stack.of(construct)
+    return stack.get_logical_id(construct.node.default_child)  # type: ignore[arg-type]
+
+
+def apply(app: cdk.App, t: TurnkvApp) -> None:
+    cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app))
+    config = t.config
+    region = config.region
+    ssm_prefix = f"arn:<AWS::Partition>:ssm:{region}:<AWS::AccountId>:parameter/turnkv/{config.name}/*"
+    assets_bucket = f"arn:<AWS::Partition>:s3:::cdk-hnb659fds-assets-<AWS::AccountId>-{region}/*"
+
+    # --- image
+    image = t.image
+    build_role = image.node.find_child("BuildRole")
+    for policy in ("AmazonSSMManagedInstanceCore", "EC2InstanceProfileForImageBuilder"):
+        ack(build_role, "IAM4", f"Image Builder build instances need {policy} (AWS's documented instance-profile "
+                                "policies for Image Builder; the build instance lives only for the bake).",
+            f"Policy::arn:<AWS::Partition>:iam::aws:policy/{policy}")
+    s3_read_reason = ("Granted by Asset.grantRead / Bucket.grantRead: read-only object actions on one asset object "
+                      "and the wheel prefix of this stack's bucket.")
+    for action in ("s3:GetObject*", "s3:GetBucket*", "s3:List*"):
+        ack(build_role, "IAM5", s3_read_reason, f"Action::{action}")
+    ack(build_role, "IAM5", "Bucket.grantPut for Image Builder's log upload (multipart abort on this log prefix "
+                            "only).", "Action::s3:Abort*")
+    ack(build_role, "IAM5", "The CDK asset bucket holds the scripts zip; its object key is a content hash known "
+                            "only to the deployment tooling.", f"Resource::{assets_bucket}")
+    ack(build_role, "IAM5", "Read access to this wheel's prefix (the digest directory) in the artifacts bucket.",
+        f"Resource::<{_logical(image.node.find_child('Artifacts'))}.Arn>/{image.wheel_prefix}*")
+    ack(build_role, "IAM5", "Image Builder writes its build logs under this prefix (one object per step).",
+        f"Resource::<{_logical(image.node.find_child('BuildLogs'))}.Arn>/imagebuilder/*")
+    for child in image.node.children:
+        if child.node.id.startswith("Custom::CDKBucketDeployment"):
+            why = ("CDK's BucketDeployment singleton (copies the wheel to a named key, which the AMI's connector "
+                   "step requires); its role and runtime are managed by aws-cdk-lib.")
+            ack(child, "L1", why + " The runtime is the one aws-cdk-lib bundles its AWS CLI layer for.")
+            ack(child, "IAM4", why + " Basic execution role for its CloudWatch logs.",
+                "Policy::arn:<AWS::Partition>:iam::aws:policy/service-role/AWSLambdaBasicExecutionRole")
+            for action in ("s3:GetObject*", "s3:GetBucket*", "s3:List*", "s3:DeleteObject*", "s3:Abort*"):
+                ack(child, "IAM5", why + " Read the source asset, write the destination bucket.", f"Action::{action}")
+            ack(child, "IAM5", why + " Source: the CDK asset bucket.", f"Resource::{assets_bucket}")
+            ack(child, "IAM5", why + " Destination: this stack's artifacts bucket.",
+                f"Resource::<{_logical(image.node.find_child('Artifacts'))}.Arn>/*")
+
+    # --- serving
+    serving = t.serving
+    engine_role = serving.role
+    ack(engine_role, "IAM5", "Engines read every tunable of their deployment (the params sync reads the whole "
+                             "/turnkv/<deployment>/ path).", f"Resource::{ssm_prefix}")
+    ack(engine_role, "IAM5", "cloudwatch:PutMetricData (limited by a cloudwatch:namespace condition to the turnkv "
+                             "and agent namespaces), ec2:DescribeTags/DescribeVolumes (CloudWatch agent) and the "
+                             "Session Manager channel actions have no resource-level permissions.", "Resource::*")
+    ack(engine_role, "IAM5", "Log streams of the engines' own log group are named per instance at run time.",
+        f"Resource::<{_logical(serving.log_group)}.Arn>:*")
+    if config.model.s3_uri:
+        bucket_prefix = config.model.s3_uri[len("s3://"):]
+        ack(engine_role, "IAM5", "Engines read the model weights under the configured S3 prefix (read-only).",
+            f"Resource::arn:<AWS::Partition>:s3:::{bucket_prefix}*")
+    dereg_role = serving.node.find_child("DeregisterRole")
+    for pool in serving.pools.values():
+        ack(dereg_role, "IAM5", "An Auto Scaling group ARN embeds a generated id; the group is pinned by name.",
+            f"Resource::arn:<AWS::Partition>:autoscaling:{region}:<AWS::AccountId>:autoScalingGroup/*:"
+            f"autoScalingGroupName/{pool.group_name}")
+    ack(dereg_role, "IAM5", "The function's own log group; streams are created per invocation container.",
+        f"Resource::<{_logical(serving.node.find_child('DeregisterLogs'))}.Arn>:*")
+
+    # --- router
+    router = t.router
+    task = router.node.find_child("Task")
+    ack(task, "ECS2", "Only non-secret settings (deployment name, region, metrics namespace) are plain environment "
+                      "variables; the API keys come from Secrets Manager.")
+    ack(task.node.find_child("ExecutionRole"), "IAM5", "ecr:GetAuthorizationToken has no resource-level "
+                                                       "permissions (pulling the image itself is scoped to the "
+                                                       "repository).", "Resource::*")
+    task_role = task.node.find_child("TaskRole")
+    ack(task_role, "IAM5", "servicediscovery:DiscoverInstances has no resource-level permissions.", "Resource::*")
+    ack(task_role, "IAM5", "The router reads its deployment's tunables (the router scope under the same path).",
+        f"Resource::{ssm_prefix}")
+    ack(router.api_keys, "SMG4", "Router API keys are issued to clients; a rotation Lambda cannot hand new keys to "
+                                 "them. Operators rotate by adding a key, moving clients, removing the old one "
+                                 "(docs/deploy-aws.md).")
+    if any(c in ("0.0.0.0/0", "::/0") for c in config.router.allowed_cidrs):
+        ack(router.alb_sg, "EC23", "The operator opened the ALB listener to the internet explicitly "
+                                   "(router.allowed_cidrs lists 0.0.0.0/0 or ::/0); only the listener ports are open.")
+    ack(router.node.find_child("AlbAccessLogs"), "S1", "This bucket is the ALB's access-log destination; logging "
+                                                       "access to the log bucket itself would only log the logger.")

@@ -1,0 +1,41 @@
+"""Params: every tunable of ``turnkv.params.CATALOG`` as an SSM parameter with its default, description and
+allowed pattern (the same ones ``turnkv params set`` writes)."""
+
+from __future__ import annotations
+
+from aws_cdk import Stack
+from aws_cdk import aws_ssm as ssm
+from constructs import Construct
+
+from infra.config import DeploymentConfig
+from turnkv import params
+from turnkv.aws_params import allowed_pattern, description
+
+
+class ParamsStack(Stack):
+    def __init__(self, scope: Construct, construct_id: str, *, config: DeploymentConfig, **kwargs) -> None:
+        super().__init__(scope, construct_id, **kwargs)
+        # The catalog's cross-checks hold for the defaults (a broken catalog fails the synth here).
+        params.cross_check(params.defaults())
+        self.parameters: dict[str, ssm.CfnParameter] = {}
+        for tunable in params.CATALOG:
+            self.parameters[tunable.name] = ssm.CfnParameter(
+                self, _logical_id(tunable.name),
+                name=tunable.ssm_path(config.name),
+                type="String",
+                value=str(tunable.default),
+                description=description(tunable),
+                allowed_pattern=allowed_pattern(tunable),
+                tier="Standard",
+                tags={"turnkv:deployment": config.name, "turnkv:scope": tunable.scope.value},
+            )
+
+
+def parameter_arn(stack: Stack, deployment: str, suffix: str) -> str:
+    """ARN (pattern) of parameters under ``/turnkv/<deployment>/<suffix>``, in ``stack``'s account and region."""
+    return stack.format_arn(service="ssm", resource="parameter",
+                            resource_name=f"{params.SSM_PREFIX[1:]}/{deployment}/{suffix}")
+
+
+def _logical_id(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))

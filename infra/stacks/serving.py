@@ -1,0 +1,162 @@
+"""Serving: the engine pools on EFA. Cluster placement group, the EFA security group (all traffic to and
+from itself), one EFA launch template + Auto Scaling group per pool, a least-privilege instance role,
+user data (``infra.bootstrap``), Cloud Map registration and deregistration on termination."""
+
+from __future__ import annotations
+
+from aws_cdk import Duration, RemovalPolicy, Stack
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_events as events
+from aws_cdk import aws_events_targets as targets
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
+from aws_cdk import aws_lambda as lambda_
+from aws_cdk import aws_logs as logs
+from aws_cdk import aws_servicediscovery as servicediscovery
+from aws_cdk import aws_sns as sns
+from aws_cdk import aws_sns_subscriptions as subscriptions
+from constructs import Construct
+
+from infra import bootstrap
+from infra.config import DeploymentConfig
+from infra.constructs.engine_pool import EnginePool, EnginePoolProps
+from infra.instances import INSTANCE_TYPES, Flavor
+from infra.lambdas import DEREGISTER
+from infra.stacks.network import NetworkStack
+from infra.stacks.params import parameter_arn
+from turnkv import metric_names as mn
+
+CLOUDMAP_SERVICE = "engines"
+LAMBDA_RUNTIME = lambda_.Runtime.PYTHON_3_14
+
+
+class ServingStack(Stack):
+    def __init__(self, scope: Construct, construct_id: str, *, config: DeploymentConfig, network: NetworkStack,
+                 **kwargs) -> None:
+        super().__init__(scope, construct_id, **kwargs)
+        self.config = config
+        vpc = network.vpc
+        subnet = network.engine_subnet()
+
+        self.placement_group = ec2.PlacementGroup(
+            self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER,
+            placement_group_name=f"{config.prefix}-engines")
+
+        self.security_group = ec2.SecurityGroup(
+            self, "EfaSecurityGroup", vpc=vpc, allow_all_outbound=False,
+            description="turnkv engines: EFA (all traffic to and from itself), HTTPS out to AWS APIs")
+        self.security_group.add_ingress_rule(self.security_group, ec2.Port.all_traffic(), "EFA and NIXL: itself")
+        self.security_group.add_egress_rule(self.security_group, ec2.Port.all_traffic(), "EFA and NIXL: itself")
+        self.security_group.add_egress_rule(ec2.Peer.any_ipv4(), ec2.Port.tcp(443),
+                                            "HTTPS to AWS APIs (VPC endpoints, S3) and model hubs via NAT")
+
+        self.namespace = servicediscovery.HttpNamespace(
+            self, "Namespace", name=config.prefix, description=f"turnkv {config.name} engines")
+        self.cloudmap_service = self.namespace.create_service(
+            "Engines", name=CLOUDMAP_SERVICE,
+            description="vLLM engines; attributes: role, engine_id, side_channel_host, side_channel_port, "
+                        "tp_size, http_port")
+
+        key = kms.Key(self, "TopicKey", enable_key_rotation=True, removal_policy=RemovalPolicy.DESTROY,
+                      description=f"turnkv {config.name} engine notifications")
+        # Auto Scaling publishes through its service-linked role, which may not exist yet in a fresh account:
+        # allow this account's principals to use the key only via SNS in this region.
+        key.add_to_resource_policy(iam.PolicyStatement(
+            sid="PublishViaSns", principals=[iam.AnyPrincipal()],
+            actions=["kms:GenerateDataKey*", "kms:Decrypt"], resources=["*"],
+            conditions={"StringEquals": {"kms:CallerAccount": self.account,
+                                         "kms:ViaService": f"sns.{self.region}.amazonaws.com"}}))
+        self.events_topic = sns.Topic(self, "EngineEvents", master_key=key, enforce_ssl=True,
+                                      display_name=f"turnkv {config.name} engine pool events")
+        if config.alarm_email:
+            self.events_topic.add_subscription(subscriptions.EmailSubscription(config.alarm_email))
+
+        self.log_group = logs.LogGroup(self, "EngineLogs", log_group_name=f"/turnkv/{config.name}/engines",
+                                       retention=logs.RetentionDays.ONE_MONTH, removal_policy=RemovalPolicy.DESTROY)
+        self.role = self._instance_role()
+
+        images = {flavor: ec2.MachineImage.from_ssm_parameter(config.ami_parameter(flavor.value))
+                  for flavor in {INSTANCE_TYPES[p.instance_type].flavor for p in config.pools}}
+        self.pools: dict[str, EnginePool] = {}
+        for pool in config.pools:
+            profile = INSTANCE_TYPES[pool.instance_type]
+            script = bootstrap.user_data(bootstrap.NodeBootstrap(
+                deployment=config.name, region=config.region, pool=pool.name, role=pool.role,
+                gpu=profile.flavor is Flavor.GPU, model=config.model.id, served_model_name=config.model.name,
+                mode=config.connector.mode, bidirectional=config.connector.bidirectional,
+                tp_size=config.model.tensor_parallel_size, max_model_len=config.model.max_model_len,
+                cloudmap_service_id=self.cloudmap_service.service_id, log_group=self.log_group.log_group_name,
+                model_s3_uri=config.model.s3_uri))
+            self.pools[pool.name] = EnginePool(self, f"Pool-{pool.name}", EnginePoolProps(
+                pool=pool, deployment_prefix=config.prefix, vpc=vpc, subnet=subnet,
+                machine_image=images[profile.flavor], user_data=ec2.UserData.custom(script), role=self.role,
+                security_group=self.security_group, placement_group=self.placement_group,
+                notifications_topic=self.events_topic))
+        self._deregistration()
+
+    def _instance_role(self) -> iam.Role:
+        config = self.config
+        role = iam.Role(self, "EngineRole", assumed_by=iam.ServicePrincipal("ec2.amazonaws.com"),
+                        description="turnkv engine node: read tunables, register in Cloud Map, publish metrics")
+        role.add_to_policy(iam.PolicyStatement(
+            sid="ReadTunables", actions=["ssm:GetParametersByPath", "ssm:GetParameters", "ssm:GetParameter"],
+            resources=[parameter_arn(self, config.name, "*"),
+                       self.format_arn(service="ssm", resource="parameter",
+                                       resource_name=f"turnkv/{config.name}")]))
+        role.add_to_policy(iam.PolicyStatement(
+            sid="CloudMap", actions=["servicediscovery:RegisterInstance", "servicediscovery:DeregisterInstance"],
+            resources=[self.cloudmap_service.service_arn]))
+        role.add_to_policy(iam.PolicyStatement(
+            sid="PublishMetrics", actions=["cloudwatch:PutMetricData"], resources=["*"],
+            conditions={"StringEquals": {"cloudwatch:namespace": [mn.AGENT_NAMESPACE, mn.ENGINE_NAMESPACE]}}))
+        role.add_to_policy(iam.PolicyStatement(
+            sid="AgentDescribe", actions=["ec2:DescribeTags", "ec2:DescribeVolumes"], resources=["*"]))
+        role.add_to_policy(iam.PolicyStatement(
+            sid="Logs", actions=["logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams",
+                                 "logs:PutRetentionPolicy"],
+            resources=[self.log_group.log_group_arn, f"{self.log_group.log_group_arn}:*"]))
+        role.add_to_policy(iam.PolicyStatement(
+            sid="SessionManager",
+            actions=["ssm:UpdateInstanceInformation", "ssmmessages:CreateControlChannel",
+                     "ssmmessages:CreateDataChannel", "ssmmessages:OpenControlChannel",
+                     "ssmmessages:OpenDataChannel", "ec2messages:AcknowledgeMessage", "ec2messages:DeleteMessage",
+                     "ec2messages:FailMessage", "ec2messages:GetEndpoint", "ec2messages:GetMessages",
+                     "ec2messages:SendReply"],
+            resources=["*"]))
+        if config.model.s3_uri:
+            bucket, _, prefix = config.model.s3_uri[len("s3://"):].partition("/")
+            role.add_to_policy(iam.PolicyStatement(
+                sid="ReadWeights", actions=["s3:GetObject"],
+                resources=[f"arn:{self.partition}:s3:::{bucket}/{prefix}*"]))
+            role.add_to_policy(iam.PolicyStatement(
+                sid="ListWeights", actions=["s3:ListBucket"], resources=[f"arn:{self.partition}:s3:::{bucket}"],
+                conditions={"StringLike": {"s3:prefix": [f"{prefix}*"]}}))
+        return role
+
+    def _deregistration(self) -> None:
+        """ASG terminate lifecycle hook -> EventBridge -> Lambda: deregister from Cloud Map, continue."""
+        config = self.config
+        log_group = logs.LogGroup(self, "DeregisterLogs", retention=logs.RetentionDays.ONE_MONTH,
+                                  removal_policy=RemovalPolicy.DESTROY)
+        role = iam.Role(self, "DeregisterRole", assumed_by=iam.ServicePrincipal("lambda.amazonaws.com"))
+        role.add_to_policy(iam.PolicyStatement(
+            actions=["servicediscovery:DeregisterInstance"], resources=[self.cloudmap_service.service_arn]))
+        role.add_to_policy(iam.PolicyStatement(
+            actions=["autoscaling:CompleteLifecycleAction"],
+            resources=[self.format_arn(service="autoscaling", resource="autoScalingGroup",
+                                       resource_name=f"*:autoScalingGroupName/{p.group_name}")
+                       for p in self.pools.values()]))
+        role.add_to_policy(iam.PolicyStatement(
+            actions=["logs:CreateLogStream", "logs:PutLogEvents"], resources=[f"{log_group.log_group_arn}:*"]))
+        self.deregister_function = lambda_.Function(
+            self, "Deregister", runtime=LAMBDA_RUNTIME, handler="index.handler",
+            code=lambda_.Code.from_inline(DEREGISTER.read_text()), role=role, timeout=Duration.seconds(30),
+            log_group=log_group, environment={"SERVICE_ID": self.cloudmap_service.service_id},
+            description=f"turnkv {config.name}: deregister terminating engines from Cloud Map")
+        events.Rule(
+            self, "TerminateRule",
+            description="turnkv engine terminate lifecycle action",
+            event_pattern=events.EventPattern(
+                source=["aws.autoscaling"], detail_type=["EC2 Instance-terminate Lifecycle Action"],
+                detail={"AutoScalingGroupName": [p.group_name for p in self.pools.values()]}),
+            targets=[targets.LambdaFunction(self.deregister_function, retry_attempts=4)])

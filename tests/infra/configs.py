@@ -1,0 +1,55 @@
+"""Deployment configs the infra tests synthesize (plain mappings, as cdk.json or a YAML file would hold)."""
+
+from __future__ import annotations
+
+import copy
+
+GPU = {
+    "name": "gpu",
+    "region": "us-east-2",
+    "availability_zone": "us-east-2a",
+    "network": {"availability_zones": ["us-east-2a", "us-east-2b"], "cidr": "10.40.0.0/16"},
+    "model": {"id": "Qwen/Qwen3-32B", "served_model_name": "qwen3-32b", "tensor_parallel_size": 8,
+              "max_model_len": 32768, "s3_uri": "s3://example-weights/qwen3-32b/"},
+    "connector": {"mode": "pull", "bidirectional": True},
+    "pools": [
+        {"name": "prefill", "role": "prefill", "instance_type": "p5en.48xlarge", "count": 2,
+         "capacity_reservation_id": "cr-0123456789abcdef0"},
+        {"name": "decode", "role": "decode", "instance_type": "p5.48xlarge", "count": 2},
+        {"name": "decode-block", "role": "decode", "instance_type": "p5e.48xlarge", "count": 1,
+         "capacity_reservation_id": "cr-0fedcba9876543210", "capacity_block": True},
+    ],
+    "router": {"replicas": 2, "max_replicas": 6, "public": True, "allowed_cidrs": ["203.0.113.0/24"],
+               "certificate_arn": "arn:aws:acm:us-east-2:123456789012:certificate/"
+                                  "12345678-1234-1234-1234-123456789012"},
+    "alarm_email": "oncall@example.com",
+}
+
+NEURON = {
+    "name": "trn",
+    "region": "us-east-2",
+    "availability_zone": "us-east-2b",
+    "network": {"availability_zones": ["us-east-2a", "us-east-2b", "us-east-2c"], "nat_gateways": 1},
+    "model": {"id": "meta-llama/Llama-3.1-8B-Instruct", "tensor_parallel_size": 32, "max_model_len": 16384},
+    "connector": {"mode": "push", "bidirectional": True},
+    "pools": [
+        {"name": "prefill", "role": "prefill", "instance_type": "trn2.48xlarge", "count": 1},
+        {"name": "decode", "role": "decode", "instance_type": "trn1.32xlarge", "count": 1},
+    ],
+    "router": {"replicas": 1, "max_replicas": 1},
+}
+
+
+def variant(base: dict, **changes) -> dict:
+    """A deep copy with dotted-path changes, e.g. variant(GPU, **{"router.replicas": 0})."""
+    out = copy.deepcopy(base)
+    for dotted, value in changes.items():
+        node = out
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        if isinstance(node, list):
+            node[int(leaf)] = value
+        else:
+            node[leaf] = value
+    return out

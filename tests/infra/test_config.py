@@ -1,0 +1,140 @@
+"""The deployment config: valid ones parse; each mistake fails with the field and the fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from infra.config import ConfigError, from_context, from_mapping
+from tests.infra import configs
+from turnkv.engine_args import Mode, Role
+
+pytestmark = pytest.mark.infra
+
+
+def test_gpu_config_parses_with_types():
+    c = from_mapping(configs.GPU)
+    assert c.name == "gpu" and c.prefix == "turnkv-gpu"
+    assert [p.role for p in c.pools] == [Role.PREFILL, Role.DECODE, Role.DECODE]
+    assert c.pools[2].capacity_block and c.pools[2].capacity_reservation_id == "cr-0fedcba9876543210"
+    assert c.connector.mode is Mode.PULL and c.router.uses_valkey
+    assert c.ami_parameter("gpu") == "/turnkv/gpu/ami/gpu"
+    assert c.network.vpc_cidr == "10.40.0.0/16"
+
+
+def test_cdk_json_example_is_valid():
+    from infra.wheel import REPO_ROOT
+
+    context = json.loads((REPO_ROOT / "cdk.json").read_text())["context"]
+    c = from_context(context["turnkv"], None)
+    assert {p.role for p in c.pools} == {Role.PREFILL, Role.DECODE}
+    assert not c.router.public and c.router.idle_timeout_s >= 900
+
+
+def _problems(raw) -> dict[str, str]:
+    with pytest.raises(ConfigError) as info:
+        from_mapping(raw)
+    assert "turnkv deployment config is invalid" in str(info.value)
+    return dict(info.value.problems)
+
+
+@pytest.mark.parametrize(("changes", "field", "fix"), [
+    ({"name": "Prod_1"}, "name", "lowercase"),
+    ({"region": "useast"}, "region", "us-east-2"),
+    ({"availability_zone": "us-west-2a"}, "availability_zone", "use e.g. us-east-2a"),
+    ({"pools.0.instance_type": "p4d.24xlarge"}, "pools[0].instance_type", "use one of p5en.48xlarge"),
+    ({"pools.0.role": "both"}, "pools[0].role", "prefill, decode"),
+    ({"pools.0.capacity_reservation_id": "reservation-1"}, "pools[0].capacity_reservation_id", "cr-"),
+    ({"pools.1.capacity_block": True}, "pools[1].capacity_block", "capacity_reservation_id"),
+    ({"pools.0.count": -1}, "pools[0].count", "0 .. 64"),
+    ({"model.tensor_parallel_size": 6}, "model.tensor_parallel_size", "power of two"),
+    ({"model.tensor_parallel_size": 16}, "model.tensor_parallel_size", "lower it or pick a larger instance type"),
+    ({"model.s3_uri": None}, "model.s3_uri", "network.nat_gateways: 1"),
+    ({"model.id": "Qwen/Qwen3 32B"}, "model.id", "letters, digits"),
+    ({"connector.mode": "teleport"}, "connector.mode", "pull, push"),
+    ({"router.allowed_cidrs": []}, "router.allowed_cidrs", "write 0.0.0.0/0 explicitly"),
+    ({"router.allowed_cidrs": ["10.0.0.0/33"]}, "router.allowed_cidrs[0]", "CIDR block"),
+    ({"router.max_replicas": 1}, "router.max_replicas", "raise it"),
+    ({"router.cpu": 300}, "router.cpu", "Fargate takes one of"),
+    ({"router.certificate_arn": "arn:aws:acm:us-east-1:123456789012:certificate/"
+                                "12345678-1234-1234-1234-123456789012"}, "router.certificate_arn", "us-east-2"),
+    ({"router.idle_timeout_s": 30}, "router.idle_timeout_s", "60 .. 4000"),
+    ({"network.availability_zones": ["us-east-2a"]}, "network.availability_zones", "at least two"),
+    ({"network.cidr": "10.0.0.0/24"}, "network.cidr", "/20 or larger"),
+    ({"alarm_email": "nobody"}, "alarm_email", "e-mail"),
+    ({"network.flow_log_retention_days": 100}, "network.flow_log_retention_days", "one of 1, 3, 5"),
+    ({"router.replicas": "two"}, "router.replicas", "expected int"),
+])
+def test_bad_values_name_the_field_and_the_fix(changes, field, fix):
+    problems = _problems(configs.variant(configs.GPU, **changes))
+    assert field in problems, problems
+    assert fix in problems[field], problems[field]
+
+
+def test_unknown_fields_are_named_with_the_known_ones():
+    raw = configs.variant(configs.GPU)
+    raw["pools"][0]["instance"] = "p5en.48xlarge"
+    raw["routr"] = {}
+    problems = _problems(raw)
+    assert "known fields here" in problems["pools[0].instance"] and "instance_type" in problems["pools[0].instance"]
+    assert "routr" in problems
+
+
+def test_all_problems_are_reported_at_once():
+    raw = configs.variant(configs.GPU, **{"name": "X", "pools.0.count": 99, "router.cpu": 3})
+    assert {"name", "pools[0].count", "router.cpu"} <= set(_problems(raw))
+
+
+def test_pools_need_both_roles_unique_names_and_one_accelerator_family():
+    only_prefill = configs.variant(configs.GPU)
+    only_prefill["pools"] = [only_prefill["pools"][0]]
+    assert "no decode pool" in _problems(only_prefill)["pools"]
+    dup = configs.variant(configs.GPU, **{"pools.1.name": "prefill"})
+    assert "used twice" in _problems(dup)["pools"]
+    mixed = configs.variant(configs.GPU, **{"pools.1.instance_type": "trn2.48xlarge"})
+    assert "same accelerator family" in _problems(mixed)["pools"]
+
+
+def test_missing_required_fields():
+    problems = _problems({"region": "us-east-2"})
+    assert "required" in problems["name"] and "required" in problems["availability_zone"]
+    assert "at least one prefill and one decode pool" in problems["pools"]
+
+
+def test_existing_vpc_needs_one_private_subnet_per_az():
+    raw = configs.variant(configs.GPU, **{"router.public": False, "network.existing": {
+        "vpc_id": "vpc-0123456789abcdef0", "cidr": "10.1.0.0/16",
+        "private_subnet_ids": ["subnet-0123456789abcdef0"]}})
+    assert "one subnet per" in _problems(raw)["network.existing.private_subnet_ids"]
+    raw["network"]["existing"]["private_subnet_ids"].append("subnet-0fedcba9876543210")
+    c = from_mapping(raw)
+    raw["router"]["public"] = True
+    assert "public_subnet_ids" in _problems(raw)["router.public"]
+    assert c.network.existing.vpc_id == "vpc-0123456789abcdef0" and c.network.vpc_cidr == "10.1.0.0/16"
+
+
+def test_config_file_yaml_and_json(tmp_path):
+    import yaml
+
+    y = tmp_path / "prod.yaml"
+    y.write_text(yaml.safe_dump(configs.NEURON))
+    assert from_context(None, str(y)).name == "trn"
+    j = tmp_path / "prod.json"
+    j.write_text(json.dumps(configs.GPU))
+    assert from_context({"ignored": True}, str(j)).name == "gpu"
+    with pytest.raises(ConfigError, match="does not exist"):
+        from_context(None, str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match="no config"):
+        from_context(None, None)
+
+
+def test_app_main_reports_config_errors_without_a_traceback(capsys):
+    import aws_cdk as cdk
+
+    from infra import app
+
+    bad = cdk.App(context={"turnkv": configs.variant(configs.GPU, **{"router.cpu": 3})})
+    assert app.main(bad) == 1
+    err = capsys.readouterr().err
+    assert "router.cpu: 3: Fargate takes one of" in err

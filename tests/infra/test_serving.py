@@ -1,0 +1,169 @@
+"""Serving stack: placement group, EFA security group, EFA layouts per instance type, IMDSv2, encrypted
+volumes, capacity reservations, instance role, Cloud Map, deregistration on termination."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from aws_cdk.assertions import Match
+
+from infra.instances import INSTANCE_TYPES, efa_layout
+
+pytestmark = pytest.mark.infra
+
+
+def _launch_templates(synth) -> dict[str, dict]:
+    """instance type -> LaunchTemplateData."""
+    out = {}
+    for res in synth.resources("serving", "AWS::EC2::LaunchTemplate").values():
+        data = res["Properties"]["LaunchTemplateData"]
+        out[data["InstanceType"]] = data
+    return out
+
+
+def test_placement_group_is_cluster(any_app):
+    groups = any_app.resources("serving", "AWS::EC2::PlacementGroup")
+    assert [g["Properties"]["Strategy"] for g in groups.values()] == ["cluster"]
+
+
+@pytest.mark.parametrize(("app_name", "instance_type", "count"), [
+    ("gpu", "p5en.48xlarge", 16), ("gpu", "p5.48xlarge", 32), ("gpu", "p5e.48xlarge", 32),
+    ("neuron", "trn2.48xlarge", 16), ("neuron", "trn1.32xlarge", 8),
+])
+def test_efa_interface_count_and_types_per_instance_type(request, app_name, instance_type, count):
+    synth = request.getfixturevalue(app_name)
+    interfaces = _launch_templates(synth)[instance_type]["NetworkInterfaces"]
+    assert len(interfaces) == count == INSTANCE_TYPES[instance_type].efa_interfaces
+    assert interfaces[0]["InterfaceType"] == "efa" and interfaces[0]["NetworkCardIndex"] == 0
+    assert {i["InterfaceType"] for i in interfaces[1:]} == {"efa-only"}
+    assert sorted(i["NetworkCardIndex"] for i in interfaces) == list(range(count))
+    assert {i["DeviceIndex"] for i in interfaces} == {0}
+    assert all(i["AssociatePublicIpAddress"] is False and len(i["Groups"]) == 1 for i in interfaces)
+    assert [(s.network_card_index, s.interface_type) for s in efa_layout(instance_type)] == [
+        (i["NetworkCardIndex"], i["InterfaceType"]) for i in interfaces]
+
+
+def test_launch_templates_require_imdsv2_encrypt_volumes_and_carry_groups_on_interfaces(any_app):
+    for itype, data in _launch_templates(any_app).items():
+        assert data["MetadataOptions"]["HttpTokens"] == "required", itype
+        assert data["MetadataOptions"]["HttpPutResponseHopLimit"] == 1
+        assert all(b["Ebs"]["Encrypted"] is True for b in data["BlockDeviceMappings"])
+        assert "SecurityGroupIds" not in data and "SecurityGroups" not in data
+        assert data["Monitoring"] == {"Enabled": True}
+        assert set(data["ImageId"]) == {"Ref"}
+
+
+def test_ami_id_resolves_from_ssm_at_deploy_time(gpu, neuron):
+    for synth, flavors in ((gpu, {"gpu"}), (neuron, {"neuron"})):
+        params = synth.template("serving")["Parameters"]
+        ami = {p["Default"] for p in params.values() if p["Type"] == "AWS::SSM::Parameter::Value<AWS::EC2::Image::Id>"}
+        assert ami == {f"/turnkv/{synth.app.config.name}/ami/{f}" for f in flavors}
+
+
+def test_efa_security_group_allows_all_traffic_to_and_from_itself(any_app):
+    t = any_app.template("serving")
+    sg_id = next(k for k, v in t["Resources"].items()
+                 if v["Type"] == "AWS::EC2::SecurityGroup" and "EFA" in v["Properties"]["GroupDescription"])
+    ref = {"Fn::GetAtt": [sg_id, "GroupId"]}
+    ingress = [r["Properties"] for r in t["Resources"].values() if r["Type"] == "AWS::EC2::SecurityGroupIngress"]
+    egress = [r["Properties"] for r in t["Resources"].values() if r["Type"] == "AWS::EC2::SecurityGroupEgress"]
+    assert any(r["IpProtocol"] == "-1" and r["SourceSecurityGroupId"] == ref and r["GroupId"] == ref
+               for r in ingress)
+    assert any(r["IpProtocol"] == "-1" and r["DestinationSecurityGroupId"] == ref and r["GroupId"] == ref
+               for r in egress)
+    inline_egress = t["Resources"][sg_id]["Properties"].get("SecurityGroupEgress", [])
+    assert all(e.get("IpProtocol") != "-1" or "CidrIp" not in e for e in inline_egress), "no all-traffic egress"
+    assert "SecurityGroupIngress" not in t["Resources"][sg_id]["Properties"]
+
+
+def test_on_demand_reservation_is_targeted_on_the_group_without_placement_group(gpu):
+    lts = _launch_templates(gpu)
+    assert "Placement" not in lts["p5en.48xlarge"]
+    asg = gpu.assertions("serving")
+    asg.has_resource_properties("AWS::AutoScaling::AutoScalingGroup", {
+        "AutoScalingGroupName": "turnkv-gpu-prefill",
+        "CapacityReservationSpecification": {
+            "CapacityReservationPreference": "capacity-reservations-only",
+            "CapacityReservationTarget": {"CapacityReservationIds": ["cr-0123456789abcdef0"]}},
+        "MinSize": "2", "MaxSize": "2"})
+
+
+def test_capacity_block_uses_market_type_and_target_in_the_launch_template(gpu):
+    data = _launch_templates(gpu)["p5e.48xlarge"]
+    assert data["InstanceMarketOptions"] == {"MarketType": "capacity-block"}
+    assert data["CapacityReservationSpecification"] == {
+        "CapacityReservationTarget": {"CapacityReservationId": "cr-0fedcba9876543210"}}
+    assert "Placement" not in data
+
+
+def test_pools_without_reservation_join_the_placement_group(gpu, neuron):
+    for synth, itype in ((gpu, "p5.48xlarge"), (neuron, "trn2.48xlarge"), (neuron, "trn1.32xlarge")):
+        data = _launch_templates(synth)[itype]
+        assert "GroupName" in json.dumps(data["Placement"]), itype
+        assert "CapacityReservationSpecification" not in data
+
+
+def test_every_pool_is_one_group_in_the_engine_az_subnet(any_app):
+    config = any_app.app.config
+    groups = any_app.resources("serving", "AWS::AutoScaling::AutoScalingGroup")
+    assert sorted(g["Properties"]["AutoScalingGroupName"] for g in groups.values()) == sorted(
+        f"{config.prefix}-{p.name}" for p in config.pools)
+    subnet = any_app.app.network.engine_subnet()
+    assert subnet.availability_zone == config.availability_zone
+    assert len({json.dumps(g["Properties"]["VPCZoneIdentifier"]) for g in groups.values()}) == 1
+    for g in groups.values():
+        assert len(g["Properties"]["VPCZoneIdentifier"]) == 1
+
+
+def test_user_data_per_role_writes_the_contract_files(gpu):
+    by_name = {}
+    for res in gpu.resources("serving", "AWS::EC2::LaunchTemplate").values():
+        ud = res["Properties"]["LaunchTemplateData"]["UserData"]["Fn::Base64"]
+        text = ud if isinstance(ud, str) else "".join(p if isinstance(p, str) else "<ref>"
+                                                      for p in ud["Fn::Join"][1])
+        by_name[res["Properties"]["LaunchTemplateName"]] = text
+    prefill = by_name["turnkv-gpu-prefill"]
+    decode = by_name["turnkv-gpu-decode"]
+    assert "TURNKV_ROLE=prefill" in prefill and "TURNKV_ROLE=decode" in decode
+    for text in (prefill, decode):
+        assert "TURNKV_BACKENDS=LIBFABRIC" in text
+        assert "VLLM_NIXL_SIDE_CHANNEL_HOST" in text and "local-ipv4" in text
+        assert "/opt/turnkv/venv/bin/turnkv params sync --deployment gpu --region us-east-2" in text
+        assert "systemctl enable --now turnkv-engine.service" in text
+        assert "systemctl enable --now turnkv-params-sync.timer" in text
+        assert "servicediscovery register-instance" in text and "<ref>" in text  # the Cloud Map service id
+        assert "TURNKV_MODEL_S3_URI=s3://example-weights/qwen3-32b/" in text
+
+
+def test_instance_role_is_least_privilege(any_app):
+    policies = any_app.resources("serving", "AWS::IAM::Policy")
+    statements = [s for p in policies.values() for s in p["Properties"]["PolicyDocument"]["Statement"]]
+    for s in statements:
+        actions = s["Action"] if isinstance(s["Action"], list) else [s["Action"]]
+        assert not any(a == "*" or a.endswith(":*") for a in actions), s
+    put_metrics = next(s for s in statements if s.get("Sid") == "PublishMetrics")
+    assert put_metrics["Condition"]["StringEquals"]["cloudwatch:namespace"]
+    roles = any_app.resources("serving", "AWS::IAM::Role")
+    assert all("ManagedPolicyArns" not in r["Properties"] for r in roles.values())
+
+
+def test_cloud_map_namespace_service_and_deregistration(any_app):
+    t = any_app.assertions("serving")
+    name = any_app.app.config.prefix
+    t.has_resource_properties("AWS::ServiceDiscovery::HttpNamespace", {"Name": name})
+    t.has_resource_properties("AWS::ServiceDiscovery::Service", {"Name": "engines"})
+    t.has_resource_properties("AWS::AutoScaling::LifecycleHook", {
+        "LifecycleTransition": "autoscaling:EC2_INSTANCE_TERMINATING", "DefaultResult": "CONTINUE"})
+    t.resource_count_is("AWS::AutoScaling::LifecycleHook", len(any_app.app.config.pools))
+    t.has_resource_properties("AWS::Events::Rule", {"EventPattern": {
+        "source": ["aws.autoscaling"], "detail-type": ["EC2 Instance-terminate Lifecycle Action"],
+        "detail": {"AutoScalingGroupName": [f"{name}-{p.name}" for p in any_app.app.config.pools]}}})
+    t.has_resource_properties("AWS::Lambda::Function", {
+        "Handler": "index.handler", "Environment": {"Variables": {"SERVICE_ID": Match.any_value()}}})
+
+
+def test_engine_events_go_to_an_encrypted_topic(gpu):
+    t = gpu.assertions("serving")
+    t.has_resource_properties("AWS::SNS::Topic", {"KmsMasterKeyId": Match.any_value()})
+    t.has_resource_properties("AWS::SNS::Subscription", {"Protocol": "email", "Endpoint": "oncall@example.com"})

@@ -1,0 +1,77 @@
+"""The lifecycle-hook Lambda (infra/lambdas/deregister.py) against Cloud Map in moto server mode.
+
+moto does not implement autoscaling:CompleteLifecycleAction, so that client is a recorder."""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+
+import boto3
+import pytest
+
+from infra.lambdas import DEREGISTER
+
+REGION = "us-east-2"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def sd():
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield boto3.client("servicediscovery", region_name=REGION, endpoint_url=f"http://{host}:{port}",
+                           aws_access_key_id="testing", aws_secret_access_key="testing")
+    finally:
+        server.stop()
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def complete_lifecycle_action(self, **kw):
+        self.calls.append(kw)
+
+
+def _handler(service_id: str):
+    spec = importlib.util.spec_from_file_location("deregister_under_test", DEREGISTER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.SERVICE_ID = service_id
+    return module.handler
+
+
+def test_deregisters_the_instance_and_continues_the_lifecycle(sd):
+    ns = sd.create_http_namespace(Name="turnkv-unit")["OperationId"]
+    namespace_id = sd.get_operation(OperationId=ns)["Operation"]["Targets"]["NAMESPACE"]
+    service_id = sd.create_service(Name="engines", NamespaceId=namespace_id)["Service"]["Id"]
+    for iid in ("i-0aaa", "i-0bbb"):
+        sd.register_instance(ServiceId=service_id, InstanceId=iid,
+                             Attributes={"AWS_INSTANCE_IPV4": "10.0.0.1", "role": "decode"})
+    asg = Recorder()
+    event = {"detail": {"EC2InstanceId": "i-0aaa", "LifecycleHookName": "turnkv-deregister",
+                        "AutoScalingGroupName": "turnkv-unit-decode", "LifecycleActionToken": "tok-1"}}
+    assert _handler(service_id)(event, None, sd=sd, asg=asg) == {"instance": "i-0aaa"}
+    left = [i["Id"] for i in sd.list_instances(ServiceId=service_id)["Instances"]]
+    assert left == ["i-0bbb"]
+    assert asg.calls == [{"LifecycleHookName": "turnkv-deregister", "AutoScalingGroupName": "turnkv-unit-decode",
+                          "LifecycleActionToken": "tok-1", "LifecycleActionResult": "CONTINUE",
+                          "InstanceId": "i-0aaa"}]
+    # an instance that never registered (it died while loading) still lets the termination continue
+    event["detail"]["EC2InstanceId"] = "i-0never"
+    _handler(service_id)(event, None, sd=sd, asg=asg)
+    assert len(asg.calls) == 2
+
+
+def test_inline_code_fits_cloudformation_zipfile_limit():
+    assert len(DEREGISTER.read_text().encode()) < 4096

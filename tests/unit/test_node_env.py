@@ -1,0 +1,62 @@
+"""The engine node env-file contract (turnkv/node_env.py) round-trips into an EngineSpec."""
+
+from __future__ import annotations
+
+import pytest
+
+from turnkv import node_env
+from turnkv.engine_args import Mode, Role, kv_transfer_config
+
+
+def _env(**kw) -> node_env.EngineEnv:
+    base = dict(role=Role.DECODE, engine_id="prod-decode-i-0abc", model="Qwen/Qwen3-8B",
+                served_model_name="qwen3", side_channel_host="10.0.3.7", tp_size=8, max_model_len=32768)
+    base.update(kw)
+    return node_env.EngineEnv(**base)
+
+
+def test_render_parse_round_trip_names_every_contract_variable():
+    text = node_env.render(_env(model_s3_uri="s3://bucket/models/qwen3/").variables())
+    parsed = node_env.parse(text)
+    assert parsed[node_env.ROLE] == "decode"
+    assert parsed["TURNKV_SIDE_CHANNEL_PORT"] == "5600"
+    assert parsed["TURNKV_PORT"] == "8000"
+    assert parsed["TURNKV_BACKENDS"] == "LIBFABRIC"
+    assert parsed["TURNKV_TUNABLES_FILE"] == "/etc/turnkv/tunables.json"
+    assert parsed["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.3.7"
+    assert parsed["TURNKV_MODEL_S3_URI"] == "s3://bucket/models/qwen3/"
+    assert set(parsed) >= {"TURNKV_ROLE", "TURNKV_ENGINE_ID", "TURNKV_MODEL", "TURNKV_SERVED_MODEL_NAME",
+                           "TURNKV_MODE", "TURNKV_BIDIRECTIONAL", "TURNKV_TP_SIZE", "TURNKV_MAX_MODEL_LEN"}
+
+
+def test_runtime_variables_can_be_left_out_for_the_instance_to_fill():
+    text = node_env.render(_env().variables(), skip=node_env.RUNTIME_VARIABLES)
+    parsed = node_env.parse(text)
+    assert node_env.ENGINE_ID not in parsed and node_env.SIDE_CHANNEL_HOST not in parsed
+    assert parsed[node_env.MODEL] == "Qwen/Qwen3-8B"
+
+
+@pytest.mark.parametrize("bad", ["a b", "x;rm -rf /", "$(id)", "`id`", "a\nB=c", "'q'"])
+def test_unsafe_values_are_refused(bad):
+    with pytest.raises(node_env.NodeEnvError, match="only letters"):
+        node_env.render({"TURNKV_MODEL": bad})
+
+
+def test_engine_spec_uses_synced_tunables_and_efa_backend():
+    env = node_env.parse(node_env.render(_env(mode=Mode.PULL, bidirectional=True).variables()))
+    spec = node_env.engine_spec(env, {"decoder_kv_blocks_ttl": 600, "conversation_ttl": 1})
+    assert spec.role is Role.DECODE and spec.tensor_parallel_size == 8 and spec.host == "0.0.0.0"
+    extra = kv_transfer_config(spec)["kv_connector_extra_config"]
+    assert extra["backends"] == ["LIBFABRIC"]
+    assert extra["decoder_kv_blocks_ttl"] == 600
+    assert "conversation_ttl" not in spec.tunables
+
+
+def test_engine_spec_names_missing_variables():
+    with pytest.raises(node_env.NodeEnvError, match="TURNKV_SIDE_CHANNEL_HOST"):
+        node_env.engine_spec({"TURNKV_ROLE": "prefill", "TURNKV_ENGINE_ID": "x", "TURNKV_MODEL": "m"})
+
+
+def test_node_env_file():
+    assert node_env.parse(node_env.render(node_env.NodeEnv("prod", "us-east-2").variables())) == {
+        "TURNKV_DEPLOYMENT": "prod", "AWS_REGION": "us-east-2"}

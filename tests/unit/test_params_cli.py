@@ -1,0 +1,168 @@
+"""`turnkv params list | get | set | history | sync` against moto in server mode (HTTP on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+
+import boto3
+import pytest
+from typer.testing import CliRunner
+
+from turnkv import params
+from turnkv.aws_params import allowed_pattern, change_label
+from turnkv.cli import app
+
+DEPLOYMENT = "unit"
+REGION = "us-east-2"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def moto_url():
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def aws(moto_url, monkeypatch):
+    """Environment pointing boto3 at moto; a clean SSM per test."""
+    for key, value in {"AWS_ENDPOINT_URL": moto_url, "AWS_ACCESS_KEY_ID": "testing",
+                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": REGION,
+                       "AWS_DEFAULT_REGION": REGION}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    import urllib.request
+
+    urllib.request.urlopen(urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST")).read()
+    return boto3.client("ssm", region_name=REGION, endpoint_url=moto_url)
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, ["params", *args, "--deployment", DEPLOYMENT])
+
+
+def _seed(ssm, name: str, value: str) -> None:
+    t = params.get(name)
+    ssm.put_parameter(Name=t.ssm_path(DEPLOYMENT), Value=value, Type="String", Overwrite=True)
+
+
+def test_get_falls_back_to_catalog_default_when_unset(aws):
+    result = run("get", "decoder_kv_blocks_ttl")
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == str(params.get("decoder_kv_blocks_ttl").default)
+
+
+def test_set_writes_ssm_records_who_and_when_and_list_shows_it(aws):
+    result = CliRunner().invoke(app, ["params", "set", "kv_recompute_threshold", "128", "--deployment", DEPLOYMENT,
+                                      "--who", "alice@example.com"])
+    assert result.exit_code == 0, result.output
+    path = params.get("kv_recompute_threshold").ssm_path(DEPLOYMENT)
+    stored = aws.get_parameter(Name=path)["Parameter"]
+    assert stored["Value"] == "128"
+    history = aws.get_parameter_history(Name=path)["Parameters"]
+    assert history[-1]["Labels"][0].startswith("by-alice-example.com-")
+    assert "set by alice@example.com at" in history[-1]["Description"] and "was unset" in history[-1]["Description"]
+
+    listed = run("list", "--json")
+    assert listed.exit_code == 0, listed.output
+    table = json.loads(listed.output)
+    assert table["kv_recompute_threshold"]["value"] == 128
+    assert table["kv_recompute_threshold"]["version"] == stored["Version"]
+    assert table["decoder_kv_blocks_ttl"]["stored"] is None
+
+    hist = run("history", "kv_recompute_threshold")
+    assert hist.exit_code == 0 and "alice" in hist.output
+
+
+def test_set_records_previous_value_in_second_version(aws):
+    assert run("set", "kv_lease_duration=40").exit_code == 0
+    assert run("set", "kv_lease_duration=50").exit_code == 0
+    history = aws.get_parameter_history(Name=params.get("kv_lease_duration").ssm_path(DEPLOYMENT))["Parameters"]
+    assert [h["Value"] for h in history] == ["40", "50"]
+    assert "was 40" in history[-1]["Description"]
+
+
+@pytest.mark.parametrize(("args", "reason"), [
+    (("set", "decoder_kv_blocks_ttl", "5"), "out of range"),
+    (("set", "kv_recompute_threshold", "lots"), "not an integer"),
+    (("set", "no_such_knob", "1"), "unknown tunable"),
+    (("set", "conversation_ttl", "475"), "must stay below decoder_kv_blocks_ttl"),
+    (("set", "conversation_ttl=100", "oops"), "expected NAME=VALUE"),
+    (("get", "no_such_knob"), "unknown tunable"),
+])
+def test_wrong_values_are_refused_with_reason_and_exit_2(aws, args, reason):
+    result = run(*args)
+    assert result.exit_code == 2, result.output
+    assert reason in " ".join(result.output.split())
+    names = [p["Name"] for p in aws.get_parameters_by_path(Path=f"/turnkv/{DEPLOYMENT}", Recursive=True)["Parameters"]]
+    assert names == []
+
+
+def test_cross_check_uses_stored_values_of_other_tunables(aws):
+    _seed(aws, "decoder_kv_blocks_ttl", "300")
+    # the default conversation_ttl (450) no longer fits; raising the engine TTL in the same call does
+    assert run("set", "kv_lease_duration=31").exit_code == 2
+    ok = run("set", "decoder_kv_blocks_ttl=900", "conversation_ttl=600")
+    assert ok.exit_code == 0, ok.output
+
+
+def test_dry_run_writes_nothing(aws):
+    result = run("set", "kv_lease_duration", "60", "--dry-run")
+    assert result.exit_code == 0 and "30 -> 60" in result.output
+    assert aws.get_parameters_by_path(Path=f"/turnkv/{DEPLOYMENT}", Recursive=True)["Parameters"] == []
+
+
+def test_allowed_pattern_accepts_every_default_and_refuses_junk():
+    # SSM enforces AllowedPattern on writes from the console too (moto does not check it on overwrite)
+    for t in params.CATALOG:
+        pattern = re.compile(allowed_pattern(t))
+        assert pattern.match(str(t.default)) and pattern.match(str(t.maximum)), t.name
+        for junk in ("-1", "1e3", "", " 1", "1 ", "0x10", str(int(t.maximum)) + "0"):
+            assert not pattern.match(junk), (t.name, junk)
+
+
+def test_sync_writes_engine_tunables_atomically_and_only_on_change(aws, tmp_path):
+    out = tmp_path / "etc" / "tunables.json"
+    _seed(aws, "decoder_kv_blocks_ttl", "600")
+    _seed(aws, "conversation_ttl", "300")
+    first = run("sync", "--out", str(out))
+    assert first.exit_code == 0, first.output
+    assert "updated" in first.output
+    data = json.loads(out.read_text())
+    assert data == {**params.defaults(params.Scope.ENGINE), "decoder_kv_blocks_ttl": 600}
+    second = run("sync", "--out", str(out))
+    assert second.exit_code == 0 and "unchanged" in second.output
+
+
+def test_sync_refuses_bad_stored_values_and_keeps_the_last_good_file(aws, tmp_path):
+    out = tmp_path / "tunables.json"
+    assert run("sync", "--out", str(out)).exit_code == 0
+    before = out.read_text()
+    _seed(aws, "kv_lease_duration", "9999")  # written around the CLI, e.g. in the console
+    result = run("sync", "--out", str(out))
+    assert result.exit_code == 2
+    assert "kv_lease_duration" in result.output and "left as it was" in " ".join(result.output.split())
+    assert out.read_text() == before
+    listed = run("list")
+    assert listed.exit_code == 0 and "invalid" in listed.output
+
+
+def test_change_label_is_valid_for_ssm():
+    from datetime import UTC, datetime
+
+    label = change_label("arn:aws:sts::1:assumed-role/Admin/bob smith", datetime(2026, 11, 29, 20, 0, tzinfo=UTC))
+    assert label == "by-arn-aws-sts-1-assumed-role-Admin-bob-smith-20261129T200000Z"
