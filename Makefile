@@ -10,7 +10,7 @@ DEPS := pyproject.toml turnkv/versions.py $(wildcard requirements/*.txt)
 EXTRAS ?= engines,infra,dev
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint unit e2e infra-test clean down tools
+.PHONY: setup demo test lint unit e2e infra-test clean down tools synth
 
 setup: $(READY)
 
@@ -30,10 +30,19 @@ tools:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
 	  || { echo "could not install$$missing: install it with your package manager"; exit 1; }; fi
 
+# The pinned AWS CDK CLI (package-lock.json) for `make synth` and the CLI test.
+CDK := node_modules/.bin/cdk
+$(CDK): package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+synth: setup $(CDK)
+	JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION=20 $(CDK) synth --quiet
+
 demo: setup
 	$(BIN)/turnkv demo --out results/demo
 
-test: setup tools
+test: setup tools $(CDK)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
@@ -46,11 +55,11 @@ unit: setup
 e2e: setup tools
 	$(BIN)/python -m pytest tests/e2e $(PYTEST_ARGS)
 
-infra-test: setup
+infra-test: setup $(CDK)
 	$(BIN)/python -m pytest tests/infra $(PYTEST_ARGS)
 
 down:
 	-$(BIN)/turnkv local down
 
 clean: down
-	rm -rf $(VENV) .turnkv results cdk.out
+	rm -rf $(VENV) .turnkv results cdk.out node_modules

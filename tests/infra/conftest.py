@@ -46,17 +46,11 @@ class Synth:
 
 @pytest.fixture(scope="session")
 def image_sources(tmp_path_factory):
-    """``ami.recipes`` when the AMI work is in the tree; otherwise the test stand-in (see fallback_ami.py)."""
+    """The image stack's inputs: this tree's AMI recipes and a freshly built turnkv wheel."""
     from infra.stacks.image import ImageSources
     from infra.wheel import REPO_ROOT, build_wheel
 
     wheel = build_wheel(tmp_path_factory.mktemp("wheel"))
-    # Only this tree's recipes count (an editable install elsewhere may also expose an ``ami`` package).
-    if not (REPO_ROOT / "ami" / "recipes.py").is_file():
-        from tests.infra import fallback_ami
-
-        stand_in = fallback_ami.build(tmp_path_factory.mktemp("ami"))
-        return ImageSources(wheel=wheel, **stand_in)
     from ami import recipes
 
     assert Path(recipes.__file__).resolve().parent == (REPO_ROOT / "ami").resolve()
