@@ -3,10 +3,16 @@
 A finished request whose blocks are kept for another engine to read (decode's retained turn in
 bi-directional mode, prefill's blocks under lease) keeps vLLM's engine loop stepping about every
 millisecond, scheduling nothing, until the blocks are read or expire: a whole core for up to
-``decoder_kv_blocks_ttl``. When nothing is running or waiting, the engine now waits on its input
-queue for up to ``TURNKV_IDLE_TICK_MS`` (default 50 ms) between steps instead: a new request still
-wakes it at once, and retained blocks are still released when read or expired, a tick later.
-Reads by other engines do not need these steps: NIXL's progress thread serves them (see cpu.py).
+``decoder_kv_blocks_ttl``. Two loops burn it:
+
+1. the engine core steps every 1 ms. When nothing is running or waiting, it now waits on its input
+   queue for up to ``TURNKV_IDLE_TICK_MS`` (default 1000 ms) between steps instead: a new request
+   still wakes it at once, and retained blocks are still released when read or expired, a tick later;
+2. every step wakes the model worker, whose shared-memory queue then spins for 1 s after each read
+   before it sleeps, so steps closer than a second keep it spinning for good. The spin window is cut
+   to ``TURNKV_WORKER_SPIN_MS`` (default 50 ms); under load reads come every few ms and it still spins.
+
+Reads by other engines need neither loop: NIXL's progress thread serves them (see cpu.py).
 """
 
 from __future__ import annotations
@@ -20,11 +26,19 @@ from typing import Any
 logger = logging.getLogger("vllm.turnkv.idle")
 
 
-def idle_tick_seconds() -> float:
+def _ms_setting(name: str, default_ms: float) -> float:
     try:
-        return max(0.0, float(os.environ.get("TURNKV_IDLE_TICK_MS", "50")) / 1000)
+        return max(0.0, float(os.environ.get(name, str(default_ms))) / 1000)
     except ValueError:
-        return 0.05
+        return default_ms / 1000
+
+
+def idle_tick_seconds() -> float:
+    return _ms_setting("TURNKV_IDLE_TICK_MS", 1000)
+
+
+def worker_spin_seconds() -> float:
+    return _ms_setting("TURNKV_WORKER_SPIN_MS", 50)
 
 
 def only_holding_blocks(core: Any) -> bool:
@@ -36,6 +50,29 @@ def only_holding_blocks(core: Any) -> bool:
 
 
 def apply() -> list[str]:
+    return _shorter_worker_spin() + _idle_engine_tick()
+
+
+def _shorter_worker_spin() -> list[str]:
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    spin = worker_spin_seconds()
+    init = SpinCondition.__init__
+    if getattr(init, "_turnkv_wrapped", False):
+        return []
+
+    @functools.wraps(init)
+    def spin_condition_init(self: Any, is_reader: bool, *args: Any, **kwargs: Any) -> None:
+        init(self, is_reader, *args, **kwargs)
+        if is_reader:
+            self.busy_loop_s = min(self.busy_loop_s, spin)
+
+    spin_condition_init._turnkv_wrapped = True  # type: ignore[attr-defined]
+    SpinCondition.__init__ = spin_condition_init
+    return [f"worker-spin({spin * 1000:.0f}ms)"]
+
+
+def _idle_engine_tick() -> list[str]:
     from vllm.v1.engine.core import EngineCoreProc
 
     tick = idle_tick_seconds()

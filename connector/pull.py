@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from connector.compat import check_vllm_version
@@ -28,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (  
 )
 
 from connector import token_proof  # noqa: E402
+from connector.policy import CostModel  # noqa: E402
 from connector.stats import TurnkvKVConnectorStats, TurnkvPromMetrics  # noqa: E402
 from connector.tunables import TunablesFile  # noqa: E402
 
@@ -55,6 +57,11 @@ class TurnkvPullScheduler(NixlPullConnectorScheduler):
         self._retain_on_demand = _flag("TURNKV_RETAIN_ON_DEMAND", True)
         self._tunables = TunablesFile(self._apply_tunables)
         self._tunables.poll()
+        # Pull only when it is expected to beat recomputing (TURNKV_ADAPTIVE_THRESHOLD=0: the threshold alone).
+        self._adaptive = _flag("TURNKV_ADAPTIVE_THRESHOLD", True)
+        self.cost = CostModel()
+        self._step_started: tuple[float, int] | None = None
+        self._pulls_started: dict[str, tuple[float, int]] = {}
 
     def _apply_tunables(self, values: dict[str, int | float]) -> None:
         if "decoder_kv_blocks_ttl" in values:
@@ -71,9 +78,55 @@ class TurnkvPullScheduler(NixlPullConnectorScheduler):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         self._tunables.poll()
         params = request.kv_transfer_params
-        if self._is_decode_offer(params) and request.request_id not in self._verdicts:
+        offer = self._is_decode_offer(params)
+        first_look = offer and request.request_id not in self._verdicts
+        if first_look:
             self._check_offer(request, params)
-        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        count, asynchronous = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if not first_look:
+            return count, asynchronous
+        decision = self.cost.decide(count, self.kv_recompute_threshold) if self._adaptive else None
+        if count > 0 and decision is not None and not decision.pull:
+            count, asynchronous = 0, False
+        self.turnkv_stats.record("turnkv_decisions_pull" if count > 0 else "turnkv_decisions_recompute", 1)
+        if decision is not None and decision.reason in ("slower", "probe"):
+            logger.info("turnkv: request %s: %s %d tokens (pull ~%.1f ms vs compute ~%.1f ms)", request.request_id,
+                        "pulling" if decision.pull else "recomputing", (decision.pull and count) or 0,
+                        1000 * (decision.predicted_pull_s or 0), 1000 * (decision.predicted_compute_s or 0))
+        return count, asynchronous
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens > 0 and self._is_decode_offer(request.kv_transfer_params):
+            self._pulls_started[request.request_id] = (time.perf_counter(), num_external_tokens)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    # cost model inputs: step compute time and pull durations ----------------------------------------
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+        self._step_started = (time.perf_counter(), tokens)
+        return super().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        now = time.perf_counter()
+        if self._step_started is not None:
+            started, tokens = self._step_started
+            self._step_started = None
+            self.cost.observe_step(now - started, tokens)
+        for req_id in connector_output.finished_recving or ():
+            started_pull = self._pulls_started.pop(req_id, None)
+            if started_pull is not None:
+                self.cost.observe_pull(now - started_pull[0], started_pull[1])
+        self._export_estimates()
+        super().update_connector_output(connector_output)
+
+    def _export_estimates(self) -> None:
+        s, cost = self.turnkv_stats, self.cost
+        if cost.compute_per_token.value is not None:
+            s.data["turnkv_compute_seconds_per_token"] = [cost.compute_per_token.value]
+        if cost.pull_per_token is not None:
+            s.data["turnkv_pull_seconds_per_token"] = [cost.pull_per_token]
+            s.data["turnkv_pull_overhead_seconds"] = [cost.pull_overhead or 0.0]
 
     def _check_offer(self, request: Any, params: dict[str, Any]) -> None:
         remote = int(params.get("remote_num_tokens") or 0)
@@ -126,6 +179,7 @@ class TurnkvPullScheduler(NixlPullConnectorScheduler):
         else:
             delay, out = super().request_finished(request, block_ids)
         verdict = self._verdicts.pop(request.request_id, None)
+        self._pulls_started.pop(request.request_id, None)
         if out is None:
             return delay, out
         if out.get("do_remote_decode") and delay and out.get("remote_num_tokens"):

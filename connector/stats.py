@@ -19,28 +19,42 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:turnkv_proof_mismatches", "Pulls cut short by a token-id digest mismatch."),
     "turnkv_proof_missing": (
         "vllm:turnkv_proof_missing", "Offers without a valid token proof (nothing pulled)."),
+    "turnkv_decisions_pull": (
+        "vllm:turnkv_decisions_pull", "Verified offers pulled (the cost model expected the pull to be faster)."),
+    "turnkv_decisions_recompute": (
+        "vllm:turnkv_decisions_recompute", "Verified offers recomputed (below the threshold, or slower to pull)."),
+}
+
+#: stats key -> (Prometheus gauge name, help). The last value of an interval is exported.
+GAUGES: dict[str, tuple[str, str]] = {
+    "turnkv_compute_seconds_per_token": (
+        "vllm:turnkv_compute_seconds_per_token", "Prefill's measured compute time per prompt token (EWMA)."),
+    "turnkv_pull_seconds_per_token": (
+        "vllm:turnkv_pull_seconds_per_token", "Measured pull time per token (fitted slope)."),
+    "turnkv_pull_overhead_seconds": (
+        "vllm:turnkv_pull_overhead_seconds", "Measured fixed time per pull (fitted intercept)."),
 }
 
 
 class TurnkvKVConnectorStats(NixlKVConnectorStats):
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key in COUNTERS:
+        for key in (*COUNTERS, *GAUGES):
             self.data.setdefault(key, [])
 
     def reset(self) -> None:
         super().reset()
-        for key in COUNTERS:
+        for key in (*COUNTERS, *GAUGES):
             self.data[key] = []
 
     def record(self, key: str, value: float) -> None:
         self.data[key].append(value)
 
     def is_empty(self) -> bool:
-        return super().is_empty() and not any(self.data.get(key) for key in COUNTERS)
+        return super().is_empty() and not any(self.data.get(key) for key in (*COUNTERS, *GAUGES))
 
     def aggregate(self, other: Any) -> Any:
-        for key in COUNTERS:
+        for key in (*COUNTERS, *GAUGES):
             other.data.setdefault(key, [])
         return super().aggregate(other)
 
@@ -60,9 +74,19 @@ class TurnkvPromMetrics(NixlPromMetrics):
                                           self.per_engine_labelvalues)
             for key, (name, doc) in COUNTERS.items()
         }
+        self.turnkv_gauges = {
+            key: create_metric_per_engine(self._gauge_cls(name=name, documentation=doc, labelnames=labelnames,
+                                                          multiprocess_mode="mostrecent"),
+                                          self.per_engine_labelvalues)
+            for key, (name, doc) in GAUGES.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         super().observe(transfer_stats_data, engine_idx)
         for key, counter in self.turnkv_counters.items():
             for value in transfer_stats_data.get(key, ()):
                 counter[engine_idx].inc(value)
+        for key, gauge in self.turnkv_gauges.items():
+            values = transfer_stats_data.get(key)
+            if values:
+                gauge[engine_idx].set(values[-1])

@@ -63,3 +63,28 @@ def test_hot_reload_of_the_recompute_threshold(stack):
         time.sleep(1.2)
     warm = next_turn("reload-c")
     assert warm.outcome == "hit" and warm.reused > 300
+
+
+def test_tiny_reuse_is_recomputed_and_large_reuse_pulled(stack):
+    router, model_dir = stack["router"], stack["model_dir"]
+    prefill = stack["prefill-0"]
+
+    def decisions():
+        return (metric(prefill, "vllm:turnkv_decisions_pull_total"),
+                metric(prefill, "vllm:turnkv_decisions_recompute_total"))
+
+    short = [{"role": "user", "content": "hello you"}]
+    first = chat(router, short, conversation="tiny", max_tokens=8)
+    pulls, recomputes = decisions()
+    tiny = chat(router, [*short, {"role": "assistant", "content": first.text}, {"role": "user", "content": "more"}],
+                conversation="tiny", max_tokens=8)
+    assert tiny.outcome == "hit" and tiny.reused == 0, "fewer tokens than kv_recompute_threshold: recompute"
+    assert decisions() == (pulls, recomputes + 1)
+    long = [{"role": "user", "content": words(model_dir, 1200, 95)}]
+    first = chat(router, long, conversation="large")
+    large = chat(router, [*long, {"role": "assistant", "content": first.text}, {"role": "user", "content": "more"}],
+                 conversation="large")
+    assert large.reused > 1200 and decisions()[0] == pulls + 1
+    # The cost model has learned both sides by now and exports them.
+    assert metric(prefill, "vllm:turnkv_compute_seconds_per_token") > 0
+    assert metric(prefill, "vllm:turnkv_pull_seconds_per_token") > 0

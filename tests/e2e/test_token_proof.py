@@ -74,7 +74,8 @@ def _direct_turn(stack, messages, params=None) -> dict:
     p = requests.post(f"{stack['prefill-0']}/v1/chat/completions", timeout=120,
                       json={**base, "max_tokens": 1, "kv_transfer_params": params or fresh}).json()
     d = requests.post(f"{stack['decode-0']}/v1/chat/completions", timeout=120,
-                      json={**base, "max_tokens": 16, "kv_transfer_params": p["kv_transfer_params"]}).json()
+                      json={**base, "max_tokens": 16,
+                            "kv_transfer_params": {**p["kv_transfer_params"], "turnkv_retain": True}}).json()
     return {"prefill": p, "decode": d}
 
 
