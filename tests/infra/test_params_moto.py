@@ -4,7 +4,6 @@ then read and changed with `turnkv params`: the stack and the CLI agree on paths
 from __future__ import annotations
 
 import json
-import socket
 
 import boto3
 import pytest
@@ -17,23 +16,9 @@ pytestmark = pytest.mark.infra
 REGION = "us-east-2"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def moto_env():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
+def moto_env(moto_url):
+    return moto_url
 
 
 def test_params_stack_deploys_and_the_cli_reads_it(gpu, moto_env, monkeypatch):

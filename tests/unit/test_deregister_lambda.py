@@ -5,7 +5,6 @@ moto does not implement autoscaling:CompleteLifecycleAction, so that client is a
 from __future__ import annotations
 
 import importlib.util
-import socket
 
 import boto3
 import pytest
@@ -15,24 +14,10 @@ from infra.lambdas import DEREGISTER
 REGION = "us-east-2"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def sd():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield boto3.client("servicediscovery", region_name=REGION, endpoint_url=f"http://{host}:{port}",
-                           aws_access_key_id="testing", aws_secret_access_key="testing")
-    finally:
-        server.stop()
+def sd(moto_url):
+    return boto3.client("servicediscovery", region_name=REGION, endpoint_url=moto_url,
+                        aws_access_key_id="testing", aws_secret_access_key="testing")
 
 
 class Recorder:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 
 import boto3
 import pytest
@@ -16,25 +15,6 @@ from turnkv.cli import app
 
 DEPLOYMENT = "unit"
 REGION = "us-east-2"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def moto_url():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
 
 
 @pytest.fixture

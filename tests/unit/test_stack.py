@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from tests.conftest import free_port
 from turnkv.local import stack
 from turnkv.local.stack import ProcessSpec, StackConfig, StackError, Supervisor
 
@@ -39,19 +40,13 @@ def test_best_case_adds_a_cached_prefill_and_a_second_router(tmp_path):
     assert argv[argv.index("--prefill") + 1] == procs["prefill-cached"].url
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_busy_port_is_named_before_anything_starts(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        config = StackConfig(state_dir=tmp_path, router_port=port, prefill_port=_free_port(),
-                             decode_port=_free_port(), side_channel_base=_free_port())
+        config = StackConfig(state_dir=tmp_path, router_port=port, prefill_port=free_port(),
+                             decode_port=free_port(), side_channel_base=free_port())
         with pytest.raises(StackError, match=rf"port\(s\) already in use: {port} \(router\)\."):
             Supervisor(tmp_path).up(config)
     assert not (tmp_path / "state.json").exists()

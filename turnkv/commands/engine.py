@@ -24,23 +24,25 @@ import typer
 from turnkv import params
 from turnkv.engine_args import EngineSpec, Mode, Role, serve_args, serve_env
 
-# engine.env variables (same names as turnkv/node_env.py).
-ROLE = "TURNKV_ROLE"
-ENGINE_ID = "TURNKV_ENGINE_ID"
-MODEL = "TURNKV_MODEL"
-SERVED_MODEL_NAME = "TURNKV_SERVED_MODEL_NAME"
-MODE = "TURNKV_MODE"
-BIDIRECTIONAL = "TURNKV_BIDIRECTIONAL"
-TP_SIZE = "TURNKV_TP_SIZE"
-MAX_MODEL_LEN = "TURNKV_MAX_MODEL_LEN"
-PORT = "TURNKV_PORT"
-SIDE_CHANNEL_HOST = "TURNKV_SIDE_CHANNEL_HOST"
-SIDE_CHANNEL_PORT = "TURNKV_SIDE_CHANNEL_PORT"
-BACKENDS = "TURNKV_BACKENDS"
-TUNABLES_FILE = params.TUNABLES_FILE_ENV
-MODEL_S3_URI = "TURNKV_MODEL_S3_URI"
+# engine.env variable names and paths: defined once in turnkv/node_env.py.
+from turnkv.node_env import (
+    BACKENDS,
+    BIDIRECTIONAL,
+    ENGINE_ENV_FILE,
+    ENGINE_ID,
+    MAX_MODEL_LEN,
+    MODE,
+    MODEL,
+    MODEL_S3_URI,
+    PORT,
+    ROLE,
+    SERVED_MODEL_NAME,
+    SIDE_CHANNEL_HOST,
+    SIDE_CHANNEL_PORT,
+    TP_SIZE,
+)
+from turnkv.node_env import TUNABLES_FILE_VAR as TUNABLES_FILE
 
-ENGINE_ENV_FILE = "/etc/turnkv/engine.env"
 MODELS_DIR = "/opt/turnkv/models"
 REQUIRED = (ROLE, ENGINE_ID, MODEL, SIDE_CHANNEL_HOST)
 DEFAULTS: dict[str, str] = {
