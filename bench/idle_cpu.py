@@ -25,8 +25,8 @@ VARIANTS = {
     # What vLLM does on its own: a 1 ms engine loop while blocks are retained and a 1 s worker spin after
     # every step (NIXL without a progress thread, as the local stack needs anyway).
     "upstream loops": {"TURNKV_IDLE_TICK_MS": "0", "TURNKV_WORKER_SPIN_MS": "1000", "TURNKV_NIXL_PROGRESS_US": "0"},
-    "turnkv: idle tick + short worker spin": {},
-    "turnkv, no NIXL progress thread": {"TURNKV_NIXL_PROGRESS_US": "0"},
+    "turnkv: 100 ms idle tick, 2 ms worker spin": {},
+    "turnkv, 1 s idle tick, 50 ms spin": {"TURNKV_IDLE_TICK_MS": "1000", "TURNKV_WORKER_SPIN_MS": "50"},
 }
 
 

@@ -42,9 +42,9 @@ def test_idle_tick_setting(monkeypatch):
     monkeypatch.setenv("TURNKV_IDLE_TICK_MS", "20")
     assert idle.idle_tick_seconds() == 0.02
     monkeypatch.setenv("TURNKV_IDLE_TICK_MS", "nonsense")
-    assert idle.idle_tick_seconds() == 1.0
+    assert idle.idle_tick_seconds() == 0.1
     monkeypatch.delenv("TURNKV_WORKER_SPIN_MS", raising=False)
-    assert idle.worker_spin_seconds() == 0.05
+    assert idle.worker_spin_seconds() == 0.002
 
 
 def test_stream_gets_a_final_params_chunk_before_done():
