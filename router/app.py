@@ -67,6 +67,15 @@ def _completion_handler(path: str, kind: str):
     return handler
 
 
+async def lease(request: web.Request) -> web.Response:
+    from router.lease import renew
+
+    try:
+        return await renew(request.app[FLOW], request, await _read_json(request))
+    except guard.RequestError as exc:
+        return error_response(400, str(exc))
+
+
 async def health(request: web.Request) -> web.Response:
     pool = request.app[FLOW].pool
     engines = [{"url": e.url, "role": e.role, "healthy": e.healthy, "outstanding": e.outstanding} for e in pool.all]
@@ -139,6 +148,7 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None) -> w
     app.cleanup_ctx.append(lifecycle)
     for path, kind in ROUTES.items():
         app.router.add_post(path, _completion_handler(path, kind))
+    app.router.add_post("/v1/conversations/lease", lease)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics_endpoint)

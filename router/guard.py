@@ -127,6 +127,12 @@ class History:
     length: int  # messages (chat) or characters (completion)
 
 
+def render_only(kind: str, body: Mapping[str, Any]) -> Turn:
+    """The rendering settings of a request without its prompt (to address a stored conversation)."""
+    fields = CHAT_RENDER_FIELDS if kind == "chat" else COMPLETION_RENDER_FIELDS
+    return Turn(kind, _digest(*(_canonical(body.get(f)) for f in fields)))
+
+
 def parse_turn(kind: str, body: Mapping[str, Any]) -> Turn | None:
     """Validate the fields the router relies on; return None when the request cannot be reused.
 

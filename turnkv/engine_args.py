@@ -107,4 +107,7 @@ def serve_env(spec: EngineSpec) -> dict[str, str]:
         "VLLM_NIXL_SIDE_CHANNEL_HOST": spec.side_channel_host,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port),
         "HF_HUB_OFFLINE": "1",
+        # vLLM loads endpoint plugins (turnkv's lease route) only when allow-listed; the list then
+        # applies to general plugins too, so it names both of turnkv's.
+        "VLLM_PLUGINS": "turnkv,turnkv-leases",
     }

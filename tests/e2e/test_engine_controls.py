@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+import requests
 
 from tests.e2e.client import chat, metric, words
 
@@ -88,3 +89,30 @@ def test_tiny_reuse_is_recomputed_and_large_reuse_pulled(stack):
     # The cost model has learned both sides by now and exports them.
     assert metric(prefill, "vllm:turnkv_compute_seconds_per_token") > 0
     assert metric(prefill, "vllm:turnkv_pull_seconds_per_token") > 0
+
+
+def test_router_renews_a_conversation_lease_past_the_engine_ttl(stack):
+    router, model_dir = stack["router"], stack["model_dir"]
+    tunables = stack["state_dir"] / "tunables.json"
+    messages = {name: [{"role": "user", "content": words(model_dir, 400, seed)}]
+                for name, seed in (("leased", 100), ("unleased", 101))}
+    try:
+        tunables.write_text(json.dumps({"decoder_kv_blocks_ttl": 12, "kv_recompute_threshold": 64}))
+        time.sleep(1.2)
+        firsts = {name: chat(router, m, conversation=name) for name, m in messages.items()}
+        renewed = requests.post(f"{router}/v1/conversations/lease", timeout=30,
+                                json={"conversation_id": "leased", "model": "tiny", "ttl": 60})
+        assert renewed.status_code == 200, renewed.text
+        assert 45 < renewed.json()["expires_in"] <= 50  # 60 s minus the router's expiry margin
+        missing = requests.post(f"{router}/v1/conversations/lease", timeout=30,
+                                json={"conversation_id": "never-seen", "model": "tiny"})
+        assert missing.status_code == 404
+        time.sleep(16)  # past the engine's 12 s TTL (+ prefill's 5 s safety margin)
+        seconds = {name: chat(router, [*m, {"role": "assistant", "content": firsts[name].text},
+                                       {"role": "user", "content": "go on"}], conversation=name)
+                   for name, m in messages.items()}
+    finally:
+        tunables.write_text(json.dumps({"kv_recompute_threshold": 64, "decoder_kv_blocks_ttl": 60}))
+        time.sleep(1.2)
+    assert seconds["leased"].outcome == "hit" and seconds["leased"].reused > 400
+    assert seconds["unleased"].reused == 0, "without renewal the engine TTL expired and prefill recomputed"

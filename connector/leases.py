@@ -1,0 +1,69 @@
+"""Lease renewal for retained turns: ``POST /turnkv/v1/leases`` on the engine's API server.
+
+A decode engine keeps a finished conversation turn's blocks for ``decoder_kv_blocks_ttl`` after the
+turn ended. An agent that thinks or runs tools for longer loses its reuse. The router renews the
+lease: this route extends the expiry of retained requests, held by the NIXL worker, to ``ttl``
+seconds from now (never shortens it), and answers how long each one now lives.
+
+vLLM loads it as the endpoint plugin ``turnkv-leases`` (endpoint plugins must be allow-listed in
+``VLLM_PLUGINS``; ``turnkv.engine_args.serve_env`` does). The worker-side function runs through
+``collective_rpc`` between engine steps, on the worker's own thread.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+ROUTE = "/turnkv/v1/leases"
+MAX_TTL = 3600
+
+
+def renew_on_worker(worker: Any, request_ids: list[str], ttl: float) -> dict[str, float]:
+    """Runs in each worker process: extend the expiry of retained requests; seconds left for each."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    holder = get_kv_transfer_group().connector_worker
+    held: dict[str, float] = getattr(holder, "_reqs_to_send", {})
+    now = time.perf_counter()
+    left = {}
+    for request_id in request_ids:
+        if request_id in held:
+            held[request_id] = max(held[request_id], now + ttl)
+            left[request_id] = round(held[request_id] - now, 3)
+    return left
+
+
+class LeaseEndpoints:
+    name = "turnkv-leases"
+    required_tasks = None
+
+    def attach_router(self, app: Any) -> None:
+        from fastapi import Request
+        from fastapi.responses import JSONResponse
+
+        async def renew(request: Request) -> JSONResponse:
+            try:
+                body = await request.json()
+                ids = body["request_ids"]
+                ttl = float(body.get("ttl", 0))
+                if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids) or not 0 < ttl <= MAX_TTL:
+                    raise ValueError
+            except (ValueError, KeyError, TypeError):
+                return JSONResponse({"error": {"message": f"expected {{'request_ids': [str, ...], 'ttl': "
+                                                          f"seconds in (0, {MAX_TTL}]}}", "code": 400}},
+                                    status_code=400)
+            client = getattr(request.app.state, "turnkv_engine_client", None)
+            if client is None:
+                return JSONResponse({"error": {"message": "no engine behind this server", "code": 503}},
+                                    status_code=503)
+            per_worker = await client.collective_rpc(renew_on_worker, args=(ids, ttl))
+            # Every rank holds the request; the shortest remaining lease is the truthful one.
+            renewed = {rid: min(w.get(rid, 0.0) for w in per_worker) for rid in ids
+                       if all(rid in w for w in per_worker)}
+            return JSONResponse({"renewed": renewed, "missing": [rid for rid in ids if rid not in renewed]})
+
+        app.add_api_route(ROUTE, renew, methods=["POST"])
+
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        state.turnkv_engine_client = engine_client
