@@ -25,7 +25,7 @@ def engines_from_instances(instances: Iterable[Mapping[str, Any]]) -> dict[str, 
         role = attrs.get("role")
         host = attrs.get("AWS_INSTANCE_IPV4") or attrs.get("AWS_INSTANCE_IPV6") or attrs.get("side_channel_host")
         port = attrs.get("http_port") or attrs.get("AWS_INSTANCE_PORT")
-        if role not in out or not host or not port:
+        if role not in out or not host or not str(port).isdigit() or not 0 < int(port) < 65536:
             log.warning("Cloud Map instance %s skipped: needs role, an address and a port (got %s)",
                         inst.get("InstanceId"), sorted(attrs))
             continue
@@ -45,8 +45,12 @@ class CloudMapDiscovery:
         self.namespace, self.service = namespace, service
         if client is None:
             import boto3
+            from botocore.config import Config
 
-            client = boto3.client("servicediscovery", region_name=region, endpoint_url=endpoint_url)
+            # DiscoverInstances goes to data-servicediscovery.*; an override endpoint (moto) has no such host.
+            cfg = Config(inject_host_prefix=endpoint_url is None, retries={"max_attempts": 2},
+                         connect_timeout=3, read_timeout=5)
+            client = boto3.client("servicediscovery", region_name=region, endpoint_url=endpoint_url, config=cfg)
         self.client = client
 
     def _discover(self) -> list[dict[str, Any]]:
