@@ -165,8 +165,10 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
                             "set TURNKV_KEY_SECRET on every replica", exc)
         config.ensure_secret()
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
-        session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        app[FLOW] = Flow(config, pool, store, metrics, session, forward_auth=keys.open)
+        session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                        cookie_jar=aiohttp.DummyCookieJar())
+        emf = telemetry.EmfWriter()
+        app[FLOW] = Flow(config, pool, store, metrics, session, forward_auth=keys.open, emf=emf)
         tasks = []
         if discover is not None:
             try:
@@ -194,6 +196,7 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        emf.flush()
         await session.close()
         await store.close()
 

@@ -126,12 +126,13 @@ class Opened:
     engine: Engine
     resp: aiohttp.ClientResponse | None = None
     raw: bytes = b""
-    first: list[bytes] = field(default_factory=list)
+    first: bytes = b""
 
 
 class Flow:
     def __init__(self, config: RouterConfig, pool: EnginePool, store: ConversationStore, metrics: Metrics,
-                 session: aiohttp.ClientSession, *, forward_auth: bool = True) -> None:
+                 session: aiohttp.ClientSession, *, forward_auth: bool = True,
+                 emf: telemetry.EmfWriter | None = None) -> None:
         self.config = config
         self.pool = pool
         self.store = store
@@ -139,6 +140,12 @@ class Flow:
         self.session = session
         self.forward_auth = forward_auth
         self.prefill_rate = telemetry.PrefillRate()
+        self.emf = emf or telemetry.EmfWriter()
+        # Prometheus children resolved once (labels() takes a lock and a dict lookup per call)
+        self._ttft = {o: metrics.ttft.labels(o) for o in telemetry.OUTCOMES}
+        self._reuse = {o: metrics.reuse.labels(o) for o in telemetry.OUTCOMES}
+        self._leg = {leg: metrics.leg.labels(leg) for leg in ("prefill", "decode")}
+        self._store_seconds = {op: metrics.store_seconds.labels(op) for op in ("take", "put")}
 
     # -- request intake -------------------------------------------------------------------------
 
@@ -180,7 +187,7 @@ class Flow:
             d.outcome = "store_error"
             return None
         finally:
-            self.metrics.store_seconds.labels("take").observe(time.perf_counter() - t0)
+            self._store_seconds["take"].observe(time.perf_counter() - t0)
         assert d.turn is not None
         if entry is None:
             d.outcome = "miss"
@@ -210,7 +217,7 @@ class Flow:
             self.metrics.store_errors.labels("put").inc()
             log.warning("could not store conversation state (%s)", exc or type(exc).__name__)
         finally:
-            self.metrics.store_seconds.labels("put").observe(time.perf_counter() - t0)
+            self._store_seconds["put"].observe(time.perf_counter() - t0)
 
     # -- legs -----------------------------------------------------------------------------------
 
@@ -268,7 +275,7 @@ class Flow:
             engine.outstanding -= 1
             engine.outstanding_tokens -= d.tokens
         elapsed = time.perf_counter() - t0
-        self.metrics.leg.labels("prefill").observe(elapsed)
+        self._leg["prefill"].observe(elapsed)
         d.prefill_ms = elapsed * 1000
         result = orjson.loads(raw)
         kv = result.get("kv_transfer_params")
@@ -310,18 +317,19 @@ class Flow:
                 resp.release()
                 if resp.status != 200:
                     raise self._http_error("decode", engine, resp.status, raw)
-                self.metrics.leg.labels("decode").observe(time.perf_counter() - t0)
+                self._leg["decode"].observe(time.perf_counter() - t0)
                 self.pool.report_success(engine)
                 return Opened(engine, raw=raw)
-            first: list[bytes] = []
+            first = b""
             while True:  # up to the first event: until then another engine may still take over
-                line = await resp.content.readline()
-                if not line:
+                chunk = await resp.content.readany()
+                if not chunk:
                     raise aiohttp.ServerDisconnectedError("decode closed the stream before its first token")
-                first.append(line)
-                if line.startswith(b"data: "):
+                first += chunk
+                at = first.find(b"data: ")
+                if at >= 0 and first.find(b"\n", at) >= 0:
                     break
-            self.metrics.leg.labels("decode").observe(time.perf_counter() - t0)
+            self._leg["decode"].observe(time.perf_counter() - t0)
             self.pool.report_success(engine)
             handed = True  # released (and counted down) by the relay
             return Opened(engine, resp=resp, first=first)
@@ -438,7 +446,7 @@ class Flow:
             telemetry.request_id.reset(token)
 
     def _finish(self, d: Dispatch) -> None:
-        self.metrics.reuse.labels(d.outcome).inc()
+        self._reuse[d.outcome].inc()
         if d.reused_tokens:
             self.metrics.reused_tokens.inc(d.reused_tokens)
         if not self.config.emf:
@@ -446,7 +454,7 @@ class Flow:
         saved = None
         if d.reused_tokens and self.prefill_rate.ms_per_token:
             saved = d.reused_tokens * self.prefill_rate.ms_per_token
-        telemetry.emit(telemetry.emf_record(
+        self.emf.emit(telemetry.emf_record(
             namespace=telemetry.NAMESPACE, deployment=self.config.deployment, outcome=d.outcome,
             prompt_tokens=d.prompt_tokens, ttft_ms=None if d.ttft is None else d.ttft * 1000,
             error=d.status >= 500 or d.status == 0, reused_tokens=d.reused_tokens, prefill_ms=d.prefill_ms,
@@ -459,7 +467,7 @@ class Flow:
 
     def _first_token(self, d: Dispatch) -> None:
         d.ttft = time.perf_counter() - d.started
-        self.metrics.ttft.labels(d.outcome).observe(d.ttft)
+        self._ttft[d.outcome].observe(d.ttft)
 
     async def _run_unary(self, d: Dispatch, request: web.Request) -> web.StreamResponse:
         try:
@@ -529,28 +537,43 @@ class Flow:
     async def _relay(self, d: Dispatch, response: web.StreamResponse, opened: Opened, early: bool
                      ) -> web.StreamResponse:
         assert opened.resp is not None
-        reply = _ReplyCollector(d.kind)
+        reply = _ReplyCollector(d.kind, parse=d.key is not None and d.outcome != "disabled")
         remembered = False
         first = True
+        tail: list[bytes] = []
         try:
-            lines = _chain(opened.first, opened.resp.content)
-            async for line in lines:
-                out = reply.feed(line)
-                if reply.complete and not remembered:
-                    # Store before the client sees [DONE]: its next turn may follow at once.
-                    remembered = True
-                    if reply.storable:
-                        await self._remember(d, opened.engine, reply.kv_transfer_params, reply.value())
-                    if early:  # the headers left before the outcome was known: say it in a comment
-                        await response.write(f": turnkv reuse_outcome={d.outcome} "
-                                             f"reused_tokens={d.reused_tokens}\n\n".encode())
-                if out is None:
+            pending = b""
+            async for chunk in _chunks(opened.first, opened.resp.content):
+                pending += chunk
+                cut = pending.rfind(b"\n") + 1
+                if not cut:
                     continue
-                await response.write(out)
+                block, pending = pending[:cut], pending[cut:]
+                out = []  # one write per chunk received, not per line
+                for line in block.splitlines(keepends=True):
+                    fed = reply.feed(line)
+                    if reply.complete and not remembered:
+                        # Store before the client sees [DONE]: its next turn may follow at once.
+                        remembered = True
+                        if reply.storable:
+                            await self._remember(d, opened.engine, reply.kv_transfer_params, reply.value())
+                        if early:  # the headers left before the outcome was known: say it in a comment
+                            out.append(f": turnkv reuse_outcome={d.outcome} "
+                                       f"reused_tokens={d.reused_tokens}\n\n".encode())
+                    if fed is not None:
+                        out.append(fed)
                 if first and (reply.has_content or reply.complete):
                     first = False
                     self._first_token(d)
-            await response.write_eof()
+                if reply.complete:  # [DONE] seen: the rest goes out with the end of the stream
+                    tail.extend(out)
+                elif out:
+                    await response.write(b"".join(out))
+            if pending:
+                fed = reply.feed(pending)
+                if fed:
+                    tail.append(fed)
+            await response.write_eof(b"".join(tail))
         except (aiohttp.ClientError, TimeoutError) as exc:
             self.metrics.engine_errors.labels("decode", type(exc).__name__).inc()
             self.pool.report_failure(opened.engine)
@@ -560,18 +583,19 @@ class Flow:
         return response
 
 
-async def _chain(first: list[bytes], rest: aiohttp.StreamReader):
-    for line in first:
-        yield line
-    async for line in rest:
-        yield line
+async def _chunks(first: bytes, rest: aiohttp.StreamReader):
+    if first:
+        yield first
+    async for chunk in rest.iter_any():
+        yield chunk
 
 
 class _ReplyCollector:
     """Reads decode's SSE lines: forwards them, strips ``kv_transfer_params``, rebuilds the reply."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, parse: bool = True) -> None:
         self.kind = kind
+        self.parse = parse  # False: nothing will be stored, only strip params and spot the first token
         self.content: list[str] = []
         self.reasoning: dict[str, list[str]] = {}  # "reasoning_content" / "reasoning" deltas, as named
         self.kv_transfer_params: dict[str, Any] | None = None
@@ -589,6 +613,9 @@ class _ReplyCollector:
         payload = line[6:].strip()
         if payload == b"[DONE]":
             self.complete = True
+            return line
+        if not self.parse and b'"kv_transfer_params"' not in payload:
+            self.has_content = self.has_content or b'"choices":[]' not in payload
             return line
         try:
             chunk = orjson.loads(payload)

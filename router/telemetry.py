@@ -3,7 +3,9 @@ the request id in every log line (a context variable read by a logging filter)."
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
+import functools
 import logging
 import os
 import sys
@@ -40,12 +42,6 @@ def setup_logging(level: int = logging.INFO) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    emf = logging.getLogger(EMF_LOGGER)
-    emf.propagate = False
-    out = logging.StreamHandler(sys.stdout)
-    out.setFormatter(logging.Formatter("%(message)s"))
-    emf.handlers[:] = [out]
-    emf.setLevel(logging.INFO)
 
 
 class Metrics:
@@ -101,7 +97,6 @@ class Metrics:
 
 # -- CloudWatch embedded metric format ---------------------------------------------------------------
 
-EMF_LOGGER = "turnkv.router.emf"
 NAMESPACE = os.environ.get("TURNKV_METRICS_NAMESPACE", "turnkv/Router")
 
 
@@ -130,41 +125,84 @@ class PrefillRate:
         self.ms_per_token = rate if not self.ms_per_token else (1 - self.alpha) * self.ms_per_token + self.alpha * rate
 
 
+@functools.lru_cache(maxsize=64)
+def _directives(namespace: str, ttft: bool, prefill: bool, saved: bool) -> list[dict[str, Any]]:
+    request_metrics = [{"Name": "Requests", "Unit": "Count"}]
+    if ttft:
+        request_metrics.insert(0, {"Name": "TTFT", "Unit": "Milliseconds"})
+    deployment_metrics = [{"Name": "Errors", "Unit": "Count"}, {"Name": "ReuseHit", "Unit": "Count"},
+                          {"Name": "ReusedTokens", "Unit": "Count"}]
+    if prefill:
+        deployment_metrics.append({"Name": "PrefillTime", "Unit": "Milliseconds"})
+    if saved:
+        deployment_metrics.append({"Name": "PrefillTimeSaved", "Unit": "Milliseconds"})
+    return [{"Namespace": namespace, "Dimensions": [["Deployment", "ReuseOutcome"],
+                                                    ["Deployment", "ReuseOutcome", "PromptBucket"]],
+             "Metrics": request_metrics},
+            {"Namespace": namespace, "Dimensions": [["Deployment"]], "Metrics": deployment_metrics}]
+
+
 def emf_record(*, namespace: str, deployment: str, outcome: str, prompt_tokens: int, ttft_ms: float | None,
                error: bool, reused_tokens: int, prefill_ms: float | None, saved_ms: float | None,
                fields: Mapping[str, Any], timestamp_ms: int | None = None) -> dict[str, Any]:
     """One request as a CloudWatch EMF object (names match turnkv.metric_names on the infra side)."""
-    request_metrics = [{"Name": "Requests", "Unit": "Count"}]
     record: dict[str, Any] = {
         "Deployment": deployment, "ReuseOutcome": outcome, "PromptBucket": prompt_bucket(prompt_tokens),
         "Requests": 1, "Errors": 1 if error else 0, "ReuseHit": 1 if outcome == "hit" else 0,
         "ReusedTokens": reused_tokens,
     }
     if ttft_ms is not None:
-        request_metrics.insert(0, {"Name": "TTFT", "Unit": "Milliseconds"})
         record["TTFT"] = round(ttft_ms, 3)
-    deployment_metrics = [{"Name": "Errors", "Unit": "Count"}, {"Name": "ReuseHit", "Unit": "Count"},
-                          {"Name": "ReusedTokens", "Unit": "Count"}]
     if prefill_ms is not None:
-        deployment_metrics.append({"Name": "PrefillTime", "Unit": "Milliseconds"})
         record["PrefillTime"] = round(prefill_ms, 3)
     if saved_ms is not None:
-        deployment_metrics.append({"Name": "PrefillTimeSaved", "Unit": "Milliseconds"})
         record["PrefillTimeSaved"] = round(saved_ms, 3)
-    record["_aws"] = {
-        "Timestamp": timestamp_ms if timestamp_ms is not None else int(time.time() * 1000),
-        "CloudWatchMetrics": [
-            {"Namespace": namespace, "Dimensions": [["Deployment", "ReuseOutcome"],
-                                                    ["Deployment", "ReuseOutcome", "PromptBucket"]],
-             "Metrics": request_metrics},
-            {"Namespace": namespace, "Dimensions": [["Deployment"]], "Metrics": deployment_metrics},
-        ],
-    }
+    record["_aws"] = {"Timestamp": timestamp_ms if timestamp_ms is not None else int(time.time() * 1000),
+                      "CloudWatchMetrics": _directives(namespace, ttft_ms is not None, prefill_ms is not None,
+                                                       saved_ms is not None)}
     record.update(fields)
     return record
 
 
-def emit(record: Mapping[str, Any]) -> None:
-    logger = logging.getLogger(EMF_LOGGER)
-    if logger.isEnabledFor(logging.INFO):
-        logger.info(orjson.dumps(record).decode())
+class EmfWriter:
+    """EMF lines to stdout, batched: one write per ``flush_interval`` (or ``max_lines``), not one per request.
+    CloudWatch (awslogs) reads the container's stdout line by line; the batching only saves syscalls."""
+
+    def __init__(self, stream: Any = None, flush_interval: float = 0.5, max_lines: int = 256) -> None:
+        self.stream = stream
+        self.flush_interval = flush_interval
+        self.max_lines = max_lines
+        self._lines: list[bytes] = []
+        self._timer: Any = None
+
+    def emit(self, record: Mapping[str, Any]) -> None:
+        self._lines.append(orjson.dumps(record))
+        if len(self._lines) >= self.max_lines:
+            self.flush()
+        elif self._timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self.flush()
+                return
+            self._timer = loop.call_later(self.flush_interval, self.flush)
+
+    def flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._lines:
+            return
+        data = b"\n".join(self._lines) + b"\n"
+        self._lines.clear()
+        stream = self.stream or sys.stdout
+        try:
+            buffer = getattr(stream, "buffer", None)
+            if buffer is not None:
+                buffer.write(data)
+            else:
+                stream.write(data.decode())
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
