@@ -98,7 +98,8 @@ async def test_stored_params_naming_an_unknown_host_are_refused():
     p, d = engines(1, "prefill"), engines(1, "decode")
     async with router_over(p, d, store=store) as (s, _):
         first = await chat(s, conversation="x")
-        [(key, entry)] = list(store._entries.items())
+        [key] = store.conversation_keys()
+        entry = store.peek(key)
         bad = Entry({**entry.params, "remote_host": "10.9.9.9"}, entry.history, entry.expires_at, entry.decode_engine)
         await store.put(key, bad)
         second = await chat(s, next_turn(MSGS, first["text"]), conversation="x")
@@ -241,7 +242,7 @@ async def test_entries_expire_before_the_engine_does():
     p, d = engines(1, "prefill"), engines(1, "decode", expiry_ttl=16)
     async with router_over(p, d, store=store) as (s, _):
         await chat(s, conversation="exp")
-        [entry] = store._entries.values()
+        [entry] = [store.peek(k) for k in store.conversation_keys()]
         # the engine said its blocks live 16 s: the entry goes expiry_margin (10 s) before that
         assert entry.expires_at <= time.time() + 6.1
 
