@@ -201,11 +201,18 @@ def reuse_outcome(entry_params: Mapping[str, Any] | None, history: History | Non
     return "hit"
 
 
+#: Below this, an expiry time is not a Unix timestamp (vLLM 0.32's NIXL connector exports decode's
+#: ``time.perf_counter()``, a monotonic clock with an arbitrary origin, not comparable with ours).
+_WALL_CLOCK_FLOOR = 1e9
+
+
 def entry_expiry(now: float, lifetime: float, params: Mapping[str, Any], margin: float) -> float:
-    """When a stored entry stops being replayable: the router's lifetime, and never later than
-    ``margin`` seconds before the decode engine's own ``remote_blocks_expiry_time`` when it sent one."""
+    """When a stored entry stops being replayable: ``now + lifetime`` (the catalog keeps the lifetime
+    ``expiry_margin`` below ``decoder_kv_blocks_ttl``, and ``now`` is after decode finished, so the entry
+    goes before decode frees the blocks). A ``remote_blocks_expiry_time`` that is a Unix timestamp
+    shortens it further; vLLM's (decode's monotonic clock) cannot be compared and is ignored."""
     expiry = now + lifetime
     engine_expiry = params.get("remote_blocks_expiry_time")
-    if isinstance(engine_expiry, (int, float)) and engine_expiry > 0:
+    if isinstance(engine_expiry, (int, float)) and engine_expiry > _WALL_CLOCK_FLOOR:
         expiry = min(expiry, float(engine_expiry) - margin)
     return expiry

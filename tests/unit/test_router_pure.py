@@ -153,8 +153,11 @@ def test_conversation_keys_differ_by_tenant_and_secret():
 
 def test_entry_expiry_never_outlives_the_engine():
     assert guard.entry_expiry(1000, 450, {}, 10) == 1450
-    assert guard.entry_expiry(1000, 450, {"remote_blocks_expiry_time": 1100}, 10) == 1090
-    assert guard.entry_expiry(1000, 450, {"remote_blocks_expiry_time": None}, 10) == 1450
+    now = 1.8e9
+    assert guard.entry_expiry(now, 450, {"remote_blocks_expiry_time": now + 100}, 10) == now + 90
+    assert guard.entry_expiry(now, 450, {"remote_blocks_expiry_time": None}, 10) == now + 450
+    # vLLM exports decode's perf_counter (seconds since boot): not comparable, ignored
+    assert guard.entry_expiry(now, 450, {"remote_blocks_expiry_time": 12345.6}, 10) == now + 450
 
 
 def test_push_helpers():
