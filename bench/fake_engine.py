@@ -42,7 +42,8 @@ class FakeEngine:
     expiry_ttl: float = 480.0
     fault: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, int] = field(default_factory=lambda: {"requests": 0, "prefill": 0, "decode": 0, "running": 0,
-                                                           "aborted": 0, "pulled": 0, "errors": 0})
+                                                           "aborted": 0, "pulled": 0, "errors": 0,
+                                                           "wrong_reuse": 0})
     seen_request_ids: list[str] = field(default_factory=list)
     seen_params: list[Any] = field(default_factory=list)
 
@@ -101,6 +102,9 @@ class FakeEngine:
             self.stats["prefill"] += 1
             params = self._prefill_params(request_id, prompt_tokens)
             if kv.get("remote_block_ids"):  # a pull of the previous turn's KV from a decode engine
+                # decode wrote its request id into its reply: the history must contain the reply whose KV is pulled
+                if f"rid-{kv.get('remote_request_id')} " not in orjson.dumps(prompt).decode():
+                    self.stats["wrong_reuse"] += 1
                 cached = max(0, min(int(kv.get("remote_num_tokens") or 0), prompt_tokens) - 1)
                 params["remote_prefill_cached_tokens"] = cached
                 self.stats["pulled"] += cached
@@ -113,7 +117,7 @@ class FakeEngine:
                           "total_tokens": prompt_tokens + 1}}), content_type="application/json")
         self.stats["decode"] += 1
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
-        words = [WORDS[i % len(WORDS)] + " " for i in range(n)]
+        words = [f"rid-{request_id} "] + [WORDS[i % len(WORDS)] + " " for i in range(1, n)]
         out_params = self._decode_params(request_id, prompt_tokens + n) if self.bidirectional and kv else None
         if not body.get("stream"):
             message = ({"index": 0, "message": {"role": "assistant", "content": "".join(words)},

@@ -84,12 +84,24 @@ def _completion_handler(path: str, kind: str):
     return handler
 
 
-async def health(request: web.Request) -> web.Response:
-    pool = request.app[POOL]
+def _engines_status(pool: EnginePool) -> tuple[bool, dict[str, Any]]:
     engines = [{"url": e.url, "name": e.name, "role": e.role, "healthy": e.healthy, "outstanding": e.outstanding}
                for e in pool.all]
     ok = any(e.healthy for e in pool.prefill) and any(e.healthy for e in pool.decode)
-    return web.json_response({"status": "ok" if ok else "degraded", "engines": engines}, status=200 if ok else 503)
+    return ok, {"status": "ok" if ok else "degraded", "engines": engines}
+
+
+async def health(request: web.Request) -> web.Response:
+    """Liveness: 200 while the router serves, whatever its engines do (restarting it would not help);
+    the body says "degraded" when a role has no healthy engine."""
+    _, body = _engines_status(request.app[POOL])
+    return web.json_response(body)
+
+
+async def ready(request: web.Request) -> web.Response:
+    """Readiness: 503 unless at least one prefill and one decode engine are healthy."""
+    ok, body = _engines_status(request.app[POOL])
+    return web.json_response(body, status=200 if ok else 503)
 
 
 async def models(request: web.Request) -> web.StreamResponse:
@@ -204,6 +216,7 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
     for path, kind in ROUTES.items():
         app.router.add_post(path, _completion_handler(path, kind))
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics_endpoint)
     return app

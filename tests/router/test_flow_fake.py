@@ -62,6 +62,7 @@ async def test_second_turn_reuses_and_params_never_reach_the_client():
             # single use: replaying the same turn again is a miss
             again = await chat(s, next_turn(MSGS, first["text"]), conversation=conv, stream=stream)
             assert again["headers"]["X-TurnKV-Reuse-Outcome"] in ("miss", "mismatch")
+        assert p[0].stats["wrong_reuse"] == 0 and p[0].stats["pulled"] > 200
 
 
 async def test_tenants_are_isolated_and_bad_keys_get_401():
@@ -253,6 +254,9 @@ async def test_no_healthy_engine_is_a_503():
         app[FLOW].pool.decode[0].healthy = False
         r = await chat(s, conversation=None)
         assert r["status"] == 503 and "no healthy decode engine" in r["error"]["error"]["message"]
+        async with s.get("/health") as live, s.get("/ready") as ready:
+            assert live.status == 200 and (await live.json())["status"] == "degraded"
+            assert ready.status == 503
 
 
 def test_history_type_is_stable():
