@@ -32,7 +32,7 @@ async def router_over(prefill: list[FakeEngine], decode: list[FakeEngine], *, id
         return base + (f"?engine_id={e.engine_id}&side_channel_port={e.side_channel_port}" if identity else "")
 
     config = RouterConfig(prefill=[url(e) for e in prefill], decode=[url(e) for e in decode], tunables=tunables,
-                          key_secret=b"test-secret", emf=False, **overrides)
+                          key_secret=b"test-secret", **{"emf": False, **overrides})
     app = build_app(config, store=store, keys=keys)
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
