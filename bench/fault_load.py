@@ -132,6 +132,9 @@ async def chaos(engines: list[EngineProc], args, log: list, stop: float) -> None
         await asyncio.sleep(args.restart_after)
         victim.start()
         log.append((round(time.monotonic(), 1), "restart", victim.name))
+        with contextlib.suppress(RuntimeError):  # one engine down at a time: wait until it is back
+            await wait_http(f"http://127.0.0.1:{victim.port}/health", max(5.0, stop - time.monotonic()))
+            log.append((round(time.monotonic(), 1), "healthy", victim.name))
 
 
 async def verify(url: str, checks: list, limit: int) -> Counter:

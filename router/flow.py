@@ -245,7 +245,7 @@ class Flow:
         self.pool.report_failure(engine)
         connect = isinstance(exc, aiohttp.ClientConnectorError)
         status = 504 if isinstance(exc, TimeoutError) else 502
-        return UpstreamError(status, f"{leg} engine {engine.name} failed: {exc or kind}", leg=leg, engine=engine,
+        return UpstreamError(status, f"{leg} engine {engine.name} failed: {str(exc) or kind}", leg=leg, engine=engine,
                              retryable=True, reason="timeout" if status == 504 else "connect" if connect else "error",
                              connect=connect)
 

@@ -163,8 +163,10 @@ class EnginePool:
         candidates = [e for e in engines if e.healthy and e not in exclude]
         if not candidates:  # a retry may go back to an engine it already tried rather than fail
             candidates = [e for e in engines if e.healthy]
+        if not candidates:  # panic mode: all ejected (often a moment of overload): try them anyway
+            candidates = [e for e in engines if e not in exclude] or list(engines)
         if not candidates:
-            raise NoEngineError(f"no healthy {role} engine among {[e.url for e in engines]}")
+            raise NoEngineError(f"no {role} engine known (static flags or discovery)")
         preferred = None
         if prefer:
             preferred = next((e for e in candidates if e.name == prefer), None)

@@ -248,12 +248,17 @@ async def test_entries_expire_before_the_engine_does():
         assert entry.expires_at <= time.time() + 6.1
 
 
-async def test_no_healthy_engine_is_a_503():
+async def test_all_ejected_engines_are_still_tried_and_no_engine_is_a_503():
     p, d = engines(1, "prefill"), engines(1, "decode")
     async with router_over(p, d) as (s, app):
         app[FLOW].pool.decode[0].healthy = False
+        assert (await chat(s, conversation=None))["status"] == 200  # panic mode
+        app[FLOW].pool.decode[0].healthy = False
+        async with s.get("/ready") as ready:
+            assert ready.status == 503
+        app[FLOW].pool.decode = []
         r = await chat(s, conversation=None)
-        assert r["status"] == 503 and "no healthy decode engine" in r["error"]["error"]["message"]
+        assert r["status"] == 503 and "no decode engine known" in r["error"]["error"]["message"]
         async with s.get("/health") as live, s.get("/ready") as ready:
             assert live.status == 200 and (await live.json())["status"] == "degraded"
             assert ready.status == 503

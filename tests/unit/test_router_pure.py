@@ -50,7 +50,9 @@ def test_exclusion_falls_back_to_tried_engines_and_none_healthy_raises():
     b.healthy = False
     assert p.pick("prefill", exclude=[a]) is a
     a.healthy = False
-    with pytest.raises(Exception, match="no healthy prefill engine"):
+    assert p.pick("prefill", exclude=[a]) is b  # panic mode: all ejected, try them anyway
+    p.prefill = []
+    with pytest.raises(Exception, match="no prefill engine known"):
         p.pick("prefill")
 
 
