@@ -385,7 +385,11 @@ class Flow:
                 log.warning("prefill %s answered as %s, not %s: resending decode", prefill.name, answered, ident)
                 d_task.cancel()
                 with contextlib.suppress(BaseException):
-                    await d_task
+                    stale = await d_task
+                    if stale.resp is not None:  # it had already opened: release it
+                        stale.resp.close()
+                        stale.engine.outstanding -= 1
+                        stale.engine.outstanding_tokens -= d.tokens
                 return await self._open_decode(d, request, decode, push_decode_params(answered, d.leg_request_id,
                                                                                       transfer_id))
             return await d_task
@@ -434,7 +438,7 @@ class Flow:
         token = telemetry.request_id.set(d.request_id)
         try:
             response = await (self._run_stream(d, request) if d.stream else self._run_unary(d, request))
-            d.status = response.status
+            d.status = d.status or response.status
             return response
         except asyncio.CancelledError:
             self.metrics.client_disconnects.inc()
@@ -531,8 +535,8 @@ class Flow:
 
     async def _error_event(self, response: web.StreamResponse, message: str, status: int = 502) -> None:
         err = {"error": {"message": message, "type": "upstream_error", "code": status}}
-        await response.write(b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n")
-        await response.write_eof()
+        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):  # the client may be gone too
+            await response.write_eof(b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n")
 
     async def _relay(self, d: Dispatch, response: web.StreamResponse, opened: Opened, early: bool
                      ) -> web.StreamResponse:
@@ -568,12 +572,16 @@ class Flow:
                 if reply.complete:  # [DONE] seen: the rest goes out with the end of the stream
                     tail.extend(out)
                 elif out:
-                    await response.write(b"".join(out))
+                    await _client_write(response, b"".join(out))
             if pending:
                 fed = reply.feed(pending)
                 if fed:
                     tail.append(fed)
-            await response.write_eof(b"".join(tail))
+            await _client_write(response, b"".join(tail), eof=True)
+        except _ClientGone:
+            self.metrics.client_disconnects.inc()
+            d.status, d.error = 499, "client disconnected"
+            log.info("client went away mid-stream: decode aborted")
         except (aiohttp.ClientError, TimeoutError) as exc:
             self.metrics.engine_errors.labels("decode", type(exc).__name__).inc()
             self.pool.report_failure(opened.engine)
@@ -581,6 +589,20 @@ class Flow:
             log.warning("%s", d.error)
             await self._error_event(response, d.error)
         return response
+
+
+class _ClientGone(Exception):
+    """Writing to the client failed: it went away (not an engine failure)."""
+
+
+async def _client_write(response: web.StreamResponse, data: bytes, eof: bool = False) -> None:
+    try:
+        if eof:
+            await response.write_eof(data)
+        else:
+            await response.write(data)
+    except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
+        raise _ClientGone() from exc
 
 
 async def _chunks(first: bytes, rest: aiohttp.StreamReader):
