@@ -194,7 +194,12 @@ class Flow:
             return None
         d.outcome = guard.reuse_outcome(entry.params, entry.history, entry.expires_at, d.turn, time.time(),
                                         self.pool.known_hosts())
-        if d.outcome == "refused":
+        if d.outcome == "hit" and entry.decode_engine and not self.pool.holds_blocks_since(entry.decode_engine,
+                                                                                          entry.stored_at):
+            d.outcome = "refused"
+            log.warning("decode engine %s was ejected or is unknown since this turn was stored: not replayed",
+                        entry.decode_engine)
+        elif d.outcome == "refused":
             log.warning("stored params name %r, which is no engine of this router: not replayed",
                         entry.params.get("remote_host"))
         if entry.decode_engine:
@@ -209,7 +214,7 @@ class Flow:
         expires = guard.entry_expiry(now, self.config.entry_lifetime(), replay, float(self.config.expiry_margin))
         if expires <= now:
             return
-        entry = Entry(replay, d.turn.extended_by(reply), expires, decode.name)
+        entry = Entry(replay, d.turn.extended_by(reply), expires, decode.name, now)
         t0 = time.perf_counter()
         try:
             await asyncio.wait_for(self.store.put(d.key, entry), self.config.store_timeout_ms / 1000)

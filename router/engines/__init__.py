@@ -48,7 +48,8 @@ class Engine:
     outstanding_tokens: int = 0
     failures: int = 0  # consecutive
     successes: int = 0  # consecutive probe successes while ejected
-    returned_at: float = 0.0  # when it last came back (slow start)
+    returned_at: float = 0.0  # when it last came back (slow start), pool clock
+    down_at_wall: float = 0.0  # wall clock of its last ejection: blocks it held before may be gone
     learned: PushIdentity | None = None  # identity learned from a push answer
     name: str = field(default="")
 
@@ -181,9 +182,17 @@ class EnginePool:
         engine.successes = 0
         if engine.healthy and engine.failures >= self._t("eject_failures", 1):
             engine.healthy = False
+            engine.down_at_wall = time.time()
             self.on_change(engine)
             return True
         return False
+
+    def holds_blocks_since(self, name: str, stored_at: float) -> bool:
+        """Whether the decode engine ``name`` can still hold blocks of an entry stored at ``stored_at``:
+        known, in the pool, and not ejected since (a crashed and restarted engine lost them, and its
+        new blocks under the old ids would be read silently)."""
+        engine = self.find(name)
+        return engine is not None and engine.healthy and engine.down_at_wall < stored_at
 
     def report_success(self, engine: Engine, probe: bool = False) -> bool:
         """A success; an ejected engine returns after ``return_successes`` probes in a row (then ramps up).

@@ -295,3 +295,19 @@ async def test_one_emf_line_per_request_and_the_request_id_in_log_lines(caplog):
         assert sum(x["retries"] for x in lines) == 1
         warned = [rec for rec in caplog.records if "retrying" in rec.getMessage()]
         assert warned and warned[0].request_id in ("rid-0", "rid-1")
+
+
+async def test_entries_of_a_decode_engine_ejected_since_are_not_replayed():
+    p, d = engines(1, "prefill"), engines(2, "decode")
+    async with router_over(p, d) as (s, app):
+        first = await chat(s, conversation="crash")
+        pool = app[FLOW].pool
+        holder = next(e for e in pool.decode if e.name == app[FLOW].store.peek(
+            app[FLOW].store.conversation_keys()[0]).decode_engine)
+        pool.report_failure(holder)  # it crashed (and may come back with other blocks under the same ids)
+        pool.report_success(holder, probe=True)
+        pool.report_success(holder, probe=True)
+        assert holder.healthy
+        second = await chat(s, next_turn(MSGS, first["text"]), conversation="crash")
+        assert second["status"] == 200 and second["headers"]["X-TurnKV-Reuse-Outcome"] == "refused"
+        assert p[0].seen_params[-1]["remote_block_ids"] is None
