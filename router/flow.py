@@ -411,7 +411,10 @@ class Flow:
         attempt = self._push_attempt if self.config.mode == "push" else self._pull_attempt
         while True:
             try:
-                return await attempt(d, request, params, tried)
+                opened = await attempt(d, request, params, tried)
+                if d.outcome == "hit" and not d.reused_tokens:
+                    d.outcome = "recompute"  # replayed, but prefill pulled nothing (failed or below threshold)
+                return opened
             except UpstreamError as exc:
                 if not exc.retryable or exc.engine is None or budget[exc.leg] <= 0:
                     raise
