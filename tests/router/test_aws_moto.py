@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import boto3
 import pytest
@@ -98,3 +100,57 @@ async def test_ssm_tunables_apply_without_restart_and_bad_values_keep_the_last_g
         assert await refresh_once(config, source) == []
         assert config.tunables["conversation_ttl"] == 300 and config.entry_lifetime() == 300
         assert app[FLOW].pool.tunables is config.tunables  # the pool reads the same live values
+
+
+async def test_the_container_command_line_serves_from_cloud_map(moto_url, aws_env, tmp_path, monkeypatch):
+    """`turnkv router serve` with the flags router/Dockerfile + the infra stack pass (plus the moto endpoint)."""
+    import os
+    import subprocess
+    import sys
+
+    import aiohttp
+
+    from bench.fake_engine import start
+    from tests.router.test_flow_fake import MSGS
+
+    sd = boto3.client("servicediscovery", region_name=REGION, endpoint_url=moto_url)
+    op = sd.create_http_namespace(Name="turnkv-cli")
+    ns_id = sd.get_operation(OperationId=op["OperationId"])["Operation"]["Targets"]["NAMESPACE"]
+    service_id = sd.create_service(Name="engines", NamespaceId=ns_id)["Service"]["Id"]
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    runners = await start(p + d)
+    register(sd, service_id, "i-p", "prefill", "prefill-0", p[0].port, p[0].side_channel_port)
+    register(sd, service_id, "i-d", "decode", "decode-0", d[0].port, d[0].side_channel_port)
+    port = free_port()
+    env = {**os.environ, "TURNKV_DEPLOYMENT": "cli", "TURNKV_API_KEYS": '{"keys": [], "initial": "initial-key-123"}',
+           "TURNKV_METRICS_NAMESPACE": "turnkv/Router", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen([sys.executable, "-m", "turnkv.cli", "router", "serve", "--host", "127.0.0.1", "--port",
+                             str(port), "--discovery", "cloudmap", "--namespace", "turnkv-cli", "--service", "engines",
+                             "--region", REGION, "--aws-endpoint-url", moto_url], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as s:
+            for _ in range(100):
+                try:
+                    async with s.get("/ready") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.1)
+            body = {"model": "tiny", "messages": MSGS, "max_tokens": 3}
+            async with s.post("/v1/chat/completions", json=body) as r:
+                assert r.status == 401
+            async with s.post("/v1/chat/completions", json=body,
+                              headers={"Authorization": "Bearer initial-key-123"}) as r:
+                assert r.status == 200
+            async with s.get("/metrics") as r:
+                text = await r.text()
+                assert 'turnkv_router_params_reloads_total{result="unchanged"}' in text  # SSM on with cloudmap
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=10)
+        for r in runners:
+            await r.cleanup()
+    emf = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
+    assert emf and emf[-1]["Deployment"] == "cli" and emf[-1]["status"] == 200
