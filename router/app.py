@@ -1,4 +1,8 @@
-"""HTTP surface of the router: OpenAI-compatible routes, health and Prometheus metrics (aiohttp)."""
+"""HTTP surface of the router: OpenAI-compatible routes, health and Prometheus metrics (aiohttp).
+
+Background tasks (started with the app): engine health probes, Cloud Map discovery refresh, the SSM
+re-read of the tunables, and the in-memory store's expiry purge.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +17,12 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router import guard
+from router import guard, telemetry
+from router.auth import ApiKeys, AuthError, parse_keys
 from router.config import RouterConfig
 from router.engines import EnginePool
+from router.engines.health import discovery_loop, health_loop
+from router.engines.policy import POLICIES
 from router.flow import Flow, error_response
 from router.state import ConversationStore
 from router.state.memory import MemoryStore
@@ -28,29 +35,36 @@ ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 FLOW = web.AppKey("flow", Flow)
 CONFIG = web.AppKey("config", RouterConfig)
 METRICS = web.AppKey("metrics", Metrics)
+POOL = web.AppKey("pool", EnginePool)
+KEYS = web.AppKey("keys", ApiKeys)
 
 
-async def _read_json(request: web.Request) -> Any:
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise
+async def _read_json(request: web.Request) -> tuple[Any, int]:
+    raw = await request.read()
     if not raw:
         raise guard.RequestError("the request body is empty; send a JSON object")
     try:
-        return orjson.loads(raw)
+        return orjson.loads(raw), len(raw)
     except orjson.JSONDecodeError as exc:
         raise guard.RequestError(f"the request body is not valid JSON: {exc}") from None
 
 
 def _completion_handler(path: str, kind: str):
     async def handler(request: web.Request) -> web.StreamResponse:
-        flow = request.app[FLOW]
-        metrics = request.app[METRICS]
+        app = request.app
+        metrics = app[METRICS]
         status = 500
         try:
-            body = await _read_json(request)
-            dispatch = flow.prepare(kind, path, request, body)
+            try:
+                tenant = app[KEYS].tenant(request.headers.get("Authorization"))
+            except AuthError as exc:
+                metrics.auth_failures.inc()
+                status = 401
+                return error_response(401, str(exc), "authentication_error",
+                                      headers={"WWW-Authenticate": 'Bearer realm="turnkv"'})
+            body, size = await _read_json(request)
+            flow = app[FLOW]
+            dispatch = flow.prepare(kind, path, request, body, tenant, size)
             response = await flow.run(dispatch, request)
             status = response.status
             return response
@@ -60,7 +74,10 @@ def _completion_handler(path: str, kind: str):
         except web.HTTPRequestEntityTooLarge:
             status = 413
             return error_response(413, f"the request body is larger than max_body_bytes "
-                                       f"({request.app[CONFIG].max_body_bytes} bytes)")
+                                       f"({app[CONFIG].max_body_bytes} bytes)")
+        except asyncio.CancelledError:
+            status = 499
+            raise
         finally:
             metrics.requests.labels(path, str(status)).inc()
 
@@ -68,24 +85,50 @@ def _completion_handler(path: str, kind: str):
 
 
 async def lease(request: web.Request) -> web.Response:
+    """Extend a conversation's retained KV on its decode engine (router/lease.py)."""
     from router.lease import renew
 
     try:
-        return await renew(request.app[FLOW], request, await _read_json(request))
+        tenant = request.app[KEYS].tenant(request.headers.get("Authorization"))
+        body, _ = await _read_json(request)
+        return await renew(request.app[FLOW], request, body, tenant)
+    except AuthError as exc:
+        return error_response(401, str(exc), "authentication_error",
+                              headers={"WWW-Authenticate": 'Bearer realm="turnkv"'})
     except guard.RequestError as exc:
         return error_response(400, str(exc))
 
 
-async def health(request: web.Request) -> web.Response:
-    pool = request.app[FLOW].pool
-    engines = [{"url": e.url, "role": e.role, "healthy": e.healthy, "outstanding": e.outstanding} for e in pool.all]
+def _engines_status(pool: EnginePool) -> tuple[bool, dict[str, Any]]:
+    engines = [{"url": e.url, "name": e.name, "role": e.role, "healthy": e.healthy, "outstanding": e.outstanding}
+               for e in pool.all]
     ok = any(e.healthy for e in pool.prefill) and any(e.healthy for e in pool.decode)
-    return web.json_response({"status": "ok" if ok else "degraded", "engines": engines}, status=200 if ok else 503)
+    return ok, {"status": "ok" if ok else "degraded", "engines": engines}
+
+
+async def health(request: web.Request) -> web.Response:
+    """Liveness: 200 while the router serves, whatever its engines do (restarting it would not help);
+    the body says "degraded" when a role has no healthy engine."""
+    _, body = _engines_status(request.app[POOL])
+    return web.json_response(body)
+
+
+async def ready(request: web.Request) -> web.Response:
+    """Readiness: 503 unless at least one prefill and one decode engine are healthy."""
+    ok, body = _engines_status(request.app[POOL])
+    return web.json_response(body, status=200 if ok else 503)
 
 
 async def models(request: web.Request) -> web.StreamResponse:
+    try:
+        request.app[KEYS].tenant(request.headers.get("Authorization"))
+    except AuthError as exc:
+        return error_response(401, str(exc), "authentication_error")
     flow = request.app[FLOW]
-    engine = flow.pool.pick("decode")
+    try:
+        engine = flow.pool.pick("decode")
+    except Exception as exc:
+        return error_response(503, str(exc), "service_unavailable")
     try:
         async with flow.session.get(engine.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as resp:
             return web.Response(status=resp.status, body=await resp.read(), content_type="application/json")
@@ -98,50 +141,89 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
     store = request.app[FLOW].store
     if isinstance(store, MemoryStore):
         metrics.conversations.set(len(store))
+    metrics.observe_pool(request.app[POOL].all)
     return web.Response(body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def _health_loop(app: web.Application) -> None:
-    """Probe every engine's /health; an engine that fails is skipped until it answers again."""
-    flow, config, metrics = app[FLOW], app[CONFIG], app[METRICS]
-    timeout = aiohttp.ClientTimeout(total=max(1.0, config.health_interval))
+def make_store(config: RouterConfig) -> ConversationStore:
+    if config.store == "memory":
+        return MemoryStore(int(config.max_conversations))
+    from router.state.valkey import ValkeyStore
 
-    async def probe(engine) -> None:
-        try:
-            async with flow.session.get(engine.url + "/health", timeout=timeout) as resp:
-                healthy = resp.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            healthy = False
-        if healthy != engine.healthy:
-            log.warning("engine %s (%s) is now %s", engine.name, engine.role, "healthy" if healthy else "unhealthy")
-        engine.healthy = healthy
-        metrics.engine_healthy.labels(engine.role, engine.name).set(1 if healthy else 0)
-
-    while True:
-        await asyncio.gather(*(probe(e) for e in flow.pool.all))
-        if isinstance(flow.store, MemoryStore):
-            flow.store.purge_expired()
-        await asyncio.sleep(config.health_interval)
+    return ValkeyStore(config.store, timeout=max(0.05, config.store_timeout_ms / 1000 * 2))
 
 
-def build_app(config: RouterConfig, store: ConversationStore | None = None) -> web.Application:
+def load_keys(config: RouterConfig) -> ApiKeys:
+    keys: dict[str, str] = {}
+    for text in config.api_keys_text():
+        keys.update(parse_keys(text))
+    return ApiKeys(keys)
+
+
+def build_app(config: RouterConfig, store: ConversationStore | None = None, *, keys: ApiKeys | None = None,
+              discover=None, ssm_source=None) -> web.Application:
     app = web.Application(client_max_size=int(config.max_body_bytes))
     metrics = Metrics()
-    pool = EnginePool(config.prefill, config.decode)
-    store = store or MemoryStore(int(config.max_conversations))
-    app[CONFIG] = config
-    app[METRICS] = metrics
+    pool = EnginePool(config.prefill, config.decode, policy=POLICIES[config.policy](), tunables=config.tunables,
+                      require=config.discovery == "static")
+    for host in config.side_channel_hosts:  # extra NIXL addresses a replay may name
+        pool.extra_hosts.add(host)
+    pool.on_change = lambda e: log.warning("engine %s (%s) is now %s", e.name, e.role,
+                                           "in the pool" if e.healthy else "ejected")
+    store = store if store is not None else make_store(config)
+    keys = keys if keys is not None else load_keys(config)
+    app[CONFIG], app[METRICS], app[POOL], app[KEYS] = config, metrics, pool, keys
+    if discover is None and config.discovery == "cloudmap":
+        from router.engines.discovery import CloudMapDiscovery
+
+        discover = CloudMapDiscovery(config.namespace, config.service, config.region,
+                                     config.aws_endpoint_url).discover
+    if ssm_source is None and config.ssm:
+        from router.reload import SsmSource
+
+        ssm_source = SsmSource(config.deployment, config.region, config.aws_endpoint_url)
 
     async def lifecycle(app: web.Application):
+        if not config.key_secret and hasattr(store, "shared_secret"):
+            try:  # replicas on one Valkey share one conversation-key secret
+                config.key_secret = await asyncio.wait_for(store.shared_secret(), 5)
+            except Exception as exc:
+                log.warning("could not read the shared key secret from the store (%s): using a random one; "
+                            "set TURNKV_KEY_SECRET on every replica", exc)
+        config.ensure_secret()
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
-        session = aiohttp.ClientSession(connector=connector, json_serialize=lambda o: orjson.dumps(o).decode(),
-                                        auto_decompress=False)
-        app[FLOW] = Flow(config, pool, store, metrics, session)
-        task = asyncio.create_task(_health_loop(app))
+        session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                        cookie_jar=aiohttp.DummyCookieJar())
+        emf = telemetry.EmfWriter()
+        app[FLOW] = Flow(config, pool, store, metrics, session, forward_auth=keys.open, emf=emf)
+        tasks = []
+        if discover is not None:
+            try:
+                found = await discover()
+                for role, engines in found.items():
+                    pool.replace(role, engines)
+            except Exception as exc:
+                log.warning("first discovery failed (%s); retrying in the background", exc)
+            tasks.append(asyncio.create_task(discovery_loop(pool, discover,
+                                                            lambda: float(config.discovery_interval))))
+
+        def purge() -> None:
+            if isinstance(store, MemoryStore):
+                store.purge_expired()
+
+        tasks.append(asyncio.create_task(health_loop(pool, session, lambda: float(config.health_interval), purge)))
+        if ssm_source is not None:
+            from router.reload import refresh_loop
+
+            tasks.append(asyncio.create_task(refresh_loop(
+                config, ssm_source, lambda r: metrics.params_reloads.labels(r).inc())))
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        emf.flush()
         await session.close()
         await store.close()
 
@@ -150,6 +232,7 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None) -> w
         app.router.add_post(path, _completion_handler(path, kind))
     app.router.add_post("/v1/conversations/lease", lease)
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics_endpoint)
     return app
@@ -161,10 +244,10 @@ def serve(config: RouterConfig) -> None:
         import uvloop
 
         uvloop.install()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    telemetry.setup_logging()
     started = time.time()
-    log.info("turnkv router on http://%s:%d prefill=%s decode=%s", config.host, config.port, config.prefill,
-             config.decode)
+    log.info("turnkv router on http://%s:%d mode=%s discovery=%s store=%s prefill=%s decode=%s", config.host,
+             config.port, config.mode, config.discovery, config.store.split("@")[-1], config.prefill, config.decode)
     web.run_app(build_app(config), host=config.host, port=config.port, print=None, access_log=None,
                 handler_cancellation=True, shutdown_timeout=5)
     log.info("router stopped after %.0f s", time.time() - started)

@@ -1,34 +1,100 @@
-"""The router's configuration: engine URLs plus the router-scope tunables of the catalog."""
+"""The router's configuration: engines, discovery, store, auth, plus the router-scope tunables of the catalog.
+
+Sources, later wins: defaults < config file (``--config``, JSON or TOML, same names as the flags with
+``_`` for ``-``) < command-line flags < SSM parameters re-read while running (tunables only).
+"""
 
 from __future__ import annotations
 
 import os
 import secrets
-from dataclasses import dataclass, field
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import orjson
 
 from turnkv import params
+
+KEY_SECRET_ENV = "TURNKV_KEY_SECRET"
+API_KEYS_ENV = "TURNKV_API_KEYS"
+DEPLOYMENT_ENV = "TURNKV_DEPLOYMENT"
 
 
 @dataclass
 class RouterConfig:
-    prefill: list[str]
-    decode: list[str]
+    prefill: list[str] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
     port: int = 8000
     #: Router and engine tunables (catalog names). The engine TTL bounds how long an entry may live.
     tunables: dict[str, int | float] = field(default_factory=params.defaults)
-    #: HMAC secret for conversation keys; replicas sharing a store must share it.
-    key_secret: bytes = field(default_factory=lambda: os.environ.get("TURNKV_KEY_SECRET", "").encode()
-                              or secrets.token_bytes(32))
-    health_interval: float = 2.0
+    #: HMAC secret for conversation keys; replicas sharing a store must share it. Empty: from the
+    #: environment, else (with a Valkey store) one secret created in the store and shared, else random.
+    key_secret: bytes = b""
+    #: "pull" or "push" (concurrent P and D dispatch).
+    mode: str = "pull"
+    #: "static" (--prefill/--decode) or "cloudmap".
+    discovery: str = "static"
+    namespace: str = ""
+    service: str = "engines"
+    region: str | None = None
+    #: AWS endpoint override (moto in tests).
+    aws_endpoint_url: str | None = None
+    #: "memory" or redis://host:port/db (rediss:// for TLS, as ElastiCache Serverless needs).
+    store: str = "memory"
+    #: API keys: a file (JSON or lines, see router.auth) and/or the TURNKV_API_KEYS variable.
+    api_keys_file: str | None = None
+    #: Deployment name (SSM paths /turnkv/<deployment>/..., EMF dimension); TURNKV_DEPLOYMENT.
+    deployment: str = field(default_factory=lambda: os.environ.get(DEPLOYMENT_ENV, "local"))
+    #: Re-read tunables from SSM every params_refresh seconds (only with a deployment and a region).
+    ssm: bool = False
+    #: Extra addresses a replayed remote_host may name (NIXL side-channel hosts not in engine URLs).
+    side_channel_hosts: list[str] = field(default_factory=list)
+    #: Choice policy name (router.engines.policy.POLICIES).
+    policy: str = "least_load"
+    #: Write one EMF line per request to stdout.
+    emf: bool = True
 
     def __post_init__(self) -> None:
         self.tunables = params.validate({}, self.tunables)
+        if self.mode not in ("pull", "push"):
+            raise ValueError(f"mode {self.mode!r}: expected pull or push")
+        if self.discovery not in ("static", "cloudmap"):
+            raise ValueError(f"discovery {self.discovery!r}: expected static or cloudmap")
+        if self.discovery == "cloudmap" and not self.namespace:
+            raise ValueError("--discovery cloudmap needs --namespace (and --service)")
+        if self.discovery == "static" and (not self.prefill or not self.decode):
+            raise ValueError("the router needs at least one --prefill and one --decode engine URL "
+                             "(or --discovery cloudmap)")
+        if not (self.store == "memory" or self.store.startswith(("redis://", "rediss://", "unix://"))):
+            raise ValueError(f"store {self.store!r}: expected memory or redis://HOST:PORT (rediss:// for TLS)")
+        if isinstance(self.key_secret, str):
+            self.key_secret = self.key_secret.encode()
+        if self.policy not in ("least_load", "round_robin"):
+            raise ValueError(f"policy {self.policy!r}: expected least_load or round_robin")
+        if not self.key_secret and os.environ.get(KEY_SECRET_ENV):
+            self.key_secret = os.environ[KEY_SECRET_ENV].encode()
+
+    def ensure_secret(self) -> bytes:
+        if not self.key_secret:
+            self.key_secret = secrets.token_bytes(32)
+        return self.key_secret
 
     def entry_lifetime(self) -> float:
         """Seconds a stored entry may be replayed: the router TTL, and always before decode frees blocks."""
         t = self.tunables
         return float(min(t["conversation_ttl"], t["decoder_kv_blocks_ttl"] - t["expiry_margin"]))
+
+    def api_keys_text(self) -> list[str]:
+        texts = []
+        if self.api_keys_file:
+            texts.append(Path(self.api_keys_file).read_text())
+        if os.environ.get(API_KEYS_ENV):
+            texts.append(os.environ[API_KEYS_ENV])
+        return texts
 
     def __getattr__(self, name: str) -> int | float:
         # Tunables read as attributes: config.first_token_timeout, config.max_body_bytes, ...
@@ -36,3 +102,30 @@ class RouterConfig:
         if name in tunables:
             return tunables[name]
         raise AttributeError(name)
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """A config file as a mapping of RouterConfig field names (``set`` / ``tunables``: catalog names)."""
+    p = Path(path)
+    raw = p.read_bytes()
+    data = tomllib.loads(raw.decode()) if p.suffix == ".toml" else orjson.loads(raw)
+    if not isinstance(data, dict):
+        raise ValueError(f"{p}: expected a mapping of settings")
+    data = {k.replace("-", "_"): v for k, v in data.items()}
+    known = {f.name for f in fields(RouterConfig)} | {"set"}
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f"{p}: unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+    if "set" in data:
+        data["tunables"] = {**data.pop("set"), **data.get("tunables", {})}
+    return data
+
+
+def build(file_values: Mapping[str, Any], flag_values: Mapping[str, Any], tunable_changes: Mapping[str, Any]
+          ) -> RouterConfig:
+    """File < flags; tunables validated over the catalog defaults."""
+    values: dict[str, Any] = dict(file_values)
+    values.update({k: v for k, v in flag_values.items() if v not in (None, [], ())})
+    changes = {**values.pop("tunables", {}), **tunable_changes}
+    values["tunables"] = params.validate(params.fit_router_ttl(changes))
+    return RouterConfig(**values)

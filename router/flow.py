@@ -1,31 +1,40 @@
-"""The two-leg P/D dispatch: prefill (``max_tokens=1``) then decode, with multi-turn KV reuse.
+"""The two-leg P/D dispatch: prefill (``max_tokens=1``) and decode, with multi-turn KV reuse.
 
 Per request:
 1. take the conversation's stored decode params (single-use) and keep them only if the new
-   prompt extends the stored history exactly (``router.guard``);
-2. prefill with those params (a pull of the previous turn's KV from decode) or fresh ones;
-3. decode with prefill's params verbatim, streaming or not, sharing one ``X-Request-Id``;
+   prompt extends the stored history exactly and they name a known engine (``router.guard``);
+2. pull mode: prefill with those params (a pull of the previous turn's KV from decode) or fresh
+   ones, then decode with prefill's params verbatim; push mode: prefill and decode at once when the
+   prefill engine's identity is known (decode is told where its KV will come from), serially otherwise;
+3. stream or return decode's answer, sharing one ``X-Request-Id`` (and ``transfer_id``) per dispatch;
 4. take decode's returned params off the response (engine metadata never reaches a client) and
    store them for the next turn.
+
+Failover: a prefill that fails or times out is retried on another prefill engine (``prefill_retries``);
+a decode that fails before its first token is retried with both legs on another decode engine
+(``decode_retries``; prefill again, because the blocks of the failed dispatch may already be freed);
+a retry after a failed reuse pull goes without reuse. A client that goes away cancels the handler,
+which closes both upstream connections: vLLM aborts requests whose connection closes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from router import guard
+from router import guard, telemetry
 from router.config import RouterConfig
-from router.engines import Engine, EnginePool, NoEngineError
+from router.engines import Engine, EnginePool, NoEngineError, PushIdentity
 from router.state import ConversationStore, Entry
 from router.telemetry import Metrics
 
@@ -36,6 +45,7 @@ REUSED_TOKENS_HEADER = "X-TurnKV-Reused-Tokens"
 REUSE_OUTCOME_HEADER = "X-TurnKV-Reuse-Outcome"
 CONVERSATION_HEADER = "X-Conversation-Id"
 REQUEST_ID_HEADER = "X-Request-Id"
+KEEPALIVE = b": keepalive\n\n"
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error",
@@ -45,10 +55,39 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
 
 
 class UpstreamError(Exception):
-    def __init__(self, status: int, message: str, body: bytes | None = None) -> None:
+    """A leg failed. ``retryable``: another engine may succeed (5xx, connection, timeout)."""
+
+    def __init__(self, status: int, message: str, body: bytes | None = None, *, leg: str = "prefill",
+                 engine: Engine | None = None, retryable: bool = False, reason: str = "error",
+                 connect: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.body = body
+        self.leg = leg
+        self.engine = engine
+        self.retryable = retryable
+        self.reason = reason
+        self.connect = connect  # the engine was never reached: it did no work
+
+
+def reused_tokens(kv: Mapping[str, Any]) -> int:
+    """Prompt tokens prefill pulled back from decode (bi-directional mode), from its answer's params."""
+    return int(kv.get("remote_prefill_cached_tokens") or 0)
+
+
+def push_identity(kv: Mapping[str, Any]) -> PushIdentity | None:
+    """P's identity from a push-mode prefill answer (to dispatch the next ones concurrently)."""
+    if kv.get("transfer_mode") != "push" or not kv.get("remote_engine_id") or not kv.get("remote_host"):
+        return None
+    return PushIdentity(str(kv["remote_engine_id"]), str(kv["remote_host"]), int(kv.get("remote_port") or 0),
+                        int(kv.get("tp_size") or 1), int(kv.get("pp_size") or 1))
+
+
+def push_decode_params(p: PushIdentity, request_id: str, transfer_id: str) -> dict[str, Any]:
+    """What decode is sent in push mode: P's identity, not P's output (no block ids)."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": p.engine_id,
+            "remote_host": p.host, "remote_port": p.port, "tp_size": p.tp_size, "pp_size": p.pp_size,
+            "remote_request_id": request_id, "transfer_id": transfer_id}
 
 
 @dataclass
@@ -58,26 +97,60 @@ class Dispatch:
     kind: str  # "chat" | "completion"
     path: str
     body: dict[str, Any]
-    request_id: str
+    request_id: str  # the client's (or ours): reply header and logs
     turn: guard.Turn | None
     key: str | None
     outcome: str = "none"
     reused_tokens: int = 0
     started: float = 0.0
+    tenant: str = ""
+    tokens: int = 0  # prompt size estimate (load accounting)
+    stream: bool = False
+    leg_request_id: str = ""  # sent to both engines; a fresh one per retry
+    affinity: str = ""  # decode engine holding the conversation's blocks
+    prompt_tokens: int = 0
+    prefill_ms: float | None = None
+    ttft: float | None = None
+    retries: int = 0
+    status: int = 0
+    error: str = ""
+    prefill_engine: str = ""
+    decode_engine: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Opened:
+    """A decode leg that answered 200: the unary body, or the stream's first lines and the response."""
+
+    engine: Engine
+    resp: aiohttp.ClientResponse | None = None
+    raw: bytes = b""
+    first: bytes = b""
 
 
 class Flow:
     def __init__(self, config: RouterConfig, pool: EnginePool, store: ConversationStore, metrics: Metrics,
-                 session: aiohttp.ClientSession) -> None:
+                 session: aiohttp.ClientSession, *, forward_auth: bool = True,
+                 emf: telemetry.EmfWriter | None = None) -> None:
         self.config = config
         self.pool = pool
         self.store = store
         self.metrics = metrics
         self.session = session
+        self.forward_auth = forward_auth
+        self.prefill_rate = telemetry.PrefillRate()
+        self.emf = emf or telemetry.EmfWriter()
+        # Prometheus children resolved once (labels() takes a lock and a dict lookup per call)
+        self._ttft = {o: metrics.ttft.labels(o) for o in telemetry.OUTCOMES}
+        self._reuse = {o: metrics.reuse.labels(o) for o in telemetry.OUTCOMES}
+        self._leg = {leg: metrics.leg.labels(leg) for leg in ("prefill", "decode")}
+        self._store_seconds = {op: metrics.store_seconds.labels(op) for op in ("take", "put")}
 
     # -- request intake -------------------------------------------------------------------------
 
-    def prepare(self, kind: str, path: str, request: web.Request, body: Any, tenant: str = "") -> Dispatch:
+    def prepare(self, kind: str, path: str, request: web.Request, body: Any, tenant: str = "",
+                size: int = 0) -> Dispatch:
         if not isinstance(body, dict):
             raise guard.RequestError("the request body must be a JSON object")
         body.pop("kv_transfer_params", None)  # engine metadata is never accepted from clients
@@ -87,10 +160,13 @@ class Flow:
             raise guard.RequestError("'conversation_id' must be a non-empty string of at most 256 characters")
         turn = guard.parse_turn(kind, body)
         request_id = request.headers.get(REQUEST_ID_HEADER) or f"turnkv-{uuid.uuid4().hex}"
+        if len(request_id) > 128:
+            raise guard.RequestError("'X-Request-Id' must be at most 128 characters")
         key = None
         if conversation_id and turn is not None:
             key = guard.conversation_key(self.config.key_secret, tenant, conversation_id, turn)
-        d = Dispatch(kind, path, body, request_id, turn, key, started=time.perf_counter())
+        d = Dispatch(kind, path, body, request_id, turn, key, started=time.perf_counter(), tenant=tenant,
+                     tokens=size // 4, stream=bool(body.get("stream")), leg_request_id=request_id)
         if key is None:
             d.outcome = "none"
         elif request.headers.get(REUSE_HEADER, "").lower() in ("off", "0", "false", "no"):
@@ -105,214 +181,467 @@ class Flow:
         try:
             entry = await asyncio.wait_for(self.store.take(d.key), self.config.store_timeout_ms / 1000)
         except Exception as exc:  # the store is an optimisation: never fail a request because of it
-            log.warning("request %s: conversation store unavailable (%s); continuing without reuse",
-                        d.request_id, exc or type(exc).__name__)
+            log.warning("conversation store unavailable (%s); continuing without reuse",
+                        exc or type(exc).__name__)
+            self.metrics.store_errors.labels("take").inc()
             d.outcome = "store_error"
             return None
         finally:
-            self.metrics.store_seconds.labels("take").observe(time.perf_counter() - t0)
+            self._store_seconds["take"].observe(time.perf_counter() - t0)
+        assert d.turn is not None
         if entry is None:
             d.outcome = "miss"
             return None
-        assert d.turn is not None
-        if not d.turn.continues(entry.history):
-            d.outcome = "mismatch"
-            return None
-        d.outcome = "hit"
-        return entry.params
+        d.outcome = guard.reuse_outcome(entry.params, entry.history, entry.expires_at, d.turn, time.time(),
+                                        self.pool.known_hosts())
+        if d.outcome == "hit" and entry.decode_engine and not self.pool.holds_blocks_since(entry.decode_engine,
+                                                                                          entry.stored_at):
+            d.outcome = "refused"
+            log.warning("decode engine %s was ejected or is unknown since this turn was stored: not replayed",
+                        entry.decode_engine)
+        elif d.outcome == "refused":
+            log.warning("stored params name %r, which is no engine of this router: not replayed",
+                        entry.params.get("remote_host"))
+        if entry.decode_engine:
+            d.affinity = entry.decode_engine
+        return entry.params if d.outcome == "hit" else None
 
     async def _remember(self, d: Dispatch, decode: Engine, params: Any, reply: Mapping[str, Any] | str) -> None:
         replay = guard.replayable(params)
         if d.key is None or d.turn is None or replay is None or d.outcome == "disabled":
             return
-        entry = Entry(replay, d.turn.extended_by(reply), time.time() + self.config.entry_lifetime(), decode.name)
+        now = time.time()
+        expires = guard.entry_expiry(now, self.config.entry_lifetime(), replay, float(self.config.expiry_margin))
+        if expires <= now:
+            return
+        entry = Entry(replay, d.turn.extended_by(reply), expires, decode.name, now)
         t0 = time.perf_counter()
         try:
             await asyncio.wait_for(self.store.put(d.key, entry), self.config.store_timeout_ms / 1000)
         except Exception as exc:
-            log.warning("request %s: could not store conversation state (%s)", d.request_id,
-                        exc or type(exc).__name__)
+            self.metrics.store_errors.labels("put").inc()
+            log.warning("could not store conversation state (%s)", exc or type(exc).__name__)
         finally:
-            self.metrics.store_seconds.labels("put").observe(time.perf_counter() - t0)
+            self._store_seconds["put"].observe(time.perf_counter() - t0)
 
     # -- legs -----------------------------------------------------------------------------------
 
     def _headers(self, d: Dispatch, request: web.Request) -> dict[str, str]:
-        headers = {REQUEST_ID_HEADER: d.request_id, "Content-Type": "application/json"}
-        auth = request.headers.get("Authorization")
-        if auth:
-            headers["Authorization"] = auth
+        headers = {REQUEST_ID_HEADER: d.leg_request_id, "Content-Type": "application/json"}
+        if self.forward_auth:
+            auth = request.headers.get("Authorization")
+            if auth:
+                headers["Authorization"] = auth
         return headers
 
-    async def _prefill(self, d: Dispatch, request: web.Request, params: dict[str, Any] | None) -> dict[str, Any]:
+    def _prefill_body(self, d: Dispatch, params: Mapping[str, Any]) -> bytes:
         body = dict(d.body)
         body["max_tokens"] = 1
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = 1
         body["stream"] = False
         body.pop("stream_options", None)
-        body["kv_transfer_params"] = params or guard.FRESH_PREFILL_PARAMS
-        engine = self.pool.pick("prefill")
+        body["kv_transfer_params"] = params
+        return orjson.dumps(body)
+
+    def _fail(self, leg: str, engine: Engine, exc: BaseException) -> UpstreamError:
+        kind = type(exc).__name__
+        self.metrics.engine_errors.labels(leg, kind).inc()
+        self.pool.report_failure(engine)
+        connect = isinstance(exc, aiohttp.ClientConnectorError)
+        status = 504 if isinstance(exc, TimeoutError) else 502
+        return UpstreamError(status, f"{leg} engine {engine.name} failed: {str(exc) or kind}", leg=leg, engine=engine,
+                             retryable=True, reason="timeout" if status == 504 else "connect" if connect else "error",
+                             connect=connect)
+
+    def _http_error(self, leg: str, engine: Engine, status: int, raw: bytes) -> UpstreamError:
+        self.metrics.engine_errors.labels(leg, f"http_{status}").inc()
+        if status >= 500:
+            self.pool.report_failure(engine)
+        return UpstreamError(status if status < 500 else 502, f"{leg} engine {engine.name} answered HTTP {status}",
+                             raw, leg=leg, engine=engine, retryable=status >= 500, reason=f"http_{status}")
+
+    async def _prefill(self, d: Dispatch, request: web.Request, engine: Engine,
+                       params: Mapping[str, Any]) -> dict[str, Any]:
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout, sock_connect=5)
         t0 = time.perf_counter()
         engine.outstanding += 1
+        engine.outstanding_tokens += d.tokens
+        d.prefill_engine = engine.name
         try:
-            async with self.session.post(engine.url + d.path, data=orjson.dumps(body),
+            async with self.session.post(engine.url + d.path, data=self._prefill_body(d, params),
                                          headers=self._headers(d, request), timeout=timeout) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
-                    self.metrics.engine_errors.labels("prefill", f"http_{resp.status}").inc()
-                    raise UpstreamError(resp.status if resp.status < 500 else 502,
-                                        f"prefill engine {engine.name} answered HTTP {resp.status}", raw)
+                    raise self._http_error("prefill", engine, resp.status, raw)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            self.metrics.engine_errors.labels("prefill", type(exc).__name__).inc()
-            status = 504 if isinstance(exc, TimeoutError) else 502
-            raise UpstreamError(status, f"prefill engine {engine.name} failed: {exc or type(exc).__name__}") from exc
+            raise self._fail("prefill", engine, exc) from exc
         finally:
             engine.outstanding -= 1
-        self.metrics.leg.labels("prefill").observe(time.perf_counter() - t0)
+            engine.outstanding_tokens -= d.tokens
+        elapsed = time.perf_counter() - t0
+        self._leg["prefill"].observe(elapsed)
+        d.prefill_ms = elapsed * 1000
         result = orjson.loads(raw)
         kv = result.get("kv_transfer_params")
         if not isinstance(kv, dict):
             raise UpstreamError(502, f"prefill engine {engine.name} returned no kv_transfer_params: "
-                                     "is it running with the NIXL connector (--kv-transfer-config)?")
+                                     "is it running with the NIXL connector (--kv-transfer-config)?",
+                                leg="prefill", engine=engine)
+        usage = result.get("usage") or {}
+        d.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        self.pool.report_success(engine)
         if d.outcome == "hit":
             self._account_reuse(d, kv)
+        elif d.outcome in ("miss", "none", "disabled"):
+            self.prefill_rate.observe(d.prefill_ms, d.prompt_tokens)
+        ident = push_identity(kv)
+        if ident is not None:
+            engine.learned = ident
         return kv
 
     def _account_reuse(self, d: Dispatch, prefill_params: Mapping[str, Any]) -> None:
         """Reused tokens, from prefill's answer; a token-proof shortfall is a tokenization mismatch."""
-        d.reused_tokens = int(prefill_params.get("remote_prefill_cached_tokens") or 0)
+        d.reused_tokens = reused_tokens(prefill_params)
         verdict = prefill_params.get("turnkv_proof_verdict")
         if isinstance(verdict, Mapping) and verdict.get("reason") in ("mismatch", "no-proof", "bad-proof"):
             # The text history matched but the token ids did not (or could not be checked): re-tokenization,
             # a template that renders past turns differently, or a decode engine without the turnkv connector.
             cause = "tokenization" if verdict["reason"] == "mismatch" else "unverified"
             self.metrics.token_mismatches.labels(cause).inc()
-            log.info("request %s: token proof verified %s of %s offered tokens (%s)", d.request_id,
-                     verdict.get("verified"), verdict.get("offered"), verdict["reason"])
+            log.info("token proof verified %s of %s offered tokens (%s)", verdict.get("verified"),
+                     verdict.get("offered"), verdict["reason"])
             d.outcome = "token_mismatch"
 
-    def _decode_body(self, d: Dispatch, prefill_params: dict[str, Any]) -> bytes:
+    def _decode_body(self, d: Dispatch, params: Mapping[str, Any]) -> bytes:
         body = dict(d.body)
         if d.key is not None and d.outcome != "disabled":
             # A conversation turn: ask decode to keep its KV for the next turn (others pin nothing).
-            prefill_params = {**prefill_params, "turnkv_retain": True}
-        body["kv_transfer_params"] = prefill_params
+            params = {**params, "turnkv_retain": True}
+        body["kv_transfer_params"] = params
         return orjson.dumps(body)
+
+    async def _open_decode(self, d: Dispatch, request: web.Request, engine: Engine,
+                           params: Mapping[str, Any]) -> Opened:
+        """Send the decode leg and wait for its first token (stream) or its whole answer (unary)."""
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.config.first_token_timeout)
+        t0 = time.perf_counter()
+        engine.outstanding += 1
+        engine.outstanding_tokens += d.tokens
+        resp = None
+        handed = False
+        try:
+            resp = await self.session.post(engine.url + d.path, data=self._decode_body(d, params),
+                                           headers=self._headers(d, request), timeout=timeout)
+            if resp.status != 200 or not d.stream:
+                raw = await resp.read()
+                resp.release()
+                if resp.status != 200:
+                    raise self._http_error("decode", engine, resp.status, raw)
+                self._leg["decode"].observe(time.perf_counter() - t0)
+                self.pool.report_success(engine)
+                return Opened(engine, raw=raw)
+            first = b""
+            while True:  # up to the first event: until then another engine may still take over
+                chunk = await resp.content.readany()
+                if not chunk:
+                    raise aiohttp.ServerDisconnectedError("decode closed the stream before its first token")
+                first += chunk
+                at = first.find(b"data: ")
+                if at >= 0 and first.find(b"\n", at) >= 0:
+                    break
+            self._leg["decode"].observe(time.perf_counter() - t0)
+            self.pool.report_success(engine)
+            handed = True  # released (and counted down) by the relay
+            return Opened(engine, resp=resp, first=first)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise self._fail("decode", engine, exc) from exc
+        finally:
+            if not handed:
+                if resp is not None:
+                    resp.close()
+                engine.outstanding -= 1
+                engine.outstanding_tokens -= d.tokens
+
+    async def _pull_attempt(self, d: Dispatch, request: web.Request, params: dict[str, Any] | None,
+                            tried: dict[str, list[Engine]]) -> Opened:
+        prefill = self.pool.pick("prefill", exclude=tried["prefill"], tokens=d.tokens)
+        kv = await self._prefill(d, request, prefill, params or guard.FRESH_PREFILL_PARAMS)
+        decode = self.pool.pick("decode", exclude=tried["decode"], prefer="" if tried["decode"] else d.affinity,
+                                tokens=d.tokens)
+        d.decode_engine = decode.name
+        return await self._open_decode(d, request, decode, kv)
+
+    async def _push_attempt(self, d: Dispatch, request: web.Request, params: dict[str, Any] | None,
+                            tried: dict[str, list[Engine]]) -> Opened:
+        prefill = self.pool.pick("prefill", exclude=tried["prefill"], tokens=d.tokens)
+        decode = self.pool.pick("decode", exclude=tried["decode"], prefer="" if tried["decode"] else d.affinity,
+                                tokens=d.tokens)
+        d.decode_engine = decode.name
+        transfer_id = uuid.uuid4().hex
+        p_params = {**(params or guard.FRESH_PREFILL_PARAMS), "transfer_id": transfer_id}
+        ident = prefill.push_identity
+        if ident is None:  # identity unknown: serial, and learn it from the answer
+            self.metrics.push_dispatch.labels("serial").inc()
+            kv = await self._prefill(d, request, prefill, p_params)
+            ident = push_identity(kv)
+            if ident is None:
+                raise UpstreamError(502, f"prefill engine {prefill.name} did not answer in push mode "
+                                         "(transfer_mode 'push'): are the engines running NixlPushConnector?",
+                                    leg="prefill", engine=prefill)
+            return await self._open_decode(d, request, decode, push_decode_params(ident, d.leg_request_id,
+                                                                                  transfer_id))
+        self.metrics.push_dispatch.labels("concurrent").inc()
+        p_task = asyncio.create_task(self._prefill(d, request, prefill, p_params))
+        d_task = asyncio.create_task(self._open_decode(d, request, decode,
+                                                       push_decode_params(ident, d.leg_request_id, transfer_id)))
+        try:
+            await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_EXCEPTION)
+            if d_task.done() and d_task.exception() is not None:
+                p_task.cancel()
+                raise d_task.exception()  # type: ignore[misc]
+            kv = await p_task  # raises: the finally cancels decode
+            answered = push_identity(kv)
+            if answered is not None and answered != ident:  # P moved (restart, new id): resend decode
+                log.warning("prefill %s answered as %s, not %s: resending decode", prefill.name, answered, ident)
+                d_task.cancel()
+                with contextlib.suppress(BaseException):
+                    stale = await d_task
+                    if stale.resp is not None:  # it had already opened: release it
+                        stale.resp.close()
+                        stale.engine.outstanding -= 1
+                        stale.engine.outstanding_tokens -= d.tokens
+                return await self._open_decode(d, request, decode, push_decode_params(answered, d.leg_request_id,
+                                                                                      transfer_id))
+            return await d_task
+        finally:
+            for task in (p_task, d_task):
+                if not task.done():
+                    task.cancel()
+
+    async def _dispatch(self, d: Dispatch, request: web.Request) -> Opened:
+        """Both legs, with the retry budgets; returns the opened decode leg or raises UpstreamError."""
+        params = await self._take(d)
+        tried: dict[str, list[Engine]] = {"prefill": [], "decode": []}
+        budget = {"prefill": int(self.config.prefill_retries), "decode": int(self.config.decode_retries)}
+        attempt = self._push_attempt if self.config.mode == "push" else self._pull_attempt
+        while True:
+            try:
+                opened = await attempt(d, request, params, tried)
+                if d.outcome == "hit" and not d.reused_tokens:
+                    d.outcome = "recompute"  # replayed, but prefill pulled nothing (failed or below threshold)
+                return opened
+            except UpstreamError as exc:
+                if not exc.retryable or exc.engine is None or budget[exc.leg] <= 0:
+                    raise
+                budget[exc.leg] -= 1
+                tried[exc.leg].append(exc.engine)
+                d.retries += 1
+                d.leg_request_id = f"{d.request_id}-r{d.retries}"
+                self.metrics.retries.labels(exc.leg, exc.reason).inc()
+                if params is not None and (exc.leg == "decode" or not exc.connect):
+                    params = None  # the pull may have failed, or its blocks may be gone: recompute
+                    d.outcome, d.reused_tokens = "recompute", 0
+                log.warning("%s; retrying (%s retries left for %s)", exc, budget[exc.leg], exc.leg)
+
+    # -- responses ------------------------------------------------------------------------------
 
     def _reply_headers(self, d: Dispatch) -> dict[str, str]:
         return {REQUEST_ID_HEADER: d.request_id, REUSED_TOKENS_HEADER: str(d.reused_tokens),
                 REUSE_OUTCOME_HEADER: d.outcome}
 
-    async def run(self, d: Dispatch, request: web.Request) -> web.StreamResponse:
-        params = await self._take(d)
-        try:
-            prefill_params = await self._prefill(d, request, params)
-        except UpstreamError as exc:
-            return self._upstream_error(d, exc)
-        except NoEngineError as exc:
-            return error_response(503, str(exc), "service_unavailable")
-        self.metrics.reuse.labels(d.outcome).inc()
-        if d.reused_tokens:
-            self.metrics.reused_tokens.inc(d.reused_tokens)
-        try:
-            decode = self.pool.pick("decode")
-        except NoEngineError as exc:
-            return error_response(503, str(exc), "service_unavailable")
-        if d.body.get("stream"):
-            return await self._stream(d, request, decode, prefill_params)
-        return await self._unary(d, request, decode, prefill_params)
-
     def _upstream_error(self, d: Dispatch, exc: UpstreamError) -> web.Response:
-        log.warning("request %s: %s", d.request_id, exc)
+        log.warning("%s", exc)
+        d.error = str(exc)
         if exc.body and 400 <= exc.status < 500:  # the engine refused the request: pass its words on
             return web.Response(status=exc.status, body=exc.body, content_type="application/json",
                                 headers=self._reply_headers(d))
         return error_response(exc.status, str(exc), "upstream_error", headers=self._reply_headers(d))
 
-    async def _unary(self, d: Dispatch, request: web.Request, decode: Engine,
-                     prefill_params: dict[str, Any]) -> web.StreamResponse:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.config.first_token_timeout)
-        decode.outstanding += 1
+    async def run(self, d: Dispatch, request: web.Request) -> web.StreamResponse:
+        token = telemetry.request_id.set(d.request_id)
         try:
-            async with self.session.post(decode.url + d.path, data=self._decode_body(d, prefill_params),
-                                         headers=self._headers(d, request), timeout=timeout) as resp:
-                raw = await resp.read()
-                status = resp.status
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            self.metrics.engine_errors.labels("decode", type(exc).__name__).inc()
-            return self._upstream_error(d, UpstreamError(504 if isinstance(exc, TimeoutError) else 502,
-                                                         f"decode engine {decode.name} failed: {exc!r}"))
+            response = await (self._run_stream(d, request) if d.stream else self._run_unary(d, request))
+            d.status = d.status or response.status
+            return response
+        except asyncio.CancelledError:
+            self.metrics.client_disconnects.inc()
+            d.status, d.error = 499, "client disconnected"
+            log.info("client disconnected: both legs aborted")
+            raise
         finally:
-            decode.outstanding -= 1
-        if status != 200:
-            self.metrics.engine_errors.labels("decode", f"http_{status}").inc()
-            return self._upstream_error(d, UpstreamError(status if status < 500 else 502,
-                                                         f"decode engine {decode.name} answered HTTP {status}", raw))
-        result = orjson.loads(raw)
+            self._finish(d)
+            telemetry.request_id.reset(token)
+
+    def _finish(self, d: Dispatch) -> None:
+        self._reuse[d.outcome].inc()
+        if d.reused_tokens:
+            self.metrics.reused_tokens.inc(d.reused_tokens)
+        if not self.config.emf:
+            return
+        saved = None
+        if d.reused_tokens and self.prefill_rate.ms_per_token:
+            saved = d.reused_tokens * self.prefill_rate.ms_per_token
+        self.emf.emit(telemetry.emf_record(
+            namespace=telemetry.NAMESPACE, deployment=self.config.deployment, outcome=d.outcome,
+            prompt_tokens=d.prompt_tokens, ttft_ms=None if d.ttft is None else d.ttft * 1000,
+            error=d.status >= 500 or d.status == 0, reused_tokens=d.reused_tokens, prefill_ms=d.prefill_ms,
+            saved_ms=saved, fields={
+                "request_id": d.request_id, "status": d.status, "route": d.path, "stream": d.stream,
+                "tenant": d.tenant, "prefill_engine": d.prefill_engine, "decode_engine": d.decode_engine,
+                "prompt_tokens": d.prompt_tokens, "retries": d.retries, "mode": self.config.mode,
+                "latency_ms": round((time.perf_counter() - d.started) * 1000, 3), **({"error": d.error}
+                                                                                    if d.error else {})}))
+
+    def _first_token(self, d: Dispatch) -> None:
+        d.ttft = time.perf_counter() - d.started
+        self._ttft[d.outcome].observe(d.ttft)
+
+    async def _run_unary(self, d: Dispatch, request: web.Request) -> web.StreamResponse:
+        try:
+            opened = await self._dispatch(d, request)
+        except UpstreamError as exc:
+            return self._upstream_error(d, exc)
+        except NoEngineError as exc:
+            d.error = str(exc)
+            return error_response(503, str(exc), "service_unavailable", headers=self._reply_headers(d))
+        result = orjson.loads(opened.raw)
         kv = result.pop("kv_transfer_params", None)
-        self.metrics.ttft.labels(d.outcome).observe(time.perf_counter() - d.started)
+        self._first_token(d)
         choices = result.get("choices") or [{}]
         reply = guard.reply_message(choices[0]) if d.kind == "chat" else str(choices[0].get("text") or "")
-        await self._remember(d, decode, kv, reply)
+        await self._remember(d, opened.engine, kv, reply)
         return web.Response(body=orjson.dumps(result), content_type="application/json",
                             headers=self._reply_headers(d))
 
-    async def _stream(self, d: Dispatch, request: web.Request, decode: Engine,
-                      prefill_params: dict[str, Any]) -> web.StreamResponse:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.config.first_token_timeout)
-        decode.outstanding += 1
+    async def _run_stream(self, d: Dispatch, request: web.Request) -> web.StreamResponse:
+        task = asyncio.create_task(self._dispatch(d, request))
         response: web.StreamResponse | None = None
+        opened: Opened | None = None
         try:
-            async with self.session.post(decode.url + d.path, data=self._decode_body(d, prefill_params),
-                                         headers=self._headers(d, request), timeout=timeout) as resp:
-                if resp.status != 200:
-                    raw = await resp.read()
-                    self.metrics.engine_errors.labels("decode", f"http_{resp.status}").inc()
-                    return self._upstream_error(d, UpstreamError(
-                        resp.status if resp.status < 500 else 502,
-                        f"decode engine {decode.name} answered HTTP {resp.status}", raw))
+            while True:  # before the first token: SSE comments keep idle-timeout proxies (ALB) from closing
+                done, _ = await asyncio.wait({task}, timeout=float(self.config.sse_keepalive))
+                if done:
+                    break
+                if response is None:
+                    response = web.StreamResponse(headers={REQUEST_ID_HEADER: d.request_id,
+                                                           "Content-Type": "text/event-stream",
+                                                           "Cache-Control": "no-cache"})
+                    await response.prepare(request)
+                await response.write(KEEPALIVE)
+            try:
+                opened = task.result()
+            except (UpstreamError, NoEngineError) as exc:
+                if response is None:
+                    if isinstance(exc, NoEngineError):
+                        d.error = str(exc)
+                        return error_response(503, str(exc), "service_unavailable", headers=self._reply_headers(d))
+                    return self._upstream_error(d, exc)
+                d.error = str(exc)
+                status = exc.status if isinstance(exc, UpstreamError) else 503
+                await self._error_event(response, str(exc), status)
+                return response
+            early = response is not None
+            if response is None:
                 response = web.StreamResponse(headers={**self._reply_headers(d), "Content-Type": "text/event-stream",
                                                        "Cache-Control": "no-cache"})
                 await response.prepare(request)
-                reply = _ReplyCollector(d.kind)
-                first = True
-                remembered = False
-                async for line in resp.content:
-                    out = reply.feed(line)
+            return await self._relay(d, response, opened, early)
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            if opened is not None and opened.resp is not None:
+                opened.resp.close()
+                opened.engine.outstanding -= 1
+                opened.engine.outstanding_tokens -= d.tokens
+
+    async def _error_event(self, response: web.StreamResponse, message: str, status: int = 502) -> None:
+        err = {"error": {"message": message, "type": "upstream_error", "code": status}}
+        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):  # the client may be gone too
+            await response.write_eof(b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n")
+
+    async def _relay(self, d: Dispatch, response: web.StreamResponse, opened: Opened, early: bool
+                     ) -> web.StreamResponse:
+        assert opened.resp is not None
+        reply = _ReplyCollector(d.kind, parse=d.key is not None and d.outcome != "disabled")
+        remembered = False
+        first = True
+        tail: list[bytes] = []
+        try:
+            pending = b""
+            async for chunk in _chunks(opened.first, opened.resp.content):
+                pending += chunk
+                cut = pending.rfind(b"\n") + 1
+                if not cut:
+                    continue
+                block, pending = pending[:cut], pending[cut:]
+                out = []  # one write per chunk received, not per line
+                for line in block.splitlines(keepends=True):
+                    fed = reply.feed(line)
                     if reply.complete and not remembered:
                         # Store before the client sees [DONE]: its next turn may follow at once.
                         remembered = True
                         if reply.storable:
-                            await self._remember(d, decode, reply.kv_transfer_params, reply.value())
-                    if out is None:
-                        continue
-                    await response.write(out)
-                    if first and reply.has_content:
-                        first = False
-                        self.metrics.ttft.labels(d.outcome).observe(time.perf_counter() - d.started)
-                await response.write_eof()
+                            await self._remember(d, opened.engine, reply.kv_transfer_params, reply.value())
+                        if early:  # the headers left before the outcome was known: say it in a comment
+                            out.append(f": turnkv reuse_outcome={d.outcome} "
+                                       f"reused_tokens={d.reused_tokens}\n\n".encode())
+                    if fed is not None:
+                        out.append(fed)
+                if first and (reply.has_content or reply.complete):
+                    first = False
+                    self._first_token(d)
+                if reply.complete:  # [DONE] seen: the rest goes out with the end of the stream
+                    tail.extend(out)
+                elif out:
+                    await _client_write(response, b"".join(out))
+            if pending:
+                fed = reply.feed(pending)
+                if fed:
+                    tail.append(fed)
+            await _client_write(response, b"".join(tail), eof=True)
+        except _ClientGone:
+            self.metrics.client_disconnects.inc()
+            d.status, d.error = 499, "client disconnected"
+            log.info("client went away mid-stream: decode aborted")
         except (aiohttp.ClientError, TimeoutError) as exc:
             self.metrics.engine_errors.labels("decode", type(exc).__name__).inc()
-            message = f"decode engine {decode.name} failed: {exc or type(exc).__name__}"
-            if response is None:
-                return self._upstream_error(d, UpstreamError(504 if isinstance(exc, TimeoutError) else 502, message))
-            # Headers are gone: end the stream with an error event the client can parse.
-            err = {"error": {"message": message, "type": "upstream_error", "code": 502}}
-            await response.write(b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n")
-            await response.write_eof()
-            return response
-        finally:
-            decode.outstanding -= 1
+            self.pool.report_failure(opened.engine)
+            d.error = f"decode engine {opened.engine.name} failed mid-stream: {exc or type(exc).__name__}"
+            log.warning("%s", d.error)
+            await self._error_event(response, d.error)
         return response
+
+
+class _ClientGone(Exception):
+    """Writing to the client failed: it went away (not an engine failure)."""
+
+
+async def _client_write(response: web.StreamResponse, data: bytes, eof: bool = False) -> None:
+    try:
+        if eof:
+            await response.write_eof(data)
+        else:
+            await response.write(data)
+    except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
+        raise _ClientGone() from exc
+
+
+async def _chunks(first: bytes, rest: aiohttp.StreamReader):
+    if first:
+        yield first
+    async for chunk in rest.iter_any():
+        yield chunk
 
 
 class _ReplyCollector:
     """Reads decode's SSE lines: forwards them, strips ``kv_transfer_params``, rebuilds the reply."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, parse: bool = True) -> None:
         self.kind = kind
+        self.parse = parse  # False: nothing will be stored, only strip params and spot the first token
         self.content: list[str] = []
         self.reasoning: dict[str, list[str]] = {}  # "reasoning_content" / "reasoning" deltas, as named
         self.kv_transfer_params: dict[str, Any] | None = None
@@ -330,6 +659,9 @@ class _ReplyCollector:
         payload = line[6:].strip()
         if payload == b"[DONE]":
             self.complete = True
+            return line
+        if not self.parse and b'"kv_transfer_params"' not in payload:
+            self.has_content = self.has_content or b'"choices":[]' not in payload
             return line
         try:
             chunk = orjson.loads(payload)
@@ -352,9 +684,9 @@ class _ReplyCollector:
                 if delta.get("tool_calls"):
                     self.storable = False  # tool-call deltas are not rebuilt here: no reuse rather than a guess
                 text = delta.get("content")
-                for field in ("reasoning_content", "reasoning"):
-                    if delta.get(field):
-                        self.reasoning.setdefault(field, []).append(delta[field])
+                for field_name in ("reasoning_content", "reasoning"):
+                    if delta.get(field_name):
+                        self.reasoning.setdefault(field_name, []).append(delta[field_name])
             else:
                 text = choice.get("text")
             if text:
@@ -367,6 +699,6 @@ class _ReplyCollector:
         if self.kind != "chat":
             return text
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        for field, parts in self.reasoning.items():
-            message[field] = "".join(parts)
+        for field_name, parts in self.reasoning.items():
+            message[field_name] = "".join(parts)
         return guard.canonical_message(message)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -180,3 +181,45 @@ def reply_message(choice: Mapping[str, Any]) -> dict[str, Any]:
     """The assistant message a client sends back next turn, from a non-streaming choice."""
     message = choice.get("message") or {}
     return canonical_message({"role": message.get("role") or "assistant", **message})
+
+
+def normalize_host(host: str) -> str:
+    host = host.strip().strip("[]").lower()
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host
+
+
+def reuse_outcome(entry_params: Mapping[str, Any] | None, history: History | None, expires_at: float, turn: Turn,
+                  now: float, known_hosts: set[str]) -> str:
+    """Whether a taken entry may be replayed for ``turn``: "hit", or why not ("expired", "mismatch",
+    "refused": the stored params name an address that is no engine of this router)."""
+    if entry_params is None or history is None:
+        return "miss"
+    if expires_at <= now:
+        return "expired"
+    if not turn.continues(history):
+        return "mismatch"
+    if normalize_host(str(entry_params.get("remote_host") or "")) not in known_hosts:
+        return "refused"
+    if any(entry_params.get(k) in (None, "", []) for k in REQUIRED_REPLAY_KEYS):
+        return "refused"
+    return "hit"
+
+
+#: Below this, an expiry time is not a Unix timestamp (vLLM 0.32's NIXL connector exports decode's
+#: ``time.perf_counter()``, a monotonic clock with an arbitrary origin, not comparable with ours).
+_WALL_CLOCK_FLOOR = 1e9
+
+
+def entry_expiry(now: float, lifetime: float, params: Mapping[str, Any], margin: float) -> float:
+    """When a stored entry stops being replayable: ``now + lifetime`` (the catalog keeps the lifetime
+    ``expiry_margin`` below ``decoder_kv_blocks_ttl``, and ``now`` is after decode finished, so the entry
+    goes before decode frees the blocks). A ``remote_blocks_expiry_time`` that is a Unix timestamp
+    shortens it further; vLLM's (decode's monotonic clock) cannot be compared and is ignored."""
+    expiry = now + lifetime
+    engine_expiry = params.get("remote_blocks_expiry_time")
+    if isinstance(engine_expiry, (int, float)) and engine_expiry > _WALL_CLOCK_FLOOR:
+        expiry = min(expiry, float(engine_expiry) - margin)
+    return expiry

@@ -9,6 +9,7 @@ its own entry's expiry accordingly, so the expiry it acts on stays truthful.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -18,7 +19,6 @@ from aiohttp import web
 
 from router import guard
 from router.flow import CONVERSATION_HEADER, Flow, error_response
-from router.state import Entry
 
 ENGINE_ROUTE = "/turnkv/v1/leases"
 
@@ -56,6 +56,6 @@ async def renew(flow: Flow, request: web.Request, body: Any, tenant: str = "") -
     if left is None:
         return error_response(410, "the decode engine no longer holds this conversation's KV", "gone")
     lifetime = left - float(flow.config.expiry_margin)
-    renewed = Entry(entry.params, entry.history, time.time() + lifetime, entry.decode_engine)
+    renewed = dataclasses.replace(entry, expires_at=time.time() + lifetime)
     await flow.store.put(key, renewed)
     return web.json_response({"conversation_id": conversation_id, "expires_in": round(lifetime, 1)})

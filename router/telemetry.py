@@ -1,13 +1,49 @@
-"""Prometheus metrics of the router (``/metrics``), named after Prometheus conventions."""
+"""Router observability: Prometheus metrics (``/metrics``), one CloudWatch EMF line per request, and
+the request id in every log line (a context variable read by a logging filter)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import functools
+import logging
+import os
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 #: Why a request did or did not reuse the previous turn's KV.
-OUTCOMES = ("hit", "miss", "mismatch", "token_mismatch", "disabled", "store_error", "none")
+#: hit: replayed; miss: nothing stored; mismatch: the prompt does not extend the stored history;
+#: expired: the entry's blocks are (nearly) freed; refused: stored params name an unknown engine;
+#: recompute: replayed but prefill recomputed (pull failed or below kv_recompute_threshold);
+#: token_mismatch: the text matched but prefill's token proof pulled less (re-tokenization, templates);
+#: disabled: the client turned reuse off; store_error: the store was down or slow; none: no conversation id.
+OUTCOMES = ("hit", "miss", "mismatch", "expired", "refused", "recompute", "token_mismatch", "disabled", "store_error",
+            "none")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60)
+
+#: The request being served (set by the handler); every log record carries it.
+request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+
+
+class RequestIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id.get()
+        return True
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
 
 
 class Metrics:
@@ -26,10 +62,151 @@ class Metrics:
                              ["leg"], buckets=_LATENCY_BUCKETS, registry=r)
         self.token_mismatches = Counter("turnkv_router_token_mismatches",
                                         "Reuse cut short by prefill's token proof, by cause.", ["cause"], registry=r)
+        self.retries = Counter("turnkv_router_retries", "Leg retries by leg and reason.", ["leg", "reason"],
+                               registry=r)
         self.engine_errors = Counter("turnkv_router_engine_errors", "Engine failures by role and kind.",
                                      ["role", "kind"], registry=r)
-        self.engine_healthy = Gauge("turnkv_router_engine_healthy", "1 when the engine passes health checks.",
+        self.engine_healthy = Gauge("turnkv_router_engine_healthy", "1 when the engine is in the pool.",
                                     ["role", "engine"], registry=r)
+        self.engine_outstanding = Gauge("turnkv_router_engine_outstanding", "Requests in flight per engine.",
+                                        ["role", "engine"], registry=r)
+        self.engines = Gauge("turnkv_router_engines", "Engines known, by role and health.", ["role", "healthy"],
+                             registry=r)
         self.conversations = Gauge("turnkv_router_conversations", "Conversations held in the store.", registry=r)
         self.store_seconds = Histogram("turnkv_router_store_seconds", "Conversation store call latency.", ["op"],
                                        buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5), registry=r)
+        self.store_errors = Counter("turnkv_router_store_errors", "Conversation store calls that failed or timed out.",
+                                    ["op"], registry=r)
+        self.client_disconnects = Counter("turnkv_router_client_disconnects",
+                                          "Requests whose client went away (both legs aborted).", registry=r)
+        self.auth_failures = Counter("turnkv_router_auth_failures", "Requests refused for a bad API key.",
+                                     registry=r)
+        self.params_reloads = Counter("turnkv_router_params_reloads", "SSM re-reads by result.", ["result"],
+                                      registry=r)
+        self.push_dispatch = Counter("turnkv_router_push_dispatches",
+                                     "Push-mode dispatches: concurrent (identity known) or serial.", ["kind"],
+                                     registry=r)
+
+    def observe_pool(self, engines) -> None:
+        counts: dict[tuple[str, str], int] = {}
+        for e in engines:
+            self.engine_healthy.labels(e.role, e.name).set(1 if e.healthy else 0)
+            self.engine_outstanding.labels(e.role, e.name).set(e.outstanding)
+            key = (e.role, "true" if e.healthy else "false")
+            counts[key] = counts.get(key, 0) + 1
+        for role in ("prefill", "decode"):
+            for healthy in ("true", "false"):
+                self.engines.labels(role, healthy).set(counts.get((role, healthy), 0))
+
+
+# -- CloudWatch embedded metric format ---------------------------------------------------------------
+
+NAMESPACE = os.environ.get("TURNKV_METRICS_NAMESPACE", "turnkv/Router")
+
+
+def prompt_bucket(tokens: int) -> str:
+    if tokens < 1000:
+        return "lt1k"
+    if tokens < 8000:
+        return "1k-8k"
+    if tokens < 32000:
+        return "8k-32k"
+    return "ge32k"
+
+
+class PrefillRate:
+    """Running estimate of prefill milliseconds per prompt token (from turns without reuse), to estimate
+    the prefill time a reuse saved."""
+
+    def __init__(self, alpha: float = 0.05) -> None:
+        self.alpha = alpha
+        self.ms_per_token = 0.0
+
+    def observe(self, ms: float, tokens: int) -> None:
+        if tokens <= 0:
+            return
+        rate = ms / tokens
+        self.ms_per_token = rate if not self.ms_per_token else (1 - self.alpha) * self.ms_per_token + self.alpha * rate
+
+
+@functools.lru_cache(maxsize=64)
+def _directives(namespace: str, ttft: bool, prefill: bool, saved: bool) -> list[dict[str, Any]]:
+    request_metrics = [{"Name": "Requests", "Unit": "Count"}]
+    if ttft:
+        request_metrics.insert(0, {"Name": "TTFT", "Unit": "Milliseconds"})
+    deployment_metrics = [{"Name": "Errors", "Unit": "Count"}, {"Name": "ReuseHit", "Unit": "Count"},
+                          {"Name": "ReusedTokens", "Unit": "Count"}]
+    if prefill:
+        deployment_metrics.append({"Name": "PrefillTime", "Unit": "Milliseconds"})
+    if saved:
+        deployment_metrics.append({"Name": "PrefillTimeSaved", "Unit": "Milliseconds"})
+    return [{"Namespace": namespace, "Dimensions": [["Deployment", "ReuseOutcome"],
+                                                    ["Deployment", "ReuseOutcome", "PromptBucket"]],
+             "Metrics": request_metrics},
+            {"Namespace": namespace, "Dimensions": [["Deployment"]], "Metrics": deployment_metrics}]
+
+
+def emf_record(*, namespace: str, deployment: str, outcome: str, prompt_tokens: int, ttft_ms: float | None,
+               error: bool, reused_tokens: int, prefill_ms: float | None, saved_ms: float | None,
+               fields: Mapping[str, Any], timestamp_ms: int | None = None) -> dict[str, Any]:
+    """One request as a CloudWatch EMF object (names match turnkv.metric_names on the infra side)."""
+    record: dict[str, Any] = {
+        "Deployment": deployment, "ReuseOutcome": outcome, "PromptBucket": prompt_bucket(prompt_tokens),
+        "Requests": 1, "Errors": 1 if error else 0, "ReuseHit": 1 if outcome == "hit" else 0,
+        "ReusedTokens": reused_tokens,
+    }
+    if ttft_ms is not None:
+        record["TTFT"] = round(ttft_ms, 3)
+    if prefill_ms is not None:
+        record["PrefillTime"] = round(prefill_ms, 3)
+    if saved_ms is not None:
+        record["PrefillTimeSaved"] = round(saved_ms, 3)
+    record["_aws"] = {"Timestamp": timestamp_ms if timestamp_ms is not None else int(time.time() * 1000),
+                      "CloudWatchMetrics": _directives(namespace, ttft_ms is not None, prefill_ms is not None,
+                                                       saved_ms is not None)}
+    record.update(fields)
+    return record
+
+
+class EmfWriter:
+    """EMF lines to stdout, batched: one write per ``flush_interval`` (or ``max_lines``), not one per request.
+    CloudWatch (awslogs) reads the container's stdout line by line; the batching only saves syscalls."""
+
+    def __init__(self, stream: Any = None, flush_interval: float = 0.5, max_lines: int = 256) -> None:
+        self.stream = stream
+        self.flush_interval = flush_interval
+        self.max_lines = max_lines
+        self._lines: list[bytes] = []
+        self._timer: Any = None
+
+    def emit(self, record: Mapping[str, Any]) -> None:
+        self._lines.append(orjson.dumps(record))
+        if len(self._lines) >= self.max_lines:
+            self.flush()
+        elif self._timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self.flush()
+                return
+            self._timer = loop.call_later(self.flush_interval, self.flush)
+
+    def flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._lines:
+            return
+        data = b"\n".join(self._lines) + b"\n"
+        self._lines.clear()
+        stream = self.stream or sys.stdout
+        try:
+            buffer = getattr(stream, "buffer", None)
+            if buffer is not None:
+                buffer.write(data)
+            else:
+                stream.write(data.decode())
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+

@@ -26,10 +26,10 @@ LABEL_MAX = 100
 
 def allowed_pattern(tunable: params.Tunable) -> str:
     """A regex SSM enforces on every write: digits of the right length (the catalog checks the exact bounds)."""
+    digits = len(str(int(tunable.maximum)))
     if tunable.kind is int:
-        digits = len(str(int(tunable.maximum)))
         return rf"^[0-9]{{1,{digits}}}$"
-    return r"^[0-9]+(\.[0-9]+)?$"
+    return rf"^[0-9]{{1,{digits}}}(\.[0-9]+)?$"
 
 
 def description(tunable: params.Tunable, note: str | None = None) -> str:

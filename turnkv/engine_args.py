@@ -56,10 +56,12 @@ class EngineSpec:
     #: Engine tunables (catalog names), defaults from turnkv.params.
     tunables: dict[str, int | float] = field(default_factory=lambda: params.defaults(params.Scope.ENGINE))
     extra_args: tuple[str, ...] = ()
+    #: A connector class other than the mode's (e.g. upstream "NixlPushConnector", no module path).
+    connector: str | None = None
 
 
 def kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
-    connector, module_path = CONNECTORS[spec.mode]
+    connector, module_path = (spec.connector, None) if spec.connector else CONNECTORS[spec.mode]
     extra: dict[str, object] = {
         "backends": list(spec.backends),
         "bidirectional_kv_xfer": spec.bidirectional,

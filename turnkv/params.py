@@ -85,6 +85,28 @@ CATALOG: tuple[Tunable, ...] = (
             "Interval of SSE comments sent before the first token, so idle-timeout proxies keep streams open."),
     Tunable("max_body_bytes", 8 * 1024 * 1024, 1024, 256 * 1024 * 1024, "bytes", Scope.ROUTER,
             "Largest request body the router accepts (413 above)."),
+    Tunable("prefill_retries", 2, 0, 10, "retries", Scope.ROUTER,
+            "Retry budget of a failed or timed-out prefill leg, each on another prefill engine when one is healthy."),
+    Tunable("decode_retries", 1, 0, 10, "retries", Scope.ROUTER,
+            "Retry budget of a decode leg that fails before its first token (both legs again, on another decode "
+            "engine, without reuse)."),
+    Tunable("health_interval", 2.0, 0.2, 60, "s", Scope.ROUTER,
+            "Interval of the active /health probes of every engine.", float),
+    Tunable("eject_failures", 1, 1, 20, "failures", Scope.ROUTER,
+            "Consecutive failures (probes or requests) after which an engine is ejected from the pool."),
+    Tunable("return_successes", 2, 1, 20, "probes", Scope.ROUTER,
+            "Consecutive successful probes before an ejected engine returns to the pool."),
+    Tunable("slow_start", 30, 0, 600, "s", Scope.ROUTER,
+            "A returning engine's share of new requests ramps from 10% to 100% over this time."),
+    Tunable("tokens_per_request", 2048, 1, 1_000_000, "tokens", Scope.ROUTER,
+            "Load weight: this many outstanding prompt tokens count as one outstanding request."),
+    Tunable("affinity_slack", 4, 0, 1000, "requests", Scope.ROUTER,
+            "Decode affinity: keep a conversation on the decode engine holding its blocks unless that engine "
+            "carries this much more load (in requests) than the least loaded one."),
+    Tunable("discovery_interval", 10, 1, 600, "s", Scope.ROUTER,
+            "Interval of Cloud Map discovery refreshes."),
+    Tunable("params_refresh", 60, 5, 3600, "s", Scope.ROUTER,
+            "Interval of the router's re-read of its SSM parameters (applied without restart)."),
 )
 
 BY_NAME: dict[str, Tunable] = {t.name: t for t in CATALOG}

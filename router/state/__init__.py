@@ -21,16 +21,18 @@ class Entry:
     #: Router-clock (time.time()) instant after which the entry must not be replayed.
     expires_at: float
     decode_engine: str = ""
+    #: Router-clock instant the entry was stored (a decode engine that restarted since lost the blocks).
+    stored_at: float = 0.0
 
     def to_bytes(self) -> bytes:
         h = self.history
         return orjson.dumps({"p": self.params, "h": [h.kind, h.render_digest, h.digest, h.length],
-                             "e": self.expires_at, "d": self.decode_engine})
+                             "e": self.expires_at, "d": self.decode_engine, "s": self.stored_at})
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> Entry:
         data = orjson.loads(raw)
-        return cls(data["p"], History(*data["h"]), data["e"], data.get("d", ""))
+        return cls(data["p"], History(*data["h"]), data["e"], data.get("d", ""), data.get("s", 0.0))
 
 
 class StoreError(RuntimeError):

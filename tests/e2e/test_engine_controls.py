@@ -52,7 +52,7 @@ def test_hot_reload_of_the_recompute_threshold(stack):
         tunables.write_text(json.dumps({"kv_recompute_threshold": 100000}))
         time.sleep(1.2)
         cold = next_turn("reload-a")
-        assert cold.outcome == "hit" and cold.reused == 0, "threshold above the offer: prefill recomputes"
+        assert cold.outcome == "recompute" and cold.reused == 0, "threshold above the offer: prefill recomputes"
         tunables.write_text(json.dumps({"kv_recompute_threshold": -1}))  # refused, last good value stays
         time.sleep(1.2)
         still = next_turn("reload-b")
@@ -79,7 +79,7 @@ def test_tiny_reuse_is_recomputed_and_large_reuse_pulled(stack):
     pulls, recomputes = decisions()
     tiny = chat(router, [*short, {"role": "assistant", "content": first.text}, {"role": "user", "content": "more"}],
                 conversation="tiny", max_tokens=8)
-    assert tiny.outcome == "hit" and tiny.reused == 0, "fewer tokens than kv_recompute_threshold: recompute"
+    assert tiny.outcome == "recompute" and tiny.reused == 0, "fewer tokens than kv_recompute_threshold"
     assert decisions() == (pulls, recomputes + 1)
     long = [{"role": "user", "content": words(model_dir, 1200, 95)}]
     first = chat(router, long, conversation="large")

@@ -80,3 +80,21 @@ def test_down_stops_whole_process_groups(tmp_path):
     assert sup.down() == ["engine"]
     assert not stack._group_alive(info["pgid"])
     assert not (tmp_path / "state.json").exists()
+
+
+def test_plan_with_several_engines_router_args_and_upstream_push(tmp_path):
+    from turnkv.local.stack import plan
+
+    config = StackConfig(state_dir=tmp_path, router_port=28000, prefill_port=28100, decode_port=28200,
+                         side_channel_base=25600, prefill_engines=2, decode_engines=2, router_identity=True,
+                         connector="NixlPushConnector", router_args=("--store", "redis://127.0.0.1:1"))
+    procs = {p.name: p for p in plan(config)}
+    assert set(procs) == {"prefill-0", "prefill-1", "decode-0", "decode-1", "router"}
+    sides = sorted(p.extra_ports[0] for p in procs.values() if p.kind == "engine")
+    assert len(set(sides)) == 4 and sides[0] == 25600
+    argv = procs["router"].argv
+    assert "http://127.0.0.1:28101?engine_id=prefill-1&side_channel_port=25604" in argv
+    assert argv[-2:] == ["--mode", "push"] and "--store" in argv
+    kv = procs["prefill-1"].argv[procs["prefill-1"].argv.index("--kv-transfer-config") + 1]
+    assert '"kv_connector":"NixlPushConnector"' in kv and "module_path" not in kv
+    assert '"bidirectional_kv_xfer":false' in kv

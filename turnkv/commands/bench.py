@@ -74,3 +74,47 @@ def multiturn(
     summary = run_benchmark(spec, out, {"url": url, "workload": workload.__dict__})
     if summary["errors"]:
         raise typer.Exit(1)
+
+
+@app.command()
+def router(
+    targets: Annotated[str, typer.Option(help="Comma list: direct,turnkv,vllm-router,fastapi.")]
+    = "direct,turnkv,vllm-router,fastapi",
+    concurrency: Annotated[str, typer.Option(help="Comma list of concurrency levels.")] = "1,32,128",
+    requests: Annotated[int, typer.Option(help="Requests per level (32, 128) and round.")] = 2000,
+    requests_c1: Annotated[int, typer.Option(help="Requests at concurrency 1, per round.")] = 300,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds (median requests/s).")] = 3,
+    memory: Annotated[int, typer.Option(help="Also measure a MemoryStore holding this many conversations.")] = 0,
+    port_base: Annotated[int, typer.Option(help="Router ports base; fake engines at +100 and +200.")] = 28000,
+    out: Annotated[Path, typer.Option(help="Folder for peers.json and peers.md.")] = Path("results/router-peers"),
+) -> None:
+    """The router against direct access, vllm-router and a FastAPI+httpx proxy, on a fake instant engine."""
+    from bench import router_peers
+
+    args = router_peers.parser().parse_args([
+        "--targets", targets, "--concurrency", concurrency, "--requests", str(requests), "--requests-c1",
+        str(requests_c1), "--rounds", str(rounds), "--memory", str(memory), "--port-base", str(port_base),
+        "--out", str(out)])
+    router_peers.run(args)
+
+
+@app.command("fault-load")
+def fault_load(
+    engines: Annotated[str, typer.Option(help="fake (bench.fake_engine) or real (vLLM CPU, 2P+2D).")] = "fake",
+    duration: Annotated[float, typer.Option(help="Seconds of load.")] = 120,
+    conversations: Annotated[int, typer.Option(help="Conversations in flight.")] = 64,
+    kill_every: Annotated[float, typer.Option(help="Seconds between engine kills.")] = 10,
+    restart_after: Annotated[float, typer.Option(help="Seconds before a killed engine restarts.")] = 5,
+    out: Annotated[Path, typer.Option(help="Folder for fault_load.json.")] = Path("results/fault-load"),
+) -> None:
+    """Many conversations while engines are killed and restarted: errors, reuse, wrong reuse, router memory."""
+    import asyncio as aio
+
+    from bench import fault_load as fl
+
+    args = fl.parser().parse_args(["--engines", engines, "--duration", str(duration), "--conversations",
+                                   str(conversations), "--kill-every", str(kill_every), "--restart-after",
+                                   str(restart_after), "--out", str(out)])
+    report = aio.run(fl.main(args))
+    if report["client_errors"] or report["wrong_reuse"]:
+        raise typer.Exit(1)

@@ -2,27 +2,52 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
-
-from turnkv import params
 
 app = typer.Typer(help="The KV-cache-aware P/D router.", no_args_is_help=True)
 
 
 @app.command()
 def serve(
-    prefill: Annotated[list[str], typer.Option("--prefill", help="Prefill engine URL (repeatable).")],
-    decode: Annotated[list[str], typer.Option("--decode", help="Decode engine URL (repeatable).")],
-    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    prefill: Annotated[list[str] | None, typer.Option(
+        "--prefill", help="Prefill engine URL (repeatable); identity for push mode as a query: "
+                          "http://H:P?engine_id=ID&side_channel_port=N[&side_channel_host=H&tp_size=N].")] = None,
+    decode: Annotated[list[str] | None, typer.Option("--decode", help="Decode engine URL (repeatable).")] = None,
+    host: Annotated[str | None, typer.Option(help="Address to listen on [127.0.0.1].")] = None,
+    port: Annotated[int | None, typer.Option(help="Port to listen on [8000].")] = None,
+    config_file: Annotated[Path | None, typer.Option(
+        "--config", help="Settings file (JSON or TOML): the flags' names with _, and 'set' for tunables.")] = None,
+    mode: Annotated[str | None, typer.Option(help="KV transfer mode: pull, or push (concurrent P and D).")] = None,
+    discovery: Annotated[str | None, typer.Option(help="Engines from 'static' flags or 'cloudmap'.")] = None,
+    namespace: Annotated[str | None, typer.Option(help="Cloud Map namespace (with --discovery cloudmap).")] = None,
+    service: Annotated[str | None, typer.Option(help="Cloud Map service [engines].")] = None,
+    region: Annotated[str | None, typer.Option(help="AWS region (Cloud Map, SSM).", envvar="AWS_REGION")] = None,
+    aws_endpoint_url: Annotated[str | None, typer.Option(help="AWS endpoint override (tests).")] = None,
+    store: Annotated[str | None, typer.Option(
+        help="Conversation store: 'memory' (one replica) or redis://HOST:PORT (rediss:// for TLS).")] = None,
+    api_keys_file: Annotated[str | None, typer.Option(
+        help="API keys file (JSON or lines KEY / TENANT:KEY); also TURNKV_API_KEYS. None: open.")] = None,
+    key_secret_file: Annotated[Path | None, typer.Option(
+        help="File with the conversation-key HMAC secret (else TURNKV_KEY_SECRET, else shared in the store).")
+    ] = None,
+    deployment: Annotated[str | None, typer.Option(
+        help="Deployment name (SSM paths, EMF dimension).", envvar="TURNKV_DEPLOYMENT")] = None,
+    ssm: Annotated[bool | None, typer.Option(
+        "--ssm/--no-ssm", help="Re-read tunables from SSM every params_refresh s [on with --discovery cloudmap].")
+    ] = None,
+    side_channel_host: Annotated[list[str] | None, typer.Option(
+        help="Extra NIXL side-channel address a replayed remote_host may name (repeatable).")] = None,
+    policy: Annotated[str | None, typer.Option(help="Engine choice: least_load or round_robin.")] = None,
+    emf: Annotated[bool | None, typer.Option("--emf/--no-emf", help="One EMF log line per request [on].")] = None,
     tunable: Annotated[list[str] | None, typer.Option(
         "--set", help="Override a tunable, NAME=VALUE (see `turnkv params list`); repeatable.")] = None,
 ) -> None:
     """Serve OpenAI-compatible /v1/chat/completions and /v1/completions over prefill + decode engines."""
+    from router import config as router_config
     from router.app import serve as run
-    from router.config import RouterConfig
 
     changes: dict[str, str] = {}
     for item in tunable or []:
@@ -31,9 +56,18 @@ def serve(
             raise typer.BadParameter(f"{item!r}: expected NAME=VALUE", param_hint="--set")
         changes[name.strip()] = value
     try:
-        values = params.validate(changes)
-        config = RouterConfig(prefill=prefill, decode=decode, host=host, port=port, tunables=values)
-    except ValueError as exc:
+        file_values = router_config.load_file(config_file) if config_file else {}
+        flags = dict(prefill=prefill, decode=decode, host=host, port=port, mode=mode, discovery=discovery,
+                     namespace=namespace, service=service, region=region, aws_endpoint_url=aws_endpoint_url,
+                     store=store, api_keys_file=api_keys_file, deployment=deployment, ssm=ssm,
+                     side_channel_hosts=side_channel_host, policy=policy, emf=emf)
+        if key_secret_file:
+            flags["key_secret"] = key_secret_file.read_text().strip().encode()
+        merged_discovery = flags["discovery"] or file_values.get("discovery")
+        if flags["ssm"] is None and "ssm" not in file_values and merged_discovery == "cloudmap":
+            flags["ssm"] = True
+        config = router_config.build(file_values, flags, changes)
+    except (ValueError, OSError) as exc:
         typer.echo(f"turnkv router: {exc}", err=True)
         raise typer.Exit(2) from None
     run(config)

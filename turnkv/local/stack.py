@@ -51,6 +51,15 @@ class StackConfig:
     #: Extra ``vllm serve`` flags for every engine (tests use --trust-request-chat-template).
     engine_extra_args: tuple[str, ...] = ()
     startup_timeout: float = 240.0
+    #: Engines per role (ports prefill_port + i, decode_port + i; side channels after the first two).
+    prefill_engines: int = 1
+    decode_engines: int = 1
+    #: Extra `turnkv router serve` arguments (--store, --api-keys-file, --mode, ...).
+    router_args: tuple[str, ...] = ()
+    #: Connector class instead of the mode's (upstream "NixlPushConnector" for plain push); bidirectional off.
+    connector: str | None = None
+    #: Router flags carry each prefill engine's identity (engine_id, side channel) for concurrent push.
+    router_identity: bool = False
     model_spec: model_maker.ModelSpec = field(default_factory=model_maker.ModelSpec)
 
     @property
@@ -134,21 +143,42 @@ def plan(config: StackConfig) -> list[ProcessSpec]:
     common = dict(model=str(config.model_dir.resolve()), served_model_name=SERVED_MODEL_NAME, mode=config.mode,
                   enforce_eager=True, tunables=engine_tunables, dtype=config.model_spec.dtype,
                   max_model_len=config.model_spec.max_position_embeddings, extra_args=config.engine_extra_args)
-    prefill = EngineSpec(role=Role.PREFILL, engine_id="prefill-0", port=config.prefill_port,
-                         side_channel_port=config.side_channel_base, prefix_caching=config.prefill_prefix_caching,
-                         **common)
-    decode = EngineSpec(role=Role.DECODE, engine_id="decode-0", port=config.decode_port,
-                        side_channel_port=config.side_channel_base + 1, prefix_caching=True, **common)
-    procs = [_engine_process(config, prefill, prefill_core), _engine_process(config, decode, decode_core)]
+    if config.best_case and config.prefill_engines > 1:
+        raise StackError("best_case uses prefill_port + 1: run it with one prefill engine")
+    if config.connector:
+        common["connector"] = config.connector
+        common["bidirectional"] = False
+    prefills = [EngineSpec(role=Role.PREFILL, engine_id=f"prefill-{i}", port=config.prefill_port + i,
+                           side_channel_port=config.side_channel_base + (0 if i == 0 else 2 + 2 * i),
+                           prefix_caching=config.prefill_prefix_caching, **common)
+                for i in range(config.prefill_engines)]
+    decodes = [EngineSpec(role=Role.DECODE, engine_id=f"decode-{i}", port=config.decode_port + i,
+                          side_channel_port=config.side_channel_base + (1 if i == 0 else 3 + 2 * i),
+                          prefix_caching=True, **common)
+               for i in range(config.decode_engines)]
+    procs = [_engine_process(config, spec, prefill_core) for spec in prefills]
+    procs += [_engine_process(config, spec, decode_core) for spec in decodes]
     if config.best_case:
         cached = EngineSpec(role=Role.PREFILL, engine_id="prefill-cached", port=config.best_prefill_port,
                             side_channel_port=config.side_channel_base + 2, prefix_caching=True, **common)
         procs.append(_engine_process(config, cached, prefill_core))
-    procs.append(_router_process(config, "router", config.router_port, [procs[0].url], [procs[1].url],
-                                 router_tunables))
+
+    def prefill_url(spec: EngineSpec) -> str:
+        url = f"http://127.0.0.1:{spec.port}"
+        if config.router_identity:
+            url += f"?engine_id={spec.engine_id}&side_channel_port={spec.side_channel_port}"
+        return url
+
+    prefill_urls = [prefill_url(spec) for spec in prefills]
+    decode_urls = [f"http://127.0.0.1:{spec.port}" for spec in decodes]
+    router = _router_process(config, "router", config.router_port, prefill_urls, decode_urls, router_tunables)
+    router.argv += list(config.router_args)
+    if config.mode is Mode.PUSH or config.connector == "NixlPushConnector":
+        router.argv += ["--mode", "push"]
+    procs.append(router)
     if config.best_case:
-        procs.append(_router_process(config, "router-best", config.best_router_port, [procs[2].url],
-                                     [procs[1].url], router_tunables))
+        procs.append(_router_process(config, "router-best", config.best_router_port,
+                                     [f"http://127.0.0.1:{config.best_prefill_port}"], decode_urls, router_tunables))
     return procs
 
 

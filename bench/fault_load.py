@@ -1,0 +1,275 @@
+"""Fault and load: many multi-turn conversations through the router for minutes while engines are killed
+and restarted. Reports client-visible errors, reuse outcomes (lost reuse), wrong reuse, and the router's
+memory over time.
+
+- ``--engines fake`` (default): bench.fake_engine processes, one per engine, so they can be killed. A
+  fake decode writes its request id into its reply and a fake prefill checks that the history it is
+  asked to pull for contains that reply: any cross-conversation or stale replay counts as wrong reuse.
+- ``--engines real``: vLLM CPU engines of the local stack (2 prefill + 2 decode); wrong reuse is checked
+  by replaying a sample of turns with reuse off and comparing token ids (greedy decoding).
+
+Run: ``python -m bench.fault_load --duration 120 --conversations 64`` (ports 28300+).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class EngineProc:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log: Path) -> None:
+        self.name, self.argv, self.env, self.port, self.log = name, argv, env, port, log
+        self.p: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.p = subprocess.Popen(self.argv, env={**os.environ, **self.env}, stdout=out, stderr=subprocess.STDOUT,
+                                      start_new_session=True, cwd=ROOT)
+
+    def kill(self) -> None:
+        if self.p and self.p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.p.pid, signal.SIGKILL)
+            self.p.wait(10)
+
+    @property
+    def alive(self) -> bool:
+        return self.p is not None and self.p.poll() is None
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        import psutil
+
+        return psutil.Process(pid).memory_info().rss / 2**20
+    except Exception:
+        return float("nan")
+
+
+async def wait_http(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                async with s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} not up after {timeout} s")
+
+
+async def conversation(session, url, idx, args, stats: Counter, outcomes: Counter, checks: list, stop: float):
+    rng = random.Random(idx)
+    conv = f"fl-{idx}-{uuid.uuid4().hex[:6]}"
+    messages = [{"role": "user", "content": " ".join(rng.choice("abcdefgh") * 3 for _ in range(args.words))}]
+    turn = 0
+    while time.monotonic() < stop:
+        body = {"model": "tiny", "messages": messages, "max_tokens": args.max_tokens, "temperature": 0,
+                "stream": rng.random() < 0.5, "conversation_id": conv, "return_token_ids": True}
+        text, error = "", None
+        try:
+            async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                if resp.status != 200:
+                    error = f"http_{resp.status}"
+                    await resp.read()
+                elif body["stream"]:
+                    async for line in resp.content:
+                        if line.startswith(b"data: {"):
+                            event = json.loads(line[6:])
+                            if "error" in event:
+                                error = "stream_error_event"
+                            for c in event.get("choices", []):
+                                text += c["delta"].get("content") or ""
+                else:
+                    data = await resp.json()
+                    text = data["choices"][0]["message"]["content"]
+                outcome = resp.headers.get("X-TurnKV-Reuse-Outcome", "?")
+        except Exception as exc:
+            error, outcome = type(exc).__name__, "?"
+        stats["requests"] += 1
+        if error:
+            stats["errors"] += 1
+            stats[f"error:{error}"] += 1
+            messages = messages[:1]  # start the conversation over
+            turn = 0
+            continue
+        outcomes[f"turn{'1' if turn == 0 else 'N'}:{outcome}"] += 1
+        if args.engines == "real" and turn and rng.random() < args.check_fraction:
+            checks.append((list(messages), body["stream"], text))
+        messages = [*messages, {"role": "assistant", "content": text},
+                    {"role": "user", "content": " ".join(rng.choice("ijklmnop") * 2 for _ in range(20))}]
+        turn += 1
+        if turn >= args.turns:
+            messages, turn = messages[:1], 0
+        await asyncio.sleep(rng.random() * args.think)
+
+
+async def chaos(engines: list[EngineProc], args, log: list, stop: float) -> None:
+    rng = random.Random(7)
+    while time.monotonic() < stop - args.restart_after:
+        await asyncio.sleep(args.kill_every)
+        victim = rng.choice(engines)
+        if not victim.alive:
+            continue
+        victim.kill()
+        log.append((round(time.monotonic(), 1), "kill", victim.name))
+        await asyncio.sleep(args.restart_after)
+        victim.start()
+        log.append((round(time.monotonic(), 1), "restart", victim.name))
+        with contextlib.suppress(RuntimeError):  # one engine down at a time: wait until it is back
+            await wait_http(f"http://127.0.0.1:{victim.port}/health", max(5.0, stop - time.monotonic()))
+            log.append((round(time.monotonic(), 1), "healthy", victim.name))
+
+
+async def verify(url: str, checks: list, limit: int) -> Counter:
+    """Real engines: replay sampled turns with reuse off; a reuse that changed the answer is wrong reuse."""
+    result: Counter = Counter()
+    async with aiohttp.ClientSession() as s:
+        for messages, _stream, text in checks[:limit]:
+            body = {"model": "tiny", "messages": messages, "max_tokens": 16, "temperature": 0}
+            async with s.post(url + "/v1/chat/completions", json=body, headers={"X-TurnKV-Reuse": "off"}) as r:
+                if r.status != 200:
+                    result["unverifiable"] += 1
+                    continue
+                same = (await r.json())["choices"][0]["message"]["content"] == text
+                result["same" if same else "wrong_reuse"] += 1
+    return result
+
+
+async def main(args) -> dict:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    base = args.port_base
+    env = {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    engines: list[EngineProc] = []
+    supervisor = None
+    if args.engines == "fake":
+        for role, off in (("prefill", 100), ("decode", 200)):
+            for i in range(2):
+                port = base + off + i
+                engines.append(EngineProc(f"{role}-{i}", [py, "-m", "bench.fake_engine", "--port", str(port)], env,
+                                          port, out / f"{role}-{i}.log"))
+        for e in engines:
+            e.start()
+        prefill = [f"http://127.0.0.1:{e.port}" for e in engines if e.name.startswith("prefill")]
+        decode = [f"http://127.0.0.1:{e.port}" for e in engines if e.name.startswith("decode")]
+        for e in engines:
+            await wait_http(f"http://127.0.0.1:{e.port}/health", 30)
+    else:
+        from turnkv.local.stack import StackConfig, Supervisor, plan
+
+        config = StackConfig(state_dir=out / "stack", router_port=base + 50, prefill_port=base + 100,
+                             decode_port=base + 200, side_channel_base=25650, prefill_engines=2, decode_engines=2,
+                             kv_cache_gib=1, tunables={"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45})
+        supervisor = Supervisor(config.state_dir)
+        supervisor.down()
+        state = supervisor.up(config)
+        specs = {p.name: p for p in plan(config)}
+        for name, comp in state["components"].items():
+            if comp["kind"] == "engine":
+                proc = EngineProc(name, specs[name].argv, specs[name].env, comp["port"], specs[name].log)
+                proc.p = type("P", (), {"pid": comp["pgid"], "poll": lambda self: None,
+                                        "wait": lambda self, t=None: None})()
+                engines.append(proc)
+        prefill = [state["components"][n]["url"] for n in state["components"] if n.startswith("prefill")]
+        decode = [state["components"][n]["url"] for n in state["components"] if n.startswith("decode")]
+    router_port = base
+    router = subprocess.Popen([py, "-m", "turnkv.cli", "router", "serve", "--port", str(router_port),
+                               *[a for u in prefill for a in ("--prefill", u)],
+                               *[a for u in decode for a in ("--decode", u)],
+                               "--set", "health_interval=1", "--set", "first_token_timeout=30",
+                               "--set", "prefill_timeout=30", "--no-emf"],
+                              env={**os.environ, **env}, stdout=open(out / "router.log", "wb"),  # noqa: SIM115
+                              stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+    url = f"http://127.0.0.1:{router_port}"
+    stats: Counter = Counter()
+    outcomes: Counter = Counter()
+    checks: list = []
+    events: list = []
+    memory: list[float] = []
+    try:
+        await wait_http(url + "/ready", 60)
+        t0 = time.monotonic()
+        stop = t0 + args.duration
+
+        async def sample_memory() -> None:
+            while time.monotonic() < stop:
+                memory.append(round(rss_mb(router.pid), 1))
+                await asyncio.sleep(5)
+
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+            await asyncio.gather(
+                *(conversation(session, url, i, args, stats, outcomes, checks, stop)
+                  for i in range(args.conversations)),
+                chaos(engines, args, events, stop), sample_memory())
+        verified = await verify(url, checks, args.check_limit) if checks else Counter()
+        elapsed = time.monotonic() - t0
+        fake_stats = {}
+        if args.engines == "fake":
+            async with aiohttp.ClientSession() as s:
+                for e in engines:
+                    with contextlib.suppress(Exception):
+                        async with s.get(f"http://127.0.0.1:{e.port}/stats") as r:
+                            fake_stats[e.name] = await r.json()
+        report = {
+            "engines": args.engines, "duration_s": round(elapsed, 1), "conversations": args.conversations,
+            "requests": stats["requests"], "requests_per_s": round(stats["requests"] / elapsed, 1),
+            "client_errors": stats["errors"], "errors_by_kind": {k[6:]: v for k, v in stats.items()
+                                                                 if k.startswith("error:")},
+            "outcomes": dict(outcomes),
+            "wrong_reuse": (sum(s.get("wrong_reuse", 0) for s in fake_stats.values()) if args.engines == "fake"
+                            else verified.get("wrong_reuse", 0)),
+            "verified": dict(verified), "faults": events, "router_rss_mb": memory,
+            "engine_stats_since_last_restart": fake_stats,
+        }
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(router.pid, signal.SIGTERM)
+        router.wait(10)
+        for e in engines:  # restarted engines are ours, not the supervisor's
+            e.kill()
+        if supervisor is not None:
+            supervisor.down()
+    (out / "fault_load.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if k != "engine_stats_since_last_restart"}, indent=2))
+    return report
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--engines", choices=("fake", "real"), default="fake")
+    p.add_argument("--duration", type=float, default=120)
+    p.add_argument("--conversations", type=int, default=64)
+    p.add_argument("--turns", type=int, default=8, help="turns before a conversation starts over")
+    p.add_argument("--words", type=int, default=200)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--think", type=float, default=0.2, help="max seconds between turns")
+    p.add_argument("--kill-every", type=float, default=10)
+    p.add_argument("--restart-after", type=float, default=5)
+    p.add_argument("--check-fraction", type=float, default=0.1, help="real engines: turns re-run with reuse off")
+    p.add_argument("--check-limit", type=int, default=50)
+    p.add_argument("--port-base", type=int, default=28300)
+    p.add_argument("--out", default="results/fault-load")
+    return p
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parser().parse_args()))

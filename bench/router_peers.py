@@ -1,0 +1,281 @@
+"""The router side by side with its peers, on the project's fake engine (answers instantly), in one run.
+
+Targets (each over the same fake prefill + decode engines, loopback only):
+- ``direct``: the client talks to the decode engine itself (one leg, no router): the floor;
+- ``turnkv``: ``turnkv router serve`` (this repository, default settings, in-memory store);
+- ``vllm-router``: the Rust router from PyPI (``vllm-router==0.1.17 --vllm-pd-disaggregation``);
+- ``fastapi``: a plain FastAPI + httpx proxy like vLLM's example (``bench/fastapi_proxy.py``).
+
+For each, streamed chat requests at concurrency 1, 32 and 128 (bounded request counts): requests/s,
+TTFT p50/p99 (client side, to the first content event) and the router's RSS. All targets run at
+once and are measured in interleaved rounds (median requests/s; TTFT percentiles over all rounds), so
+that a busy shared machine disturbs every target alike. Every turnkv request
+carries a fresh conversation id, so the store is written on every request (the real hot path).
+``--memory`` also measures the RSS of a MemoryStore holding N conversations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = [{"role": "system", "content": "You are a careful agent. " * 20},
+          {"role": "user", "content": "Summarise the tool output below. " + "data " * 150}]
+
+
+@dataclass
+class Row:
+    target: str
+    concurrency: int
+    requests: int
+    errors: int
+    rps: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    rss_mb: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _wait_http(url: str, timeout: float = 30) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception), urllib.request.urlopen(url, timeout=1) as r:
+            if r.status == 200:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+class Proc:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, log: Path | None = None):
+        self.name = name
+        out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
+        self.p = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True, cwd=ROOT)
+
+    def rss_mb(self) -> float | None:
+        try:
+            import psutil
+
+            proc = psutil.Process(self.p.pid)
+            return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]) / 2**20
+        except Exception:
+            return None
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.p.pid, signal.SIGTERM)
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait(5)
+
+
+async def _one(session: aiohttp.ClientSession, url: str, ttfts: list[float], conv: bool) -> bool:
+    body = {"model": "tiny", "messages": PROMPT, "max_tokens": 16, "stream": True, "temperature": 0}
+    if conv:
+        body["conversation_id"] = uuid.uuid4().hex
+    t0 = time.perf_counter()
+    async with session.post(url, data=orjson.dumps(body), headers={"Content-Type": "application/json"}) as resp:
+        if resp.status != 200:
+            await resp.read()
+            return False
+        first = True
+        async for line in resp.content:
+            if first and line.startswith(b"data: ") and b'"content"' in line:
+                ttfts.append(time.perf_counter() - t0)
+                first = False
+        return not first
+
+
+async def load(url: str, concurrency: int, total: int, conv: bool) -> tuple[int, int, float, list[float]]:
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    ttfts: list[float] = []
+    errors = 0
+    todo = iter(range(total))
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async def worker() -> None:
+            nonlocal errors
+            for _ in todo:
+                try:
+                    ok = await _one(session, url, ttfts, conv)
+                except Exception:
+                    ok = False
+                errors += not ok
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - t0
+    return total, errors, elapsed, ttfts
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] * 1000
+
+
+def measure_store_memory(n: int, blocks: int = 32) -> dict:
+    """RSS of a MemoryStore holding n conversations (run in a fresh interpreter for a clean baseline)."""
+    code = f"""
+import asyncio, gc, os, time, psutil
+from router.guard import History
+from router.state import Entry
+from router.state.memory import MemoryStore
+p = psutil.Process()
+gc.collect(); before = p.memory_info().rss
+store = MemoryStore({n})
+params = lambda i: {{"do_remote_prefill": False, "do_remote_decode": True,
+          "remote_block_ids": [list(range(i, i + {blocks}))], "remote_engine_id": "decode-3",
+          "remote_request_id": "chatcmpl-%032x" % i, "remote_host": "10.0.12.34",
+          "remote_port": 5600, "tp_size": 8, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 4000 + i % 1000,
+          "remote_blocks_expiry_time": 1.8e9 + i, "transfer_mode": "pull"}}
+async def fill():
+    for i in range({n}):
+        await store.put("%064x" % i, Entry(params(i), History("chat", "%040x" % 7, "%040x" % i, 12), 1.8e9, "decode-3"))
+t = time.perf_counter(); asyncio.run(fill()); fill_s = time.perf_counter() - t
+gc.collect(); after = p.memory_info().rss
+async def take():
+    t = time.perf_counter()
+    for i in range(0, {n}, 97):
+        assert await store.take("%064x" % i) is not None
+    return (time.perf_counter() - t) / len(range(0, {n}, 97))
+take_s = asyncio.run(take())
+print(len(store), before, after, fill_s, take_s)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True).stdout.split()
+    held, before, after, fill_s, take_s = int(out[0]), int(out[1]), int(out[2]), float(out[3]), float(out[4])
+    return {"conversations": n, "block_ids_per_entry": blocks, "rss_mb": round(after / 2**20, 1),
+            "added_mb": round((after - before) / 2**20, 1), "bytes_per_conversation": round((after - before) / n),
+            "put_us": round(fill_s / n * 1e6, 2), "take_us": round(take_s * 1e6, 2), "held": held}
+
+
+def run(args: argparse.Namespace) -> dict:
+    base = args.port_base
+    p_port, d_port = base + 100, base + 200
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    py = sys.executable
+    env = {"PYTHONPATH": str(ROOT)}
+    targets = {
+        "direct": (None, f"http://127.0.0.1:{d_port}"),
+        "turnkv": ([py, "-m", "turnkv.cli", "router", "serve", "--port", str(base), "--prefill",
+                    f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}",
+                    *(["--no-emf"] if args.no_emf else [])], f"http://127.0.0.1:{base}"),
+        "vllm-router": ([shutil.which("vllm-router") or str(Path(py).with_name("vllm-router")),
+                         "--vllm-pd-disaggregation", "--prefill", f"http://127.0.0.1:{p_port}", "--decode",
+                         f"http://127.0.0.1:{d_port}", "--host", "127.0.0.1", "--port", str(base + 1),
+                         "--log-level", "warning"], f"http://127.0.0.1:{base + 1}"),
+        "fastapi": ([py, "-m", "uvicorn", "bench.fastapi_proxy:app", "--host", "127.0.0.1", "--port", str(base + 2),
+                     "--log-level", "warning", "--no-access-log"], f"http://127.0.0.1:{base + 2}"),
+    }
+    chosen = [t for t in args.targets.split(",") if t]
+    engines = Proc("fake-engines", [py, "-m", "bench.fake_engine", "--port", str(p_port), "--port", str(d_port)],
+                   env, out / "fake_engines.log")
+    procs: dict[str, Proc] = {}
+    rows: list[Row] = []
+    try:
+        _wait_http(f"http://127.0.0.1:{d_port}/health")
+        for name in chosen:  # every target runs at once (idle when not measured): rounds interleave them
+            argv = targets[name][0]
+            if argv:
+                procs[name] = Proc(name, argv, {**env, "PREFILL": f"http://127.0.0.1:{p_port}",
+                                                "DECODE": f"http://127.0.0.1:{d_port}"}, out / f"{name}.log")
+        for name in chosen:
+            _wait_http(targets[name][1] + "/health")
+            asyncio.run(load(targets[name][1] + "/v1/chat/completions", 32, args.warmup, name == "turnkv"))
+        for c in (int(x) for x in args.concurrency.split(",")):
+            total = args.requests_c1 if c == 1 else args.requests
+            results: dict[str, list[tuple[int, int, float, list[float]]]] = {n: [] for n in chosen}
+            for r in range(args.rounds):
+                order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
+                for name in order:
+                    endpoint = targets[name][1] + "/v1/chat/completions"
+                    results[name].append(asyncio.run(load(endpoint, c, total, name == "turnkv")))
+            for name in chosen:
+                runs = results[name]
+                rps = sorted(n / elapsed for n, _, elapsed, _ in runs)[len(runs) // 2]
+                ttfts = [t for *_, ts in runs for t in ts]
+                proc = procs.get(name)
+                rss = proc.rss_mb() if proc else None
+                row = Row(name, c, sum(n for n, *_ in runs), sum(e for _, e, *_ in runs), round(rps, 1),
+                          round(pct(ttfts, 0.5), 3), round(pct(ttfts, 0.99), 3),
+                          round(rss, 1) if rss is not None else None,
+                          {"rps_per_round": [round(n / el, 1) for n, _, el, _ in runs]})
+                rows.append(row)
+                print(f"{name:12s} c={c:<4d} {row.rps:8.1f} req/s  TTFT p50 {row.ttft_p50_ms:7.2f} ms  "
+                      f"p99 {row.ttft_p99_ms:7.2f} ms  errors {row.errors}  rss {row.rss_mb} MB  "
+                      f"rounds {row.extra['rps_per_round']}", flush=True)
+    finally:
+        for proc in procs.values():
+            proc.stop()
+        engines.stop()
+    summary: dict = {"rows": [asdict(r) for r in rows], "cpus": os.cpu_count(), "rounds": args.rounds,
+                     "requests": args.requests, "requests_c1": args.requests_c1}
+    if args.memory:
+        summary["memory"] = measure_store_memory(args.memory)
+        print(f"MemoryStore with {args.memory:,} conversations: {summary['memory']}", flush=True)
+    (out / "peers.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    (out / "peers.md").write_text(markdown(summary))
+    print(markdown(summary))
+    return summary
+
+
+def markdown(summary: dict) -> str:
+    rows = [Row(**r) for r in summary["rows"]]
+    direct = {r.concurrency: r for r in rows if r.target == "direct"}
+    lines = ["| target | concurrency | requests/s | TTFT p50 ms | TTFT p99 ms | added TTFT p50 ms | errors | RSS MB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        added = r.ttft_p50_ms - direct[r.concurrency].ttft_p50_ms if r.concurrency in direct else float("nan")
+        lines.append(f"| {r.target} | {r.concurrency} | {r.rps:.0f} | {r.ttft_p50_ms:.2f} | {r.ttft_p99_ms:.2f} | "
+                     f"{added:.2f} | {r.errors} | {r.rss_mb if r.rss_mb is not None else '-'} |")
+    if "memory" in summary:
+        m = summary["memory"]
+        lines.append("")
+        lines.append(f"MemoryStore with {m['conversations']:,} conversations ({m['block_ids_per_entry']} block ids "
+                     f"each): RSS {m['rss_mb']} MB ({m['bytes_per_conversation']} bytes per conversation), put "
+                     f"{m['put_us']} us, take {m['take_us']} us.")
+    return "\n".join(lines) + "\n"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--targets", default="direct,turnkv,vllm-router,fastapi")
+    p.add_argument("--concurrency", default="1,32,128")
+    p.add_argument("--requests", type=int, default=3000, help="requests per concurrency level (32, 128)")
+    p.add_argument("--requests-c1", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per level (median requests/s)")
+    p.add_argument("--port-base", type=int, default=28000)
+    p.add_argument("--memory", type=int, default=0, help="also measure a MemoryStore with this many conversations")
+    p.add_argument("--no-emf", action="store_true", help="turnkv without its per-request EMF line")
+    p.add_argument("--out", default="results/router-peers")
+    return p
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+    run(parser().parse_args())

@@ -1,0 +1,59 @@
+"""Engine choice policies: small pluggable units, as in the Rust vllm-router (pure, no I/O).
+
+A policy gets the healthy candidates of one role and returns one. ``LeastLoad`` is the default:
+load = outstanding requests + outstanding prompt tokens / ``tokens_per_request``, divided by the
+engine's slow-start weight; ties go round-robin. Decode affinity keeps a conversation on the
+engine that holds its blocks unless that engine is ``affinity_slack`` requests busier than the best.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from router.engines import Engine
+
+
+class ChoicePolicy(Protocol):
+    def choose(self, candidates: Sequence[Engine], *, now: float, preferred: Engine | None,
+               tunables: Mapping[str, float], tokens: int) -> Engine: ...
+
+
+def load(engine: Engine, now: float, tunables: Mapping[str, float]) -> float:
+    per_request = float(tunables.get("tokens_per_request", 2048)) or 1.0
+    busy = engine.outstanding + engine.outstanding_tokens / per_request
+    return (busy + 1.0) / engine.weight(now, float(tunables.get("slow_start", 30)))
+
+
+class LeastLoad:
+    """Least outstanding requests and tokens, slow-start aware, with decode affinity."""
+
+    def __init__(self) -> None:
+        self._tick = itertools.count()
+
+    def choose(self, candidates: Sequence[Engine], *, now: float, preferred: Engine | None = None,
+               tunables: Mapping[str, float] | None = None, tokens: int = 0) -> Engine:
+        tunables = tunables or {}
+        scores = [load(e, now, tunables) for e in candidates]
+        best = min(scores)
+        slack = float(tunables.get("affinity_slack", 4))
+        if preferred is not None and preferred in candidates and load(preferred, now, tunables) - best <= slack:
+            return preferred
+        ties = [e for e, s in zip(candidates, scores, strict=True) if s - best < 1e-9]
+        return ties[next(self._tick) % len(ties)]
+
+
+class RoundRobin:
+    """Every healthy engine in turn, ignoring load (for comparison and tests)."""
+
+    def __init__(self) -> None:
+        self._tick = itertools.count()
+
+    def choose(self, candidates: Sequence[Engine], *, now: float, preferred: Engine | None = None,
+               tunables: Mapping[str, float] | None = None, tokens: int = 0) -> Engine:
+        return candidates[next(self._tick) % len(candidates)]
+
+
+POLICIES = {"least_load": LeastLoad, "round_robin": RoundRobin}

@@ -1,0 +1,313 @@
+"""The router's flow over fake engines: reuse, isolation, failover, push, keepalive, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+
+from router.app import FLOW, METRICS
+from router.auth import ApiKeys, parse_keys
+from router.guard import History
+from router.state import Entry
+from router.state.memory import MemoryStore
+from tests.router.conftest import engines, router_over
+
+MSGS = [{"role": "user", "content": "hello " * 200}]
+
+
+async def chat(session, messages=MSGS, conversation="c1", stream=False, headers=None, **extra):
+    body = {"model": "tiny", "messages": messages, "max_tokens": 4, "stream": stream, **extra}
+    if conversation:
+        body["conversation_id"] = conversation
+    async with session.post("/v1/chat/completions", json=body, headers=headers or {}) as resp:
+        raw = await resp.read()
+        out = {"status": resp.status, "headers": dict(resp.headers), "raw": raw}
+        if stream and resp.status == 200:
+            text, events, comments = "", [], []
+            for line in raw.split(b"\n"):
+                if line.startswith(b": "):
+                    comments.append(line.decode())
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    ev = orjson.loads(line[6:])
+                    events.append(ev)
+                    for c in ev.get("choices", []):
+                        text += c["delta"].get("content") or ""
+            out.update(text=text, events=events, comments=comments)
+        elif resp.status == 200:
+            out["text"] = orjson.loads(raw)["choices"][0]["message"]["content"]
+        else:
+            out["error"] = orjson.loads(raw)
+        return out
+
+
+def next_turn(messages, reply_text):
+    return [*messages, {"role": "assistant", "content": reply_text}, {"role": "user", "content": "more"}]
+
+
+async def test_second_turn_reuses_and_params_never_reach_the_client():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d) as (s, _):
+        for stream in (False, True):
+            conv = f"conv-{stream}"
+            first = await chat(s, conversation=conv, stream=stream)
+            assert first["status"] == 200 and first["headers"]["X-TurnKV-Reuse-Outcome"] == "miss"
+            assert b"kv_transfer_params" not in first["raw"]
+            second = await chat(s, next_turn(MSGS, first["text"]), conversation=conv, stream=stream)
+            assert second["headers"]["X-TurnKV-Reuse-Outcome"] == "hit"
+            assert int(second["headers"]["X-TurnKV-Reused-Tokens"]) > 100
+            # prefill got decode's stored params verbatim (allowlisted)
+            assert p[0].seen_params[-1]["remote_engine_id"] == "decode-0"
+            # single use: replaying the same turn again is a miss
+            again = await chat(s, next_turn(MSGS, first["text"]), conversation=conv, stream=stream)
+            assert again["headers"]["X-TurnKV-Reuse-Outcome"] in ("miss", "mismatch")
+        assert p[0].stats["wrong_reuse"] == 0 and p[0].stats["pulled"] > 200
+
+
+async def test_tenants_are_isolated_and_bad_keys_get_401():
+    keys = ApiKeys(parse_keys('{"tenants": {"acme": "acme-key-123", "globex": "globex-key-456"}}'))
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d, keys=keys) as (s, _):
+        acme = {"Authorization": "Bearer acme-key-123"}
+        globex = {"Authorization": "Bearer globex-key-456"}
+        first = await chat(s, conversation="same", headers=acme)
+        assert first["status"] == 200
+        other = await chat(s, next_turn(MSGS, first["text"]), conversation="same", headers=globex)
+        assert other["headers"]["X-TurnKV-Reuse-Outcome"] == "miss"  # never acme's entry
+        own = await chat(s, next_turn(MSGS, first["text"]), conversation="same", headers=acme)
+        assert own["headers"]["X-TurnKV-Reuse-Outcome"] == "hit"
+        bad = await chat(s, headers={"Authorization": "Bearer nope-nope-nope"})
+        assert bad["status"] == 401 and "unknown API key" in bad["error"]["error"]["message"]
+        assert (await chat(s))["status"] == 401
+        # the router's key is not forwarded to the engines
+        assert all("Authorization" not in str(x) for x in d[0].seen_params)
+
+
+async def test_forged_client_params_are_stripped():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    forged = {"do_remote_prefill": True, "remote_engine_id": "decode-0", "remote_block_ids": [[1]],
+              "remote_host": "10.9.9.9", "remote_port": 1, "remote_num_tokens": 4000}
+    async with router_over(p, d) as (s, _):
+        reply = await chat(s, kv_transfer_params=forged)
+        assert reply["status"] == 200 and reply["headers"]["X-TurnKV-Reused-Tokens"] == "0"
+        assert p[0].seen_params[-1]["remote_host"] is None and p[0].seen_params[-1]["remote_block_ids"] is None
+
+
+async def test_stored_params_naming_an_unknown_host_are_refused():
+    store = MemoryStore(100)
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d, store=store) as (s, _):
+        first = await chat(s, conversation="x")
+        [key] = store.conversation_keys()
+        entry = store.peek(key)
+        bad = Entry({**entry.params, "remote_host": "10.9.9.9"}, entry.history, entry.expires_at, entry.decode_engine)
+        await store.put(key, bad)
+        second = await chat(s, next_turn(MSGS, first["text"]), conversation="x")
+        assert second["headers"]["X-TurnKV-Reuse-Outcome"] == "refused"
+        assert p[0].seen_params[-1]["remote_host"] is None
+
+
+async def test_prefill_failure_is_retried_on_another_engine():
+    p, d = engines(2, "prefill"), engines(1, "decode")
+    p[0].fault = {"status": 500}
+    async with router_over(p, d, policy="round_robin") as (s, app):
+        for _ in range(3):
+            assert (await chat(s, conversation=None))["status"] == 200
+        assert p[1].stats["prefill"] == 3
+        assert app[FLOW].pool.prefill[0].healthy is False  # ejected after the failure
+        metrics = app[METRICS].registry.get_sample_value("turnkv_router_retries_total",
+                                                         {"leg": "prefill", "reason": "http_500"})
+        assert metrics == 1
+
+
+async def test_dead_prefill_engine_is_skipped():
+    p, d = engines(2, "prefill"), engines(1, "decode")
+    dead = p.pop(0)
+    async with router_over([dead, *p], d) as (s, _):
+        pass  # start both, then stop the first for real
+    async with router_over(p, d) as (s, app):
+        app[FLOW].pool.prefill.insert(0, type(app[FLOW].pool.prefill[0])(f"http://127.0.0.1:{dead.port}", "prefill"))
+        app[FLOW].pool.prefill[1].outstanding = 5  # make the dead one the first choice
+        assert (await chat(s, conversation=None))["status"] == 200
+
+
+async def test_decode_failure_before_first_token_is_retried_elsewhere():
+    p, d = engines(1, "prefill"), engines(2, "decode")
+    d[0].fault = {"status": 503}
+    async with router_over(p, d, policy="round_robin") as (s, _):
+        for stream in (False, True, False, True):
+            r = await chat(s, conversation=None, stream=stream)
+            assert r["status"] == 200 and r["text"]
+        assert d[1].stats["decode"] == 4
+
+
+async def test_decode_hang_before_first_token_times_out_and_retries():
+    p, d = engines(1, "prefill"), engines(2, "decode")
+    d[0].fault = {"hang": True}
+    async with router_over(p, d, tunables={"first_token_timeout": 1}) as (s, app):
+        app[FLOW].pool.decode[1].outstanding = 5  # the hanging engine goes first
+        r = await chat(s, conversation=None, stream=True)
+        app[FLOW].pool.decode[1].outstanding = 0
+        assert d[0].stats["requests"] == 1
+        assert r["status"] == 200 and r["text"]
+
+
+async def test_decode_dying_mid_stream_ends_with_an_error_event():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    d[0].fault = {"die_after_first": True}
+    async with router_over(p, d) as (s, _):
+        r = await chat(s, conversation=None, stream=True)
+        assert r["status"] == 200
+        assert r["events"][-1]["error"]["type"] == "upstream_error" and r["raw"].endswith(b"data: [DONE]\n\n")
+
+
+async def test_failed_reuse_pull_is_retried_without_reuse():
+    p, d = engines(2, "prefill"), engines(1, "decode")
+    async with router_over(p, d, policy="round_robin") as (s, _):
+        first = await chat(s, conversation="pf")
+        for e in p:
+            e.fault = {"status": 500}
+        p[1].fault = {}
+        # whichever prefill gets the replay, a failure drops reuse on the retry
+        second = await chat(s, next_turn(MSGS, first["text"]), conversation="pf")
+        assert second["status"] == 200
+        assert second["headers"]["X-TurnKV-Reuse-Outcome"] in ("hit", "recompute")
+        if second["headers"]["X-TurnKV-Reuse-Outcome"] == "recompute":
+            assert p[1].seen_params[-1]["remote_block_ids"] is None
+
+
+async def test_client_disconnect_aborts_both_legs():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d) as (s, _):
+        d[0].fault = {"token_delay": 0.2}
+        body = {"model": "tiny", "messages": MSGS, "max_tokens": 50, "stream": True}
+        async with s.post("/v1/chat/completions", json=body) as resp:
+            await resp.content.readline()
+        await asyncio.sleep(0.5)
+        assert d[0].stats["aborted"] == 1 and d[0].stats["running"] == 0
+        p[0].fault = {"hang": True}
+        d[0].fault = {}
+        try:
+            async with asyncio.timeout(0.5):
+                await chat(s, conversation=None)
+        except TimeoutError:
+            pass
+        await asyncio.sleep(0.3)
+        assert p[0].stats["aborted"] == 1 and p[0].stats["running"] == 0
+
+
+async def test_keepalive_comments_before_the_first_token_and_trailing_outcome():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d, tunables={"sse_keepalive": 1}) as (s, _):
+        p[0].fault = {"delay": 1.5}
+        r = await chat(s, stream=True, conversation="ka")
+        assert r["status"] == 200 and r["comments"][0] == ": keepalive"
+        assert r["comments"][-1].startswith(": turnkv reuse_outcome=miss reused_tokens=0")
+        assert r["text"]
+
+
+async def test_push_mode_dispatches_concurrently_with_one_request_id():
+    p, d = engines(1, "prefill", mode="push", bidirectional=False), engines(1, "decode", mode="push",
+                                                                            bidirectional=False)
+    async with router_over(p, d, mode="push", identity=False) as (s, app):
+        r1 = await chat(s, conversation=None)  # identity unknown: serial, then learned
+        r2 = await chat(s, conversation=None, stream=True)
+        assert r1["status"] == r2["status"] == 200
+        reg = app[METRICS].registry
+        assert reg.get_sample_value("turnkv_router_push_dispatches_total", {"kind": "serial"}) == 1
+        assert reg.get_sample_value("turnkv_router_push_dispatches_total", {"kind": "concurrent"}) == 1
+        dp, pp = d[0].seen_params[-1], p[0].seen_params[-1]
+        assert dp["remote_engine_id"] == "prefill-0" and dp["transfer_id"] == pp["transfer_id"]
+        assert "remote_block_ids" not in dp
+        assert p[0].seen_request_ids[-1] == d[0].seen_request_ids[-1] == dp["remote_request_id"]
+
+
+async def test_push_mode_with_identity_from_discovery_and_a_failing_decode_cancels_prefill():
+    p, d = engines(1, "prefill", mode="push"), engines(2, "decode", mode="push")
+    async with router_over(p, d, mode="push", identity=True) as (s, app):
+        p[0].fault = {"delay": 0.5}
+        d[0].fault = {"status": 500}
+        app[FLOW].pool.decode[1].outstanding = 5  # the failing engine goes first
+        t0 = time.perf_counter()
+        r = await chat(s, conversation=None)
+        app[FLOW].pool.decode[1].outstanding = 0
+        assert r["status"] == 200
+        await asyncio.sleep(0.2)
+        assert p[0].stats["aborted"] == 1  # the first dispatch's prefill was cancelled
+        assert time.perf_counter() - t0 < 3  # not two full prefills plus a decode timeout
+
+
+async def test_entries_expire_before_the_engine_does():
+    store = MemoryStore(100)
+    p, d = engines(1, "prefill"), engines(1, "decode", expiry_ttl=16)
+    async with router_over(p, d, store=store) as (s, _):
+        await chat(s, conversation="exp")
+        [entry] = [store.peek(k) for k in store.conversation_keys()]
+        # the engine said its blocks live 16 s: the entry goes expiry_margin (10 s) before that
+        assert entry.expires_at <= time.time() + 6.1
+
+
+async def test_all_ejected_engines_are_still_tried_and_no_engine_is_a_503():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d) as (s, app):
+        app[FLOW].pool.decode[0].healthy = False
+        assert (await chat(s, conversation=None))["status"] == 200  # panic mode
+        app[FLOW].pool.decode[0].healthy = False
+        async with s.get("/ready") as ready:
+            assert ready.status == 503
+        app[FLOW].pool.decode = []
+        r = await chat(s, conversation=None)
+        assert r["status"] == 503 and "no decode engine known" in r["error"]["error"]["message"]
+        async with s.get("/health") as live, s.get("/ready") as ready:
+            assert live.status == 200 and (await live.json())["status"] == "degraded"
+            assert ready.status == 503
+
+
+def test_history_type_is_stable():
+    assert History("chat", "r", "d", 1).length == 1
+
+
+async def test_one_emf_line_per_request_and_the_request_id_in_log_lines(caplog):
+    import io
+    import logging
+
+    from router import telemetry
+
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    p[0].fault = {"status": 500}  # a retry logs a warning
+    async with router_over(engines(1, "prefill") + p, d, emf=True) as (s, app):
+        app[FLOW].pool.prefill[0].outstanding = 5  # the failing engine goes first
+        buf = io.StringIO()
+        app[FLOW].emf.stream = buf
+        handler_filter = telemetry.RequestIdFilter()
+        caplog.handler.addFilter(handler_filter)
+        with caplog.at_level(logging.WARNING, logger="turnkv.router"):
+            for i in range(2):
+                r = await chat(s, conversation=f"emf-{i}", headers={"X-Request-Id": f"rid-{i}"})
+                assert r["status"] == 200, r
+                assert {k.lower(): v for k, v in r["headers"].items()}["x-request-id"] == f"rid-{i}", r["headers"]
+        app[FLOW].emf.flush()
+        lines = [orjson.loads(x) for x in buf.getvalue().splitlines()]
+        assert [x["request_id"] for x in lines] == ["rid-0", "rid-1"]
+        assert lines[0]["_aws"]["CloudWatchMetrics"][0]["Namespace"] == "turnkv/Router"
+        assert lines[0]["ReuseOutcome"] == "miss" and lines[0]["TTFT"] > 0
+        assert sum(x["retries"] for x in lines) == 1
+        warned = [rec for rec in caplog.records if "retrying" in rec.getMessage()]
+        assert warned and warned[0].request_id in ("rid-0", "rid-1")
+
+
+async def test_entries_of_a_decode_engine_ejected_since_are_not_replayed():
+    p, d = engines(1, "prefill"), engines(2, "decode")
+    async with router_over(p, d) as (s, app):
+        first = await chat(s, conversation="crash")
+        pool = app[FLOW].pool
+        holder = next(e for e in pool.decode if e.name == app[FLOW].store.peek(
+            app[FLOW].store.conversation_keys()[0]).decode_engine)
+        pool.report_failure(holder)  # it crashed (and may come back with other blocks under the same ids)
+        pool.report_success(holder, probe=True)
+        pool.report_success(holder, probe=True)
+        assert holder.healthy
+        second = await chat(s, next_turn(MSGS, first["text"]), conversation="crash")
+        assert second["status"] == 200 and second["headers"]["X-TurnKV-Reuse-Outcome"] == "refused"
+        assert p[0].seen_params[-1]["remote_block_ids"] is None
