@@ -5,18 +5,24 @@ turn ended. An agent that thinks or runs tools for longer loses its reuse. The r
 lease: this route extends the expiry of retained requests, held by the NIXL worker, to ``ttl``
 seconds from now (never shortens it), and answers how long each one now lives.
 
-vLLM loads it as the endpoint plugin ``turnkv-leases`` (endpoint plugins must be allow-listed in
-``VLLM_PLUGINS``; ``turnkv.engine_args.serve_env`` does). The worker-side function runs through
-``collective_rpc`` between engine steps, on the worker's own thread.
+vLLM loads the route as the endpoint plugin ``turnkv-leases`` (endpoint plugins must be allow-listed
+in ``VLLM_PLUGINS``; ``turnkv.engine_args.serve_env`` does). The general plugin installs the worker
+method ``turnkv_renew_leases`` that the route reaches through ``collective_rpc`` by name; it runs
+between engine steps, on the worker's own thread.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: FastAPI reads the route's annotations at runtime.
 import time
 from typing import Any
 
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
 ROUTE = "/turnkv/v1/leases"
 MAX_TTL = 3600
+
+
+WORKER_METHOD = "turnkv_renew_leases"
 
 
 def renew_on_worker(worker: Any, request_ids: list[str], ttl: float) -> dict[str, float]:
@@ -34,14 +40,21 @@ def renew_on_worker(worker: Any, request_ids: list[str], ttl: float) -> dict[str
     return left
 
 
+def apply() -> list[str]:
+    """General-plugin side: give vLLM's workers the method the route calls."""
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    if getattr(WorkerBase, WORKER_METHOD, None) is renew_on_worker:
+        return []
+    setattr(WorkerBase, WORKER_METHOD, renew_on_worker)
+    return ["lease-renewal"]
+
+
 class LeaseEndpoints:
     name = "turnkv-leases"
     required_tasks = None
 
     def attach_router(self, app: Any) -> None:
-        from fastapi import Request
-        from fastapi.responses import JSONResponse
-
         async def renew(request: Request) -> JSONResponse:
             try:
                 body = await request.json()
@@ -57,7 +70,7 @@ class LeaseEndpoints:
             if client is None:
                 return JSONResponse({"error": {"message": "no engine behind this server", "code": 503}},
                                     status_code=503)
-            per_worker = await client.collective_rpc(renew_on_worker, args=(ids, ttl))
+            per_worker = await client.collective_rpc(WORKER_METHOD, args=(ids, ttl))
             # Every rank holds the request; the shortest remaining lease is the truthful one.
             renewed = {rid: min(w.get(rid, 0.0) for w in per_worker) for rid in ids
                        if all(rid in w for w in per_worker)}

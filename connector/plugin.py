@@ -27,10 +27,10 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from connector import cpu, idle, streaming
+    from connector import cpu, idle, leases, streaming
 
     applied = []
-    for name, module in (("cpu", cpu), ("idle", idle), ("streaming", streaming)):
+    for name, module in (("cpu", cpu), ("idle", idle), ("leases", leases), ("streaming", streaming)):
         if not _enabled(name):
             continue
         try:
