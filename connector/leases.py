@@ -26,18 +26,22 @@ WORKER_METHOD = "turnkv_renew_leases"
 
 
 def renew_on_worker(worker: Any, request_ids: list[str], ttl: float) -> dict[str, float]:
-    """Runs in each worker process: extend the expiry of retained requests; seconds left for each."""
+    """Runs in each worker process: extend the expiry of retained requests.
+
+    Returns each renewed request's new expiry on this host's monotonic clock (``time.perf_counter``,
+    the clock ``remote_blocks_expiry_time`` is stamped with), so prefill's expiry check agrees.
+    """
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     holder = get_kv_transfer_group().connector_worker
     held: dict[str, float] = getattr(holder, "_reqs_to_send", {})
     now = time.perf_counter()
-    left = {}
+    renewed = {}
     for request_id in request_ids:
         if request_id in held:
             held[request_id] = max(held[request_id], now + ttl)
-            left[request_id] = round(held[request_id] - now, 3)
-    return left
+            renewed[request_id] = held[request_id]
+    return renewed
 
 
 def apply() -> list[str]:
@@ -71,10 +75,14 @@ class LeaseEndpoints:
                 return JSONResponse({"error": {"message": "no engine behind this server", "code": 503}},
                                     status_code=503)
             per_worker = await client.collective_rpc(WORKER_METHOD, args=(ids, ttl))
-            # Every rank holds the request; the shortest remaining lease is the truthful one.
-            renewed = {rid: min(w.get(rid, 0.0) for w in per_worker) for rid in ids
-                       if all(rid in w for w in per_worker)}
-            return JSONResponse({"renewed": renewed, "missing": [rid for rid in ids if rid not in renewed]})
+            now = time.perf_counter()
+            # Every rank holds the request; the earliest expiry is the truthful one.
+            expiry = {rid: min(w[rid] for w in per_worker) for rid in ids if all(rid in w for w in per_worker)}
+            return JSONResponse({
+                "renewed": {rid: round(at - now, 3) for rid, at in expiry.items()},
+                "remote_blocks_expiry_time": expiry,
+                "missing": [rid for rid in ids if rid not in expiry],
+            })
 
         app.add_api_route(ROUTE, renew, methods=["POST"])
 

@@ -56,6 +56,11 @@ async def renew(flow: Flow, request: web.Request, body: Any, tenant: str = "") -
     if left is None:
         return error_response(410, "the decode engine no longer holds this conversation's KV", "gone")
     lifetime = left - float(flow.config.expiry_margin)
-    renewed = dataclasses.replace(entry, expires_at=time.time() + lifetime)
+    params = dict(entry.params)
+    expiry = (answer.get("remote_blocks_expiry_time") or {}).get(request_id)
+    if expiry is not None:
+        # Prefill declines a read past this instant (decode's clock): it must move with the lease.
+        params["remote_blocks_expiry_time"] = expiry
+    renewed = dataclasses.replace(entry, params=params, expires_at=time.time() + lifetime)
     await flow.store.put(key, renewed)
     return web.json_response({"conversation_id": conversation_id, "expires_in": round(lifetime, 1)})
