@@ -25,10 +25,12 @@ class Mode(StrEnum):
     PUSH = "push"
 
 
-#: Connector classes by mode. Pull is upstream's; push + bi-directional is turnkv's own (connector issue).
+#: Connector classes by mode. Pull is turnkv's (token proof, retain on demand, adaptive threshold). Push is
+#: upstream's NixlPushConnector, which cannot do bi-directional transfer (turnkv's push + bi-directional
+#: connector is not written yet), so push mode runs without multi-turn reuse.
 CONNECTORS = {
     Mode.PULL: ("TurnkvPullConnector", "connector.pull"),
-    Mode.PUSH: ("TurnkvPushBidiConnector", "connector.push_bidi.connector"),
+    Mode.PUSH: ("NixlPushConnector", None),
 }
 
 
@@ -64,7 +66,8 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
     connector, module_path = (spec.connector, None) if spec.connector else CONNECTORS[spec.mode]
     extra: dict[str, object] = {
         "backends": list(spec.backends),
-        "bidirectional_kv_xfer": spec.bidirectional,
+        # Upstream's push scheduler raises NotImplementedError for bi-directional transfer.
+        "bidirectional_kv_xfer": spec.bidirectional and spec.mode is Mode.PULL,
         "decoder_kv_blocks_ttl": int(spec.tunables["decoder_kv_blocks_ttl"]),
         "kv_recompute_threshold": int(spec.tunables["kv_recompute_threshold"]),
         "kv_lease_duration": int(spec.tunables["kv_lease_duration"]),

@@ -165,7 +165,7 @@ def plan(config: StackConfig) -> list[ProcessSpec]:
 
     def prefill_url(spec: EngineSpec) -> str:
         url = f"http://127.0.0.1:{spec.port}"
-        if config.router_identity:
+        if config.router_identity or config.mode is Mode.PUSH:  # push: concurrent legs need P's identity
             url += f"?engine_id={spec.engine_id}&side_channel_port={spec.side_channel_port}"
         return url
 
