@@ -1,4 +1,6 @@
-"""One real local stack (prefill + decode vLLM CPU engines and the router) per test session."""
+"""One real local stack (prefill + decode vLLM CPU engines and the router) for the tests of this package.
+
+Package scope: the stack stops when tests/e2e is done, before tests/e2e_router starts its own."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STATE_DIR = ROOT / ".turnkv" / "e2e"  # models stay cached between runs; logs are kept for failures
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def stack():
     if os.environ.get("TURNKV_SKIP_ENGINES"):
         pytest.skip("TURNKV_SKIP_ENGINES is set")

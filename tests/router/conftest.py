@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from contextlib import asynccontextmanager
 
 import aiohttp
@@ -12,12 +11,7 @@ from aiohttp import web
 from bench.fake_engine import FakeEngine, start
 from router.app import build_app
 from router.config import RouterConfig
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.conftest import free_port
 
 
 @asynccontextmanager
