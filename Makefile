@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # The stamp changes whenever a pin or a dependency list changes, so the venv is refreshed then.
 READY := $(VENV)/.turnkv-ready
 DEPS := pyproject.toml turnkv/versions.py $(wildcard requirements/*.txt)
-EXTRAS ?= engines,infra,dev
+EXTRAS ?= engines,infra,dev,peers
 PYTEST_ARGS ?=
 
 .PHONY: setup demo test lint unit e2e infra-test clean down tools synth
