@@ -128,10 +128,15 @@ class History:
     length: int  # messages (chat) or characters (completion)
 
 
+def render_digest(kind: str, body: Mapping[str, Any]) -> str:
+    """Digest of the settings that change how a prompt renders (model, tools, template, cache_salt, ...)."""
+    fields = CHAT_RENDER_FIELDS if kind == "chat" else COMPLETION_RENDER_FIELDS
+    return _digest(*(_canonical(body.get(f)) for f in fields))
+
+
 def render_only(kind: str, body: Mapping[str, Any]) -> Turn:
     """The rendering settings of a request without its prompt (to address a stored conversation)."""
-    fields = CHAT_RENDER_FIELDS if kind == "chat" else COMPLETION_RENDER_FIELDS
-    return Turn(kind, _digest(*(_canonical(body.get(f)) for f in fields)))
+    return Turn(kind, render_digest(kind, body))
 
 
 def parse_turn(kind: str, body: Mapping[str, Any]) -> Turn | None:
@@ -147,7 +152,7 @@ def parse_turn(kind: str, body: Mapping[str, Any]) -> Turn | None:
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise RequestError(f"messages[{i}] must be an object with a string 'role'")
-        render = _digest(*(_canonical(body.get(f)) for f in CHAT_RENDER_FIELDS))
+        render = render_digest("chat", body)
         if (body.get("n") or 1) != 1:
             return None
         return Turn("chat", render, messages=tuple(messages))
@@ -156,7 +161,7 @@ def parse_turn(kind: str, body: Mapping[str, Any]) -> Turn | None:
         raise RequestError("'prompt' is required")
     if not isinstance(prompt, (str, list)):
         raise RequestError("'prompt' must be a string or a list")
-    render = _digest(*(_canonical(body.get(f)) for f in COMPLETION_RENDER_FIELDS))
+    render = render_digest("completion", body)
     if not isinstance(prompt, str) or (body.get("n") or 1) != 1 or body.get("echo"):
         return None
     return Turn("completion", render, prompt=prompt)
