@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 from pathlib import Path
 
 from bench.client import Result, chat
-from bench.variants import cpu_percent_over, stack_with_env
+from bench.variants import cpu_percent_over, report, stack_with_env
 from bench.workload import WorkloadSpec, build
 from turnkv.local.model import load_words
 
@@ -71,14 +70,13 @@ def main() -> None:
     args = parser.parse_args()
     chosen = args.variant or list(VARIANTS)
     rows = [run_variant(name, VARIANTS[name], args.state_dir, args.window, args.conversations) for name in chosen]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
-    print("| variant | decode CPU after burst | window | TTFT turn 2 (reuse on, median) | errors |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['variant']} | {r['decode_cpu_percent']}% of a core | {r['window_s']} s | "
-              f"{r['ttft_ms_turn2_median']} ms | {r['errors']} |")
-
+    report(rows, args.out, {
+        "variant": lambda r: r["variant"],
+        "decode CPU after burst": lambda r: f"{r['decode_cpu_percent']}% of a core",
+        "window": lambda r: f"{r['window_s']} s",
+        "TTFT turn 2 (reuse on, median)": lambda r: f"{r['ttft_ms_turn2_median']} ms",
+        "errors": lambda r: r["errors"],
+    })
 
 if __name__ == "__main__":
     main()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.client import Result, chat
-from bench.variants import stack_with_env
+from bench.variants import report, stack_with_env
 from bench.workload import WorkloadSpec, build
 from turnkv.local.model import load_words
 
@@ -86,14 +85,13 @@ def main() -> None:
         with stack_with_env(env, args.state_dir, port_base=8500) as state:
             words = load_words(state["model_dir"])
             rows.append({"variant": name, **asyncio.run(workload(state, words, args.conversations, args.one_shots))})
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
-    print("| variant | requests (conversation turns) | decode KV held after | usage | turn-2 reuse (min tokens) |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['variant']} | {r['requests']} ({r['conversation_turns']}) | {r['decode_kv_held_mib']} MiB | "
-              f"{r['decode_kv_usage_percent']}% | {r['turn2_reused_tokens_min']} |")
-
+    report(rows, args.out, {
+        "variant": lambda r: r["variant"],
+        "requests (conversation turns)": lambda r: f"{r['requests']} ({r['conversation_turns']})",
+        "decode KV held after": lambda r: f"{r['decode_kv_held_mib']} MiB",
+        "usage": lambda r: f"{r['decode_kv_usage_percent']}%",
+        "turn-2 reuse (min tokens)": lambda r: r["turn2_reused_tokens_min"],
+    })
 
 if __name__ == "__main__":
     main()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -50,3 +51,13 @@ def cpu_percent_over(pgid: int, seconds: float) -> float:
     start_cpu, start = group_cpu_seconds(pgid), time.monotonic()
     time.sleep(seconds)
     return 100 * (group_cpu_seconds(pgid) - start_cpu) / (time.monotonic() - start)
+
+
+def report(rows: list[dict], out: Path, columns: dict[str, Callable[[dict], object]]) -> None:
+    """Write ``rows`` to out/summary.json and print them as a Markdown table (header -> cell)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(rows, indent=2))
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in rows:
+        print("| " + " | ".join(str(cell(row)) for cell in columns.values()) + " |")
