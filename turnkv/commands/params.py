@@ -41,6 +41,15 @@ def _store(deployment: str, region: str | None):
         _refuse(str(exc))
 
 
+def _store_for(name: str, deployment: str, region: str | None):
+    """The store, once ``name`` is known to be a tunable (refused with the known names otherwise)."""
+    try:
+        catalog.get(name)
+    except catalog.ParamError as exc:
+        _refuse(str(exc))
+    return _store(deployment, region)[0]
+
+
 def _refuse(reason: str) -> None:
     _console(stderr=True).print(f"[red]refused:[/red] {reason}")
     raise typer.Exit(2)
@@ -103,11 +112,7 @@ def list_(deployment: Deployment, region: Region = None, as_json: AsJson = False
 def get(name: Annotated[str, typer.Argument(help="Tunable name.")], deployment: Deployment,
         region: Region = None, as_json: AsJson = False) -> None:
     """One tunable's effective value (the default when unset)."""
-    try:
-        catalog.get(name)
-    except catalog.ParamError as exc:
-        _refuse(str(exc))
-    store, _ = _store(deployment, region)
+    store = _store_for(name, deployment, region)
     try:
         entry = store.entries()[name]
     except _aws_errors() as exc:
@@ -170,11 +175,7 @@ def history(name: str, deployment: Deployment, region: Region = None) -> None:
     """Who changed a tunable, when, and to what (SSM parameter versions)."""
     from rich.table import Table
 
-    try:
-        catalog.get(name)
-    except catalog.ParamError as exc:
-        _refuse(str(exc))
-    store, _ = _store(deployment, region)
+    store = _store_for(name, deployment, region)
     try:
         versions = store.history(name)
     except _aws_errors() as exc:
