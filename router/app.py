@@ -213,10 +213,15 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
 
         tasks.append(asyncio.create_task(health_loop(pool, session, lambda: float(config.health_interval), purge)))
         if ssm_source is not None:
-            from router.reload import refresh_loop
+            from router.reload import refresh_loop, refresh_once
 
-            tasks.append(asyncio.create_task(refresh_loop(
-                config, ssm_source, lambda r: metrics.params_reloads.labels(r).inc())))
+            def on_result(result: str) -> None:
+                metrics.params_reloads.labels(result).inc()
+
+            # Serve with the tunables in SSM from the first request, not the defaults (a failed read is logged
+            # and counted; the loop retries).
+            await refresh_once(config, ssm_source, on_result)
+            tasks.append(asyncio.create_task(refresh_loop(config, ssm_source, on_result)))
         yield
         for task in tasks:
             task.cancel()

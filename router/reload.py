@@ -90,6 +90,7 @@ async def refresh_once(config, source: SsmSource, on_result: Callable[[str], Non
 
 
 async def refresh_loop(config, source: SsmSource, on_result: Callable[[str], None] = lambda r: None) -> None:
+    """Re-read every ``params_refresh`` seconds (the first read is done before the router serves)."""
     while True:
-        await refresh_once(config, source, on_result)
         await asyncio.sleep(float(config.tunables["params_refresh"]))
+        await refresh_once(config, source, on_result)
