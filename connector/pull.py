@@ -109,20 +109,15 @@ class TurnkvPullScheduler(NixlPullConnectorScheduler):
 
     def update_connector_output(self, connector_output: Any) -> None:
         now = time.perf_counter()
-        learned = False
         if self._step_started is not None:
             started, tokens = self._step_started
             self._step_started = None
-            if tokens >= self.cost.min_prefill_tokens:
-                self.cost.observe_step(now - started, tokens)
-                learned = True
+            self.cost.observe_step(now - started, tokens)
         for req_id in connector_output.finished_recving or ():
             started_pull = self._pulls_started.pop(req_id, None)
             if started_pull is not None:
                 self.cost.observe_pull(now - started_pull[0], started_pull[1])
-                learned = True
-        if learned:  # export only what changed: idle and decode steps add no stats
-            self._export_estimates()
+        self._export_estimates()
         super().update_connector_output(connector_output)
 
     def _export_estimates(self) -> None:
