@@ -48,7 +48,9 @@ class DecayingLine:
         denominator = self.w * self.sxx - self.sx * self.sx
         if denominator <= 1e-12 * max(1.0, self.w * self.sxx):  # all samples the same size: a rate only
             return 0.0, self.sy / self.sx
-        slope = max(0.0, (self.w * self.sxy - self.sx * self.sy) / denominator)
+        slope = (self.w * self.sxy - self.sx * self.sy) / denominator
+        if slope <= 0:  # noise made bigger pulls look no slower: fall back to the average rate, no fixed part
+            return 0.0, self.sy / self.sx
         intercept = max(0.0, (self.sy - slope * self.sx) / self.w)
         return intercept, slope
 

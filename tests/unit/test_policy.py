@@ -39,3 +39,11 @@ def test_fixed_overhead_is_learned_from_pulls_of_different_sizes():
         m.observe_pull(0.010 + 1e-6 * 5000, 5000)
     assert abs(m.pull_overhead - 0.010) < 1e-6 and abs(m.pull_per_token - 1e-6) < 1e-9
     assert m.predicted_pull(100) < m.predicted_pull(10000)
+
+
+def test_noisy_pulls_never_fit_a_free_per_token_cost():
+    m = CostModel()
+    m.observe_pull(0.020, 500)  # the small pull happened to be slower than the big one
+    m.observe_pull(0.015, 5000)
+    assert m.pull_overhead == 0.0 and m.pull_per_token > 0
+    assert m.predicted_pull(10000) > m.predicted_pull(100)
