@@ -1,21 +1,15 @@
-"""turnkv's pull-mode bi-directional connector: upstream NIXL pull + token-verified reuse.
+"""turnkv's pull-mode bi-directional connector: upstream NIXL pull + turnkv's scheduling.
 
 Load it with ``--kv-transfer-config '{"kv_connector": "TurnkvPullConnector",
 "kv_connector_module_path": "connector.pull", ...}'`` (``turnkv.engine_args`` does).
 
-Scheduler side only differs from upstream:
-- decode attaches a token proof (chained per-block digests of the token ids it holds) to the
-  ``kv_transfer_params`` it returns for a finished request;
-- prefill checks that proof against its own prompt before pulling and pulls only the verified prefix
-  (the rest is computed). Offers without a valid proof are recomputed.
-The worker side (the NIXL READ itself) is upstream's.
+Decode READs prefill's KV, and the next turn's prefill READs decode's retained KV back. What turnkv adds
+(token proof, retain on demand, adaptive threshold, hot reload) lives in ``connector.scheduler``; the
+worker is upstream's, with its transfers counted by direction (``connector.worker``).
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import time
 from typing import Any
 
 from connector.compat import check_vllm_version
@@ -23,196 +17,33 @@ from connector.compat import check_vllm_version
 check_vllm_version()
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (  # noqa: E402
+    NixlBaseConnector,
+    NixlPullConnector,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (  # noqa: E402
     NixlPullConnectorScheduler,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker  # noqa: E402
 
-from connector import token_proof  # noqa: E402
-from connector.policy import CostModel  # noqa: E402
-from connector.stats import TurnkvKVConnectorStats, TurnkvPromMetrics  # noqa: E402
-from connector.tunables import TunablesFile  # noqa: E402
-
-logger = logging.getLogger("vllm.turnkv.connector")
-
-#: Where the prefill engine reports its verdict in the kv_transfer_params of its response.
-VERDICT_KEY = "turnkv_proof_verdict"
-#: Set by the router on a decode request whose KV the conversation's next turn will pull.
-RETAIN_KEY = "turnkv_retain"
+from connector.scheduler import TurnkvSchedulerMixin  # noqa: E402
+from connector.stats import TurnkvStatsReporting  # noqa: E402
+from connector.worker import TransferStatsMixin  # noqa: E402
 
 
-def _flag(name: str, default: bool) -> bool:
-    return os.environ.get(name, "1" if default else "0").lower() not in ("0", "false", "no")
+class TurnkvPullScheduler(TurnkvSchedulerMixin, NixlPullConnectorScheduler):
+    """Upstream's pull scheduler (bi-directional) plus turnkv's scheduling (``connector.scheduler``)."""
 
 
-class TurnkvPullScheduler(NixlPullConnectorScheduler):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.turnkv_stats = TurnkvKVConnectorStats()
-        self._verdicts: dict[str, token_proof.Verdict] = {}
-        # Offers without a valid proof are recomputed unless TURNKV_REQUIRE_TOKEN_PROOF=0.
-        self._require_proof = _flag("TURNKV_REQUIRE_TOKEN_PROOF", True)
-        # Decode retains a finished request's blocks only when the request asks (TURNKV_RETAIN_ON_DEMAND=0:
-        # upstream's retain-everything behaviour).
-        self._retain_on_demand = _flag("TURNKV_RETAIN_ON_DEMAND", True)
-        self._tunables = TunablesFile(self._apply_tunables)
-        self._tunables.poll()
-        # Pull only when it is expected to beat recomputing (TURNKV_ADAPTIVE_THRESHOLD=0: the threshold alone).
-        self._adaptive = _flag("TURNKV_ADAPTIVE_THRESHOLD", True)
-        self.cost = CostModel()
-        self._step_started: tuple[float, int] | None = None
-        self._pulls_started: dict[str, tuple[float, int]] = {}
-
-    def _apply_tunables(self, values: dict[str, int | float]) -> None:
-        if "decoder_kv_blocks_ttl" in values:
-            self.decoder_kv_blocks_ttl = int(values["decoder_kv_blocks_ttl"])
-        if "kv_recompute_threshold" in values:
-            self.kv_recompute_threshold = int(values["kv_recompute_threshold"])
-
-    # prefill side ------------------------------------------------------------------------------
-
-    def _is_decode_offer(self, params: dict[str, Any] | None) -> bool:
-        return bool(params and params.get("do_remote_decode") and params.get("remote_block_ids")
-                    and not params.get("_remote_blocks_processed"))
-
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        self._tunables.poll()
-        params = request.kv_transfer_params
-        offer = self._is_decode_offer(params)
-        first_look = offer and request.request_id not in self._verdicts
-        if first_look:
-            self._check_offer(request, params)
-        count, asynchronous = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        if not first_look:
-            return count, asynchronous
-        decision = self.cost.decide(count, self.kv_recompute_threshold) if self._adaptive else None
-        if count > 0 and decision is not None and not decision.pull:
-            count, asynchronous = 0, False
-        self.turnkv_stats.record("turnkv_decisions_pull" if count > 0 else "turnkv_decisions_recompute", 1)
-        if decision is not None and decision.reason in ("slower", "probe"):
-            logger.info("turnkv: request %s: %s %d tokens (pull ~%.1f ms vs compute ~%.1f ms)", request.request_id,
-                        "pulling" if decision.pull else "recomputing", (decision.pull and count) or 0,
-                        1000 * (decision.predicted_pull_s or 0), 1000 * (decision.predicted_compute_s or 0))
-        return count, asynchronous
-
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        if num_external_tokens > 0 and self._is_decode_offer(request.kv_transfer_params):
-            self._pulls_started[request.request_id] = (time.perf_counter(), num_external_tokens)
-        super().update_state_after_alloc(request, blocks, num_external_tokens)
-
-    # cost model inputs: step compute time and pull durations ----------------------------------------
-
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
-        tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
-        self._step_started = (time.perf_counter(), tokens)
-        return super().build_connector_meta(scheduler_output)
-
-    def update_connector_output(self, connector_output: Any) -> None:
-        now = time.perf_counter()
-        if self._step_started is not None:
-            started, tokens = self._step_started
-            self._step_started = None
-            self.cost.observe_step(now - started, tokens)
-        for req_id in connector_output.finished_recving or ():
-            started_pull = self._pulls_started.pop(req_id, None)
-            if started_pull is not None:
-                self.cost.observe_pull(now - started_pull[0], started_pull[1])
-        self._export_estimates()
-        super().update_connector_output(connector_output)
-
-    def _export_estimates(self) -> None:
-        s, cost = self.turnkv_stats, self.cost
-        if cost.compute_per_token.value is not None:
-            s.data["turnkv_compute_seconds_per_token"] = [cost.compute_per_token.value]
-        if cost.pull_per_token is not None:
-            s.data["turnkv_pull_seconds_per_token"] = [cost.pull_per_token]
-            s.data["turnkv_pull_overhead_seconds"] = [cost.pull_overhead or 0.0]
-
-    def _check_offer(self, request: Any, params: dict[str, Any]) -> None:
-        remote = int(params.get("remote_num_tokens") or 0)
-        proof = params.get(token_proof.PARAMS_KEY)
-        verdict = token_proof.verify(proof, request.prompt_token_ids or [], remote)
-        if verdict.reason in ("no-proof", "bad-proof") and not self._require_proof:
-            verdict = token_proof.Verdict(verdict.offered, verdict.offered, "unverified")
-        self._verdicts[request.request_id] = verdict
-        s = self.turnkv_stats
-        s.record("turnkv_proof_offered_tokens", verdict.offered)
-        s.record("turnkv_proof_verified_tokens", verdict.verified)
-        if verdict.mismatched:
-            s.record("turnkv_proof_rejected_tokens", verdict.mismatched)
-        if verdict.reason == "mismatch":
-            s.record("turnkv_proof_mismatches", 1)
-            logger.warning("turnkv: request %s: token proof matched %d of %d offered tokens; computing the rest",
-                           request.request_id, verdict.verified, verdict.offered)
-        elif verdict.reason in ("no-proof", "bad-proof"):
-            s.record("turnkv_proof_missing", 1)
-            logger.warning("turnkv: request %s: decode's offer has %s; recomputing", request.request_id,
-                           verdict.reason)
-        if verdict.verified < remote:
-            self._limit_offer(params, verdict.verified)
-
-    def _limit_offer(self, params: dict[str, Any], verified: int) -> None:
-        """Make decode's offer cover only the verified prefix (upstream then pulls just that)."""
-        params["remote_num_tokens"] = verified
-        groups = params.get("remote_block_ids") or []
-        if verified == 0 or len(groups) != 1:
-            # Nothing (or, with several KV cache groups, nothing safely) pulled. The block ids stay, so
-            # decode is still notified and frees its blocks.
-            params["remote_num_tokens"] = 0
-            return
-        keep = -(-verified // self.block_size)
-        params["remote_block_ids"] = [list(groups[0][:keep])]
-
-    # both sides ----------------------------------------------------------------------------------
-
-    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
-        params = request.kv_transfer_params or {}
-        is_decode = bool(params) and not params.get("do_remote_decode")
-        unwanted = self._retain_on_demand and not params.get(RETAIN_KEY)
-        if is_decode and unwanted and self.is_bidirectional_kv_xfer_enabled:
-            # Nobody will come back for this turn: free its blocks now, as upstream does without bi-directional.
-            self.is_bidirectional_kv_xfer_enabled = False
-            try:
-                delay, out = super().request_finished(request, block_ids)
-            finally:
-                self.is_bidirectional_kv_xfer_enabled = True
-        else:
-            delay, out = super().request_finished(request, block_ids)
-        verdict = self._verdicts.pop(request.request_id, None)
-        self._pulls_started.pop(request.request_id, None)
-        if out is None:
-            return delay, out
-        if out.get("do_remote_decode") and delay and out.get("remote_num_tokens"):
-            # Decode: prove which tokens the retained blocks hold.
-            held = list(request.all_token_ids[: out["remote_num_tokens"]])
-            out[token_proof.PARAMS_KEY] = token_proof.make_proof(held, self.block_size)
-        if verdict is not None:
-            out[VERDICT_KEY] = {"offered": verdict.offered, "verified": verdict.verified, "reason": verdict.reason}
-        return delay, out
-
-    def take_turnkv_stats(self) -> TurnkvKVConnectorStats | None:
-        if self.turnkv_stats.is_empty():
-            return None
-        return self.turnkv_stats.clone_and_reset()
+class TurnkvPullWorker(TransferStatsMixin, NixlPullConnectorWorker):
+    """Upstream's pull worker, with its transfers counted by direction."""
 
 
-class TurnkvPullConnector(NixlPullConnector):
+class TurnkvPullConnector(TurnkvStatsReporting, NixlPullConnector):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
+        # The base constructor, then turnkv's roles (NixlPullConnector's would build upstream's first).
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = TurnkvPullScheduler(vllm_config, self.engine_id, kv_cache_config)
-
-    def get_kv_connector_stats(self) -> Any:
-        if self.connector_scheduler is not None:
-            assert isinstance(self.connector_scheduler, TurnkvPullScheduler)
-            return self.connector_scheduler.take_turnkv_stats()
-        return TurnkvKVConnectorStats.wrap(super().get_kv_connector_stats())
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
-        return TurnkvKVConnectorStats(data=data) if data is not None else TurnkvKVConnectorStats()
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
-        return TurnkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = TurnkvPullWorker(vllm_config, self.engine_id, kv_cache_config)

@@ -23,6 +23,14 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:turnkv_decisions_pull", "Verified offers pulled (the cost model expected the pull to be faster)."),
     "turnkv_decisions_recompute": (
         "vllm:turnkv_decisions_recompute", "Verified offers recomputed (below the threshold, or slower to pull)."),
+    "turnkv_read_bytes": (
+        "vllm:turnkv_read_bytes", "KV bytes this engine READ from a peer (NIXL READs it posted: pulls)."),
+    "turnkv_read_seconds": (
+        "vllm:turnkv_read_seconds", "Time spent in the NIXL READs this engine posted (sum over transfers)."),
+    "turnkv_write_bytes": (
+        "vllm:turnkv_write_bytes", "KV bytes this engine WROTE into a peer (NIXL WRITEs it posted: pushes)."),
+    "turnkv_write_seconds": (
+        "vllm:turnkv_write_seconds", "Time spent in the NIXL WRITEs this engine posted (sum over transfers)."),
 }
 
 #: stats key -> (Prometheus gauge name, help). The last value of an interval is exported.
@@ -33,6 +41,12 @@ GAUGES: dict[str, tuple[str, str]] = {
         "vllm:turnkv_pull_seconds_per_token", "Measured pull time per token (fitted slope)."),
     "turnkv_pull_overhead_seconds": (
         "vllm:turnkv_pull_overhead_seconds", "Measured fixed time per pull (fitted intercept)."),
+    "turnkv_retained_requests": (
+        "vllm:turnkv_retained_requests", "Finished turns whose KV decode holds for the next turn's prefill."),
+    "turnkv_retained_blocks": (
+        "vllm:turnkv_retained_blocks", "KV blocks decode holds for the next turn's prefill."),
+    "turnkv_retained_bytes": (
+        "vllm:turnkv_retained_bytes", "KV bytes decode holds for the next turn's prefill."),
 }
 
 
@@ -90,3 +104,24 @@ class TurnkvPromMetrics(NixlPromMetrics):
             values = transfer_stats_data.get(key)
             if values:
                 gauge[engine_idx].set(values[-1])
+
+
+class TurnkvStatsReporting:
+    """Connector-level mixin: report turnkv's counters (scheduler) and the worker's transfer stats."""
+
+    connector_scheduler: Any
+    connector_worker: Any
+
+    def get_kv_connector_stats(self) -> Any:
+        if self.connector_scheduler is not None:
+            return self.connector_scheduler.take_turnkv_stats()
+        return TurnkvKVConnectorStats.wrap(super().get_kv_connector_stats())  # type: ignore[misc]
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return TurnkvKVConnectorStats(data=data) if data is not None else TurnkvKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        return TurnkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -25,13 +25,14 @@ class Mode(StrEnum):
     PUSH = "push"
 
 
-#: Connector classes by mode. Pull is turnkv's (token proof, retain on demand, adaptive threshold). Push is
-#: upstream's NixlPushConnector, which cannot do bi-directional transfer (turnkv's push + bi-directional
-#: connector is not written yet), so push mode runs without multi-turn reuse.
+#: Connector classes by mode, both turnkv's (bi-directional, token proof, retain on demand, adaptive
+#: threshold). Upstream's push connector cannot do bi-directional transfer (``connector.push`` can).
 CONNECTORS = {
     Mode.PULL: ("TurnkvPullConnector", "connector.pull"),
-    Mode.PUSH: ("NixlPushConnector", None),
+    Mode.PUSH: ("TurnkvPushConnector", "connector.push"),
 }
+#: Upstream's push connector raises NotImplementedError when bi-directional transfer is configured.
+_NO_BIDIRECTIONAL = {"NixlPushConnector"}
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,7 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
     connector, module_path = (spec.connector, None) if spec.connector else CONNECTORS[spec.mode]
     extra: dict[str, object] = {
         "backends": list(spec.backends),
-        # Upstream's push scheduler raises NotImplementedError for bi-directional transfer.
-        "bidirectional_kv_xfer": spec.bidirectional and spec.mode is Mode.PULL,
+        "bidirectional_kv_xfer": spec.bidirectional and connector not in _NO_BIDIRECTIONAL,
         "decoder_kv_blocks_ttl": int(spec.tunables["decoder_kv_blocks_ttl"]),
         "kv_recompute_threshold": int(spec.tunables["kv_recompute_threshold"]),
         "kv_lease_duration": int(spec.tunables["kv_lease_duration"]),

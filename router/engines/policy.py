@@ -46,14 +46,17 @@ class LeastLoad:
 
 
 class RoundRobin:
-    """Every healthy engine in turn, ignoring load (for comparison and tests)."""
+    """Every healthy engine of a role in turn, ignoring load and affinity (for comparison and tests)."""
 
     def __init__(self) -> None:
-        self._tick = itertools.count()
+        # One turn counter per role: a shared one would step twice per request (prefill, then decode) and,
+        # with an even number of engines, send every decode leg to the same engine.
+        self._ticks: dict[str, itertools.count[int]] = {}
 
     def choose(self, candidates: Sequence[Engine], *, now: float, preferred: Engine | None = None,
                tunables: Mapping[str, float] | None = None, tokens: int = 0) -> Engine:
-        return candidates[next(self._tick) % len(candidates)]
+        tick = self._ticks.setdefault(candidates[0].role, itertools.count())
+        return candidates[next(tick) % len(candidates)]
 
 
 POLICIES = {"least_load": LeastLoad, "round_robin": RoundRobin}

@@ -26,11 +26,17 @@ def test_pull_bidirectional_defaults():
     assert args[args.index("--block-size") + 1] == "128"
 
 
-def test_push_mode_runs_upstream_push_without_bidirectional_and_efa_backend():
+def test_push_mode_runs_turnkv_push_bidirectional_and_efa_backend():
     config = kv_config(engine_args.serve_args(spec(mode=Mode.PUSH, backends=("LIBFABRIC",))))
+    assert config["kv_connector"] == "TurnkvPushConnector" and config["kv_connector_module_path"] == "connector.push"
+    assert config["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
+    assert config["kv_connector_extra_config"]["backends"] == ["LIBFABRIC"]
+
+
+def test_upstream_push_connector_never_gets_bidirectional():
+    config = kv_config(engine_args.serve_args(spec(mode=Mode.PUSH, connector="NixlPushConnector")))
     assert config["kv_connector"] == "NixlPushConnector" and "kv_connector_module_path" not in config
     assert config["kv_connector_extra_config"]["bidirectional_kv_xfer"] is False
-    assert config["kv_connector_extra_config"]["backends"] == ["LIBFABRIC"]
 
 
 def test_env_names_the_side_channel():

@@ -11,6 +11,7 @@ from router.auth import ApiKeys, AuthError, parse_keys
 from router.config import RouterConfig, build, load_file
 from router.engines import Engine, EnginePool, join_host_port, parse_engine
 from router.engines.discovery import engines_from_instances
+from router.engines.policy import RoundRobin
 from router.flow import push_decode_params, push_identity, reused_tokens
 from router.reload import merge
 from router.telemetry import PrefillRate, emf_record, prompt_bucket
@@ -31,6 +32,16 @@ def test_least_load_counts_requests_and_tokens_and_round_robins_ties():
     assert p.pick("prefill") is c
     c.outstanding = 1
     assert {p.pick("prefill").name for _ in range(4)} == {a.name, c.name}
+
+
+def test_round_robin_turns_each_role_on_its_own():
+    p = EnginePool(["http://p:1"], ["http://d1:1", "http://d2:1"], tunables=dict(T), clock=lambda: 0.0,
+                   policy=RoundRobin())
+    picks = []
+    for _ in range(4):  # a request picks prefill, then decode: the decode legs still alternate
+        p.pick("prefill")
+        picks.append(p.pick("decode", prefer=p.decode[0].name).name)
+    assert picks == [p.decode[0].name, p.decode[1].name] * 2
 
 
 def test_decode_affinity_unless_overloaded():

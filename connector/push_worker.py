@@ -1,0 +1,47 @@
+"""Push + bi-directional, worker side: upstream's push worker that can also READ decode's retained KV.
+
+``reqs_to_recv`` then holds two kinds of request:
+- decode waiting for prefill's WRITE (upstream push: no remote block ids, nothing to post);
+- prefill reading the previous turn back from a decode engine (remote block ids given): posted as NIXL
+  READs by the pull worker's code, on the engine thread, as in pull mode.
+The writer thread keeps owning NIXL notifications; READ-completion notifications from a prefill that read
+this engine's retained blocks reach ``_get_new_notifs`` like any other and release the blocks. The UCX
+worker is shared by both threads, which the strict thread-sync mode (``connector.cpu``) protects.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
+
+from connector.worker import TransferStatsMixin
+
+
+def is_read_back(meta: Any) -> bool:
+    """A receive that READs decode's blocks (prefill side), not one that waits for a WRITE (decode side)."""
+    remote = getattr(meta, "remote", None)
+    return bool(remote is not None and any(len(group) for group in remote.block_ids or ()))
+
+
+# MRO: push's methods first (start_load_kv, notifications, writer thread), pull's READ helpers next.
+class PushBidiWorker(TransferStatsMixin, NixlPushConnectorWorker, NixlPullConnectorWorker):
+    def start_load_kv(self, metadata: Any) -> None:
+        reads = {rid: meta for rid, meta in metadata.reqs_to_recv.items() if is_read_back(meta)}
+        if reads:
+            rest = copy.copy(metadata)
+            rest.reqs_to_recv = {rid: m for rid, m in metadata.reqs_to_recv.items() if rid not in reads}
+            metadata = rest
+        NixlPushConnectorWorker.start_load_kv(self, metadata)
+        for req_id, meta in reads.items():
+            meta.local_physical_block_ids = self._logical_to_kernel_block_ids(
+                meta.local_block_ids, self._physical_blocks_per_logical_kv_block)
+            # As pull: a full local hit only notifies decode (which frees its blocks); nothing is awaited.
+            if meta.awaiting_kvs or any(meta.local_block_ids):
+                self._recving_metadata[req_id] = meta
+            self._read_blocks_for_req(req_id, meta)
+        # READs whose handshake finished in the background since the last step.
+        while not self._ready_requests.empty():
+            self._read_blocks_for_req(*self._ready_requests.get_nowait())

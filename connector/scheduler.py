@@ -1,0 +1,211 @@
+"""turnkv's scheduler-side additions, shared by the pull and the push connector (pure scheduling, no I/O).
+
+Mixed in before an upstream NIXL scheduler class, so ``super()`` reaches upstream's logic:
+- decode attaches a token proof (chained per-block digests of the token ids it holds) to the
+  ``kv_transfer_params`` it returns for a finished request, and keeps the blocks only when the request
+  asked for it (``turnkv_retain``, retain on demand);
+- prefill checks that proof against its own prompt before pulling and pulls only the verified prefix
+  (the rest is computed); offers without a valid proof are recomputed;
+- prefill pulls only when its cost model expects the pull to beat recomputing (the threshold is a floor);
+- TTL and threshold are re-read from the tunables file (hot reload).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from connector import token_proof
+from connector.policy import CostModel
+from connector.stats import TurnkvKVConnectorStats
+from connector.tunables import TunablesFile
+
+logger = logging.getLogger("vllm.turnkv.connector")
+
+#: Where the prefill engine reports its verdict in the kv_transfer_params of its response.
+VERDICT_KEY = "turnkv_proof_verdict"
+#: Set by the router on a decode request whose KV the conversation's next turn will pull.
+RETAIN_KEY = "turnkv_retain"
+
+
+def _flag(name: str, default: bool) -> bool:
+    return os.environ.get(name, "1" if default else "0").lower() not in ("0", "false", "no")
+
+
+def _bytes_per_block(kv_cache_config: Any) -> int:
+    """KV bytes one block holds across all layers (what a retained block costs decode)."""
+    try:
+        total = sum(int(t.size) for t in kv_cache_config.kv_cache_tensors)
+        return total // max(1, int(kv_cache_config.num_blocks))
+    except (AttributeError, TypeError):
+        return 0
+
+
+class TurnkvSchedulerMixin:
+    """turnkv's scheduler-side behaviour, mixed in before an upstream NIXL scheduler (pull or push)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.turnkv_stats = TurnkvKVConnectorStats()
+        self._verdicts: dict[str, token_proof.Verdict] = {}
+        # Offers without a valid proof are recomputed unless TURNKV_REQUIRE_TOKEN_PROOF=0.
+        self._require_proof = _flag("TURNKV_REQUIRE_TOKEN_PROOF", True)
+        # Decode retains a finished request's blocks only when the request asks (TURNKV_RETAIN_ON_DEMAND=0:
+        # upstream's retain-everything behaviour).
+        self._retain_on_demand = _flag("TURNKV_RETAIN_ON_DEMAND", True)
+        self._tunables = TunablesFile(self._apply_tunables)
+        self._tunables.poll()
+        # Pull only when it is expected to beat recomputing (TURNKV_ADAPTIVE_THRESHOLD=0: the threshold alone).
+        self._adaptive = _flag("TURNKV_ADAPTIVE_THRESHOLD", True)
+        self.cost = CostModel()
+        self._step_started: tuple[float, int] | None = None
+        self._pulls_started: dict[str, tuple[float, int]] = {}
+        # Decode side: blocks held for another engine to read, by request (until read or expired).
+        self._retained: dict[str, int] = {}
+        self._bytes_per_block = _bytes_per_block(self.kv_cache_config)
+
+    def _apply_tunables(self, values: dict[str, int | float]) -> None:
+        if "decoder_kv_blocks_ttl" in values:
+            self.decoder_kv_blocks_ttl = int(values["decoder_kv_blocks_ttl"])
+        if "kv_recompute_threshold" in values:
+            self.kv_recompute_threshold = int(values["kv_recompute_threshold"])
+
+    # prefill side ------------------------------------------------------------------------------
+
+    def _is_decode_offer(self, params: dict[str, Any] | None) -> bool:
+        return bool(params and params.get("do_remote_decode") and params.get("remote_block_ids")
+                    and not params.get("_remote_blocks_processed"))
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        self._tunables.poll()
+        params = request.kv_transfer_params
+        offer = self._is_decode_offer(params)
+        first_look = offer and request.request_id not in self._verdicts
+        if first_look:
+            self._check_offer(request, params)
+        count, asynchronous = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if not first_look:
+            return count, asynchronous
+        decision = self.cost.decide(count, self.kv_recompute_threshold) if self._adaptive else None
+        if count > 0 and decision is not None and not decision.pull:
+            count, asynchronous = 0, False
+        self.turnkv_stats.record("turnkv_decisions_pull" if count > 0 else "turnkv_decisions_recompute", 1)
+        if decision is not None and decision.reason in ("slower", "probe"):
+            logger.info("turnkv: request %s: %s %d tokens (pull ~%.1f ms vs compute ~%.1f ms)", request.request_id,
+                        "pulling" if decision.pull else "recomputing", (decision.pull and count) or 0,
+                        1000 * (decision.predicted_pull_s or 0), 1000 * (decision.predicted_compute_s or 0))
+        return count, asynchronous
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens > 0 and self._is_decode_offer(request.kv_transfer_params):
+            self._pulls_started[request.request_id] = (time.perf_counter(), num_external_tokens)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    # cost model inputs: step compute time and pull durations ----------------------------------------
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+        self._step_started = (time.perf_counter(), tokens)
+        return super().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        now = time.perf_counter()
+        if self._step_started is not None:
+            started, tokens = self._step_started
+            self._step_started = None
+            self.cost.observe_step(now - started, tokens)
+        released = [r for r in connector_output.finished_sending or () if self._retained.pop(r, None) is not None]
+        if released:
+            self._export_retained()
+        for req_id in connector_output.finished_recving or ():
+            started_pull = self._pulls_started.pop(req_id, None)
+            if started_pull is not None:
+                self.cost.observe_pull(now - started_pull[0], started_pull[1])
+        self._export_estimates()
+        super().update_connector_output(connector_output)
+
+    def _export_estimates(self) -> None:
+        s, cost = self.turnkv_stats, self.cost
+        if cost.compute_per_token.value is not None:
+            s.data["turnkv_compute_seconds_per_token"] = [cost.compute_per_token.value]
+        if cost.pull_per_token is not None:
+            s.data["turnkv_pull_seconds_per_token"] = [cost.pull_per_token]
+            s.data["turnkv_pull_overhead_seconds"] = [cost.pull_overhead or 0.0]
+
+    def _export_retained(self) -> None:
+        blocks = sum(self._retained.values())
+        s = self.turnkv_stats
+        s.data["turnkv_retained_requests"] = [len(self._retained)]
+        s.data["turnkv_retained_blocks"] = [blocks]
+        s.data["turnkv_retained_bytes"] = [blocks * self._bytes_per_block]
+
+    def _check_offer(self, request: Any, params: dict[str, Any]) -> None:
+        remote = int(params.get("remote_num_tokens") or 0)
+        proof = params.get(token_proof.PARAMS_KEY)
+        verdict = token_proof.verify(proof, request.prompt_token_ids or [], remote)
+        if verdict.reason in ("no-proof", "bad-proof") and not self._require_proof:
+            verdict = token_proof.Verdict(verdict.offered, verdict.offered, "unverified")
+        self._verdicts[request.request_id] = verdict
+        s = self.turnkv_stats
+        s.record("turnkv_proof_offered_tokens", verdict.offered)
+        s.record("turnkv_proof_verified_tokens", verdict.verified)
+        if verdict.mismatched:
+            s.record("turnkv_proof_rejected_tokens", verdict.mismatched)
+        if verdict.reason == "mismatch":
+            s.record("turnkv_proof_mismatches", 1)
+            logger.warning("turnkv: request %s: token proof matched %d of %d offered tokens; computing the rest",
+                           request.request_id, verdict.verified, verdict.offered)
+        elif verdict.reason in ("no-proof", "bad-proof"):
+            s.record("turnkv_proof_missing", 1)
+            logger.warning("turnkv: request %s: decode's offer has %s; recomputing", request.request_id,
+                           verdict.reason)
+        if verdict.verified < remote:
+            self._limit_offer(params, verdict.verified)
+
+    def _limit_offer(self, params: dict[str, Any], verified: int) -> None:
+        """Make decode's offer cover only the verified prefix (upstream then pulls just that)."""
+        params["remote_num_tokens"] = verified
+        groups = params.get("remote_block_ids") or []
+        if verified == 0 or len(groups) != 1:
+            # Nothing (or, with several KV cache groups, nothing safely) pulled. The block ids stay, so
+            # decode is still notified and frees its blocks.
+            params["remote_num_tokens"] = 0
+            return
+        keep = -(-verified // self.block_size)
+        params["remote_block_ids"] = [list(groups[0][:keep])]
+
+    # both sides ----------------------------------------------------------------------------------
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params or {}
+        is_decode = bool(params) and not params.get("do_remote_decode")
+        unwanted = self._retain_on_demand and not params.get(RETAIN_KEY)
+        if is_decode and unwanted and self.is_bidirectional_kv_xfer_enabled:
+            # Nobody will come back for this turn: free its blocks now, as upstream does without bi-directional.
+            self.is_bidirectional_kv_xfer_enabled = False
+            try:
+                delay, out = super().request_finished(request, block_ids)
+            finally:
+                self.is_bidirectional_kv_xfer_enabled = True
+        else:
+            delay, out = super().request_finished(request, block_ids)
+        verdict = self._verdicts.pop(request.request_id, None)
+        self._pulls_started.pop(request.request_id, None)
+        if out is None:
+            return delay, out
+        if out.get("do_remote_decode") and delay and out.get("remote_num_tokens"):
+            # Decode: prove which tokens the retained blocks hold.
+            held = list(request.all_token_ids[: out["remote_num_tokens"]])
+            out[token_proof.PARAMS_KEY] = token_proof.make_proof(held, self.block_size)
+            self._retained[request.request_id] = sum(len(group) for group in out.get("remote_block_ids") or ())
+            self._export_retained()
+        if verdict is not None:
+            out[VERDICT_KEY] = {"offered": verdict.offered, "verified": verdict.verified, "reason": verdict.reason}
+        return delay, out
+
+    def take_turnkv_stats(self) -> TurnkvKVConnectorStats | None:
+        if self.turnkv_stats.is_empty():
+            return None
+        return self.turnkv_stats.clone_and_reset()

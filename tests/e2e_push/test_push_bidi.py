@@ -1,0 +1,115 @@
+"""Push + bi-directional on real vLLM CPU engines (``connector.push``): one prefill and two decode engines,
+the router in push mode with round-robin decode choice, so every turn is decoded by the other engine than
+the previous turn's. Each turn after the first, prefill READs the previous turn back from the decode engine
+that holds it and WRITEs the whole KV into the new decode engine; the answers equal reuse off.
+Ports 38000 (router), 38100 (prefill), 38200/38201 (decode), 35600+ (side channels)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.e2e.client import chat, metric, words
+from turnkv.engine_args import Mode
+from turnkv.local.stack import StackConfig, Supervisor
+
+pytestmark = pytest.mark.engines
+
+STATE = Path(__file__).resolve().parents[2] / ".turnkv" / "e2e-push"
+EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
+DECODES = ("decode-0", "decode-1")
+
+
+@pytest.fixture(scope="module")
+def push_stack():
+    if os.environ.get("TURNKV_SKIP_ENGINES"):
+        pytest.skip("TURNKV_SKIP_ENGINES is set")
+    supervisor = Supervisor(STATE)
+    supervisor.down()
+    config = StackConfig(state_dir=STATE, router_port=38000, prefill_port=38100, decode_port=38200,
+                         side_channel_base=35600, kv_cache_gib=1, mode=Mode.PUSH, decode_engines=2,
+                         router_args=("--policy", "round_robin"),
+                         tunables={"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45})
+    try:
+        state = supervisor.up(config)
+        yield {name: c["url"] for name, c in state["components"].items()} | {"model_dir": config.model_dir}
+    finally:
+        supervisor.down()
+
+
+def external(url: str) -> float:
+    return metric(url, EXTERNAL[0], **EXTERNAL[1])
+
+
+def finished(url: str) -> float:
+    return metric(url, "vllm:request_success_total")
+
+
+def prompt_len(stack, messages) -> int:
+    return len(requests.post(f"{stack['prefill-0']}/tokenize", json={
+        "model": "tiny", "messages": messages, "add_generation_prompt": True}, timeout=30).json()["tokens"])
+
+
+def wait_for(check, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.5)
+    return check()
+
+
+def test_one_shot_requests_retain_nothing_in_push_mode(push_stack):
+    stack, router, model_dir = push_stack, push_stack["router"], push_stack["model_dir"]
+    for seed in (60, 61):
+        reply = chat(router, [{"role": "user", "content": words(model_dir, 300, seed)}])
+        assert reply.status == 200 and reply.outcome == "none"
+    # no conversation id: decode keeps nothing for these (KV usage drops back to 0 once they finish)
+    assert wait_for(lambda: all(metric(stack[n], "vllm:kv_cache_usage_perc") == 0 for n in DECODES), 20)
+
+
+def test_push_turns_read_back_from_one_decode_and_write_into_the_other(push_stack):
+    stack, router, model_dir = push_stack, push_stack["router"], push_stack["model_dir"]
+    prefill = stack["prefill-0"]
+    messages = [{"role": "system", "content": words(model_dir, 200, 41)},
+                {"role": "user", "content": words(model_dir, 500, 42)}]
+    turns, answered_by, previous = [], [], None
+    for turn in range(4):
+        before = {name: (external(stack[name]), finished(stack[name])) for name in DECODES}
+        pulled_before, read_before, written_before = (
+            external(prefill), metric(prefill, "vllm:turnkv_read_bytes_total"),
+            metric(prefill, "vllm:turnkv_write_bytes_total"))
+        on = chat(router, messages, conversation="push-bidi", stream=turn % 2 == 1)
+        assert on.status == 200 and on.token_ids, on.body
+        decode = next(n for n in DECODES if finished(stack[n]) > before[n][1])
+        answered_by.append(decode)
+        # the answering decode engine received its KV by prefill's WRITE: all of it, or what its own prefix
+        # cache lacked (a turn back on an engine that decoded an earlier one)
+        assert external(stack[decode]) > before[decode][0]
+        assert metric(prefill, "vllm:turnkv_write_bytes_total") > written_before
+        if turn == 0:
+            assert on.outcome == "miss" and on.reused == 0 and external(prefill) == pulled_before
+        else:
+            # prefill READ everything the previous turn's decode engine held (but the unsent last token)
+            assert on.outcome == "hit" and on.reused == previous - 1, (on.outcome, on.reused, previous)
+            assert external(prefill) - pulled_before == on.reused
+            assert metric(prefill, "vllm:turnkv_read_bytes_total") > read_before
+        previous = prompt_len(stack, messages) + len(on.token_ids)
+        turns.append((list(messages), on))
+        messages = [*messages, {"role": "assistant", "content": on.text},
+                    {"role": "user", "content": words(model_dir, 150, 50 + turn)}]
+    # round robin: every turn went to the other decode engine than the previous turn's
+    assert all(a != b for a, b in itertools.pairwise(answered_by)), answered_by
+    # the last turn's KV is retained (and reported) on the engine that decoded it, for the next turn
+    assert wait_for(lambda: metric(stack[answered_by[-1]], "vllm:turnkv_retained_bytes") > 0)
+    # greedy answers with reuse equal the answers without it (replayed afterwards: the alternation above
+    # must not be disturbed)
+    for turn, (history, on) in enumerate(turns):
+        off = chat(router, history, conversation="push-bidi-off", reuse=False, stream=turn % 2 == 1)
+        assert off.status == 200 and off.outcome == "disabled" and off.reused == 0
+        assert off.token_ids == on.token_ids, f"turn {turn + 1}: reuse changed the answer"
