@@ -53,7 +53,7 @@ unit: setup
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 e2e: setup tools
-	$(BIN)/python -m pytest tests/e2e $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/e2e tests/e2e_router tests/e2e_push $(PYTEST_ARGS)
 
 infra-test: setup $(CDK)
 	$(BIN)/python -m pytest tests/infra $(PYTEST_ARGS)

@@ -6,7 +6,7 @@ finished request's blocks for decoder_kv_blocks_ttl; turnkv's connector pins onl
 marks as a conversation turn. After the workload the decode engine's KV cache usage is read from its
 /metrics; then every conversation plays its second turn to show reuse is intact.
 
-    python -m bench.retention --out results/retention
+    python -m bench.retention --out results/retention [--mode push]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.client import Result, chat
 from bench.variants import report, stack_with_env
 from bench.workload import WorkloadSpec, build
+from turnkv.engine_args import Mode
 from turnkv.local.model import load_words
 
 VARIANTS = {
@@ -79,14 +80,16 @@ def main() -> None:
     parser.add_argument("--one-shots", type=int, default=3, help="one-shot requests per conversation turn")
     parser.add_argument("--out", type=Path, default=Path("results/retention"))
     parser.add_argument("--state-dir", type=Path, default=Path(".turnkv/retention"))
+    parser.add_argument("--mode", type=Mode, choices=list(Mode), default=Mode.PULL, help="connector mode")
     args = parser.parse_args()
     rows = []
     for name, env in VARIANTS.items():
-        with stack_with_env(env, args.state_dir, port_base=8500) as state:
+        with stack_with_env(env, args.state_dir, port_base=8500, mode=args.mode) as state:
             words = load_words(state["model_dir"])
-            rows.append({"variant": name, **asyncio.run(workload(state, words, args.conversations, args.one_shots))})
+            measured = asyncio.run(workload(state, words, args.conversations, args.one_shots))
+            rows.append({"variant": name, "mode": args.mode.value, **measured})
     report(rows, args.out, {
-        "variant": lambda r: r["variant"],
+        "variant": lambda r: f"{r['variant']} ({r['mode']})",
         "requests (conversation turns)": lambda r: f"{r['requests']} ({r['conversation_turns']})",
         "decode KV held after": lambda r: f"{r['decode_kv_held_mib']} MiB",
         "usage": lambda r: f"{r['decode_kv_usage_percent']}%",

@@ -64,7 +64,8 @@ def up(
     port: Annotated[int, typer.Option(help="Router port.")] = 8000,
     engine_port_base: Annotated[int, typer.Option(help="Prefill engine port; decode gets +100.")] = 8100,
     side_channel_base: Annotated[int, typer.Option(help="First NIXL side-channel port.")] = 5600,
-    mode: Annotated[Mode, typer.Option(help="KV transfer mode of the connector.")] = Mode.PULL,
+    mode: Annotated[Mode, typer.Option(help="Connector mode of every engine, both bi-directional: pull (decode "
+                                            "READs prefill's KV) or push (prefill WRITEs into decode).")] = Mode.PULL,
     prefill_prefix_caching: Annotated[bool, typer.Option(
         help="Enable prefix caching on the prefill engine (off by default: the fleet case reuse is for).")] = False,
     best_case: Annotated[bool, typer.Option(

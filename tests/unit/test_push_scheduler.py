@@ -1,0 +1,104 @@
+"""Push + bi-directional scheduling decisions (connector.push_scheduler), without an engine.
+
+The scheduler is built without vLLM's constructor (which needs a whole engine config): only the state
+its decisions read is set, so each test checks which path a request takes and what it leaves queued.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.request import RequestStatus
+
+from connector.push_scheduler import PushBidiScheduler
+from connector.push_worker import is_read_back
+
+DECODE_OFFER = {"do_remote_decode": True, "do_remote_prefill": False, "remote_block_ids": [[7, 8, 9]],
+                "remote_engine_id": "decode-0", "remote_request_id": "r1", "remote_host": "10.0.0.2",
+                "remote_port": 5601, "remote_num_tokens": 300, "tp_size": 1}
+
+
+def scheduler(bidirectional: bool = True) -> PushBidiScheduler:
+    s = PushBidiScheduler.__new__(PushBidiScheduler)
+    parallel = types.SimpleNamespace(tensor_parallel_size=1, decode_context_parallel_size=1, pipeline_parallel_size=1)
+    s.__dict__.update(
+        is_bidirectional_kv_xfer_enabled=bidirectional, kv_recompute_threshold=64, use_host_buffer=False,
+        block_size=128, decoder_kv_blocks_ttl=480, _kv_lease_duration=30, _push_registration_timeout=480,
+        engine_id="me", side_channel_host="10.0.0.9", side_channel_port=5600, transfer_tp_size=1,
+        vllm_config=types.SimpleNamespace(parallel_config=parallel, num_prefill_lookahead_tokens=1),
+        _has_mamba=False, _bounded_replay=False,
+        _reqs_in_batch=set(), _reqs_need_recv={}, _reqs_need_send={}, _reqs_need_save={}, _reqs_not_processed=set(),
+        _push_pending_registrations={}, _push_registration_deadlines={}, _finished_request_blocks={},
+        _newly_finished_push_blocks={}, _heartbeat_req_engine={}, _heartbeat_by_engine={})
+    s.get_exchange_clipped_blocks = lambda block_ids: block_ids
+    return s
+
+
+def request(rid: str, params: dict | None, prompt: int = 500, computed: int = 0):
+    return types.SimpleNamespace(request_id=rid, kv_transfer_params=dict(params) if params else None,
+                                 prompt_token_ids=list(range(prompt)), num_prompt_tokens=prompt,
+                                 num_computed_tokens=computed, status=RequestStatus.FINISHED_STOPPED)
+
+
+def blocks(ids):
+    return types.SimpleNamespace(get_unhashed_block_ids_all_groups=lambda: (list(ids),),
+                                 blocks=([types.SimpleNamespace(block_hash=None, is_null=False) for _ in ids],))
+
+
+def test_prefill_with_decode_params_reads_them_back_then_pushes():
+    s = scheduler()
+    req = request("p1", DECODE_OFFER)
+    assert s.get_num_new_matched_tokens(req, 0) == (300, True)  # async load: the READ from decode
+    s.update_state_after_alloc(req, blocks([1, 2, 3, 4]), 300)
+    queued_request, local, _, awaiting = s._reqs_need_recv["p1"]
+    assert queued_request is req and local == ([1, 2, 3, 4],) and awaiting and "p1" in s._reqs_in_batch
+    assert req.kv_transfer_params["_remote_blocks_processed"]
+    # finished: pushed as upstream does (its blocks wait for the new decode engine's registration)
+    delay, out = s.request_finished(req, ([1, 2, 3, 4],))
+    assert delay and out["do_remote_prefill"] and out["transfer_mode"] == "push"
+    assert s._newly_finished_push_blocks["p1"] == ([1, 2, 3, 4],)
+
+
+def test_a_tiny_reuse_is_recomputed():
+    s = scheduler()
+    assert s.get_num_new_matched_tokens(request("p2", {**DECODE_OFFER, "remote_num_tokens": 40}), 0) == (0, False)
+
+
+def test_decode_registers_for_the_push_and_is_not_in_batch_until_it_finishes():
+    s = scheduler()
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill-0",
+              "remote_host": "10.0.0.1", "remote_port": 5600, "tp_size": 1, "remote_request_id": "x"}
+    req = request("d1", params, prompt=500)
+    count, asynchronous = s.get_num_new_matched_tokens(req, 0)
+    assert count > 0 and asynchronous
+    s.update_state_after_alloc(req, blocks([5, 6, 7, 8]), count)
+    assert s._push_pending_registrations["d1"]["local_block_ids"] == ([5, 6, 7, 8],)
+    # in batch now, prefill's WRITE-completion notification would be taken for a read of retained blocks
+    assert "d1" not in s._reqs_in_batch
+    req.num_computed_tokens = 516
+    delay, out = s.request_finished(req, ([5, 6, 7, 8, 9],))
+    assert delay and "d1" in s._reqs_in_batch and "d1" in s._reqs_need_send
+    assert out["do_remote_decode"] and not out["do_remote_prefill"] and out["remote_num_tokens"] == 516
+    assert out["remote_block_ids"] == ([5, 6, 7, 8, 9],) and out["remote_blocks_expiry_time"] is not None
+    assert out["remote_engine_id"] == "me" and out["transfer_mode"] == "push"
+
+
+def test_without_bidirectional_decode_keeps_nothing():
+    s = scheduler(bidirectional=False)
+    req = request("d2", {"do_remote_prefill": False, "do_remote_decode": False, "remote_block_ids": ()})
+    assert s.request_finished(req, ([1, 2],)) == (False, None)
+    assert not s._reqs_need_send
+
+
+def test_worker_tells_reads_back_from_push_receives():
+    def meta(remote_ids):
+        return types.SimpleNamespace(remote=types.SimpleNamespace(block_ids=remote_ids))
+
+    assert is_read_back(meta([[7, 8]]))
+    assert not is_read_back(meta(()))  # decode waiting for prefill's WRITE
+    assert not is_read_back(meta([[]]))
+    assert not is_read_back(types.SimpleNamespace(remote=None))
