@@ -1,8 +1,8 @@
-"""Push + bi-directional on real vLLM CPU engines (``connector.push``): one prefill and two decode engines,
-the router in push mode with round-robin decode choice, so every turn is decoded by the other engine than
-the previous turn's. Each turn after the first, prefill READs the previous turn back from the decode engine
-that holds it and WRITEs the whole KV into the new decode engine; the answers equal reuse off.
-Ports 38000 (router), 38100 (prefill), 38200/38201 (decode), 35600+ (side channels)."""
+"""Push + bi-directional on real vLLM CPU engines (``connector.push``): two prefill and two decode engines,
+the router in push mode with round-robin choice, so every turn is prefilled and decoded by other engines
+than the previous turn's. Each turn after the first, prefill READs the previous turn back from the decode
+engine that holds it and WRITEs the whole KV into the new decode engine; the answers equal reuse off.
+Ports 38000 (router), 38100/38101 (prefill), 38200/38201 (decode), 35600+ (side channels)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ pytestmark = pytest.mark.engines
 
 STATE = Path(__file__).resolve().parents[2] / ".turnkv" / "e2e-push"
 EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
+PREFILLS = ("prefill-0", "prefill-1")
 DECODES = ("decode-0", "decode-1")
 
 
@@ -32,7 +33,8 @@ def push_stack():
     supervisor = Supervisor(STATE)
     supervisor.down()
     config = StackConfig(state_dir=STATE, router_port=38000, prefill_port=38100, decode_port=38200,
-                         side_channel_base=35600, kv_cache_gib=1, mode=Mode.PUSH, decode_engines=2,
+                         side_channel_base=35600, kv_cache_gib=1, mode=Mode.PUSH, prefill_engines=2,
+                         decode_engines=2,
                          router_args=("--policy", "round_robin"),
                          tunables={"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45})
     try:
@@ -44,6 +46,11 @@ def push_stack():
 
 def external(url: str) -> float:
     return metric(url, EXTERNAL[0], **EXTERNAL[1])
+
+
+def prefill_side(stack, name: str) -> float:
+    """A counter summed over both prefill engines."""
+    return sum(external(stack[p]) if name == "external" else metric(stack[p], name) for p in PREFILLS)
 
 
 def finished(url: str) -> float:
@@ -75,36 +82,37 @@ def test_one_shot_requests_retain_nothing_in_push_mode(push_stack):
 
 def test_push_turns_read_back_from_one_decode_and_write_into_the_other(push_stack):
     stack, router, model_dir = push_stack, push_stack["router"], push_stack["model_dir"]
-    prefill = stack["prefill-0"]
     messages = [{"role": "system", "content": words(model_dir, 200, 41)},
                 {"role": "user", "content": words(model_dir, 500, 42)}]
-    turns, answered_by, previous = [], [], None
+    turns, answered_by, prefilled_by, previous = [], [], [], None
     for turn in range(4):
-        before = {name: (external(stack[name]), finished(stack[name])) for name in DECODES}
+        before = {name: (external(stack[name]), finished(stack[name])) for name in (*PREFILLS, *DECODES)}
         pulled_before, read_before, written_before = (
-            external(prefill), metric(prefill, "vllm:turnkv_read_bytes_total"),
-            metric(prefill, "vllm:turnkv_write_bytes_total"))
+            prefill_side(stack, "external"), prefill_side(stack, "vllm:turnkv_read_bytes_total"),
+            prefill_side(stack, "vllm:turnkv_write_bytes_total"))
         on = chat(router, messages, conversation="push-bidi", stream=turn % 2 == 1)
         assert on.status == 200 and on.token_ids, on.body
         decode = next(n for n in DECODES if finished(stack[n]) > before[n][1])
         answered_by.append(decode)
+        prefilled_by.append(next(n for n in PREFILLS if finished(stack[n]) > before[n][1]))
         # the answering decode engine received its KV by prefill's WRITE: all of it, or what its own prefix
         # cache lacked (a turn back on an engine that decoded an earlier one)
         assert external(stack[decode]) > before[decode][0]
-        assert metric(prefill, "vllm:turnkv_write_bytes_total") > written_before
+        assert prefill_side(stack, "vllm:turnkv_write_bytes_total") > written_before
         if turn == 0:
-            assert on.outcome == "miss" and on.reused == 0 and external(prefill) == pulled_before
+            assert on.outcome == "miss" and on.reused == 0 and prefill_side(stack, "external") == pulled_before
         else:
             # prefill READ everything the previous turn's decode engine held (but the unsent last token)
             assert on.outcome == "hit" and on.reused == previous - 1, (on.outcome, on.reused, previous)
-            assert external(prefill) - pulled_before == on.reused
-            assert metric(prefill, "vllm:turnkv_read_bytes_total") > read_before
+            assert prefill_side(stack, "external") - pulled_before == on.reused
+            assert prefill_side(stack, "vllm:turnkv_read_bytes_total") > read_before
         previous = prompt_len(stack, messages) + len(on.token_ids)
         turns.append((list(messages), on))
         messages = [*messages, {"role": "assistant", "content": on.text},
                     {"role": "user", "content": words(model_dir, 150, 50 + turn)}]
-    # round robin: every turn went to the other decode engine than the previous turn's
+    # round robin: every turn went to other prefill and decode engines than the previous turn's
     assert all(a != b for a, b in itertools.pairwise(answered_by)), answered_by
+    assert all(a != b for a, b in itertools.pairwise(prefilled_by)), prefilled_by
     # the last turn's KV is retained (and reported) on the engine that decoded it, for the next turn
     assert wait_for(lambda: metric(stack[answered_by[-1]], "vllm:turnkv_retained_bytes") > 0)
     # greedy answers with reuse equal the answers without it (replayed afterwards: the alternation above
@@ -113,3 +121,18 @@ def test_push_turns_read_back_from_one_decode_and_write_into_the_other(push_stac
         off = chat(router, history, conversation="push-bidi-off", reuse=False, stream=turn % 2 == 1)
         assert off.status == 200 and off.outcome == "disabled" and off.reused == 0
         assert off.token_ids == on.token_ids, f"turn {turn + 1}: reuse changed the answer"
+
+
+def test_a_push_mode_lease_renewal_reaches_the_decode_engine_and_the_turn_still_reuses(push_stack):
+    router, model_dir = push_stack["router"], push_stack["model_dir"]
+    messages = [{"role": "user", "content": words(model_dir, 400, 70)}]
+    first = chat(router, messages, conversation="push-lease")
+    assert first.status == 200
+    renewed = requests.post(f"{router}/v1/conversations/lease", timeout=30,
+                            json={"conversation_id": "push-lease", "model": "tiny", "ttl": 120})
+    # 200 only when the decode engine found the retained request in its push worker's lease table
+    assert renewed.status_code == 200, renewed.text
+    assert 105 < renewed.json()["expires_in"] <= 110  # 120 s minus the router's expiry margin
+    second = chat(router, [*messages, {"role": "assistant", "content": first.text},
+                           {"role": "user", "content": "go on"}], conversation="push-lease")
+    assert second.outcome == "hit" and second.reused > 400
