@@ -18,6 +18,7 @@ from pathlib import Path
 from bench.client import Result, chat
 from bench.variants import cpu_percent_over, report, stack_with_env
 from bench.workload import WorkloadSpec, build
+from turnkv.engine_args import Mode
 from turnkv.local.model import load_words
 
 VARIANTS = {
@@ -47,14 +48,17 @@ async def burst(url: str, words: list[str], conversations: int) -> list[Result]:
     return results
 
 
-def run_variant(name: str, env: dict[str, str], state_dir: Path, window: float, conversations: int) -> dict:
-    with stack_with_env(env, state_dir, port_base=8400) as state:
+def run_variant(name: str, env: dict[str, str], state_dir: Path, window: float, conversations: int,
+                mode: Mode = Mode.PULL) -> dict:
+    with stack_with_env(env, state_dir, port_base=8400, mode=mode) as state:
         results = asyncio.run(burst(state["components"]["router"]["url"], load_words(state["model_dir"]),
                                     conversations))
         time.sleep(2)  # let the last request's own busy second pass
-        cpu = cpu_percent_over(state["components"]["decode-0"]["pgid"], window)
+        groups = [state["components"][name]["pgid"] for name in ("decode-0", "prefill-0")]
+        cpu, prefill_cpu = cpu_percent_over(groups, window)
     ttft = [r.ttft_ms for r in results if r.turn == 1 and r.ttft_ms is not None]
-    return {"variant": name, "decode_cpu_percent": round(cpu, 1), "window_s": window,
+    return {"variant": name, "mode": mode.value, "decode_cpu_percent": round(cpu, 1),
+            "prefill_cpu_percent": round(prefill_cpu, 1), "window_s": window,
             "ttft_ms_turn2_median": round(statistics.median(ttft)) if ttft else None,
             "reused_tokens_turn2": [r.reused_tokens for r in results if r.turn == 1],
             "errors": sum(1 for r in results if r.error)}
@@ -67,12 +71,15 @@ def main() -> None:
     parser.add_argument("--variant", action="append", choices=list(VARIANTS), help="run only these (repeatable)")
     parser.add_argument("--out", type=Path, default=Path("results/idle-cpu"))
     parser.add_argument("--state-dir", type=Path, default=Path(".turnkv/idle-cpu"))
+    parser.add_argument("--mode", type=Mode, choices=list(Mode), default=Mode.PULL, help="connector mode")
     args = parser.parse_args()
     chosen = args.variant or list(VARIANTS)
-    rows = [run_variant(name, VARIANTS[name], args.state_dir, args.window, args.conversations) for name in chosen]
+    rows = [run_variant(name, VARIANTS[name], args.state_dir, args.window, args.conversations, args.mode)
+            for name in chosen]
     report(rows, args.out, {
-        "variant": lambda r: r["variant"],
+        "variant": lambda r: f"{r['variant']} ({r['mode']})",
         "decode CPU after burst": lambda r: f"{r['decode_cpu_percent']}% of a core",
+        "prefill CPU": lambda r: f"{r['prefill_cpu_percent']}% of a core",
         "window": lambda r: f"{r['window_s']} s",
         "TTFT turn 2 (reuse on, median)": lambda r: f"{r['ttft_ms_turn2_median']} ms",
         "errors": lambda r: r["errors"],

@@ -47,10 +47,12 @@ def group_cpu_seconds(pgid: int) -> float:
     return total
 
 
-def cpu_percent_over(pgid: int, seconds: float) -> float:
-    start_cpu, start = group_cpu_seconds(pgid), time.monotonic()
+def cpu_percent_over(pgids: list[int], seconds: float) -> list[float]:
+    """Percent of one core each process group used over the same ``seconds``."""
+    start_cpu, start = [group_cpu_seconds(g) for g in pgids], time.monotonic()
     time.sleep(seconds)
-    return 100 * (group_cpu_seconds(pgid) - start_cpu) / (time.monotonic() - start)
+    elapsed = time.monotonic() - start
+    return [100 * (group_cpu_seconds(g) - c) / elapsed for g, c in zip(pgids, start_cpu, strict=True)]
 
 
 def report(rows: list[dict], out: Path, columns: dict[str, Callable[[dict], object]]) -> None:
