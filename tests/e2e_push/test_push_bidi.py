@@ -136,3 +136,23 @@ def test_a_push_mode_lease_renewal_reaches_the_decode_engine_and_the_turn_still_
     second = chat(router, [*messages, {"role": "assistant", "content": first.text},
                            {"role": "user", "content": "go on"}], conversation="push-lease")
     assert second.outcome == "hit" and second.reused > 400
+
+
+def test_a_turn_decoded_by_the_engine_that_holds_it_reads_and_writes_back_into_it(push_stack):
+    """The usual case with decode affinity: the same decode engine serves the READ of the previous turn
+    and receives the WRITE of the new one (round robin is steered there with one request in between)."""
+    stack, router, model_dir = push_stack, push_stack["router"], push_stack["model_dir"]
+    messages = [{"role": "user", "content": words(model_dir, 600, 80)}]
+    before = {name: finished(stack[name]) for name in DECODES}
+    first = chat(router, messages, conversation="push-same")
+    holder = next(n for n in DECODES if finished(stack[n]) > before[n])
+    assert chat(router, [{"role": "user", "content": words(model_dir, 50, 81)}]).status == 200  # the other one
+    history = [*messages, {"role": "assistant", "content": first.text}, {"role": "user", "content": "go on"}]
+    before = {name: (finished(stack[name]), external(stack[name])) for name in DECODES}
+    second = chat(router, history, conversation="push-same")
+    assert finished(stack[holder]) > before[holder][0], "round robin did not come back to the holder"
+    assert second.outcome == "hit" and second.reused == prompt_len(stack, messages) + len(first.token_ids) - 1
+    # its prefix cache still holds the previous turn's full blocks: only the rest is written into it
+    pushed = external(stack[holder]) - before[holder][1]
+    assert 0 < pushed < prompt_len(stack, history) - 128, pushed
+    assert second.token_ids == chat(router, history, conversation="push-same-off", reuse=False).token_ids
