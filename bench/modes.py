@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,23 +112,35 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    modes = [Mode(m.strip()) for m in args.modes.split(",") if m.strip()]
-    if Mode.PULL not in modes:
-        raise SystemExit("--modes must include pull: its reuse-off arm is the baseline every speedup is against")
+def parse_modes(text: str) -> list[Mode]:
+    """``pull,push`` -> modes; pull must be there (its reuse-off arm is the baseline)."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in {mode.value for mode in Mode}]
+    if unknown:
+        raise ValueError(f"unknown mode {unknown[0]!r} in --modes: expected pull and/or push")
+    if Mode.PULL.value not in names:
+        raise ValueError("--modes must include pull: its reuse-off arm is the baseline every speedup is against")
+    return [Mode(m) for m in dict.fromkeys(names)]
+
+
+def run(args: argparse.Namespace, on_result: Callable[[Any], None] = lambda r: None,
+        say: Callable[[str], None] = lambda line: print(line, flush=True)) -> dict[str, Any]:
+    try:
+        modes = parse_modes(args.modes)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     workload = WorkloadSpec(conversations=args.conversations, turns=args.turns, system_words=args.system_words,
                             first_user_words=args.first_user_words, turn_words=args.turn_words,
                             max_tokens=args.max_tokens)
     summaries: dict[Mode, dict[str, Any]] = {}
     for mode in modes:
-        print(f"== {mode.value} mode: starting the local stack", flush=True)
+        say(f"{mode.value} mode: starting the local stack")
         with stack_with_env({}, args.state_dir, port_base=args.port_base, mode=mode) as state:
             spec = runner.RunSpec(url=state["components"]["router"]["url"], workload=workload, ab=True)
-            results = asyncio.run(runner.run(spec))
+            results = asyncio.run(runner.run(spec, on_result))
         summaries[mode] = report.write(results, args.out / mode.value, {"mode": mode.value,
                                                                          "workload": workload.__dict__})
-        print(f"   {mode.value}: {summaries[mode]['requests']} requests, {summaries[mode]['errors']} errors",
-              flush=True)
+        say(f"{mode.value} mode: {summaries[mode]['requests']} requests, {summaries[mode]['errors']} errors")
     rows = combine(summaries)
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"workload": workload.__dict__, "turns": rows,
@@ -138,8 +151,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     text = markdown(rows, summaries)
     (args.out / "summary.md").write_text(text)
     chart(rows, args.out / "ttft.png")
-    print(text)
-    print(f"wrote {args.out / 'summary.md'}, {args.out / 'summary.json'} and {args.out / 'ttft.png'}")
+    say(text)
+    say(f"wrote {args.out / 'summary.md'}, {args.out / 'summary.json'} and {args.out / 'ttft.png'}")
     return result
 
 

@@ -42,3 +42,38 @@ def test_workload_grows_each_turn_from_the_replies():
     assert [x["role"] for x in m] == ["system", "user", "assistant", "user", "assistant", "user"]
     assert m[2]["content"] == "r1" and m[-1]["content"] == convs[0].user_turns[2]
     assert build(spec)[0] == convs[0]
+
+
+def test_modes_table_puts_each_mode_beside_the_pull_baseline(tmp_path):
+    from bench import modes
+    from turnkv.engine_args import Mode
+
+    def summary(off, on):
+        return {"turns": [{"turn": 1, "prompt_tokens": 1000, "ttft_ms_off": off[0], "ttft_ms_on": on[0],
+                           "reused_tokens_on": 0.0},
+                          {"turn": 2, "prompt_tokens": 4000, "ttft_ms_off": off[1], "ttft_ms_on": on[1],
+                           "reused_tokens_on": 3500.0}],
+                "requests": 4, "errors": 0, "answers_identical": 2, "answers_compared": 2}
+
+    summaries = {Mode.PULL: summary((600, 2400), (580, 300)), Mode.PUSH: summary((590, 2300), (570, 240))}
+    rows = modes.combine(summaries)
+    assert rows[1]["pull + bi-directional"] == 300 and rows[1]["push + bi-directional"] == 240
+    assert rows[1]["speedup_pull"] == 8.0 and rows[1]["speedup_push"] == 10.0  # both against pull's reuse off
+    assert rows[1]["reused_tokens_push"] == 3500.0
+    md = modes.markdown(rows, summaries)
+    assert "| 2 | 4000 | 2400 | 300 | 2300 | 240 | 8.00x | 10.00x |" in md
+    assert "push: requests 4, errors 0, identical answers with reuse on and off 2/2" in md
+    assert modes.chart(rows, tmp_path / "ttft.png").stat().st_size > 0
+    pull_only = modes.combine({Mode.PULL: summaries[Mode.PULL]})
+    assert "push + bi-directional" not in pull_only[0]
+
+
+def test_modes_cli_names_the_fix_for_a_bad_mode():
+    from typer.testing import CliRunner
+
+    from turnkv.cli import app
+
+    bad = CliRunner().invoke(app, ["bench", "modes", "--modes", "pull,bogus"])
+    assert bad.exit_code == 2 and "expected pull and/or push" in bad.output
+    no_baseline = CliRunner().invoke(app, ["bench", "modes", "--modes", "push"])
+    assert no_baseline.exit_code == 2 and "must include pull" in no_baseline.output

@@ -77,6 +77,47 @@ def multiturn(
 
 
 @app.command()
+def modes(
+    modes: Annotated[str, typer.Option(help="Comma list of connector modes (pull is the baseline).")] = "pull,push",
+    conversations: Annotated[int, typer.Option(min=1, help="Conversations.")] = 3,
+    turns: Annotated[int, typer.Option(min=1, help="Turns per conversation.")] = 8,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Reply length in tokens.")] = 32,
+    port_base: Annotated[int, typer.Option(help="Router port of the stack; engines at +10 and +20.")] = 8400,
+    out: Annotated[Path, typer.Option(help="Folder for summary.md/json, ttft.png and one folder per mode.")] = Path(
+        "results/modes"),
+) -> None:
+    """TTFT per turn by connector mode, on the local stack started once per mode: push + bi-directional,
+    pull + bi-directional and reuse off, in one run."""
+    from bench import modes as bench_modes
+    from turnkv.local.stack import StackError
+
+    args = bench_modes.parser().parse_args(["--modes", modes, "--conversations", str(conversations), "--turns",
+                                            str(turns), "--max-tokens", str(max_tokens), "--port-base",
+                                            str(port_base), "--out", str(out)])
+    try:
+        count = len(bench_modes.parse_modes(modes))
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
+    columns = (TextColumn("[bold]modes"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[last]}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("modes", total=count * conversations * turns * 2, last="")
+
+        def on_result(r: Any) -> None:
+            progress.update(task, advance=1, last=f"conv {r.conversation} turn {r.turn + 1} {r.arm}")
+
+        try:
+            result = bench_modes.run(args, on_result, say=progress.console.print)
+        except StackError as exc:
+            progress.stop()
+            console.print(f"[red]modes benchmark failed:[/red] {exc}", soft_wrap=True)
+            raise typer.Exit(2) from None
+    if any(m["errors"] for m in result["modes"].values()):
+        raise typer.Exit(1)
+
+
+@app.command()
 def router(
     targets: Annotated[str, typer.Option(help="Comma list: direct,turnkv,vllm-router,fastapi.")]
     = "direct,turnkv,vllm-router,fastapi",
