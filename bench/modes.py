@@ -74,27 +74,10 @@ def markdown(rows: list[dict[str, Any]], summaries: dict[Mode, dict[str, Any]]) 
 
 
 def chart(rows: list[dict[str, Any]], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.4), dpi=120)
-    styles = dict(zip(COLUMNS, (("#c0392b", "o", "-"), ("#27ae60", "s", "-"), ("#e67e22", "o", "--"),
-                                ("#8e44ad", "D", "--")), strict=True))
-    for label, (color, marker, line) in styles.items():
-        pts = [(r["prompt_tokens"], r[label]) for r in rows if r.get("prompt_tokens") and r.get(label) is not None]
-        if pts:
-            ax.plot(*zip(*pts, strict=True), marker=marker, linestyle=line, color=color, label=label)
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("TTFT, median (ms)")
-    ax.set_title("Multi-turn TTFT by connector mode")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    styles = (("#c0392b", "o", "-"), ("#27ae60", "s", "-"), ("#e67e22", "o", "--"), ("#8e44ad", "D", "--"))
+    lines = [(label, report.points(rows, label), {"color": c, "marker": m, "linestyle": ls})
+             for label, (c, m, ls) in zip(COLUMNS, styles, strict=True)]
+    return report.plot_ttft(lines, "Multi-turn TTFT by connector mode", path)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -95,30 +95,38 @@ def markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n" + "\n".join(notes) + "\n"
 
 
-def chart(summary: dict[str, Any], path: Path) -> Path:
+def plot_ttft(lines: list[tuple[str, list[tuple[float, float]], dict[str, Any]]], title: str, path: Path) -> Path:
+    """TTFT against prompt tokens, one line per (label, points, matplotlib style)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    styles = {"off": ("reuse off (recompute)", "#c0392b", "o"), "on": ("reuse on (pull from decode)", "#27ae60", "s"),
-              "best": ("best case (prefix-cached prefill)", "#2980b9", "^")}
-    for arm in summary["arms"]:
-        pts = [(r["prompt_tokens"], r[f"ttft_ms_{arm}"]) for r in summary["turns"]
-               if r.get("prompt_tokens") and r.get(f"ttft_ms_{arm}") is not None]
+    fig, ax = plt.subplots(figsize=(7.5, 4.4), dpi=120)
+    for label, pts, style in lines:
         if pts:
-            label, color, marker = styles[arm]
-            ax.plot(*zip(*pts, strict=True), marker=marker, color=color, label=label)
+            ax.plot(*zip(*pts, strict=True), label=label, **style)
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT, median (ms)")
-    ax.set_title("Multi-turn TTFT: bi-directional KV reuse")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def points(rows: list[dict[str, Any]], key: str) -> list[tuple[float, float]]:
+    return [(r["prompt_tokens"], r[key]) for r in rows if r.get("prompt_tokens") and r.get(key) is not None]
+
+
+def chart(summary: dict[str, Any], path: Path) -> Path:
+    styles = {"off": ("reuse off (recompute)", "#c0392b", "o"), "on": ("reuse on (pull from decode)", "#27ae60", "s"),
+              "best": ("best case (prefix-cached prefill)", "#2980b9", "^")}
+    lines = [(styles[arm][0], points(summary["turns"], f"ttft_ms_{arm}"),
+              {"color": styles[arm][1], "marker": styles[arm][2]}) for arm in summary["arms"]]
+    return plot_ttft(lines, "Multi-turn TTFT: bi-directional KV reuse", path)
 
 
 def write(results: list[Result], out: Path, meta: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import requests
@@ -70,3 +74,32 @@ def words(model_dir, n: int, seed: int) -> str:
     vocab = (model_dir / "words.txt").read_text().split()
     rng = random.Random(seed)
     return " ".join(rng.choice(vocab) for _ in range(n))
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Poll ``check`` until it holds or ``timeout`` passes (engine gauges update between steps)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.2)
+    return check()
+
+
+@contextlib.contextmanager
+def engine_stack(config) -> Iterator[dict]:
+    """A real local stack for a test module: component URLs by name, plus ``model_dir``; always stopped."""
+    import pytest
+
+    from turnkv.local.stack import Supervisor
+
+    if os.environ.get("TURNKV_SKIP_ENGINES"):
+        pytest.skip("TURNKV_SKIP_ENGINES is set")
+    supervisor = Supervisor(config.state_dir)
+    supervisor.down()  # a stack left by an interrupted run
+    try:
+        state = supervisor.up(config)
+        yield {name: c["url"] for name, c in state["components"].items()} | {"model_dir": config.model_dir,
+                                                                              "state_dir": config.state_dir}
+    finally:
+        supervisor.down()

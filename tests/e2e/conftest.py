@@ -4,12 +4,12 @@ Package scope: the stack stops when tests/e2e is done, before tests/e2e_router s
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-from turnkv.local.stack import StackConfig, Supervisor
+from tests.e2e.client import engine_stack
+from turnkv.local.stack import StackConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 STATE_DIR = ROOT / ".turnkv" / "e2e"  # models stay cached between runs; logs are kept for failures
@@ -17,10 +17,6 @@ STATE_DIR = ROOT / ".turnkv" / "e2e"  # models stay cached between runs; logs ar
 
 @pytest.fixture(scope="package")
 def stack():
-    if os.environ.get("TURNKV_SKIP_ENGINES"):
-        pytest.skip("TURNKV_SKIP_ENGINES is set")
-    supervisor = Supervisor(STATE_DIR)
-    supervisor.down()  # a stack left by an interrupted run
     config = StackConfig(
         state_dir=STATE_DIR, router_port=18000, prefill_port=18100, decode_port=18200, side_channel_base=15600,
         # A short TTL: a decode engine holding retained blocks keeps a core busy until they expire.
@@ -28,9 +24,5 @@ def stack():
         # The token-proof tests send a chat template that renders past assistant turns differently.
         engine_extra_args=("--trust-request-chat-template",),
     )
-    state = supervisor.up(config)
-    try:
-        yield {name: c["url"] for name, c in state["components"].items()} | {"state_dir": STATE_DIR,
-                                                                              "model_dir": config.model_dir}
-    finally:
-        supervisor.down()
+    with engine_stack(config) as running:
+        yield running

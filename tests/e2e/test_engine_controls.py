@@ -8,22 +8,13 @@ import time
 import pytest
 import requests
 
-from tests.e2e.client import chat, metric, words
+from tests.e2e.client import chat, metric, wait_for, words
 
 pytestmark = pytest.mark.engines
 
 
 def decode_kv_usage(stack) -> float:
     return metric(stack["decode-0"], "vllm:kv_cache_usage_perc")
-
-
-def wait_for(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return predicate()
 
 
 def test_only_conversation_turns_retain_decode_blocks(stack):

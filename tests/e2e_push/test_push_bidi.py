@@ -7,16 +7,14 @@ Ports 38000 (router), 38100/38101 (prefill), 38200/38201 (decode), 35600+ (side 
 from __future__ import annotations
 
 import itertools
-import os
-import time
 from pathlib import Path
 
 import pytest
 import requests
 
-from tests.e2e.client import chat, metric, words
+from tests.e2e.client import chat, engine_stack, metric, wait_for, words
 from turnkv.engine_args import Mode
-from turnkv.local.stack import StackConfig, Supervisor
+from turnkv.local.stack import StackConfig
 
 pytestmark = pytest.mark.engines
 
@@ -28,20 +26,13 @@ DECODES = ("decode-0", "decode-1")
 
 @pytest.fixture(scope="module")
 def push_stack():
-    if os.environ.get("TURNKV_SKIP_ENGINES"):
-        pytest.skip("TURNKV_SKIP_ENGINES is set")
-    supervisor = Supervisor(STATE)
-    supervisor.down()
     config = StackConfig(state_dir=STATE, router_port=38000, prefill_port=38100, decode_port=38200,
                          side_channel_base=35600, kv_cache_gib=1, mode=Mode.PUSH, prefill_engines=2,
                          decode_engines=2,
                          router_args=("--policy", "round_robin"),
                          tunables={"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45})
-    try:
-        state = supervisor.up(config)
-        yield {name: c["url"] for name, c in state["components"].items()} | {"model_dir": config.model_dir}
-    finally:
-        supervisor.down()
+    with engine_stack(config) as stack:
+        yield stack
 
 
 def external(url: str) -> float:
@@ -60,15 +51,6 @@ def finished(url: str) -> float:
 def prompt_len(stack, messages) -> int:
     return len(requests.post(f"{stack['prefill-0']}/tokenize", json={
         "model": "tiny", "messages": messages, "add_generation_prompt": True}, timeout=30).json()["tokens"])
-
-
-def wait_for(check, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.5)
-    return check()
 
 
 def test_one_shot_requests_retain_nothing_in_push_mode(push_stack):
@@ -114,7 +96,7 @@ def test_push_turns_read_back_from_one_decode_and_write_into_the_other(push_stac
     assert all(a != b for a, b in itertools.pairwise(answered_by)), answered_by
     assert all(a != b for a, b in itertools.pairwise(prefilled_by)), prefilled_by
     # the last turn's KV is retained (and reported) on the engine that decoded it, for the next turn
-    assert wait_for(lambda: metric(stack[answered_by[-1]], "vllm:turnkv_retained_bytes") > 0)
+    assert wait_for(lambda: metric(stack[answered_by[-1]], "vllm:turnkv_retained_bytes") > 0, 15)
     # greedy answers with reuse equal the answers without it (replayed afterwards: the alternation above
     # must not be disturbed)
     for turn, (history, on) in enumerate(turns):

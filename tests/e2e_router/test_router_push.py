@@ -4,14 +4,13 @@ concurrently with one X-Request-Id and transfer_id. Ports 28010 (router), 28110/
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import requests
 
-from tests.e2e.client import chat, metric, words
-from turnkv.local.stack import StackConfig, Supervisor
+from tests.e2e.client import chat, engine_stack, metric, words
+from turnkv.local.stack import StackConfig
 
 pytestmark = pytest.mark.engines
 
@@ -20,18 +19,11 @@ STATE = Path(__file__).resolve().parents[2] / ".turnkv" / "e2e-router-push"
 
 @pytest.fixture(scope="module")
 def push_stack():
-    if os.environ.get("TURNKV_SKIP_ENGINES"):
-        pytest.skip("TURNKV_SKIP_ENGINES is set")
-    supervisor = Supervisor(STATE)
-    supervisor.down()
     config = StackConfig(state_dir=STATE, router_port=28010, prefill_port=28110, decode_port=28210,
                          side_channel_base=25620, kv_cache_gib=1, connector="NixlPushConnector",
                          tunables={"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45})
-    try:
-        state = supervisor.up(config)
-        yield {name: c["url"] for name, c in state["components"].items()} | {"model_dir": config.model_dir}
-    finally:
-        supervisor.down()
+    with engine_stack(config) as stack:
+        yield stack
 
 
 def test_push_dispatch_learns_identity_then_runs_both_legs_at_once(push_stack):
