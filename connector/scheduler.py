@@ -81,6 +81,11 @@ class TurnkvSchedulerMixin:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         self._tunables.poll()
         params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and params.get("_remote_blocks_processed"):
+            # The one READ of decode's blocks was already tried: it failed (decode died, lease gone) or the
+            # request was preempted after it. Upstream would report the tokens as loadable again without
+            # queueing a transfer, and the request would wait for remote KV forever. Compute them instead.
+            return 0, False
         offer = self._is_decode_offer(params)
         first_look = offer and request.request_id not in self._verdicts
         if first_look:

@@ -99,7 +99,8 @@ def engine_stack(config) -> Iterator[dict]:
     supervisor.down()  # a stack left by an interrupted run
     try:
         state = supervisor.up(config)
-        yield {name: c["url"] for name, c in state["components"].items()} | {"model_dir": config.model_dir,
-                                                                              "state_dir": config.state_dir}
+        yield {name: c["url"] for name, c in state["components"].items()} | {
+            "model_dir": config.model_dir, "state_dir": config.state_dir,
+            "pgids": {name: c["pgid"] for name, c in state["components"].items()}}
     finally:
         supervisor.down()

@@ -2,11 +2,15 @@
 the router in push mode with round-robin choice, so every turn is prefilled and decoded by other engines
 than the previous turn's. Each turn after the first, prefill READs the previous turn back from the decode
 engine that holds it and WRITEs the whole KV into the new decode engine; the answers equal reuse off.
-Ports 38000 (router), 38100/38101 (prefill), 38200/38201 (decode), 35600+ (side channels)."""
+Ports 19000 (router), 19100/19101 (prefill), 19200/19201 (decode), 16600+ (side channels): below the
+ephemeral range (32768+), where an outgoing connection could take one first."""
 
 from __future__ import annotations
 
 import itertools
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -26,8 +30,8 @@ DECODES = ("decode-0", "decode-1")
 
 @pytest.fixture(scope="module")
 def push_stack():
-    config = StackConfig(state_dir=STATE, router_port=38000, prefill_port=38100, decode_port=38200,
-                         side_channel_base=35600, kv_cache_gib=1, mode=Mode.PUSH, prefill_engines=2,
+    config = StackConfig(state_dir=STATE, router_port=19000, prefill_port=19100, decode_port=19200,
+                         side_channel_base=16600, kv_cache_gib=1, mode=Mode.PUSH, prefill_engines=2,
                          decode_engines=2,
                          router_args=("--policy", "round_robin"),
                          tunables={"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45})
@@ -138,3 +142,24 @@ def test_a_turn_decoded_by_the_engine_that_holds_it_reads_and_writes_back_into_i
     pushed = external(stack[holder]) - before[holder][1]
     assert 0 < pushed < prompt_len(stack, history) - 128, pushed
     assert second.token_ids == chat(router, history, conversation="push-same-off", reuse=False).token_ids
+
+
+def test_last_a_dead_decode_engine_costs_a_recompute_not_a_stall(push_stack):
+    """Runs last (it kills an engine). Decode dies after a turn; before the router notices, the next turn
+    replays params naming it: prefill's READ fails at once and it recomputes, on the other decode engine."""
+    stack, router, model_dir = push_stack, push_stack["router"], push_stack["model_dir"]
+    messages = [{"role": "user", "content": words(model_dir, 500, 90)}]
+    before = {name: finished(stack[name]) for name in DECODES}
+    first = chat(router, messages, conversation="push-dead")
+    holder = next(n for n in DECODES if finished(stack[n]) > before[n])
+    failed_before = prefill_side(stack, "vllm:nixl_num_failed_transfers_total")
+    os.killpg(stack["pgids"][holder], signal.SIGKILL)
+    history = [*messages, {"role": "assistant", "content": first.text}, {"role": "user", "content": "go on"}]
+    started = time.monotonic()
+    second = chat(router, history, conversation="push-dead")
+    elapsed = time.monotonic() - started
+    assert second.status == 200 and second.outcome == "recompute" and second.reused == 0
+    # upstream re-awaits the failed READ forever; the router's prefill timeout (120 s) used to end it
+    assert elapsed < 30, f"turn after the decode died took {elapsed:.1f} s"
+    assert prefill_side(stack, "vllm:nixl_num_failed_transfers_total") > failed_before
+    assert second.token_ids == chat(router, history, conversation="push-dead-off", reuse=False).token_ids

@@ -102,3 +102,15 @@ def test_worker_tells_reads_back_from_push_receives():
     assert not is_read_back(meta(()))  # decode waiting for prefill's WRITE
     assert not is_read_back(meta([[]]))
     assert not is_read_back(types.SimpleNamespace(remote=None))
+
+
+def test_a_failed_read_back_is_recomputed_not_awaited_again():
+    """After a failed READ (decode died) the request is rescheduled; it must compute, not wait again."""
+    from connector.push import TurnkvPushScheduler
+
+    s = TurnkvPushScheduler.__new__(TurnkvPushScheduler)
+    s.__dict__.update(scheduler().__dict__)
+    s._tunables = types.SimpleNamespace(poll=lambda: None)
+    req = request("p3", {**DECODE_OFFER, "_remote_blocks_processed": True})
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert PushBidiScheduler.get_num_new_matched_tokens(s, req, 0) == (300, True)  # upstream's answer: a hang
