@@ -28,15 +28,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPu
 
 from connector.scheduler import TurnkvSchedulerMixin  # noqa: E402
 from connector.stats import TurnkvStatsReporting  # noqa: E402
-from connector.worker import TransferStatsMixin  # noqa: E402
+from connector.worker import TurnkvWorkerMixin  # noqa: E402
 
 
 class TurnkvPullScheduler(TurnkvSchedulerMixin, NixlPullConnectorScheduler):
     """Upstream's pull scheduler (bi-directional) plus turnkv's scheduling (``connector.scheduler``)."""
 
 
-class TurnkvPullWorker(TransferStatsMixin, NixlPullConnectorWorker):
-    """Upstream's pull worker, with its transfers counted by direction."""
+class TurnkvPullWorker(TurnkvWorkerMixin, NixlPullConnectorWorker):
+    """Upstream's pull worker, with transfer metrics by direction and the decode-boot check on reads."""
+
+    def start_load_kv(self, metadata: Any) -> None:
+        self._note_expected_boots(metadata)
+        super().start_load_kv(metadata)
 
 
 class TurnkvPullConnector(TurnkvStatsReporting, NixlPullConnector):

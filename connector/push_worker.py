@@ -17,7 +17,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
 
-from connector.worker import TransferStatsMixin
+from connector.worker import TurnkvWorkerMixin
 
 
 def is_read_back(meta: Any) -> bool:
@@ -27,8 +27,9 @@ def is_read_back(meta: Any) -> bool:
 
 
 # MRO: push's methods first (start_load_kv, notifications, writer thread), pull's READ helpers next.
-class PushBidiWorker(TransferStatsMixin, NixlPushConnectorWorker, NixlPullConnectorWorker):
+class PushBidiWorker(TurnkvWorkerMixin, NixlPushConnectorWorker, NixlPullConnectorWorker):
     def start_load_kv(self, metadata: Any) -> None:
+        self._note_expected_boots(metadata)
         reads = {rid: meta for rid, meta in metadata.reqs_to_recv.items() if is_read_back(meta)}
         if reads:
             rest = copy.copy(metadata)

@@ -17,7 +17,7 @@ import os
 import time
 from typing import Any
 
-from connector import token_proof
+from connector import boot, token_proof
 from connector.policy import CostModel
 from connector.stats import TurnkvKVConnectorStats
 from connector.tunables import TunablesFile
@@ -43,6 +43,20 @@ def _bytes_per_block(kv_cache_config: Any) -> int:
         return 0
 
 
+def _boot_of(metadata: dict[tuple[int, int], Any]) -> str | None:
+    """Boot fingerprint of this engine from the handshake payload it serves (first rank's NIXL agent)."""
+    import msgspec
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
+
+    try:
+        payload = metadata[min(metadata)]
+        agent = msgspec.msgpack.decode(payload.agent_metadata_bytes, type=NixlAgentMetadata)
+        return boot.fingerprint(agent.agent_metadata)
+    except Exception:  # no fingerprint: decode's offers are then read without the boot check
+        logger.exception("turnkv: could not fingerprint this engine's NIXL agent")
+        return None
+
+
 class TurnkvSchedulerMixin:
     """turnkv's scheduler-side behaviour, mixed in before an upstream NIXL scheduler (pull or push)."""
 
@@ -61,10 +75,20 @@ class TurnkvSchedulerMixin:
         self._adaptive = _flag("TURNKV_ADAPTIVE_THRESHOLD", True)
         self.cost = CostModel()
         self._step_started: tuple[float, int] | None = None
-        self._pulls_started: dict[str, tuple[float, int]] = {}
+        self._pulls_started: dict[str, tuple[float, int, str]] = {}
+        # Engines pulled from before: the first pull from an engine also pays the NIXL handshake (hundreds
+        # of ms), which would teach the cost model that pulls are slow and make it refuse them.
+        self._pulled_from: set[str] = set()
         # Decode side: blocks held for another engine to read, by request (until read or expired).
         self._retained: dict[str, int] = {}
         self._bytes_per_block = _bytes_per_block(self.kv_cache_config)
+        # This engine's boot fingerprint (decode stamps its params), and the ones prefill's reads expect.
+        self._boot: str | None = None
+        self._expected_boots: dict[str, str] = {}
+
+    def set_xfer_handshake_metadata(self, metadata: dict[tuple[int, int], Any]) -> None:
+        super().set_xfer_handshake_metadata(metadata)  # type: ignore[misc]
+        self._boot = _boot_of(metadata)
 
     def _apply_tunables(self, values: dict[str, int | float]) -> None:
         if "decoder_kv_blocks_ttl" in values:
@@ -90,6 +114,8 @@ class TurnkvSchedulerMixin:
         first_look = offer and request.request_id not in self._verdicts
         if first_look:
             self._check_offer(request, params)
+            if isinstance(params.get(boot.PARAMS_KEY), str):
+                self._expected_boots[request.request_id] = params[boot.PARAMS_KEY]
         count, asynchronous = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if not first_look:
             return count, asynchronous
@@ -104,8 +130,10 @@ class TurnkvSchedulerMixin:
         return count, asynchronous
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        if num_external_tokens > 0 and self._is_decode_offer(request.kv_transfer_params):
-            self._pulls_started[request.request_id] = (time.perf_counter(), num_external_tokens)
+        params = request.kv_transfer_params
+        if num_external_tokens > 0 and self._is_decode_offer(params):
+            self._pulls_started[request.request_id] = (time.perf_counter(), num_external_tokens,
+                                                       str(params.get("remote_engine_id")))
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     # cost model inputs: step compute time and pull durations ----------------------------------------
@@ -113,7 +141,11 @@ class TurnkvSchedulerMixin:
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
         self._step_started = (time.perf_counter(), tokens)
-        return super().build_connector_meta(scheduler_output)
+        meta = super().build_connector_meta(scheduler_output)
+        # The worker checks each read's expected boot against the engine it handshook with.
+        meta.turnkv_boots = {rid: self._expected_boots.pop(rid) for rid in meta.reqs_to_recv
+                             if rid in self._expected_boots}
+        return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
         now = time.perf_counter()
@@ -126,8 +158,12 @@ class TurnkvSchedulerMixin:
             self._export_retained()
         for req_id in connector_output.finished_recving or ():
             started_pull = self._pulls_started.pop(req_id, None)
-            if started_pull is not None:
-                self.cost.observe_pull(now - started_pull[0], started_pull[1])
+            if started_pull is None:
+                continue
+            started, tokens, engine = started_pull
+            if engine in self._pulled_from:
+                self.cost.observe_pull(now - started, tokens)
+            self._pulled_from.add(engine)
         self._export_estimates()
         super().update_connector_output(connector_output)
 
@@ -198,12 +234,15 @@ class TurnkvSchedulerMixin:
             delay, out = super().request_finished(request, block_ids)
         verdict = self._verdicts.pop(request.request_id, None)
         self._pulls_started.pop(request.request_id, None)
+        self._expected_boots.pop(request.request_id, None)
         if out is None:
             return delay, out
         if out.get("do_remote_decode") and delay and out.get("remote_num_tokens"):
             # Decode: prove which tokens the retained blocks hold.
             held = list(request.all_token_ids[: out["remote_num_tokens"]])
             out[token_proof.PARAMS_KEY] = token_proof.make_proof(held, self.block_size)
+            if self._boot:
+                out[boot.PARAMS_KEY] = self._boot
             self._retained[request.request_id] = sum(len(group) for group in out.get("remote_block_ids") or ())
             self._export_retained()
         if verdict is not None:

@@ -23,6 +23,8 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:turnkv_decisions_pull", "Verified offers pulled (the cost model expected the pull to be faster)."),
     "turnkv_decisions_recompute": (
         "vllm:turnkv_decisions_recompute", "Verified offers recomputed (below the threshold, or slower to pull)."),
+    "turnkv_stale_offers": (
+        "vllm:turnkv_stale_offers", "Offers from a decode engine that restarted since (not read; recomputed)."),
     "turnkv_read_bytes": (
         "vllm:turnkv_read_bytes", "KV bytes this engine READ from a peer (NIXL READs it posted: pulls)."),
     "turnkv_read_seconds": (

@@ -97,3 +97,26 @@ def test_edited_history_replayed_by_a_careless_router_is_not_pulled(stack):
                   source="external_kv_transfer") == pulled_before
     clean = _direct_turn(stack, edited)
     assert second["decode"]["choices"][0]["token_ids"] == clean["decode"]["choices"][0]["token_ids"]
+
+
+def test_an_offer_from_an_earlier_boot_of_the_decode_engine_is_not_read(stack):
+    """A decode engine that restarted keeps its id and block numbers but not its KV: params stamped by the
+    previous process are refused (stale offer, recomputed) even though their token proof still matches."""
+    model_dir = stack["model_dir"]
+    messages = [{"role": "user", "content": words(model_dir, 500, 75)}]
+    first = _direct_turn(stack, messages)
+    offer = first["decode"]["kv_transfer_params"]
+    assert len(offer["turnkv_boot"]) == 16
+    follow = [*messages, {"role": "assistant", "content": first["decode"]["choices"][0]["message"]["content"]},
+              {"role": "user", "content": "next"}]
+    pulled = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
+    stale_before = metric(stack["prefill-0"], "vllm:turnkv_stale_offers_total")
+    pulled_before = metric(stack["prefill-0"], pulled[0], **pulled[1])
+    stale = _direct_turn(stack, follow, params={**offer, "turnkv_boot": "0" * 16})
+    assert metric(stack["prefill-0"], "vllm:turnkv_stale_offers_total") == stale_before + 1
+    assert metric(stack["prefill-0"], pulled[0], **pulled[1]) == pulled_before
+    assert not stale["prefill"]["kv_transfer_params"].get("remote_prefill_cached_tokens")
+    # the genuine offer (decode still holds the blocks: nothing read them) passes the check
+    genuine = _direct_turn(stack, follow, params=offer)
+    assert metric(stack["prefill-0"], "vllm:turnkv_stale_offers_total") == stale_before + 1
+    assert stale["decode"]["choices"][0]["token_ids"] == genuine["decode"]["choices"][0]["token_ids"]

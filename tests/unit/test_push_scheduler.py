@@ -114,3 +114,60 @@ def test_a_failed_read_back_is_recomputed_not_awaited_again():
     req = request("p3", {**DECODE_OFFER, "_remote_blocks_processed": True})
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     assert PushBidiScheduler.get_num_new_matched_tokens(s, req, 0) == (300, True)  # upstream's answer: a hang
+
+
+def test_reads_go_ahead_only_from_the_boot_that_offered():
+    from connector import boot
+    from connector.worker import TurnkvWorkerMixin
+
+    class Upstream:
+        def __init__(self):
+            self.read, self.failed = [], []
+            self.xfer_stats = types.SimpleNamespace(data={})
+            self._remote_agents = {"decode-0": {(0, 0): "agent"}}
+            self._recv_failures = set()
+
+        def add_remote_agent(self, meta, remote_tp_rank=0, *args, **kwargs):
+            return "agent"
+
+        def _read_blocks_for_req(self, req_id, meta):
+            self.read.append(req_id)
+
+        def _handle_failed_transfer(self, req_id, handle, failed, record_failed_transfer=True):
+            self.failed.append(req_id)
+            failed.add(req_id)
+            return True
+
+    class Worker(TurnkvWorkerMixin, Upstream):
+        pass
+
+    w = Worker()
+    w.add_remote_agent(types.SimpleNamespace(engine_id="decode-0", agent_metadata=b"boot-2"), 0)
+    now, before = boot.fingerprint(b"boot-2"), boot.fingerprint(b"boot-1")
+    meta = types.SimpleNamespace(remote=types.SimpleNamespace(engine_id="decode-0"))
+    w._note_expected_boots(types.SimpleNamespace(turnkv_boots={"old": before, "new": now}))
+    w._read_blocks_for_req("old", meta)  # offered by the engine's previous process: refused
+    w._read_blocks_for_req("new", meta)
+    w._read_blocks_for_req("unstamped", meta)  # params without a fingerprint are read as before
+    assert w.read == ["new", "unstamped"] and w.failed == ["old"] and w._recv_failures == {"old"}
+    assert w.xfer_stats.data["turnkv_stale_offers"] == [1] and not w.xfer_stats.is_empty()
+    assert boot.same_boot(None, now) and not boot.same_boot(before, now)
+
+
+def test_the_first_pull_from_an_engine_pays_the_handshake_and_is_no_cost_sample():
+    import time
+
+    from connector.policy import CostModel
+    from connector.push import TurnkvPushScheduler
+    from connector.stats import TurnkvKVConnectorStats
+
+    s = TurnkvPushScheduler.__new__(TurnkvPushScheduler)
+    s.__dict__.update(scheduler().__dict__)
+    s.__dict__.update(cost=CostModel(), _pulls_started={}, _pulled_from=set(), _step_started=None, _retained={},
+                      turnkv_stats=TurnkvKVConnectorStats())
+    for rid in ("first", "second"):
+        s._pulls_started[rid] = (time.perf_counter() - 0.05, 500, "decode-0")
+    s.update_connector_output(types.SimpleNamespace(finished_recving={"first"}, finished_sending=None))
+    assert s.cost.pulls.w == 0 and s._pulled_from == {"decode-0"}
+    s.update_connector_output(types.SimpleNamespace(finished_recving={"second"}, finished_sending=None))
+    assert s.cost.pulls.w == 1 and s.cost.pull_per_token is not None
