@@ -40,6 +40,7 @@ REPLAY_KEYS = (
     "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens",
     "remote_blocks_expiry_time", "transfer_mode",
     "turnkv_token_proof",  # decode's per-block token digests (turnkv connector): prefill verifies before pulling
+    "turnkv_boot",  # which process of the decode engine holds the blocks: prefill refuses another boot's
 )
 REQUIRED_REPLAY_KEYS = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port", "remote_num_tokens")
 

@@ -81,3 +81,12 @@ def test_only_complete_allowlisted_params_are_replayed():
     assert guard.replayable({**good, "remote_block_ids": []}) is None
     assert guard.replayable({**good, "do_remote_decode": False}) is None
     assert guard.replayable(None) is None
+
+
+def test_the_connectors_own_params_survive_the_replay_allowlist():
+    from connector import boot, token_proof
+
+    offer = {"do_remote_decode": True, "remote_block_ids": [[1]], "remote_engine_id": "d", "remote_host": "h",
+             "remote_port": 1, "remote_num_tokens": 100, token_proof.PARAMS_KEY: "proof", boot.PARAMS_KEY: "b0"}
+    replay = guard.replayable(offer)
+    assert replay[token_proof.PARAMS_KEY] == "proof" and replay[boot.PARAMS_KEY] == "b0"
