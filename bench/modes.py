@@ -42,15 +42,14 @@ def combine(summaries: dict[Mode, dict[str, Any]]) -> list[dict[str, Any]]:
     turns = max(len(s["turns"]) for s in summaries.values())
     for i in range(turns):
         row: dict[str, Any] = {"turn": i + 1}
+        turn = {mode: s["turns"][i] if i < len(s["turns"]) else {} for mode, s in summaries.items()}
         for label, (mode, arm) in columns(summaries).items():
-            turn = summaries[mode]["turns"][i] if i < len(summaries[mode]["turns"]) else {}
-            row["prompt_tokens"] = row.get("prompt_tokens") or turn.get("prompt_tokens")
-            row[label] = turn.get(f"ttft_ms_{arm}")
+            row["prompt_tokens"] = row.get("prompt_tokens") or turn[mode].get("prompt_tokens")
+            row[label] = turn[mode].get(f"ttft_ms_{arm}")
         baseline = row["reuse off (pull P/D)"]
         for mode in summaries:
             on = row[f"{mode.value} + bi-directional"]
-            turn = summaries[mode]["turns"][i] if i < len(summaries[mode]["turns"]) else {}
-            row[f"reused_tokens_{mode.value}"] = turn.get("reused_tokens_on")
+            row[f"reused_tokens_{mode.value}"] = turn[mode].get("reused_tokens_on")
             row[f"speedup_{mode.value}"] = round(baseline / on, 2) if baseline and on else None
         rows.append(row)
     return rows

@@ -5,7 +5,8 @@ Load it with ``--kv-transfer-config '{"kv_connector": "TurnkvPullConnector",
 
 Decode READs prefill's KV, and the next turn's prefill READs decode's retained KV back. What turnkv adds
 (token proof, retain on demand, adaptive threshold, hot reload) lives in ``connector.scheduler``; the
-worker is upstream's, with its transfers counted by direction (``connector.worker``).
+worker is upstream's, with transfers counted by direction and reads checked against decode's boot
+(``connector.worker``).
 """
 
 from __future__ import annotations
@@ -37,10 +38,6 @@ class TurnkvPullScheduler(TurnkvSchedulerMixin, NixlPullConnectorScheduler):
 
 class TurnkvPullWorker(TurnkvWorkerMixin, NixlPullConnectorWorker):
     """Upstream's pull worker, with transfer metrics by direction and the decode-boot check on reads."""
-
-    def start_load_kv(self, metadata: Any) -> None:
-        self._note_expected_boots(metadata)
-        super().start_load_kv(metadata)
 
 
 class TurnkvPullConnector(TurnkvStatsReporting, NixlPullConnector):

@@ -26,16 +26,16 @@ def is_read_back(meta: Any) -> bool:
     return bool(remote is not None and any(len(group) for group in remote.block_ids or ()))
 
 
-# MRO: push's methods first (start_load_kv, notifications, writer thread), pull's READ helpers next.
+# MRO: turnkv's mixin, then push's methods (start_load_kv, notifications, writer thread), then pull's READ
+# helpers.
 class PushBidiWorker(TurnkvWorkerMixin, NixlPushConnectorWorker, NixlPullConnectorWorker):
     def start_load_kv(self, metadata: Any) -> None:
-        self._note_expected_boots(metadata)
         reads = {rid: meta for rid, meta in metadata.reqs_to_recv.items() if is_read_back(meta)}
         if reads:
             rest = copy.copy(metadata)
             rest.reqs_to_recv = {rid: m for rid, m in metadata.reqs_to_recv.items() if rid not in reads}
             metadata = rest
-        NixlPushConnectorWorker.start_load_kv(self, metadata)
+        super().start_load_kv(metadata)  # the mixin notes every read's expected boot; push takes the rest
         for req_id, meta in reads.items():
             meta.local_physical_block_ids = self._logical_to_kernel_block_ids(
                 meta.local_block_ids, self._physical_blocks_per_logical_kv_block)

@@ -36,7 +36,6 @@ class TurnkvWorkerMixin:
         data = self.xfer_stats.data
         before = len(data["bytes_transferred"])
         done = super()._pop_done_transfers(transfers)  # type: ignore[misc]
-        data = self.xfer_stats.data  # the same dict: upstream appends, it never swaps it mid-call
         moved = data["bytes_transferred"][before:]
         if moved:
             op = "write" if transfers is getattr(self, "_sending_transfers", None) else "read"
@@ -52,8 +51,9 @@ class TurnkvWorkerMixin:
             self._turnkv_boots[nixl_agent_meta.engine_id] = boot.fingerprint(nixl_agent_meta.agent_metadata)
         return name
 
-    def _note_expected_boots(self, metadata: Any) -> None:
+    def start_load_kv(self, metadata: Any) -> None:
         self._turnkv_expected.update(getattr(metadata, "turnkv_boots", None) or {})
+        super().start_load_kv(metadata)  # type: ignore[misc]
 
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         engine_id = meta.remote.engine_id

@@ -43,9 +43,13 @@ def external(url: str) -> float:
     return metric(url, EXTERNAL[0], **EXTERNAL[1])
 
 
-def prefill_side(stack, name: str) -> float:
-    """A counter summed over both prefill engines."""
-    return sum(external(stack[p]) if name == "external" else metric(stack[p], name) for p in PREFILLS)
+def prefill_side(stack, measure) -> float:
+    """``measure(url)`` summed over both prefill engines."""
+    return sum(measure(stack[p]) for p in PREFILLS)
+
+
+def counter(name: str):
+    return lambda url: metric(url, name)
 
 
 def finished(url: str) -> float:
@@ -74,8 +78,8 @@ def test_push_turns_read_back_from_one_decode_and_write_into_the_other(push_stac
     for turn in range(4):
         before = {name: (external(stack[name]), finished(stack[name])) for name in (*PREFILLS, *DECODES)}
         pulled_before, read_before, written_before = (
-            prefill_side(stack, "external"), prefill_side(stack, "vllm:turnkv_read_bytes_total"),
-            prefill_side(stack, "vllm:turnkv_write_bytes_total"))
+            prefill_side(stack, external), prefill_side(stack, counter("vllm:turnkv_read_bytes_total")),
+            prefill_side(stack, counter("vllm:turnkv_write_bytes_total")))
         on = chat(router, messages, conversation="push-bidi", stream=turn % 2 == 1)
         assert on.status == 200 and on.token_ids, on.body
         decode = next(n for n in DECODES if finished(stack[n]) > before[n][1])
@@ -84,14 +88,14 @@ def test_push_turns_read_back_from_one_decode_and_write_into_the_other(push_stac
         # the answering decode engine received its KV by prefill's WRITE: all of it, or what its own prefix
         # cache lacked (a turn back on an engine that decoded an earlier one)
         assert external(stack[decode]) > before[decode][0]
-        assert prefill_side(stack, "vllm:turnkv_write_bytes_total") > written_before
+        assert prefill_side(stack, counter("vllm:turnkv_write_bytes_total")) > written_before
         if turn == 0:
-            assert on.outcome == "miss" and on.reused == 0 and prefill_side(stack, "external") == pulled_before
+            assert on.outcome == "miss" and on.reused == 0 and prefill_side(stack, external) == pulled_before
         else:
             # prefill READ everything the previous turn's decode engine held (but the unsent last token)
             assert on.outcome == "hit" and on.reused == previous - 1, (on.outcome, on.reused, previous)
-            assert prefill_side(stack, "external") - pulled_before == on.reused
-            assert prefill_side(stack, "vllm:turnkv_read_bytes_total") > read_before
+            assert prefill_side(stack, external) - pulled_before == on.reused
+            assert prefill_side(stack, counter("vllm:turnkv_read_bytes_total")) > read_before
         previous = prompt_len(stack, messages) + len(on.token_ids)
         turns.append((list(messages), on))
         messages = [*messages, {"role": "assistant", "content": on.text},
@@ -152,7 +156,7 @@ def test_last_a_dead_decode_engine_costs_a_recompute_not_a_stall(push_stack):
     before = {name: finished(stack[name]) for name in DECODES}
     first = chat(router, messages, conversation="push-dead")
     holder = next(n for n in DECODES if finished(stack[n]) > before[n])
-    failed_before = prefill_side(stack, "vllm:nixl_num_failed_transfers_total")
+    failed_before = prefill_side(stack, counter("vllm:nixl_num_failed_transfers_total"))
     os.killpg(stack["pgids"][holder], signal.SIGKILL)
     history = [*messages, {"role": "assistant", "content": first.text}, {"role": "user", "content": "go on"}]
     started = time.monotonic()
@@ -161,5 +165,5 @@ def test_last_a_dead_decode_engine_costs_a_recompute_not_a_stall(push_stack):
     assert second.status == 200 and second.outcome == "recompute" and second.reused == 0
     # upstream re-awaits the failed READ forever; the router's prefill timeout (120 s) used to end it
     assert elapsed < 30, f"turn after the decode died took {elapsed:.1f} s"
-    assert prefill_side(stack, "vllm:nixl_num_failed_transfers_total") > failed_before
+    assert prefill_side(stack, counter("vllm:nixl_num_failed_transfers_total")) > failed_before
     assert second.token_ids == chat(router, history, conversation="push-dead-off", reuse=False).token_ids

@@ -130,6 +130,9 @@ def test_reads_go_ahead_only_from_the_boot_that_offered():
         def add_remote_agent(self, meta, remote_tp_rank=0, *args, **kwargs):
             return "agent"
 
+        def start_load_kv(self, metadata):
+            pass
+
         def _read_blocks_for_req(self, req_id, meta):
             self.read.append(req_id)
 
@@ -145,7 +148,7 @@ def test_reads_go_ahead_only_from_the_boot_that_offered():
     w.add_remote_agent(types.SimpleNamespace(engine_id="decode-0", agent_metadata=b"boot-2"), 0)
     now, before = boot.fingerprint(b"boot-2"), boot.fingerprint(b"boot-1")
     meta = types.SimpleNamespace(remote=types.SimpleNamespace(engine_id="decode-0"))
-    w._note_expected_boots(types.SimpleNamespace(turnkv_boots={"old": before, "new": now}))
+    w.start_load_kv(types.SimpleNamespace(turnkv_boots={"old": before, "new": now}))
     w._read_blocks_for_req("old", meta)  # offered by the engine's previous process: refused
     w._read_blocks_for_req("new", meta)
     w._read_blocks_for_req("unstamped", meta)  # params without a fingerprint are read as before

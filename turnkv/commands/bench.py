@@ -14,19 +14,30 @@ app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
 console = Console(stderr=True)
 
 
+def request_progress(label: str) -> Progress:
+    """A progress bar over benchmark requests; ``on_result`` below advances it."""
+    return Progress(TextColumn(f"[bold]{label}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[last]}"),
+                    TimeElapsedColumn(), console=console)
+
+
+def result_callback(progress: Progress, total: int):
+    """The runner's per-result callback: advance the bar and show the last turn's TTFT or error."""
+    task = progress.add_task("bench", total=total, last="")
+
+    def on_result(r) -> None:
+        last = (f"conv {r.conversation} turn {r.turn + 1} {r.arm}: "
+                + (f"TTFT {r.ttft_ms:.0f} ms" if r.error is None else f"[red]{r.error[:60]}[/red]"))
+        progress.update(task, advance=1, last=last)
+
+    return on_result
+
+
 def run_benchmark(spec, out: Path, meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run ``spec`` with a progress bar, write the report to ``out`` and print the table."""
     from bench import report, runner
 
-    columns = (TextColumn("[bold]multi-turn"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[last]}"),
-               TimeElapsedColumn())
-    with Progress(*columns, console=console) as progress:
-        task = progress.add_task("bench", total=spec.total_requests, last="")
-
-        def on_result(r) -> None:
-            last = (f"conv {r.conversation} turn {r.turn + 1} {r.arm}: "
-                    + (f"TTFT {r.ttft_ms:.0f} ms" if r.error is None else f"[red]{r.error[:60]}[/red]"))
-            progress.update(task, advance=1, last=last)
+    with request_progress("multi-turn") as progress:
+        on_result = result_callback(progress, spec.total_requests)
 
         try:
             results = asyncio.run(runner.run(spec, on_result))
@@ -99,14 +110,8 @@ def modes(
     except ValueError as exc:
         console.print(f"[red]{exc}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
-    columns = (TextColumn("[bold]modes"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[last]}"),
-               TimeElapsedColumn())
-    with Progress(*columns, console=console) as progress:
-        task = progress.add_task("modes", total=count * conversations * turns * 2, last="")
-
-        def on_result(r: Any) -> None:
-            progress.update(task, advance=1, last=f"conv {r.conversation} turn {r.turn + 1} {r.arm}")
-
+    with request_progress("modes") as progress:
+        on_result = result_callback(progress, count * conversations * turns * 2)
         try:
             result = bench_modes.run(args, on_result, say=progress.console.print)
         except StackError as exc:
