@@ -76,7 +76,14 @@ def build(app: cdk.App, config: DeploymentConfig | None = None, image_sources: I
             app.node.set_context(flag, value)
     if config is None:
         config = from_context(app.node.try_get_context(CONFIG_KEY), app.node.try_get_context(CONFIG_FILE_KEY))
-    env = cdk.Environment(account=config.account or os.environ.get("CDK_DEFAULT_ACCOUNT"), region=config.region)
+    account = config.account or os.environ.get("CDK_DEFAULT_ACCOUNT")
+    env = cdk.Environment(account=account, region=config.region)
+    if account:
+        # With a concrete account, CDK looks the region's AZs up (a call the CLI makes with credentials, and
+        # that fails without them). The config names the AZs: answer the lookup from it, so synth stays offline.
+        key = f"availability-zones:account={account}:region={config.region}"
+        if app.node.try_get_context(key) is None:
+            app.node.set_context(key, list(config.network.availability_zones))
     prefix = config.prefix
     tags = {"turnkv:deployment": config.name, "project": "turnkv"}
 

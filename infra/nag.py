@@ -25,6 +25,13 @@ def ack(scope: IConstruct, rule: str, reason: str, finding: str | None = None) -
     cdk.Validations.of(scope).acknowledge(cdk.Acknowledgment(id=rule_id, reason=reason))
 
 
+def account_token(stack: cdk.Stack) -> str:
+    """How cdk-nag prints the account in an ARN of ``stack``: the number itself when the stack has a concrete
+    account (``account:`` in the config, or ``CDK_DEFAULT_ACCOUNT`` as the CDK CLI sets it whenever credentials
+    exist), else the pseudo parameter ``<AWS::AccountId>`` (environment-agnostic synth)."""
+    return "<AWS::AccountId>" if cdk.Token.is_unresolved(stack.account) else stack.account
+
+
 def _logical(construct: IConstruct) -> str:
     """The token cdk-nag prints for a resource's ARN: ``<LogicalId.Arn>``."""
     stack = cdk.Stack.of(construct)
@@ -35,8 +42,10 @@ def apply(app: cdk.App, t: TurnkvApp) -> None:
     cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app))
     config = t.config
     region = config.region
-    ssm_prefix = f"arn:<AWS::Partition>:ssm:{region}:<AWS::AccountId>:parameter/turnkv/{config.name}/*"
-    assets_bucket = f"arn:<AWS::Partition>:s3:::cdk-hnb659fds-assets-<AWS::AccountId>-{region}/*"
+    # Every stack of the app shares one environment (infra.app.build), so one account rendering fits all.
+    account = account_token(t.serving)
+    ssm_prefix = f"arn:<AWS::Partition>:ssm:{region}:{account}:parameter/turnkv/{config.name}/*"
+    assets_bucket = f"arn:<AWS::Partition>:s3:::cdk-hnb659fds-assets-{account}-{region}/*"
 
     # --- image
     image = t.image
@@ -87,7 +96,7 @@ def apply(app: cdk.App, t: TurnkvApp) -> None:
     dereg_role = serving.node.find_child("DeregisterRole")
     for pool in serving.pools.values():
         ack(dereg_role, "IAM5", "An Auto Scaling group ARN embeds a generated id; the group is pinned by name.",
-            f"Resource::arn:<AWS::Partition>:autoscaling:{region}:<AWS::AccountId>:autoScalingGroup/*:"
+            f"Resource::arn:<AWS::Partition>:autoscaling:{region}:{account}:autoScalingGroup/*:"
             f"autoScalingGroupName/{pool.group_name}")
     ack(dereg_role, "IAM5", "The function's own log group; streams are created per invocation container.",
         f"Resource::<{_logical(serving.node.find_child('DeregisterLogs'))}.Arn>:*")

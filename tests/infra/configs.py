@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 
+#: A concrete account, as the CDK CLI sets CDK_DEFAULT_ACCOUNT whenever credentials exist.
+ACCOUNT = "123456789012"
+
 GPU = {
     "name": "gpu",
     "region": "us-east-2",

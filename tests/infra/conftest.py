@@ -89,7 +89,15 @@ def open_router(tmp_path_factory, image_sources) -> Synth:
     return synthesize(raw, tmp_path_factory.mktemp("open"), image_sources)
 
 
-@pytest.fixture(scope="session", params=["gpu", "neuron"])
+@pytest.fixture(scope="session")
+def gpu_account(tmp_path_factory, image_sources) -> Synth:
+    """The GPU app with a concrete account (``account:`` in the config), as a user with credentials synthesizes
+    it: ARNs render with the number, not ``<AWS::AccountId>``."""
+    return synthesize(configs.variant(configs.GPU, account=configs.ACCOUNT), tmp_path_factory.mktemp("account"),
+                      image_sources)
+
+
+@pytest.fixture(scope="session", params=["gpu", "neuron", "gpu_account"])
 def any_app(request) -> Synth:
     return request.getfixturevalue(request.param)
 
