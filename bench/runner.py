@@ -31,6 +31,8 @@ class RunSpec:
     timeout: float = 600.0
     api_key: str | None = None
     words: list[str] | None = None
+    #: Conversations to play instead of ``workload``'s (``bench.workload.from_workload_file``).
+    conversations: list[Conversation] | None = None
 
     @property
     def arms(self) -> list[str]:
@@ -39,6 +41,8 @@ class RunSpec:
 
     @property
     def total_requests(self) -> int:
+        if self.conversations is not None:
+            return sum(len(c.user_turns) for c in self.conversations) * len(self.arms)
         return self.workload.conversations * self.workload.turns * len(self.arms)
 
 
@@ -51,7 +55,7 @@ async def discover_model(session: aiohttp.ClientSession, url: str) -> str:
 
 async def run(spec: RunSpec, on_result: Callable[[Result], None] = lambda r: None) -> list[Result]:
     run_id = uuid.uuid4().hex[:8]
-    conversations = build(spec.workload, spec.words)
+    conversations = spec.conversations if spec.conversations is not None else build(spec.workload, spec.words)
     results: list[Result] = []
     limit = asyncio.Semaphore(spec.concurrency)
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
@@ -62,7 +66,7 @@ async def run(spec: RunSpec, on_result: Callable[[Result], None] = lambda r: Non
             body = {
                 "model": model,
                 "messages": conv.messages_for(turn, replies),
-                "max_tokens": spec.workload.max_tokens,
+                "max_tokens": conv.max_tokens[turn] if conv.max_tokens else spec.workload.max_tokens,
                 "temperature": 0,
                 "stream": True,
                 "stream_options": {"include_usage": True},
@@ -85,13 +89,15 @@ async def run(spec: RunSpec, on_result: Callable[[Result], None] = lambda r: Non
         async def converse(conv: Conversation) -> None:
             async with limit:
                 replies: dict[str, list[str]] = {arm: [] for arm in spec.arms}
-                for turn in range(spec.workload.turns):
+                for turn in range(len(conv.user_turns)):
+                    if conv.think_s and conv.think_s[turn]:
+                        await asyncio.sleep(conv.think_s[turn])
                     for arm in spec.arms:
                         result = await turn_request(conv, turn, arm, replies[arm])
                         replies[arm].append(result.reply)
                         results.append(result)
                         on_result(result)
-                    if spec.think_time:
+                    if spec.think_time and not conv.think_s:
                         await asyncio.sleep(spec.think_time)
 
         await asyncio.gather(*(converse(c) for c in conversations))

@@ -33,6 +33,9 @@ class Conversation:
     index: int
     system: str
     user_turns: tuple[str, ...]  # the user/tool message that opens each turn
+    #: Per-turn reply length and pause before each turn (from a workload file); empty: the run's defaults.
+    max_tokens: tuple[int, ...] = ()
+    think_s: tuple[float, ...] = ()
 
     def messages_for(self, turn: int, replies: list[str]) -> list[dict[str, str]]:
         """Messages of turn ``turn`` (0-based) given the replies of the turns before it."""
@@ -60,4 +63,27 @@ def build(spec: WorkloadSpec, words: list[str] | None = None) -> list[Conversati
             role_hint = "tool result :" if t % 2 else "user :"
             later.append(f"{role_hint} {_text(rng, words, spec.turn_words)}")
         conversations.append(Conversation(i, system, (first, *later)))
+    return conversations
+
+
+def from_workload_file(workload, words: list[str] | None = None, seed: int = 7) -> list[Conversation]:
+    """Conversations shaped by a ``turnkv plan`` workload (vLLM's multi-turn generator format), so a plan
+    and a measurement describe the same load: the common prefix is the system prompt, each conversation's
+    prefix opens its first user message, and turns, message lengths, reply lengths and think times are
+    the file's samples (``turnkv.plan.workload.sample``, one word per token)."""
+    from turnkv.plan.workload import sample
+
+    words = words or make_words(1200, seed)
+    rng = random.Random(seed)
+    turns = sample(workload, workload.num_conversations, seed)
+    tpl = workload.template_tokens_per_message
+    common = turns.common_prefix_tokens
+    system = _text(rng, words, max(common, 1))
+    conversations = []
+    for c in range(workload.num_conversations):
+        sel = turns.conv == c
+        user = [_text(rng, words, max(int(n) - tpl - (common if t == 0 else 0), 1))
+                for t, n in zip(turns.turn[sel], turns.new_tokens[sel], strict=True)]
+        conversations.append(Conversation(c, system, tuple(user), tuple(int(o) for o in turns.output_tokens[sel]),
+                                          tuple(float(x) for x in turns.think_s[sel])))
     return conversations

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from turnkv.commands import bench, demo, doctor, engine, local, params, router
+from turnkv.commands import bench, demo, doctor, engine, local, params, plan, router
 
 app = typer.Typer(
     name="turnkv",
@@ -21,6 +21,7 @@ app.add_typer(router.app, name="router")
 app.add_typer(bench.app, name="bench")
 app.add_typer(params.app, name="params")
 app.add_typer(engine.app, name="engine")
+app.add_typer(plan.app, name="plan")
 app.command(name="doctor")(doctor.doctor)
 app.command(name="demo")(demo.demo)
 

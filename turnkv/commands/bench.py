@@ -73,16 +73,31 @@ def multiturn(
     api_key: Annotated[str | None, typer.Option(envvar="TURNKV_API_KEY", help="Bearer token for the router.")]
     = None,
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 7,
+    workload_file: Annotated[Path | None, typer.Option(
+        "--workload", help="A `turnkv plan` workload file (vLLM multi-turn generator JSON + num_clients, "
+                           "think_time_s): conversations, lengths, concurrency and think times come from it.")] = None,
 ) -> None:
     """Measure TTFT per turn of agentic conversations; with --ab, reuse off vs on in one run."""
     from bench.runner import RunSpec
-    from bench.workload import WorkloadSpec
+    from bench.workload import WorkloadSpec, from_workload_file
 
     workload = WorkloadSpec(conversations=conversations, turns=turns, system_words=system_words,
                             first_user_words=first_user_words, turn_words=turn_words, max_tokens=max_tokens, seed=seed)
+    convs, meta = None, {"url": url, "workload": workload.__dict__}
+    if workload_file is not None:
+        from turnkv.plan.workload import WorkloadError, load
+
+        try:
+            planned = load(workload_file)
+        except WorkloadError as exc:
+            console.print(f"[red]--workload: {exc}[/red]")
+            raise typer.Exit(2) from None
+        convs = from_workload_file(planned, seed=seed)
+        concurrency = planned.num_clients
+        meta = {"url": url, "workload_file": str(workload_file)}
     spec = RunSpec(url=url, workload=workload, ab=ab, best_url=best_url, model=model, concurrency=concurrency,
-                   think_time=think_time, api_key=api_key)
-    summary = run_benchmark(spec, out, {"url": url, "workload": workload.__dict__})
+                   think_time=think_time, api_key=api_key, conversations=convs)
+    summary = run_benchmark(spec, out, meta)
     if summary["errors"]:
         raise typer.Exit(1)
 

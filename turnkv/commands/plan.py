@@ -1,0 +1,263 @@
+"""`turnkv plan`: size a multi-turn P/D fleet with bi-directional KV reuse, before paying for it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+console = Console(stderr=True)
+
+DEFAULT_WORKLOAD = Path(__file__).resolve().parents[2] / "bench" / "workloads" / "agentic-p5en.json"
+
+app = typer.Typer(help="Capacity planner: TTFT with reuse off/on, retained KV, hit share, nodes, cost.",
+                  invoke_without_command=True)
+
+
+def _fail(message: str) -> None:
+    console.print(f"[red]{message}[/red]", soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def build_fleet(model: str, instance: str, tp: int | None, tp_prefill: int | None, tp_decode: int | None,
+                dtype: str | None, kv_dtype: str | None, block_size: int | None, mode: str, ttl: float,
+                threshold: int, prefill_prefix_caching: bool, state_dir: Path, price: float | None):
+    from turnkv.plan import hardware, models
+    from turnkv.plan.model import Fleet
+
+    try:
+        arch = models.load(model).with_dtypes(dtype, kv_dtype)
+        inst = hardware.load(instance, state_dir)
+    except (ValueError, OSError) as exc:
+        _fail(str(exc))
+    if price is not None:
+        inst = replace(inst, price_per_hour=price)
+    default_tp = 1 if instance == "local-cpu" else inst.devices if inst.devices <= 8 else 16
+    tp_p, tp_d = tp_prefill or tp or default_tp, tp_decode or tp or default_tp
+    for name, value in (("--tp-prefill", tp_p), ("--tp-decode", tp_d)):
+        if value > inst.devices:
+            _fail(f"{name} {value} exceeds the {inst.devices} devices of one {inst.name}")
+    if mode not in ("pull", "push"):
+        _fail(f"--mode {mode!r}: use pull or push")
+    return Fleet(arch, inst, inst, tp_p, tp_d, block_size or (128 if instance == "local-cpu" else 16), mode,
+                 float(ttl), int(threshold), prefill_prefix_caching=prefill_prefix_caching)
+
+
+def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, conversations: int,
+             deployment: str) -> dict[str, Any]:
+    """Everything `turnkv plan` prints, as one JSON-ready dict (pure apart from the timing)."""
+    from turnkv.plan import model as m
+    from turnkv.plan import simulate as sim
+    from turnkv.plan.workload import sample
+
+    turns = sample(workload, 5000, 0)
+    sized, target_met = m.size_fleet(fleet, workload, ttft_target, turns=turns)
+    no_reuse, _ = m.size_fleet(fleet, workload, ttft_target, turns=turns, arm="off", decode_nodes=sized.decode_nodes)
+    plan = m.evaluate(sized, workload, turns=turns)
+    curve = m.ttl_curve(sized, workload, turns)
+    ttl = m.recommend_ttl(curve)
+    new = float(turns.new_tokens[turns.history_tokens > 0].mean()) if (turns.history_tokens > 0).any() else 0.0
+    threshold = m.break_even_tokens(sized, new)
+    price = sized.prefill.price_per_hour * sized.prefill_nodes + sized.decode.price_per_hour * sized.decode_nodes
+    hit = plan.hit > 0
+    out: dict[str, Any] = {
+        "inputs": {"model": sized.model.name, "dtype": sized.model.dtype, "kv_dtype": sized.model.kv_dtype,
+                   "instance": sized.prefill.name, "tp": {"prefill": sized.tp_prefill, "decode": sized.tp_decode},
+                   "block_size": sized.block_size, "mode": sized.mode, "ttl_s": sized.ttl_s,
+                   "threshold": sized.threshold, "prefill_prefix_caching": sized.prefill_prefix_caching,
+                   "ttft_target_ms": ttft_target, "num_clients": workload.num_clients,
+                   "mean_user_turns": round(workload.mean_user_turns(), 2)},
+        **m.summarize(plan),
+        "per_turn": plan.per_turn(),
+        "transfer_ms": round(float(plan.costs.transfer_on[hit].mean() * 1000), 1) if hit.any() else 0.0,
+        "compute_saved_ms": round(float((plan.costs.compute_off - plan.costs.compute_on)[hit].mean() * 1000), 1)
+        if hit.any() else 0.0,
+        "retained_gib_per_decode": round(plan.retention.retained_gib_per_decode, 3),
+        "retained_share_of_kv_cache": round(plan.retention.share_of_kv_cache, 4),
+        "kv_cache_gib_per_decode": round(m.kv_cache_gib(sized), 1),
+        "reuse_share": round(plan.retention.reuse_share, 4),
+        "prefill_utilization": {"off": round(plan.load_off.prefill_util, 4), "on": round(plan.load_on.prefill_util, 4)},
+        "nodes": {"prefill": sized.prefill_nodes, "decode": sized.decode_nodes},
+        "ttft_target_met": target_met,
+        "nodes_without_reuse": {"prefill": no_reuse.prefill_nodes, "decode": no_reuse.decode_nodes},
+        "cost_per_hour": round(price, 2),
+        "ttl_curve": curve,
+        "recommend": {"decoder_kv_blocks_ttl": ttl, "conversation_ttl": m.conversation_ttl(ttl),
+                      "kv_recompute_threshold": threshold, "params_set": m.params_line(ttl, threshold, deployment)},
+        "constants": {"efficiency": sized.prefill.efficiency.__dict__ | {"transfer_efficiency": None},
+                      "sources": sized.prefill.sources},
+    }
+    if simulate:
+        results = {arm: sim.simulate(sized, workload, conversations, arm=arm) for arm in ("off", "on")}
+        out["simulation"] = {
+            "conversations": results["on"].conversations, "turns": results["on"].turns,
+            "ttft_ms": {arm: sim.summary(r) for arm, r in results.items()},
+            "reuse_share": round(results["on"].reuse_share, 4),
+            "retained_gib_per_decode": round(results["on"].retained_gib_per_decode, 3),
+            "retained_gib_peak": round(results["on"].retained_gib_peak, 3),
+            "seconds": round(sum(r.seconds for r in results.values()), 2),
+        }
+    return out
+
+
+def chart(result: dict[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4), dpi=120)
+    rows = result["per_turn"]
+    x = [r["prompt_tokens"] for r in rows]
+    left.plot(x, [r["ttft_ms_off"] for r in rows], "o-", color="#c0392b", label="reuse off (recompute)")
+    left.plot(x, [r["ttft_ms_on"] for r in rows], "s-", color="#27ae60", label="reuse on (pull from decode)")
+    left.plot(x, [r["transfer_ms"] for r in rows], "^--", color="#7f8c8d", label="KV transfer (D->P)")
+    left.set_xlabel("prompt tokens")
+    left.set_ylabel("TTFT, mean (ms)")
+    left.set_title(f"{result['inputs']['model']} on {result['inputs']['instance']}: predicted TTFT")
+    left.grid(alpha=0.3)
+    left.legend()
+    curve = result["ttl_curve"]
+    ttl = [c["ttl_s"] for c in curve]
+    right.plot(ttl, [c["retained_gib_per_decode"] for c in curve], "o-", color="#8e44ad")
+    right.set_xscale("log")
+    right.set_xlabel("decoder_kv_blocks_ttl (s)")
+    right.set_ylabel("retained KV per decode node (GiB)", color="#8e44ad")
+    twin = right.twinx()
+    twin.plot(ttl, [100 * c["reuse_share"] for c in curve], "s-", color="#2980b9")
+    twin.set_ylabel("turns that find their KV (%)", color="#2980b9")
+    right.axvline(result["recommend"]["decoder_kv_blocks_ttl"], color="#7f8c8d", linestyle=":")
+    right.set_title("retained HBM and hit share against TTL")
+    right.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def print_tables(result: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    out = Console()
+    inp = result["inputs"]
+    t = Table(title=f"turnkv plan — {inp['model']} ({inp['dtype']}, KV {inp['kv_dtype']}) on {inp['instance']}, "
+                    f"TP {inp['tp']['prefill']}/{inp['tp']['decode']}, {inp['mode']}")
+    for col in ("turn", "prompt tokens", "TTFT off (ms)", "TTFT on (ms)", "transfer (ms)", "compute saved (ms)"):
+        t.add_column(col, justify="right")
+    for r in result["per_turn"]:
+        t.add_row(str(r["turn"]), str(r["prompt_tokens"]), f"{r['ttft_ms_off']:.0f}", f"{r['ttft_ms_on']:.0f}",
+                  f"{r['transfer_ms']:.0f}", f"{r['compute_saved_ms']:.0f}")
+    out.print(t)
+    s = Table(title="summary (all turns)")
+    for col in ("", "mean", "p50", "p90"):
+        s.add_column(col, justify="right")
+    for arm in ("off", "on"):
+        v = result["ttft_ms"][arm]
+        s.add_row(f"TTFT reuse {arm} (ms)", *(f"{v[k]:.0f}" if v[k] is not None else "overloaded"
+                                              for k in ("mean", "p50", "p90")))
+    if "simulation" in result:
+        for arm in ("off", "on"):
+            v = result["simulation"]["ttft_ms"][arm]
+            s.add_row(f"simulated {arm} (ms)", f"{v['mean']:.0f}", f"{v['p50']:.0f}", f"{v['p90']:.0f}")
+    out.print(s)
+    rec = result["recommend"]
+    if not result["ttft_target_met"]:
+        out.print(f"[yellow]the p90 TTFT target of {inp['ttft_target_ms']:.0f} ms is below what this model and "
+                  "instance reach with no queueing at all: sized for the load only[/yellow]")
+    out.print(
+        f"nodes: [bold]{result['nodes']['prefill']}P{result['nodes']['decode']}D[/bold] "
+        f"(without reuse {result['nodes_without_reuse']['prefill']}P{result['nodes_without_reuse']['decode']}D), "
+        f"${result['cost_per_hour']:.2f}/hour on demand; prefill utilization off "
+        f"{result['prefill_utilization']['off']:.0%}"
+        f" / on {result['prefill_utilization']['on']:.0%}\n"
+        f"retained KV per decode node: {result['retained_gib_per_decode']:.1f} GiB "
+        f"({result['retained_share_of_kv_cache']:.0%} of its {result['kv_cache_gib_per_decode']:.0f} GiB KV cache); "
+        f"turns that find their KV: {result['reuse_share']:.1%}\n"
+        f"recommended: decoder_kv_blocks_ttl={rec['decoder_kv_blocks_ttl']} s, kv_recompute_threshold="
+        f"{rec['kv_recompute_threshold']} tokens (pulling beats recomputing above it)\n  {rec['params_set']}")
+    if "simulation" in result:
+        sim = result["simulation"]
+        out.print(f"simulation: {sim['conversations']:,} conversations, {sim['turns']:,} turns in "
+                  f"{sim['seconds']:.1f} s;"
+                  f" hit share {sim['reuse_share']:.1%}, retained {sim['retained_gib_per_decode']:.1f} GiB mean, "
+                  f"{sim['retained_gib_peak']:.1f} GiB peak per decode node")
+
+
+@app.callback()
+def plan(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Option(help="Catalog name (Qwen3-32B, GLM-5-FP8, Llama-3.3-70B-Instruct, "
+                                            "tiny-local) or a Hugging Face config.json path.")] = "Qwen3-32B",
+    instance: Annotated[str, typer.Option(help="p5en.48xlarge, p5.48xlarge, trn2.48xlarge, trn1.32xlarge or "
+                                               "local-cpu.")] = "p5en.48xlarge",
+    workload: Annotated[Path, typer.Option(help="vLLM multi-turn generator JSON (+ num_clients, think_time_s).")]
+    = DEFAULT_WORKLOAD,
+    tp: Annotated[int | None, typer.Option(min=1, help="Tensor parallel size of both roles.")] = None,
+    tp_prefill: Annotated[int | None, typer.Option(min=1, help="Prefill TP (default --tp).")] = None,
+    tp_decode: Annotated[int | None, typer.Option(min=1, help="Decode TP (default --tp).")] = None,
+    dtype: Annotated[str | None, typer.Option(help="Weights/GEMM precision (bf16, fp8); default the model's.")]
+    = None,
+    kv_dtype: Annotated[str | None, typer.Option(help="KV cache precision (bf16, fp8).")] = None,
+    block_size: Annotated[int | None, typer.Option(min=1, help="KV block size in tokens (vLLM GPU default 16).")]
+    = None,
+    ttl: Annotated[float, typer.Option(min=10, max=3600, help="decoder_kv_blocks_ttl (s).")] = 480,
+    threshold: Annotated[int, typer.Option(min=0, help="kv_recompute_threshold (tokens).")] = 64,
+    mode: Annotated[str, typer.Option(help="pull or push.")] = "pull",
+    prefill_prefix_caching: Annotated[bool, typer.Option(help="Prefill keeps a prefix cache (off, as in the "
+                                                              "seeds' benchmark).")] = False,
+    ttft_target: Annotated[float | None, typer.Option(min=1, help="p90 TTFT target with reuse on (ms).")] = None,
+    simulate: Annotated[bool, typer.Option("--simulate", help="Also run the fleet simulation.")] = False,
+    conversations: Annotated[int, typer.Option(min=1, help="Conversations to simulate.")] = 100_000,
+    price: Annotated[float | None, typer.Option(min=0, help="On-demand $/hour per node instead of the table's.")]
+    = None,
+    deployment: Annotated[str, typer.Option(help="Deployment name for the printed `turnkv params set` line.")]
+    = "NAME",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON only.")] = False,
+    out: Annotated[Path, typer.Option(help="Folder for plan.json and plan.png.")] = Path("results/plan"),
+    state_dir: Annotated[Path, typer.Option(help="Where `turnkv plan calibrate` stored local-cpu constants.")]
+    = Path(".turnkv"),
+) -> None:
+    """Predict TTFT with reuse off and on, retained KV and hit share by TTL, nodes and cost; recommend a TTL and
+    a threshold. First principles (FLOPs, bytes, published hardware figures), no fitting to results."""
+    if ctx.invoked_subcommand:
+        return
+    from turnkv.plan.workload import WorkloadError
+    from turnkv.plan.workload import load as load_workload
+
+    try:
+        wl = load_workload(workload)
+    except WorkloadError as exc:
+        _fail(f"--workload: {exc}")
+    fleet = build_fleet(model, instance, tp, tp_prefill, tp_decode, dtype, kv_dtype, block_size, mode, ttl, threshold,
+                        prefill_prefix_caching, state_dir, price)
+    with console.status("planning" + (" and simulating" if simulate else "")):
+        result = run_plan(fleet, wl, ttft_target, simulate, conversations, deployment)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(result, indent=2, default=str))
+    chart(result, out / "plan.png")
+    if as_json:
+        typer.echo(json.dumps(result, indent=2, default=str))
+        return
+    print_tables(result)
+    console.print(f"wrote {out / 'plan.json'} and the chart [bold]{out / 'plan.png'}[/bold]")
+
+
+@app.command()
+def calibrate(
+    state_dir: Annotated[Path, typer.Option(help="State folder of the local stack (the constants go there).")]
+    = Path(".turnkv"),
+) -> None:
+    """Measure the local CPU engines (prefills of several lengths, one pull) and store local-cpu constants."""
+    from turnkv.plan import calibrate as cal
+
+    result = cal.run(state_dir, say=console.print)
+    e = result["efficiency"]
+    Console().print(
+        f"local-cpu: {result['achieved_flops_s'] / 1e9:.1f} GFLOP/s achieved ({e['dense']:.0%} of nominal peak), "
+        f"{e['request_overhead_s'] * 1000:.0f} ms per engine hop, transfers {e['transfer_setup_s'] * 1000:.1f} ms + "
+        f"{result['network_bits_s'] / 8 / 2**30:.2f} GiB/s\nwrote {state_dir / 'plan-calibration.json'}")

@@ -1,0 +1,177 @@
+"""The one table of hardware constants, each with its public source.
+
+Peak FLOPs are dense (no sparsity). "Achieved" factors say what fraction of a peak real serving
+software reaches; they come from published measurements named next to each value, never from the
+seeds' TTFT table (that table is the planner's check, see tests/unit/test_plan_seeds.py). ``local-cpu``
+starts from the CPU's nominal peak; ``turnkv plan calibrate`` replaces its achieved factors with ones
+measured on the local engines (stored in the state folder, read by ``load``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+GIB = 1024**3
+
+#: EFA message-size efficiency: fi_rdm_tagged_bw on EFA (100 Gbps, c5n.18xlarge), MB/s by message
+#: size, from ofiwg/libfabric issue #5694 (2020), over the 12,500 MB/s line rate. KV blocks move as one
+#: RDMA message per block, layer and K/V region, so small blocks reach only a fraction of the line rate.
+EFA_MESSAGE_EFFICIENCY: tuple[tuple[int, float], ...] = (
+    (64, 42.74 / 12500), (256, 161.42 / 12500), (1024, 596.41 / 12500), (4096, 2305.92 / 12500),
+    (65536, 6189.06 / 12500), (1048576, 6892.86 / 12500),
+)
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fractions of peak for one software stack on one accelerator family."""
+
+    #: Dense transformer prefill (GEMMs + flash attention) at tensor parallelism: FlashAttention-3
+    #: reaches 75% of H100 BF16 peak in the forward pass and cuBLAS GEMMs about 70% (Shah et al. 2024,
+    #: arXiv:2407.08608, fig. 5 and sec. 4.1); sharded GEMMs at TP 8 lose some more: 0.60.
+    dense: float = 0.60
+    #: MoE prefill: vLLM's wide-EP DeepSeek-R1 reaches 26.2k prefill tokens per GPU-second on GB200,
+    #: "a 3-5x improvement over H200" (blog.vllm.ai 2026-02-03): about 6.5k tok/s/GPU on H200 at 2k
+    #: input, 2 x 37e9 FLOPs per token over 1,979 TFLOPS FP8 = 0.26.
+    moe: float = 0.26
+    #: DeepSeek sparse attention (indexer + sparse MLA kernels) on top of MoE: DeepSeek-V3.2 prefills at
+    #: 7,360 tok/s/GPU against DeepSeek-R1's 22,476 on the same GB300 with vLLM 0.14.1
+    #: (blog.vllm.ai 2026-02-13): 0.33 of the MoE figure.
+    sparse_attention: float = 7360 / 22476
+    #: Attention's own achieved fraction of peak when it differs from the GEMMs' (None: the same factor);
+    #: calibration fits it separately on CPUs, where attention kernels run far from GEMM speed.
+    attention: float | None = None
+    #: Intra-node all-reduce bus bandwidth over NVLink 4 (bytes/s per GPU): about 380 GB/s of 450 GB/s
+    #: unidirectional measured on HGX H100 (NVIDIA/nccl issue #1264): 360e9 for all-reduce.
+    allreduce_bus_bytes_s: float = 360e9
+    #: Fixed cost of one engine hop (HTTP, tokenization, scheduling): vLLM's multi-turn benchmark README
+    #: reports TTFT p50 62 ms for Llama-3.1-8B on one GPU with 1.5-6k token prompts, of which about 45 ms
+    #: is prefill compute at the dense factor above: about 15 ms per hop.
+    request_overhead_s: float = 0.015
+    #: Decode steps reach this fraction of HBM bandwidth: Llama-3.3-70B at TP 8 on p5en decodes at 21.9 ms
+    #: per token in vLLM's bi-directional PR benchmark (vllm-project/vllm#32553) where reading the BF16
+    #: weights once takes 141 GB / 8 / 4.8 TB/s = 3.7 ms: 0.17 (launches, all-reduces, sampling).
+    decode_bandwidth: float = 0.17
+    #: Per-transfer set-up: "avg post duration 6.7 ms" of NIXL transfers in vLLM's P/D RFC #50913.
+    transfer_setup_s: float = 0.0067
+    #: KV bytes moved per second per rank as a fraction of the rank's link rate, by message size (a
+    #: table as EFA_MESSAGE_EFFICIENCY); None uses the EFA table.
+    transfer_efficiency: tuple[tuple[int, float], ...] | None = None
+    #: Where these values came from (shown by ``turnkv plan --json``).
+    source: str = "published measurements (see turnkv/plan/hardware.py)"
+
+
+@dataclass(frozen=True)
+class Instance:
+    name: str
+    accelerator: str
+    devices: int
+    #: Dense peak FLOP/s per device by GEMM precision.
+    peak_flops: dict[str, float]
+    hbm_bytes: float  # per device
+    hbm_bytes_s: float  # per device
+    #: Network between nodes (EFA), bits/s for the whole instance.
+    network_bits_s: float
+    #: Network interfaces per device (rank): a rank's transfers run over this many.
+    nics_per_device: float
+    price_per_hour: float  # on-demand, USD, us-east-1 Linux
+    sources: dict[str, str] = field(default_factory=dict)
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    #: Fraction of HBM the engine gives its KV cache (vLLM --gpu-memory-utilization 0.9, minus weights).
+    memory_utilization: float = 0.9
+
+    def peak(self, dtype: str) -> float:
+        key = {"bfloat16": "bf16", "float16": "bf16", "float32": "fp32", "fp8": "fp8"}.get(dtype, dtype)
+        return self.peak_flops.get(key) or self.peak_flops["bf16"]
+
+    def rank_link_bytes_s(self) -> float:
+        """Line rate one rank's transfers get: its device's share of the instance's interfaces."""
+        return self.network_bits_s / 8 / self.devices
+
+    def kv_cache_bytes(self, tp: int, weight_bytes: float) -> float:
+        """KV cache capacity of one engine of ``tp`` devices after the weights."""
+        return max(0.0, tp * self.hbm_bytes * self.memory_utilization - weight_bytes)
+
+
+H100_SRC = "NVIDIA H100 Tensor Core GPU datasheet (SXM: 989 TFLOPS BF16, 1,979 TFLOPS FP8 dense, 80 GB, 3.35 TB/s)"
+H200_SRC = "NVIDIA H200 Tensor Core GPU datasheet (SXM: 989 TFLOPS BF16, 1,979 TFLOPS FP8 dense, 141 GB, 4.8 TB/s)"
+PRICE_SRC = ("aws.amazon.com/ec2/pricing/on-demand (us-east-1, Linux; P5 prices after AWS's June 2025 cut); "
+             "prices change: pass --price to override")
+
+INSTANCES: dict[str, Instance] = {
+    "p5en.48xlarge": Instance(
+        "p5en.48xlarge", "8 x NVIDIA H200", 8, {"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12}, 141 * GB, 4.8e12,
+        3200e9, 2, 63.296,
+        {"accelerator": H200_SRC, "network": "aws.amazon.com/ec2/instance-types/p5: p5en 3,200 Gbps EFAv3, "
+         "16 EFA interfaces (2 per GPU)", "price": PRICE_SRC}),
+    "p5.48xlarge": Instance(
+        "p5.48xlarge", "8 x NVIDIA H100", 8, {"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12}, 80 * GB, 3.35e12,
+        3200e9, 4, 55.04,
+        {"accelerator": H100_SRC, "network": "aws.amazon.com/ec2/instance-types/p5: 3,200 Gbps EFAv2, "
+         "32 EFA interfaces (4 per GPU)", "price": PRICE_SRC}),
+    "trn2.48xlarge": Instance(
+        "trn2.48xlarge", "16 x AWS Trainium2", 16, {"bf16": 10.7e15 / 16, "fp8": 20.8e15 / 16, "fp32": 2.9e15 / 16},
+        96 * GIB, 2.9e12, 3200e9, 1, 44.70,
+        {"accelerator": "awsdocs-neuron trn2-arch: 16 chips, 10.7 PFLOPS BF16 / 20.8 PFLOPS FP8 dense, "
+         "1.5 TiB HBM, 46 TB/s", "network": "3.2 Tbps EFAv3, 16 interfaces", "price": PRICE_SRC,
+         "efficiency": "no public vLLM-neuron prefill MFU: the GPU factors are used; calibrate on the cluster"}),
+    "trn1.32xlarge": Instance(
+        "trn1.32xlarge", "16 x AWS Trainium", 16, {"bf16": 190e12, "fp8": 190e12, "fp32": 47.5e12}, 32 * GIB,
+        0.82e12, 800e9, 0.5, 21.50,
+        {"accelerator": "awsdocs-neuron trn1-arch: 16 chips, 3.04 PFLOPS BF16, 512 GiB HBM, 13.1 TB/s",
+         "network": "800 Gbps EFA, 8 interfaces", "price": PRICE_SRC,
+         "efficiency": "no public vLLM-neuron prefill MFU: the GPU factors are used; calibrate on the cluster"}),
+    # This machine: AVX2 EPYC, 2 cores at ~2.45 GHz, 2 FMA units x 8 fp32 lanes x 2 = 32 FLOP/cycle/core.
+    # The achieved factors below are placeholders until `turnkv plan calibrate` measures them.
+    "local-cpu": Instance(
+        "local-cpu", "2 x86 cores (vLLM CPU build)", 1, {"bf16": 156e9, "fp32": 156e9, "fp8": 156e9}, 2 * GIB,
+        20e9, 8 * 5.5e9, 1, 0.0,
+        {"accelerator": "lscpu on this machine: 2 AVX2 cores at 2.45 GHz", "network": "loopback (UCX tcp/shm): "
+         "15.5 MiB in ~2.4 ms measured (shared/notes/local-engines.md)", "price": "none (local)"},
+        Efficiency(dense=0.3, moe=0.3, allreduce_bus_bytes_s=1e12, decode_bandwidth=0.5, request_overhead_s=0.02,
+                   transfer_setup_s=0.002,
+                   transfer_efficiency=((1, 1.0),), source="placeholder: run `turnkv plan calibrate`"),
+        memory_utilization=1.0),
+}
+
+CALIBRATION_FILE = "plan-calibration.json"
+
+
+def transfer_efficiency(eff: Efficiency, message_bytes: float) -> float:
+    """Fraction of the link rate a transfer of ``message_bytes`` messages reaches (log interpolation)."""
+    import math
+
+    table = eff.transfer_efficiency or EFA_MESSAGE_EFFICIENCY
+    if len(table) == 1 or message_bytes <= table[0][0]:
+        return table[0][1]
+    for (s0, e0), (s1, e1) in itertools.pairwise(table):
+        if message_bytes <= s1:
+            t = (math.log(message_bytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
+            return e0 + t * (e1 - e0)
+    return table[-1][1]
+
+
+def load(name: str, state_dir: Path | None = None) -> Instance:
+    """An instance by name, with local-cpu's achieved factors from a calibration file when present."""
+    if name not in INSTANCES:
+        raise ValueError(f"unknown instance {name!r}: use one of {', '.join(INSTANCES)}")
+    inst = INSTANCES[name]
+    if state_dir is not None and (state_dir / CALIBRATION_FILE).is_file():
+        data = json.loads((state_dir / CALIBRATION_FILE).read_text())
+        if data.get("instance") == name:
+            inst = apply_calibration(inst, data)
+    return inst
+
+
+def apply_calibration(inst: Instance, data: dict[str, Any]) -> Instance:
+    e = data["efficiency"]
+    eff = replace(inst.efficiency, dense=e["dense"], moe=e.get("moe", e["dense"]), attention=e.get("attention"),
+                  request_overhead_s=e["request_overhead_s"], transfer_setup_s=e["transfer_setup_s"],
+                  transfer_efficiency=((1, e["transfer_efficiency"]),),
+                  source=f"calibrated {data.get('measured_at', '')} on {data.get('host', 'this machine')}")
+    return replace(inst, efficiency=eff, network_bits_s=data.get("network_bits_s", inst.network_bits_s))
