@@ -33,7 +33,7 @@ def predict(name: str) -> plan_model.TurnCosts:
     fleet = plan_model.Fleet(models.load(name), inst, inst, tp_prefill=8, tp_decode=8, block_size=16, mode="pull",
                              ttl_s=480, threshold=64, prefill_prefix_caching=False)
     prompt = SEEDS[name][0]
-    return plan_model.turn_costs(fleet, [prompt], [prompt - NEW_TOKENS], [NEW_TOKENS])
+    return plan_model.turn_costs(fleet, [prompt], [prompt - NEW_TOKENS])
 
 
 def off_by(predicted_s, seed_ms: float) -> float:

@@ -60,7 +60,8 @@ def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, convers
     plan = m.evaluate(sized, workload, turns=turns)
     curve = m.ttl_curve(sized, workload, turns)
     ttl = m.recommend_ttl(curve)
-    new = float(turns.new_tokens[turns.history_tokens > 0].mean()) if (turns.history_tokens > 0).any() else 0.0
+    later = turns.history_tokens > 0
+    new = float((turns.prompt_tokens - turns.history_tokens)[later].mean()) if later.any() else 0.0
     threshold = m.break_even_tokens(sized, new)
     price = sized.prefill.price_per_hour * sized.prefill_nodes + sized.decode.price_per_hour * sized.decode_nodes
     hit = plan.hit > 0

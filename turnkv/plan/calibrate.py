@@ -173,8 +173,13 @@ def run(state_dir: Path, say: Callable[[str], None] = print) -> dict[str, Any]:
     finally:
         Supervisor(state_dir).down()
     arch, inst = tiny_local(), hardware.INSTANCES["local-cpu"]
-    result = constants(arch, inst, fit_prefill(arch, prefills), fit_transfers(transfers),
-                       {"prefills": prefills, "transfers": transfers})
+    try:
+        transfer = fit_transfers(transfers)
+    except ValueError as exc:  # keep the prefill measurements; say what is missing
+        say(f"warning: {exc}; keeping the table's transfer placeholders")
+        transfer = (inst.efficiency.transfer_setup_s, inst.network_bits_s / 8)
+    result = constants(arch, inst, fit_prefill(arch, prefills), transfer, {"prefills": prefills,
+                                                                           "transfers": transfers})
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / hardware.CALIBRATION_FILE).write_text(json.dumps(result, indent=2))
     return result

@@ -126,8 +126,10 @@ class TurnCosts:
     pull: np.ndarray  # bool: the threshold lets this turn pull
 
 
-def turn_costs(fleet: Fleet, prompt: Any, history: Any, new: Any) -> TurnCosts:
-    prompt, history, new = (np.asarray(a, dtype=float) for a in (prompt, history, new))
+def turn_costs(fleet: Fleet, prompt: Any, history: Any) -> TurnCosts:
+    """Costs of turns whose prompt has ``history`` tokens decode still holds; prefill computes the rest."""
+    prompt, history = (np.asarray(a, dtype=float) for a in (prompt, history))
+    new = prompt - history
     pd_setup = fleet.mode != "push"
     first = decode_step_s(fleet, prompt)
     # Reuse off: prefill computes everything it does not cache itself (prefix caching off by default).
@@ -199,7 +201,7 @@ def retention(fleet: Fleet, workload: Workload, turns: Turns, lam_turns: float, 
     or the TTL ends (after a conversation's last turn, for the whole TTL)."""
     m, tp = fleet.model, fleet.tp_decode
     node_bytes_per_token = m.kv_bytes_per_token_rank(tp) * tp
-    held_tokens = turns.prompt_tokens + turns.output_tokens
+    held_tokens = turns.prompt_tokens + turns.output_tokens - 1
     next_think = np.append(turns.think_s[1:], np.inf)
     last = np.append(turns.conv[1:] != turns.conv[:-1], True)
     ttl = fleet.ttl_s
@@ -266,7 +268,7 @@ class Plan:
 def evaluate(fleet: Fleet, workload: Workload, conversations: int = 5000, seed: int = 0,
              turns: Turns | None = None) -> Plan:
     turns = turns or sample(workload, min(conversations, workload.num_conversations * 50) or conversations, seed)
-    costs = turn_costs(fleet, turns.prompt_tokens, turns.history_tokens, turns.new_tokens)
+    costs = turn_costs(fleet, turns.prompt_tokens, turns.history_tokens)
     hit = np.where(costs.pull, hit_probability(fleet, turns.think_s), 0.0)
     ttft_on = np.where(hit > 0, costs.ttft_on, costs.ttft_off)
     load_off = _load(fleet, workload, turns, costs.compute_off, costs.ttft_off)

@@ -90,7 +90,7 @@ def _retention(fleet: Fleet, turns: Turns, arrival: np.ndarray, end: np.ndarray,
     next_arrival = np.full(n, np.inf)
     next_arrival[:-1] = np.where(same_conv_next[:-1], arrival[1:], np.inf)
     hold_end = np.minimum(end + fleet.ttl_s, next_arrival)
-    size = (turns.prompt_tokens + turns.output_tokens) * node_bytes_per_token
+    size = (turns.prompt_tokens + turns.output_tokens - 1) * node_bytes_per_token
     node = turns.conv % fleet.decode_nodes
     # Sweep per node: +size at each retention start, -size at its end; a retention that would push its
     # node over the KV cache is dropped (its next turn recomputes).
@@ -143,7 +143,7 @@ def simulate(fleet: Fleet, workload: Workload, conversations: int | None = None,
     started = time.perf_counter()
     turns = turns or sample(workload, conversations, seed)
     n = len(turns.conv)
-    costs = closed.turn_costs(fleet, turns.prompt_tokens, turns.history_tokens, turns.new_tokens)
+    costs = closed.turn_costs(fleet, turns.prompt_tokens, turns.history_tokens)
     clients = workload.num_clients
     ctx = turns.prompt_tokens + turns.output_tokens / 2
     tpot = float(closed.decode_step_s(fleet, ctx.mean(), max(1.0, clients / fleet.decode_nodes)))

@@ -164,7 +164,8 @@ class Turns:
     conv: np.ndarray  # conversation index of each turn
     turn: np.ndarray  # 0-based turn index
     prompt_tokens: np.ndarray  # whole prompt of the turn
-    history_tokens: np.ndarray  # tokens decode holds from the turn before (0 on the first turn)
+    history_tokens: np.ndarray  # tokens decode holds from the turn before: its prompt and reply but the
+    #                             reply's last token, whose KV is never computed (0 on the first turn)
     new_tokens: np.ndarray  # tokens the turn adds (its user message; the whole prompt on turn 0)
     output_tokens: np.ndarray
     think_s: np.ndarray  # pause before this turn (0 on the first turn)
@@ -192,7 +193,7 @@ def sample(workload: Workload, conversations: int | None = None, seed: int = 0) 
     cum_user = _segment_cumsum(user, starts, turns)
     cum_reply_before = _segment_cumsum(reply, starts, turns) - reply
     prompt = cum_user + cum_reply_before
-    history = np.where(first, 0, prompt - user)
+    history = np.where(first, 0, prompt - user - 1)
     think = np.where(first, 0.0, workload.think_time_s.sample(rng, total, integer=False))
     return Turns(conv, turn, prompt.astype(np.int64), history.astype(np.int64), user.astype(np.int64),
                  out.astype(np.int64), think, int(common))
