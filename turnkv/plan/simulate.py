@@ -42,6 +42,7 @@ class SimResult:
     prefill_util: float
     makespan_s: float
     seconds: float  # wall time of the simulation itself
+    passes: int = 0  # fixed-point passes until arrivals, waits and hits settled
 
 
 def _client_timeline(turns: Turns, clients: int) -> tuple[np.ndarray, np.ndarray]:
@@ -67,7 +68,7 @@ def _segmented_exclusive_cumsum(values: np.ndarray, starts: np.ndarray) -> np.nd
 
 def _fcfs_waits(arrival: np.ndarray, service: np.ndarray, servers: int) -> np.ndarray:
     """Queueing delay of each job; jobs dealt to servers in arrival order, FCFS on each (Lindley)."""
-    order = np.argsort(arrival, kind="stable")
+    order = np.argsort(arrival)
     wait = np.empty_like(arrival)
     for s in range(servers):
         idx = order[s::servers]
@@ -101,7 +102,7 @@ def _retention(fleet: Fleet, turns: Turns, arrival: np.ndarray, end: np.ndarray,
     # One sort: by node, then time; a release sorts before a grab at the same instant.
     span = float(np.max(times[np.isfinite(times)], initial=0.0)) + 1.0
     key = nodes * span + times + (deltas > 0) * (span * 1e-12)
-    ev = np.argsort(key, kind="stable")
+    ev = np.argsort(key)
     d_sorted, n_sorted = deltas[ev], nodes[ev]
     first = np.ones(len(ev), dtype=bool)
     first[1:] = n_sorted[1:] != n_sorted[:-1]
@@ -139,7 +140,7 @@ def _steady_window(arrival: np.ndarray, end: np.ndarray, client: np.ndarray, cli
 
 
 def simulate(fleet: Fleet, workload: Workload, conversations: int | None = None, arm: str = "on", seed: int = 0,
-             iterations: int = 3, turns: Turns | None = None) -> SimResult:
+             iterations: int = 12, turns: Turns | None = None) -> SimResult:
     started = time.perf_counter()
     turns = turns or sample(workload, conversations, seed)
     n = len(turns.conv)
@@ -153,7 +154,8 @@ def simulate(fleet: Fleet, workload: Workload, conversations: int | None = None,
     eligible = costs.pull if arm == "on" else np.zeros(n, dtype=bool)
     hit = eligible.copy()
     wait = np.zeros(n)
-    for _ in range(iterations):
+    for i in range(iterations):
+        previous = wait
         base = np.where(hit, costs.ttft_on, costs.ttft_off)
         service = np.where(hit, costs.compute_on, costs.compute_off)
         ttft = base + wait
@@ -161,14 +163,22 @@ def simulate(fleet: Fleet, workload: Workload, conversations: int | None = None,
         arrival = np.empty(n)
         arrival[order] = _segmented_exclusive_cumsum(busy, starts) + \
             (_segmented_exclusive_cumsum(turns.think_s[order], starts) + turns.think_s[order])
-        # the prefill engine is free to take the next job once its compute is done
         wait = _fcfs_waits(arrival, service, fleet.prefill_nodes)
+        if i > 1:  # damped from the third pass: under heavy load waits and arrivals otherwise oscillate
+            wait = 0.5 * (wait + previous)
         end = arrival + base + wait + decode_s
         window = _steady_window(arrival, end, turns.conv % clients, clients)
+        # Settled in distribution: single turns keep reshuffling (any shift moves a client's later turns),
+        # so compare the mean wait and the hit share between passes.
+        settled = abs(float(wait.mean() - previous.mean())) < max(5e-4, 0.02 * float(wait.mean()))
         if arm == "on":
-            hit, retained, peak = _retention(fleet, turns, arrival, end, eligible, capacity, window)
-        else:
-            _, retained, peak = _retention(fleet, turns, arrival, end, eligible, np.inf, window)
+            new_hit, retained, peak = _retention(fleet, turns, arrival, end, eligible, capacity, window)
+            settled = settled and abs(int(new_hit.sum()) - int(hit.sum())) <= 1e-3 * n
+            hit = new_hit
+        if settled:
+            break
+    if arm != "on":  # what reuse would have retained, for comparison (nothing is pulled)
+        _, retained, peak = _retention(fleet, turns, arrival, end, eligible, np.inf, window)
     ttft = np.where(hit, costs.ttft_on, costs.ttft_off) + wait
     service = np.where(hit, costs.compute_on, costs.compute_off)
     makespan = float(end.max() - arrival.min())
@@ -178,7 +188,7 @@ def simulate(fleet: Fleet, workload: Workload, conversations: int | None = None,
     return SimResult(arm, int(turns.conv.max()) + 1, n, ttft, hit,
                      float(hit.sum() / max(with_history.sum(), 1)), retained / GIB, peak / GIB,
                      float(busy_in_window.sum() / max(t1 - t0, 1e-9) / fleet.prefill_nodes), makespan,
-                     time.perf_counter() - started)
+                     time.perf_counter() - started, i + 1)
 
 
 def summary(result: SimResult) -> dict[str, float]:
