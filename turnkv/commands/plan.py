@@ -56,8 +56,13 @@ def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, convers
 
     turns = sample(workload, 5000, 0)
     sized, target_met = m.size_fleet(fleet, workload, ttft_target, turns=turns)
-    no_reuse, _ = m.size_fleet(fleet, workload, ttft_target, turns=turns, arm="off", decode_nodes=sized.decode_nodes)
+    no_reuse, target_met_off = m.size_fleet(fleet, workload, ttft_target, turns=turns, arm="off",
+                                            decode_nodes=sized.decode_nodes)
     plan = m.evaluate(sized, workload, turns=turns)
+    # Reuse off is shown on the fleet sized for it: what running without reuse would take and give.
+    plan_off = m.evaluate(no_reuse, workload, turns=turns)
+    per_turn = [on | {"ttft_ms_off": off["ttft_ms_off"]} for on, off in zip(plan.per_turn(), plan_off.per_turn(),
+                                                                           strict=False)]
     curve = m.ttl_curve(sized, workload, turns)
     ttl = m.recommend_ttl(curve)
     later = turns.history_tokens > 0
@@ -72,8 +77,8 @@ def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, convers
                    "threshold": sized.threshold, "prefill_prefix_caching": sized.prefill_prefix_caching,
                    "ttft_target_ms": ttft_target, "num_clients": workload.num_clients,
                    "mean_user_turns": round(workload.mean_user_turns(), 2)},
-        **m.summarize(plan),
-        "per_turn": plan.per_turn(),
+        "ttft_ms": {"off": m.summarize(plan_off)["ttft_ms"]["off"], "on": m.summarize(plan)["ttft_ms"]["on"]},
+        "per_turn": per_turn,
         "transfer_ms": round(float(plan.costs.transfer_on[hit].mean() * 1000), 1) if hit.any() else 0.0,
         "compute_saved_ms": round(float((plan.costs.compute_off - plan.costs.compute_on)[hit].mean() * 1000), 1)
         if hit.any() else 0.0,
@@ -81,10 +86,14 @@ def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, convers
         "retained_share_of_kv_cache": round(plan.retention.share_of_kv_cache, 4),
         "kv_cache_gib_per_decode": round(m.kv_cache_gib(sized), 1),
         "reuse_share": round(plan.retention.reuse_share, 4),
-        "prefill_utilization": {"off": round(plan.load_off.prefill_util, 4), "on": round(plan.load_on.prefill_util, 4)},
+        "prefill_utilization": {"off": round(plan_off.load_off.prefill_util, 4),
+                                "on": round(plan.load_on.prefill_util, 4)},
         "nodes": {"prefill": sized.prefill_nodes, "decode": sized.decode_nodes},
         "ttft_target_met": target_met,
-        "nodes_without_reuse": {"prefill": no_reuse.prefill_nodes, "decode": no_reuse.decode_nodes},
+        "nodes_without_reuse": {"prefill": no_reuse.prefill_nodes, "decode": no_reuse.decode_nodes,
+                                "ttft_target_met": target_met_off,
+                                "cost_per_hour": round(no_reuse.prefill.price_per_hour * no_reuse.prefill_nodes
+                                                       + no_reuse.decode.price_per_hour * no_reuse.decode_nodes, 2)},
         "cost_per_hour": round(price, 2),
         "ttl_curve": curve,
         "recommend": {"decoder_kv_blocks_ttl": ttl, "conversation_ttl": m.conversation_ttl(ttl),
@@ -93,7 +102,8 @@ def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, convers
                       "sources": sized.prefill.sources},
     }
     if simulate:
-        results = {arm: sim.simulate(sized, workload, conversations, arm=arm) for arm in ("off", "on")}
+        results = {arm: sim.simulate(fl, workload, conversations, arm=arm) for arm, fl in (("off", no_reuse),
+                                                                                          ("on", sized))}
         out["simulation"] = {
             "conversations": results["on"].conversations, "turns": results["on"].turns,
             "ttft_ms": {arm: sim.summary(r) for arm, r in results.items()},
@@ -141,17 +151,21 @@ def chart(result: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def _ms(value: float | None) -> str:
+    return "overloaded" if value is None else f"{value:.0f}"
+
+
 def print_tables(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     out = Console()
     inp = result["inputs"]
     t = Table(title=f"turnkv plan — {inp['model']} ({inp['dtype']}, KV {inp['kv_dtype']}) on {inp['instance']}, "
-                    f"TP {inp['tp']['prefill']}/{inp['tp']['decode']}, {inp['mode']}")
+                    f"TP {inp['tp']['prefill']}/{inp['tp']['decode']}, {inp['mode']}; reuse off on its own fleet")
     for col in ("turn", "prompt tokens", "TTFT off (ms)", "TTFT on (ms)", "transfer (ms)", "compute saved (ms)"):
         t.add_column(col, justify="right")
     for r in result["per_turn"]:
-        t.add_row(str(r["turn"]), str(r["prompt_tokens"]), f"{r['ttft_ms_off']:.0f}", f"{r['ttft_ms_on']:.0f}",
+        t.add_row(str(r["turn"]), str(r["prompt_tokens"]), _ms(r["ttft_ms_off"]), _ms(r["ttft_ms_on"]),
                   f"{r['transfer_ms']:.0f}", f"{r['compute_saved_ms']:.0f}")
     out.print(t)
     s = Table(title="summary (all turns)")
@@ -172,7 +186,8 @@ def print_tables(result: dict[str, Any]) -> None:
                   "instance reach with no queueing at all: sized for the load only[/yellow]")
     out.print(
         f"nodes: [bold]{result['nodes']['prefill']}P{result['nodes']['decode']}D[/bold] "
-        f"(without reuse {result['nodes_without_reuse']['prefill']}P{result['nodes_without_reuse']['decode']}D), "
+        f"(without reuse {result['nodes_without_reuse']['prefill']}P{result['nodes_without_reuse']['decode']}D, "
+        f"${result['nodes_without_reuse']['cost_per_hour']:.2f}/hour), "
         f"${result['cost_per_hour']:.2f}/hour on demand; prefill utilization off "
         f"{result['prefill_utilization']['off']:.0%}"
         f" / on {result['prefill_utilization']['on']:.0%}\n"

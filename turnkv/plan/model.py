@@ -219,6 +219,11 @@ def retention(fleet: Fleet, workload: Workload, turns: Turns, lam_turns: float, 
                      in_use / fleet.decode_nodes / GIB)
 
 
+def _ms(seconds: float) -> float | None:
+    """Milliseconds, or None where the prefill engines cannot keep up (no finite TTFT)."""
+    return round(float(seconds) * 1000, 1) if np.isfinite(seconds) else None
+
+
 def _summary(values: np.ndarray) -> dict[str, float | None]:
     if not np.isfinite(values).all():  # the prefill engines cannot keep up: no finite TTFT
         return {"mean": None, "p50": None, "p90": None}
@@ -256,8 +261,8 @@ class Plan:
             rows.append({
                 "turn": t + 1,
                 "prompt_tokens": round(float(self.turns.prompt_tokens[sel].mean())),
-                "ttft_ms_off": round(float(self.costs.ttft_off[sel].mean() + self.load_off.wait_s) * 1000, 1),
-                "ttft_ms_on": round(float(on[sel].mean() + self.load_on.wait_s) * 1000, 1),
+                "ttft_ms_off": _ms(self.costs.ttft_off[sel].mean() + self.load_off.wait_s),
+                "ttft_ms_on": _ms(on[sel].mean() + self.load_on.wait_s),
                 "transfer_ms": round(float((self.costs.transfer_on * self.hit)[sel].mean()) * 1000, 1),
                 "compute_saved_ms": round(float(((self.costs.compute_off - self.costs.compute_on)
                                                   * self.hit)[sel].mean()) * 1000, 1),

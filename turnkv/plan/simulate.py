@@ -131,12 +131,16 @@ def _retention(fleet: Fleet, turns: Turns, arrival: np.ndarray, end: np.ndarray,
 
 
 def _steady_window(arrival: np.ndarray, end: np.ndarray, client: np.ndarray, clients: int) -> tuple[float, float]:
-    """From the first arrival until the first client runs out of conversations: every client busy, so
-    time averages describe the offered load, not the ramp-down."""
+    """From the last client's start until the first client runs out of conversations: every client busy,
+    so time averages describe the offered load, not the ramp-up or the ramp-down."""
     last_end = np.full(clients, -np.inf)
+    first_arrival = np.full(clients, np.inf)
     np.maximum.at(last_end, client, end)
-    active = last_end[np.isfinite(last_end)]
-    return float(arrival.min()), float(active.min() if len(active) else end.max())
+    np.minimum.at(first_arrival, client, arrival)
+    active = np.isfinite(last_end)
+    t0 = float(first_arrival[active].max()) if active.any() else float(arrival.min())
+    t1 = float(last_end[active].min()) if active.any() else float(end.max())
+    return (t0, t1) if t1 > t0 else (float(arrival.min()), float(end.max()))
 
 
 def simulate(fleet: Fleet, workload: Workload, conversations: int | None = None, arm: str = "on", seed: int = 0,
@@ -154,6 +158,10 @@ def simulate(fleet: Fleet, workload: Workload, conversations: int | None = None,
     eligible = costs.pull if arm == "on" else np.zeros(n, dtype=bool)
     hit = eligible.copy()
     wait = np.zeros(n)
+    # Clients start spread over one mean conversation, not all at t=0: steady load, no start-up stampede.
+    conversation_s = float((turns.think_s + costs.ttft_off + decode_s).sum()) / (int(turns.conv.max()) + 1)
+    client_offset = np.random.default_rng(seed + 1).uniform(0.0, conversation_s, clients)
+    start = client_offset[turns.conv % clients]
     for i in range(iterations):
         previous = wait
         base = np.where(hit, costs.ttft_on, costs.ttft_off)
@@ -163,6 +171,7 @@ def simulate(fleet: Fleet, workload: Workload, conversations: int | None = None,
         arrival = np.empty(n)
         arrival[order] = _segmented_exclusive_cumsum(busy, starts) + \
             (_segmented_exclusive_cumsum(turns.think_s[order], starts) + turns.think_s[order])
+        arrival += start
         wait = _fcfs_waits(arrival, service, fleet.prefill_nodes)
         if i > 1:  # damped from the third pass: under heavy load waits and arrivals otherwise oscillate
             wait = 0.5 * (wait + previous)
