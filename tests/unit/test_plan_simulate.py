@@ -90,3 +90,17 @@ def test_more_prefill_engines_cut_the_queue():
     four = sim.simulate(fleet(prefill_nodes=4), w, arm="off", turns=turns)
     assert one.prefill_util > 0.8
     assert np.percentile(four.ttft_s, 90) < 0.5 * np.percentile(one.ttft_s, 90)
+
+
+@pytest.mark.parametrize("clients", [256, 512])
+def test_queueing_agrees_with_pollaczek_khinchine_at_moderate_load(clients):
+    """Prefill at ~30% and ~57% utilization: the simulated FCFS queue and the closed form's M/G/1 wait
+    give the same mean TTFT within 5% (and the same utilization)."""
+    w = Workload.from_dict(WORKLOAD | {"num_clients": clients, "num_conversations": 20000})
+    turns = sample(w, seed=1)
+    f = fleet(decode_nodes=8)
+    closed = plan_model.evaluate(f, w, turns=turns)
+    result = sim.simulate(f, w, arm="off", turns=turns)
+    assert closed.load_off.wait_s > 0.02  # the queue matters here
+    assert result.prefill_util == pytest.approx(closed.load_off.prefill_util, rel=0.05)
+    assert result.ttft_s.mean() == pytest.approx(closed.ttft("off").mean(), rel=0.05)
