@@ -77,8 +77,6 @@ class Instance:
     hbm_bytes_s: float  # per device
     #: Network between nodes (EFA), bits/s for the whole instance.
     network_bits_s: float
-    #: Network interfaces per device (rank): a rank's transfers run over this many.
-    nics_per_device: float
     price_per_hour: float  # on-demand, USD, us-east-1 Linux
     sources: dict[str, str] = field(default_factory=dict)
     efficiency: Efficiency = field(default_factory=Efficiency)
@@ -106,23 +104,23 @@ PRICE_SRC = ("aws.amazon.com/ec2/pricing/on-demand (us-east-1, Linux; P5 prices 
 INSTANCES: dict[str, Instance] = {
     "p5en.48xlarge": Instance(
         "p5en.48xlarge", "8 x NVIDIA H200", 8, {"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12}, 141 * GB, 4.8e12,
-        3200e9, 2, 63.296,
+        3200e9, 63.296,
         {"accelerator": H200_SRC, "network": "aws.amazon.com/ec2/instance-types/p5: p5en 3,200 Gbps EFAv3, "
          "16 EFA interfaces (2 per GPU)", "price": PRICE_SRC}),
     "p5.48xlarge": Instance(
         "p5.48xlarge", "8 x NVIDIA H100", 8, {"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12}, 80 * GB, 3.35e12,
-        3200e9, 4, 55.04,
+        3200e9, 55.04,
         {"accelerator": H100_SRC, "network": "aws.amazon.com/ec2/instance-types/p5: 3,200 Gbps EFAv2, "
          "32 EFA interfaces (4 per GPU)", "price": PRICE_SRC}),
     "trn2.48xlarge": Instance(
         "trn2.48xlarge", "16 x AWS Trainium2", 16, {"bf16": 10.7e15 / 16, "fp8": 20.8e15 / 16, "fp32": 2.9e15 / 16},
-        96 * GIB, 2.9e12, 3200e9, 1, 44.70,
+        96 * GIB, 2.9e12, 3200e9, 44.70,
         {"accelerator": "awsdocs-neuron trn2-arch: 16 chips, 10.7 PFLOPS BF16 / 20.8 PFLOPS FP8 dense, "
          "1.5 TiB HBM, 46 TB/s", "network": "3.2 Tbps EFAv3, 16 interfaces", "price": PRICE_SRC,
          "efficiency": "no public vLLM-neuron prefill MFU: the GPU factors are used; calibrate on the cluster"}),
     "trn1.32xlarge": Instance(
         "trn1.32xlarge", "16 x AWS Trainium", 16, {"bf16": 190e12, "fp8": 190e12, "fp32": 47.5e12}, 32 * GIB,
-        0.82e12, 800e9, 0.5, 21.50,
+        0.82e12, 800e9, 21.50,
         {"accelerator": "awsdocs-neuron trn1-arch: 16 chips, 3.04 PFLOPS BF16, 512 GiB HBM, 13.1 TB/s",
          "network": "800 Gbps EFA, 8 interfaces", "price": PRICE_SRC,
          "efficiency": "no public vLLM-neuron prefill MFU: the GPU factors are used; calibrate on the cluster"}),
@@ -130,7 +128,7 @@ INSTANCES: dict[str, Instance] = {
     # The achieved factors below are placeholders until `turnkv plan calibrate` measures them.
     "local-cpu": Instance(
         "local-cpu", "2 x86 cores (vLLM CPU build)", 1, {"bf16": 156e9, "fp32": 156e9, "fp8": 156e9}, 2 * GIB,
-        20e9, 8 * 5.5e9, 1, 0.0,
+        20e9, 8 * 5.5e9, 0.0,
         {"accelerator": "lscpu on this machine: 2 AVX2 cores at 2.45 GHz", "network": "loopback (UCX tcp/shm): "
          "15.5 MiB in ~2.4 ms measured (shared/notes/local-engines.md)", "price": "none (local)"},
         Efficiency(dense=0.3, moe=0.3, allreduce_bus_bytes_s=1e12, decode_bandwidth=0.5, request_overhead_s=0.02,
