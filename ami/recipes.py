@@ -58,6 +58,7 @@ ENV_NAMES: dict[str, str] = {
     "EfaInstallerSha256": "TURNKV_EFA_INSTALLER_SHA256",
     "LibfabricVersion": "TURNKV_LIBFABRIC_VERSION",
     "EfaPrefix": "TURNKV_EFA_PREFIX",
+    "EfaGpgFingerprint": "TURNKV_EFA_GPG_FINGERPRINT",
     "NixlVersion": "TURNKV_NIXL_VERSION",
     "NixlCudaPackage": "TURNKV_NIXL_CUDA_PACKAGE",
     "NixlGitTag": "TURNKV_NIXL_GIT_TAG",
@@ -66,6 +67,8 @@ ENV_NAMES: dict[str, str] = {
     "TurnkvVersion": "TURNKV_VERSION",
     "TurnkvWheelS3Uri": "TURNKV_WHEEL_S3_URI",
     "CloudWatchAgentVersion": "TURNKV_CLOUDWATCH_AGENT_VERSION",
+    "CloudWatchAgentSha256": "TURNKV_CLOUDWATCH_AGENT_SHA256",
+    "CloudWatchAgentGpgFingerprint": "TURNKV_CLOUDWATCH_AGENT_GPG_FINGERPRINT",
 }
 
 
@@ -95,6 +98,7 @@ def _pins(flavor: str) -> dict[str, dict[str, str]]:
             "EfaInstallerSha256": versions.EFA_INSTALLER_SHA256,
             "LibfabricVersion": versions.LIBFABRIC,
             "EfaPrefix": versions.EFA_PREFIX,
+            "EfaGpgFingerprint": versions.EFA_GPG_FINGERPRINT,
         },
         "turnkv-nixl": {
             "NixlVersion": versions.NIXL,
@@ -105,7 +109,10 @@ def _pins(flavor: str) -> dict[str, dict[str, str]]:
         "turnkv-vllm-gpu": {"VllmVersion": versions.VLLM_GPU},
         "turnkv-vllm-neuron": {"VllmNeuronVersion": versions.VLLM_NEURON},
         "turnkv-connector": {"TurnkvVersion": versions.TURNKV, "Flavor": flavor},
-        "turnkv-cloudwatch-agent": {"CloudWatchAgentVersion": versions.CLOUDWATCH_AGENT, "Flavor": flavor},
+        "turnkv-cloudwatch-agent": {"CloudWatchAgentVersion": versions.CLOUDWATCH_AGENT,
+                                    "CloudWatchAgentSha256": versions.CLOUDWATCH_AGENT_SHA256,
+                                    "CloudWatchAgentGpgFingerprint": versions.CLOUDWATCH_AGENT_GPG_FINGERPRINT,
+                                    "Flavor": flavor},
         "turnkv-doctor": {"Flavor": flavor},
     }
 

@@ -40,13 +40,17 @@ SETUPTOOLS = "78.1.1"
 #: The CDK CLI (npm `aws-cdk`): aws-cdk-lib 2.275 writes cloud assembly schema 55, which needs CLI >= 2.1148.0.
 AWS_CDK_CLI = "2.1148.1"
 
-#: Node images: EFA installer and what it brings.
-EFA_INSTALLER = "1.51.0"
-#: SHA-256 of aws-efa-installer-<EFA_INSTALLER>.tar.gz. Not yet recorded: no machine of this project can
-#: reach the download. Until it is, the AMI bake stops at the EFA step with a message saying how to record it
-#: (download the tarball, check its GPG signature as the EFA user guide describes, put its sha256sum here).
-EFA_INSTALLER_SHA256 = "unpinned"
-LIBFABRIC = "2.7.0amzn"
+#: Node images: EFA installer and what it brings. 1.50.0 is the newest release with public traces (the reference
+#: stack of the bi-directional KV transfer post uses EFA 1.50.0 with libfabric 2.6.0). Public build recipes pin
+#: aws-efa-installer-1.50.0.tar.gz at this SHA-256; its contents are reported as efa 3.3.0, rdma-core 64.0amzn0,
+#: libfabric 2.6.0amzn1.0, aws-ofi-nccl 1.21.1. The bake also checks the tarball's GPG signature when AWS's key is
+#: reachable (EFA_GPG_FINGERPRINT).
+EFA_INSTALLER = "1.50.0"
+EFA_INSTALLER_SHA256 = "fa6dff8593d866866c13cb4640d9059835cd4efa427971f100ab40c97bef2841"
+LIBFABRIC = "2.6.0amzn"
+#: AWS's EFA installer signing key (https://efa-installer.amazonaws.com/aws-efa-installer.key), as the EC2 user
+#: guide publishes its fingerprint ("4E90 91BC BB97 A96B 26B1 5E59 A054 80B1 DD2D 3CCC").
+EFA_GPG_FINGERPRINT = "4E9091BCBB97A96B26B15E59A05480B1DD2D3CCC"
 #: Where the EFA installer puts libfabric; NIXL's LIBFABRIC plugin must link this one.
 EFA_PREFIX = "/opt/amazon/efa"
 NVIDIA_DRIVER_MIN = "580"
@@ -54,9 +58,14 @@ CUDA = "13.0"
 #: NIXL wheel variant that matches CUDA (nixl-cu12 / nixl-cu13) and the git tag built when its plugin is unusable.
 NIXL_CUDA_PACKAGE = "nixl-cu13"
 NIXL_GIT_TAG = f"v{NIXL}"
-#: Amazon CloudWatch agent, fetched from its versioned download path (unconfirmed that this build is published
-#: there: the bake fails at the download, naming the URL, if it is not; then put a published build here).
-CLOUDWATCH_AGENT = "1.300064.0b1337"
+#: Amazon CloudWatch agent for Ubuntu amd64, from its versioned download path
+#: (amazoncloudwatch-agent.s3.amazonaws.com/ubuntu/amd64/<version>/amazon-cloudwatch-agent.deb). A public build
+#: recipe pins this build at this SHA-256 and records its detached .deb.sig as valid under AWS's agent key.
+CLOUDWATCH_AGENT = "1.300072.0b1766"
+CLOUDWATCH_AGENT_SHA256 = "05baeadca96c4bb8e43906ed09cf0bebd0f321ff6d41987bdc46ce681de0978d"
+#: AWS's CloudWatch agent signing key (assets/amazon-cloudwatch-agent.gpg), fingerprint as the CloudWatch user
+#: guide ("Verify the signature of the CloudWatch agent package") publishes it.
+CLOUDWATCH_AGENT_GPG_FINGERPRINT = "937616F3450B7D806CBD9725D58167303B789C72"
 #: vLLM Neuron plugin for the Trainium image: a git tag of vllm-project/vllm-neuron (newest tag seen: 0.2.0).
 #: It pins its own vLLM (0.11.0 at that tag), not VLLM_GPU.
 VLLM_NEURON = "0.2.0"

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # shellcheck source-path=SCRIPTDIR
-# Step 10: the EFA installer at the pinned version, its checksum verified, and its libfabric checked.
-# Env: TURNKV_EFA_INSTALLER_VERSION, TURNKV_EFA_INSTALLER_SHA256, TURNKV_LIBFABRIC_VERSION, TURNKV_EFA_PREFIX;
-#      optional TURNKV_EFA_BASE_URL (download host), TURNKV_REQUIRE_EFA_DEVICE (true on a node with EFA
-#      interfaces; Image Builder instances have none, so the components leave it false).
+# Step 10: the EFA installer at the pinned version (checksum pinned, GPG signature checked when AWS's key is
+# reachable), and its libfabric checked. A base image that already carries the pinned version or a newer one,
+# with a working `fi_info -p efa`, is kept as it is.
+# Env: TURNKV_EFA_INSTALLER_VERSION, TURNKV_EFA_INSTALLER_SHA256, TURNKV_LIBFABRIC_VERSION, TURNKV_EFA_PREFIX,
+#      TURNKV_EFA_GPG_FINGERPRINT; optional TURNKV_EFA_BASE_URL (download host), TURNKV_REQUIRE_EFA_DEVICE (true
+#      on a node with EFA interfaces; Image Builder instances have none, so the components leave it false).
 STEP=10-efa
 # shellcheck source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
@@ -13,7 +15,8 @@ version="$TURNKV_EFA_INSTALLER_VERSION"
 sha="$TURNKV_EFA_INSTALLER_SHA256"
 prefix="$TURNKV_EFA_PREFIX"
 tarball_name="aws-efa-installer-$version.tar.gz"
-url="${TURNKV_EFA_BASE_URL:-https://efa-installer.amazonaws.com}/$tarball_name"
+base="${TURNKV_EFA_BASE_URL:-https://efa-installer.amazonaws.com}"
+url="$base/$tarball_name"
 export PATH="$R$prefix/bin:$PATH"
 
 # The version the installer wrote down (its own record of what is on this root).
@@ -23,16 +26,32 @@ installed_version() {
     sed -n 's/^# EFA installer version: *//p' "$file" | head -n 1
 }
 
+# True when the base image's own EFA installation is at least the pin and finds an EFA device.
+base_image_efa_ok() {
+    local have
+    have="$(installed_version)"
+    [[ -n "$have" ]] && version_ge "$have" "$version" && fi_info -p efa >/dev/null 2>&1
+}
+
 verify() {
     local have fi_path libfabric
     have="$(installed_version)"
-    [[ "$have" == "$version" ]] || die "EFA installer ${have:-(none)} is installed, the pin is $version"
+    if [[ -z "$have" ]] || ! version_ge "$have" "$version"; then
+        die "EFA installer ${have:-(none)} is installed, the pin is $version (or newer)"
+    fi
     fi_path="$(command -v fi_info || true)"
     [[ "$fi_path" == "$R$prefix/bin/fi_info" ]] ||
         die "fi_info resolves to '${fi_path:-nothing}', not $prefix/bin/fi_info: a distro libfabric shadows EFA's"
     libfabric="$(fi_info --version | sed -n 's/^libfabric: *//p' | head -n 1)"
-    [[ "$libfabric" == "$TURNKV_LIBFABRIC_VERSION"* ]] ||
-        die "libfabric at $prefix is '${libfabric:-unknown}', the pin is $TURNKV_LIBFABRIC_VERSION"
+    # The pinned installer brings exactly the pinned libfabric; a newer installer kept from the base image, a newer one.
+    if [[ "$have" == "$version" ]]; then
+        [[ "$libfabric" == "$TURNKV_LIBFABRIC_VERSION"* ]] ||
+            die "libfabric at $prefix is '${libfabric:-unknown}', the pin is $TURNKV_LIBFABRIC_VERSION"
+    else
+        if [[ -z "$libfabric" ]] || ! version_ge "$libfabric" "$TURNKV_LIBFABRIC_VERSION"; then
+            die "libfabric at $prefix is '${libfabric:-unknown}', older than the pin $TURNKV_LIBFABRIC_VERSION"
+        fi
+    fi
     [[ -e "$R$prefix/lib/libfabric.so.1" ]] || die "$prefix/lib/libfabric.so.1 is missing"
     if [[ "${TURNKV_REQUIRE_EFA_DEVICE:-false}" == "true" ]]; then
         TURNKV_EFA_PREFIX="$prefix" bash "$SCRIPTS_DIR/efa-wait.sh"
@@ -43,6 +62,9 @@ if [[ "${1:-}" == "--verify" ]]; then verify; exit 0; fi
 
 if [[ "$(installed_version)" == "$version" ]] && done_with efa-installer "$version"; then
     log "EFA installer $version already installed"
+elif base_image_efa_ok; then
+    log "the base image carries EFA installer $(installed_version) (pin $version) and fi_info -p efa works: keeping it"
+    record efa-installer "$(installed_version)"
 else
     [[ "$sha" =~ ^[0-9a-f]{64}$ ]] ||
         die "the EFA installer checksum is not pinned (EFA_INSTALLER_SHA256='$sha' in turnkv/versions.py). \
@@ -59,9 +81,11 @@ A corrupt or tampered download, or a re-published release: check the GPG signatu
 EFA_INSTALLER_SHA256 in turnkv/versions.py."
     fi
     log "checksum ok ($actual)"
+    require TURNKV_EFA_GPG_FINGERPRINT
+    verify_signature "$tarball" "$url.sig" "$base/aws-efa-installer.key" "$TURNKV_EFA_GPG_FINGERPRINT"
     tar -xzf "$tarball" -C "$WORK_DIR/efa"
     (cd "$WORK_DIR/efa/aws-efa-installer" && ./efa_installer.sh -y)
     record efa-installer "$version"
 fi
 verify
-log "ok: EFA installer $version, libfabric $TURNKV_LIBFABRIC_VERSION at $prefix"
+log "ok: EFA installer $(installed_version) (pin $version), libfabric at $prefix"

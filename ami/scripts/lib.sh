@@ -69,5 +69,39 @@ sha256_of() {
     printf '%s\n' "${out%% *}"
 }
 
+# version_ge A B: true when version A >= version B (sort -V order: 1.9.0 < 1.10.0, 2.5.0amzn < 2.5.0amzn1.0).
+version_ge() {
+    [[ "$(printf '%s\n%s\n' "$1" "$2" | sort -V | head -n 1)" == "$2" ]]
+}
+
+# verify_signature FILE SIG_URL KEY_URL FINGERPRINT: check FILE's detached GPG signature with the vendor's key,
+# whose fingerprint is pinned (turnkv/versions.py). When the key or the signature cannot be fetched (no route to
+# the vendor's site) or gpg is missing, say so and rely on the pinned SHA-256 the caller already checked. A key
+# with another fingerprint or a bad signature is a hard failure.
+verify_signature() {
+    local file="$1" sig_url="$2" key_url="$3" want="$4" home fpr
+    if ! command -v gpg >/dev/null; then
+        log "gpg is not installed: ${file##*/} rests on its pinned SHA-256"
+        return 0
+    fi
+    if ! curl -fsSL --retry 2 -o "$file.key" "$key_url" || ! curl -fsSL --retry 2 -o "$file.sig" "$sig_url"; then
+        log "signing key or signature not reachable ($key_url, $sig_url): ${file##*/} rests on its pinned SHA-256"
+        return 0
+    fi
+    home="$(mktemp -d)"
+    gpg --homedir "$home" --batch --quiet --import "$file.key" 2>/dev/null || die "could not import the key $key_url"
+    fpr="$(gpg --homedir "$home" --batch --with-colons --fingerprint | awk -F: '$1 == "fpr" {print $10; exit}')"
+    if [[ "$fpr" != "$want" ]]; then
+        rm -rf "$home" "$file"
+        die "the key at $key_url has fingerprint ${fpr:-(none)}, not the pinned $want: not installing ${file##*/}"
+    fi
+    if ! gpg --homedir "$home" --batch --quiet --verify "$file.sig" "$file" 2>/dev/null; then
+        rm -rf "$home" "$file"
+        die "bad GPG signature on ${file##*/} (key $want): not installing it"
+    fi
+    rm -rf "$home"
+    log "GPG signature ok: ${file##*/} (key $want)"
+}
+
 # on_real_root: true when building the running system (systemctl, ldconfig act on it).
 on_real_root() { [[ -z "$R" ]]; }

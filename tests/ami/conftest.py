@@ -38,9 +38,12 @@ class Bake:
 
     def parameters(self, component: recipes.ComponentSpec) -> dict[str, str]:
         params = recipes.deploy_parameters(component, self.assets())
-        # The real pin is not recorded yet (see turnkv/versions.py); the fake tarball's own hash stands in.
+        # The fake downloads' own hashes stand in for the real pins (turnkv/versions.py).
         if "EfaInstallerSha256" in params:
             params["EfaInstallerSha256"] = self.efa_sha256
+        if "CloudWatchAgentSha256" in params:
+            params["CloudWatchAgentSha256"] = hashlib.sha256(
+                stubs.fake_cloudwatch_deb(params["CloudWatchAgentVersion"])).hexdigest()
         for name, value in self.overrides.items():
             if name in params:
                 params[name] = value

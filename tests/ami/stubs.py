@@ -7,6 +7,7 @@ The stubs act on ``$TURNKV_ROOT`` only. Knobs, all environment variables:
   FAKE_EFA_DEVICE_AFTER=N      the device appears on the N-th `fi_info -p efa` call (late EFA on p5en)
   FAKE_NIXL_WHEEL_PLUGIN=efa|bundled|none   what the nixl wheel's LIBFABRIC plugin links
   FAKE_NIXL_BUILT_PLUGIN=efa|distro         what a NIXL source build's plugin links
+  FAKE_SIGNING_DIR=DIR         where curl finds *.sig / *.key / *.gpg downloads (none: they are unreachable)
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ while (($#)); do case "$1" in -o) out="$2"; shift 2;; -*) shift;; *) url="$1"; s
 case "$url" in
   *aws-efa-installer-*.tar.gz) cp "$FAKE_EFA_TARBALL" "$out";;
   *amazon-cloudwatch-agent.deb) v="${url%/amazon-cloudwatch-agent.deb}"; printf 'fake-deb %s\n' "${v##*/}" >"$out";;
+  *.sig|*.key|*.gpg)  # signatures and signing keys: served from FAKE_SIGNING_DIR when a test provides them
+    [[ -n "${FAKE_SIGNING_DIR:-}" && -f "$FAKE_SIGNING_DIR/${url##*/}" ]] || exit 22
+    cp "$FAKE_SIGNING_DIR/${url##*/}" "$out";;
   *) echo "curl stub: unexpected URL $url" >&2; exit 22;;
 esac
 ''',
@@ -179,6 +183,11 @@ def write_stubs(stub_dir: Path) -> None:
         path = stub_dir / name
         path.write_text(HEADER + f'exec {real} "$@"\n')
         path.chmod(0o755)
+
+
+def fake_cloudwatch_deb(version: str) -> bytes:
+    """What the curl stub downloads as the CloudWatch agent .deb of ``version``."""
+    return f"fake-deb {version}\n".encode()
 
 
 def make_efa_tarball(directory: Path, version: str, libfabric: str) -> Path:

@@ -1,13 +1,20 @@
 """Bake the images into a fake root with stubbed commands, running the component documents' own commands.
 
 Shows: the order of steps, idempotency (a second bake changes nothing on the root), and hard failures with
-clear messages (checksum mismatch, unpinned checksum, missing or late EFA device, NIXL plugin linking the
+clear messages (checksum mismatch, bad GPG signature or key, missing or late EFA device, NIXL plugin linking the
 wrong libfabric, missing variables).
 """
 
 from __future__ import annotations
 
+import hashlib
+import shutil
+import subprocess
+
+import pytest
+
 from ami import recipes
+from tests.ami import stubs
 from turnkv import versions
 
 
@@ -108,17 +115,138 @@ def test_checksum_mismatch_is_a_hard_failure(bake):
     assert not list((bake.work / "downloads/efa").glob("*.tar.gz")), "the bad download is removed"
 
 
-def test_unpinned_checksum_is_a_hard_failure(bake):
-    """The pin in turnkv/versions.py is not recorded yet: the real bake must stop, saying what to do."""
+def test_the_real_pin_does_not_match_a_different_tarball(bake):
     bake.overrides["EfaInstallerSha256"] = versions.EFA_INSTALLER_SHA256
     bake.run_phase(component("gpu", "turnkv-base"), "build")
     result = bake.run_phase(component("gpu", "turnkv-efa"), "build", check=False)
-    if len(versions.EFA_INSTALLER_SHA256) == 64:
-        assert "checksum mismatch" in result.stderr  # a real pin does not match the fake tarball
-    else:
-        assert "the EFA installer checksum is not pinned" in result.stderr
-        assert not any(c.startswith("curl") for c in bake.calls())
+    assert result.returncode != 0 and f"expected {versions.EFA_INSTALLER_SHA256}" in result.stderr
+
+
+def test_efa_pin_is_the_published_installer():
+    assert versions.EFA_INSTALLER == "1.50.0" and versions.LIBFABRIC == "2.6.0amzn"
+    assert versions.EFA_INSTALLER_SHA256 == "fa6dff8593d866866c13cb4640d9059835cd4efa427971f100ab40c97bef2841"
+
+
+# --- GPG signatures (real gpg, a throwaway key standing in for AWS's) -------------------------------------------
+
+
+def _gpg(home, *args, **kw):
+    return subprocess.run(["gpg", "--homedir", str(home), "--batch", "--quiet", *args], check=True,
+                          capture_output=True, **kw)
+
+
+@pytest.fixture
+def signer(tmp_path):
+    """A signing key of our own: (sign(file, as_name), fingerprint, the directory curl serves from)."""
+    if not shutil.which("gpg"):
+        pytest.skip("gpg is needed for the signature tests")
+    home, served = tmp_path / "gnupg", tmp_path / "served"
+    home.mkdir(mode=0o700)
+    served.mkdir()
+    _gpg(home, "--passphrase", "", "--quick-gen-key", "turnkv-test <test@example.invalid>", "ed25519", "sign",
+         "never")
+    colons = _gpg(home, "--with-colons", "--fingerprint", text=True).stdout
+    fingerprint = next(line.split(":")[9] for line in colons.splitlines() if line.startswith("fpr:"))
+    (served / "aws-efa-installer.key").write_bytes(_gpg(home, "--armor", "--export", fingerprint).stdout)
+
+    def sign(path, as_name):
+        _gpg(home, "--yes", "--detach-sign", "-o", str(served / as_name), str(path))
+
+    return sign, fingerprint, served
+
+
+def _efa_build(bake):
+    bake.run_phase(component("gpu", "turnkv-base"), "build")
+    return bake.run_phase(component("gpu", "turnkv-efa"), "build", check=False)
+
+
+def test_efa_tarball_signature_is_checked_with_the_pinned_key(bake, signer):
+    sign, fingerprint, served = signer
+    sign(bake.env["FAKE_EFA_TARBALL"], f"aws-efa-installer-{versions.EFA_INSTALLER}.tar.gz.sig")
+    bake.env["FAKE_SIGNING_DIR"] = str(served)
+    bake.overrides["EfaGpgFingerprint"] = fingerprint
+    result = _efa_build(bake)
+    assert result.returncode == 0, result.stderr
+    assert f"GPG signature ok: aws-efa-installer-{versions.EFA_INSTALLER}.tar.gz (key {fingerprint})" in result.stderr
+    calls = bake.calls()
+    assert positions(calls, "sha256sum", "curl -fsSL --retry 2 -o", "efa_installer.sh -y")
+
+
+def test_a_bad_efa_signature_is_a_hard_failure(bake, signer, tmp_path):
+    sign, fingerprint, served = signer
+    other = tmp_path / "other.tar.gz"
+    other.write_bytes(b"not the installer")
+    sign(other, f"aws-efa-installer-{versions.EFA_INSTALLER}.tar.gz.sig")
+    bake.env["FAKE_SIGNING_DIR"] = str(served)
+    bake.overrides["EfaGpgFingerprint"] = fingerprint
+    result = _efa_build(bake)
     assert result.returncode != 0
+    assert f"bad GPG signature on aws-efa-installer-{versions.EFA_INSTALLER}.tar.gz" in result.stderr
+    assert not any(c.startswith("efa_installer") for c in bake.calls())
+
+
+def test_a_key_other_than_the_pinned_one_is_a_hard_failure(bake, signer):
+    sign, fingerprint, served = signer
+    sign(bake.env["FAKE_EFA_TARBALL"], f"aws-efa-installer-{versions.EFA_INSTALLER}.tar.gz.sig")
+    bake.env["FAKE_SIGNING_DIR"] = str(served)  # the pinned fingerprint stays AWS's
+    result = _efa_build(bake)
+    assert result.returncode != 0
+    assert f"has fingerprint {fingerprint}, not the pinned {versions.EFA_GPG_FINGERPRINT}" in result.stderr
+    assert not any(c.startswith("efa_installer") for c in bake.calls())
+
+
+def test_an_unreachable_key_falls_back_to_the_pinned_checksum(bake):
+    result = _efa_build(bake)
+    assert result.returncode == 0, result.stderr
+    assert "rests on its pinned SHA-256" in result.stderr
+    assert any(c.startswith("efa_installer.sh -y") for c in bake.calls())
+
+
+# --- an EFA installation the base image already has -----------------------------------------------------------
+
+
+def _base_image_efa(bake, version: str, libfabric: str, device: bool) -> None:
+    """Lay the base image's own EFA installation (the fake installer's output) on the root."""
+    script = bake.root.parent / "base-efa.sh"
+    script.write_text(stubs.EFA_INSTALLER.replace("@VERSION@", version).replace("@LIBFABRIC@", libfabric))
+    subprocess.run(["bash", str(script)], env=bake.env, check=True)
+    bake.env["FAKE_EFA_DEVICE"] = "1" if device else "0"
+    bake.log.write_text("")
+
+
+def _newer(version: str) -> str:
+    major, minor, patch = (int(x) for x in version.split("."))
+    return f"{major}.{minor + 1}.{patch}"
+
+
+def test_a_newer_efa_in_the_base_image_with_a_device_is_kept(bake):
+    _base_image_efa(bake, _newer(versions.EFA_INSTALLER), "9.9.0amzn", device=True)
+    result = _efa_build(bake)
+    assert result.returncode == 0, result.stderr
+    assert "fi_info -p efa works: keeping it" in result.stderr
+    assert not any(c.startswith(("curl", "efa_installer", "tar")) for c in bake.calls())
+    assert bake.run_script("10-efa.sh", "--verify", env=_efa_env(bake)).returncode == 0
+
+
+def test_the_base_image_efa_is_reinstalled_without_a_device_or_when_older(bake):
+    _base_image_efa(bake, _newer(versions.EFA_INSTALLER), "9.9.0amzn", device=False)
+    assert _efa_build(bake).returncode == 0
+    assert any(c.startswith("efa_installer.sh -y") for c in bake.calls())
+
+
+def _efa_env(bake):
+    efa = component("gpu", "turnkv-efa")
+    params = bake.parameters(efa)
+    return {recipes.ENV_NAMES[k]: v for k, v in params.items() if k in recipes.ENV_NAMES}
+
+
+def test_cloudwatch_agent_checksum_mismatch_is_a_hard_failure(bake):
+    bake.overrides["CloudWatchAgentSha256"] = "0" * 64
+    bake.run_phase(component("gpu", "turnkv-base"), "build")
+    result = bake.run_phase(component("gpu", "turnkv-cloudwatch-agent"), "build", check=False)
+    assert result.returncode != 0
+    assert f"checksum mismatch for the CloudWatch agent {versions.CLOUDWATCH_AGENT}" in result.stderr
+    assert not any(c.startswith("dpkg --root") for c in bake.calls())
 
 
 def run_installed_efa_wait(bake, env):
@@ -229,6 +357,8 @@ def test_wheel_of_another_version_is_refused(bake):
 def test_build_sh_runs_every_step_with_pins_from_recipes(bake):
     env = {k: v for k, v in recipes.step_env("gpu").items()}
     env.update(TURNKV_EFA_INSTALLER_SHA256=bake.efa_sha256,
+               TURNKV_CLOUDWATCH_AGENT_SHA256=hashlib.sha256(
+                   stubs.fake_cloudwatch_deb(versions.CLOUDWATCH_AGENT)).hexdigest(),
                TURNKV_WHEEL_S3_URI=f"s3://b/turnkv-{versions.TURNKV}-py3-none-any.whl")
     result = bake.run_script("build.sh", "gpu", env=env)
     assert result.returncode == 0, result.stderr
