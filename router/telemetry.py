@@ -140,7 +140,9 @@ def _directives(namespace: str, ttft: bool, prefill: bool, saved: bool) -> list[
         deployment_metrics.append({"Name": "PrefillTime", "Unit": "Milliseconds"})
     if saved:
         deployment_metrics.append({"Name": "PrefillTimeSaved", "Unit": "Milliseconds"})
-    return [{"Namespace": namespace, "Dimensions": [["Deployment", "ReuseOutcome"],
+    # {Deployment} alone too: the whole deployment's TTFT percentiles (the alarm) cannot be summed from the
+    # per-outcome series (percentiles do not add up).
+    return [{"Namespace": namespace, "Dimensions": [["Deployment"], ["Deployment", "ReuseOutcome"],
                                                     ["Deployment", "ReuseOutcome", "PromptBucket"]],
              "Metrics": request_metrics},
             {"Namespace": namespace, "Dimensions": [["Deployment"]], "Metrics": deployment_metrics}]

@@ -20,12 +20,12 @@ ROLE = "Role"  # prefill | decode
 POOL = "Pool"
 
 #: Router EMF metrics (units in brackets).
-TTFT = "TTFT"  # [Milliseconds] per request, dims Deployment, ReuseOutcome, PromptBucket
-REQUESTS = "Requests"  # [Count] dims Deployment, ReuseOutcome
+TTFT = "TTFT"  # [Milliseconds] per request, dims {Deployment}, {+ReuseOutcome}, {+ReuseOutcome, PromptBucket}
+REQUESTS = "Requests"  # [Count] same dimension sets as TTFT
 ERRORS = "Errors"  # [Count] dims Deployment
 REUSE_HIT = "ReuseHit"  # [Count] 1 when KV was reused (average = hit rate), dims Deployment
 REUSED_TOKENS = "ReusedTokens"  # [Count] dims Deployment
-KV_PULL_TIME = "KvPullTime"  # [Milliseconds] dims Deployment
+PREFILL_TIME = "PrefillTime"  # [Milliseconds] the prefill leg (a KV pull included on reuse), dims Deployment
 PREFILL_TIME_SAVED = "PrefillTimeSaved"  # [Milliseconds] estimated, dims Deployment
 
 #: vLLM Prometheus metric families the bridge reads (names as vLLM 0.32 exports them).

@@ -46,8 +46,8 @@ def test_vpc_flow_logs_and_endpoints_without_internet_path(gpu):
     assert len(routes) == len(gpu.app.config.network.availability_zones)
 
 
-def test_nat_when_configured(neuron):
-    neuron.assertions("network").resource_count_is("AWS::EC2::NatGateway", 1)
+def test_nat_when_configured(push):
+    push.assertions("network").resource_count_is("AWS::EC2::NatGateway", 1)
 
 
 def _dashboard(synth) -> dict:
@@ -63,7 +63,7 @@ def test_dashboard_widgets(any_app):
     titles = [w["properties"].get("title", "") for w in widgets]
     for wanted in ("TTFT p50 by reuse outcome", "TTFT p90 by reuse outcome", "TTFT p99 by reuse outcome",
                    "TTFT p99 by outcome and prompt length", "Reuse hit rate", "Reused tokens",
-                   "KV pull time and prefill time saved", "Requests by reuse outcome", "Router errors",
+                   "Prefill leg time and prefill time saved", "Requests by reuse outcome", "Router errors",
                    "Engine TTFT", "Inter-token latency", "KV cache usage", "NIXL transfer time",
                    "NIXL bytes transferred", "EFA RDMA bytes", "EFA retransmits / unresponsive remotes",
                    "ALB requests and 5xx", "Healthy / unhealthy router tasks"):
@@ -81,11 +81,11 @@ def test_dashboard_widgets(any_app):
     assert f'"{mn.ENGINE_NAMESPACE}"' in text
 
 
-def test_gpu_widget_only_with_gpus(gpu, neuron):
+def test_gpu_widget_only_with_gpus(gpu, push):
     def has_gpu(synth):
         return any(w["properties"].get("title") == "GPU utilization" for w in _dashboard(synth)["widgets"])
 
-    assert has_gpu(gpu) and not has_gpu(neuron)
+    assert has_gpu(gpu) and has_gpu(push)  # every pool is a GPU pool (Neuron pools are refused)
 
 
 def test_alarms_notify_an_encrypted_topic(any_app):

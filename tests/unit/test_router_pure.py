@@ -188,8 +188,8 @@ def test_emf_record_matches_the_dashboard_names():
                      error=False, reused_tokens=900, prefill_ms=8.0, saved_ms=40.0, fields={"request_id": "r"},
                      timestamp_ms=1)
     directives = rec["_aws"]["CloudWatchMetrics"]
-    assert directives[0]["Dimensions"] == [["Deployment", "ReuseOutcome"], ["Deployment", "ReuseOutcome",
-                                                                             "PromptBucket"]]
+    assert directives[0]["Dimensions"] == [["Deployment"], ["Deployment", "ReuseOutcome"],
+                                           ["Deployment", "ReuseOutcome", "PromptBucket"]]
     names = {m["Name"] for d in directives for m in d["Metrics"]}
     assert {"TTFT", "Requests", "Errors", "ReuseHit", "ReusedTokens", "PrefillTimeSaved"} <= names
     assert all(n in rec for n in names)

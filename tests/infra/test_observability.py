@@ -1,0 +1,242 @@
+"""Every alarm and every dashboard metric watches something that is emitted.
+
+The emitters run for real on sample traffic: the router (in-process, over fake engines on loopback) writes its
+EMF lines for a two-turn conversation, streamed and not; the engine bridge (``turnkv.emf_bridge.run``) scrapes a
+vLLM-shaped ``/metrics`` page twice and sends its EMF documents to a TCP listener standing in for the CloudWatch
+agent. From those records come the (namespace, metric, dimension names) identities CloudWatch would create. The
+CloudWatch agent's own metrics (GPU, EFA) come from the agent configuration the node writes (its measurements
+and aggregation dimensions): the agent itself does not run here. AWS service namespaces (ALB, ECS, Auto
+Scaling) are AWS's to emit and are only listed.
+
+Then every alarm and every metric of every dashboard widget of the synthesized observability stack (plain
+metrics, metric math and SEARCH expressions) must name an emitted identity, with the deployment's name as the
+Deployment value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import re
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import orjson
+import pytest
+
+from infra.bootstrap import NodeBootstrap, agent_config
+from turnkv import emf_bridge
+from turnkv import metric_names as mn
+from turnkv.engine_args import Mode, Role
+
+pytestmark = pytest.mark.infra
+
+Identity = tuple[str, str, frozenset[str]]
+OURS = (mn.ROUTER_NAMESPACE, mn.ENGINE_NAMESPACE, mn.AGENT_NAMESPACE)
+
+
+def identities(document: dict) -> set[Identity]:
+    """What CloudWatch makes of one EMF document: one metric per (directive dimension set, metric)."""
+    out = set()
+    for directive in document["_aws"]["CloudWatchMetrics"]:
+        for dims in directive["Dimensions"]:
+            for metric in directive["Metrics"]:
+                assert metric["Name"] in document, f"EMF names {metric['Name']} without a value"
+                assert all(d in document for d in dims), f"EMF dimension without a value: {dims}"
+                out.add((directive["Namespace"], metric["Name"], frozenset(dims)))
+    return out
+
+
+# ---------------------------------------------------------------- the emitters, run
+
+
+def router_records(deployment: str) -> list[dict]:
+    from router.app import FLOW
+    from tests.router.conftest import engines, router_over
+
+    async def traffic() -> list[dict]:
+        async with router_over(engines(1, "prefill"), engines(1, "decode"), emf=True,
+                               deployment=deployment) as (session, app):
+            buf = io.StringIO()
+            app[FLOW].emf.stream = buf
+            for stream in (False, True):
+                messages = [{"role": "user", "content": "Plan a three-step refactor of the billing module."}]
+                conversation = f"obs-{stream}"
+                for turn in range(2):
+                    body = {"model": "tiny", "messages": messages, "max_tokens": 4, "stream": stream,
+                            "conversation_id": conversation}
+                    async with session.post("/v1/chat/completions", json=body) as resp:
+                        raw = await resp.read()
+                        assert resp.status == 200, raw
+                    messages = [*messages, {"role": "assistant", "content": _answer(raw, stream)},
+                                {"role": "user", "content": f"and step {turn + 2}?"}]
+            async with session.post("/v1/chat/completions", json={"model": "tiny"}) as resp:  # a client error
+                assert resp.status == 400
+            app[FLOW].emf.flush()
+            return [orjson.loads(line) for line in buf.getvalue().splitlines()]
+
+    return asyncio.run(traffic())
+
+
+def _answer(raw: bytes, stream: bool) -> str:
+    if not stream:
+        return orjson.loads(raw)["choices"][0]["message"]["content"]
+    events = [orjson.loads(line[6:]) for line in raw.split(b"\n")
+              if line.startswith(b"data: ") and line != b"data: [DONE]"]
+    return "".join(c["delta"].get("content") or "" for e in events for c in e.get("choices", []))
+
+
+def vllm_metrics(scale: int) -> str:
+    """A /metrics page with every family the bridge reads, shaped as vLLM exports them."""
+    lines = []
+    for family in (mn.VLLM_TTFT, mn.VLLM_ITL, mn.VLLM_NIXL_XFER_TIME, mn.VLLM_NIXL_BYTES):
+        lines.append(f"# TYPE {family} histogram")
+        for le, share in (("0.05", 0.5), ("0.5", 0.9), ("+Inf", 1.0)):
+            lines.append(f'{family}_bucket{{engine="0",le="{le}",model_name="tiny"}} {share * 10 * scale}')
+        lines += [f'{family}_sum{{engine="0",model_name="tiny"}} {2.5 * scale}',
+                  f'{family}_count{{engine="0",model_name="tiny"}} {10 * scale}']
+    for family, value in ((mn.VLLM_KV_USAGE, 0.3), (mn.VLLM_RUNNING, 2), (mn.VLLM_WAITING, 1)):
+        lines += [f"# TYPE {family} gauge", f'{family}{{engine="0",model_name="tiny"}} {value}']
+    lines += [f"# TYPE {mn.VLLM_NIXL_EXPIRED} counter", f'{mn.VLLM_NIXL_EXPIRED}_total{{engine="0"}} {scale}']
+    return "\n".join(lines) + "\n"
+
+
+def engine_documents(deployment: str, role: str) -> list[dict]:
+    pages = iter([vllm_metrics(1), vllm_metrics(3)])
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = next(pages).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    agent = socket.create_server(("127.0.0.1", 0))
+    received: list[bytes] = []
+
+    def listen() -> None:
+        for _ in range(2):
+            conn, _ = agent.accept()
+            with conn:
+                received.append(conn.makefile("rb").read())
+
+    http = ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threads = [threading.Thread(target=http.serve_forever, daemon=True), threading.Thread(target=listen, daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        emf_bridge.run(f"http://127.0.0.1:{http.server_port}/metrics", {mn.DEPLOYMENT: deployment, mn.ROLE: role},
+                       log_group="/turnkv/test/engines", interval=0.01, address=agent.getsockname(), iterations=2)
+        threads[1].join(timeout=10)
+    finally:
+        http.shutdown()
+        agent.close()
+    return [json.loads(line) for blob in received for line in blob.splitlines() if line.strip()]
+
+
+def agent_identities(deployment: str) -> set[Identity]:
+    """The CloudWatch agent's metrics as its configuration defines them (the agent does not run here)."""
+    config = agent_config(NodeBootstrap(
+        deployment=deployment, region="us-east-2", pool="p", role=Role.PREFILL, gpu=True, model="m",
+        served_model_name="m", mode=Mode.PULL, bidirectional=True, tp_size=8, max_model_len=1024,
+        cloudmap_service_id="srv", log_group="/lg"))
+    metrics = config["metrics"]
+    names = {m if m.startswith("efa_") else f"efa_{m}" for m in metrics["metrics_collected"]["efa"]["measurement"]}
+    names |= {f"nvidia_smi_{m}" for m in metrics["metrics_collected"]["nvidia_gpu"]["measurement"]}
+    return {(metrics["namespace"], n, frozenset(d)) for n in names for d in metrics["aggregation_dimensions"]}
+
+
+@pytest.fixture(scope="module")
+def emitted(gpu) -> set[Identity]:
+    deployment = gpu.app.config.name
+    router = router_records(deployment)
+    assert len(router) >= 4 and {r[mn.DEPLOYMENT] for r in router} == {deployment}
+    assert {r[mn.REUSE_OUTCOME] for r in router} >= {"miss", "hit"}, [r[mn.REUSE_OUTCOME] for r in router]
+    engine = engine_documents(deployment, "prefill")
+    assert engine and all(d[mn.DEPLOYMENT] == deployment for d in engine)
+    out = set().union(*(identities(r) for r in router), *(identities(d) for d in engine))
+    return out | agent_identities(deployment)
+
+
+# ---------------------------------------------------------------- what the templates watch
+
+
+def _dashboard_body(template: dict) -> dict:
+    (dashboard,) = [r for r in template["Resources"].values() if r["Type"] == "AWS::CloudWatch::Dashboard"]
+    body = dashboard["Properties"]["DashboardBody"]
+    if isinstance(body, dict):  # Fn::Join of strings and tokens (region, load balancer names): tokens -> "TOKEN"
+        body = "".join(p if isinstance(p, str) else "TOKEN" for p in body["Fn::Join"][1])
+    return json.loads(body)
+
+
+_SEARCH = re.compile(r"SEARCH\('\{([^}]*)\}\s+MetricName=\"([^\"]+)\"([^']*)'")
+
+
+def watched(template: dict) -> list[tuple[str, Identity, dict[str, str]]]:
+    """(where, identity, dimension values) for every metric an alarm or a widget reads."""
+    out = []
+
+    def plain(where: str, ns: str, name: str, dims: dict[str, str]) -> None:
+        out.append((where, (ns, name, frozenset(dims)), dims))
+
+    def expression(where: str, text: str) -> None:
+        for schema, name, rest in _SEARCH.findall(text):
+            ns, *dim_names = [p.strip() for p in schema.split(",")]
+            values = dict(re.findall(r'(\w+)="([^"]*)"', rest))
+            plain(where, ns, name, {d: values.get(d, "*") for d in dim_names})
+
+    for lid, res in template["Resources"].items():
+        if res["Type"] != "AWS::CloudWatch::Alarm":
+            continue
+        props = res["Properties"]
+        if "MetricName" in props:
+            plain(f"alarm {lid}", props["Namespace"], props["MetricName"],
+                  {d["Name"]: d["Value"] for d in props.get("Dimensions", [])})
+        for m in props.get("Metrics", []):
+            if "MetricStat" in m:
+                metric = m["MetricStat"]["Metric"]
+                plain(f"alarm {lid}", metric["Namespace"], metric["MetricName"],
+                      {d["Name"]: d["Value"] for d in metric.get("Dimensions", [])})
+            elif "Expression" in m:
+                expression(f"alarm {lid}", m["Expression"])
+    for widget in _dashboard_body(template)["widgets"]:
+        props = widget.get("properties", {})
+        where = f"widget {props.get('title', widget['type'])!r}"
+        for row in props.get("metrics", []):
+            options = row[-1] if row and isinstance(row[-1], dict) else {}
+            fields = [x for x in row if not isinstance(x, dict)]
+            if "expression" in options and not fields:
+                expression(where, options["expression"])
+                continue
+            ns, name, *pairs = fields
+            plain(where, ns, name, dict(zip(pairs[::2], pairs[1::2], strict=True)))
+    return out
+
+
+def test_every_alarm_and_widget_watches_an_emitted_metric(gpu, emitted):
+    deployment = gpu.app.config.name
+    checks = watched(gpu.template("observability"))
+    ours = [c for c in checks if c[1][0] in OURS]
+    aws = sorted({c[1][0] for c in checks if c[1][0] not in OURS})
+    print(f"{len(ours)} turnkv metric reads checked; AWS-emitted namespaces (not checked): {aws}")
+    assert len(ours) > 30 and any(w.startswith("alarm") for w, _, _ in ours)
+    missing = sorted({(where, ns, name, tuple(sorted(dims))) for where, (ns, name, dims), _ in ours
+                      if (ns, name, dims) not in emitted})
+    assert missing == [], "watched but never emitted:\n" + "\n".join(map(str, missing))
+    for where, _, values in ours:
+        if mn.DEPLOYMENT in values:
+            assert values[mn.DEPLOYMENT] == deployment, where
+        if mn.ROLE in values:
+            assert values[mn.ROLE] in {r.value for r in Role}, where
+
+
+def test_the_ttft_alarm_watches_what_the_router_emits(gpu, emitted):
+    reads = [(ident, values) for where, ident, values in watched(gpu.template("observability"))
+             if where.startswith("alarm RouterTtft")]
+    assert reads and all(ident[:2] == (mn.ROUTER_NAMESPACE, mn.TTFT) and ident in emitted for ident, _ in reads)
