@@ -1,9 +1,11 @@
 """The CDK app (``cdk.json``: ``python -m infra.app``): six stacks from one validated config.
 
-    network -> params -> image        (image: Image Builder pipelines; run them once, they publish AMI ids)
-    network -> serving -> router -> observability
+    network, params, image -> serving -> router -> observability
 
-Synth needs no credentials and no lookups: AZs come from the config, AMI ids resolve from SSM at deploy time.
+``cdk deploy --all`` does everything: the image stack bakes the engine AMI (``AWS::ImageBuilder::Image``;
+CloudFormation waits for it) and publishes its id to SSM, which the serving stack's launch templates read.
+``image.ami_id`` in the config skips the bake (five stacks). Synth needs no credentials and no lookups
+(AZs come from the config).
 cdk-nag's AwsSolutions pack runs on every synth (``infra.nag`` holds each acknowledgement and its reason).
 """
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aws_cdk as cdk
+from aws_cdk import aws_ec2 as ec2
 
 from infra import lint, nag
 from infra.config import ConfigError, DeploymentConfig, from_context
@@ -38,14 +41,15 @@ class TurnkvApp:
     config: DeploymentConfig
     network: NetworkStack
     params: ParamsStack
-    image: ImageStack
+    image: ImageStack | None
     serving: ServingStack
     router: RouterStack
     observability: ObservabilityStack
 
     @property
     def stacks(self) -> list[cdk.Stack]:
-        return [self.network, self.params, self.image, self.serving, self.router, self.observability]
+        return [s for s in (self.network, self.params, self.image, self.serving, self.router, self.observability)
+                if s is not None]
 
 
 def default_image_sources(app: cdk.App) -> ImageSources:
@@ -92,10 +96,18 @@ def build(app: cdk.App, config: DeploymentConfig | None = None, image_sources: I
     params = ParamsStack(app, f"{prefix}-params", config=config, env=env,
                          description="turnkv: tunables in SSM Parameter Store")
     flavors = tuple(sorted({INSTANCE_TYPES[p.instance_type].flavor.value for p in config.pools}))
-    image = ImageStack(app, f"{prefix}-image", config=config, sources=image_sources or default_image_sources(app),
-                       flavors=flavors, env=env, description="turnkv: engine AMI pipelines (Image Builder)")
-    serving = ServingStack(app, f"{prefix}-serving", config=config, network=network, env=env,
+    image: ImageStack | None = None
+    if config.image.ami_id:
+        images = {f: ec2.MachineImage.generic_linux({config.region: config.image.ami_id}) for f in flavors}
+    else:
+        image = ImageStack(app, f"{prefix}-image", config=config, flavors=flavors, env=env,
+                           sources=image_sources or default_image_sources(app),
+                           description="turnkv: engine AMI, baked by Image Builder during the deploy")
+        images = {f: ec2.MachineImage.from_ssm_parameter(config.ami_parameter(f)) for f in flavors}
+    serving = ServingStack(app, f"{prefix}-serving", config=config, network=network, images=images, env=env,
                            description="turnkv: engine pools on EFA, Cloud Map")
+    if image is not None:
+        serving.add_stack_dependency(image, "the launch templates read the AMI id the image stack publishes")
     serving.add_stack_dependency(params, "engines read their tunables at boot")
     router = RouterStack(app, f"{prefix}-router", config=config, network=network, serving=serving, env=env,
                          description="turnkv: KV-aware router on Fargate behind an ALB")

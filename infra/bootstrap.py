@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from turnkv import metric_names as mn
 from turnkv import node_env
+from turnkv.commands import engine as engine_command
 from turnkv.engine_args import Mode, Role
 
 AGENT_CONFIG_PATH = "/opt/aws/amazon-cloudwatch-agent/etc/turnkv-agent.json"
@@ -20,6 +21,13 @@ REGISTER_SCRIPT = "/usr/local/sbin/turnkv-register"
 USER_DATA_LOG = "/var/log/turnkv/user-data.log"
 EMF_PORT = 25888
 METRICS_SERVICE = "turnkv-metrics.service"
+LOG_DIR = "/var/log/turnkv"
+#: The units whose output goes to CloudWatch Logs: each writes its own file (a systemd drop-in), which the agent
+#: ships as its own stream (``<instance id>/<file>``). journald alone is not read by the agent.
+LOGGED_UNITS = {node_env.ENGINE_SERVICE: "engine", node_env.REGISTER_SERVICE: "register",
+                METRICS_SERVICE: "metrics", node_env.PARAMS_SYNC_SERVICE: "params-sync"}
+#: Where the engine keeps synced weights (turnkv.commands.engine.MODELS_DIR): on instance NVMe when there is some.
+MODELS_DIR = engine_command.MODELS_DIR
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,10 @@ class NodeBootstrap:
     cloudmap_service_id: str
     log_group: str
     model_s3_uri: str | None = None
+    #: CloudFormation resource signal once the engine is registered (a rolling update waits for it): the
+    #: serving stack's name and the pool's Auto Scaling group logical id. Empty: no signal.
+    signal_stack: str = ""
+    signal_resource: str = ""
     port: int = node_env.DEFAULT_PORT
     side_channel_port: int = node_env.DEFAULT_SIDE_CHANNEL_PORT
 
@@ -79,8 +91,9 @@ def agent_config(b: NodeBootstrap) -> dict:
                 "emf": {"service_address": f"tcp://127.0.0.1:{EMF_PORT}"},
             },
             "logs_collected": {"files": {"collect_list": [
-                {"file_path": "/var/log/turnkv/*.log", "log_group_name": b.log_group,
-                 "log_stream_name": "{instance_id}/turnkv", "retention_in_days": 30},
+                {"file_path": f"{LOG_DIR}/{name}.log", "log_group_name": b.log_group,
+                 "log_stream_name": f"{{instance_id}}/{name}", "retention_in_days": 30}
+                for name in ("user-data", *LOGGED_UNITS.values())
             ]}},
         },
     }
@@ -109,6 +122,17 @@ def register_script(b: NodeBootstrap) -> str:
     attrs = (f"AWS_INSTANCE_IPV4=$IP,AWS_INSTANCE_PORT={b.port},role={b.role.value},engine_id=$ENGINE_ID,"
              f"side_channel_host=$IP,side_channel_port={b.side_channel_port},tp_size={b.tp_size},"
              f"http_port={b.port},pool={b.pool}")
+    signal = ""
+    if b.signal_stack and b.signal_resource:
+        signal = f"""
+# Tell CloudFormation this instance serves (a rolling update of the group waits for it; outside an update
+# there is nothing to signal and the call fails harmlessly).
+signal() {{
+  aws cloudformation signal-resource --region "$REGION" --stack-name '{b.signal_stack}' \\
+    --logical-resource-id '{b.signal_resource}' --unique-id "$INSTANCE_ID" --status "$1" >/dev/null 2>&1 || true
+}}"""
+    ok_signal = "\n        signal SUCCESS" if signal else ""
+    fail_signal = "\n    signal FAILURE" if signal else ""
     return f"""#!/bin/bash
 # turnkv: register this engine in Cloud Map once it is healthy; deregister on stop.
 set -euo pipefail
@@ -118,7 +142,7 @@ REGION='{b.region}'
 TOKEN=$(curl -sS -X PUT http://169.254.169.254/latest/api/token -H 'X-aws-ec2-metadata-token-ttl-seconds: 300')
 INSTANCE_ID=$(curl -sS -H "X-aws-ec2-metadata-token: $TOKEN" http://169.254.169.254/latest/meta-data/instance-id)
 IP="$TURNKV_SIDE_CHANNEL_HOST"
-ENGINE_ID="$TURNKV_ENGINE_ID"
+ENGINE_ID="$TURNKV_ENGINE_ID"{signal}
 case "${{1:-register}}" in
   register)
     # Loading weights and compiling can take a long time on first boot.
@@ -126,12 +150,12 @@ case "${{1:-register}}" in
       if curl -fsS -m 5 "http://127.0.0.1:{b.port}/health" >/dev/null; then
         aws servicediscovery register-instance --region "$REGION" --service-id "$SERVICE_ID" \\
           --instance-id "$INSTANCE_ID" --attributes "{attrs}"
-        echo "registered $INSTANCE_ID ($ENGINE_ID) in Cloud Map"
+        echo "registered $INSTANCE_ID ($ENGINE_ID) in Cloud Map"{ok_signal}
         exit 0
       fi
       sleep 10
     done
-    echo "engine never became healthy; not registering" >&2
+    echo "engine never became healthy; not registering" >&2{fail_signal}
     exit 1
     ;;
   deregister)
@@ -159,10 +183,61 @@ WantedBy=multi-user.target
 """
 
 
+def log_dropin(name: str) -> str:
+    """systemd drop-in: the unit's stdout and stderr appended to its own file (which the agent ships)."""
+    return f"""[Service]
+StandardOutput=append:{LOG_DIR}/{name}.log
+StandardError=append:{LOG_DIR}/{name}.log
+"""
+
+
+LOGROTATE = f"""{LOG_DIR}/*.log {{
+  daily
+  rotate 3
+  maxsize 512M
+  missingok
+  notifempty
+  compress
+  copytruncate
+}}
+"""
+
+#: Weights on the instance store: the DLAMI assembles and mounts its NVMe instance store at /opt/dlami/nvme; a
+#: parent image without that mounts them here (RAID 0 over all of them). No instance store: the root volume.
+NVME_SCRIPT = f"""nvme=""
+if mountpoint -q /opt/dlami/nvme; then
+  nvme=/opt/dlami/nvme
+else
+  mapfile -t disks < <(lsblk -dpno NAME,MODEL | awk '/Amazon EC2 NVMe Instance Storage/ {{print $1}}')
+  if ((${{#disks[@]}} > 0)); then
+    dev="${{disks[0]}}"
+    if ((${{#disks[@]}} > 1)); then
+      mdadm --create /dev/md/turnkv --run --level=0 --raid-devices="${{#disks[@]}}" "${{disks[@]}}"
+      dev=/dev/md/turnkv
+    fi
+    mkfs.ext4 -q -F -E nodiscard "$dev"
+    nvme=/mnt/turnkv-nvme
+    install -d "$nvme"
+    mount -o noatime "$dev" "$nvme"
+  fi
+fi
+if [[ -n "$nvme" ]]; then
+  install -d "$nvme/turnkv-models" {MODELS_DIR}
+  mount --bind "$nvme/turnkv-models" {MODELS_DIR}
+  echo "model weights on instance NVMe ($nvme)"
+else
+  echo "no instance NVMe: model weights on the root volume"
+fi"""
+
+
 def user_data(b: NodeBootstrap) -> str:
     static_env = node_env.render(b.engine_env().variables(), skip=node_env.RUNTIME_VARIABLES)
     node_file = node_env.render(node_env.NodeEnv(b.deployment, b.region).variables())
     agent = json.dumps(agent_config(b), indent=1)
+    dropin_cmds = "\n".join(
+        f"install -d /etc/systemd/system/{unit}.d\n"
+        f"cat > /etc/systemd/system/{unit}.d/10-turnkv-logs.conf <<'TURNKV_EOF'\n{log_dropin(name)}TURNKV_EOF"
+        for unit, name in LOGGED_UNITS.items())
     sync = (f"{node_env.TURNKV_BIN} params sync --deployment {b.deployment} --region {b.region} "
             f"--out {node_env.TUNABLES_FILE}")
     return f"""#!/bin/bash
@@ -210,6 +285,14 @@ cat > /etc/systemd/system/{node_env.REGISTER_SERVICE} <<'TURNKV_EOF'
 {REGISTER_UNIT}TURNKV_EOF
 cat > /etc/systemd/system/{METRICS_SERVICE} <<'TURNKV_EOF'
 {metrics_unit(b)}TURNKV_EOF
+
+# Each unit's output to its own file under {LOG_DIR} (shipped to CloudWatch Logs by the agent), rotated.
+{dropin_cmds}
+cat > /etc/logrotate.d/turnkv <<'TURNKV_EOF'
+{LOGROTATE}TURNKV_EOF
+
+# Model weights on local NVMe when the instance has some.
+{NVME_SCRIPT}
 
 systemctl daemon-reload
 systemctl enable --now {node_env.PARAMS_SYNC_TIMER}

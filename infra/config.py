@@ -19,7 +19,7 @@ from typing import Any
 from turnkv.engine_args import Mode, Role
 from turnkv.node_env import check_value
 
-from .instances import INSTANCE_TYPES
+from .instances import INSTANCE_TYPES, Flavor
 
 _NAME = re.compile(r"^[a-z][a-z0-9-]{1,20}$")
 _REGION = re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d$")
@@ -29,9 +29,27 @@ _VPC = re.compile(r"^vpc-[0-9a-f]{8,17}$")
 _SUBNET = re.compile(r"^subnet-[0-9a-f]{8,17}$")
 _ACM = re.compile(r"^arn:aws[a-z-]*:acm:[a-z0-9-]+:\d{12}:certificate/[0-9a-f-]{36}$")
 _S3 = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[A-Za-z0-9_.,:/@+=-]*)?$")
+_AMI = re.compile(r"^ami-[0-9a-f]{8,17}$")
+_PLACEMENT_GROUP = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+#: Bucket names the docs and samples use as placeholders: a deploy with one would loop on a failing weight sync.
+_PLACEHOLDER_BUCKETS = re.compile(r"^(replace-me|example|my-bucket|your-|changeme|placeholder)")
 _EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
 LOG_RETENTION_DAYS = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557, 2922,
                       3288, 3653)
+
+
+#: Subnet sizes of a new VPC (infra.stacks.network): a public /24 and a private /20 in every AZ.
+PUBLIC_SUBNET_MASK = 24
+PRIVATE_SUBNET_MASK = 20
+
+
+def subnet_addresses(azs: int) -> int:
+    """Addresses a new VPC needs for its subnets, allocated as CDK does (public ones first, each aligned)."""
+    end = 0
+    for mask in [PUBLIC_SUBNET_MASK] * azs + [PRIVATE_SUBNET_MASK] * azs:
+        size = 2 ** (32 - mask)
+        end = -(-end // size) * size + size
+    return end
 
 
 class ConfigError(ValueError):
@@ -78,6 +96,9 @@ class PoolConfig:
     capacity_reservation_id: str | None = None
     #: True when the reservation is a Capacity Block (launch template market type ``capacity-block``).
     capacity_block: bool = False
+    #: The cluster placement group an On-Demand Capacity Reservation was created in: instances must launch into
+    #: that group to use the reservation (EC2: Capacity Reservations in cluster placement groups).
+    placement_group: str | None = None
 
     @property
     def flavor(self) -> str:
@@ -118,10 +139,19 @@ class RouterConfig:
     allowed_cidrs: tuple[str, ...] = ()
     #: ALB idle timeout: long enough for the longest stream's silences (first token of a long prefill).
     idle_timeout_s: int = 900
+    #: An internet-facing ALB without a certificate serves plain HTTP (Bearer keys in the clear): refused unless
+    #: this says so explicitly.
+    allow_http: bool = False
 
     @property
     def uses_valkey(self) -> bool:
         return self.replicas > 1 or self.max_replicas > 1
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    #: Bring your own engine AMI (built from ami/ or equivalent): the deploy skips the Image Builder bake.
+    ami_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +164,7 @@ class DeploymentConfig:
     pools: tuple[PoolConfig, ...]
     connector: ConnectorConfig = field(default_factory=ConnectorConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
+    image: ImageConfig = field(default_factory=ImageConfig)
     account: str | None = None
     alarm_email: str | None = None
 
@@ -242,10 +273,16 @@ def from_mapping(data: Mapping[str, Any]) -> DeploymentConfig:
             r.fail(f"network.availability_zones[{i}]", f"{zone!r} is not in region {region!r}")
     cidr = r.get(n, "cidr", "network", str, "10.40.0.0/16")
     try:
-        if ipaddress.ip_network(cidr).prefixlen > 20:
-            r.fail("network.cidr", f"{cidr}: use a /20 or larger block (subnets are /24s in every AZ)")
+        block = ipaddress.ip_network(cidr)
     except ValueError:
         r.fail("network.cidr", f"{cidr!r} is not a CIDR block (e.g. 10.40.0.0/16)")
+    else:
+        need = subnet_addresses(len(azs))
+        if n.get("existing") is None and need > block.num_addresses:
+            fits = 32 - (need - 1).bit_length()
+            r.fail("network.cidr", f"{cidr} holds {block.num_addresses} addresses; {len(azs)} AZs need a public "
+                                   f"/{PUBLIC_SUBNET_MASK} and a private /{PRIVATE_SUBNET_MASK} each ({need}): use a "
+                                   f"/{fits} or larger block, or fewer network.availability_zones")
     nat = r.get(n, "nat_gateways", "network", int, 0)
     if nat is not None and not 0 <= nat <= len(azs or (1,)):
         r.fail("network.nat_gateways", f"{nat}: use 0 (no internet path) up to one per AZ ({len(azs)})")
@@ -290,6 +327,10 @@ def from_mapping(data: Mapping[str, Any]) -> DeploymentConfig:
         r.fail("model.max_model_len", f"{max_len}: use 256 .. 10000000 tokens")
     if s3_uri is not None and not _S3.match(s3_uri):
         r.fail("model.s3_uri", f"{s3_uri!r}: expected s3://bucket/prefix/")
+    elif s3_uri is not None and _PLACEHOLDER_BUCKETS.match(s3_uri[len("s3://"):]):
+        r.fail("model.s3_uri", f"{s3_uri!r} is a placeholder; upload the weights (aws s3 sync ./<model> "
+                               "s3://<your-bucket>/<model>/) and name that prefix, or drop s3_uri and set "
+                               "network.nat_gateways: 1 to download from Hugging Face")
     if nat == 0 and existing is None and not s3_uri:
         r.fail("model.s3_uri", "required when network.nat_gateways is 0 (engines have no internet path to "
                                "download weights); upload the weights to S3 or set network.nat_gateways: 1")
@@ -322,11 +363,27 @@ def from_mapping(data: Mapping[str, Any]) -> DeploymentConfig:
         block = r.get(p, "capacity_block", path, bool, False)
         if block and not reservation:
             r.fail(f"{path}.capacity_block", "a Capacity Block needs its id in capacity_reservation_id")
+        placement = r.get(p, "placement_group", path, str, None)
+        if placement is not None:
+            if not _PLACEMENT_GROUP.match(placement):
+                r.fail(f"{path}.placement_group", f"{placement!r} is not a placement group name")
+            elif not reservation or block:
+                r.fail(f"{path}.placement_group", "only for an On-Demand Capacity Reservation created in a cluster "
+                                                  "placement group: set capacity_reservation_id too (a Capacity "
+                                                  "Block places its instances itself; a pool without a reservation "
+                                                  "joins the deployment's own placement group)")
+        if itype in INSTANCE_TYPES and INSTANCE_TYPES[itype].flavor is Flavor.NEURON:
+            gpus = ", ".join(t for t, prof in INSTANCE_TYPES.items() if prof.flavor is Flavor.GPU)
+            r.fail(f"{path}.instance_type",
+                   f"{itype} is a Trainium (Neuron) instance: the Neuron image has no NIXL and no vLLM that "
+                   f"turnkv's KV connector supports yet, so its engines would restart forever and never serve; "
+                   f"use a GPU instance type ({gpus})")
         if itype in INSTANCE_TYPES and tp and tp > INSTANCE_TYPES[itype].accelerators:
             r.fail("model.tensor_parallel_size",
                    f"{tp} exceeds the {INSTANCE_TYPES[itype].accelerators} accelerators of {itype} ({path}); "
                    f"lower it or pick a larger instance type")
-        pools.append(PoolConfig(pname or "", role or Role.PREFILL, itype or "", count or 0, reservation, bool(block)))
+        pools.append(PoolConfig(pname or "", role or Role.PREFILL, itype or "", count or 0, reservation, bool(block),
+                                placement))
     if raw_pools is not None:
         roles = {p.role for p in pools}
         for role in Role:
@@ -371,12 +428,22 @@ def from_mapping(data: Mapping[str, Any]) -> DeploymentConfig:
     if public and existing is not None and not existing.public_subnet_ids:
         r.fail("router.public", "an internet-facing ALB needs network.existing.public_subnet_ids; add them or set "
                                 "router.public: false")
+    allow_http = r.get(rt, "allow_http", "router", bool, False)
+    if public and not cert and not allow_http:
+        r.fail("router.certificate_arn", "required for an internet-facing router (router.public: true): clients "
+                                         "send their API keys as Bearer tokens; add an ACM certificate ARN, or set "
+                                         "router.allow_http: true to serve plain HTTP knowingly")
     if public and not cidrs:
         r.fail("router.allowed_cidrs", "an internet-facing router needs the client CIDRs that may reach it "
                                        "(write 0.0.0.0/0 explicitly to open it to everyone)")
     idle = r.get(rt, "idle_timeout_s", "router", int, 900)
     if idle is not None and not 60 <= idle <= 4000:
         r.fail("router.idle_timeout_s", f"{idle}: use 60 .. 4000 s (ALB limit 4000)")
+
+    im = r.mapping(top.get("image"), "image", ImageConfig)
+    ami_id = r.get(im, "ami_id", "image", str, None)
+    if ami_id is not None and not _AMI.match(ami_id):
+        r.fail("image.ami_id", f"{ami_id!r} is not an AMI id (ami- and 8 or 17 hex); leave it out to bake one")
 
     alarm_email = r.get(top, "alarm_email", "", str, None)
     if alarm_email is not None and not _EMAIL.match(alarm_email):
@@ -392,8 +459,10 @@ def from_mapping(data: Mapping[str, Any]) -> DeploymentConfig:
                           s3_uri=s3_uri),
         connector=ConnectorConfig(mode=mode, bidirectional=bidirectional),
         pools=tuple(pools),
+        image=ImageConfig(ami_id=ami_id),
         router=RouterConfig(replicas=replicas, max_replicas=max_replicas, cpu=cpu, memory_mib=memory,
-                            certificate_arn=cert, public=public, allowed_cidrs=cidrs, idle_timeout_s=idle),
+                            certificate_arn=cert, public=public, allowed_cidrs=cidrs, idle_timeout_s=idle,
+                            allow_http=bool(allow_http)),
     )
 
 

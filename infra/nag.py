@@ -47,8 +47,77 @@ def apply(app: cdk.App, t: TurnkvApp) -> None:
     ssm_prefix = f"arn:<AWS::Partition>:ssm:{region}:{account}:parameter/turnkv/{config.name}/*"
     assets_bucket = f"arn:<AWS::Partition>:s3:::cdk-hnb659fds-assets-{account}-{region}/*"
 
-    # --- image
-    image = t.image
+    # --- image (absent when the config brings its own AMI)
+    if t.image is not None:
+        _image(t.image, assets_bucket)
+
+    # --- network (the S3 prefix list lookup exists only when the VPC has no NAT)
+    network = t.network
+    lookup = network.node.try_find_child("S3PrefixList")
+    if lookup is not None:
+        ack(lookup, "IAM5", "ec2:DescribeManagedPrefixLists (the S3 prefix list lookup that narrows egress) has no "
+                            "resource-level permissions.", "Resource::*")
+        provider = network.node.try_find_child("AWS679f53fac002430cb0da5b7982bd2287")
+        if provider is not None:
+            ack(provider, "IAM4", "aws-cdk-lib's AwsCustomResource provider function: basic execution role for its "
+                                  "own CloudWatch logs.",
+                "Policy::arn:<AWS::Partition>:iam::aws:policy/service-role/AWSLambdaBasicExecutionRole")
+            ack(provider, "L1", "aws-cdk-lib's AwsCustomResource provider function; aws-cdk-lib picks its runtime.")
+
+    # --- serving
+    serving = t.serving
+    engine_role = serving.role
+    ack(engine_role, "IAM5", "Engines read every tunable of their deployment (the params sync reads the whole "
+                             "/turnkv/<deployment>/ path).", f"Resource::{ssm_prefix}")
+    ack(engine_role, "IAM5", "cloudwatch:PutMetricData (limited by a cloudwatch:namespace condition to the turnkv "
+                             "and agent namespaces), ec2:DescribeTags/DescribeVolumes (CloudWatch agent) and the "
+                             "Session Manager channel actions have no resource-level permissions.", "Resource::*")
+    ack(engine_role, "IAM5", "cloudformation:SignalResource on this serving stack only; a stack ARN ends in an id "
+                             "generated at creation.",
+        f"Resource::arn:<AWS::Partition>:cloudformation:{region}:{account}:stack/{serving.stack_name}/*")
+    ack(engine_role, "IAM5", "Log streams of the engines' own log group are named per instance at run time.",
+        f"Resource::<{_logical(serving.log_group)}.Arn>:*")
+    if config.model.s3_uri:
+        bucket_prefix = config.model.s3_uri[len("s3://"):]
+        ack(engine_role, "IAM5", "Engines read the model weights under the configured S3 prefix (read-only).",
+            f"Resource::arn:<AWS::Partition>:s3:::{bucket_prefix}*")
+    dereg_role = serving.node.find_child("DeregisterRole")
+    for pool in serving.pools.values():
+        ack(dereg_role, "IAM5", "An Auto Scaling group ARN embeds a generated id; the group is pinned by name.",
+            f"Resource::arn:<AWS::Partition>:autoscaling:{region}:{account}:autoScalingGroup/*:"
+            f"autoScalingGroupName/{pool.group_name}")
+    ack(dereg_role, "IAM5", "The function's own log group; streams are created per invocation container.",
+        f"Resource::<{_logical(serving.node.find_child('DeregisterLogs'))}.Arn>:*")
+
+    # --- router
+    router = t.router
+    task = router.node.find_child("Task")
+    ack(task, "ECS2", "Only non-secret settings (deployment name, region, metrics namespace) are plain environment "
+                      "variables; the API keys come from Secrets Manager.")
+    ack(task.node.find_child("ExecutionRole"), "IAM5", "ecr:GetAuthorizationToken has no resource-level "
+                                                       "permissions (pulling the image itself is scoped to the "
+                                                       "repository).", "Resource::*")
+    task_role = task.node.find_child("TaskRole")
+    ack(task_role, "IAM5", "servicediscovery:DiscoverInstances has no resource-level permissions.", "Resource::*")
+    ack(task_role, "IAM5", "The router reads its deployment's tunables (the router scope under the same path).",
+        f"Resource::{ssm_prefix}")
+    credentials = getattr(router, "valkey_credentials", None)
+    if credentials is not None:
+        ack(credentials, "SMG4", "The router's Valkey (ElastiCache RBAC) password: rotating it means updating the "
+                                 "ElastiCache user and restarting the router tasks together, which a deploy does "
+                                 "(change the secret, then cdk deploy); there is no rotation Lambda for ElastiCache "
+                                 "users.")
+    ack(router.api_keys, "SMG4", "Router API keys are issued to clients; a rotation Lambda cannot hand new keys to "
+                                 "them. Operators rotate by adding a key, moving clients, removing the old one "
+                                 "(docs/deploy-aws.md).")
+    if any(c in ("0.0.0.0/0", "::/0") for c in config.router.allowed_cidrs):
+        ack(router.alb_sg, "EC23", "The operator opened the ALB listener to the internet explicitly "
+                                   "(router.allowed_cidrs lists 0.0.0.0/0 or ::/0); only the listener ports are open.")
+    ack(router.node.find_child("AlbAccessLogs"), "S1", "This bucket is the ALB's access-log destination; logging "
+                                                       "access to the log bucket itself would only log the logger.")
+
+
+def _image(image, assets_bucket: str) -> None:
     build_role = image.node.find_child("BuildRole")
     for policy in ("AmazonSSMManagedInstanceCore", "EC2InstanceProfileForImageBuilder"):
         ack(build_role, "IAM4", f"Image Builder build instances need {policy} (AWS's documented instance-profile "
@@ -78,46 +147,3 @@ def apply(app: cdk.App, t: TurnkvApp) -> None:
             ack(child, "IAM5", why + " Source: the CDK asset bucket.", f"Resource::{assets_bucket}")
             ack(child, "IAM5", why + " Destination: this stack's artifacts bucket.",
                 f"Resource::<{_logical(image.node.find_child('Artifacts'))}.Arn>/*")
-
-    # --- serving
-    serving = t.serving
-    engine_role = serving.role
-    ack(engine_role, "IAM5", "Engines read every tunable of their deployment (the params sync reads the whole "
-                             "/turnkv/<deployment>/ path).", f"Resource::{ssm_prefix}")
-    ack(engine_role, "IAM5", "cloudwatch:PutMetricData (limited by a cloudwatch:namespace condition to the turnkv "
-                             "and agent namespaces), ec2:DescribeTags/DescribeVolumes (CloudWatch agent) and the "
-                             "Session Manager channel actions have no resource-level permissions.", "Resource::*")
-    ack(engine_role, "IAM5", "Log streams of the engines' own log group are named per instance at run time.",
-        f"Resource::<{_logical(serving.log_group)}.Arn>:*")
-    if config.model.s3_uri:
-        bucket_prefix = config.model.s3_uri[len("s3://"):]
-        ack(engine_role, "IAM5", "Engines read the model weights under the configured S3 prefix (read-only).",
-            f"Resource::arn:<AWS::Partition>:s3:::{bucket_prefix}*")
-    dereg_role = serving.node.find_child("DeregisterRole")
-    for pool in serving.pools.values():
-        ack(dereg_role, "IAM5", "An Auto Scaling group ARN embeds a generated id; the group is pinned by name.",
-            f"Resource::arn:<AWS::Partition>:autoscaling:{region}:{account}:autoScalingGroup/*:"
-            f"autoScalingGroupName/{pool.group_name}")
-    ack(dereg_role, "IAM5", "The function's own log group; streams are created per invocation container.",
-        f"Resource::<{_logical(serving.node.find_child('DeregisterLogs'))}.Arn>:*")
-
-    # --- router
-    router = t.router
-    task = router.node.find_child("Task")
-    ack(task, "ECS2", "Only non-secret settings (deployment name, region, metrics namespace) are plain environment "
-                      "variables; the API keys come from Secrets Manager.")
-    ack(task.node.find_child("ExecutionRole"), "IAM5", "ecr:GetAuthorizationToken has no resource-level "
-                                                       "permissions (pulling the image itself is scoped to the "
-                                                       "repository).", "Resource::*")
-    task_role = task.node.find_child("TaskRole")
-    ack(task_role, "IAM5", "servicediscovery:DiscoverInstances has no resource-level permissions.", "Resource::*")
-    ack(task_role, "IAM5", "The router reads its deployment's tunables (the router scope under the same path).",
-        f"Resource::{ssm_prefix}")
-    ack(router.api_keys, "SMG4", "Router API keys are issued to clients; a rotation Lambda cannot hand new keys to "
-                                 "them. Operators rotate by adding a key, moving clients, removing the old one "
-                                 "(docs/deploy-aws.md).")
-    if any(c in ("0.0.0.0/0", "::/0") for c in config.router.allowed_cidrs):
-        ack(router.alb_sg, "EC23", "The operator opened the ALB listener to the internet explicitly "
-                                   "(router.allowed_cidrs lists 0.0.0.0/0 or ::/0); only the listener ports are open.")
-    ack(router.node.find_child("AlbAccessLogs"), "S1", "This bucket is the ALB's access-log destination; logging "
-                                                       "access to the log bucket itself would only log the logger.")

@@ -254,5 +254,5 @@ def serve(config: RouterConfig) -> None:
     log.info("turnkv router on http://%s:%d mode=%s discovery=%s store=%s prefill=%s decode=%s", config.host,
              config.port, config.mode, config.discovery, config.store.split("@")[-1], config.prefill, config.decode)
     web.run_app(build_app(config), host=config.host, port=config.port, print=None, access_log=None,
-                handler_cancellation=True, shutdown_timeout=5)
+                handler_cancellation=True, shutdown_timeout=5, keepalive_timeout=config.keepalive_timeout)
     log.info("router stopped after %.0f s", time.time() - started)

@@ -57,6 +57,10 @@ class RouterConfig:
     policy: str = "least_load"
     #: Write one EMF line per request to stdout.
     emf: bool = True
+    #: Seconds an idle client connection stays open. Behind a load balancer it must outlast the balancer's idle
+    #: timeout (ALB: router.idle_timeout_s, 900 s by default), or the router closes connections the balancer
+    #: still reuses and clients see sporadic 502s; the CDK stack passes idle timeout + 60 s.
+    keepalive_timeout: float = 75.0
 
     def __post_init__(self) -> None:
         self.tunables = params.validate({}, self.tunables)

@@ -107,12 +107,15 @@ def serve_args(spec: EngineSpec) -> list[str]:
 
 
 def serve_env(spec: EngineSpec) -> dict[str, str]:
-    """Environment the engine needs on top of the host's."""
-    return {
+    """Environment the engine needs on top of the host's. ``HF_HUB_OFFLINE`` only when the weights are a local
+    directory (synced from S3, or the local stack's model): a Hugging Face id must be downloaded (through NAT)."""
+    env = {
         "VLLM_NIXL_SIDE_CHANNEL_HOST": spec.side_channel_host,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port),
-        "HF_HUB_OFFLINE": "1",
         # vLLM loads endpoint plugins (turnkv's lease route) only when allow-listed; the list then
         # applies to general plugins too, so it names both of turnkv's.
         "VLLM_PLUGINS": "turnkv,turnkv-leases",
     }
+    if spec.model.startswith("/"):
+        env["HF_HUB_OFFLINE"] = "1"
+    return env

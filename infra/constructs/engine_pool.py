@@ -1,9 +1,17 @@
-"""One Auto Scaling group of engines of one role on one instance type, with capacity reservation targeting
-and a terminate lifecycle hook (Cloud Map deregistration runs on it).
+"""One Auto Scaling group of engines of one role on one instance type, with capacity reservation targeting,
+a terminate lifecycle hook (Cloud Map deregistration runs on it) and a rolling replacement when the launch
+template changes (a new baked AMI, new user data).
+
+The rolling update never takes the whole pool down: one instance at a time, and the next only after the new
+one has signalled that its engine is healthy and registered (``infra.bootstrap`` sends the signal). Without a
+capacity reservation the group may surge one instance above its size, so every engine keeps serving while
+its replacement boots (100 % of the pool stays in service). With a reservation there is usually no spare
+capacity to surge into: one engine at a time is replaced in place ((count-1)/count stay in service).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from aws_cdk import Duration
@@ -16,6 +24,21 @@ from constructs import Construct
 from infra.config import PoolConfig
 
 from .efa_launch_template import EfaLaunchTemplate, EfaLaunchTemplateProps
+
+#: How long CloudFormation waits for a new engine's signal (the most it allows: one hour).
+SIGNAL_TIMEOUT = Duration.hours(1)
+
+
+def group_logical_id(pool_name: str) -> str:
+    """The Auto Scaling group's logical id: fixed, so the node's user data can name it in its signal."""
+    return "EngineGroup" + "".join(part.capitalize() for part in re.split(r"[^a-z0-9]+", pool_name) if part)
+
+
+def rolling_sizes(count: int, reserved: bool) -> tuple[int, int]:
+    """(max size, min instances in service during a rolling update) for a pool of ``count`` engines."""
+    if reserved:
+        return count, max(count - 1, 0)
+    return count + 1, count
 
 
 @dataclass(frozen=True)
@@ -40,13 +63,24 @@ class EnginePool(Construct):
         pool = props.pool
         self.pool = pool
         self.group_name = f"{props.deployment_prefix}-{pool.name}"
+        max_size, in_service = rolling_sizes(pool.count, bool(pool.capacity_reservation_id))
+        self.min_in_service = in_service
+        # EC2: an instance uses a Capacity Reservation made in a cluster placement group only when it launches into
+        # that group; a reservation outside any group is used only by instances outside groups; a Capacity Block
+        # places its instances itself. Pools without a reservation share the deployment's cluster group.
+        placement: ec2.IPlacementGroup | None = props.placement_group
+        if pool.placement_group:
+            placement = ec2.PlacementGroup.from_placement_group_name(self, "ReservationPlacementGroup",
+                                                                      pool.placement_group)
+        elif pool.capacity_reservation_id:
+            placement = None
         self.template = EfaLaunchTemplate(self, "LaunchTemplate", EfaLaunchTemplateProps(
             instance_type=pool.instance_type,
             machine_image=props.machine_image,
             user_data=props.user_data,
             role=props.role,
             security_group=props.security_group,
-            placement_group=None if pool.capacity_reservation_id else props.placement_group,
+            placement_group=placement,
             capacity_reservation_id=pool.capacity_reservation_id,
             capacity_block=pool.capacity_block,
             launch_template_name=self.group_name,
@@ -57,17 +91,24 @@ class EnginePool(Construct):
             vpc=props.vpc,
             vpc_subnets=ec2.SubnetSelection(subnets=[props.subnet]),
             launch_template=self.template.launch_template,
-            # min = max pins the pool size; no desired capacity, so a deploy never resets a group an operator
-            # resized by hand during an incident (aws-cdk#5215).
+            # min pins the pool size (max leaves room for one surge instance during a rolling update); no desired
+            # capacity, so a deploy never resets a group an operator resized by hand (aws-cdk#5215).
             min_capacity=pool.count,
-            max_capacity=pool.count,
+            max_capacity=max_size,
             health_checks=autoscaling.HealthChecks.ec2(grace_period=Duration.minutes(props.health_grace_minutes)),
             notifications=[autoscaling.NotificationConfiguration(topic=props.notifications_topic)],
             group_metrics=[autoscaling.GroupMetrics.all()],
-            # A GPU pool is replaced by hand (capacity is scarce): no rolling update on template changes.
-            update_policy=None,
+            update_policy=autoscaling.UpdatePolicy.rolling_update(
+                max_batch_size=1, min_instances_in_service=in_service, min_success_percentage=100,
+                wait_on_resource_signals=True, pause_time=SIGNAL_TIMEOUT,
+                suspend_processes=[autoscaling.ScalingProcess.HEALTH_CHECK,
+                                   autoscaling.ScalingProcess.REPLACE_UNHEALTHY,
+                                   autoscaling.ScalingProcess.AZ_REBALANCE,
+                                   autoscaling.ScalingProcess.ALARM_NOTIFICATION,
+                                   autoscaling.ScalingProcess.SCHEDULED_ACTIONS]),
         )
         cfn: autoscaling.CfnAutoScalingGroup = self.group.node.default_child  # type: ignore[assignment]
+        cfn.override_logical_id(group_logical_id(pool.name))
         if pool.capacity_reservation_id and not pool.capacity_block:
             spec = autoscaling.CfnAutoScalingGroup
             cfn.capacity_reservation_specification = spec.CapacityReservationSpecificationProperty(

@@ -1,8 +1,16 @@
-"""Image: the Image Builder pipelines of ``ami/recipes.py`` (GPU and Neuron), publishing each AMI id to SSM
-(``/turnkv/<deployment>/ami/<flavor>``) through the distribution configuration.
+"""Image: the engine AMI of ``ami/recipes.py``, baked by the deploy itself.
 
-Own stack, so ``cdk deploy`` never waits for a bake. Deploying it creates the pipelines; run them once
-(``aws imagebuilder start-image-pipeline-execution``) before deploying the serving stack.
+One ``AWS::ImageBuilder::Image`` per flavor: CloudFormation creates it by running the bake and waits until the
+AMI exists (or the bake fails, with its logs in the BuildLogs bucket). Its ``ImageId`` goes into the SSM
+parameter ``/turnkv/<deployment>/ami/<flavor>`` (an ``AWS::SSM::Parameter`` of this stack, so it exists once
+this stack is deployed), which the serving stack's launch templates read through an SSM-typed stack parameter.
+The serving stack depends on this one, so ``cdk deploy --all`` bakes, then serves.
+
+Why a parameter and not an export: an export in use cannot change value, and a new AMI must change it. With the
+parameter, a changed recipe (its name carries a fingerprint of everything in it) makes a new image, a new
+parameter value, and on the serving stack's next deploy (the CDK CLI always deploys stacks that read SSM
+parameters) a new launch template version and a rolling replacement of the engines (``EnginePool``).
+A config with ``image.ami_id`` skips this stack (bring your own AMI).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from aws_cdk import aws_imagebuilder as imagebuilder
 from aws_cdk import aws_s3 as s3
 from aws_cdk import aws_s3_assets as s3_assets
 from aws_cdk import aws_s3_deployment as s3deploy
+from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
 from infra.config import DeploymentConfig
@@ -106,7 +115,8 @@ class ImageStack(Stack):
                         version=c.version, data=Path(c.path).read_text(),
                         description=f"turnkv {c.name} ({config.name})")
 
-        self.pipelines: dict[str, imagebuilder.CfnImagePipeline] = {}
+        self.images: dict[str, imagebuilder.CfnImage] = {}
+        self.ami_parameters: dict[str, ssm.StringParameter] = {}
         self.distributions: dict[str, imagebuilder.CfnDistributionConfiguration] = {}
         for flavor in flavors:
             spec = sources.images[flavor]
@@ -148,20 +158,24 @@ class ImageStack(Stack):
                         "Name": f"{config.prefix}-{flavor}-{{{{ imagebuilder:buildDate }}}}",
                         "AmiTags": {"turnkv:deployment": config.name, "turnkv:flavor": flavor},
                     },
-                    ssm_parameter_configurations=[
-                        imagebuilder.CfnDistributionConfiguration.SsmParameterConfigurationProperty(
-                            parameter_name=config.ami_parameter(flavor), data_type="aws:ec2:image")],
                 )],
             )
             self.distributions[flavor] = distribution
-            self.pipelines[flavor] = imagebuilder.CfnImagePipeline(
-                self, f"Pipeline-{flavor}", name=f"{config.prefix}-{flavor}",
-                description=f"turnkv {flavor} engine AMI; publishes {config.ami_parameter(flavor)}",
+            # CloudFormation waits for the bake (create: build, test, distribute; hours at most). A recipe change
+            # replaces the resource: the new AMI is built first, the old one stays registered (deleting an
+            # Image Builder image leaves its AMI) while the engines roll over to the new one.
+            self.images[flavor] = imagebuilder.CfnImage(
+                self, f"Image-{flavor}",
                 image_recipe_arn=recipe.attr_arn,
                 infrastructure_configuration_arn=infra_config.attr_arn,
                 distribution_configuration_arn=distribution.attr_arn,
-                image_tests_configuration=imagebuilder.CfnImagePipeline.ImageTestsConfigurationProperty(
+                image_tests_configuration=imagebuilder.CfnImage.ImageTestsConfigurationProperty(
                     image_tests_enabled=True, timeout_minutes=120),
                 enhanced_image_metadata_enabled=True,
-                status="ENABLED",
+                tags={"turnkv:deployment": config.name, "turnkv:flavor": flavor},
             )
+            self.ami_parameters[flavor] = ssm.StringParameter(
+                self, f"AmiId-{flavor}", parameter_name=config.ami_parameter(flavor),
+                string_value=self.images[flavor].attr_image_id, data_type=ssm.ParameterDataType.AWS_EC2_IMAGE,
+                description=f"turnkv {config.name}: the {flavor} engine AMI baked by this stack")
+

@@ -7,9 +7,10 @@ from aws_cdk import RemovalPolicy, Stack
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_logs as logs
 from aws_cdk import aws_ssm as ssm
+from aws_cdk import custom_resources as cr
 from constructs import Construct
 
-from infra.config import DeploymentConfig
+from infra.config import PRIVATE_SUBNET_MASK, PUBLIC_SUBNET_MASK, DeploymentConfig
 
 #: Interface endpoints the engines (SSM, Cloud Map, logs/metrics, autoscaling) and the router (ECR, logs,
 #: Secrets Manager, SSM, Cloud Map) call. S3 is a gateway endpoint.
@@ -26,6 +27,8 @@ INTERFACE_ENDPOINTS = {
     "EcrDocker": ec2.InterfaceVpcEndpointAwsService.ECR_DOCKER,
     "SecretsManager": ec2.InterfaceVpcEndpointAwsService.SECRETS_MANAGER,
     "Ec2": ec2.InterfaceVpcEndpointAwsService.EC2,
+    # Engines signal CloudFormation when they serve (rolling replacement of a pool waits for it).
+    "CloudFormation": ec2.InterfaceVpcEndpointAwsService.CLOUDFORMATION,
 }
 
 
@@ -34,6 +37,8 @@ class NetworkStack(Stack):
         super().__init__(scope, construct_id, **kwargs)
         net = config.network
         self.config = config
+        #: Set when the VPC has no NAT: the region's S3 prefix list (egress is narrowed to it and the VPC).
+        self.s3_prefix_list_id: str | None = None
         if net.existing is not None:
             ex = net.existing
             self.vpc: ec2.IVpc = ec2.Vpc.from_vpc_attributes(
@@ -57,9 +62,9 @@ class NetworkStack(Stack):
             availability_zones=list(net.availability_zones),
             nat_gateways=net.nat_gateways,
             subnet_configuration=[
-                ec2.SubnetConfiguration(name="public", subnet_type=ec2.SubnetType.PUBLIC, cidr_mask=24,
+                ec2.SubnetConfiguration(name="public", subnet_type=ec2.SubnetType.PUBLIC, cidr_mask=PUBLIC_SUBNET_MASK,
                                         map_public_ip_on_launch=False),
-                ec2.SubnetConfiguration(name="private", subnet_type=private_type, cidr_mask=20),
+                ec2.SubnetConfiguration(name="private", subnet_type=private_type, cidr_mask=PRIVATE_SUBNET_MASK),
             ],
             flow_logs={"all": ec2.FlowLogOptions(
                 destination=ec2.FlowLogDestination.to_cloud_watch_logs(flow_logs),
@@ -67,6 +72,21 @@ class NetworkStack(Stack):
             restrict_default_security_group=True,
             gateway_endpoints={"S3": ec2.GatewayVpcEndpointOptions(service=ec2.GatewayVpcEndpointAwsService.S3)},
         )
+        if not net.nat_gateways:
+            # No internet path: engines and router talk to the interface endpoints (VPC CIDR) and S3 through the
+            # gateway endpoint, whose addresses are the region's S3 prefix list. Its id differs per region and
+            # CloudFormation cannot name it, so a deploy-time lookup fetches it (synth stays offline).
+            lookup = cr.AwsCustomResource(
+                self, "S3PrefixList",
+                on_update=cr.AwsSdkCall(
+                    service="EC2", action="describeManagedPrefixLists",
+                    parameters={"Filters": [{"Name": "prefix-list-name",
+                                             "Values": [f"com.amazonaws.{self.region}.s3"]}]},
+                    physical_resource_id=cr.PhysicalResourceId.of(f"s3-prefix-list-{self.region}"),
+                    output_paths=["PrefixLists.0.PrefixListId"]),
+                policy=cr.AwsCustomResourcePolicy.from_sdk_calls(resources=cr.AwsCustomResourcePolicy.ANY_RESOURCE),
+                install_latest_aws_sdk=False)
+            self.s3_prefix_list_id = lookup.get_response_field("PrefixLists.0.PrefixListId")
         private = ec2.SubnetSelection(subnet_type=private_type)
         # One group for all interface endpoints: HTTPS in from the VPC, nothing out (endpoints only answer).
         self.endpoint_sg = ec2.SecurityGroup(self, "EndpointSecurityGroup", vpc=self.vpc, allow_all_outbound=False,
@@ -99,3 +119,15 @@ _RETENTION = {1: "ONE_DAY", 3: "THREE_DAYS", 5: "FIVE_DAYS", 7: "ONE_WEEK", 14: 
 
 def _retention(days: int) -> logs.RetentionDays:
     return getattr(logs.RetentionDays, _RETENTION[days])
+
+
+def https_egress(group: ec2.SecurityGroup, network: NetworkStack, what: str) -> None:
+    """HTTPS out: to the VPC (interface endpoints) and the S3 prefix list (gateway endpoint) when the VPC has no
+    NAT, else anywhere (AWS APIs and model hubs through the NAT)."""
+    if network.s3_prefix_list_id is None:
+        group.add_egress_rule(ec2.Peer.any_ipv4(), ec2.Port.tcp(443), f"HTTPS: {what} (through the NAT or endpoints)")
+        return
+    group.add_egress_rule(ec2.Peer.ipv4(network.config.network.vpc_cidr), ec2.Port.tcp(443),
+                          f"HTTPS to the VPC interface endpoints: {what}")
+    group.add_egress_rule(ec2.Peer.prefix_list(network.s3_prefix_list_id), ec2.Port.tcp(443),
+                          "HTTPS to S3 through the gateway endpoint")

@@ -18,7 +18,7 @@ from aws_cdk import aws_secretsmanager as secretsmanager
 from constructs import Construct
 
 from infra.config import DeploymentConfig
-from infra.stacks.network import NetworkStack
+from infra.stacks.network import NetworkStack, https_egress
 from infra.stacks.params import parameter_arn
 from infra.stacks.serving import CLOUDMAP_SERVICE, ServingStack
 from infra.wheel import REPO_ROOT
@@ -27,6 +27,13 @@ from turnkv import node_env
 
 ROUTER_PORT = 8000
 VALKEY_PORT = 6379
+VALKEY_USER = "turnkv-router"
+#: The router reads its store credentials from these (router.state.valkey; a test ties the names).
+STORE_USERNAME_ENV = "TURNKV_STORE_USERNAME"
+STORE_PASSWORD_ENV = "TURNKV_STORE_PASSWORD"
+#: Router keep-alive beyond the ALB idle timeout (AWS: a target's keep-alive shorter than the load balancer's
+#: idle timeout causes sporadic 502s).
+KEEPALIVE_MARGIN_S = 60
 #: Beyond .dockerignore: never stage these into the image asset.
 DOCKER_EXCLUDES = [".git", ".venv", "node_modules", "cdk.out", "build", "dist", ".turnkv", "results", "tests"]
 
@@ -54,7 +61,7 @@ class RouterStack(Stack):
                                            description="turnkv router tasks")
         self.router_sg.add_ingress_rule(self.alb_sg, ec2.Port.tcp(ROUTER_PORT), "from the ALB")
         self.alb_sg.add_egress_rule(self.router_sg, ec2.Port.tcp(ROUTER_PORT), "to the router tasks")
-        self.router_sg.add_egress_rule(ec2.Peer.any_ipv4(), ec2.Port.tcp(443), "AWS APIs (VPC endpoints)")
+        https_egress(self.router_sg, network, "AWS APIs, ECR image layers")
         self.router_sg.add_egress_rule(serving.security_group, ec2.Port.tcp(node_env.DEFAULT_PORT),
                                        "to the engines' HTTP port")
         # The rule on the engines' group lives here (router -> serving dependency only, no cycle).
@@ -80,10 +87,30 @@ class RouterStack(Stack):
                                           description="turnkv conversation store (Valkey): router only")
             valkey_sg.add_ingress_rule(self.router_sg, ec2.Port.tcp(VALKEY_PORT), "from the router")
             self.router_sg.add_egress_rule(valkey_sg, ec2.Port.tcp(VALKEY_PORT), "to Valkey")
+            # Authentication (an RBAC user group) on top of TLS: the store also holds the conversation-key HMAC
+            # secret. The router's user and password come from Secrets Manager; the default user is switched off.
+            self.valkey_credentials = secretsmanager.Secret(
+                self, "ValkeyCredentials", secret_name=f"{config.prefix}/valkey-router",
+                description="turnkv router's Valkey (ElastiCache RBAC) user",
+                generate_secret_string=secretsmanager.SecretStringGenerator(
+                    secret_string_template=f'{{"username": "{VALKEY_USER}"}}', generate_string_key="password",
+                    exclude_punctuation=True, password_length=64),
+                removal_policy=RemovalPolicy.DESTROY)
+            router_user = elasticache.CfnUser(
+                self, "ValkeyRouterUser", engine="valkey", user_id=f"{config.prefix}-router", user_name=VALKEY_USER,
+                access_string="on ~* +@all -@dangerous",
+                authentication_mode={"Type": "password", "Passwords": [
+                    self.valkey_credentials.secret_value_from_json("password").unsafe_unwrap()]})
+            default_user = elasticache.CfnUser(
+                self, "ValkeyDefaultUser", engine="valkey", user_id=f"{config.prefix}-default", user_name="default",
+                access_string="off -@all", authentication_mode={"Type": "no-password-required"})
+            users = elasticache.CfnUserGroup(
+                self, "ValkeyUsers", engine="valkey", user_group_id=f"{config.prefix}-state",
+                user_ids=[default_user.ref, router_user.ref])
             self.valkey = elasticache.CfnServerlessCache(
                 self, "Valkey", engine="valkey", serverless_cache_name=f"{config.prefix}-state",
                 major_engine_version="8", description="turnkv router conversation state",
-                security_group_ids=[valkey_sg.security_group_id],
+                security_group_ids=[valkey_sg.security_group_id], user_group_id=users.ref,
                 subnet_ids=[s.subnet_id for s in network.private_subnets])
             store_args = ["--store", f"rediss://{self.valkey.attr_endpoint_address}:{self.valkey.attr_endpoint_port}"]
 
@@ -108,13 +135,21 @@ class RouterStack(Stack):
                                   retention=logs.RetentionDays.ONE_MONTH, removal_policy=RemovalPolicy.DESTROY)
         command = ["--host", "0.0.0.0", "--port", str(ROUTER_PORT),
                    "--discovery", "cloudmap", "--namespace", serving.namespace.namespace_name,
-                   "--service", CLOUDMAP_SERVICE, "--region", config.region, *store_args]
+                   "--service", CLOUDMAP_SERVICE, "--region", config.region, *store_args,
+                   # Outlast the ALB's idle timeout: a connection the ALB still reuses is never closed under it.
+                   "--keepalive-timeout", str(rc.idle_timeout_s + KEEPALIVE_MARGIN_S)]
+        container_secrets = {"TURNKV_API_KEYS": ecs.Secret.from_secrets_manager(self.api_keys)}
+        environment = {"TURNKV_DEPLOYMENT": config.name, "AWS_REGION": config.region,
+                       "TURNKV_METRICS_NAMESPACE": mn.ROUTER_NAMESPACE}
+        if self.valkey is not None:
+            container_secrets[STORE_PASSWORD_ENV] = ecs.Secret.from_secrets_manager(
+                self.valkey_credentials, "password")
+            environment[STORE_USERNAME_ENV] = VALKEY_USER
         self.container = task.add_container(
             "router", image=ecs.ContainerImage.from_docker_image_asset(image), command=command,
             port_mappings=[ecs.PortMapping(container_port=ROUTER_PORT)],
-            environment={"TURNKV_DEPLOYMENT": config.name, "AWS_REGION": config.region,
-                         "TURNKV_METRICS_NAMESPACE": mn.ROUTER_NAMESPACE},
-            secrets={"TURNKV_API_KEYS": ecs.Secret.from_secrets_manager(self.api_keys)},
+            environment=environment,
+            secrets=container_secrets,
             logging=ecs.LogDrivers.aws_logs(stream_prefix="router", log_group=log_group),
             health_check=ecs.HealthCheck(
                 command=["CMD", "python", "-c",

@@ -4,6 +4,8 @@ user data (``infra.bootstrap``), Cloud Map registration and deregistration on te
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from aws_cdk import Duration, RemovalPolicy, Stack
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_events as events
@@ -19,10 +21,10 @@ from constructs import Construct
 
 from infra import bootstrap
 from infra.config import DeploymentConfig
-from infra.constructs.engine_pool import EnginePool, EnginePoolProps
+from infra.constructs.engine_pool import EnginePool, EnginePoolProps, group_logical_id
 from infra.instances import INSTANCE_TYPES, Flavor
 from infra.lambdas import DEREGISTER
-from infra.stacks.network import NetworkStack
+from infra.stacks.network import NetworkStack, https_egress
 from infra.stacks.params import parameter_arn
 from turnkv import metric_names as mn
 
@@ -32,7 +34,7 @@ LAMBDA_RUNTIME = lambda_.Runtime.PYTHON_3_14
 
 class ServingStack(Stack):
     def __init__(self, scope: Construct, construct_id: str, *, config: DeploymentConfig, network: NetworkStack,
-                 **kwargs) -> None:
+                 images: Mapping[str, ec2.IMachineImage], **kwargs) -> None:
         super().__init__(scope, construct_id, **kwargs)
         self.config = config
         vpc = network.vpc
@@ -47,8 +49,7 @@ class ServingStack(Stack):
             description="turnkv engines: EFA (all traffic to and from itself), HTTPS out to AWS APIs")
         self.security_group.add_ingress_rule(self.security_group, ec2.Port.all_traffic(), "EFA and NIXL: itself")
         self.security_group.add_egress_rule(self.security_group, ec2.Port.all_traffic(), "EFA and NIXL: itself")
-        self.security_group.add_egress_rule(ec2.Peer.any_ipv4(), ec2.Port.tcp(443),
-                                            "HTTPS to AWS APIs (VPC endpoints, S3) and model hubs via NAT")
+        https_egress(self.security_group, network, "AWS APIs, weights, model hubs via NAT")
 
         self.namespace = servicediscovery.HttpNamespace(
             self, "Namespace", name=config.prefix, description=f"turnkv {config.name} engines")
@@ -75,8 +76,6 @@ class ServingStack(Stack):
                                        retention=logs.RetentionDays.ONE_MONTH, removal_policy=RemovalPolicy.DESTROY)
         self.role = self._instance_role()
 
-        images = {flavor: ec2.MachineImage.from_ssm_parameter(config.ami_parameter(flavor.value))
-                  for flavor in {INSTANCE_TYPES[p.instance_type].flavor for p in config.pools}}
         self.pools: dict[str, EnginePool] = {}
         for pool in config.pools:
             profile = INSTANCE_TYPES[pool.instance_type]
@@ -86,10 +85,11 @@ class ServingStack(Stack):
                 mode=config.connector.mode, bidirectional=config.connector.bidirectional,
                 tp_size=config.model.tensor_parallel_size, max_model_len=config.model.max_model_len,
                 cloudmap_service_id=self.cloudmap_service.service_id, log_group=self.log_group.log_group_name,
-                model_s3_uri=config.model.s3_uri))
+                model_s3_uri=config.model.s3_uri, signal_stack=self.stack_name,
+                signal_resource=group_logical_id(pool.name)))
             self.pools[pool.name] = EnginePool(self, f"Pool-{pool.name}", EnginePoolProps(
                 pool=pool, deployment_prefix=config.prefix, vpc=vpc, subnet=subnet,
-                machine_image=images[profile.flavor], user_data=ec2.UserData.custom(script), role=self.role,
+                machine_image=images[profile.flavor.value], user_data=ec2.UserData.custom(script), role=self.role,
                 security_group=self.security_group, placement_group=self.placement_group,
                 notifications_topic=self.events_topic))
         self._deregistration()
@@ -106,6 +106,10 @@ class ServingStack(Stack):
         role.add_to_policy(iam.PolicyStatement(
             sid="CloudMap", actions=["servicediscovery:RegisterInstance", "servicediscovery:DeregisterInstance"],
             resources=[self.cloudmap_service.service_arn]))
+        role.add_to_policy(iam.PolicyStatement(
+            sid="SignalRollingUpdate", actions=["cloudformation:SignalResource"],
+            resources=[self.format_arn(service="cloudformation", resource="stack",
+                                       resource_name=f"{self.stack_name}/*")]))
         role.add_to_policy(iam.PolicyStatement(
             sid="PublishMetrics", actions=["cloudwatch:PutMetricData"], resources=["*"],
             conditions={"StringEquals": {"cloudwatch:namespace": [mn.AGENT_NAMESPACE, mn.ENGINE_NAMESPACE]}}))

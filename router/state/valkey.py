@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from collections.abc import Callable
@@ -18,6 +19,9 @@ from typing import Any
 from router.state import Entry
 
 KEY_PREFIX = "turnkv:conv:"
+#: RBAC credentials (an ElastiCache user group's user): from the environment, never on a command line.
+USERNAME_ENV = "TURNKV_STORE_USERNAME"
+PASSWORD_ENV = "TURNKV_STORE_PASSWORD"
 SECRET_KEY = "turnkv:key-secret"
 
 
@@ -27,9 +31,11 @@ class ValkeyStore:
         if client is None:
             import redis.asyncio as redis
 
+            credentials = {key: value for key, value in (("username", os.environ.get(USERNAME_ENV)),
+                                                         ("password", os.environ.get(PASSWORD_ENV))) if value}
             client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                           retry_on_timeout=False, retry=None, health_check_interval=30,
-                                          max_connections=512)
+                                          max_connections=512, **credentials)
         self.client = client
         self.prefix = prefix
         self._clock = clock

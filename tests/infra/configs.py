@@ -13,7 +13,7 @@ GPU = {
     "availability_zone": "us-east-2a",
     "network": {"availability_zones": ["us-east-2a", "us-east-2b"], "cidr": "10.40.0.0/16"},
     "model": {"id": "Qwen/Qwen3-32B", "served_model_name": "qwen3-32b", "tensor_parallel_size": 8,
-              "max_model_len": 32768, "s3_uri": "s3://example-weights/qwen3-32b/"},
+              "max_model_len": 32768, "s3_uri": "s3://acme-llm-weights/qwen3-32b/"},
     "connector": {"mode": "pull", "bidirectional": True},
     "pools": [
         {"name": "prefill", "role": "prefill", "instance_type": "p5en.48xlarge", "count": 2,
@@ -28,16 +28,18 @@ GPU = {
     "alarm_email": "oncall@example.com",
 }
 
-NEURON = {
-    "name": "trn",
+#: The second app: push mode, a NAT (weights from Hugging Face), an internal HTTP ALB, one router replica.
+#: (Trainium pools are refused by the config until the Neuron image can serve: tests/infra/test_config.py.)
+PUSH = {
+    "name": "push",
     "region": "us-east-2",
     "availability_zone": "us-east-2b",
     "network": {"availability_zones": ["us-east-2a", "us-east-2b", "us-east-2c"], "nat_gateways": 1},
-    "model": {"id": "meta-llama/Llama-3.1-8B-Instruct", "tensor_parallel_size": 32, "max_model_len": 16384},
+    "model": {"id": "meta-llama/Llama-3.1-8B-Instruct", "tensor_parallel_size": 8, "max_model_len": 16384},
     "connector": {"mode": "push", "bidirectional": True},
     "pools": [
-        {"name": "prefill", "role": "prefill", "instance_type": "trn2.48xlarge", "count": 1},
-        {"name": "decode", "role": "decode", "instance_type": "trn1.32xlarge", "count": 1},
+        {"name": "prefill", "role": "prefill", "instance_type": "p5.48xlarge", "count": 1},
+        {"name": "decode", "role": "decode", "instance_type": "p5en.48xlarge", "count": 1},
     ],
     "router": {"replicas": 1, "max_replicas": 1},
 }
@@ -50,7 +52,7 @@ def variant(base: dict, **changes) -> dict:
         node = out
         *parents, leaf = dotted.split(".")
         for key in parents:
-            node = node[int(key)] if isinstance(node, list) else node[key]
+            node = node[int(key)] if isinstance(node, list) else node.setdefault(key, {})
         if isinstance(node, list):
             node[int(leaf)] = value
         else:

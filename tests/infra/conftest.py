@@ -1,7 +1,7 @@
 """Synthesize each test deployment once per session (jsii start-up is the slow part).
 
 Two apps cover the ground: ``gpu`` (p5en/p5/p5e pools, an On-Demand Capacity Reservation and a Capacity
-Block, HTTPS, public ALB for one CIDR, two router replicas with Valkey) and ``neuron`` (trn2/trn1, push mode,
+Block, HTTPS, public ALB for one CIDR, two router replicas with Valkey) and ``push`` (p5/p5en, push mode,
 NAT, HTTP, internal ALB, one replica without Valkey). Both synthesize with cdk-nag on and CloudFormation
 validation off; ``test_synth_with_builtin_validation`` synthesizes once more with it on.
 """
@@ -78,8 +78,8 @@ def gpu(tmp_path_factory, image_sources) -> Synth:
 
 
 @pytest.fixture(scope="session")
-def neuron(tmp_path_factory, image_sources) -> Synth:
-    return synthesize(configs.NEURON, tmp_path_factory.mktemp("neuron"), image_sources)
+def push(tmp_path_factory, image_sources) -> Synth:
+    return synthesize(configs.PUSH, tmp_path_factory.mktemp("push"), image_sources)
 
 
 @pytest.fixture(scope="session")
@@ -92,22 +92,24 @@ def open_router(tmp_path_factory, image_sources) -> Synth:
 @pytest.fixture(scope="session")
 def gpu_account(tmp_path_factory, image_sources) -> Synth:
     """The GPU app with a concrete account (``account:`` in the config), as a user with credentials synthesizes
-    it: ARNs render with the number, not ``<AWS::AccountId>``."""
-    return synthesize(configs.variant(configs.GPU, account=configs.ACCOUNT), tmp_path_factory.mktemp("account"),
-                      image_sources)
+    it: ARNs render with the number, not ``<AWS::AccountId>``. Its reserved prefill pool names the cluster
+    placement group its On-Demand Capacity Reservation was made in."""
+    raw = configs.variant(configs.GPU, account=configs.ACCOUNT, **{"pools.0.placement_group": "odcr-cluster"})
+    return synthesize(raw, tmp_path_factory.mktemp("account"), image_sources)
 
 
-@pytest.fixture(scope="session", params=["gpu", "neuron", "gpu_account"])
+@pytest.fixture(scope="session", params=["gpu", "push", "gpu_account"])
 def any_app(request) -> Synth:
     return request.getfixturevalue(request.param)
 
 
-EXISTING_VPC = configs.variant(configs.NEURON, **{"network.existing": {
+EXISTING_VPC = configs.variant(configs.PUSH, **{"network.existing": {
     "vpc_id": "vpc-0123456789abcdef0", "cidr": "10.1.0.0/16",
-    "private_subnet_ids": ["subnet-0aaaaaaaaaaaaaaa1", "subnet-0bbbbbbbbbbbbbbb2", "subnet-0ccccccccccccccc3"]}})
+    "private_subnet_ids": ["subnet-0aaaaaaaaaaaaaaa1", "subnet-0bbbbbbbbbbbbbbb2", "subnet-0ccccccccccccccc3"]},
+    "image.ami_id": "ami-0123456789abcdef0"})
 
 
 @pytest.fixture(scope="session")
 def existing_vpc(tmp_path_factory, image_sources) -> Synth:
-    """The Neuron app in a VPC that already exists (ids only: no lookups)."""
+    """The Neuron app in a VPC that already exists (ids only: no lookups), on an AMI the user brings."""
     return synthesize(EXISTING_VPC, tmp_path_factory.mktemp("existing"), image_sources)

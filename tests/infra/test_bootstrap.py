@@ -103,3 +103,56 @@ def test_metrics_bridge_unit_runs_the_bridge_against_the_engine(monkeypatch):
                     "dims": {"Deployment": "prod", "Role": "decode", "Pool": "decode-a"},
                     "address": ("127.0.0.1", 25888)}
     assert "Restart=always" in unit
+
+
+def test_engine_register_and_metrics_logs_reach_cloudwatch_logs():
+    """The agent ships files, not journald: each unit's output goes to its own file (a systemd drop-in written
+    before the units start), and the agent config collects exactly those files, one stream each."""
+    import fnmatch
+
+    node = _node()
+    script = bootstrap.user_data(node)
+    collected = bootstrap.agent_config(node)["logs"]["logs_collected"]["files"]["collect_list"]
+    for unit in (node_env.ENGINE_SERVICE, node_env.REGISTER_SERVICE, bootstrap.METRICS_SERVICE):
+        dropin = _heredoc(script, f"/etc/systemd/system/{unit}.d/10-turnkv-logs.conf")
+        (target,) = set(re.findall(r"^Standard(?:Output|Error)=append:(\S+)$", dropin, re.M))
+        entries = [e for e in collected if fnmatch.fnmatch(target, e["file_path"])]
+        assert len(entries) == 1, (unit, target)
+        assert entries[0]["log_group_name"] == node.log_group
+        assert script.index(f"{unit}.d/10-turnkv-logs.conf") < script.index("systemctl daemon-reload")
+    assert len({e["log_stream_name"] for e in collected}) == len(collected)
+    assert "copytruncate" in _heredoc(script, "/etc/logrotate.d/turnkv")
+
+
+NVME_STUBS = {
+    "mountpoint": '[[ "$FAKE_DLAMI_NVME" == 1 && "$2" == /opt/dlami/nvme ]]',
+    "lsblk": 'for i in $(seq 1 "$FAKE_NVME_DISKS"); do echo "/dev/nvme${i}n1 Amazon EC2 NVMe Instance Storage"; done\n'
+             'echo "/dev/nvme0n1 Amazon Elastic Block Store"',
+    "mdadm": "", "mkfs.ext4": "", "mount": "", "install": "",
+}
+
+
+def _nvme(tmp_path, dlami: bool, disks: int) -> list[str]:
+    stubs = tmp_path / "bin"
+    stubs.mkdir(exist_ok=True)
+    log = tmp_path / "calls.log"
+    log.write_text("")
+    for name, body in NVME_STUBS.items():
+        (stubs / name).write_text(f'#!/bin/bash\necho "{name} $*" >> "{log}"\n{body}\n')
+        (stubs / name).chmod(0o755)
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "FAKE_DLAMI_NVME": "1" if dlami else "0", "FAKE_NVME_DISKS": str(disks)}
+    subprocess.run(["bash", "-euo", "pipefail", "-c", bootstrap.NVME_SCRIPT], env=env, check=True)
+    return [c for c in log.read_text().splitlines() if not c.startswith(("mountpoint", "lsblk"))]
+
+
+def test_weights_go_to_the_instance_nvme_when_there_is_some(tmp_path):
+    models = bootstrap.MODELS_DIR
+    assert _nvme(tmp_path, dlami=True, disks=8)[-1] == f"mount --bind /opt/dlami/nvme/turnkv-models {models}"
+    calls = _nvme(tmp_path, dlami=False, disks=8)
+    assert calls[0].startswith("mdadm --create /dev/md/turnkv --run --level=0 --raid-devices=8 /dev/nvme1n1")
+    assert "mkfs.ext4 -q -F -E nodiscard /dev/md/turnkv" in calls
+    assert calls[-1] == f"mount --bind /mnt/turnkv-nvme/turnkv-models {models}"
+    calls = _nvme(tmp_path, dlami=False, disks=1)
+    assert not any(c.startswith("mdadm") for c in calls) and "mkfs.ext4 -q -F -E nodiscard /dev/nvme1n1" in calls
+    assert _nvme(tmp_path, dlami=False, disks=0) == []  # no instance store: the root volume, nothing mounted
+    assert models == __import__("turnkv.commands.engine", fromlist=["MODELS_DIR"]).MODELS_DIR

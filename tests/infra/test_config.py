@@ -53,6 +53,17 @@ def _problems(raw) -> dict[str, str]:
     ({"model.s3_uri": None}, "model.s3_uri", "network.nat_gateways: 1"),
     ({"model.id": "Qwen/Qwen3 32B"}, "model.id", "letters, digits"),
     ({"connector.mode": "teleport"}, "connector.mode", "pull, push"),
+    # Item 6/7 of issue 11: refused at synth, not at deploy or on the node.
+    ({"pools.0.instance_type": "trn2.48xlarge", "pools.1.instance_type": "trn2.48xlarge",
+      "pools.2.instance_type": "trn1.32xlarge", "model.tensor_parallel_size": 8},
+     "pools[0].instance_type", "no NIXL and no vLLM that turnkv's KV connector supports yet"),
+    ({"model.s3_uri": "s3://replace-me-model-bucket/Qwen3-32B/"}, "model.s3_uri", "is a placeholder; upload"),
+    ({"model.s3_uri": "s3://my-bucket/Qwen3-32B/"}, "model.s3_uri", "network.nat_gateways: 1"),
+    ({"network.cidr": "10.40.0.0/20"}, "network.cidr", "use a /18 or larger block"),
+    ({"network.cidr": "10.40.0.0/19"}, "network.cidr", "2 AZs need a public /24 and a private /20 each (12288)"),
+    ({"router.certificate_arn": None}, "router.certificate_arn", "router.allow_http: true"),
+    ({"pools.1.placement_group": "my-cluster"}, "pools[1].placement_group", "set capacity_reservation_id too"),
+    ({"pools.2.placement_group": "my-cluster"}, "pools[2].placement_group", "a Capacity Block places"),
     ({"router.allowed_cidrs": []}, "router.allowed_cidrs", "write 0.0.0.0/0 explicitly"),
     ({"router.allowed_cidrs": ["10.0.0.0/33"]}, "router.allowed_cidrs[0]", "CIDR block"),
     ({"router.max_replicas": 1}, "router.max_replicas", "raise it"),
@@ -61,7 +72,7 @@ def _problems(raw) -> dict[str, str]:
                                 "12345678-1234-1234-1234-123456789012"}, "router.certificate_arn", "us-east-2"),
     ({"router.idle_timeout_s": 30}, "router.idle_timeout_s", "60 .. 4000"),
     ({"network.availability_zones": ["us-east-2a"]}, "network.availability_zones", "at least two"),
-    ({"network.cidr": "10.0.0.0/24"}, "network.cidr", "/20 or larger"),
+    ({"network.cidr": "10.0.0.0/24"}, "network.cidr", "/18 or larger"),
     ({"alarm_email": "nobody"}, "alarm_email", "e-mail"),
     ({"network.flow_log_retention_days": 100}, "network.flow_log_retention_days", "one of 1, 3, 5"),
     ({"router.replicas": "two"}, "router.replicas", "expected int"),
@@ -118,8 +129,8 @@ def test_config_file_yaml_and_json(tmp_path):
     import yaml
 
     y = tmp_path / "prod.yaml"
-    y.write_text(yaml.safe_dump(configs.NEURON))
-    assert from_context(None, str(y)).name == "trn"
+    y.write_text(yaml.safe_dump(configs.PUSH))
+    assert from_context(None, str(y)).name == "push"
     j = tmp_path / "prod.json"
     j.write_text(json.dumps(configs.GPU))
     assert from_context({"ignored": True}, str(j)).name == "gpu"
@@ -138,3 +149,32 @@ def test_app_main_reports_config_errors_without_a_traceback(capsys):
     assert app.main(bad) == 1
     err = capsys.readouterr().err
     assert "router.cpu: 3: Fargate takes one of" in err
+
+
+def test_neuron_pools_are_refused_with_what_to_use_instead():
+    raw = configs.variant(configs.PUSH, **{"pools.0.instance_type": "trn2.48xlarge",
+                                           "pools.1.instance_type": "trn2.48xlarge"})
+    problems = _problems(raw)
+    for i in (0, 1):
+        message = problems[f"pools[{i}].instance_type"]
+        assert "Trainium (Neuron)" in message and "never serve" in message
+        assert "use a GPU instance type (p5en.48xlarge, p5.48xlarge, p5e.48xlarge)" in message
+
+
+def test_the_smallest_vpc_that_fits_synthesizes(tmp_path):
+    """The size check is the allocation CDK makes: a /18 holds two AZs' subnets (a /19 does not, above)."""
+    from infra.config import subnet_addresses
+
+    assert subnet_addresses(2) == 12288 and subnet_addresses(3) == 16384
+    assert from_mapping(configs.variant(configs.GPU, **{"network.cidr": "10.40.0.0/18"})).network.cidr
+
+
+def test_http_on_a_public_alb_only_when_allowed_explicitly():
+    raw = configs.variant(configs.GPU, **{"router.certificate_arn": None, "router.allow_http": True})
+    assert from_mapping(raw).router.allow_http
+    assert from_mapping(configs.PUSH).router.certificate_arn is None  # an internal ALB may serve HTTP
+
+
+def test_a_reservation_in_a_cluster_placement_group_names_it():
+    c = from_mapping(configs.variant(configs.GPU, **{"pools.0.placement_group": "odcr-cluster"}))
+    assert c.pools[0].placement_group == "odcr-cluster"

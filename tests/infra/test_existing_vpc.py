@@ -36,3 +36,13 @@ def test_existing_vpc_templates_are_clean(existing_vpc):
     for stack in existing_vpc.templates:
         matches = lint_file(existing_vpc.outdir / f"{stack}.template.json", config=ManualArgs(regions=["us-east-2"]))
         assert [m.rule.id for m in matches] == [], stack
+
+
+def test_a_brought_ami_skips_the_bake(existing_vpc):
+    """``image.ami_id``: no image stack (nothing to bake), the launch templates name the AMI itself."""
+    assert not any(name.endswith("-image") for name in existing_vpc.templates)
+    assert existing_vpc.app.image is None
+    templates = existing_vpc.resources("serving", "AWS::EC2::LaunchTemplate").values()
+    assert {t["Properties"]["LaunchTemplateData"]["ImageId"] for t in templates} == {"ami-0123456789abcdef0"}
+    params = existing_vpc.template("serving").get("Parameters", {}).values()
+    assert not any("AWS::EC2::Image::Id" in p["Type"] for p in params)

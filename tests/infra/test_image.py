@@ -1,5 +1,6 @@
-"""Image stack: one Image Builder pipeline per flavor in use, AMI ids published to SSM through the
-distribution configuration, the turnkv wheel delivered at a named S3 key, IMDSv2 on the build instance."""
+"""Image stack: the deploy bakes one AMI per flavor in use (``AWS::ImageBuilder::Image``, which CloudFormation
+waits for), publishes its id to SSM for the serving stack, delivers the turnkv wheel at a named S3 key, and
+runs the build instance with IMDSv2."""
 
 from __future__ import annotations
 
@@ -17,20 +18,36 @@ def _by_type(synth, kind):
     return list(synth.resources("image", kind).values())
 
 
-def test_one_pipeline_per_flavor_publishing_the_ami_id_to_ssm(gpu, neuron):
-    for synth, flavor in ((gpu, "gpu"), (neuron, "neuron")):
-        (pipeline,) = _by_type(synth, "AWS::ImageBuilder::ImagePipeline")
-        assert pipeline["Properties"]["Name"] == f"{synth.app.config.prefix}-{flavor}"
-        assert pipeline["Properties"]["ImageTestsConfiguration"]["ImageTestsEnabled"] is True
-        (dist,) = _by_type(synth, "AWS::ImageBuilder::DistributionConfiguration")
-        (d,) = dist["Properties"]["Distributions"]
-        assert d["Region"] == "us-east-2"
-        assert d["SsmParameterConfigurations"] == [
-            {"ParameterName": f"/turnkv/{synth.app.config.name}/ami/{flavor}", "DataType": "aws:ec2:image"}]
-        # the serving stack reads exactly that parameter
+def test_the_deploy_bakes_the_image_and_the_serving_stack_reads_its_id(gpu, push):
+    for synth, flavor in ((gpu, "gpu"), (push, "gpu")):
+        assert _by_type(synth, "AWS::ImageBuilder::ImagePipeline") == [], "a pipeline nobody runs bakes nothing"
+        images = synth.resources("image", "AWS::ImageBuilder::Image")
+        ((image_id, image),) = images.items()
+        props = image["Properties"]
+        assert props["ImageTestsConfiguration"]["ImageTestsEnabled"] is True
+        (recipe_id,) = synth.resources("image", "AWS::ImageBuilder::ImageRecipe")
+        assert props["ImageRecipeArn"] == {"Fn::GetAtt": [recipe_id, "Arn"]}
+        # The baked AMI id goes to the SSM parameter the serving stack's launch templates resolve.
+        name = f"/turnkv/{synth.app.config.name}/ami/{flavor}"
+        (param,) = [p["Properties"] for p in synth.resources("image", "AWS::SSM::Parameter").values()
+                    if p["Properties"]["Name"] == name]
+        assert param["Value"] == {"Fn::GetAtt": [image_id, "ImageId"]}
+        assert param["DataType"] == "aws:ec2:image"
         serving_params = synth.template("serving")["Parameters"]
-        assert any(p.get("Default") == d["SsmParameterConfigurations"][0]["ParameterName"]
+        assert any(p.get("Default") == name and p["Type"] == "AWS::SSM::Parameter::Value<AWS::EC2::Image::Id>"
                    for p in serving_params.values())
+        # ...and is deployed after the image stack (cdk deploy --all follows the dependency).
+        assert synth.app.image in synth.app.serving.dependencies
+
+
+def test_a_recipe_change_makes_a_new_image(gpu, image_sources):
+    """The recipe name carries a fingerprint of everything in it, so a changed pin is a new recipe and a new
+    image (CloudFormation replaces the Image resource), hence a new AMI id in the parameter."""
+    (recipe,) = _by_type(gpu, "AWS::ImageBuilder::ImageRecipe")
+    assets = {"ScriptsS3Uri": "asset:x", "TurnkvWheelS3Uri": "y"}
+    assert image_sources.recipe_fingerprint("gpu", assets) != image_sources.recipe_fingerprint(
+        "gpu", {**assets, "TurnkvWheelS3Uri": "z"})
+    assert recipe["Properties"]["Name"].rsplit("-", 1)[-1].isalnum()
 
 
 def test_recipe_uses_the_ami_recipes(gpu, image_sources):

@@ -41,12 +41,12 @@ def test_https_listener_with_certificate_and_redirect(gpu):
     assert lb["Properties"]["Scheme"] == "internet-facing"
 
 
-def test_http_listener_without_certificate_on_an_internal_alb(neuron):
-    found = neuron.resources("router", "AWS::ElasticLoadBalancingV2::Listener")
+def test_http_listener_without_certificate_on_an_internal_alb(push):
+    found = push.resources("router", "AWS::ElasticLoadBalancingV2::Listener")
     listeners = [ln["Properties"] for ln in found.values()]
     assert [(ln["Port"], ln["Protocol"], ln["DefaultActions"][0]["Type"]) for ln in listeners] == [
         (80, "HTTP", "forward")]
-    (lb,) = neuron.resources("router", "AWS::ElasticLoadBalancingV2::LoadBalancer").values()
+    (lb,) = push.resources("router", "AWS::ElasticLoadBalancingV2::LoadBalancer").values()
     assert lb["Properties"]["Scheme"] == "internal"
 
 
@@ -71,26 +71,27 @@ def _flat(value) -> str:
     return "<ref>"
 
 
-def test_container_runs_discovery_and_store_flags(gpu, neuron):
+def test_container_runs_discovery_and_store_flags(gpu, push):
     gpu_cmd = [_flat(c) for c in _container(gpu)["Command"]]
     assert gpu_cmd[:4] == ["--host", "0.0.0.0", "--port", "8000"]
     joined = " ".join(gpu_cmd)
     assert "--discovery cloudmap --namespace turnkv-gpu --service engines --region us-east-2" in joined
     assert re.search(r"--store rediss://<ref>:<ref>", joined)
-    assert "--store" not in " ".join(_flat(c) for c in _container(neuron)["Command"])
+    assert "--store" not in " ".join(_flat(c) for c in _container(push)["Command"])
     env = {e["Name"]: e["Value"] for e in _container(gpu)["Environment"]}
     assert env["TURNKV_DEPLOYMENT"] == "gpu" and env["AWS_REGION"] == "us-east-2"
     secrets = {s["Name"] for s in _container(gpu)["Secrets"]}
-    assert secrets == {"TURNKV_API_KEYS"}
+    assert secrets == {"TURNKV_API_KEYS", "TURNKV_STORE_PASSWORD"}  # the store's password only with Valkey
+    assert {s["Name"] for s in _container(push)["Secrets"]} == {"TURNKV_API_KEYS"}
     c = _container(gpu)
     assert c["User"] == "10001" and c["ReadonlyRootFilesystem"] is True
     assert "/health" in " ".join(c["HealthCheck"]["Command"])
 
 
-def test_valkey_only_with_more_than_one_replica(gpu, neuron):
+def test_valkey_only_with_more_than_one_replica(gpu, push):
     gpu.assertions("router").has_resource_properties("AWS::ElastiCache::ServerlessCache", {
         "Engine": "valkey", "SecurityGroupIds": Match.any_value(), "SubnetIds": Match.any_value()})
-    neuron.assertions("router").resource_count_is("AWS::ElastiCache::ServerlessCache", 0)
+    push.assertions("router").resource_count_is("AWS::ElastiCache::ServerlessCache", 0)
 
 
 def test_api_keys_in_secrets_manager(any_app):
@@ -114,7 +115,7 @@ def test_router_reaches_engines_only_on_their_http_port(any_app):
     assert "Fn::ImportValue" in json.dumps(to_engines[0]["GroupId"])
 
 
-def test_alb_listener_admits_only_the_allowed_cidrs(gpu, neuron):
+def test_alb_listener_admits_only_the_allowed_cidrs(gpu, push):
     def alb_ingress(synth):
         (sg_id,) = [k for k, v in synth.resources("router", "AWS::EC2::SecurityGroup").items()
                     if "ALB" in v["Properties"]["GroupDescription"]]
@@ -122,7 +123,7 @@ def test_alb_listener_admits_only_the_allowed_cidrs(gpu, neuron):
 
     assert {(r["CidrIp"], r["FromPort"]) for r in alb_ingress(gpu)} == {("203.0.113.0/24", 443), ("203.0.113.0/24", 80)}
     # no CIDRs configured on an internal ALB: the VPC's own range only
-    assert {(r["CidrIp"], r["FromPort"]) for r in alb_ingress(neuron)} == {("10.40.0.0/16", 80)}
+    assert {(r["CidrIp"], r["FromPort"]) for r in alb_ingress(push)} == {("10.40.0.0/16", 80)}
 
 
 def test_dockerfile_builds_the_router_without_engines():
@@ -144,3 +145,40 @@ def test_image_asset_is_built_from_the_repository_root(gpu):
     staged = gpu.outdir / image["source"]["directory"]
     assert (staged / "router" / "Dockerfile").is_file() and (staged / "turnkv" / "params.py").is_file()
     assert not (staged / ".venv").exists() and not (staged / "tests").exists()
+
+
+def test_router_keepalive_outlasts_the_alb_idle_timeout(any_app):
+    """AWS: a target closing idle connections before the load balancer does causes sporadic 502s."""
+    (lb,) = any_app.resources("router", "AWS::ElasticLoadBalancingV2::LoadBalancer").values()
+    attrs = {a["Key"]: a["Value"] for a in lb["Properties"]["LoadBalancerAttributes"]}
+    idle = int(attrs["idle_timeout.timeout_seconds"])
+    (task,) = any_app.resources("router", "AWS::ECS::TaskDefinition").values()
+    (container,) = task["Properties"]["ContainerDefinitions"]
+    command = container["Command"]
+    keepalive = float(command[command.index("--keepalive-timeout") + 1])
+    assert keepalive > idle >= any_app.app.config.router.idle_timeout_s
+
+
+def test_valkey_requires_an_rbac_user_over_tls(gpu):
+    """Authentication on top of TLS: a user group whose default user is off, the router's own user with a
+    generated password from Secrets Manager, handed to the task as a secret under the names the router reads."""
+    from infra.stacks import router as router_stack
+    from router.state import valkey
+
+    (cache,) = gpu.resources("router", "AWS::ElastiCache::ServerlessCache").values()
+    (group_id, group), = gpu.resources("router", "AWS::ElastiCache::UserGroup").items()
+    assert cache["Properties"]["UserGroupId"] == {"Ref": group_id}
+    users = gpu.resources("router", "AWS::ElastiCache::User")
+    by_name = {u["Properties"]["UserName"]: u["Properties"] for u in users.values()}
+    assert by_name["default"]["AccessString"].startswith("off")
+    router_user = by_name[router_stack.VALKEY_USER]
+    assert router_user["AuthenticationMode"]["Type"] == "password"
+    assert "resolve:secretsmanager" in json.dumps(router_user["AuthenticationMode"]["Passwords"])
+    assert sorted(json.dumps(u) for u in group["Properties"]["UserIds"]) == sorted(
+        json.dumps({"Ref": lid}) for lid in users)
+    container = _container(gpu)
+    assert {"Name": router_stack.STORE_USERNAME_ENV, "Value": router_stack.VALKEY_USER} in container["Environment"]
+    assert router_stack.STORE_PASSWORD_ENV in {s["Name"] for s in container["Secrets"]}
+    assert (router_stack.STORE_USERNAME_ENV, router_stack.STORE_PASSWORD_ENV) == (valkey.USERNAME_ENV,
+                                                                                  valkey.PASSWORD_ENV)
+    assert "rediss://" in json.dumps(container["Command"])

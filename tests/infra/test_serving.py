@@ -29,7 +29,7 @@ def test_placement_group_is_cluster(any_app):
 
 @pytest.mark.parametrize(("app_name", "instance_type", "count"), [
     ("gpu", "p5en.48xlarge", 16), ("gpu", "p5.48xlarge", 32), ("gpu", "p5e.48xlarge", 32),
-    ("neuron", "trn2.48xlarge", 16), ("neuron", "trn1.32xlarge", 8),
+    ("push", "p5.48xlarge", 32), ("push", "p5en.48xlarge", 16),
 ])
 def test_efa_interface_count_and_types_per_instance_type(request, app_name, instance_type, count):
     synth = request.getfixturevalue(app_name)
@@ -54,8 +54,8 @@ def test_launch_templates_require_imdsv2_encrypt_volumes_and_carry_groups_on_int
         assert set(data["ImageId"]) == {"Ref"}
 
 
-def test_ami_id_resolves_from_ssm_at_deploy_time(gpu, neuron):
-    for synth, flavors in ((gpu, {"gpu"}), (neuron, {"neuron"})):
+def test_ami_id_resolves_from_ssm_at_deploy_time(gpu, push):
+    for synth, flavors in ((gpu, {"gpu"}), (push, {"gpu"})):
         params = synth.template("serving")["Parameters"]
         ami = {p["Default"] for p in params.values() if p["Type"] == "AWS::SSM::Parameter::Value<AWS::EC2::Image::Id>"}
         assert ami == {f"/turnkv/{synth.app.config.name}/ami/{f}" for f in flavors}
@@ -97,8 +97,8 @@ def test_capacity_block_uses_market_type_and_target_in_the_launch_template(gpu):
     assert "Placement" not in data
 
 
-def test_pools_without_reservation_join_the_placement_group(gpu, neuron):
-    for synth, itype in ((gpu, "p5.48xlarge"), (neuron, "trn2.48xlarge"), (neuron, "trn1.32xlarge")):
+def test_pools_without_reservation_join_the_placement_group(gpu, push):
+    for synth, itype in ((gpu, "p5.48xlarge"), (push, "p5.48xlarge"), (push, "p5en.48xlarge")):
         data = _launch_templates(synth)[itype]
         assert "GroupName" in json.dumps(data["Placement"]), itype
         assert "CapacityReservationSpecification" not in data
@@ -133,7 +133,7 @@ def test_user_data_per_role_writes_the_contract_files(gpu):
         assert "systemctl enable --now turnkv-engine.service" in text
         assert "systemctl enable --now turnkv-params-sync.timer" in text
         assert "servicediscovery register-instance" in text and "<ref>" in text  # the Cloud Map service id
-        assert "TURNKV_MODEL_S3_URI=s3://example-weights/qwen3-32b/" in text
+        assert "TURNKV_MODEL_S3_URI=s3://acme-llm-weights/qwen3-32b/" in text
 
 
 def test_instance_role_is_least_privilege(any_app):
@@ -167,3 +167,64 @@ def test_engine_events_go_to_an_encrypted_topic(gpu):
     t = gpu.assertions("serving")
     t.has_resource_properties("AWS::SNS::Topic", {"KmsMasterKeyId": Match.any_value()})
     t.has_resource_properties("AWS::SNS::Subscription", {"Protocol": "email", "Endpoint": "oncall@example.com"})
+
+
+def test_a_new_launch_template_rolls_over_one_engine_at_a_time(gpu):
+    """A new AMI or new user data replaces the engines one at a time, each only after the previous one signalled
+    that it serves: pools without a reservation surge one instance (all stay in service), reserved pools replace
+    in place (count - 1 stay in service)."""
+    groups = gpu.resources("serving", "AWS::AutoScaling::AutoScalingGroup")
+    expected = {"EngineGroupPrefill": (2, 2, 1), "EngineGroupDecode": (2, 3, 2), "EngineGroupDecodeBlock": (1, 1, 0)}
+    assert set(groups) == set(expected)
+    for lid, (size, max_size, in_service) in expected.items():
+        group = groups[lid]
+        rolling = group["UpdatePolicy"]["AutoScalingRollingUpdate"]
+        assert (int(group["Properties"]["MinSize"]), int(group["Properties"]["MaxSize"])) == (size, max_size), lid
+        assert int(rolling["MinInstancesInService"]) == in_service < max_size, lid
+        assert int(rolling["MaxBatchSize"]) == 1 and rolling["WaitOnResourceSignals"] is True
+        assert rolling["PauseTime"] == "PT1H"
+        assert "DesiredCapacity" not in group["Properties"]
+    # The node sends that signal once registered, naming its group; its role may send it to this stack only.
+    user_data = json.dumps(gpu.resources("serving", "AWS::EC2::LaunchTemplate"))
+    for lid in expected:
+        assert f"--logical-resource-id '{lid}'" in user_data
+    policies = json.dumps(gpu.resources("serving", "AWS::IAM::Policy"))
+    assert "cloudformation:SignalResource" in policies
+
+
+def test_a_reservation_made_in_a_cluster_placement_group_launches_into_it(gpu_account):
+    """EC2: an On-Demand Capacity Reservation created in a cluster placement group is used only by instances
+    launched into that group; the pool names it (pools[].placement_group) and keeps the reservation target."""
+    lts = _launch_templates(gpu_account)
+    assert lts["p5en.48xlarge"]["Placement"] == {"GroupName": "odcr-cluster"}
+    assert "Placement" not in lts["p5e.48xlarge"]  # the Capacity Block places its instances itself
+    assert "GroupName" in json.dumps(lts["p5.48xlarge"]["Placement"])  # no reservation: the deployment's group
+    gpu_account.assertions("serving").has_resource_properties("AWS::AutoScaling::AutoScalingGroup", {
+        "AutoScalingGroupName": "turnkv-gpu-prefill",
+        "CapacityReservationSpecification": {
+            "CapacityReservationPreference": "capacity-reservations-only",
+            "CapacityReservationTarget": {"CapacityReservationIds": ["cr-0123456789abcdef0"]}}})
+
+
+def _egress(synth, role: str) -> list[dict]:
+    rules = []
+    for res in synth.template(role)["Resources"].values():
+        if res["Type"] == "AWS::EC2::SecurityGroup":
+            rules += res["Properties"].get("SecurityGroupEgress", [])
+        elif res["Type"] == "AWS::EC2::SecurityGroupEgress":
+            rules.append(res["Properties"])
+    return rules
+
+
+def test_without_nat_egress_is_the_vpc_and_the_s3_prefix_list_only(gpu, push):
+    for role in ("serving", "router"):
+        rules = _egress(gpu, role)
+        assert not [r for r in rules if r.get("CidrIp") == "0.0.0.0/0"], role
+        assert any(r.get("CidrIp") == "10.40.0.0/16" and r["FromPort"] == 443 for r in rules), role
+        (s3,) = [r for r in rules if "DestinationPrefixListId" in r]
+        assert s3["FromPort"] == s3["ToPort"] == 443 and "Fn::ImportValue" in s3["DestinationPrefixListId"]
+        # With a NAT (model hubs), HTTPS anywhere.
+        assert any(r.get("CidrIp") == "0.0.0.0/0" and r["FromPort"] == 443 for r in _egress(push, role)), role
+    (lookup,) = gpu.resources("network", "Custom::AWS").values()
+    assert "com.amazonaws.us-east-2.s3" in json.dumps(lookup["Properties"])
+    assert push.resources("network", "Custom::AWS") == {}

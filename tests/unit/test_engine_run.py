@@ -120,6 +120,15 @@ def test_prepare_reports_a_failed_or_bad_model_sync():
         engine.prepare({**FULL, "TURNKV_MODEL_S3_URI": "https://x/"}, {}.get, run=lambda cmd: 0)
 
 
+def test_hub_offline_only_when_the_weights_are_local():
+    """Weights synced from S3 (or a local path) load offline; a Hugging Face id is downloaded through NAT."""
+    _, local, _ = engine.prepare({**FULL, "TURNKV_MODEL_S3_URI": "s3://weights/qwen3-32b/"}, {}.get,
+                                 run=lambda cmd: 0)
+    assert local["HF_HUB_OFFLINE"] == "1"
+    _, hub, _ = engine.prepare({**FULL, "TURNKV_MODEL": "Qwen/Qwen3-32B"}, {}.get, run=lambda cmd: 0)
+    assert "HF_HUB_OFFLINE" not in hub
+
+
 def test_argv_and_env_are_engine_args():
     argv, env, _ = engine.prepare(FULL, {}.get, run=lambda cmd: 0)
     spec = engine.spec_from_env(FULL)

@@ -42,6 +42,9 @@ def serve(
         help="Extra NIXL side-channel address a replayed remote_host may name (repeatable).")] = None,
     policy: Annotated[str | None, typer.Option(help="Engine choice: least_load or round_robin.")] = None,
     emf: Annotated[bool | None, typer.Option("--emf/--no-emf", help="One EMF log line per request [on].")] = None,
+    keepalive_timeout: Annotated[float | None, typer.Option(
+        help="Seconds an idle client connection stays open [75]; behind a load balancer, longer than its idle "
+             "timeout.")] = None,
     tunable: Annotated[list[str] | None, typer.Option(
         "--set", help="Override a tunable, NAME=VALUE (see `turnkv params list`); repeatable.")] = None,
 ) -> None:
@@ -60,7 +63,8 @@ def serve(
         flags = dict(prefill=prefill, decode=decode, host=host, port=port, mode=mode, discovery=discovery,
                      namespace=namespace, service=service, region=region, aws_endpoint_url=aws_endpoint_url,
                      store=store, api_keys_file=api_keys_file, deployment=deployment, ssm=ssm,
-                     side_channel_hosts=side_channel_host, policy=policy, emf=emf)
+                     side_channel_hosts=side_channel_host, policy=policy, emf=emf,
+                     keepalive_timeout=keepalive_timeout)
         if key_secret_file:
             flags["key_secret"] = key_secret_file.read_text().strip().encode()
         merged_discovery = flags["discovery"] or file_values.get("discovery")
