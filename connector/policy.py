@@ -1,18 +1,35 @@
-"""Pull or recompute: an online cost model of prefill's own compute and of pulls (pure, no I/O).
+"""Pull or recompute: an online cost model of prefill's compute and of KV transfers (pure, no I/O).
 
-vLLM's ``kv_recompute_threshold`` is a constant token count: it ignores how fast this engine computes
-and how fast the network moves KV. Prefill here learns both online, as exponentially weighted
-averages: seconds per computed prompt token (from prefill-heavy engine steps), and a line
-``seconds = overhead + tokens * per_token`` fitted by exponentially forgetting least squares over
-finished pulls (the fixed part is handshake and notification, the slope is bandwidth). It pulls only
-when the pull is expected to be faster than computing the same tokens; the configured threshold stays a floor. With no
-measurements yet it pulls (the floor alone decides), and it keeps probing: every ``probe_every``-th
-refused offer is pulled anyway so that a recovered network is noticed.
+vLLM's ``kv_recompute_threshold`` is a constant token count: it ignores how fast this engine computes,
+how fast the network moves KV, and how much other work waits for the engine. Prefill here learns, by
+decaying least squares (recent samples weigh most):
+
+- **compute**: engine step seconds against the tokens scheduled in the step; the slope is the marginal
+  cost of one more token (the step's fixed part is paid anyway). Steps are timed by :class:`StepClock`,
+  which stays right when steps overlap (async scheduling schedules step N+1 before step N's output).
+- **transfer**: seconds of each NIXL READ the worker posted (NIXL's own telemetry) against the tokens it
+  moved; the intercept is the per-READ fixed cost, the slope the bandwidth. The first READ from an
+  engine also pays the NIXL handshake: that is learned apart (``handshake``) and added only to an offer
+  from an engine not handshaken yet. Time a pulling request then waits for the engine's next step is
+  the engine's queue, not the transfer: it is kept apart (``observe_wait``, exported, never compared).
+
+The decision (:meth:`CostModel.decide`) weighs, for an offer of N tokens:
+
+- recompute: ``N x compute`` seconds of engine time, which this request waits for **and which also
+  delays every other request with prefill work in the engine** (``load.requests`` of them);
+- pull: the transfer's predicted seconds; the engine keeps computing other work meanwhile.
+
+It pulls when ``pull < compute x (1 + waiting requests)``. ``kv_recompute_threshold`` stays a floor.
+Without estimates it pulls. A refused pull is probed every ``probe_every``-th refusal, so that a
+recovered network is noticed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+#: Every reason a decision can give (one Prometheus label value each).
+REASONS = ("floor", "no-estimate", "faster", "load", "slower", "probe")
 
 
 @dataclass
@@ -49,65 +66,149 @@ class DecayingLine:
         if denominator <= 1e-12 * max(1.0, self.w * self.sxx):  # all samples the same size: a rate only
             return 0.0, self.sy / self.sx
         slope = (self.w * self.sxy - self.sx * self.sy) / denominator
-        if slope <= 0:  # noise made bigger pulls look no slower: fall back to the average rate, no fixed part
+        if slope <= 0:  # noise made bigger samples look no slower: fall back to the average rate, no fixed part
             return 0.0, self.sy / self.sx
         intercept = max(0.0, (self.sy - slope * self.sx) / self.w)
         return intercept, slope
 
 
+class StepClock:
+    """Engine-busy seconds of each step, by step number, when steps may overlap.
+
+    ``scheduled(step, tokens, now)`` when the scheduler hands step ``step`` out, ``finished(step, now)``
+    when its output comes back. With async scheduling step N+1 is scheduled before step N's output is
+    processed, so one "step started" slot would be overwritten: each step is kept under its number, and
+    a step's busy time starts when it was scheduled or when the step before it finished, whichever is
+    later (the engine runs one step at a time). Steps whose output never comes back are dropped when a
+    later step finishes.
+    """
+
+    def __init__(self, limit: int = 64) -> None:
+        self._started: dict[int, tuple[float, int]] = {}
+        self._last_end: float | None = None
+        self._limit = limit
+
+    def scheduled(self, step: int, tokens: int, now: float) -> None:
+        self._started[step] = (now, tokens)
+        while len(self._started) > self._limit:
+            self._started.pop(next(iter(self._started)))
+
+    def finished(self, step: int, now: float) -> tuple[float, int] | None:
+        """(busy seconds, tokens) of ``step``, or None for a step not (or no longer) known."""
+        entry = self._started.pop(step, None)
+        for older in [s for s in self._started if s < step]:
+            del self._started[older]
+        if entry is None:
+            return None
+        started, tokens = entry
+        if self._last_end is not None:
+            started = max(started, self._last_end)
+        self._last_end = now
+        return max(0.0, now - started), tokens
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._started)
+
+
+@dataclass(frozen=True)
+class Load:
+    """Prefill work in the engine besides the request being decided: requests and their uncomputed tokens."""
+
+    requests: int = 0
+    tokens: int = 0
+
+
 @dataclass
 class Decision:
     pull: bool
-    reason: str  # "floor", "no-estimate", "faster", "slower", "probe"
+    reason: str  # one of REASONS
+    tokens: int = 0
     predicted_pull_s: float | None = None
+    #: Engine seconds to recompute the offered tokens (what this request would wait for).
     predicted_compute_s: float | None = None
+    #: What recomputing would add to the other requests' waits (compute x waiting requests).
+    queue_delay_s: float = 0.0
+    load: Load = field(default_factory=Load)
 
 
 @dataclass
 class CostModel:
-    #: Steps with at least this many scheduled tokens count as prefill samples (decode steps are not).
-    min_prefill_tokens: int = 256
     probe_every: int = 20
-    compute_per_token: Ewma = field(default_factory=Ewma)
-    pulls: DecayingLine = field(default_factory=DecayingLine)
+    #: Engine step seconds against scheduled tokens (slope: marginal compute per token).
+    steps: DecayingLine = field(default_factory=lambda: DecayingLine(decay=0.95))
+    #: READ seconds against tokens moved (intercept: per-READ fixed cost; slope: per token).
+    transfers: DecayingLine = field(default_factory=DecayingLine)
+    #: NIXL handshake seconds (first READ from an engine).
+    handshake: Ewma = field(default_factory=Ewma)
+    #: Seconds a pulling request waited for the engine beyond its transfer (the queue; shown, not compared).
+    wait: Ewma = field(default_factory=Ewma)
     _refused: int = 0
 
-    def observe_step(self, seconds: float, scheduled_tokens: int, pulled_in_step: bool = False) -> None:
-        if scheduled_tokens >= self.min_prefill_tokens and seconds > 0 and not pulled_in_step:
-            self.compute_per_token.update(seconds / scheduled_tokens)
+    # inputs ------------------------------------------------------------------------------------
 
-    def observe_pull(self, seconds: float, tokens: int) -> None:
+    def observe_step(self, seconds: float, scheduled_tokens: int) -> None:
+        if scheduled_tokens > 0 and seconds > 0:
+            self.steps.update(scheduled_tokens, seconds)
+
+    def observe_transfer(self, seconds: float, tokens: float) -> None:
         if tokens > 0 and seconds > 0:
-            self.pulls.update(tokens, seconds)
+            self.transfers.update(tokens, seconds)
+
+    def observe_handshake(self, seconds: float) -> None:
+        if seconds > 0:
+            self.handshake.update(seconds)
+
+    def observe_wait(self, seconds: float) -> None:
+        self.wait.update(max(0.0, seconds))
+
+    # estimates ---------------------------------------------------------------------------------
+
+    @property
+    def compute_per_token(self) -> float | None:
+        fit = self.steps.fit()
+        return None if fit is None else fit[1]
+
+    @property
+    def step_overhead(self) -> float | None:
+        fit = self.steps.fit()
+        return None if fit is None else fit[0]
 
     @property
     def pull_overhead(self) -> float | None:
-        fit = self.pulls.fit()
+        fit = self.transfers.fit()
         return None if fit is None else fit[0]
 
     @property
     def pull_per_token(self) -> float | None:
-        fit = self.pulls.fit()
+        fit = self.transfers.fit()
         return None if fit is None else fit[1]
 
-    def predicted_pull(self, tokens: int) -> float | None:
-        fit = self.pulls.fit()
-        return None if fit is None else fit[0] + fit[1] * tokens
+    def predicted_pull(self, tokens: int, new_engine: bool = False) -> float | None:
+        fit = self.transfers.fit()
+        if fit is None:
+            return None
+        handshake = (self.handshake.value or 0.0) if new_engine else 0.0
+        return fit[0] + fit[1] * tokens + handshake
 
     def predicted_compute(self, tokens: int) -> float | None:
-        if self.compute_per_token.value is None:
-            return None
-        return self.compute_per_token.value * tokens
+        per_token = self.compute_per_token
+        return None if per_token is None else per_token * tokens
 
-    def decide(self, tokens: int, floor: int) -> Decision:
+    # the decision ------------------------------------------------------------------------------
+
+    def decide(self, tokens: int, floor: int, load: Load = Load(), new_engine: bool = False) -> Decision:
         if tokens <= 0 or (floor > 0 and tokens < floor):
-            return Decision(False, "floor")
-        pull_s, compute_s = self.predicted_pull(tokens), self.predicted_compute(tokens)
+            return Decision(False, "floor", tokens, load=load)
+        pull_s, compute_s = self.predicted_pull(tokens, new_engine), self.predicted_compute(tokens)
         if pull_s is None or compute_s is None:
-            return Decision(True, "no-estimate", pull_s, compute_s)
+            return Decision(True, "no-estimate", tokens, pull_s, compute_s, load=load)
+        queue_s = compute_s * load.requests
         if pull_s < compute_s:
-            return Decision(True, "faster", pull_s, compute_s)
+            return Decision(True, "faster", tokens, pull_s, compute_s, queue_s, load)
+        if pull_s < compute_s + queue_s:
+            return Decision(True, "load", tokens, pull_s, compute_s, queue_s, load)
         self._refused += 1
         if self.probe_every and self._refused % self.probe_every == 0:
-            return Decision(True, "probe", pull_s, compute_s)
-        return Decision(False, "slower", pull_s, compute_s)
+            return Decision(True, "probe", tokens, pull_s, compute_s, queue_s, load)
+        return Decision(False, "slower", tokens, pull_s, compute_s, queue_s, load)

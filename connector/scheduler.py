@@ -6,7 +6,8 @@ Mixed in before an upstream NIXL scheduler class, so ``super()`` reaches upstrea
   asked for it (``turnkv_retain``, retain on demand);
 - prefill checks that proof against its own prompt before pulling and pulls only the verified prefix
   (the rest is computed); offers without a valid proof are recomputed;
-- prefill pulls only when its cost model expects the pull to beat recomputing (the threshold is a floor);
+- prefill pulls unless its cost model expects recomputing to cost less, counting what recomputing would
+  delay the other requests waiting for the engine (the threshold is a floor; ``connector.policy``);
 - TTL and threshold are re-read from the tunables file (hot reload).
 """
 
@@ -18,9 +19,10 @@ import time
 from typing import Any
 
 from connector import boot, token_proof
-from connector.policy import CostModel
+from connector.policy import CostModel, Decision, Load, StepClock
 from connector.stats import TurnkvKVConnectorStats
 from connector.tunables import TunablesFile
+from connector.worker import TurnkvWorkerMeta
 
 logger = logging.getLogger("vllm.turnkv.connector")
 
@@ -74,10 +76,16 @@ class TurnkvSchedulerMixin:
         # Pull only when it is expected to beat recomputing (TURNKV_ADAPTIVE_THRESHOLD=0: the threshold alone).
         self._adaptive = _flag("TURNKV_ADAPTIVE_THRESHOLD", True)
         self.cost = CostModel()
-        self._step_started: tuple[float, int] | None = None
+        # Each step's start, by step number: with async scheduling step N+1 is scheduled before step N's
+        # output comes back, so one "step started" slot would be overwritten.
+        self._steps = StepClock()
+        self._step_seq = 0
+        # Requests seen and not finished (the engine's prefill work, for the decision's load).
+        self._pending: dict[str, Any] = {}
         self._pulls_started: dict[str, tuple[float, int, str]] = {}
-        # Engines pulled from before: the first pull from an engine also pays the NIXL handshake (hundreds
-        # of ms), which would teach the cost model that pulls are slow and make it refuse them.
+        # Engines handshaken with: a pull from another one also pays the NIXL handshake.
+        self._handshaken: set[str] = set()
+        # Engines pulled from: the first pull's wait also holds the handshake, so it is no wait sample.
         self._pulled_from: set[str] = set()
         # Decode side: blocks held for another engine to read, by request (until read or expired).
         self._retained: dict[str, int] = {}
@@ -104,6 +112,7 @@ class TurnkvSchedulerMixin:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         self._tunables.poll()
+        self._pending[request.request_id] = request
         params = request.kv_transfer_params
         if params and params.get("do_remote_decode") and params.get("_remote_blocks_processed"):
             # The one READ of decode's blocks was already tried: it failed (decode died, lease gone) or the
@@ -119,15 +128,48 @@ class TurnkvSchedulerMixin:
         count, asynchronous = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if not first_look:
             return count, asynchronous
-        decision = self.cost.decide(count, self.kv_recompute_threshold) if self._adaptive else None
+        decision = None
+        if self._adaptive:
+            engine = str(params.get("remote_engine_id"))
+            decision = self.cost.decide(count, self.kv_recompute_threshold, self._load(request.request_id),
+                                        new_engine=engine not in self._handshaken)
         if count > 0 and decision is not None and not decision.pull:
             count, asynchronous = 0, False
         self.turnkv_stats.record("turnkv_decisions_pull" if count > 0 else "turnkv_decisions_recompute", 1)
-        if decision is not None and decision.reason in ("slower", "probe"):
-            logger.info("turnkv: request %s: %s %d tokens (pull ~%.1f ms vs compute ~%.1f ms)", request.request_id,
-                        "pulling" if decision.pull else "recomputing", (decision.pull and count) or 0,
-                        1000 * (decision.predicted_pull_s or 0), 1000 * (decision.predicted_compute_s or 0))
+        if decision is not None:
+            self._export_decision(decision)
+            if decision.reason in ("slower", "probe"):
+                logger.info("turnkv: request %s: %s %d tokens (pull ~%.1f ms vs compute ~%.1f ms + %.1f ms of "
+                            "delay to %d waiting requests)", request.request_id,
+                            "probing a pull of" if decision.pull else "recomputing", decision.tokens,
+                            1000 * (decision.predicted_pull_s or 0), 1000 * (decision.predicted_compute_s or 0),
+                            1000 * decision.queue_delay_s, decision.load.requests)
         return count, asynchronous
+
+    def _load(self, exclude: str) -> Load:
+        """Prefill work of the other requests this engine has seen and not finished (a lower bound: requests
+        queued behind the step's token budget are seen only when the scheduler reaches them)."""
+        requests = tokens = 0
+        for req_id, other in self._pending.items():
+            if req_id == exclude:
+                continue
+            done = max(int(getattr(other, "num_computed_tokens", 0) or 0),
+                       self._pulls_started.get(req_id, (0.0, 0, ""))[1])
+            left = int(getattr(other, "num_prompt_tokens", 0) or 0) - done
+            if left > 0:
+                requests, tokens = requests + 1, tokens + left
+        return Load(requests, tokens)
+
+    def _export_decision(self, decision: Decision) -> None:
+        s = self.turnkv_stats
+        s.record_reason(decision.reason)
+        s.data["turnkv_decision_tokens"] = [decision.tokens]
+        s.data["turnkv_decision_queue_requests"] = [decision.load.requests]
+        s.data["turnkv_decision_queue_tokens"] = [decision.load.tokens]
+        if decision.predicted_pull_s is not None and decision.predicted_compute_s is not None:
+            s.data["turnkv_decision_pull_seconds"] = [decision.predicted_pull_s]
+            s.data["turnkv_decision_compute_seconds"] = [decision.predicted_compute_s]
+            s.data["turnkv_decision_queue_delay_seconds"] = [decision.queue_delay_s]
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
@@ -136,12 +178,17 @@ class TurnkvSchedulerMixin:
                                                        str(params.get("remote_engine_id")))
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
-    # cost model inputs: step compute time and pull durations ----------------------------------------
+    # cost model inputs: step compute time, transfers, handshakes ---------------------------------------
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
-        self._step_started = (time.perf_counter(), tokens)
+        step = None
+        if tokens > 0:  # a step that runs the model: its output always comes back to update_connector_output
+            self._step_seq = step = self._step_seq + 1
+            self._steps.scheduled(step, tokens, time.perf_counter())
         meta = super().build_connector_meta(scheduler_output)
+        # The worker echoes the step number with the step's output (connector.worker.TurnkvWorkerMeta).
+        meta.turnkv_step = step
         # The worker checks each read's expected boot against the engine it handshook with.
         meta.turnkv_boots = {rid: self._expected_boots.pop(rid) for rid in meta.reqs_to_recv
                              if rid in self._expected_boots}
@@ -149,10 +196,7 @@ class TurnkvSchedulerMixin:
 
     def update_connector_output(self, connector_output: Any) -> None:
         now = time.perf_counter()
-        if self._step_started is not None:
-            started, tokens = self._step_started
-            self._step_started = None
-            self.cost.observe_step(now - started, tokens)
+        self._observe_worker(getattr(connector_output, "kv_connector_worker_meta", None), now)
         released = [r for r in connector_output.finished_sending or () if self._retained.pop(r, None) is not None]
         if released:
             self._export_retained()
@@ -161,19 +205,41 @@ class TurnkvSchedulerMixin:
             if started_pull is None:
                 continue
             started, tokens, engine = started_pull
-            if engine in self._pulled_from:
-                self.cost.observe_pull(now - started, tokens)
+            if engine in self._pulled_from:  # the first one also waited for the handshake
+                transfer = self.cost.predicted_pull(tokens) or 0.0
+                self.cost.observe_wait(now - started - transfer)
             self._pulled_from.add(engine)
+            self._handshaken.add(engine)
         self._export_estimates()
         super().update_connector_output(connector_output)
 
+    def _observe_worker(self, meta: Any, now: float) -> None:
+        """Feed the cost model what the workers measured in the step(s) this output closes."""
+        if not isinstance(meta, TurnkvWorkerMeta):
+            return
+        for step in meta.steps:
+            sample = self._steps.finished(step, now)
+            if sample is not None:
+                self.cost.observe_step(*sample)
+        tokens_per_byte = self.block_size / self._bytes_per_block if self._bytes_per_block else 0.0
+        for moved, seconds in meta.reads:
+            self.cost.observe_transfer(seconds, moved * tokens_per_byte)
+        for engine, seconds in meta.handshakes:
+            self.cost.observe_handshake(seconds)
+            self._handshaken.add(engine)
+
     def _export_estimates(self) -> None:
         s, cost = self.turnkv_stats, self.cost
-        if cost.compute_per_token.value is not None:
-            s.data["turnkv_compute_seconds_per_token"] = [cost.compute_per_token.value]
+        if cost.compute_per_token is not None:
+            s.data["turnkv_compute_seconds_per_token"] = [cost.compute_per_token]
+            s.data["turnkv_compute_step_overhead_seconds"] = [cost.step_overhead or 0.0]
         if cost.pull_per_token is not None:
             s.data["turnkv_pull_seconds_per_token"] = [cost.pull_per_token]
             s.data["turnkv_pull_overhead_seconds"] = [cost.pull_overhead or 0.0]
+        if cost.handshake.value is not None:
+            s.data["turnkv_handshake_seconds"] = [cost.handshake.value]
+        if cost.wait.value is not None:
+            s.data["turnkv_pull_wait_seconds"] = [cost.wait.value]
 
     def _export_retained(self) -> None:
         blocks = sum(self._retained.values())
@@ -233,6 +299,7 @@ class TurnkvSchedulerMixin:
         else:
             delay, out = super().request_finished(request, block_ids)
         verdict = self._verdicts.pop(request.request_id, None)
+        self._pending.pop(request.request_id, None)
         self._pulls_started.pop(request.request_id, None)
         self._expected_boots.pop(request.request_id, None)
         if out is None:

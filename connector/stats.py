@@ -7,6 +7,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats, NixlPromMetrics
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from connector.policy import REASONS
+
 #: stats key -> (Prometheus counter name, help). Every value is a list of increments (vLLM's convention).
 COUNTERS: dict[str, tuple[str, str]] = {
     "turnkv_proof_offered_tokens": (
@@ -20,9 +22,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "turnkv_proof_missing": (
         "vllm:turnkv_proof_missing", "Offers without a valid token proof (nothing pulled)."),
     "turnkv_decisions_pull": (
-        "vllm:turnkv_decisions_pull", "Verified offers pulled (the cost model expected the pull to be faster)."),
+        "vllm:turnkv_decisions_pull", "Offers pulled (see vllm:turnkv_decision_reasons for why)."),
     "turnkv_decisions_recompute": (
-        "vllm:turnkv_decisions_recompute", "Verified offers recomputed (below the threshold, or slower to pull)."),
+        "vllm:turnkv_decisions_recompute", "Offers recomputed (below the floor, or slower to pull even counting "
+                                           "the queue)."),
     "turnkv_stale_offers": (
         "vllm:turnkv_stale_offers", "Offers from a decode engine that restarted since (not read; recomputed)."),
     "turnkv_read_bytes": (
@@ -38,11 +41,32 @@ COUNTERS: dict[str, tuple[str, str]] = {
 #: stats key -> (Prometheus gauge name, help). The last value of an interval is exported.
 GAUGES: dict[str, tuple[str, str]] = {
     "turnkv_compute_seconds_per_token": (
-        "vllm:turnkv_compute_seconds_per_token", "Prefill's measured compute time per prompt token (EWMA)."),
+        "vllm:turnkv_compute_seconds_per_token",
+        "Marginal engine time per scheduled token (slope of step time against step tokens)."),
+    "turnkv_compute_step_overhead_seconds": (
+        "vllm:turnkv_compute_step_overhead_seconds", "Fixed engine time per step (intercept of the same fit)."),
     "turnkv_pull_seconds_per_token": (
-        "vllm:turnkv_pull_seconds_per_token", "Measured pull time per token (fitted slope)."),
+        "vllm:turnkv_pull_seconds_per_token", "NIXL READ time per token moved (slope over the READs posted)."),
     "turnkv_pull_overhead_seconds": (
-        "vllm:turnkv_pull_overhead_seconds", "Measured fixed time per pull (fitted intercept)."),
+        "vllm:turnkv_pull_overhead_seconds", "Fixed time per NIXL READ (intercept of the same fit)."),
+    "turnkv_handshake_seconds": (
+        "vllm:turnkv_handshake_seconds", "NIXL handshake time, paid by the first READ from an engine (EWMA)."),
+    "turnkv_pull_wait_seconds": (
+        "vllm:turnkv_pull_wait_seconds",
+        "Time a pulling request waited for the engine beyond its transfer (EWMA; the queue, not a cost input)."),
+    "turnkv_decision_tokens": (
+        "vllm:turnkv_decision_tokens", "Last decision: tokens offered."),
+    "turnkv_decision_pull_seconds": (
+        "vllm:turnkv_decision_pull_seconds", "Last decision: predicted transfer time of the offer."),
+    "turnkv_decision_compute_seconds": (
+        "vllm:turnkv_decision_compute_seconds", "Last decision: predicted engine time to recompute the offer."),
+    "turnkv_decision_queue_delay_seconds": (
+        "vllm:turnkv_decision_queue_delay_seconds",
+        "Last decision: what recomputing would add to the waits of the other requests (compute x requests)."),
+    "turnkv_decision_queue_requests": (
+        "vllm:turnkv_decision_queue_requests", "Last decision: other requests with prefill work in the engine."),
+    "turnkv_decision_queue_tokens": (
+        "vllm:turnkv_decision_queue_tokens", "Last decision: prompt tokens those requests still have to compute."),
     "turnkv_retained_requests": (
         "vllm:turnkv_retained_requests", "Finished turns whose KV decode holds for the next turn's prefill."),
     "turnkv_retained_blocks": (
@@ -52,25 +76,36 @@ GAUGES: dict[str, tuple[str, str]] = {
 }
 
 
+#: Stats key of the decision reasons: one entry per decision, the index of its reason in REASONS.
+REASONS_KEY = "turnkv_decision_reasons"
+REASONS_METRIC = ("vllm:turnkv_decision_reasons",
+                  "Pull-or-recompute decisions by reason: floor, no-estimate, faster, load (pulled because "
+                  "recomputing would delay the queue), slower (refused), probe (a refused path tried).")
+_KEYS = (*COUNTERS, *GAUGES, REASONS_KEY)
+
+
 class TurnkvKVConnectorStats(NixlKVConnectorStats):
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key in (*COUNTERS, *GAUGES):
+        for key in _KEYS:
             self.data.setdefault(key, [])
 
     def reset(self) -> None:
         super().reset()
-        for key in (*COUNTERS, *GAUGES):
+        for key in _KEYS:
             self.data[key] = []
 
     def record(self, key: str, value: float) -> None:
         self.data[key].append(value)
 
+    def record_reason(self, reason: str) -> None:
+        self.data[REASONS_KEY].append(REASONS.index(reason))
+
     def is_empty(self) -> bool:
-        return super().is_empty() and not any(self.data.get(key) for key in (*COUNTERS, *GAUGES))
+        return super().is_empty() and not any(self.data.get(key) for key in _KEYS)
 
     def aggregate(self, other: Any) -> Any:
-        for key in (*COUNTERS, *GAUGES):
+        for key in _KEYS:
             other.data.setdefault(key, [])
         return super().aggregate(other)
 
@@ -96,6 +131,10 @@ class TurnkvPromMetrics(NixlPromMetrics):
                                           self.per_engine_labelvalues)
             for key, (name, doc) in GAUGES.items()
         }
+        reasons = self._counter_cls(name=REASONS_METRIC[0], documentation=REASONS_METRIC[1],
+                                    labelnames=[*labelnames, "reason"])
+        self.turnkv_reasons = {idx: [reasons.labels(*values, reason) for reason in REASONS]
+                               for idx, values in self.per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         super().observe(transfer_stats_data, engine_idx)
@@ -106,13 +145,22 @@ class TurnkvPromMetrics(NixlPromMetrics):
             values = transfer_stats_data.get(key)
             if values:
                 gauge[engine_idx].set(values[-1])
+        for index in transfer_stats_data.get(REASONS_KEY, ()):
+            self.turnkv_reasons[engine_idx][int(index)].inc()
 
 
 class TurnkvStatsReporting:
-    """Connector-level mixin: report turnkv's counters (scheduler) and the worker's transfer stats."""
+    """Connector-level mixin: report turnkv's counters (scheduler) and the worker's transfer stats, and
+    send the worker's cost-model samples to the scheduler with each step's output."""
 
     connector_scheduler: Any
     connector_worker: Any
+
+    def build_connector_worker_meta(self) -> Any:
+        """The worker's cost-model samples of this step (``connector.worker.TurnkvWorkerMeta``)."""
+        worker = getattr(self, "connector_worker", None)
+        ours = worker.build_turnkv_meta() if worker is not None and hasattr(worker, "build_turnkv_meta") else None
+        return ours if ours is not None else super().build_connector_worker_meta()  # type: ignore[misc]
 
     def get_kv_connector_stats(self) -> Any:
         if self.connector_scheduler is not None:

@@ -5,17 +5,46 @@
   next decode, cannot show which moved what. The split counters are ``vllm:turnkv_{read,write}_*``.
 - A read of decode's retained blocks goes ahead only if the decode engine this worker handshook with is
   the boot that stamped the offer (``connector.boot``); otherwise it fails at once and prefill recomputes.
+- The cost model's inputs measured where they happen, sent back to the scheduler with each step's output
+  (:class:`TurnkvWorkerMeta`, vLLM's worker -> scheduler metadata channel): the step's number (so the
+  scheduler times each step even when steps overlap), the bytes and seconds of every NIXL READ this
+  worker posted (NIXL's own telemetry: the transfer, not the time the request waited for the engine),
+  and how long each NIXL handshake took.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass, field
 from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
 from connector import boot
 from connector.stats import TurnkvKVConnectorStats
 
 logger = logging.getLogger("vllm.turnkv.connector")
+
+
+@dataclass
+class TurnkvWorkerMeta(KVConnectorWorkerMetadata):
+    """What one engine step's workers measured for the scheduler's cost model."""
+
+    #: Numbers of the steps this output belongs to (``turnkv_step`` of the scheduler's metadata).
+    steps: list[int] = field(default_factory=list)
+    #: (bytes, seconds) of each finished NIXL READ this worker posted.
+    reads: list[tuple[int, float]] = field(default_factory=list)
+    #: (remote engine id, seconds) of each NIXL handshake this worker finished.
+    handshakes: list[tuple[str, float]] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Tensor-parallel ranks: one step, every rank's reads and handshakes."""
+        if isinstance(other, TurnkvWorkerMeta):
+            self.steps = sorted({*self.steps, *other.steps})
+            self.reads = [*self.reads, *other.reads]
+            self.handshakes = [*self.handshakes, *other.handshakes]
+        return self
 
 
 class TurnkvWorkerMixin:
@@ -29,6 +58,10 @@ class TurnkvWorkerMixin:
         self.xfer_stats = TurnkvKVConnectorStats()
         self._turnkv_boots: dict[str, str] = {}  # engine id -> boot fingerprint of its handshaken agent
         self._turnkv_expected: dict[str, str] = {}  # request id -> boot its offer came from
+        # Cost model samples, taken by build_turnkv_meta once per step (handshakes finish in a NIXL thread).
+        self._turnkv_step: int | None = None
+        self._turnkv_reads: list[tuple[int, float]] = []
+        self._turnkv_handshakes: list[tuple[str, float]] = []
 
     # transfer metrics ---------------------------------------------------------------------------
 
@@ -39,9 +72,30 @@ class TurnkvWorkerMixin:
         moved = data["bytes_transferred"][before:]
         if moved:
             op = "write" if transfers is getattr(self, "_sending_transfers", None) else "read"
+            seconds = data["transfer_duration"][before:]
             self.xfer_stats.record(f"turnkv_{op}_bytes", sum(moved))
-            self.xfer_stats.record(f"turnkv_{op}_seconds", sum(data["transfer_duration"][before:]))
+            self.xfer_stats.record(f"turnkv_{op}_seconds", sum(seconds))
+            if op == "read":
+                self._turnkv_reads.extend(zip(moved, seconds, strict=False))
         return done
+
+    # cost model samples ---------------------------------------------------------------------------
+
+    def _nixl_handshake(self, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        result = super()._nixl_handshake(*args, **kwargs)  # type: ignore[misc]
+        engine = kwargs.get("expected_engine_id", args[3] if len(args) > 3 else "")
+        self._turnkv_handshakes.append((str(engine), time.perf_counter() - started))
+        return result
+
+    def build_turnkv_meta(self) -> TurnkvWorkerMeta | None:
+        """This step's samples for the scheduler (None when there are none: the output stays empty)."""
+        step, self._turnkv_step = self._turnkv_step, None
+        reads, self._turnkv_reads = self._turnkv_reads, []
+        handshakes, self._turnkv_handshakes = self._turnkv_handshakes, []
+        if step is None and not reads and not handshakes:
+            return None
+        return TurnkvWorkerMeta([step] if step is not None else [], reads, handshakes)
 
     # decode boot check ---------------------------------------------------------------------------
 
@@ -53,6 +107,7 @@ class TurnkvWorkerMixin:
 
     def start_load_kv(self, metadata: Any) -> None:
         self._turnkv_expected.update(getattr(metadata, "turnkv_boots", None) or {})
+        self._turnkv_step = getattr(metadata, "turnkv_step", None)
         super().start_load_kv(metadata)  # type: ignore[misc]
 
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:

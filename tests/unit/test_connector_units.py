@@ -84,3 +84,28 @@ def test_stats_carry_turnkv_counters_through_aggregation():
     assert worker.data["turnkv_proof_mismatches"] == [1]
     rebuilt = TurnkvKVConnectorStats(data=json.loads(json.dumps(worker.data)))
     assert rebuilt.data["turnkv_proof_mismatches"] == [1]
+
+
+def test_decision_reasons_reach_prometheus_as_one_labelled_counter():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from connector.stats import TurnkvKVConnectorStats, TurnkvPromMetrics
+
+    registry = CollectorRegistry()
+
+    def bind(cls):
+        return lambda *a, **kw: cls(*a, registry=registry, **{k: v for k, v in kw.items()
+                                                                if k != "multiprocess_mode"})
+
+    types_ = {Counter: bind(Counter), Gauge: bind(Gauge), Histogram: bind(Histogram)}
+    metrics = TurnkvPromMetrics(types.SimpleNamespace(kv_transfer_config=None), types_, ["engine"], {0: ["0"]})
+    stats = TurnkvKVConnectorStats()
+    for reason in ("load", "load", "slower", "faster"):
+        stats.record_reason(reason)
+    stats.record("turnkv_decision_queue_requests", 3)
+    metrics.observe(json.loads(json.dumps(stats.data)), 0)
+    value = registry.get_sample_value
+    assert value("vllm:turnkv_decision_reasons_total", {"engine": "0", "reason": "load"}) == 2
+    assert value("vllm:turnkv_decision_reasons_total", {"engine": "0", "reason": "slower"}) == 1
+    assert value("vllm:turnkv_decision_reasons_total", {"engine": "0", "reason": "probe"}) == 0
+    assert value("vllm:turnkv_decision_queue_requests", {"engine": "0"}) == 3

@@ -111,6 +111,7 @@ def test_a_failed_read_back_is_recomputed_not_awaited_again():
     s = TurnkvPushScheduler.__new__(TurnkvPushScheduler)
     s.__dict__.update(scheduler().__dict__)
     s._tunables = types.SimpleNamespace(poll=lambda: None)
+    s._pending = {}
     req = request("p3", {**DECODE_OFFER, "_remote_blocks_processed": True})
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     assert PushBidiScheduler.get_num_new_matched_tokens(s, req, 0) == (300, True)  # upstream's answer: a hang
@@ -160,17 +161,24 @@ def test_reads_go_ahead_only_from_the_boot_that_offered():
 def test_the_first_pull_from_an_engine_pays_the_handshake_and_is_no_cost_sample():
     import time
 
-    from connector.policy import CostModel
+    from connector.policy import CostModel, StepClock
     from connector.push import TurnkvPushScheduler
     from connector.stats import TurnkvKVConnectorStats
+    from connector.worker import TurnkvWorkerMeta
 
     s = TurnkvPushScheduler.__new__(TurnkvPushScheduler)
     s.__dict__.update(scheduler().__dict__)
-    s.__dict__.update(cost=CostModel(), _pulls_started={}, _pulled_from=set(), _step_started=None, _retained={},
-                      turnkv_stats=TurnkvKVConnectorStats())
+    s.__dict__.update(cost=CostModel(), _pulls_started={}, _pulled_from=set(), _handshaken=set(), _steps=StepClock(),
+                      _retained={},
+                      turnkv_stats=TurnkvKVConnectorStats(), _bytes_per_block=128 * 4096)
     for rid in ("first", "second"):
         s._pulls_started[rid] = (time.perf_counter() - 0.05, 500, "decode-0")
-    s.update_connector_output(types.SimpleNamespace(finished_recving={"first"}, finished_sending=None))
-    assert s.cost.pulls.w == 0 and s._pulled_from == {"decode-0"}
-    s.update_connector_output(types.SimpleNamespace(finished_recving={"second"}, finished_sending=None))
-    assert s.cost.pulls.w == 1 and s.cost.pull_per_token is not None
+    # the push worker's READ of decode's blocks: NIXL's telemetry, and the handshake it needed first
+    s.update_connector_output(types.SimpleNamespace(
+        finished_recving={"first"}, finished_sending=None,
+        kv_connector_worker_meta=TurnkvWorkerMeta(reads=[(500 * 4096, 0.004)], handshakes=[("decode-0", 0.3)])))
+    assert s.cost.wait.value is None and s._pulled_from == s._handshaken == {"decode-0"}
+    assert abs(s.cost.pull_per_token - 8e-6) < 1e-9 and s.cost.handshake.value == 0.3
+    s.update_connector_output(types.SimpleNamespace(finished_recving={"second"}, finished_sending=None,
+                                                    kv_connector_worker_meta=None))
+    assert s.cost.wait.value is not None and s.cost.transfers.w == 1  # the wait is no transfer sample
