@@ -95,8 +95,11 @@ def markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n" + "\n".join(notes) + "\n"
 
 
-def plot_ttft(lines: list[tuple[str, list[tuple[float, float]], dict[str, Any]]], title: str, path: Path) -> Path:
-    """TTFT against prompt tokens, one line per (label, points, matplotlib style)."""
+def plot_ttft(lines: list[tuple[str, list[tuple[float, float]], dict[str, Any]]], title: str, path: Path,
+              xlabel: str = "prompt tokens", ylabel: str = "TTFT, median (ms)",
+              hline: tuple[float, str] | None = None) -> Path:
+    """TTFT against prompt tokens (or ``xlabel``), one line per (label, points, matplotlib style); ``hline``
+    draws a labelled horizontal line (a target)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -106,8 +109,10 @@ def plot_ttft(lines: list[tuple[str, list[tuple[float, float]], dict[str, Any]]]
     for label, pts, style in lines:
         if pts:
             ax.plot(*zip(*pts, strict=True), label=label, **style)
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("TTFT, median (ms)")
+    if hline is not None:
+        ax.axhline(hline[0], color="#7f8c8d", linestyle=":", label=hline[1])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()

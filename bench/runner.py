@@ -33,9 +33,17 @@ class RunSpec:
     words: list[str] | None = None
     #: Conversations to play instead of ``workload``'s (``bench.workload.from_workload_file``).
     conversations: list[Conversation] | None = None
+    #: Play only the reuse-off arm (the capacity sweep runs each arm on its own, so a level's load is one arm).
+    reuse_off: bool = False
+    #: Conversation i starts i x stagger seconds after the first (a closed loop that is not in lock-step).
+    stagger: float = 0.0
+    #: Names the conversations (distinct per sweep level, so no level reuses another's KV).
+    tag: str = ""
 
     @property
     def arms(self) -> list[str]:
+        if self.reuse_off:
+            return ["off"]
         arms = ["off", "on"] if self.ab else ["on"]
         return [*arms, "best"] if self.best_url else arms
 
@@ -70,7 +78,7 @@ async def run(spec: RunSpec, on_result: Callable[[Result], None] = lambda r: Non
                 "temperature": 0,
                 "stream": True,
                 "stream_options": {"include_usage": True},
-                "conversation_id": f"bench-{run_id}-{conv.index}-{arm}",
+                "conversation_id": f"bench-{run_id}{spec.tag}-{conv.index}-{arm}",
             }
             arm_headers = dict(headers)
             url = spec.url
@@ -87,6 +95,8 @@ async def run(spec: RunSpec, on_result: Callable[[Result], None] = lambda r: Non
             return await chat(session, url, body, arm_headers, Result(conv.index, turn, arm), spec.timeout)
 
         async def converse(conv: Conversation) -> None:
+            if spec.stagger:
+                await asyncio.sleep(conv.index * spec.stagger)
             async with limit:
                 replies: dict[str, list[str]] = {arm: [] for arm in spec.arms}
                 for turn in range(len(conv.user_turns)):

@@ -77,3 +77,59 @@ def test_modes_cli_names_the_fix_for_a_bad_mode():
     assert bad.exit_code == 2 and "expected pull and/or push" in bad.output
     no_baseline = CliRunner().invoke(app, ["bench", "modes", "--modes", "push"])
     assert no_baseline.exit_code == 2 and "must include pull" in no_baseline.output
+
+
+def capacity_levels():
+    """Reuse off gets slower with load much faster than reuse on (synthetic TTFTs)."""
+    from bench import capacity
+
+    levels = []
+    for c, off_ms, on_ms in ((1, 500, 200), (2, 900, 250), (4, 1800, 400), (8, 3600, 800), (16, 7200, 1600)):
+        level = {"concurrency": c}
+        for arm, base in (("off", off_ms), ("on", on_ms)):
+            rs = [Result(conv, turn, arm, ttft_ms=base * (1 + turn / 10), prompt_tokens=800 + 216 * turn,
+                         reused_tokens=700 if arm == "on" and turn and conv else 0)
+                  for conv in range(c) for turn in range(3)]
+            level[arm] = capacity.level_summary(rs)
+        levels.append(level)
+    return levels
+
+
+def test_capacity_levels_percentiles_and_reuse_share():
+    levels = capacity_levels()
+    one, sixteen = levels[0], levels[-1]
+    assert one["off"]["ttft_p50_ms"] == 550.0 and one["off"]["ttft_p90_ms"] == 600.0
+    assert one["on"]["reuse_share"] == 0.0  # the one conversation (index 0) never reused
+    assert sixteen["on"]["reuse_share"] == round(15 / 16, 3)
+    assert [t["turn"] for t in sixteen["on"]["turns"]] == [1, 2, 3]
+    assert sixteen["on"]["turns"][2]["prompt_tokens"] == 1232
+
+
+def test_capacity_sustained_load_under_the_target(tmp_path):
+    from bench import capacity
+
+    levels = capacity_levels()
+    result = capacity.write(levels, tmp_path, None, {"workload": {}})
+    c = result["conclusion"]
+    # default target: 2 x the reuse-off p90 at 1 conversation = 1,200 ms
+    assert c["target_ms"] == 1200.0 and c["sustained_off"] == 2 and c["sustained_on"] == 8
+    assert c["capacity_gain"] == 4.0
+    assert capacity.conclude(levels, 3000.0)["sustained_off"] == 4
+    md = (tmp_path / "capacity.md").read_text()
+    assert "| 8 | 3,960 | 4,320 | 880 | 960 | 4.50x | 88% | 0/0 |" in md and "capacity with reuse: 4.00x" in md
+    assert (tmp_path / "capacity.png").read_bytes()[:4] == b"\x89PNG"
+    short = capacity.markdown(result, per_turn=False)
+    assert "Per turn" not in short and "target" not in short and len(short.splitlines()) == 7
+    levels[1]["on"]["errors"] = 1  # an error at a level ends what a variant sustains
+    assert capacity.sustained(levels, "on", 1200.0) == 1
+
+
+def test_capacity_levels_are_checked():
+    import pytest
+
+    from bench import capacity
+
+    assert capacity.parse_levels("1,2,4") == [1, 2, 4]
+    for bad in ("", "1,x", "4,2", "0,1"):
+        with pytest.raises(ValueError, match="--levels"):
+            capacity.parse_levels(bad)

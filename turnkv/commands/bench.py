@@ -103,6 +103,52 @@ def multiturn(
 
 
 @app.command()
+def capacity(
+    url: Annotated[str, typer.Option(help="Router (or any OpenAI-compatible) base URL.")] = "http://127.0.0.1:8000",
+    levels: Annotated[str, typer.Option(help="Comma list of conversations at once (closed loop).")] = "1,2,4,8,16",
+    turns: Annotated[int, typer.Option(min=2, help="Turns per conversation.")] = 6,
+    system_words: Annotated[int, typer.Option(min=0, help="Shared system prompt length (words ~ tokens).")] = 200,
+    first_user_words: Annotated[int, typer.Option(min=1, help="First user message length.")] = 300,
+    turn_words: Annotated[int, typer.Option(min=1, help="Words each later turn appends.")] = 200,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Reply length in tokens.")] = 16,
+    seed: Annotated[int, typer.Option(help="Workload seed.")] = 11,
+    stagger: Annotated[float, typer.Option(min=0, help="Seconds between conversation starts.")] = 0.2,
+    ttft_target_ms: Annotated[float | None, typer.Option(
+        help="TTFT p90 target (default: twice the reuse-off p90 of the lowest level).")] = None,
+    out: Annotated[Path, typer.Option(help="Folder for capacity.md/json and capacity.png.")] = Path(
+        "results/capacity"),
+) -> None:
+    """Concurrency sweep, reuse off and on in one run: TTFT p50/p90 per level and turn, reuse share, and the
+    highest load each variant sustains under a TTFT target."""
+    from bench import capacity as cap
+
+    try:
+        level_list = cap.parse_levels(levels)
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
+    args = cap.parser().parse_args([])
+    args.__dict__.update(turns=turns, system_words=system_words, first_user_words=first_user_words,
+                         turn_words=turn_words, max_tokens=max_tokens, seed=seed)
+    workload = cap.workload(args)
+    with request_progress("capacity") as progress:
+        on_result = result_callback(progress, cap.total_requests(level_list, turns))
+        try:
+            swept = asyncio.run(cap.sweep(url, workload, level_list, stagger, on_result))
+        except Exception as exc:  # connection refused, no models, ...
+            progress.stop()
+            console.print(f"[red]capacity benchmark failed:[/red] {type(exc).__name__}: {exc} "
+                          f"(is the router at {url} up?)")
+            raise typer.Exit(1) from None
+    result = cap.write(swept, out, ttft_target_ms, {"url": url, "workload": workload.__dict__, "stagger_s": stagger})
+    print(cap.markdown(result), flush=True)  # plain: a table is not wrapped at the terminal's width
+    console.print(f"wrote {out / 'capacity.md'}, {out / 'capacity.json'} and the chart [bold]{out / 'capacity.png'}"
+                  "[/bold]")
+    if any(level[arm]["errors"] for level in swept for arm in cap.ARMS):
+        raise typer.Exit(1)
+
+
+@app.command()
 def modes(
     modes: Annotated[str, typer.Option(help="Comma list of connector modes (pull is the baseline).")] = "pull,push",
     conversations: Annotated[int, typer.Option(min=1, help="Conversations.")] = 3,

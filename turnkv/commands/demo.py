@@ -17,6 +17,8 @@ def demo(
     conversations: Annotated[int, typer.Option(min=1)] = 3,
     turns: Annotated[int, typer.Option(min=2)] = 8,
     state_dir: Annotated[Path, typer.Option(help="State folder of the local stack.")] = Path(".turnkv"),
+    load: Annotated[int, typer.Option(min=0, help="Then this many shorter conversations at once, reuse off "
+                                                  "and on (0: skip).")] = 8,
 ) -> None:
     """Show the gain end to end: ~4,000-token agentic conversations, TTFT with reuse off, on, and best case."""
     from bench.runner import RunSpec
@@ -36,9 +38,30 @@ def demo(
         spec = RunSpec(url=state["components"]["router"]["url"], workload=workload, ab=True,
                        best_url=state["components"]["router-best"]["url"], words=load_words(config.model_dir))
         summary = run_benchmark(spec, out, {"stack": "local", "workload": workload.__dict__})
+        if load:
+            console.rule(f"under load: {load} conversations at once, reuse off then on")
+            load_row(state["components"]["router"]["url"], load, out / "load", load_words(config.model_dir))
     finally:
         console.rule("stopping the local stack")
         Supervisor(state_dir).down()
     if summary["errors"]:
         console.print(f"[red]{summary['errors']} request(s) failed[/red]: {summary['error_samples']}")
         raise typer.Exit(1)
+
+
+def load_row(url: str, conversations: int, out: Path, words: list[str]) -> dict:
+    """The capacity benchmark at one level, 4 short turns: TTFT p50/p90 with reuse off and on under load."""
+    import asyncio
+
+    from bench import capacity
+    from turnkv.commands.bench import request_progress, result_callback
+
+    args = capacity.parser().parse_args(["--turns", "4"])
+    workload = capacity.workload(args)
+    with request_progress("under load") as progress:
+        on_result = result_callback(progress, capacity.total_requests([conversations], args.turns))
+        swept = asyncio.run(capacity.sweep(url, workload, [conversations], args.stagger, on_result, words=words))
+    result = capacity.write(swept, out, None, {"workload": workload.__dict__, "stagger_s": args.stagger})
+    print(capacity.markdown(result, per_turn=False), flush=True)
+    console.print(f"wrote {out / 'capacity.md'} and {out / 'capacity.json'} (`turnkv bench capacity` sweeps levels)")
+    return result
