@@ -128,7 +128,8 @@ def chart(result: dict[str, Any], path: Path) -> Path:
             lines.append((f"{LABELS[arm]}, {q}", pts, {**STYLES[arm], "linestyle": style}))
     target = result["conclusion"]["target_ms"]
     return report.plot_ttft(lines, "TTFT under load: conversations at once", path, xlabel="conversations at once",
-                            ylabel="TTFT (ms)", hline=(target, f"target {target:,.0f} ms (p90)"))
+                            ylabel="TTFT (ms)", hline=(target, f"target {target:,.0f} ms (p90)"),
+                            xticks=[lv["concurrency"] for lv in result["levels"]])
 
 
 async def sweep(url: str, workload: WorkloadSpec, levels: list[int], stagger: float = 0.2,

@@ -97,9 +97,9 @@ def markdown(summary: dict[str, Any]) -> str:
 
 def plot_ttft(lines: list[tuple[str, list[tuple[float, float]], dict[str, Any]]], title: str, path: Path,
               xlabel: str = "prompt tokens", ylabel: str = "TTFT, median (ms)",
-              hline: tuple[float, str] | None = None) -> Path:
+              hline: tuple[float, str] | None = None, xticks: list[float] | None = None) -> Path:
     """TTFT against prompt tokens (or ``xlabel``), one line per (label, points, matplotlib style); ``hline``
-    draws a labelled horizontal line (a target)."""
+    draws a labelled horizontal line (a target); ``xticks`` puts the x axis on a log-2 scale with those ticks."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -111,6 +111,9 @@ def plot_ttft(lines: list[tuple[str, list[tuple[float, float]], dict[str, Any]]]
             ax.plot(*zip(*pts, strict=True), label=label, **style)
     if hline is not None:
         ax.axhline(hline[0], color="#7f8c8d", linestyle=":", label=hline[1])
+    if xticks:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xticks, [f"{x:g}" for x in xticks])
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
