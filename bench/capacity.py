@@ -134,8 +134,10 @@ def chart(result: dict[str, Any], path: Path) -> Path:
 
 async def sweep(url: str, workload: WorkloadSpec, levels: list[int], stagger: float = 0.2,
                 on_result: Callable[[Result], None] = lambda r: None, words: list[str] | None = None,
-                model: str | None = None, api_key: str | None = None) -> list[dict[str, Any]]:
-    """Play ``workload`` with ``c`` conversations at once for each level, reuse off then on."""
+                model: str | None = None, api_key: str | None = None,
+                on_level: Callable[[list[dict[str, Any]]], None] = lambda levels: None) -> list[dict[str, Any]]:
+    """Play ``workload`` with ``c`` conversations at once for each level, reuse off then on; ``on_level`` gets
+    the levels done so far after each one (the CLI writes its report then, so a cut-short run keeps them)."""
     out = []
     for c in levels:
         level: dict[str, Any] = {"concurrency": c}
@@ -145,6 +147,7 @@ async def sweep(url: str, workload: WorkloadSpec, levels: list[int], stagger: fl
                                   words=words, model=model, api_key=api_key)
             level[arm] = level_summary(await runner.run(spec, on_result))
         out.append(level)
+        on_level(out)
     return out
 
 

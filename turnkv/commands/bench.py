@@ -131,16 +131,18 @@ def capacity(
     args.__dict__.update(turns=turns, system_words=system_words, first_user_words=first_user_words,
                          turn_words=turn_words, max_tokens=max_tokens, seed=seed)
     workload = cap.workload(args)
+    meta = {"url": url, "workload": workload.__dict__, "stagger_s": stagger}
     with request_progress("capacity") as progress:
         on_result = result_callback(progress, cap.total_requests(level_list, turns))
         try:
-            swept = asyncio.run(cap.sweep(url, workload, level_list, stagger, on_result))
+            swept = asyncio.run(cap.sweep(url, workload, level_list, stagger, on_result,
+                                          on_level=lambda done: cap.write(done, out, ttft_target_ms, meta)))
         except Exception as exc:  # connection refused, no models, ...
             progress.stop()
             console.print(f"[red]capacity benchmark failed:[/red] {type(exc).__name__}: {exc} "
                           f"(is the router at {url} up?)")
             raise typer.Exit(1) from None
-    result = cap.write(swept, out, ttft_target_ms, {"url": url, "workload": workload.__dict__, "stagger_s": stagger})
+    result = cap.write(swept, out, ttft_target_ms, meta)
     print(cap.markdown(result), flush=True)  # plain: a table is not wrapped at the terminal's width
     console.print(f"wrote {out / 'capacity.md'}, {out / 'capacity.json'} and the chart [bold]{out / 'capacity.png'}"
                   "[/bold]")
