@@ -1,8 +1,11 @@
 """The multi-turn A/B runner: every conversation is played with reuse off and on, turn by turn.
 
-Arms of one conversation are interleaved (turn t: off, on[, best]) so that machine noise hits them
-alike. Each arm keeps its own history (its own replies), so the comparison also checks that reuse
-never changes an answer: with greedy decoding the replies must be identical.
+One conversation at a time, the arms of a conversation are interleaved (turn t: off, on[, best]) so
+that machine noise hits them alike. With several conversations at once the arms run in phases (every
+conversation with reuse off, then every one with reuse on): interleaved, an arm's requests would queue
+behind the other arm's in the one prefill engine, and each TTFT would measure that shared queue, not
+a fleet with or without reuse. Each arm keeps its own history (its own replies), so the comparison also
+checks that reuse never changes an answer: with greedy decoding the replies must be identical.
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ class RunSpec:
     stagger: float = 0.0
     #: Names the conversations (distinct per sweep level, so no level reuses another's KV).
     tag: str = ""
+    #: Arms one after the other (None: when more than one conversation is in flight).
+    phased: bool | None = None
+
+    @property
+    def arms_in_phases(self) -> bool:
+        return self.concurrency > 1 if self.phased is None else self.phased
 
     @property
     def arms(self) -> list[str]:
@@ -94,15 +103,15 @@ async def run(spec: RunSpec, on_result: Callable[[Result], None] = lambda r: Non
                 await chat(session, url, warm, arm_headers, Result(conv.index, turn, "warm"), spec.timeout)
             return await chat(session, url, body, arm_headers, Result(conv.index, turn, arm), spec.timeout)
 
-        async def converse(conv: Conversation) -> None:
+        async def converse(conv: Conversation, arms: list[str]) -> None:
             if spec.stagger:
                 await asyncio.sleep(conv.index * spec.stagger)
             async with limit:
-                replies: dict[str, list[str]] = {arm: [] for arm in spec.arms}
+                replies: dict[str, list[str]] = {arm: [] for arm in arms}
                 for turn in range(len(conv.user_turns)):
                     if conv.think_s and conv.think_s[turn]:
                         await asyncio.sleep(conv.think_s[turn])
-                    for arm in spec.arms:
+                    for arm in arms:
                         result = await turn_request(conv, turn, arm, replies[arm])
                         replies[arm].append(result.reply)
                         results.append(result)
@@ -110,5 +119,6 @@ async def run(spec: RunSpec, on_result: Callable[[Result], None] = lambda r: Non
                     if spec.think_time and not conv.think_s:
                         await asyncio.sleep(spec.think_time)
 
-        await asyncio.gather(*(converse(c) for c in conversations))
+        for arms in ([[arm] for arm in spec.arms] if spec.arms_in_phases else [spec.arms]):
+            await asyncio.gather(*(converse(c, arms) for c in conversations))
     return results

@@ -133,3 +133,33 @@ def test_capacity_levels_are_checked():
     for bad in ("", "1,x", "4,2", "0,1"):
         with pytest.raises(ValueError, match="--levels"):
             capacity.parse_levels(bad)
+
+
+def test_ab_under_concurrency_runs_the_arms_in_phases(monkeypatch):
+    """With several conversations in flight, no reuse-on request queues behind a reuse-off one (and back)."""
+    import asyncio
+
+    from bench import runner
+
+    sent = []
+
+    async def fake_chat(session, url, body, headers, result, timeout):
+        sent.append((result.arm, result.conversation, result.turn))
+        await asyncio.sleep(0)
+        result.ttft_ms, result.reply = 1.0, f"reply {result.conversation} {result.turn}"
+        return result
+
+    monkeypatch.setattr(runner, "chat", fake_chat)
+    workload = WorkloadSpec(conversations=3, turns=2, system_words=5, first_user_words=5, turn_words=5)
+
+    def arms_sent(**kw):
+        sent.clear()
+        spec = runner.RunSpec(url="http://127.0.0.1:1", workload=workload, ab=True, model="tiny", **kw)
+        results = asyncio.run(runner.run(spec))
+        assert len(results) == 12
+        return [arm for arm, _, _ in sent]
+
+    assert arms_sent(concurrency=3) == ["off"] * 6 + ["on"] * 6
+    interleaved = arms_sent(concurrency=3, phased=False)
+    assert interleaved != ["off"] * 6 + ["on"] * 6 and interleaved.count("on") == 6
+    assert arms_sent(concurrency=1) == ["off", "on"] * 6  # one at a time: interleaved turn by turn, as before

@@ -57,8 +57,13 @@ def multiturn(
     url: Annotated[str, typer.Option(help="Router (or any OpenAI-compatible) base URL.")] = "http://127.0.0.1:8000",
     out: Annotated[Path, typer.Option(help="Folder for results.jsonl, summary.md/json and ttft.png.")] = Path(
         "results/bench"),
-    ab: Annotated[bool, typer.Option("--ab", help="Play every conversation with reuse off and on (interleaved).")]
+    ab: Annotated[bool, typer.Option("--ab", help="Play every conversation with reuse off and on (interleaved turn "
+                                                  "by turn; with --concurrency above 1, one arm after the other).")]
     = False,
+    phased: Annotated[bool | None, typer.Option(
+        "--phased/--interleaved", help="Arms one after the other, or interleaved turn by turn (default: phased when "
+                                       "--concurrency is above 1, so neither arm queues behind the other's requests).")]
+    = None,
     best_url: Annotated[str | None, typer.Option(help="Router over a prefix-caching prefill engine (best case).")]
     = None,
     conversations: Annotated[int, typer.Option(min=1, help="Conversations.")] = 3,
@@ -96,8 +101,9 @@ def multiturn(
         concurrency = planned.num_clients
         meta = {"url": url, "workload_file": str(workload_file)}
     spec = RunSpec(url=url, workload=workload, ab=ab, best_url=best_url, model=model, concurrency=concurrency,
-                   think_time=think_time, api_key=api_key, conversations=convs)
-    summary = run_benchmark(spec, out, meta)
+                   think_time=think_time, api_key=api_key, conversations=convs, phased=phased)
+    summary = run_benchmark(spec, out, {**meta, "concurrency": spec.concurrency,
+                                        "arms_in_phases": spec.arms_in_phases})
     if summary["errors"]:
         raise typer.Exit(1)
 
