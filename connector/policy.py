@@ -28,6 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: A busy engine fills every step to its token budget: step sizes then barely vary and a fitted slope is
+#: noise, so below this spread (standard deviation over mean of step sizes) compute is the average rate.
+STEP_SPREAD = 0.2
 #: Every reason a decision can give (one Prometheus label value each).
 REASONS = ("floor", "no-estimate", "faster", "load", "slower", "probe")
 
@@ -58,12 +61,13 @@ class DecayingLine:
         self.w, self.sx, self.sy = d * self.w + 1, d * self.sx + x, d * self.sy + y
         self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
 
-    def fit(self) -> tuple[float, float] | None:
-        """(intercept, slope), both >= 0, or None without samples."""
+    def fit(self, min_spread: float = 0.0) -> tuple[float, float] | None:
+        """(intercept, slope), both >= 0, or None without samples. When the samples' sizes vary by less than
+        ``min_spread`` (standard deviation over mean), a slope would be noise: the average rate is returned."""
         if self.w == 0 or self.sx <= 0:
             return None
         denominator = self.w * self.sxx - self.sx * self.sx
-        if denominator <= 1e-12 * max(1.0, self.w * self.sxx):  # all samples the same size: a rate only
+        if denominator <= max(1e-12, min_spread * min_spread) * self.sx * self.sx:  # sizes (nearly) all equal
             return 0.0, self.sy / self.sx
         slope = (self.w * self.sxy - self.sx * self.sy) / denominator
         if slope <= 0:  # noise made bigger samples look no slower: fall back to the average rate, no fixed part
@@ -166,12 +170,12 @@ class CostModel:
 
     @property
     def compute_per_token(self) -> float | None:
-        fit = self.steps.fit()
+        fit = self.steps.fit(STEP_SPREAD)
         return None if fit is None else fit[1]
 
     @property
     def step_overhead(self) -> float | None:
-        fit = self.steps.fit()
+        fit = self.steps.fit(STEP_SPREAD)
         return None if fit is None else fit[0]
 
     @property

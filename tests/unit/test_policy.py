@@ -102,3 +102,13 @@ def test_step_clock_with_overlapping_steps():
     busy, tokens = clock.finished(5, now=3.3)
     assert tokens == 200 and abs(busy - 0.2) < 1e-9 and clock.in_flight == 0
     assert clock.finished(4, now=3.4) is None
+
+
+def test_steps_of_one_size_give_the_average_rate_not_a_noisy_slope():
+    m = CostModel()
+    # a saturated engine: every step near its 2,048-token budget, times noisy
+    for i in range(30):
+        tokens = 2048 - (i % 3) * 40
+        m.observe_step(1.0 + 0.3 * ((i * 7) % 5) / 4, tokens)
+    rate = m.steps.sy / m.steps.sx
+    assert m.step_overhead == 0.0 and abs(m.compute_per_token - rate) < 1e-12
