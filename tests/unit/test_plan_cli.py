@@ -68,6 +68,8 @@ def test_bad_inputs_name_the_fix(tmp_path):
     assert res.exit_code == 2 and "p5en.48xlarge" in res.output
     res = runner.invoke(app, ["plan", "--tp", "16"])
     assert res.exit_code == 2 and "exceeds the 8 devices" in res.output
+    res = runner.invoke(app, ["plan", "--model", "GLM-5-FP8", "--instance", "p5.48xlarge"])
+    assert res.exit_code == 2 and "leave no room for a KV cache" in res.output
 
 
 def test_bench_plays_the_same_load_the_plan_describes():

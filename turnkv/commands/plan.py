@@ -43,6 +43,13 @@ def build_fleet(model: str, instance: str, tp: int | None, tp_prefill: int | Non
             _fail(f"{name} {value} exceeds the {inst.devices} devices of one {inst.name}")
     if mode not in ("pull", "push"):
         _fail(f"--mode {mode!r}: use pull or push")
+    weights = arch.total_params() * arch.weight_bytes_per_param
+    for name, value in (("--tp-prefill", tp_p), ("--tp-decode", tp_d)):
+        if inst.kv_cache_bytes(value, weights) <= 0.05 * value * inst.hbm_bytes:
+            _fail(f"{arch.name}'s weights ({weights / 1e9:.0f} GB) leave no room for a KV cache on {value} device(s) "
+                  f"of {inst.name} ({value * inst.hbm_bytes * inst.memory_utilization / 1e9:.0f} GB usable): "
+                  + (f"raise {name}" if value < inst.devices else "pick an instance with more memory")
+                  + ("" if arch.dtype == "fp8" else " or use --dtype fp8"))
     return Fleet(arch, inst, inst, tp_p, tp_d, block_size or (128 if instance == "local-cpu" else 16), mode,
                  float(ttl), int(threshold), prefill_prefix_caching=prefill_prefix_caching)
 
