@@ -42,6 +42,8 @@ synth: setup $(CDK)
 demo: setup
 	$(BIN)/turnkv demo --out results/demo
 
+# tests/infra also runs `$(CDK) synth` with CDK_DEFAULT_ACCOUNT set (what `make synth` does on a machine with
+# credentials) and the offline deploy rehearsal through moto's CloudFormation.
 test: setup tools $(CDK)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

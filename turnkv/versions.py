@@ -34,6 +34,8 @@ CFN_LINT = "1.58.0"
 MOTO = "5.2.5"
 #: The CDK app reads its deployment config from YAML files (infra/config.py).
 PYYAML = "6.0.4"
+#: infra/config.py reads the deployment config through pydantic v2 models (the version vLLM pulls in too).
+PYDANTIC = "2.14.4"
 #: The CDK app builds the turnkv wheel for the AMI offline (pip wheel --no-build-isolation); Python >= 3.12
 #: venvs come without setuptools.
 SETUPTOOLS = "78.1.1"
@@ -86,6 +88,7 @@ REQUIREMENTS: dict[str, list[str]] = {
         f"cdk-nag=={CDK_NAG}",
         f"cfn-lint=={CFN_LINT}",
         f"pyyaml=={PYYAML}",
+        f"pydantic=={PYDANTIC}",
         f"setuptools=={SETUPTOOLS}",
     ],
     "peers": [f"vllm-router=={VLLM_ROUTER}"],
