@@ -29,22 +29,34 @@ from turnkv.plan.models import ModelArch
 LENGTHS = (256, 1024, 2048, 4096, 6144)
 
 
-def fit_prefill(arch: ModelArch, points: Sequence[tuple[int, float]]) -> tuple[float, float, float]:
+def fit_prefill(arch: ModelArch, points: Sequence[tuple[int, float]],
+                peak: float = float("inf")) -> tuple[float, float, float]:
     """(fixed seconds per request, achieved GEMM FLOP/s, achieved attention FLOP/s) from (prompt tokens,
-    seconds) of plain prefills: least squares on seconds = fixed + linear FLOPs / R + attention FLOPs / Ra.
-    With too few or too noisy points for two rates, one rate covers both."""
+    seconds) of plain prefills: non-negative least squares on seconds = fixed + linear FLOPs / R +
+    attention FLOPs / Ra (every subset of the three terms, the best fit with no negative coefficient). A
+    rate the data cannot see (its term fitted as free) is bounded by ``peak``, the hardware's nominal one."""
     n = np.array([p[0] for p in points], dtype=float)
     secs = np.array([p[1] for p in points], dtype=float)
-    lin = arch.linear_flops_per_token() * n
-    att = np.array([arch.attention_flops(x, 0.0) for x in n])
-    if len(points) >= 3:
-        coef, *_ = np.linalg.lstsq(np.column_stack([np.ones_like(n), lin, att]), secs, rcond=None)
-        if coef[0] >= 0 and coef[1] > 0 and coef[2] > 0:
-            return float(coef[0]), float(1 / coef[1]), float(1 / coef[2])
-    slope, intercept = np.polyfit(lin + att, secs, 1)
-    if slope <= 0:
+    columns = np.column_stack([np.ones_like(n), arch.linear_flops_per_token() * n,
+                               [arch.attention_flops(x, 0.0) for x in n]])
+    best: tuple[float, np.ndarray] | None = None
+    for mask in ((0, 1, 2), (1, 2), (0, 2), (0, 1), (2,), (1,)):
+        if len(points) < len(mask):
+            continue
+        coef, *_ = np.linalg.lstsq(columns[:, mask], secs, rcond=None)
+        if (coef < 0).any() or not (coef[[i for i, m in enumerate(mask) if m > 0]] > 0).any():
+            continue
+        full = np.zeros(3)
+        full[list(mask)] = coef
+        err = float(((columns @ full - secs) ** 2).sum())
+        if best is None or err < best[0] - 1e-15:
+            best = (err, full)
+    if best is None:
         raise ValueError("prefill time did not grow with prompt length: the measurements are noise")
-    return max(0.0, float(intercept)), float(1.0 / slope), float(1.0 / slope)
+    fixed, per_lin, per_att = best[1]
+    rate_lin = min(peak, 1 / per_lin) if per_lin > 0 else peak
+    rate_att = min(peak, 1 / per_att) if per_att > 0 else peak
+    return float(fixed), float(rate_lin), float(rate_att)
 
 
 def fit_transfers(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -155,6 +167,21 @@ def measure_pull(router_url: str, prefill_url: str, decode_url: str, model: str,
     return points
 
 
+def refit(state_dir: Path) -> dict[str, Any]:
+    """Fit the stored raw measurements again (after a change to the fits), without new measurements."""
+    from turnkv.plan.models import tiny_local
+
+    path = state_dir / hardware.CALIBRATION_FILE
+    old = json.loads(path.read_text())
+    arch, inst = tiny_local(), hardware.INSTANCES["local-cpu"]
+    raw = old["raw"]
+    result = constants(arch, inst, fit_prefill(arch, raw["prefills"], inst.peak(arch.dtype)),
+                       fit_transfers(raw["transfers"]), raw)
+    result["measured_at"] = old["measured_at"]
+    path.write_text(json.dumps(result, indent=2))
+    return result
+
+
 def run(state_dir: Path, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Start the local stack, measure, stop it; write and return the calibration."""
     from turnkv.commands.local import start_stack
@@ -178,8 +205,8 @@ def run(state_dir: Path, say: Callable[[str], None] = print) -> dict[str, Any]:
     except ValueError as exc:  # keep the prefill measurements; say what is missing
         say(f"warning: {exc}; keeping the table's transfer placeholders")
         transfer = (inst.efficiency.transfer_setup_s, inst.network_bits_s / 8)
-    result = constants(arch, inst, fit_prefill(arch, prefills), transfer, {"prefills": prefills,
-                                                                           "transfers": transfers})
+    result = constants(arch, inst, fit_prefill(arch, prefills, inst.peak(arch.dtype)), transfer,
+                       {"prefills": prefills, "transfers": transfers})
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / hardware.CALIBRATION_FILE).write_text(json.dumps(result, indent=2))
     return result
