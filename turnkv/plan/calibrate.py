@@ -37,6 +37,8 @@ def fit_prefill(arch: ModelArch, points: Sequence[tuple[int, float]],
     rate the data cannot see (its term fitted as free) is bounded by ``peak``, the hardware's nominal one."""
     n = np.array([p[0] for p in points], dtype=float)
     secs = np.array([p[1] for p in points], dtype=float)
+    if len(points) < 2 or secs[np.argmax(n)] <= secs[np.argmin(n)]:
+        raise ValueError("prefill time did not grow with prompt length: the measurements are noise")
     columns = np.column_stack([np.ones_like(n), arch.linear_flops_per_token() * n,
                                [arch.attention_flops(x, 0.0) for x in n]])
     best: tuple[float, np.ndarray] | None = None
