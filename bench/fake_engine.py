@@ -9,9 +9,23 @@ It plays both roles of the NIXL protocol (kv-protocol.md):
 
 Faults for tests and the fault-and-load script: ``POST /fault`` with ``{"status": 500}`` (answer with that
 status), ``{"hang": true}`` (never answer), ``{"die_after_first": true}`` (decode: close the stream after its
-first token), ``{"delay": 0.05}`` (seconds before the first token), ``{}`` to clear. ``GET /stats`` returns
-counters, including requests aborted by a client that went away. Several engines can run in one process
-(``serve_many``). Run: ``python -m bench.fake_engine --port 28100 --role prefill``.
+first token), ``{"delay": 0.05}`` (seconds before the first token), ``{"status": 400, "echo": true}`` (an
+error whose message echoes the request's ``kv_transfer_params``, as vLLM's validation errors do), ``{}`` to clear.
+``GET /stats`` returns counters, including requests aborted by a client that went away. Several engines can run
+in one process. Run: ``python -m bench.fake_engine --port 28100 --role prefill``.
+
+It returns what real vLLM + turnkv's connector return, and keeps what they keep, so router tests mean something:
+- decode's ``remote_blocks_expiry_time`` is decode's ``perf_counter`` plus the TTL (with a per-engine origin, as
+  on another host), not Unix time; turnkv's connector adds the wall-clock ``turnkv_expires_at`` and signs the
+  offer (``turnkv.wire``) with the deployment's secret;
+- prefill reads an offer only when its signature verifies, it has not expired on prefill's wall clock (minus a
+  skew margin) and it was not read before (``refused_offers`` counts the others);
+- decode's retained blocks live in a fabric shared by the engines of one process: a read of blocks whose TTL
+  ran out, or that were read already, counts in ``stale_reads`` (what real NIXL would read silently);
+- push mode pairs decode's registration with prefill's KV by request id, as upstream does (a second
+  registration under the same id replaces the first), so colliding ids cross KV between requests;
+- decode's reply names the KV it decoded from (``kv-<digest of the prompt>``): a crossed push shows;
+- ``min_tokens`` above ``max_tokens`` is refused with 400, as vLLM does.
 """
 
 from __future__ import annotations
@@ -19,7 +33,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import itertools
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +43,22 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from turnkv import wire
+
 WORDS = ("alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta")
+#: The offer secret fake engines sign and verify with unless told otherwise (turnkv local up generates one).
+FAKE_SECRET = b"fake-offer-secret"
+FAKE_MODEL = "fake-model-fingerprint"
+#: (decode engine id, block id) -> wall-clock instant decode frees it: the engines of this process.
+RETAINED: dict[tuple[str, int], float] = {}
+LOCAL_ENGINES: set[str] = set()
+#: Push mode, by request id: decode's registrations waiting for prefill's KV, and KV waiting for a registration.
+PUSH_REGISTRATIONS: dict[str, asyncio.Future[str]] = {}
+PUSH_PENDING: dict[str, str] = {}
+
+
+def prompt_digest(prompt: Any) -> str:
+    return hashlib.blake2b(orjson.dumps(prompt, option=orjson.OPT_SORT_KEYS), digest_size=4).hexdigest()
 
 
 @dataclass
@@ -40,17 +71,30 @@ class FakeEngine:
     mode: str = "pull"
     bidirectional: bool = True
     expiry_ttl: float = 480.0
+    offer_secret: bytes | None = FAKE_SECRET
+    expiry_skew: float = 1.0
+    push_wait: float = 2.0
+    #: False: prefill reads any offer, as upstream vLLM does (no signature, wall-clock expiry or replay check).
+    verify_offers: bool = True
     fault: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, int] = field(default_factory=lambda: {"requests": 0, "prefill": 0, "decode": 0, "running": 0,
                                                            "aborted": 0, "pulled": 0, "errors": 0,
-                                                           "wrong_reuse": 0})
+                                                           "wrong_reuse": 0, "stale_reads": 0, "push_timeouts": 0})
     seen_request_ids: list[str] = field(default_factory=list)
     seen_params: list[Any] = field(default_factory=list)
+    refused_offers: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.engine_id = self.engine_id or f"fake-{self.port}"
         self.side_channel_port = self.side_channel_port or self.port + 1000
         self._ids = itertools.count()
+        self._read: set[str] = set()
+        # perf_counter's origin differs per host: make it differ per engine, as on separate machines
+        self.clock_origin = random.uniform(1e4, 1e6)
+        LOCAL_ENGINES.add(self.engine_id)
+
+    def monotonic(self) -> float:
+        return time.perf_counter() + self.clock_origin
 
     # -- protocol ---------------------------------------------------------------------------------
 
@@ -61,11 +105,40 @@ class FakeEngine:
                 "remote_num_tokens": tokens, "remote_blocks_expiry_time": None, "transfer_mode": self.mode}
 
     def _decode_params(self, request_id: str, tokens: int) -> dict[str, Any]:
-        return {"do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[next(self._ids)]],
-                "remote_engine_id": self.engine_id, "remote_request_id": request_id, "remote_host": self.host,
-                "remote_port": self.side_channel_port, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
-                "remote_num_tokens": tokens, "remote_blocks_expiry_time": time.time() + self.expiry_ttl,
-                "transfer_mode": "pull"}
+        block = next(self._ids)
+        RETAINED[(self.engine_id, block)] = time.time() + self.expiry_ttl
+        params = {"do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[block]],
+                  "remote_engine_id": self.engine_id, "remote_request_id": request_id, "remote_host": self.host,
+                  "remote_port": self.side_channel_port, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
+                  "remote_num_tokens": tokens, "remote_blocks_expiry_time": self.monotonic() + self.expiry_ttl,
+                  "transfer_mode": "pull", wire.BOOT: f"boot-{self.engine_id}"}
+        if self.offer_secret is not None:
+            wire.sign_offer(self.offer_secret, params, time.time() + self.expiry_ttl, FAKE_MODEL)
+        return params
+
+    def _admit_offer(self, kv: dict[str, Any]) -> bool:
+        """What turnkv's connector checks before a READ: signature, wall-clock expiry, single use."""
+        if not self.verify_offers:
+            return True
+        reason = wire.check_offer(self.offer_secret, kv, FAKE_MODEL, time.time(), self.expiry_skew)
+        if reason == "ok" and kv[wire.SIGNATURE] in self._read:
+            reason = "replayed"
+        if reason != "ok":
+            self.refused_offers[reason] = self.refused_offers.get(reason, 0) + 1
+            return False
+        self._read.add(kv[wire.SIGNATURE])
+        return True
+
+    def _read_blocks(self, kv: dict[str, Any]) -> None:
+        """The READ itself: blocks decode no longer holds give whatever is in them now."""
+        engine = str(kv.get("remote_engine_id"))
+        if engine not in LOCAL_ENGINES:
+            return
+        for group in kv.get("remote_block_ids") or ():
+            for block in group:
+                deadline = RETAINED.pop((engine, block), None)
+                if deadline is None or deadline <= time.time():
+                    self.stats["stale_reads"] += 1
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.stats["requests"] += 1
@@ -88,12 +161,20 @@ class FakeEngine:
         fault = self.fault
         if fault.get("hang"):
             await asyncio.sleep(3600)
-        if fault.get("status"):
-            self.stats["errors"] += 1
-            return web.json_response({"error": {"message": "injected fault", "code": fault["status"]}},
-                                     status=int(fault["status"]))
         if fault.get("delay"):
             await asyncio.sleep(float(fault["delay"]))
+        if fault.get("status"):
+            self.stats["errors"] += 1
+            message = "injected fault"
+            if fault.get("echo"):
+                message = f"invalid request on {self.host}:{self.port}: kv_transfer_params={orjson.dumps(kv).decode()}"
+            return web.json_response({"error": {"message": message, "code": fault["status"]}},
+                                     status=int(fault["status"]))
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+        if body.get("min_tokens") and max_tokens is not None and int(body["min_tokens"]) > int(max_tokens):
+            return web.json_response({"error": {"message": f"min_tokens must be less than or equal to max_tokens="
+                                                           f"{max_tokens}, got {body['min_tokens']}.",
+                                                "type": "BadRequestError", "code": 400}}, status=400)
         chat = request.path.endswith("chat/completions")
         prompt = body.get("messages") if chat else body.get("prompt")
         prompt_tokens = max(1, len(orjson.dumps(prompt)) // 4)
@@ -101,13 +182,22 @@ class FakeEngine:
         if isinstance(kv, dict) and kv.get("do_remote_decode"):  # prefill leg
             self.stats["prefill"] += 1
             params = self._prefill_params(request_id, prompt_tokens)
-            if kv.get("remote_block_ids"):  # a pull of the previous turn's KV from a decode engine
+            if kv.get("remote_block_ids") and self._admit_offer(kv):  # a pull of the previous turn's KV from decode
+                self._read_blocks(kv)
                 # decode wrote its request id into its reply: the history must contain the reply whose KV is pulled
                 if f"rid-{kv.get('remote_request_id')} " not in orjson.dumps(prompt).decode():
                     self.stats["wrong_reuse"] += 1
                 cached = max(0, min(int(kv.get("remote_num_tokens") or 0), prompt_tokens) - 1)
                 params["remote_prefill_cached_tokens"] = cached
                 self.stats["pulled"] += cached
+            if self.mode == "push":  # hand the KV to decode's registration under this request id
+                waiting = PUSH_REGISTRATIONS.pop(request_id, None)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(prompt_digest(prompt))
+                else:
+                    PUSH_PENDING[request_id] = prompt_digest(prompt)
+                    while len(PUSH_PENDING) > 10_000:  # never collected (decode failed): forget the oldest
+                        del PUSH_PENDING[next(iter(PUSH_PENDING))]
             choice = ({"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length"}
                       if chat else {"index": 0, "text": "x", "finish_reason": "length"})
             return web.Response(body=orjson.dumps({
@@ -117,7 +207,11 @@ class FakeEngine:
                           "total_tokens": prompt_tokens + 1}}), content_type="application/json")
         self.stats["decode"] += 1
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
-        words = [f"rid-{request_id} "] + [WORDS[i % len(WORDS)] + " " for i in range(1, n)]
+        kv_from = prompt_digest(prompt)
+        if isinstance(kv, dict) and kv.get("do_remote_prefill") and kv.get("transfer_id"):  # push: KV comes from P
+            kv_from = await self._push_kv(str(kv.get("remote_request_id")), kv_from)
+        words = [f"rid-{request_id} ", f"kv-{kv_from} "] + [WORDS[i % len(WORDS)] + " " for i in range(2, n)]
+        words = words[:max(1, n)]
         out_params = self._decode_params(request_id, prompt_tokens + n) if self.bidirectional and kv else None
         if not body.get("stream"):
             message = ({"index": 0, "message": {"role": "assistant", "content": "".join(words)},
@@ -159,6 +253,22 @@ class FakeEngine:
         await response.write_eof()
         return response
 
+    async def _push_kv(self, request_id: str, own: str) -> str:
+        """The digest of the KV prefill pushed under ``request_id`` (upstream matches by id), or, when none comes
+        within ``push_wait``, the engine's own recompute."""
+        if request_id in PUSH_PENDING:
+            return PUSH_PENDING.pop(request_id)
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        PUSH_REGISTRATIONS[request_id] = future  # a second registration under one id replaces the first
+        try:
+            return await asyncio.wait_for(future, self.push_wait)
+        except TimeoutError:
+            self.stats["push_timeouts"] += 1
+            return own
+        finally:
+            if PUSH_REGISTRATIONS.get(request_id) is future:
+                del PUSH_REGISTRATIONS[request_id]
+
     # -- app --------------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
@@ -176,6 +286,30 @@ class FakeEngine:
             self.fault = orjson.loads(await request.read() or b"{}")
             return web.json_response(self.fault)
 
+        async def leases(request: web.Request) -> web.Response:
+            """turnkv's lease route (connector.leases): signed offers in, re-signed offers with a new expiry out."""
+            if self.fault.get("lease_delay"):
+                await asyncio.sleep(float(self.fault["lease_delay"]))
+            if self.fault.get("lease_status"):
+                return web.json_response({"error": {"message": "injected", "code": self.fault["lease_status"]}},
+                                         status=int(self.fault["lease_status"]))
+            body = orjson.loads(await request.read())
+            ttl = float(body["ttl"])
+            renewed, missing = {}, []
+            for offer in body.get("offers") or ():
+                rid = str(offer.get("remote_request_id"))
+                blocks = [(self.engine_id, b) for g in offer.get("remote_block_ids") or () for b in g]
+                held = all(RETAINED.get(k, 0) > time.time() for k in blocks)
+                if wire.check_offer(self.offer_secret, offer, FAKE_MODEL, time.time(), 0.0) != "ok" or not held:
+                    missing.append(rid)
+                    continue
+                for k in blocks:
+                    RETAINED[k] = max(RETAINED[k], time.time() + ttl)
+                out = {**offer, "remote_blocks_expiry_time": self.monotonic() + ttl}
+                renewed[rid] = wire.sign_offer(self.offer_secret, out, time.time() + ttl, FAKE_MODEL)
+            self.stats["leases"] = self.stats.get("leases", 0) + 1
+            return web.json_response({"renewed": renewed, "missing": missing})
+
         async def stats(_: web.Request) -> web.Response:
             return web.json_response(self.stats)
 
@@ -188,6 +322,7 @@ class FakeEngine:
         app.router.add_get("/health", health)
         app.router.add_get("/v1/models", models)
         app.router.add_post("/fault", set_fault)
+        app.router.add_post(wire.LEASE_ROUTE, leases)
         app.router.add_get("/stats", stats)
         app.router.add_get("/metrics", metrics)
         return app

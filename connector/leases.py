@@ -3,7 +3,11 @@
 A decode engine keeps a finished conversation turn's blocks for ``decoder_kv_blocks_ttl`` after the
 turn ended. An agent that thinks or runs tools for longer loses its reuse. The router renews the
 lease: this route extends the expiry of retained requests, held by the NIXL worker, to ``ttl``
-seconds from now (never shortens it), and answers how long each one now lives.
+seconds from now (never shortens it), and answers each one's offer re-signed with its new expiry.
+
+The route is authenticated by the offers themselves (``turnkv.wire``): a caller names what to renew
+by sending decode's signed offers, and only offers this engine signed, still live, are renewed. At
+most ``wire.LEASE_MAX_OFFERS`` offers per call, leases of at most ``wire.LEASE_MAX_TTL`` seconds.
 
 vLLM loads the route as the endpoint plugin ``turnkv-leases`` (endpoint plugins must be allow-listed
 in ``VLLM_PLUGINS``; ``turnkv.engine_args.serve_env`` does). The general plugin installs the worker
@@ -18,8 +22,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-ROUTE = "/turnkv/v1/leases"
-MAX_TTL = 3600
+from turnkv import wire
+
+ROUTE = wire.LEASE_ROUTE
+MAX_TTL = wire.LEASE_MAX_TTL
 
 
 WORKER_METHOD = "turnkv_renew_leases"
@@ -54,37 +60,72 @@ def apply() -> list[str]:
     return ["lease-renewal"]
 
 
+def parse_request(body: Any) -> tuple[list[dict[str, Any]], float]:
+    """The offers and TTL of a lease call; ValueError names what is wrong (pure)."""
+    if not isinstance(body, dict):
+        raise ValueError("expected a JSON object")
+    offers = body.get("offers")
+    if not isinstance(offers, list) or not offers or not all(isinstance(o, dict) for o in offers):
+        raise ValueError("'offers' must be a non-empty list of decode's signed kv_transfer_params")
+    if len(offers) > wire.LEASE_MAX_OFFERS:
+        raise ValueError(f"at most {wire.LEASE_MAX_OFFERS} offers per call")
+    ttl = body.get("ttl")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_TTL:
+        raise ValueError(f"'ttl' must be seconds in (0, {MAX_TTL}]")
+    return offers, float(ttl)
+
+
+def renewed_offer(secret: bytes, offer: dict[str, Any], mono_expiry: float, model: str,
+                  mono_now: float, wall_now: float) -> dict[str, Any]:
+    """``offer`` with its new expiry on both clocks, signed again (pure)."""
+    out = dict(offer)
+    out["remote_blocks_expiry_time"] = mono_expiry
+    return wire.sign_offer(secret, out, wall_now + (mono_expiry - mono_now), model)
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+
 class LeaseEndpoints:
     name = "turnkv-leases"
     required_tasks = None
 
     def attach_router(self, app: Any) -> None:
         async def renew(request: Request) -> JSONResponse:
+            state = request.app.state
+            secret = getattr(state, "turnkv_offer_secret", None)
+            client = getattr(state, "turnkv_engine_client", None)
+            if secret is None or client is None:
+                return _error(503, "leases need the deployment's offer secret (TURNKV_OFFER_SECRET_FILE)")
             try:
-                body = await request.json()
-                ids = body["request_ids"]
-                ttl = float(body.get("ttl", 0))
-                if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids) or not 0 < ttl <= MAX_TTL:
-                    raise ValueError
-            except (ValueError, KeyError, TypeError):
-                return JSONResponse({"error": {"message": f"expected {{'request_ids': [str, ...], 'ttl': "
-                                                          f"seconds in (0, {MAX_TTL}]}}", "code": 400}},
-                                    status_code=400)
-            client = getattr(request.app.state, "turnkv_engine_client", None)
-            if client is None:
-                return JSONResponse({"error": {"message": "no engine behind this server", "code": 503}},
-                                    status_code=503)
+                offers, ttl = parse_request(await request.json())
+            except ValueError as exc:
+                return _error(400, str(exc))
+            model = state.turnkv_model
+            now = time.time()
+            valid = {}
+            for offer in offers:
+                if wire.check_offer(secret, offer, model, now, 0.0) == "ok" and offer.get("remote_request_id"):
+                    valid[str(offer["remote_request_id"])] = offer
+            if not valid:
+                return _error(403, "no live offer signed by this engine")
+            ids = list(valid)
             per_worker = await client.collective_rpc(WORKER_METHOD, args=(ids, ttl))
-            now = time.perf_counter()
+            mono_now, wall_now = time.perf_counter(), time.time()
             # Every rank holds the request; the earliest expiry is the truthful one.
             expiry = {rid: min(w[rid] for w in per_worker) for rid in ids if all(rid in w for w in per_worker)}
             return JSONResponse({
-                "renewed": {rid: round(at - now, 3) for rid, at in expiry.items()},
-                "remote_blocks_expiry_time": expiry,
+                "renewed": {rid: renewed_offer(secret, valid[rid], at, model, mono_now, wall_now)
+                            for rid, at in expiry.items()},
                 "missing": [rid for rid in ids if rid not in expiry],
             })
 
         app.add_api_route(ROUTE, renew, methods=["POST"])
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        from connector.offers import model_fields
+
         state.turnkv_engine_client = engine_client
+        state.turnkv_offer_secret = wire.offer_secret()
+        state.turnkv_model = wire.model_fingerprint(model_fields(getattr(engine_client, "vllm_config", None)))

@@ -19,17 +19,20 @@ import time
 from typing import Any
 
 from connector import boot, token_proof
+from connector.offers import ReplayGuard, model_fields
 from connector.policy import CostModel, Decision, Load, StepClock
 from connector.stats import TurnkvKVConnectorStats
 from connector.tunables import TunablesFile
 from connector.worker import TurnkvWorkerMeta
+from turnkv import params as catalog
+from turnkv import wire
 
 logger = logging.getLogger("vllm.turnkv.connector")
 
 #: Where the prefill engine reports its verdict in the kv_transfer_params of its response.
-VERDICT_KEY = "turnkv_proof_verdict"
+VERDICT_KEY = wire.VERDICT
 #: Set by the router on a decode request whose KV the conversation's next turn will pull.
-RETAIN_KEY = "turnkv_retain"
+RETAIN_KEY = wire.RETAIN
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -59,6 +62,15 @@ def _boot_of(metadata: dict[tuple[int, int], Any]) -> str | None:
         return None
 
 
+def _wall_expiry(params: dict[str, Any], ttl: float) -> float:
+    """Decode's expiry on the wall clock: upstream stamps its own ``perf_counter`` (meaningless on another
+    host); the same instant converted now, else now + TTL."""
+    mono = params.get("remote_blocks_expiry_time")
+    if isinstance(mono, (int, float)):
+        return time.time() + (float(mono) - time.perf_counter())
+    return time.time() + float(ttl)
+
+
 class TurnkvSchedulerMixin:
     """turnkv's scheduler-side behaviour, mixed in before an upstream NIXL scheduler (pull or push)."""
 
@@ -71,6 +83,8 @@ class TurnkvSchedulerMixin:
         # Decode retains a finished request's blocks only when the request asks (TURNKV_RETAIN_ON_DEMAND=0:
         # upstream's retain-everything behaviour).
         self._retain_on_demand = _flag("TURNKV_RETAIN_ON_DEMAND", True)
+        self._expiry_skew = float(catalog.BY_NAME["expiry_skew_margin"].default)
+        self._retained_share = float(catalog.BY_NAME["retained_kv_share"].default)
         self._tunables = TunablesFile(self._apply_tunables)
         self._tunables.poll()
         # Pull only when it is expected to beat recomputing (TURNKV_ADAPTIVE_THRESHOLD=0: the threshold alone).
@@ -93,6 +107,16 @@ class TurnkvSchedulerMixin:
         # This engine's boot fingerprint (decode stamps its params), and the ones prefill's reads expect.
         self._boot: str | None = None
         self._expected_boots: dict[str, str] = {}
+        # Signed offers (turnkv.wire): decode signs what it returns, prefill reads only valid, live, unread offers.
+        self._offer_secret = wire.offer_secret()
+        self._model = wire.model_fingerprint(model_fields(getattr(self, "vllm_config", None)
+                                                          or kwargs.get("vllm_config") or (args[0] if args else None)))
+        self._require_signed = _flag("TURNKV_REQUIRE_SIGNED_OFFERS", True)
+        self._replays = ReplayGuard()
+        if self._offer_secret is None:
+            logger.warning("turnkv: no offer secret (%s / %s): decode's offers are unsigned and %s",
+                           wire.OFFER_SECRET_ENV, wire.OFFER_SECRET_FILE_ENV,
+                           "prefill recomputes every offer" if self._require_signed else "read unchecked")
 
     def set_xfer_handshake_metadata(self, metadata: dict[tuple[int, int], Any]) -> None:
         super().set_xfer_handshake_metadata(metadata)  # type: ignore[misc]
@@ -103,6 +127,10 @@ class TurnkvSchedulerMixin:
             self.decoder_kv_blocks_ttl = int(values["decoder_kv_blocks_ttl"])
         if "kv_recompute_threshold" in values:
             self.kv_recompute_threshold = int(values["kv_recompute_threshold"])
+        if "expiry_skew_margin" in values:
+            self._expiry_skew = float(values["expiry_skew_margin"])
+        if "retained_kv_share" in values:
+            self._retained_share = float(values["retained_kv_share"])
 
     # prefill side ------------------------------------------------------------------------------
 
@@ -121,6 +149,10 @@ class TurnkvSchedulerMixin:
             return 0, False
         offer = self._is_decode_offer(params)
         first_look = offer and request.request_id not in self._verdicts
+        if first_look and not self._offer_admitted(request, params):
+            # Refused before any READ: the request is an ordinary prefill now (nothing read, no peer contacted).
+            self.turnkv_stats.record("turnkv_decisions_recompute", 1)
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
         if first_look:
             self._check_offer(request, params)
             if isinstance(params.get(boot.PARAMS_KEY), str):
@@ -248,6 +280,23 @@ class TurnkvSchedulerMixin:
         s.data["turnkv_retained_blocks"] = [blocks]
         s.data["turnkv_retained_bytes"] = [blocks * self._bytes_per_block]
 
+    def _offer_admitted(self, request: Any, params: dict[str, Any]) -> bool:
+        """Signature, expiry on this host's wall clock, and single use; a refused offer is neutralized."""
+        reason = wire.check_offer(self._offer_secret, params, self._model, time.time(), self._expiry_skew)
+        if reason == "unsigned" and not self._require_signed:
+            return True
+        if reason == "ok" and not self._replays.first_use(params[wire.SIGNATURE], float(params[wire.EXPIRES_AT])):
+            reason = "replayed"
+        if reason == "ok":
+            return True
+        offered = int(params.get("remote_num_tokens") or 0)
+        self._verdicts[request.request_id] = token_proof.Verdict(offered, 0, reason)
+        self.turnkv_stats.record(f"turnkv_offers_{reason}", 1)
+        logger.warning("turnkv: request %s: decode's offer is %s; recomputing without reading it",
+                       request.request_id, reason)
+        wire.neutralize(params)
+        return False
+
     def _check_offer(self, request: Any, params: dict[str, Any]) -> None:
         remote = int(params.get("remote_num_tokens") or 0)
         proof = params.get(token_proof.PARAMS_KEY)
@@ -289,6 +338,11 @@ class TurnkvSchedulerMixin:
         params = request.kv_transfer_params or {}
         is_decode = bool(params) and not params.get("do_remote_decode")
         unwanted = self._retain_on_demand and not params.get(RETAIN_KEY)
+        if is_decode and not unwanted and self.is_bidirectional_kv_xfer_enabled and self._over_retention(block_ids):
+            # Freeing the oldest retained turns instead would break offers already handed out (their blocks
+            # would be reused while prefill may still read them); refusing the newest keeps every offer true.
+            unwanted = True
+            self.turnkv_stats.record("turnkv_retention_refused", 1)
         if is_decode and unwanted and self.is_bidirectional_kv_xfer_enabled:
             # Nobody will come back for this turn: free its blocks now, as upstream does without bi-directional.
             self.is_bidirectional_kv_xfer_enabled = False
@@ -310,11 +364,24 @@ class TurnkvSchedulerMixin:
             out[token_proof.PARAMS_KEY] = token_proof.make_proof(held, self.block_size)
             if self._boot:
                 out[boot.PARAMS_KEY] = self._boot
+            if self._offer_secret is not None:
+                wire.sign_offer(self._offer_secret, out, _wall_expiry(out, self.decoder_kv_blocks_ttl), self._model)
             self._retained[request.request_id] = sum(len(group) for group in out.get("remote_block_ids") or ())
             self._export_retained()
         if verdict is not None:
             out[VERDICT_KEY] = {"offered": verdict.offered, "verified": verdict.verified, "reason": verdict.reason}
         return delay, out
+
+    def _over_retention(self, block_ids: Any) -> bool:
+        """Whether retaining ``block_ids`` too would put retained blocks above ``retained_kv_share`` of the cache."""
+        total = int(getattr(self.kv_cache_config, "num_blocks", 0) or 0)
+        if total <= 0:
+            return False
+        try:
+            adding = sum(len(group) for group in block_ids)
+        except TypeError:
+            adding = 0
+        return sum(self._retained.values()) + adding > self._retained_share * total
 
     def take_turnkv_stats(self) -> TurnkvKVConnectorStats | None:
         if self.turnkv_stats.is_empty():

@@ -28,6 +28,16 @@ COUNTERS: dict[str, tuple[str, str]] = {
                                            "the queue)."),
     "turnkv_stale_offers": (
         "vllm:turnkv_stale_offers", "Offers from a decode engine that restarted since (not read; recomputed)."),
+    "turnkv_offers_unsigned": (
+        "vllm:turnkv_offers_unsigned", "Offers without a signature (not read; recomputed)."),
+    "turnkv_offers_forged": (
+        "vllm:turnkv_offers_forged", "Offers whose signature did not verify: edited, foreign or another model."),
+    "turnkv_offers_expired": (
+        "vllm:turnkv_offers_expired", "Offers past their wall-clock expiry minus expiry_skew_margin (not read)."),
+    "turnkv_offers_replayed": (
+        "vllm:turnkv_offers_replayed", "Offers this prefill engine had already read once (not read again)."),
+    "turnkv_retention_refused": (
+        "vllm:turnkv_retention_refused", "Finished turns decode did not retain: retained KV over retained_kv_share."),
     "turnkv_read_bytes": (
         "vllm:turnkv_read_bytes", "KV bytes this engine READ from a peer (NIXL READs it posted: pulls)."),
     "turnkv_read_seconds": (

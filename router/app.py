@@ -1,5 +1,10 @@
 """HTTP surface of the router: OpenAI-compatible routes, health and Prometheus metrics (aiohttp).
 
+Ops routes (``/health``, ``/ready``, ``/metrics``) answer only requests that did not come through a proxy:
+the ALB adds ``X-Forwarded-For`` to every request it forwards (clients cannot remove it), and its own
+health checks carry none, so clients on the internet get 404 while the ALB and scrapers inside the VPC
+still reach them (``ops_behind_proxy`` switches the check off for a proxy that strips the header).
+
 Background tasks (started with the app): engine health probes, Cloud Map discovery refresh, the SSM
 re-read of the tunables, and the in-memory store's expiry purge.
 """
@@ -17,7 +22,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router import guard, telemetry
+from router import guard, limits, telemetry
 from router.auth import ApiKeys, AuthError, parse_keys
 from router.config import RouterConfig
 from router.engines import EnginePool
@@ -31,12 +36,26 @@ from router.telemetry import Metrics
 log = logging.getLogger("turnkv.router")
 
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+#: Added by the ALB (and every common reverse proxy) to forwarded requests.
+FORWARDED_HEADERS = ("X-Forwarded-For", "Forwarded")
 
 FLOW = web.AppKey("flow", Flow)
 CONFIG = web.AppKey("config", RouterConfig)
 METRICS = web.AppKey("metrics", Metrics)
 POOL = web.AppKey("pool", EnginePool)
 KEYS = web.AppKey("keys", ApiKeys)
+ADMISSION = web.AppKey("admission", limits.Admission)
+
+
+def _ops(handler):
+    """An ops route: 404 to anything that came through a proxy (clients via the ALB), as if it did not exist."""
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        if any(h in request.headers for h in FORWARDED_HEADERS):
+            return error_response(404, "not found", "not_found")
+        return await handler(request)
+
+    guarded.__name__ = handler.__name__
+    return guarded
 
 
 async def _read_json(request: web.Request) -> tuple[Any, int]:
@@ -62,10 +81,21 @@ def _completion_handler(path: str, kind: str):
                 status = 401
                 return error_response(401, str(exc), "authentication_error",
                                       headers={"WWW-Authenticate": 'Bearer realm="turnkv"'})
-            body, size = await _read_json(request)
-            flow = app[FLOW]
-            dispatch = flow.prepare(kind, path, request, body, tenant, size)
-            response = await flow.run(dispatch, request)
+            config = app[CONFIG]
+            refused = app[ADMISSION].try_enter(tenant, int(config.max_inflight), int(config.tenant_max_inflight))
+            if refused is not None:
+                metrics.admission_refused.labels(refused).inc()
+                status = 429
+                who = "this router" if refused == "router" else "this API key"
+                return error_response(429, f"too many requests in flight for {who}; retry shortly",
+                                      "rate_limit_exceeded", headers={"Retry-After": "1"})
+            try:
+                body, size = await _read_json(request)
+                flow = app[FLOW]
+                dispatch = flow.prepare(kind, path, request, body, tenant, size)
+                response = await flow.run(dispatch, request)
+            finally:
+                app[ADMISSION].leave(tenant)
             status = response.status
             return response
         except guard.RequestError as exc:
@@ -127,13 +157,14 @@ async def models(request: web.Request) -> web.StreamResponse:
     flow = request.app[FLOW]
     try:
         engine = flow.pool.pick("decode")
-    except Exception as exc:
-        return error_response(503, str(exc), "service_unavailable")
+    except Exception:
+        return error_response(503, "no model server is available", "service_unavailable")
     try:
         async with flow.session.get(engine.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as resp:
             return web.Response(status=resp.status, body=await resp.read(), content_type="application/json")
     except (aiohttp.ClientError, TimeoutError) as exc:
-        return error_response(502, f"decode engine {engine.name} did not list models: {exc!r}", "upstream_error")
+        log.warning("decode engine %s did not list models: %r", engine.name, exc)
+        return error_response(502, "the model server did not list its models; try again", "upstream_error")
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
@@ -147,7 +178,7 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
 
 def make_store(config: RouterConfig) -> ConversationStore:
     if config.store == "memory":
-        return MemoryStore(int(config.max_conversations))
+        return MemoryStore(int(config.max_conversations), max_bytes=int(config.max_store_bytes))
     from router.state.valkey import ValkeyStore
 
     return ValkeyStore(config.store, timeout=max(0.05, config.store_timeout_ms / 1000 * 2))
@@ -173,6 +204,7 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
     store = store if store is not None else make_store(config)
     keys = keys if keys is not None else load_keys(config)
     app[CONFIG], app[METRICS], app[POOL], app[KEYS] = config, metrics, pool, keys
+    app[ADMISSION] = limits.Admission()
     if discover is None and config.discovery == "cloudmap":
         from router.engines.discovery import CloudMapDiscovery
 
@@ -201,7 +233,8 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
             try:
                 found = await discover()
                 for role, engines in found.items():
-                    pool.replace(role, engines)
+                    if engines:
+                        pool.replace(role, engines)
             except Exception as exc:
                 log.warning("first discovery failed (%s); retrying in the background", exc)
             tasks.append(asyncio.create_task(discovery_loop(pool, discover,
@@ -209,6 +242,7 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
 
         def purge() -> None:
             if isinstance(store, MemoryStore):
+                store.max_bytes = int(config.max_store_bytes)  # follows the SSM re-read
                 store.purge_expired()
 
         tasks.append(asyncio.create_task(health_loop(pool, session, lambda: float(config.health_interval), purge)))
@@ -236,10 +270,10 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
     for path, kind in ROUTES.items():
         app.router.add_post(path, _completion_handler(path, kind))
     app.router.add_post("/v1/conversations/lease", lease)
-    app.router.add_get("/health", health)
-    app.router.add_get("/ready", ready)
+    app.router.add_get("/health", _ops(health))
+    app.router.add_get("/ready", _ops(ready))
     app.router.add_get("/v1/models", models)
-    app.router.add_get("/metrics", metrics_endpoint)
+    app.router.add_get("/metrics", _ops(metrics_endpoint))
     return app
 
 

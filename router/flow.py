@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -32,11 +33,12 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router import guard, telemetry
+from router import guard, limits, telemetry
 from router.config import RouterConfig
 from router.engines import Engine, EnginePool, NoEngineError, PushIdentity
 from router.state import ConversationStore, Entry
 from router.telemetry import Metrics
+from turnkv import wire
 
 log = logging.getLogger("turnkv.router")
 
@@ -54,6 +56,37 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json", headers=headers)
 
 
+#: Engine error text that may name engine internals (params, addresses, block ids): never shown to clients.
+_UNSAFE = re.compile(r"kv_transfer|remote_|turnkv_|block_ids|engine_id|https?://|\d{1,3}(?:\.\d{1,3}){3}|\[?[0-9a-f]*:[0-9a-f:]+\]?"
+                     r"|localhost|side_channel|nixl", re.IGNORECASE)
+
+
+def engine_message(body: bytes | None) -> str | None:
+    """The engine's own error message when it is short and names nothing internal, else None."""
+    if not body or len(body) > 65536:
+        return None
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    error = data.get("error") if isinstance(data, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    if not isinstance(message, str) or not message or len(message) > 300 or _UNSAFE.search(message):
+        return None
+    return message
+
+
+def public_message(exc: UpstreamError) -> str:
+    """What a client is told about a failed leg: the status and a safe message, never an engine's body,
+    name or address (those go to the log)."""
+    if 400 <= exc.status < 500:
+        said = engine_message(exc.body)
+        return said or f"the model server refused the request (HTTP {exc.status}); check its parameters"
+    if exc.status == 504:
+        return "the model server did not answer in time"
+    return "the model server failed; try again"
+
+
 class UpstreamError(Exception):
     """A leg failed. ``retryable``: another engine may succeed (5xx, connection, timeout)."""
 
@@ -68,6 +101,23 @@ class UpstreamError(Exception):
         self.retryable = retryable
         self.reason = reason
         self.connect = connect  # the engine was never reached: it did no work
+
+
+def new_leg_id() -> str:
+    """The request id both engines see for one dispatch: generated here, never the client's. Upstream's push
+    mode pairs decode's registration with prefill's blocks by this id, so a client-chosen one would let two
+    requests with the same id write into each other's KV."""
+    return f"turnkv-{uuid.uuid4().hex}"
+
+
+def client_request_id(raw: str | None) -> str:
+    """The client's ``X-Request-Id`` to echo and log, or one of ours; RequestError (400) when it is not
+    printable ASCII of at most 128 characters (a header we could not echo back)."""
+    if not raw:
+        return new_leg_id()
+    if len(raw) > 128 or not raw.isascii() or not raw.isprintable():
+        raise guard.RequestError("'X-Request-Id' must be printable ASCII of at most 128 characters")
+    return raw
 
 
 def reused_tokens(kv: Mapping[str, Any]) -> int:
@@ -97,7 +147,7 @@ class Dispatch:
     kind: str  # "chat" | "completion"
     path: str
     body: dict[str, Any]
-    request_id: str  # the client's (or ours): reply header and logs
+    request_id: str  # the client's (or ours): echoed in the reply header and logged, never sent to an engine
     turn: guard.Turn | None
     key: str | None
     outcome: str = "none"
@@ -106,12 +156,13 @@ class Dispatch:
     tenant: str = ""
     tokens: int = 0  # prompt size estimate (load accounting)
     stream: bool = False
-    leg_request_id: str = ""  # sent to both engines; a fresh one per retry
+    leg_request_id: str = ""  # router-generated, sent to both engines; a fresh one per dispatch and retry
     affinity: str = ""  # decode engine holding the conversation's blocks
     prompt_tokens: int = 0
     prefill_ms: float | None = None
     ttft: float | None = None
     retries: int = 0
+    retain: bool = False  # decode is asked to keep this turn's KV (a conversation turn within the tenant's limits)
     status: int = 0
     error: str = ""
     prefill_engine: str = ""
@@ -146,6 +197,8 @@ class Flow:
         self._reuse = {o: metrics.reuse.labels(o) for o in telemetry.OUTCOMES}
         self._leg = {leg: metrics.leg.labels(leg) for leg in ("prefill", "decode")}
         self._store_seconds = {op: metrics.store_seconds.labels(op) for op in ("take", "put")}
+        self.retention = limits.RetentionLedger()
+        self.lease_rate = limits.TokenBucket()
 
     # -- request intake -------------------------------------------------------------------------
 
@@ -159,14 +212,12 @@ class Flow:
                                             or len(conversation_id) > 256):
             raise guard.RequestError("'conversation_id' must be a non-empty string of at most 256 characters")
         turn = guard.parse_turn(kind, body)
-        request_id = request.headers.get(REQUEST_ID_HEADER) or f"turnkv-{uuid.uuid4().hex}"
-        if len(request_id) > 128:
-            raise guard.RequestError("'X-Request-Id' must be at most 128 characters")
+        request_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
         key = None
         if conversation_id and turn is not None:
             key = guard.conversation_key(self.config.key_secret, tenant, conversation_id, turn)
         d = Dispatch(kind, path, body, request_id, turn, key, started=time.perf_counter(), tenant=tenant,
-                     tokens=size // 4, stream=bool(body.get("stream")), leg_request_id=request_id)
+                     tokens=size // 4, stream=bool(body.get("stream")), leg_request_id=new_leg_id())
         if key is None:
             d.outcome = "none"
         elif request.headers.get(REUSE_HEADER, "").lower() in ("off", "0", "false", "no"):
@@ -189,6 +240,7 @@ class Flow:
         finally:
             self._store_seconds["take"].observe(time.perf_counter() - t0)
         assert d.turn is not None
+        self.release_retention(d.key)  # single use: the taken turn no longer counts against the tenant
         if entry is None:
             d.outcome = "miss"
             return None
@@ -208,7 +260,7 @@ class Flow:
 
     async def _remember(self, d: Dispatch, decode: Engine, params: Any, reply: Mapping[str, Any] | str) -> None:
         replay = guard.replayable(params)
-        if d.key is None or d.turn is None or replay is None or d.outcome == "disabled":
+        if d.key is None or d.turn is None or replay is None or not d.retain:
             return
         now = time.time()
         expires = guard.entry_expiry(now, self.config.entry_lifetime(), replay, float(self.config.expiry_margin))
@@ -218,11 +270,34 @@ class Flow:
         t0 = time.perf_counter()
         try:
             await asyncio.wait_for(self.store.put(d.key, entry), self.config.store_timeout_ms / 1000)
+            self.hold_retention(d.tenant, d.key, entry, expires)
         except Exception as exc:
             self.metrics.store_errors.labels("put").inc()
             log.warning("could not store conversation state (%s)", exc or type(exc).__name__)
         finally:
             self._store_seconds["put"].observe(time.perf_counter() - t0)
+
+    # -- retention limits (per tenant, this process) -----------------------------------------------
+
+    def hold_retention(self, tenant: str, key: str, entry: Entry, expires: float) -> None:
+        self.retention.hold(tenant, key, int(entry.params.get("remote_num_tokens") or 0), expires)
+
+    def release_retention(self, key: str) -> None:
+        self.retention.release(key)
+
+    def _may_retain(self, d: Dispatch) -> bool:
+        if d.key is None or d.outcome == "disabled":
+            return False
+        budget = d.tokens + int(d.body.get("max_tokens") or d.body.get("max_completion_tokens") or 0)
+        if self.retention.allows(d.tenant, budget, int(self.config.tenant_max_conversations),
+                                 int(self.config.tenant_max_retained_tokens)):
+            return True
+        self.metrics.retention_refused.inc()
+        return False
+
+    def log_engine_error(self, leg: str, engine: Engine, exc: BaseException) -> None:
+        self.metrics.engine_errors.labels(leg, type(exc).__name__).inc()
+        log.warning("%s engine %s failed: %s", leg, engine.name, str(exc) or type(exc).__name__)
 
     # -- legs -----------------------------------------------------------------------------------
 
@@ -239,6 +314,7 @@ class Flow:
         body["max_tokens"] = 1
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = 1
+        body.pop("min_tokens", None)  # vLLM refuses min_tokens > max_tokens: the prefill leg makes one token
         body["stream"] = False
         body.pop("stream_options", None)
         body["kv_transfer_params"] = params
@@ -247,8 +323,9 @@ class Flow:
     def _fail(self, leg: str, engine: Engine, exc: BaseException) -> UpstreamError:
         kind = type(exc).__name__
         self.metrics.engine_errors.labels(leg, kind).inc()
-        self.pool.report_failure(engine)
         connect = isinstance(exc, aiohttp.ClientConnectorError)
+        if connect:  # only an engine that cannot be reached is ejected; a slow or failing request proves nothing
+            self.pool.report_failure(engine)
         status = 504 if isinstance(exc, TimeoutError) else 502
         return UpstreamError(status, f"{leg} engine {engine.name} failed: {str(exc) or kind}", leg=leg, engine=engine,
                              retryable=True, reason="timeout" if status == 504 else "connect" if connect else "error",
@@ -256,8 +333,6 @@ class Flow:
 
     def _http_error(self, leg: str, engine: Engine, status: int, raw: bytes) -> UpstreamError:
         self.metrics.engine_errors.labels(leg, f"http_{status}").inc()
-        if status >= 500:
-            self.pool.report_failure(engine)
         return UpstreamError(status if status < 500 else 502, f"{leg} engine {engine.name} answered HTTP {status}",
                              raw, leg=leg, engine=engine, retryable=status >= 500, reason=f"http_{status}")
 
@@ -303,7 +378,7 @@ class Flow:
     def _account_reuse(self, d: Dispatch, prefill_params: Mapping[str, Any]) -> None:
         """Reused tokens, from prefill's answer; a token-proof shortfall is a tokenization mismatch."""
         d.reused_tokens = reused_tokens(prefill_params)
-        verdict = prefill_params.get("turnkv_proof_verdict")
+        verdict = prefill_params.get(wire.VERDICT)
         if isinstance(verdict, Mapping) and verdict.get("reason") in ("mismatch", "no-proof", "bad-proof"):
             # The text history matched but the token ids did not (or could not be checked): re-tokenization,
             # a template that renders past turns differently, or a decode engine without the turnkv connector.
@@ -315,9 +390,9 @@ class Flow:
 
     def _decode_body(self, d: Dispatch, params: Mapping[str, Any]) -> bytes:
         body = dict(d.body)
-        if d.key is not None and d.outcome != "disabled":
+        if d.retain:
             # A conversation turn: ask decode to keep its KV for the next turn (others pin nothing).
-            params = {**params, "turnkv_retain": True}
+            params = {**params, wire.RETAIN: True}
         body["kv_transfer_params"] = params
         return orjson.dumps(body)
 
@@ -395,33 +470,32 @@ class Flow:
         p_task = asyncio.create_task(self._prefill(d, request, prefill, p_params))
         d_task = asyncio.create_task(self._open_decode(d, request, decode,
                                                        push_decode_params(ident, d.leg_request_id, transfer_id)))
+        handed = False
         try:
             await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_EXCEPTION)
             if d_task.done() and d_task.exception() is not None:
                 p_task.cancel()
                 raise d_task.exception()  # type: ignore[misc]
-            kv = await p_task  # raises: the finally cancels decode
+            kv = await p_task  # raises: the finally cancels (or releases) decode
             answered = push_identity(kv)
             if answered is not None and answered != ident:  # P moved (restart, new id): resend decode
                 log.warning("prefill %s answered as %s, not %s: resending decode", prefill.name, answered, ident)
-                d_task.cancel()
-                with contextlib.suppress(BaseException):
-                    stale = await d_task
-                    if stale.resp is not None:  # it had already opened: release it
-                        stale.resp.close()
-                        stale.engine.outstanding -= 1
-                        stale.engine.outstanding_tokens -= d.tokens
-                return await self._open_decode(d, request, decode, push_decode_params(answered, d.leg_request_id,
-                                                                                      transfer_id))
-            return await d_task
+                await _discard_decode(d_task, d.tokens)
+                opened = await self._open_decode(d, request, decode, push_decode_params(answered, d.leg_request_id,
+                                                                                        transfer_id))
+            else:
+                opened = await d_task
+            handed = True
+            return opened
         finally:
-            for task in (p_task, d_task):
-                if not task.done():
-                    task.cancel()
+            if not handed:  # prefill failed (or we were cancelled): decode must not stay open or counted
+                p_task.cancel()
+                await _discard_decode(d_task, d.tokens)
 
     async def _dispatch(self, d: Dispatch, request: web.Request) -> Opened:
         """Both legs, with the retry budgets; returns the opened decode leg or raises UpstreamError."""
         params = await self._take(d)
+        d.retain = self._may_retain(d)
         tried: dict[str, list[Engine]] = {"prefill": [], "decode": []}
         budget = {"prefill": int(self.config.prefill_retries), "decode": int(self.config.decode_retries)}
         attempt = self._push_attempt if self.config.mode == "push" else self._pull_attempt
@@ -437,7 +511,7 @@ class Flow:
                 budget[exc.leg] -= 1
                 tried[exc.leg].append(exc.engine)
                 d.retries += 1
-                d.leg_request_id = f"{d.request_id}-r{d.retries}"
+                d.leg_request_id = new_leg_id()
                 self.metrics.retries.labels(exc.leg, exc.reason).inc()
                 if params is not None and (exc.leg == "decode" or not exc.connect):
                     params = None  # the pull may have failed, or its blocks may be gone: recompute
@@ -453,10 +527,8 @@ class Flow:
     def _upstream_error(self, d: Dispatch, exc: UpstreamError) -> web.Response:
         log.warning("%s", exc)
         d.error = str(exc)
-        if exc.body and 400 <= exc.status < 500:  # the engine refused the request: pass its words on
-            return web.Response(status=exc.status, body=exc.body, content_type="application/json",
-                                headers=self._reply_headers(d))
-        return error_response(exc.status, str(exc), "upstream_error", headers=self._reply_headers(d))
+        kind = "invalid_request_error" if 400 <= exc.status < 500 else "upstream_error"
+        return error_response(exc.status, public_message(exc), kind, headers=self._reply_headers(d))
 
     async def run(self, d: Dispatch, request: web.Request) -> web.StreamResponse:
         token = telemetry.request_id.set(d.request_id)
@@ -539,14 +611,15 @@ class Flow:
                     return self._upstream_error(d, exc)
                 d.error = str(exc)
                 status = exc.status if isinstance(exc, UpstreamError) else 503
-                await self._error_event(response, str(exc), status)
+                await self._error_event(response, public_message(exc) if isinstance(exc, UpstreamError) else str(exc),
+                                        status)
                 return response
             early = response is not None
             if response is None:
                 response = web.StreamResponse(headers={**self._reply_headers(d), "Content-Type": "text/event-stream",
                                                        "Cache-Control": "no-cache"})
                 await response.prepare(request)
-            return await self._relay(d, response, opened, early)
+            return await self._relay(d, response, opened, early, request)
         finally:
             if not task.done():
                 task.cancel()
@@ -562,9 +635,10 @@ class Flow:
         with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):  # the client may be gone too
             await response.write_eof(b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n")
 
-    async def _relay(self, d: Dispatch, response: web.StreamResponse, opened: Opened, early: bool
-                     ) -> web.StreamResponse:
+    async def _relay(self, d: Dispatch, response: web.StreamResponse, opened: Opened, early: bool,
+                     request: web.Request | None = None) -> web.StreamResponse:
         assert opened.resp is not None
+        deadline = float(self.config.write_timeout)
         reply = _ReplyCollector(d.kind, parse=d.key is not None and d.outcome != "disabled")
         remembered = False
         first = True
@@ -596,37 +670,60 @@ class Flow:
                 if reply.complete:  # [DONE] seen: the rest goes out with the end of the stream
                     tail.extend(out)
                 elif out:
-                    await _client_write(response, b"".join(out))
+                    await _client_write(response, b"".join(out), timeout=deadline)
             if pending:
                 fed = reply.feed(pending)
                 if fed:
                     tail.append(fed)
-            await _client_write(response, b"".join(tail), eof=True)
-        except _ClientGone:
+            await _client_write(response, b"".join(tail), eof=True, timeout=deadline)
+        except _ClientGone as gone:
             self.metrics.client_disconnects.inc()
             d.status, d.error = 499, "client disconnected"
-            log.info("client went away mid-stream: decode aborted")
+            if gone.slow:
+                self.metrics.slow_readers.inc()
+                d.error = "client did not read within write_timeout"
+                if request is not None and request.transport is not None:
+                    request.transport.close()  # aiohttp would otherwise wait on the full buffer at the end
+            log.info("client %s mid-stream: decode aborted", "too slow" if gone.slow else "went away")
         except (aiohttp.ClientError, TimeoutError) as exc:
             self.metrics.engine_errors.labels("decode", type(exc).__name__).inc()
-            self.pool.report_failure(opened.engine)
             d.error = f"decode engine {opened.engine.name} failed mid-stream: {exc or type(exc).__name__}"
             log.warning("%s", d.error)
-            await self._error_event(response, d.error)
+            await self._error_event(response, "the model server failed mid-stream; the reply is incomplete")
         return response
 
 
+async def _discard_decode(task: asyncio.Task[Opened], tokens: int) -> None:
+    """Cancel a decode leg, or, if it already opened, close its stream and give back its load."""
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        stale = await task
+        if stale.resp is not None:
+            stale.resp.close()
+            stale.engine.outstanding -= 1
+            stale.engine.outstanding_tokens -= tokens
+
+
 class _ClientGone(Exception):
-    """Writing to the client failed: it went away (not an engine failure)."""
+    """Writing to the client failed: it went away, or did not read within the write deadline (``slow``)."""
+
+    def __init__(self, slow: bool = False) -> None:
+        super().__init__()
+        self.slow = slow
 
 
-async def _client_write(response: web.StreamResponse, data: bytes, eof: bool = False) -> None:
+async def _client_write(response: web.StreamResponse, data: bytes, eof: bool = False,
+                        timeout: float | None = None) -> None:
     try:
-        if eof:
-            await response.write_eof(data)
-        else:
-            await response.write(data)
+        async with asyncio.timeout(timeout):
+            if eof:
+                await response.write_eof(data)
+            else:
+                await response.write(data)
     except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
         raise _ClientGone() from exc
+    except TimeoutError as exc:
+        raise _ClientGone(slow=True) from exc
 
 
 async def _chunks(first: bytes, rest: aiohttp.StreamReader):

@@ -24,23 +24,25 @@ from typing import Any
 
 import orjson
 
+from turnkv import wire
+
 #: Settings that change how a chat prompt renders (part of the conversation key).
 CHAT_RENDER_FIELDS = (
     "model", "tools", "tool_choice", "chat_template", "chat_template_kwargs", "add_generation_prompt",
-    "continue_final_message", "documents", "cache_salt", "mm_processor_kwargs",
+    "continue_final_message", "documents", "cache_salt", "mm_processor_kwargs", "reasoning_effort",
+    "add_special_tokens", "truncate_prompt_tokens",
 )
-COMPLETION_RENDER_FIELDS = ("model", "cache_salt", "add_special_tokens")
+COMPLETION_RENDER_FIELDS = ("model", "cache_salt", "add_special_tokens", "truncate_prompt_tokens")
 
 #: Message fields that reach the chat template. Everything else (client metadata) is ignored.
 MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning")
 
-#: ``kv_transfer_params`` keys a decode engine returns in bi-directional mode and prefill may be sent.
+#: ``kv_transfer_params`` keys a decode engine returns in bi-directional mode and prefill may be sent:
+#: upstream's, then turnkv's (``turnkv.wire``: token proof, boot, wall-clock expiry, model, signature).
 REPLAY_KEYS = (
     "do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",
     "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens",
-    "remote_blocks_expiry_time", "transfer_mode",
-    "turnkv_token_proof",  # decode's per-block token digests (turnkv connector): prefill verifies before pulling
-    "turnkv_boot",  # which process of the decode engine holds the blocks: prefill refuses another boot's
+    "remote_blocks_expiry_time", "transfer_mode", *wire.OFFER_KEYS,
 )
 REQUIRED_REPLAY_KEYS = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port", "remote_num_tokens")
 
@@ -81,6 +83,33 @@ def canonical_message(message: Mapping[str, Any]) -> dict[str, Any]:
         out[field] = value
     out.setdefault("content", "")
     return out
+
+
+#: Content-part URL fields whose bytes the router never sees unless inlined as a ``data:`` URL.
+_MEDIA_URL_PARTS = {"image_url": "image_url", "video_url": "video_url", "audio_url": "audio_url",
+                    "image_pil": None, "image_embeds": None}
+
+
+def has_remote_media(message: Mapping[str, Any]) -> bool:
+    """Whether a message has media whose bytes the router cannot digest (a URL the engine fetches): new bytes
+    behind the same URL must never reuse the old KV, so such a conversation is not reused at all."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return False
+    for part in content:
+        if not isinstance(part, Mapping) or part.get("type") in (None, "text"):
+            continue
+        kind = part.get("type")
+        if kind not in _MEDIA_URL_PARTS:
+            if kind == "input_audio":  # base64 audio inline: its bytes are in the digest
+                continue
+            return True  # an unknown part: not provably digested
+        field = _MEDIA_URL_PARTS[kind]
+        value = part.get(field) if field else None
+        url = value.get("url") if isinstance(value, Mapping) else value
+        if not isinstance(url, str) or not url.startswith("data:"):
+            return True
+    return False
 
 
 def history_digest(messages: Sequence[Mapping[str, Any]]) -> str:
@@ -154,7 +183,7 @@ def parse_turn(kind: str, body: Mapping[str, Any]) -> Turn | None:
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise RequestError(f"messages[{i}] must be an object with a string 'role'")
         render = render_digest("chat", body)
-        if (body.get("n") or 1) != 1:
+        if (body.get("n") or 1) != 1 or any(has_remote_media(m) for m in messages):
             return None
         return Turn("chat", render, messages=tuple(messages))
     prompt = body.get("prompt")
@@ -214,18 +243,16 @@ def reuse_outcome(entry_params: Mapping[str, Any] | None, history: History | Non
     return "hit"
 
 
-#: Below this, an expiry time is not a Unix timestamp (vLLM 0.32's NIXL connector exports decode's
-#: ``time.perf_counter()``, a monotonic clock with an arbitrary origin, not comparable with ours).
-_WALL_CLOCK_FLOOR = 1e9
-
-
 def entry_expiry(now: float, lifetime: float, params: Mapping[str, Any], margin: float) -> float:
-    """When a stored entry stops being replayable: ``now + lifetime`` (the catalog keeps the lifetime
-    ``expiry_margin`` below ``decoder_kv_blocks_ttl``, and ``now`` is after decode finished, so the entry
-    goes before decode frees the blocks). A ``remote_blocks_expiry_time`` that is a Unix timestamp
-    shortens it further; vLLM's (decode's monotonic clock) cannot be compared and is ignored."""
+    """When a stored entry stops being replayable: the earlier of the router's own ``now + lifetime`` and
+    decode's wall-clock expiry (``turnkv_expires_at``) minus ``margin``.
+
+    Decode's clock is the authority: ``now`` is when the router stores the entry, which for a slow reader
+    of a long stream is long after decode finished and started its TTL. vLLM's own
+    ``remote_blocks_expiry_time`` is decode's ``perf_counter`` (no other host can compare it) and is ignored.
+    """
     expiry = now + lifetime
-    engine_expiry = params.get("remote_blocks_expiry_time")
-    if isinstance(engine_expiry, (int, float)) and engine_expiry > _WALL_CLOCK_FLOOR:
+    engine_expiry = params.get(wire.EXPIRES_AT)
+    if isinstance(engine_expiry, (int, float)) and not isinstance(engine_expiry, bool):
         expiry = min(expiry, float(engine_expiry) - margin)
     return expiry

@@ -2,9 +2,16 @@
 
 An agent that will think or run tools for longer than ``decoder_kv_blocks_ttl`` sends the request
 settings it will use next turn (``model``, ``tools``, ..., without ``messages``) with its
-``conversation_id`` and an optional ``ttl``. The router asks the decode engine that holds the
-conversation's blocks to extend their lease (``/turnkv/v1/leases``, turnkv's connector) and moves
-its own entry's expiry accordingly, so the expiry it acts on stays truthful.
+``conversation_id`` and an optional ``ttl``. The router sends the conversation's signed offer to the
+decode engine that holds its blocks (``turnkv.wire.LEASE_ROUTE``: the offer is the credential), and
+stores the offer decode re-signed with its new expiry, so the expiry it acts on stays decode's.
+
+Limits: ``lease_max_ttl`` per call, ``tenant_lease_rate`` renewals per second per tenant.
+The entry stays in the store while decode renews (a turn arriving meanwhile takes it and reuses, as
+without the lease); the renewed entry replaces it only if it is still the same (compare-and-set), so
+a concurrent turn always wins. An engine that no longer holds the blocks (404/403, or renews nothing)
+drops the entry (410); an engine that fails (5xx, unreachable) leaves it in place (502): the old lease
+still stands.
 """
 
 from __future__ import annotations
@@ -19,23 +26,28 @@ from aiohttp import web
 
 from router import guard
 from router.flow import CONVERSATION_HEADER, Flow, error_response
+from turnkv import wire
 
-ENGINE_ROUTE = "/turnkv/v1/leases"
+ENGINE_ROUTE = wire.LEASE_ROUTE
 
 
 async def renew(flow: Flow, request: web.Request, body: Any, tenant: str = "") -> web.Response:
     if not isinstance(body, dict):
         raise guard.RequestError("the request body must be a JSON object")
     conversation_id = body.get("conversation_id") or request.headers.get(CONVERSATION_HEADER)
-    if not isinstance(conversation_id, str) or not conversation_id:
+    if not isinstance(conversation_id, str) or not conversation_id or len(conversation_id) > 256:
         raise guard.RequestError("'conversation_id' (or the X-Conversation-Id header) is required")
-    engine_ttl = float(flow.config.decoder_kv_blocks_ttl)
-    ttl = body.get("ttl", engine_ttl)
-    if not isinstance(ttl, (int, float)) or not 0 < ttl <= 3600:
-        raise guard.RequestError("'ttl' must be a number of seconds in (0, 3600]")
+    max_ttl = float(flow.config.lease_max_ttl)
+    ttl = body.get("ttl", min(max_ttl, float(flow.config.decoder_kv_blocks_ttl)))
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= max_ttl:
+        raise guard.RequestError(f"'ttl' must be a number of seconds in (0, {max_ttl:g}]")
+    rate = float(flow.config.tenant_lease_rate)
+    if not flow.lease_rate.allow(tenant, rate, max(1.0, rate * 10)):
+        return error_response(429, "too many lease renewals for this API key; slow down", "rate_limit_exceeded",
+                              headers={"Retry-After": "1"})
     kind = "completion" if body.get("kind") == "completion" else "chat"
     key = guard.conversation_key(flow.config.key_secret, tenant, conversation_id, guard.render_only(kind, body))
-    entry = await flow.store.take(key)
+    entry = await flow.store.get(key)
     if entry is None:
         return error_response(404, "no live KV for this conversation (expired, consumed, or different settings)",
                               "not_found")
@@ -44,23 +56,32 @@ async def renew(flow: Flow, request: web.Request, body: Any, tenant: str = "") -
     if engine is None or not request_id:
         return error_response(410, "the decode engine holding this conversation is gone", "gone")
     try:
-        async with flow.session.post(engine.url + ENGINE_ROUTE, data=orjson.dumps({"request_ids": [request_id],
-                                                                                   "ttl": ttl}),
+        async with flow.session.post(engine.url + ENGINE_ROUTE,
+                                     data=orjson.dumps({"offers": [entry.params], "ttl": ttl}),
                                      headers={"Content-Type": "application/json"},
                                      timeout=aiohttp.ClientTimeout(total=10)) as resp:
-            answer = await resp.json() if resp.status == 200 else {}
+            status = resp.status
+            answer = await resp.json(content_type=None) if status == 200 else {}
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        await flow.store.put(key, entry)  # unchanged: the old lease still stands
-        return error_response(502, f"decode engine {engine.name} did not renew: {exc!r}", "upstream_error")
-    left = (answer.get("renewed") or {}).get(request_id)
-    if left is None:
+        flow.log_engine_error("lease", engine, exc)
+        return error_response(502, "the decode engine did not answer; the previous lease still stands",
+                              "upstream_error")
+    if status >= 500 or status in (408, 429):
+        return error_response(502, f"the decode engine could not renew (HTTP {status}); the previous lease still "
+                                   "stands", "upstream_error")
+    renewed = (answer.get("renewed") or {}).get(request_id) if isinstance(answer, dict) else None
+    params = guard.replayable(renewed) if isinstance(renewed, dict) else None
+    if status != 200 or params is None:
+        # The engine no longer holds the blocks (freed, read, restarted) or refuses the offer: the entry is dead.
+        if await flow.store.swap(key, entry, None):
+            flow.release_retention(key)
         return error_response(410, "the decode engine no longer holds this conversation's KV", "gone")
-    lifetime = left - float(flow.config.expiry_margin)
-    params = dict(entry.params)
-    expiry = (answer.get("remote_blocks_expiry_time") or {}).get(request_id)
-    if expiry is not None:
-        # Prefill declines a read past this instant (decode's clock): it must move with the lease.
-        params["remote_blocks_expiry_time"] = expiry
-    renewed = dataclasses.replace(entry, params=params, expires_at=time.time() + lifetime)
-    await flow.store.put(key, renewed)
-    return web.json_response({"conversation_id": conversation_id, "expires_in": round(lifetime, 1)})
+    now = time.time()
+    expires = guard.entry_expiry(now, float(ttl), params, float(flow.config.expiry_margin))
+    if expires <= now:
+        return error_response(410, "the renewed lease is too short to use", "gone")
+    stored = await flow.store.swap(key, entry, dataclasses.replace(entry, params=params, expires_at=expires))
+    if not stored:  # a turn of this conversation took or replaced the entry meanwhile: it wins
+        return error_response(409, "the conversation moved on while renewing; renew again", "conflict")
+    flow.hold_retention(tenant, key, entry, expires)
+    return web.json_response({"conversation_id": conversation_id, "expires_in": round(expires - now, 1)})

@@ -83,6 +83,14 @@ class Metrics:
                                      registry=r)
         self.params_reloads = Counter("turnkv_router_params_reloads", "SSM re-reads by result.", ["result"],
                                       registry=r)
+        self.retention_refused = Counter("turnkv_router_retention_refused",
+                                         "Conversation turns not retained: the tenant's retention limits.",
+                                         registry=r)
+        self.admission_refused = Counter("turnkv_router_admission_refused",
+                                         "Requests refused with 429: in-flight limit of the router or the tenant.",
+                                         ["limit"], registry=r)
+        self.slow_readers = Counter("turnkv_router_slow_readers",
+                                    "Streams cut because the client did not read within write_timeout.", registry=r)
         self.push_dispatch = Counter("turnkv_router_push_dispatches",
                                      "Push-mode dispatches: concurrent (identity known) or serial.", ["kind"],
                                      registry=r)

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from turnkv import params
+from turnkv import params, wire
 
 
 class Role(StrEnum):
@@ -61,6 +61,10 @@ class EngineSpec:
     extra_args: tuple[str, ...] = ()
     #: A connector class other than the mode's (e.g. upstream "NixlPushConnector", no module path).
     connector: str | None = None
+    #: File holding the deployment's offer secret (``turnkv.wire``): decode signs its offers with it and prefill
+    #: reads only offers it verifies. ``turnkv local up`` generates one; on AWS the node writes the Secrets
+    #: Manager secret named by ``TURNKV_OFFER_SECRET_ID`` there.
+    offer_secret_file: str | None = None
 
 
 def kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
@@ -115,6 +119,7 @@ def serve_env(spec: EngineSpec) -> dict[str, str]:
         # vLLM loads endpoint plugins (turnkv's lease route) only when allow-listed; the list then
         # applies to general plugins too, so it names both of turnkv's.
         "VLLM_PLUGINS": "turnkv,turnkv-leases",
+        **({wire.OFFER_SECRET_FILE_ENV: spec.offer_secret_file} if spec.offer_secret_file else {}),
     }
     if spec.model.startswith("/"):
         env["HF_HUB_OFFLINE"] = "1"

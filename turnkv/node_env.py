@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from turnkv import params
+from turnkv import params, wire
 from turnkv.engine_args import EngineSpec, Mode, Role
 
 #: Paths on the node.
@@ -46,6 +46,9 @@ SIDE_CHANNEL_HOST = "TURNKV_SIDE_CHANNEL_HOST"
 SIDE_CHANNEL_PORT = "TURNKV_SIDE_CHANNEL_PORT"
 BACKENDS = "TURNKV_BACKENDS"
 TUNABLES_FILE_VAR = params.TUNABLES_FILE_ENV
+#: The deployment's offer secret file (turnkv.wire); the node writes the Secrets Manager secret named by
+#: TURNKV_OFFER_SECRET_ID into it before the engine starts.
+OFFER_SECRET_FILE_VAR = wire.OFFER_SECRET_FILE_ENV
 MODEL_S3_URI = "TURNKV_MODEL_S3_URI"
 #: vLLM reads this itself; written too so the engine advertises a routable address even if started by hand.
 VLLM_SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
@@ -86,6 +89,7 @@ class EngineEnv:
     backends: tuple[str, ...] = EFA_BACKENDS
     tunables_file: str = TUNABLES_FILE
     model_s3_uri: str | None = None
+    offer_secret_file: str = wire.DEFAULT_OFFER_SECRET_FILE
 
     def variables(self) -> dict[str, str]:
         out = {
@@ -102,6 +106,7 @@ class EngineEnv:
             SIDE_CHANNEL_PORT: str(int(self.side_channel_port)),
             BACKENDS: ",".join(self.backends),
             TUNABLES_FILE_VAR: self.tunables_file,
+            OFFER_SECRET_FILE_VAR: self.offer_secret_file,
             VLLM_SIDE_CHANNEL_HOST: self.side_channel_host,
         }
         if self.model_s3_uri:
@@ -166,4 +171,5 @@ def engine_spec(env: Mapping[str, str], tunables: Mapping[str, int | float] | No
         max_model_len=int(env.get(MAX_MODEL_LEN, 8192)),
         backends=tuple(b for b in env.get(BACKENDS, ",".join(EFA_BACKENDS)).split(",") if b),
         tunables=engine_tunables,
+        offer_secret_file=env.get(OFFER_SECRET_FILE_VAR) or wire.DEFAULT_OFFER_SECRET_FILE,
     )

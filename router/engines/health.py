@@ -51,7 +51,13 @@ async def discovery_loop(pool: EnginePool, discover: Callable[[], Awaitable[dict
             found = await discover()
             for role in ROLES:
                 before = {e.url for e in pool.by_role(role)}
-                pool.replace(role, found.get(role, []))
+                if not found.get(role):
+                    # An empty answer is far more often a Cloud Map hiccup or a deploy in progress than every
+                    # engine gone at once: keep serving with the last known engines (probes still eject them).
+                    if before:
+                        log.warning("discovery: no %s engines in the answer; keeping the %d known", role, len(before))
+                    continue
+                pool.replace(role, found[role])
                 after = {e.url for e in pool.by_role(role)}
                 if before != after:
                     log.info("discovery: %s engines now %s", role, sorted(after))

@@ -42,6 +42,15 @@ class StoreError(RuntimeError):
 class ConversationStore(Protocol):
     async def put(self, key: str, entry: Entry) -> None: ...
 
+    async def get(self, key: str) -> Entry | None:
+        """The live entry for ``key`` without taking it (None when absent or expired)."""
+        ...
+
+    async def swap(self, key: str, old: Entry, new: Entry | None) -> bool:
+        """Replace ``old`` with ``new`` (None: delete) only if ``old`` is still the stored entry; True when done.
+        A concurrent turn that took or replaced the entry meanwhile wins."""
+        ...
+
     async def take(self, key: str) -> Entry | None:
         """Remove and return the live entry for ``key`` (None when absent or expired)."""
         ...

@@ -23,6 +23,12 @@ KEY_PREFIX = "turnkv:conv:"
 USERNAME_ENV = "TURNKV_STORE_USERNAME"
 PASSWORD_ENV = "TURNKV_STORE_PASSWORD"
 SECRET_KEY = "turnkv:key-secret"
+#: Compare-and-set of one entry (KEYS[1]; ARGV: expected value, new value or "" to delete, TTL in ms).
+SWAP_SCRIPT = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] == '' then redis.call('DEL', KEYS[1]) else redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) end
+return 1
+"""
 
 
 class ValkeyStore:
@@ -45,6 +51,21 @@ class ValkeyStore:
         if ttl_ms <= 0:
             return
         await self.client.set(self.prefix + key, entry.to_bytes(), px=ttl_ms)
+
+    async def get(self, key: str) -> Entry | None:
+        raw = await self.client.get(self.prefix + key)
+        if raw is None:
+            return None
+        entry = Entry.from_bytes(raw)
+        return entry if entry.expires_at > self._clock() else None
+
+    async def swap(self, key: str, old: Entry, new: Entry | None) -> bool:
+        ttl_ms = 0 if new is None else int((new.expires_at - self._clock()) * 1000)
+        if new is not None and ttl_ms <= 0:
+            new = None
+        done = await self.client.eval(SWAP_SCRIPT, 1, self.prefix + key, old.to_bytes(),
+                                      b"" if new is None else new.to_bytes(), max(ttl_ms, 1))
+        return bool(done)
 
     async def take(self, key: str) -> Entry | None:
         raw = await self.client.getdel(self.prefix + key)

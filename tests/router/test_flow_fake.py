@@ -9,9 +9,10 @@ import orjson
 
 from router.app import FLOW, METRICS
 from router.auth import ApiKeys, parse_keys
-from router.guard import History
+from router.engines import Engine
 from router.state import Entry
 from router.state.memory import MemoryStore
+from tests.conftest import free_port
 from tests.router.conftest import engines, router_over
 
 MSGS = [{"role": "user", "content": "hello " * 200}]
@@ -108,28 +109,41 @@ async def test_stored_params_naming_an_unknown_host_are_refused():
         assert p[0].seen_params[-1]["remote_host"] is None
 
 
-async def test_prefill_failure_is_retried_on_another_engine():
+async def test_prefill_failure_is_retried_on_another_engine_without_ejecting_it():
     p, d = engines(2, "prefill"), engines(1, "decode")
     p[0].fault = {"status": 500}
     async with router_over(p, d, policy="round_robin") as (s, app):
-        for _ in range(3):
+        for _ in range(4):
             assert (await chat(s, conversation=None))["status"] == 200
-        assert p[1].stats["prefill"] == 3
-        assert app[FLOW].pool.prefill[0].healthy is False  # ejected after the failure
+        assert p[1].stats["prefill"] == 4
+        # a failing request is no evidence against the engine (it may be the request): only probes and
+        # connect failures eject
+        assert app[FLOW].pool.prefill[0].healthy is True
         metrics = app[METRICS].registry.get_sample_value("turnkv_router_retries_total",
                                                          {"leg": "prefill", "reason": "http_500"})
-        assert metrics == 1
+        assert metrics == p[0].stats["errors"] >= 1
 
 
-async def test_dead_prefill_engine_is_skipped():
-    p, d = engines(2, "prefill"), engines(1, "decode")
-    dead = p.pop(0)
-    async with router_over([dead, *p], d) as (s, _):
-        pass  # start both, then stop the first for real
+async def test_dead_prefill_engine_is_ejected_on_connect_failure_and_skipped():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    dead_port = free_port()  # nothing listens there: connections are refused
     async with router_over(p, d) as (s, app):
-        app[FLOW].pool.prefill.insert(0, type(app[FLOW].pool.prefill[0])(f"http://127.0.0.1:{dead.port}", "prefill"))
-        app[FLOW].pool.prefill[1].outstanding = 5  # make the dead one the first choice
-        assert (await chat(s, conversation=None))["status"] == 200
+        pool = app[FLOW].pool
+        dead = Engine(f"http://127.0.0.1:{dead_port}", "prefill")
+        pool.prefill.insert(0, dead)
+        pool.prefill[1].outstanding = 5  # make the dead one the first choice
+        first = await chat(s, conversation=None)
+        pool.prefill[1].outstanding = 0
+        assert first["status"] == 200 and first["text"]
+        assert dead.healthy is False  # a refused connection is evidence: ejected at once
+        retries = app[METRICS].registry.get_sample_value("turnkv_router_retries_total",
+                                                         {"leg": "prefill", "reason": "connect"})
+        assert retries == 1
+        for _ in range(3):  # later requests do not try it again
+            assert (await chat(s, conversation=None))["status"] == 200
+        assert app[METRICS].registry.get_sample_value("turnkv_router_retries_total",
+                                                      {"leg": "prefill", "reason": "connect"}) == 1
+        assert p[0].stats["prefill"] == 4
 
 
 async def test_decode_failure_before_first_token_is_retried_elsewhere():
@@ -164,17 +178,20 @@ async def test_decode_dying_mid_stream_ends_with_an_error_event():
 
 async def test_failed_reuse_pull_is_retried_without_reuse():
     p, d = engines(2, "prefill"), engines(1, "decode")
-    async with router_over(p, d, policy="round_robin") as (s, _):
+    async with router_over(p, d) as (s, app):
         first = await chat(s, conversation="pf")
-        for e in p:
-            e.fault = {"status": 500}
-        p[1].fault = {}
-        # whichever prefill gets the replay, a failure drops reuse on the retry
+        pool = app[FLOW].pool
+        p[0].fault = {"status": 500}
+        pool.prefill[1].outstanding = 5  # the replay goes to the failing engine first
         second = await chat(s, next_turn(MSGS, first["text"]), conversation="pf")
+        pool.prefill[1].outstanding = 0
         assert second["status"] == 200
-        assert second["headers"]["X-TurnKV-Reuse-Outcome"] in ("hit", "recompute")
-        if second["headers"]["X-TurnKV-Reuse-Outcome"] == "recompute":
-            assert p[1].seen_params[-1]["remote_block_ids"] is None
+        # the failing engine was given decode's offer; the retry went elsewhere without it (the blocks of a
+        # pull that may have started are not read twice)
+        assert p[0].seen_params[-1]["remote_engine_id"] == "decode-0" and p[0].stats["errors"] == 1
+        assert p[1].seen_params[-1]["remote_block_ids"] is None
+        assert second["headers"]["X-TurnKV-Reuse-Outcome"] == "recompute"
+        assert second["headers"]["X-TurnKV-Reused-Tokens"] == "0" and p[1].stats["pulled"] == 0
 
 
 async def test_client_disconnect_aborts_both_legs():
@@ -264,10 +281,6 @@ async def test_all_ejected_engines_are_still_tried_and_no_engine_is_a_503():
             assert ready.status == 503
 
 
-def test_history_type_is_stable():
-    assert History("chat", "r", "d", 1).length == 1
-
-
 async def test_one_emf_line_per_request_and_the_request_id_in_log_lines(caplog):
     import io
     import logging
@@ -292,7 +305,11 @@ async def test_one_emf_line_per_request_and_the_request_id_in_log_lines(caplog):
         assert [x["request_id"] for x in lines] == ["rid-0", "rid-1"]
         assert lines[0]["_aws"]["CloudWatchMetrics"][0]["Namespace"] == "turnkv/Router"
         assert lines[0]["ReuseOutcome"] == "miss" and lines[0]["TTFT"] > 0
-        assert sum(x["retries"] for x in lines) == 1
+        assert [x["retries"] for x in lines] == [1, 1]  # the failing engine stays in the pool (no probe failed)
+        # the client's id is echoed and logged, never sent to an engine: each dispatch and retry has its own
+        sent = p[0].seen_request_ids + d[0].seen_request_ids
+        assert sent and not {"rid-0", "rid-1"} & set(sent) and all(x.startswith("turnkv-") for x in sent)
+        assert len(set(p[0].seen_request_ids)) == len(p[0].seen_request_ids) == 2
         warned = [rec for rec in caplog.records if "retrying" in rec.getMessage()]
         assert warned and warned[0].request_id in ("rid-0", "rid-1")
 

@@ -79,6 +79,22 @@ async def test_put_take_single_use_and_ttl(redis_server):
         await store.close()
 
 
+async def test_swap_is_compare_and_set_across_replicas(redis_server):
+    a, b = ValkeyStore(redis_server.url), ValkeyStore(redis_server.url)
+    try:
+        old = Entry({"x": 1}, H, time.time() + 30)
+        newer = Entry({"x": 2}, H, time.time() + 60)
+        await a.put("k", old)
+        assert await b.get("k") == old and await a.get("k") == old  # get does not take
+        await b.put("k", newer)  # a concurrent turn on another replica
+        assert await a.swap("k", old, Entry({"x": 3}, H, time.time() + 90)) is False
+        assert await a.get("k") == newer
+        assert await a.swap("k", newer, None) is True and await b.get("k") is None
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_two_replicas_share_conversations_and_one_take_wins(redis_server):
     import asyncio
 

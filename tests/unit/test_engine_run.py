@@ -36,7 +36,12 @@ def test_full_env_to_spec():
         role=Role.DECODE, engine_id="prod-decode-i-0123456789abcdef0", model="/opt/turnkv/models/qwen3-32b",
         served_model_name="qwen3-32b", host="0.0.0.0", port=8000, side_channel_host="10.0.12.34",
         side_channel_port=5600, mode=Mode.PUSH, bidirectional=False, tensor_parallel_size=8, max_model_len=32768,
-        backends=("LIBFABRIC",), tunables=params.defaults(params.Scope.ENGINE))
+        backends=("LIBFABRIC",), tunables=params.defaults(params.Scope.ENGINE),
+        offer_secret_file="/etc/turnkv/offer-secret")
+    # the engines sign and verify offers with the deployment's secret (turnkv.wire)
+    assert engine.serve_env(spec)["TURNKV_OFFER_SECRET_FILE"] == "/etc/turnkv/offer-secret"
+    other = engine.spec_from_env({**FULL, "TURNKV_OFFER_SECRET_FILE": "/run/secret"})
+    assert other.offer_secret_file == "/run/secret"
 
 
 def test_defaults_fill_optional_variables():

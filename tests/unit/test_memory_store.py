@@ -40,3 +40,28 @@ async def test_bounded_lru():
 def test_entry_round_trips_through_bytes():
     e = entry()
     assert Entry.from_bytes(e.to_bytes()) == e
+
+
+async def test_bounded_in_bytes_whatever_the_entry_count():
+    """A 128k-token entry is about 208 KB: an entry-count bound alone lets the store outgrow its task."""
+    big = Entry({"remote_block_ids": [list(range(8000))], "turnkv_token_proof": {"digests": ["ab" * 8] * 1000}},
+                H, 100.0, "decode-0")
+    store = MemoryStore(100_000, clock=lambda: 0.0, max_bytes=1_000_000)
+    for i in range(40):
+        await store.put(f"{i:04x}", big)
+    assert store.bytes <= 1_000_000 and 0 < len(store) < 40 and store.evicted == 40 - len(store)
+    assert await store.take("0000") is None and await store.take(f"{39:04x}") is not None
+    assert store.bytes < 1_000_000 - 20_000
+    store.max_bytes = 100  # an entry larger than the whole store is not kept
+    await store.put("ffff", entry())
+    assert store.peek("ffff") is None
+
+
+async def test_swap_is_compare_and_set():
+    store = MemoryStore(10, clock=lambda: 0.0)
+    await store.put("k", entry())
+    assert await store.get("k") == entry()
+    assert await store.swap("k", entry(expires_at=1.0), entry(expires_at=200.0)) is False  # not what is stored
+    assert await store.swap("k", entry(), entry(expires_at=200.0)) is True
+    assert (await store.get("k")).expires_at == 200.0
+    assert await store.swap("k", entry(expires_at=200.0), None) is True and await store.get("k") is None

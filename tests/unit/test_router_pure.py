@@ -167,10 +167,13 @@ def test_conversation_keys_differ_by_tenant_and_secret():
 def test_entry_expiry_never_outlives_the_engine():
     assert guard.entry_expiry(1000, 450, {}, 10) == 1450
     now = 1.8e9
-    assert guard.entry_expiry(now, 450, {"remote_blocks_expiry_time": now + 100}, 10) == now + 90
-    assert guard.entry_expiry(now, 450, {"remote_blocks_expiry_time": None}, 10) == now + 450
+    # decode's wall-clock expiry (turnkv's connector) is the authority: a late store cannot outlive it
+    assert guard.entry_expiry(now, 450, {"turnkv_expires_at": now + 100}, 10) == now + 90
+    assert guard.entry_expiry(now, 450, {"turnkv_expires_at": now - 30}, 10) == now - 40
+    assert guard.entry_expiry(now, 450, {"turnkv_expires_at": None}, 10) == now + 450
     # vLLM exports decode's perf_counter (seconds since boot): not comparable, ignored
     assert guard.entry_expiry(now, 450, {"remote_blocks_expiry_time": 12345.6}, 10) == now + 450
+    assert guard.entry_expiry(now, 450, {"remote_blocks_expiry_time": now + 100}, 10) == now + 450
 
 
 def test_push_helpers():

@@ -21,7 +21,7 @@ from typing import Annotated
 
 import typer
 
-from turnkv import params
+from turnkv import params, wire
 from turnkv.engine_args import EngineSpec, Mode, Role, serve_args, serve_env
 
 # engine.env variable names and paths: defined once in turnkv/node_env.py.
@@ -162,6 +162,7 @@ def spec_from_env(env: Mapping[str, str], tunables: Mapping[str, int | float] | 
         max_model_len=max_len,
         backends=backends,
         tunables=engine_tunables,
+        offer_secret_file=env.get(wire.OFFER_SECRET_FILE_ENV) or wire.DEFAULT_OFFER_SECRET_FILE,
     )
 
 

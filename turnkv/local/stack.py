@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -22,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from turnkv import engine_args, params
+from turnkv import engine_args, params, wire
 from turnkv.engine_args import EngineSpec, Mode, Role
 from turnkv.local import model as model_maker
 
@@ -91,6 +92,21 @@ class ProcessSpec:
         return f"http://127.0.0.1:{self.port}"
 
 
+def offer_secret_path(config: StackConfig) -> Path:
+    """The stack's offer secret (``turnkv.wire``): created by ``up``, shared by its engines."""
+    return config.state_dir.resolve() / "offer-secret"
+
+
+def ensure_offer_secret(path: Path) -> None:
+    """Create the deployment's offer secret once (0600); engines of later ``up`` runs keep it."""
+    if path.exists() and path.read_bytes().strip():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+
+
 def _cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
@@ -113,6 +129,7 @@ def _engine_process(config: StackConfig, spec: EngineSpec, core: int | None) -> 
         "HF_HOME": str(state / "cache" / "hf"),
         "PYTHONUNBUFFERED": "1",
         params.TUNABLES_FILE_ENV: str(state / "tunables.json"),
+        wire.OFFER_SECRET_FILE_ENV: str(offer_secret_path(config)),
     }
     return ProcessSpec(spec.engine_id, argv, env, spec.port, f"http://127.0.0.1:{spec.port}/health",
                        state / "logs" / f"{spec.engine_id}.log", extra_ports=(spec.side_channel_port,))
@@ -295,6 +312,7 @@ class Supervisor:
         on_event("model", "ready")
         for sub in ("logs", "tmp", "cache"):
             (config.state_dir / sub).mkdir(parents=True, exist_ok=True)
+        ensure_offer_secret(offer_secret_path(config))
         state = {"config": _jsonable(config), "components": {}, "started_at": time.time()}
         try:
             engines = [p for p in procs if p.kind == "engine"]

@@ -1,0 +1,109 @@
+"""Per-tenant and global limits (pure, no I/O): admission, retention and lease renewal rate.
+
+- ``Admission``: requests in flight, globally and per tenant (a request over either gets 429).
+- ``RetentionLedger``: the live conversations and retained decode tokens of each tenant, so no tenant can
+  pin an unbounded share of decode memory (over its limits, new turns are served but not retained).
+- ``TokenBucket``: lease renewals per tenant per second.
+
+Counts are per router process; replicas each enforce their share (docs/router.md).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+class Admission:
+    def __init__(self) -> None:
+        self.total = 0
+        self.by_tenant: dict[str, int] = {}
+
+    def try_enter(self, tenant: str, max_total: int, max_tenant: int) -> str | None:
+        """None when admitted (call ``leave`` when done), else which limit refused it."""
+        if self.total >= max_total:
+            return "router"
+        if self.by_tenant.get(tenant, 0) >= max_tenant:
+            return "tenant"
+        self.total += 1
+        self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + 1
+        return None
+
+    def leave(self, tenant: str) -> None:
+        self.total -= 1
+        left = self.by_tenant.get(tenant, 0) - 1
+        if left > 0:
+            self.by_tenant[tenant] = left
+        else:
+            self.by_tenant.pop(tenant, None)
+
+
+@dataclass
+class _Tenant:
+    conversations: dict[str, tuple[int, float]] = field(default_factory=dict)  # key -> (tokens, expires_at)
+    tokens: int = 0
+
+
+class RetentionLedger:
+    """What each tenant retains on decode engines, by conversation key, until the entry expires or is taken."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._tenants: dict[str, _Tenant] = {}
+        self._owner: dict[str, str] = {}
+        self._clock = clock
+
+    def _purge(self, t: _Tenant) -> None:
+        now = self._clock()
+        for key in [k for k, (_, exp) in t.conversations.items() if exp <= now]:
+            self.release(key)
+
+    def allows(self, tenant: str, tokens: int, max_conversations: int, max_tokens: int) -> bool:
+        """Whether ``tenant`` may retain one more turn of ``tokens`` tokens."""
+        t = self._tenants.get(tenant)
+        if t is None:
+            return tokens <= max_tokens
+        self._purge(t)
+        return len(t.conversations) < max_conversations and t.tokens + tokens <= max_tokens
+
+    def hold(self, tenant: str, key: str, tokens: int, expires_at: float) -> None:
+        self.release(key)
+        t = self._tenants.setdefault(tenant, _Tenant())
+        t.conversations[key] = (tokens, expires_at)
+        t.tokens += tokens
+        self._owner[key] = tenant
+
+    def release(self, key: str) -> None:
+        tenant = self._owner.pop(key, None)
+        if tenant is None:
+            return
+        t = self._tenants[tenant]
+        tokens, _ = t.conversations.pop(key)
+        t.tokens -= tokens
+        if not t.conversations:
+            del self._tenants[tenant]
+
+    def usage(self, tenant: str) -> tuple[int, int]:
+        t = self._tenants.get(tenant)
+        return (0, 0) if t is None else (len(t.conversations), t.tokens)
+
+
+class TokenBucket:
+    """``rate`` events per second per key, bursts of ``burst``."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, max_keys: int = 100_000) -> None:
+        self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, last refill)
+        self._clock = clock
+        self._max_keys = max_keys
+
+    def allow(self, key: str, rate: float, burst: float) -> bool:
+        now = self._clock()
+        tokens, last = self._buckets.get(key, (burst, now))
+        tokens = min(burst, tokens + (now - last) * rate)
+        if len(self._buckets) >= self._max_keys and key not in self._buckets:
+            self._buckets.clear()  # a flood of new keys: forget the old ones rather than grow without bound
+        if tokens < 1:
+            self._buckets[key] = (tokens, now)
+            return False
+        self._buckets[key] = (tokens - 1, now)
+        return True

@@ -1,0 +1,291 @@
+"""Trust and limits over fake engines that return what vLLM + turnkv's connector return (bench.fake_engine):
+engine-authoritative expiry, router-owned request ids, min_tokens, error redaction, the push leak, leases,
+retention and admission limits, ops routes, media, render fields."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+
+from router.app import FLOW, METRICS
+from router.auth import ApiKeys, parse_keys
+from router.guard import History
+from router.state import Entry
+from router.state.memory import MemoryStore
+from tests.router.conftest import engines, router_over
+from tests.router.test_flow_fake import MSGS, chat, next_turn
+from turnkv import wire
+
+
+def words(text: str) -> list[str]:
+    """A fake decode's reply without its first word (``rid-<the engines' request id>``, which differs per
+    dispatch by design): ``kv-<digest of the KV it decoded from>`` and the generated words."""
+    return text.split()[1:]
+
+
+async def test_slow_reader_entry_expires_with_decode_not_with_the_router():
+    """A client reading a long stream slowly makes the router store the entry long after decode finished and
+    started its TTL. The entry must die with decode's blocks, not live the router's lifetime past them."""
+    store = MemoryStore(100)
+    # upstream-like prefill: reads whatever it is given (no wall-clock or signature check of its own)
+    p = engines(1, "prefill", verify_offers=False)
+    d = engines(1, "decode", expiry_ttl=7.0)
+    async with router_over(p, d, store=store, tunables={"expiry_margin": 5}) as (s, _):
+        d[0].fault = {"token_delay": 0.5}  # decode's blocks are retained from the start; the stream takes ~2 s
+        first = await chat(s, conversation="slow", stream=True)
+        d[0].fault = {}
+        assert first["status"] == 200
+        await asyncio.sleep(7.5 - 2.0)  # decode has freed the blocks now
+        second = await chat(s, next_turn(MSGS, first["text"]), conversation="slow")
+        assert second["status"] == 200
+        assert p[0].stats["stale_reads"] == 0, "prefill read blocks decode had already freed"
+        assert second["headers"]["X-TurnKV-Reuse-Outcome"] in ("miss", "expired")
+
+
+async def test_prefill_refuses_an_offer_past_its_wall_clock_expiry_whatever_the_router_believes():
+    store = MemoryStore(100)
+    # prefill's skew margin is 10 s: it refuses the offer 2 s after decode made it
+    p, d = engines(1, "prefill", expiry_skew=10.0), engines(1, "decode", expiry_ttl=12.0)
+    async with router_over(p, d, store=store) as (s, _):
+        first = await chat(s, conversation="late")
+        [key] = store.conversation_keys()
+        entry = store.peek(key)
+        assert entry.params[wire.EXPIRES_AT] <= time.time() + 12.0
+        # the router believes the entry lives on (a TTL lowered in SSM and picked up late, a queued prefill)
+        await store.put(key, Entry(entry.params, entry.history, time.time() + 60, entry.decode_engine,
+                                   entry.stored_at))
+        await asyncio.sleep(2.2)
+        second = await chat(s, next_turn(MSGS, first["text"]), conversation="late")
+        assert second["status"] == 200 and second["headers"]["X-TurnKV-Reused-Tokens"] == "0"
+        assert p[0].refused_offers == {"expired": 1} and p[0].stats["stale_reads"] == 0
+
+
+async def test_decode_params_carry_a_monotonic_expiry_and_a_signed_wall_clock_one():
+    """What real vLLM returns (perf_counter, not Unix time) plus what turnkv's connector adds."""
+    store = MemoryStore(100)
+    p, d = engines(1, "prefill"), engines(1, "decode", expiry_ttl=30.0)
+    async with router_over(p, d, store=store) as (s, _):
+        await chat(s, conversation="shape")
+        [key] = store.conversation_keys()
+        params = store.peek(key).params
+        assert params["remote_blocks_expiry_time"] < 1e9  # not a Unix timestamp
+        assert abs(params[wire.EXPIRES_AT] - (time.time() + 30)) < 2
+        assert wire.check_offer(b"fake-offer-secret", params, "fake-model-fingerprint", time.time(), 0) == "ok"
+
+
+async def test_concurrent_push_requests_with_one_client_request_id_get_their_own_answers():
+    p = engines(1, "prefill", mode="push", bidirectional=False)
+    d = engines(2, "decode", mode="push", bidirectional=False)
+    prompts = [[{"role": "user", "content": f"question {i} " * 50}] for i in range(2)]
+    async with router_over(p, d, mode="push", identity=True, policy="round_robin") as (s, _):
+        alone = [words((await chat(s, m, conversation=None, headers={"X-TurnKV-Reuse": "off"}))["text"])
+                 for m in prompts]
+        assert alone[0] != alone[1]
+        p[0].fault = {"delay": 0.3}  # both decode legs register before either prefill finishes
+        same = {"X-Request-Id": "gateway-constant-id"}
+        both = await asyncio.gather(*(chat(s, m, conversation=None, headers=same) for m in prompts))
+        assert [r["status"] for r in both] == [200, 200]
+        assert [words(r["text"]) for r in both] == alone
+        assert all({k.lower(): v for k, v in r["headers"].items()}["x-request-id"] == "gateway-constant-id"
+                   for r in both)
+        assert "gateway-constant-id" not in p[0].seen_request_ids + d[0].seen_request_ids + d[1].seen_request_ids
+
+
+async def test_non_ascii_request_id_is_a_clean_400():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d) as (s, _):
+        host, port = s._base_url.host, s._base_url.port
+        reader, writer = await asyncio.open_connection(host, port)
+        body = orjson.dumps({"model": "tiny", "messages": MSGS, "max_tokens": 2})
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"X-Request-Id: caf\xc3\xa9-\xff\xfe\r\nContent-Length: " + str(len(body)).encode() +
+                     b"\r\nConnection: close\r\n\r\n" + body)
+        await writer.drain()
+        raw = await reader.read()
+        writer.close()
+        assert raw.startswith(b"HTTP/1.1 400"), raw[:200]
+        assert b"X-Request-Id" in raw and p[0].stats["requests"] == 0
+
+
+async def test_min_tokens_above_one_is_served():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d) as (s, _):
+        for stream in (False, True):
+            r = await chat(s, conversation=None, stream=stream, min_tokens=5, max_tokens=8)
+            assert r["status"] == 200, r.get("error")
+        assert "min_tokens" not in orjson.dumps(p[0].seen_params).decode()
+
+
+async def test_engine_errors_on_a_hit_never_reach_the_client_verbatim():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d) as (s, _):
+        first = await chat(s, conversation="leak")
+        p[0].fault = {"status": 400, "echo": True}  # an engine error that echoes the replayed params
+        second = await chat(s, next_turn(MSGS, first["text"]), conversation="leak")
+        assert second["status"] == 400
+        text = second["raw"].decode()
+        for secret in ("remote_", "decode-0", "127.0.0.1", str(d[0].side_channel_port), str(p[0].port),
+                       "block", wire.SIGNATURE):
+            assert secret not in text, text
+        assert second["error"]["error"]["message"].startswith("the model server refused the request (HTTP 400)")
+        p[0].fault = {"status": 400}  # a plain validation message names nothing internal: passed on
+        third = await chat(s, conversation=None)
+        assert third["error"]["error"]["message"] == "injected fault"
+        d[0].fault = {"die_after_first": True}
+        p[0].fault = {}
+        cut = await chat(s, conversation=None, stream=True)
+        assert "127.0.0.1" not in cut["raw"].decode() and "decode-0" not in cut["raw"].decode()
+
+
+async def test_push_prefill_failing_after_decode_opened_closes_the_decode_stream():
+    p = engines(1, "prefill", mode="push", bidirectional=False)
+    d = engines(1, "decode", mode="push", bidirectional=False, push_wait=0.1)
+    async with router_over(p, d, mode="push", identity=True) as (s, app):
+        d[0].fault = {"token_delay": 0.3}
+        p[0].fault = {"delay": 0.5, "status": 400}  # decode gives up waiting at 0.1 s and starts streaming
+        for stream in (True, False):
+            r = await chat(s, conversation=None, stream=stream, max_tokens=20)
+            assert r["status"] == 400
+        await asyncio.sleep(0.5)
+        pool = app[FLOW].pool
+        assert [e.outstanding for e in pool.all] == [0, 0] and [e.outstanding_tokens for e in pool.all] == [0, 0]
+        assert d[0].stats["running"] == 0 and d[0].stats["aborted"] >= 1
+
+
+async def _lease(s, conversation, ttl=60):
+    async with s.post("/v1/conversations/lease", json={"model": "tiny", "conversation_id": conversation,
+                                                       "ttl": ttl}) as resp:
+        return resp.status, await resp.json()
+
+
+async def test_lease_renews_with_decode_and_survives_engine_failures_and_concurrent_turns():
+    store = MemoryStore(100)
+    p, d = engines(1, "prefill"), engines(1, "decode", expiry_ttl=20.0)
+    async with router_over(p, d, store=store) as (s, _):
+        first = await chat(s, conversation="L")
+        [key] = store.conversation_keys()
+        before = store.peek(key).params[wire.EXPIRES_AT]
+        status, body = await _lease(s, "L", ttl=200)
+        assert status == 200 and body["expires_in"] > 150
+        renewed = store.peek(key).params
+        assert renewed[wire.EXPIRES_AT] > before + 100  # decode's new expiry, re-signed by decode
+        # an engine that fails (5xx) leaves the entry: the old lease still stands
+        d[0].fault = {"lease_status": 503}
+        status, _ = await _lease(s, "L")
+        assert status == 502 and store.peek(key) is not None
+        # a concurrent turn wins over a renewal in flight
+        d[0].fault = {"lease_delay": 0.5}
+        renewal = asyncio.create_task(_lease(s, "L"))
+        await asyncio.sleep(0.1)
+        turn2 = await chat(s, next_turn(MSGS, first["text"]), conversation="L")
+        assert turn2["headers"]["X-TurnKV-Reuse-Outcome"] == "hit"
+        newer = store.peek(key)
+        status, _ = await renewal
+        # decode no longer holds the old blocks (410) or the entry moved on (409): either way the newer turn stays
+        assert status in (409, 410) and store.peek(key) == newer and newer is not None
+        # an engine that no longer holds the blocks: the entry is dropped (410), not kept to be read
+        d[0].fault = {"lease_status": 404}
+        status, _ = await _lease(s, "L")
+        assert status == 410 and store.peek(key) is None
+
+
+async def test_lease_ttl_and_renewal_rate_are_bounded_per_tenant():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d, tunables={"lease_max_ttl": 100, "tenant_lease_rate": 0.1}) as (s, _):
+        await chat(s, conversation="R")
+        status, body = await _lease(s, "R", ttl=3600)
+        assert status == 400 and "(0, 100]" in body["error"]["message"]
+        statuses = [(await _lease(s, "R", ttl=50))[0] for _ in range(3)]
+        assert statuses[0] == 200 and 429 in statuses
+
+
+async def test_tenant_retention_limits_stop_pinning_decode_memory():
+    keys = ApiKeys(parse_keys('{"tenants": {"acme": "acme-key-123", "globex": "globex-key-456"}}'))
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d, keys=keys, tunables={"tenant_max_conversations": 2}) as (s, app):
+        acme = {"Authorization": "Bearer acme-key-123"}
+        for i in range(3):
+            await chat(s, conversation=f"a{i}", headers=acme)
+        retained = [bool(x and x.get(wire.RETAIN)) for x in d[0].seen_params[-3:]]
+        assert retained == [True, True, False]
+        assert app[METRICS].registry.get_sample_value("turnkv_router_retention_refused_total") == 1
+        # another tenant is not affected; a taken turn frees its slot
+        assert (await chat(s, conversation="g", headers={"Authorization": "Bearer globex-key-456"}))["status"] == 200
+        assert d[0].seen_params[-1].get(wire.RETAIN) is True
+
+
+async def test_admission_control_per_tenant_and_globally():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d, tunables={"tenant_max_inflight": 1}) as (s, app):
+        p[0].fault = {"delay": 0.5}
+        slow = asyncio.create_task(chat(s, conversation=None))
+        await asyncio.sleep(0.1)
+        refused = await chat(s, conversation=None)
+        assert refused["status"] == 429 and refused["headers"]["Retry-After"] == "1"
+        assert (await slow)["status"] == 200
+        p[0].fault = {}
+        assert (await chat(s, conversation=None))["status"] == 200  # the slot came back
+        assert app[METRICS].registry.get_sample_value("turnkv_router_admission_refused_total",
+                                                      {"limit": "tenant"}) == 1
+
+
+async def test_ops_routes_are_not_served_through_the_load_balancer():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d) as (s, _):
+        for path in ("/health", "/ready", "/metrics"):
+            async with s.get(path) as direct, s.get(path, headers={"X-Forwarded-For": "203.0.113.9"}) as via_alb:
+                assert direct.status == 200 and via_alb.status == 404
+
+
+async def test_images_behind_urls_are_never_reused_but_inline_bytes_are():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d) as (s, _):
+        for url, expect in (("https://example.com/cat.png", "none"), ("data:image/png;base64,iVBORw0KGgo=", "hit")):
+            msgs = [{"role": "user", "content": [{"type": "text", "text": "what is this? " * 50},
+                                                 {"type": "image_url", "image_url": {"url": url}}]}]
+            first = await chat(s, msgs, conversation=f"img-{expect}")
+            second = await chat(s, next_turn(msgs, first["text"]), conversation=f"img-{expect}")
+            assert second["headers"]["X-TurnKV-Reuse-Outcome"] == expect
+
+
+async def test_every_render_field_separates_conversations():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d) as (s, _):
+        for field, a, b in (("reasoning_effort", "low", "high"), ("add_special_tokens", False, True),
+                            ("truncate_prompt_tokens", 100, 200)):
+            first = await chat(s, conversation=f"r-{field}", **{field: a})
+            other = await chat(s, next_turn(MSGS, first["text"]), conversation=f"r-{field}", **{field: b})
+            assert other["headers"]["X-TurnKV-Reuse-Outcome"] == "miss", field
+
+
+async def test_an_empty_discovery_answer_keeps_the_last_pool():
+    from router.engines import Engine, EnginePool
+    from router.engines.health import discovery_loop
+
+    pool = EnginePool(["http://10.0.0.1:8000"], ["http://10.0.0.2:8000"])
+    answers = [{"prefill": [], "decode": [Engine("http://10.0.0.3:8000", "decode")]}]
+
+    async def discover():
+        return answers[0]
+
+    task = asyncio.create_task(discovery_loop(pool, discover, lambda: 60))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    assert [e.url for e in pool.prefill] == ["http://10.0.0.1:8000"]
+    assert [e.url for e in pool.decode] == ["http://10.0.0.3:8000"]
+
+
+async def test_stored_entries_keep_decodes_signed_offer_verbatim():
+    """Replaces a test that asserted a dataclass field: the store must round-trip every offer key prefill checks."""
+    store = MemoryStore(100)
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d, store=store) as (s, _):
+        await chat(s, conversation="rt")
+        [key] = store.conversation_keys()
+        entry = store.peek(key)
+        assert isinstance(entry.history, History) and Entry.from_bytes(entry.to_bytes()) == entry
+        returned = next(x for x in reversed(d[0].seen_params) if x)  # what decode was sent; its answer is stored
+        assert returned.get(wire.RETAIN) is True
+        assert all(k in entry.params for k in wire.OFFER_KEYS if k != wire.TOKEN_PROOF)

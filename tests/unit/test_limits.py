@@ -1,0 +1,73 @@
+"""Pure limits and the router's input/output hygiene: admission, retention, rate, request ids, error text, media."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from router import flow, guard
+from router.limits import Admission, RetentionLedger, TokenBucket
+
+
+def test_admission_global_and_per_tenant():
+    a = Admission()
+    assert a.try_enter("t1", 3, 2) is None and a.try_enter("t1", 3, 2) is None
+    assert a.try_enter("t1", 3, 2) == "tenant"
+    assert a.try_enter("t2", 3, 2) is None and a.try_enter("t3", 3, 2) == "router"
+    a.leave("t1")
+    assert a.try_enter("t3", 3, 2) is None and a.by_tenant == {"t1": 1, "t2": 1, "t3": 1}
+
+
+def test_retention_ledger_limits_conversations_and_tokens_and_forgets_expired():
+    now = [0.0]
+    ledger = RetentionLedger(clock=lambda: now[0])
+    assert ledger.allows("t", 100, 2, 1000)
+    ledger.hold("t", "k1", 600, 10)
+    ledger.hold("t", "k2", 300, 20)
+    assert not ledger.allows("t", 10, 2, 1000)  # conversations
+    assert not ledger.allows("t", 200, 3, 1000)  # tokens
+    assert ledger.allows("u", 200, 3, 1000)  # another tenant
+    ledger.release("k2")
+    assert ledger.usage("t") == (1, 600)
+    now[0] = 11  # k1 expired
+    assert ledger.allows("t", 900, 1, 1000) and ledger.usage("t") == (0, 0)
+
+
+def test_token_bucket():
+    now = [0.0]
+    bucket = TokenBucket(clock=lambda: now[0])
+    assert [bucket.allow("t", 1.0, 2) for _ in range(3)] == [True, True, False]
+    now[0] = 1.0
+    assert bucket.allow("t", 1.0, 2) and not bucket.allow("t", 1.0, 2)
+
+
+def test_client_request_ids_are_echoable_or_refused():
+    assert flow.client_request_id("abc-123") == "abc-123"
+    assert flow.client_request_id(None).startswith("turnkv-")
+    for bad in ("café", "a\udcff", "x" * 129, "tab\there"):
+        with pytest.raises(guard.RequestError):
+            flow.client_request_id(bad)
+    assert flow.new_leg_id() != flow.new_leg_id()
+
+
+def test_engine_error_text_is_passed_on_only_when_it_names_nothing_internal():
+    def err(message: str, status: int = 400) -> flow.UpstreamError:
+        body = orjson.dumps({"error": {"message": message}})
+        return flow.UpstreamError(status, "internal", body)
+
+    assert flow.public_message(err("temperature must be non-negative")) == "temperature must be non-negative"
+    for leaky in ("bad kv_transfer_params={...}", "cannot reach 10.0.0.5", "remote_block_ids out of range",
+                  "see http://decode-0:8000", "engine fd00::1 failed"):
+        assert flow.public_message(err(leaky)).startswith("the model server refused the request (HTTP 400)")
+    assert "10.0.0" not in flow.public_message(err("x", 502))
+
+
+def test_media_behind_urls_is_not_reusable_but_inline_bytes_are():
+    url = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/cat.png"}}]}
+    inline = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}
+    audio = {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}}]}
+    video = {"role": "user", "content": [{"type": "video_url", "video_url": "https://x/v.mp4"}]}
+    assert guard.has_remote_media(url) and guard.has_remote_media(video)
+    assert not guard.has_remote_media(inline) and not guard.has_remote_media(audio)
+    assert guard.parse_turn("chat", {"messages": [url]}) is None
+    assert guard.parse_turn("chat", {"messages": [inline]}) is not None

@@ -1,0 +1,179 @@
+"""Signed offers, the lease route's bounds, the replay guard and the scheduler's offer checks (no engines)."""
+
+from __future__ import annotations
+
+import time
+import types
+
+import pytest
+
+from connector.offers import ReplayGuard
+from turnkv import wire
+
+SECRET = b"s" * 32
+
+
+def offer(**over):
+    params = {"do_remote_decode": True, "remote_engine_id": "decode-0", "remote_request_id": "r1",
+              "remote_host": "10.0.0.2", "remote_port": 5600, "remote_block_ids": [[1, 2, 3]],
+              "remote_num_tokens": 300, "remote_blocks_expiry_time": 1234.5, wire.BOOT: "b00t",
+              wire.TOKEN_PROOF: {"v": 1, "block_size": 128, "num_tokens": 300, "digests": ["a", "b", "c"]}}
+    params.update(over)
+    return wire.sign_offer(SECRET, params, time.time() + 100, "model-x")
+
+
+def test_a_signed_offer_verifies_and_every_edit_breaks_it():
+    good = offer()
+    assert wire.check_offer(SECRET, good, "model-x", time.time(), 5) == "ok"
+    for key, value in (("remote_block_ids", [[7, 8, 9]]), ("remote_num_tokens", 4000), ("remote_host", "10.9.9.9"),
+                       ("remote_port", 1), ("remote_engine_id", "decode-1"), (wire.BOOT, "other"),
+                       ("remote_request_id", "r2"), (wire.EXPIRES_AT, time.time() + 10_000),
+                       (wire.TOKEN_PROOF, {"v": 1, "block_size": 128, "num_tokens": 300, "digests": ["x"]})):
+        assert wire.check_offer(SECRET, {**good, key: value}, "model-x", time.time(), 5) == "forged", key
+    assert wire.check_offer(b"another deployment", good, "model-x", time.time(), 5) == "forged"
+    assert wire.check_offer(SECRET, good, "another checkpoint", time.time(), 5) == "forged"
+    unsigned = {k: v for k, v in good.items() if k != wire.SIGNATURE}
+    assert wire.check_offer(SECRET, unsigned, "model-x", time.time(), 5) == "unsigned"
+    assert wire.check_offer(None, good, "model-x", time.time(), 5) == "unsigned"
+
+
+def test_expiry_is_checked_on_the_readers_wall_clock_minus_the_skew_margin():
+    good = offer()
+    expires = good[wire.EXPIRES_AT]
+    assert wire.check_offer(SECRET, good, "model-x", expires - 6, 5) == "ok"
+    assert wire.check_offer(SECRET, good, "model-x", expires - 4, 5) == "expired"
+    assert wire.check_offer(SECRET, good, "model-x", expires + 1, 0) == "expired"
+
+
+def test_neutralized_offer_is_a_plain_prefill():
+    params = offer()
+    wire.neutralize(params)
+    assert params["remote_block_ids"] is None and params["remote_host"] is None and params["remote_num_tokens"] == 0
+
+
+def test_offer_secret_from_env_or_file(tmp_path):
+    path = tmp_path / "secret"
+    path.write_text("abc\n")
+    assert wire.offer_secret({wire.OFFER_SECRET_FILE_ENV: str(path)}) == b"abc"
+    assert wire.offer_secret({wire.OFFER_SECRET_ENV: "xyz"}) == b"xyz"
+    assert wire.offer_secret({wire.OFFER_SECRET_FILE_ENV: str(tmp_path / "missing")}) is None
+    assert wire.offer_secret({}) is None
+
+
+def test_replay_guard_is_single_use_and_bounded():
+    now = [0.0]
+    guard = ReplayGuard(max_entries=3, clock=lambda: now[0])
+    assert guard.first_use("a", 10) and not guard.first_use("a", 10)
+    for sig in "bcd":
+        assert guard.first_use(sig, 10)
+    assert len(guard) <= 3
+    now[0] = 20  # expired signatures are forgotten (their offers fail the expiry check anyway)
+    assert guard.first_use("e", 30) and len(guard) == 1
+
+
+def test_lease_requests_are_bounded():
+    pytest.importorskip("fastapi")
+    from connector.leases import parse_request, renewed_offer
+
+    with pytest.raises(ValueError, match="at most"):
+        parse_request({"offers": [offer()] * (wire.LEASE_MAX_OFFERS + 1), "ttl": 10})
+    for bad in ({"offers": [], "ttl": 10}, {"offers": [offer()], "ttl": 0}, {"offers": [offer()], "ttl": 99999},
+                {"request_ids": ["r1"], "ttl": 10}, {"offers": [offer()], "ttl": True}):
+        with pytest.raises(ValueError):
+            parse_request(bad)
+    offers, ttl = parse_request({"offers": [offer()], "ttl": 60})
+    assert ttl == 60.0
+    renewed = renewed_offer(SECRET, offers[0], mono_expiry=500.0, model="model-x", mono_now=400.0, wall_now=1e9)
+    assert renewed["remote_blocks_expiry_time"] == 500.0 and renewed[wire.EXPIRES_AT] == pytest.approx(1e9 + 100)
+    assert wire.check_offer(SECRET, renewed, "model-x", 1e9, 5) == "ok"
+
+
+class _Upstream:
+    """The slice of an upstream NIXL scheduler the mixin relies on."""
+
+    def __init__(self, *args, **kwargs):
+        self.kv_cache_config = types.SimpleNamespace(num_blocks=100, kv_cache_tensors=[])
+        self.decoder_kv_blocks_ttl = 480
+        self.kv_recompute_threshold = 0
+        self.block_size = 128
+        self.is_bidirectional_kv_xfer_enabled = True
+        self.asked: list[dict] = []
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        params = request.kv_transfer_params
+        self.asked.append(dict(params))
+        if params.get("remote_block_ids"):
+            return min(params["remote_num_tokens"], len(request.prompt_token_ids)), True
+        return 0, False
+
+    def request_finished(self, request, block_ids):
+        if not self.is_bidirectional_kv_xfer_enabled:
+            return False, None
+        return True, {"do_remote_decode": True, "do_remote_prefill": False, "remote_block_ids": block_ids,
+                      "remote_engine_id": "decode-0", "remote_request_id": request.request_id,
+                      "remote_host": "10.0.0.2", "remote_port": 5600, "remote_num_tokens": len(request.all_token_ids),
+                      "remote_blocks_expiry_time": time.perf_counter() + 480}
+
+
+@pytest.fixture
+def scheduler(monkeypatch, tmp_path):
+    pytest.importorskip("vllm")
+    from connector.scheduler import TurnkvSchedulerMixin
+
+    monkeypatch.setenv(wire.OFFER_SECRET_ENV, SECRET.decode())
+    monkeypatch.setenv(wire.MODEL_FINGERPRINT_ENV, "model-x")
+    monkeypatch.setenv("TURNKV_TUNABLES_FILE", str(tmp_path / "none.json"))
+
+    class Scheduler(TurnkvSchedulerMixin, _Upstream):
+        pass
+
+    def make():
+        return Scheduler(None, "decode-0", None)
+
+    return make
+
+
+def _request(rid, tokens, params):
+    return types.SimpleNamespace(request_id=rid, prompt_token_ids=list(tokens), all_token_ids=list(tokens),
+                                 kv_transfer_params=params)
+
+
+def test_decode_signs_with_a_wall_clock_expiry_and_prefill_reads_once(scheduler):
+    decode, prefill = scheduler(), scheduler()
+    tokens = list(range(300))
+    delay, out = decode.request_finished(_request("d1", tokens, {"turnkv_retain": True}), [[1, 2, 3]])
+    assert delay and abs(out[wire.EXPIRES_AT] - (time.time() + 480)) < 2
+    assert wire.check_offer(SECRET, out, "model-x", time.time(), 5) == "ok"
+    prompt = tokens + list(range(1000, 1100))
+    count, _ = prefill.get_num_new_matched_tokens(_request("p1", prompt, dict(out)), 0)
+    assert count == 300
+    # the same offer again (a replay): not read, and upstream is given a plain prefill
+    replay = dict(out)
+    count, _ = prefill.get_num_new_matched_tokens(_request("p2", prompt, replay), 0)
+    assert count == 0 and prefill.asked[-1]["remote_block_ids"] is None and replay["remote_host"] is None
+    assert prefill.turnkv_stats.data["turnkv_offers_replayed"] == [1]
+
+
+def test_prefill_refuses_forged_expired_and_unsigned_offers_before_any_read(scheduler):
+    decode, prefill = scheduler(), scheduler()
+    tokens = list(range(300))
+    _, out = decode.request_finished(_request("d1", tokens, {"turnkv_retain": True}), [[1, 2, 3]])
+    prompt = tokens + [7] * 10
+    forged = {**out, "remote_block_ids": [[50, 51, 52]]}
+    expired = wire.sign_offer(SECRET, dict(out), time.time() + 2, "model-x")  # within the 5 s skew margin
+    unsigned = {k: v for k, v in out.items() if k != wire.SIGNATURE}
+    for i, params in enumerate((forged, expired, unsigned)):
+        count, _ = prefill.get_num_new_matched_tokens(_request(f"p{i}", prompt, params), 0)
+        assert count == 0 and prefill.asked[-1]["remote_block_ids"] is None
+    data = prefill.turnkv_stats.data
+    assert (data["turnkv_offers_forged"], data["turnkv_offers_expired"], data["turnkv_offers_unsigned"]) == \
+        ([1], [1], [1])
+
+
+def test_decode_refuses_to_retain_above_its_share_of_the_cache(scheduler):
+    decode = scheduler()
+    decode._retained_share = 0.05  # 5 of 100 blocks
+    _, first = decode.request_finished(_request("a", range(300), {"turnkv_retain": True}), [[1, 2, 3]])
+    delay, second = decode.request_finished(_request("b", range(300), {"turnkv_retain": True}), [[4, 5, 6]])
+    assert first is not None and not delay and second is None
+    assert decode.turnkv_stats.data["turnkv_retention_refused"] == [1]

@@ -1,0 +1,136 @@
+"""turnkv's additions to the NIXL ``kv_transfer_params`` wire protocol, named once (pure, no I/O).
+
+The router and the connector never import each other; both import this module, so a key, the lease
+route or the offer signature has one definition.
+
+**Signed offers.** A decode engine's returned params are an *offer*: "blocks B of engine E, boot X,
+hold tokens T until wall-clock time W". Prefill READs those blocks by position and cannot tell what
+they hold now, so it reads only offers that (1) carry a valid MAC made with the deployment's shared
+offer secret over every field the read depends on, (2) have not expired on prefill's own wall clock
+(minus a skew margin), and (3) it has not already read. The MAC covers the engine id, the boot, the
+request id, host and port, the block ids, the token count, the token proof, the expiry and the model
+fingerprint: a forged, edited, re-pointed or other-checkpoint offer fails the check and is recomputed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+# -- kv_transfer_params keys turnkv adds -------------------------------------------------------------
+
+#: Decode's per-block token digests (``connector.token_proof``).
+TOKEN_PROOF = "turnkv_token_proof"
+#: Fingerprint of the decode process (NIXL agent) that holds the blocks (``connector.boot``).
+BOOT = "turnkv_boot"
+#: Decode's wall-clock (Unix) instant after which the blocks may be gone; lease renewal moves it.
+EXPIRES_AT = "turnkv_expires_at"
+#: Fingerprint of the model decode computed the KV with (a different checkpoint never matches).
+MODEL = "turnkv_model"
+#: HMAC over the offer (see ``offer_mac``).
+SIGNATURE = "turnkv_sig"
+#: Set by the router on a decode request whose KV the next turn will pull (retain on demand).
+RETAIN = "turnkv_retain"
+#: Prefill's verdict on the offer it was given (router metrics).
+VERDICT = "turnkv_proof_verdict"
+
+#: Keys of decode's returned params that a router may store and replay to prefill.
+OFFER_KEYS = (TOKEN_PROOF, BOOT, EXPIRES_AT, MODEL, SIGNATURE)
+
+# -- the engine's lease route ---------------------------------------------------------------------
+
+#: ``POST`` on a decode engine's API server: ``{"offers": [params, ...], "ttl": seconds}``. Each offer
+#: must be a valid signed offer of that engine (capability: whoever holds a signed offer may extend it).
+LEASE_ROUTE = "/turnkv/v1/leases"
+#: Most offers one lease call may name (the route is bounded).
+LEASE_MAX_OFFERS = 64
+#: Longest lease one call may ask for.
+LEASE_MAX_TTL = 3600
+
+# -- the deployment's offer secret ------------------------------------------------------------------
+
+#: The secret itself (tests), or a file holding it (``turnkv local up`` writes one into the state dir; on
+#: AWS the node writes the Secrets Manager secret named by ``OFFER_SECRET_ID_ENV`` into the file).
+OFFER_SECRET_ENV = "TURNKV_OFFER_SECRET"
+OFFER_SECRET_FILE_ENV = "TURNKV_OFFER_SECRET_FILE"
+OFFER_SECRET_ID_ENV = "TURNKV_OFFER_SECRET_ID"
+#: Where an engine node keeps the secret unless told otherwise.
+DEFAULT_OFFER_SECRET_FILE = "/etc/turnkv/offer-secret"
+#: Override of the model fingerprint (e.g. the checkpoint's digest, where the config alone is ambiguous).
+MODEL_FINGERPRINT_ENV = "TURNKV_MODEL_FINGERPRINT"
+
+_VERSION = b"turnkv-offer-v1"
+
+
+def offer_secret(env: Mapping[str, str] | None = None) -> bytes | None:
+    """The deployment's offer secret from the environment, or None (offers are then neither signed nor read)."""
+    env = os.environ if env is None else env
+    if env.get(OFFER_SECRET_ENV):
+        return env[OFFER_SECRET_ENV].encode()
+    path = env.get(OFFER_SECRET_FILE_ENV)
+    if path:
+        try:
+            with open(path, "rb") as f:
+                value = f.read().strip()
+        except OSError:
+            return None
+        return value or None
+    return None
+
+
+def model_fingerprint(fields: Mapping[str, Any], env: Mapping[str, str] | None = None) -> str:
+    """Digest of what makes two engines' KV interchangeable (model, revision, dtype, architecture...)."""
+    env = os.environ if env is None else env
+    if env.get(MODEL_FINGERPRINT_ENV):
+        return env[MODEL_FINGERPRINT_ENV]
+    raw = orjson.dumps(fields, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS, default=str)
+    return hashlib.blake2b(raw, digest_size=8).hexdigest()
+
+
+def _signed_part(params: Mapping[str, Any]) -> bytes:
+    proof = params.get(TOKEN_PROOF)
+    return orjson.dumps([
+        params.get("remote_engine_id"), params.get(BOOT), params.get("remote_request_id"),
+        params.get("remote_host"), params.get("remote_port"), params.get("remote_block_ids"),
+        params.get("remote_num_tokens"), params.get(EXPIRES_AT), params.get(MODEL),
+        orjson.dumps(proof, option=orjson.OPT_SORT_KEYS).decode() if proof is not None else None,
+    ])
+
+
+def offer_mac(secret: bytes, params: Mapping[str, Any]) -> str:
+    return hmac.new(secret, _VERSION + _signed_part(params), hashlib.sha256).hexdigest()
+
+
+def sign_offer(secret: bytes, params: dict[str, Any], expires_at: float, model: str) -> dict[str, Any]:
+    """Stamp ``params`` (decode's returned offer) with its wall-clock expiry and model, and sign it."""
+    params[EXPIRES_AT] = round(float(expires_at), 3)
+    params[MODEL] = model
+    params[SIGNATURE] = offer_mac(secret, params)
+    return params
+
+
+def check_offer(secret: bytes | None, params: Mapping[str, Any], model: str, now: float, skew: float) -> str:
+    """``"ok"``, or why prefill must not read this offer: ``"unsigned"`` (no secret here or no MAC),
+    ``"forged"`` (MAC mismatch: edited, another deployment, or another model), ``"expired"`` (past the
+    offer's expiry minus ``skew`` on this host's wall clock)."""
+    signature = params.get(SIGNATURE)
+    if secret is None or not isinstance(signature, str):
+        return "unsigned"
+    if params.get(MODEL) != model or not hmac.compare_digest(signature, offer_mac(secret, params)):
+        return "forged"
+    expires_at = params.get(EXPIRES_AT)
+    if not isinstance(expires_at, (int, float)) or now >= float(expires_at) - skew:
+        return "expired"
+    return "ok"
+
+
+def neutralize(params: dict[str, Any]) -> None:
+    """Turn a refused offer into a plain prefill request in place: nothing is read, no peer is contacted."""
+    for key in ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port", "remote_request_id"):
+        params[key] = None
+    params["remote_num_tokens"] = 0
