@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import hashlib
 
+from turnkv import wire
+
 #: Where decode puts its fingerprint in the kv_transfer_params it returns.
-PARAMS_KEY = "turnkv_boot"
+PARAMS_KEY = wire.BOOT  # named once, in turnkv.wire
 
 
 def fingerprint(agent_metadata: bytes) -> str:

@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
-PARAMS_KEY = "turnkv_token_proof"
+from turnkv import wire
+
+PARAMS_KEY = wire.TOKEN_PROOF  # named once, in turnkv.wire
 DIGEST_BYTES = 8
 VERSION = 1
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import time
 from typing import Any
@@ -275,6 +276,20 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", _ops(metrics_endpoint))
     return app
+
+
+def check_open_mode(config: RouterConfig, keys: ApiKeys) -> None:
+    """Refuse to serve without API keys on an address other hosts can reach, unless asked to (ValueError)."""
+    if not keys.open or config.allow_open:
+        return
+    try:
+        loopback = ipaddress.ip_address(config.host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = config.host == "localhost"
+    if not loopback:
+        raise ValueError(f"no API keys and listening on {config.host}: anyone who reaches the port is served, all as "
+                         "one tenant. Give keys (--api-keys-file or TURNKV_API_KEYS), listen on 127.0.0.1, or pass "
+                         "--allow-open")
 
 
 def serve(config: RouterConfig) -> None:

@@ -61,6 +61,9 @@ class RouterConfig:
     #: timeout (ALB: router.idle_timeout_s, 900 s by default), or the router closes connections the balancer
     #: still reuses and clients see sporadic 502s; the CDK stack passes idle timeout + 60 s.
     keepalive_timeout: float = 75.0
+    #: Serve without API keys on a non-loopback address (refused unless set: open mode serves anyone who can
+    #: reach the port, and all of them share one tenant).
+    allow_open: bool = False
 
     def __post_init__(self) -> None:
         self.tunables = params.validate({}, self.tunables)

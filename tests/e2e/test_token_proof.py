@@ -99,9 +99,11 @@ def test_edited_history_replayed_by_a_careless_router_is_not_pulled(stack):
     assert second["decode"]["choices"][0]["token_ids"] == clean["decode"]["choices"][0]["token_ids"]
 
 
-def test_an_offer_from_an_earlier_boot_of_the_decode_engine_is_not_read(stack):
-    """A decode engine that restarted keeps its id and block numbers but not its KV: params stamped by the
-    previous process are refused (stale offer, recomputed) even though their token proof still matches."""
+def test_an_offer_restamped_with_another_boot_is_not_read(stack):
+    """A decode engine that restarted keeps its id and block numbers but not its KV. The boot stamp is part of
+    the signed offer, so an offer re-stamped with another boot (what a stale or confused router could send)
+    fails the signature and is recomputed before any READ; an offer genuinely made by an earlier boot fails the
+    worker's boot check (vllm:turnkv_stale_offers)."""
     model_dir = stack["model_dir"]
     messages = [{"role": "user", "content": words(model_dir, 500, 75)}]
     first = _direct_turn(stack, messages)
@@ -110,13 +112,14 @@ def test_an_offer_from_an_earlier_boot_of_the_decode_engine_is_not_read(stack):
     follow = [*messages, {"role": "assistant", "content": first["decode"]["choices"][0]["message"]["content"]},
               {"role": "user", "content": "next"}]
     pulled = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
-    stale_before = metric(stack["prefill-0"], "vllm:turnkv_stale_offers_total")
+    forged_before = metric(stack["prefill-0"], "vllm:turnkv_offers_forged_total")
     pulled_before = metric(stack["prefill-0"], pulled[0], **pulled[1])
     stale = _direct_turn(stack, follow, params={**offer, "turnkv_boot": "0" * 16})
-    assert metric(stack["prefill-0"], "vllm:turnkv_stale_offers_total") == stale_before + 1
+    assert metric(stack["prefill-0"], "vllm:turnkv_offers_forged_total") == forged_before + 1
     assert metric(stack["prefill-0"], pulled[0], **pulled[1]) == pulled_before
     assert not stale["prefill"]["kv_transfer_params"].get("remote_prefill_cached_tokens")
     # the genuine offer (decode still holds the blocks: nothing read them) passes the check
     genuine = _direct_turn(stack, follow, params=offer)
-    assert metric(stack["prefill-0"], "vllm:turnkv_stale_offers_total") == stale_before + 1
+    assert genuine["prefill"]["kv_transfer_params"].get("remote_prefill_cached_tokens", 0) > 500
+    assert metric(stack["prefill-0"], "vllm:turnkv_offers_forged_total") == forged_before + 1
     assert stale["decode"]["choices"][0]["token_ids"] == genuine["decode"]["choices"][0]["token_ids"]

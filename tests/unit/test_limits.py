@@ -71,3 +71,20 @@ def test_media_behind_urls_is_not_reusable_but_inline_bytes_are():
     assert not guard.has_remote_media(inline) and not guard.has_remote_media(audio)
     assert guard.parse_turn("chat", {"messages": [url]}) is None
     assert guard.parse_turn("chat", {"messages": [inline]}) is not None
+
+
+def test_open_mode_is_refused_on_a_reachable_address():
+    from router.app import check_open_mode
+    from router.auth import ApiKeys, parse_keys
+    from router.config import RouterConfig
+
+    def config(host, allow=False):
+        return RouterConfig(prefill=["http://p:1"], decode=["http://d:1"], host=host, allow_open=allow)
+
+    open_keys, keys = ApiKeys(), ApiKeys(parse_keys("acme:acme-key-123"))
+    for host in ("127.0.0.1", "::1", "localhost"):
+        check_open_mode(config(host), open_keys)
+    with pytest.raises(ValueError, match="--allow-open"):
+        check_open_mode(config("0.0.0.0"), open_keys)
+    check_open_mode(config("0.0.0.0", allow=True), open_keys)
+    check_open_mode(config("0.0.0.0"), keys)

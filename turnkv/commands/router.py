@@ -47,9 +47,13 @@ def serve(
              "timeout.")] = None,
     tunable: Annotated[list[str] | None, typer.Option(
         "--set", help="Override a tunable, NAME=VALUE (see `turnkv params list`); repeatable.")] = None,
+    allow_open: Annotated[bool, typer.Option(
+        "--allow-open", help="Serve without API keys on a non-loopback address (anyone reaching it is served).")
+    ] = False,
 ) -> None:
     """Serve OpenAI-compatible /v1/chat/completions and /v1/completions over prefill + decode engines."""
     from router import config as router_config
+    from router.app import check_open_mode, load_keys
     from router.app import serve as run
 
     changes: dict[str, str] = {}
@@ -64,13 +68,14 @@ def serve(
                      namespace=namespace, service=service, region=region, aws_endpoint_url=aws_endpoint_url,
                      store=store, api_keys_file=api_keys_file, deployment=deployment, ssm=ssm,
                      side_channel_hosts=side_channel_host, policy=policy, emf=emf,
-                     keepalive_timeout=keepalive_timeout)
+                     keepalive_timeout=keepalive_timeout, allow_open=allow_open or None)
         if key_secret_file:
             flags["key_secret"] = key_secret_file.read_text().strip().encode()
         merged_discovery = flags["discovery"] or file_values.get("discovery")
         if flags["ssm"] is None and "ssm" not in file_values and merged_discovery == "cloudmap":
             flags["ssm"] = True
         config = router_config.build(file_values, flags, changes)
+        check_open_mode(config, load_keys(config))
     except (ValueError, OSError) as exc:
         typer.echo(f"turnkv router: {exc}", err=True)
         raise typer.Exit(2) from None
