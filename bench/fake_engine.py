@@ -45,7 +45,6 @@ from aiohttp import web
 
 from turnkv import wire
 
-WORDS = ("alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta")
 #: The offer secret fake engines sign and verify with unless told otherwise (turnkv local up generates one).
 FAKE_SECRET = b"fake-offer-secret"
 FAKE_MODEL = "fake-model-fingerprint"
@@ -59,6 +58,27 @@ PUSH_PENDING: dict[str, str] = {}
 
 def prompt_digest(prompt: Any) -> str:
     return hashlib.blake2b(orjson.dumps(prompt, option=orjson.OPT_SORT_KEYS), digest_size=4).hexdigest()
+
+
+def _id(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=4).digest(), "little") % 100_000
+
+
+def prompt_ids(prompt: Any, count: int) -> list[int]:
+    """The fake tokenizer: a token-id prompt is itself; anything else maps to ``count`` ids derived from it."""
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    seed = prompt_digest(prompt)
+    return [_id(f"{seed}:{i}") for i in range(count)]
+
+
+def next_token(sequence: list[int]) -> int:
+    """Greedy decoding of the fake model: the next id is a function of the whole sequence so far."""
+    return _id(f"{len(sequence)}:{sum(sequence)}:{sequence[-8:]}")
+
+
+def token_text(token: int, *, request_id: str = "", kv_from: str = "") -> str:
+    return f"rid-{request_id} " if request_id else f"kv-{kv_from} " if kv_from else f"w{token} "
 
 
 @dataclass
@@ -178,6 +198,9 @@ class FakeEngine:
         chat = request.path.endswith("chat/completions")
         prompt = body.get("messages") if chat else body.get("prompt")
         prompt_tokens = max(1, len(orjson.dumps(prompt)) // 4)
+        ids = prompt_ids(prompt, prompt_tokens)
+        prompt_tokens = len(ids)
+        with_ids = bool(body.get("return_token_ids"))
         created = int(time.time())
         if isinstance(kv, dict) and kv.get("do_remote_decode"):  # prefill leg
             self.stats["prefill"] += 1
@@ -200,18 +223,36 @@ class FakeEngine:
                         del PUSH_PENDING[next(iter(PUSH_PENDING))]
             choice = ({"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length"}
                       if chat else {"index": 0, "text": "x", "finish_reason": "length"})
-            return web.Response(body=orjson.dumps({
-                "id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": body.get("model", "fake"), "choices": [choice], "kv_transfer_params": params,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 1,
-                          "total_tokens": prompt_tokens + 1}}), content_type="application/json")
+            answer = {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": created,
+                      "model": body.get("model", "fake"), "choices": [choice], "kv_transfer_params": params,
+                      "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 1,
+                                "total_tokens": prompt_tokens + 1}}
+            if with_ids:  # vLLM: the rendered prompt's token ids, top level (chat) or per choice (completions)
+                if chat:
+                    answer["prompt_token_ids"] = ids
+                else:
+                    choice["prompt_token_ids"] = ids
+            return web.Response(body=orjson.dumps(answer), content_type="application/json")
         self.stats["decode"] += 1
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         kv_from = prompt_digest(prompt)
         if isinstance(kv, dict) and kv.get("do_remote_prefill") and kv.get("transfer_id"):  # push: KV comes from P
             kv_from = await self._push_kv(str(kv.get("remote_request_id")), kv_from)
-        words = [f"rid-{request_id} ", f"kv-{kv_from} "] + [WORDS[i % len(WORDS)] + " " for i in range(2, n)]
-        words = words[:max(1, n)]
+        # a fresh prompt starts with two marker tokens (the request id, the KV decoded from); a token-id prompt
+        # (a continuation) goes on from its sequence: greedy output depends only on the sequence
+        sequence, tokens, words = list(ids), [], []
+        fresh = not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt))
+        for i in range(max(1, n)):
+            if fresh and i == 0:
+                token, word = _id("rid"), token_text(0, request_id=request_id)
+            elif fresh and i == 1:
+                token, word = _id("kv" + kv_from), token_text(0, kv_from=kv_from)
+            else:
+                token = next_token(sequence)
+                word = token_text(token)
+            sequence.append(token)
+            tokens.append(token)
+            words.append(word)
         out_params = self._decode_params(request_id, prompt_tokens + n) if self.bidirectional and kv else None
         if not body.get("stream"):
             message = ({"index": 0, "message": {"role": "assistant", "content": "".join(words)},
@@ -229,15 +270,22 @@ class FakeEngine:
         head = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": created, "model": body.get("model", "fake")}
         parts = []
+        die_after = 1 if fault.get("die_after_first") else int(fault.get("die_after") or 0)
         for i, word in enumerate(words):
+            last = "length" if i == len(words) - 1 else None
             if chat:
                 choice = {"index": 0, "delta": ({"role": "assistant", "content": word} if i == 0 else
-                                                {"content": word}), "finish_reason": None}
+                                                {"content": word}), "finish_reason": last}
             else:
-                choice = {"index": 0, "text": word, "finish_reason": None}
-            parts.append(b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n")
-            if i == 0 and fault.get("die_after_first"):
-                await response.write(parts[0])
+                choice = {"index": 0, "text": word, "finish_reason": last}
+            if with_ids:
+                choice["token_ids"] = [tokens[i]]
+            chunk: dict[str, Any] = {**head, "choices": [choice]}
+            if with_ids and i == 0:  # vLLM: top level in chat chunks, per choice in completion chunks
+                (chunk if chat else choice)["prompt_token_ids"] = ids
+            parts.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            if die_after and i == die_after - 1:
+                await response.write(b"".join(parts))
                 await asyncio.sleep(0.01)
                 request.transport.close()  # type: ignore[union-attr]
                 return response

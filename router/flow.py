@@ -33,7 +33,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router import guard, limits, telemetry
+from router import guard, limits, migrate, telemetry
 from router.config import RouterConfig
 from router.engines import Engine, EnginePool, NoEngineError, PushIdentity
 from router.state import ConversationStore, Entry
@@ -163,6 +163,8 @@ class Dispatch:
     ttft: float | None = None
     retries: int = 0
     retain: bool = False  # decode is asked to keep this turn's KV (a conversation turn within the tenant's limits)
+    migrate: bool = False  # a stream that may continue on another decode engine (router.migrate)
+    prompt_ids: list[int] | None = None  # the rendered prompt's token ids (from prefill, when migrate)
     status: int = 0
     error: str = ""
     prefill_engine: str = ""
@@ -218,6 +220,7 @@ class Flow:
             key = guard.conversation_key(self.config.key_secret, tenant, conversation_id, turn)
         d = Dispatch(kind, path, body, request_id, turn, key, started=time.perf_counter(), tenant=tenant,
                      tokens=size // 4, stream=bool(body.get("stream")), leg_request_id=new_leg_id())
+        d.migrate = int(self.config.decode_migrations) > 0 and migrate.migratable(kind, body)
         if key is None:
             d.outcome = "none"
         elif request.headers.get(REUSE_HEADER, "").lower() in ("off", "0", "false", "no"):
@@ -315,6 +318,8 @@ class Flow:
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = 1
         body.pop("min_tokens", None)  # vLLM refuses min_tokens > max_tokens: the prefill leg makes one token
+        if d.migrate:
+            body["return_token_ids"] = True  # the rendered prompt, to continue the stream elsewhere if decode dies
         body["stream"] = False
         body.pop("stream_options", None)
         body["kv_transfer_params"] = params
@@ -365,6 +370,8 @@ class Flow:
                                 leg="prefill", engine=engine)
         usage = result.get("usage") or {}
         d.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        if d.migrate:
+            d.prompt_ids = migrate.prompt_ids_of(result)
         self.pool.report_success(engine)
         if d.outcome == "hit":
             self._account_reuse(d, kv)
@@ -393,6 +400,8 @@ class Flow:
         if d.retain:
             # A conversation turn: ask decode to keep its KV for the next turn (others pin nothing).
             params = {**params, wire.RETAIN: True}
+        if d.migrate:
+            body["return_token_ids"] = True  # the relay counts the tokens sent, to continue right after them
         body["kv_transfer_params"] = params
         return orjson.dumps(body)
 
@@ -496,7 +505,7 @@ class Flow:
         """Both legs, with the retry budgets; returns the opened decode leg or raises UpstreamError."""
         params = await self._take(d)
         d.retain = self._may_retain(d)
-        tried: dict[str, list[Engine]] = {"prefill": [], "decode": []}
+        tried: dict[str, list[Engine]] = {"prefill": [], "decode": list(d.extra.get("avoid_decode", ()))}
         budget = {"prefill": int(self.config.prefill_retries), "decode": int(self.config.decode_retries)}
         attempt = self._push_attempt if self.config.mode == "push" else self._pull_attempt
         while True:
@@ -640,6 +649,7 @@ class Flow:
         assert opened.resp is not None
         deadline = float(self.config.write_timeout)
         reply = _ReplyCollector(d.kind, parse=d.key is not None and d.outcome != "disabled")
+        state = migrate.StreamState(d.kind, bool(d.body.get("return_token_ids"))) if d.migrate else None
         remembered = False
         first = True
         tail: list[bytes] = []
@@ -653,6 +663,8 @@ class Flow:
                 block, pending = pending[:cut], pending[cut:]
                 out = []  # one write per chunk received, not per line
                 for line in block.splitlines(keepends=True):
+                    if state is not None:
+                        line = state.observe(line)
                     fed = reply.feed(line)
                     if reply.complete and not remembered:
                         # Store before the client sees [DONE]: its next turn may follow at once.
@@ -687,10 +699,88 @@ class Flow:
             log.info("client %s mid-stream: decode aborted", "too slow" if gone.slow else "went away")
         except (aiohttp.ClientError, TimeoutError) as exc:
             self.metrics.engine_errors.labels("decode", type(exc).__name__).inc()
-            d.error = f"decode engine {opened.engine.name} failed mid-stream: {exc or type(exc).__name__}"
-            log.warning("%s", d.error)
+            error = f"decode engine {opened.engine.name} failed mid-stream: {exc or type(exc).__name__}"
+            log.warning("%s", error)
+            if reply.complete:  # [DONE] had arrived: only the end of the stream is missing
+                with contextlib.suppress(_ClientGone):
+                    await _client_write(response, b"".join(tail), eof=True, timeout=deadline)
+                return response
+            if state is not None and await self._migrate(d, request, response, opened.engine, state, deadline):
+                return response
+            d.error = error
             await self._error_event(response, "the model server failed mid-stream; the reply is incomplete")
         return response
+
+    async def _migrate(self, d: Dispatch, request: web.Request | None, response: web.StreamResponse, dead: Engine,
+                       state: migrate.StreamState, deadline: float) -> bool:
+        """Continue a stream whose decode died on another decode engine (router.migrate); True when it ended
+        normally ([DONE] sent). Up to ``decode_migrations`` times; every token is relayed exactly once."""
+        if request is None or d.prompt_ids is None:
+            return False
+        avoid = [dead]
+        state.prompt_tokens = len(d.prompt_ids)
+        for _ in range(int(self.config.decode_migrations)):
+            body = migrate.continuation_body(d.body, d.prompt_ids + state.generated, len(state.generated))
+            if body is None:
+                break
+            c = Dispatch("completion", "/v1/completions", body, d.request_id, None, None, started=d.started,
+                         tenant=d.tenant, tokens=d.tokens + len(state.generated), stream=True,
+                         leg_request_id=new_leg_id(), extra={"avoid_decode": list(avoid)})
+            try:
+                opened = await self._dispatch(c, request)
+            except (UpstreamError, NoEngineError) as exc:
+                log.warning("stream migration: no engine took over (%s)", exc)
+                break
+            log.warning("decode engine %s died mid-stream after %d tokens: continuing on %s", dead.name,
+                        len(state.generated), opened.engine.name)
+            d.retries += 1
+            try:
+                if await self._relay_continuation(response, opened, state, deadline):
+                    self.metrics.migrations.labels("continued").inc()
+                    return True
+            except _ClientGone:
+                return True  # the client left: nothing more to send
+            finally:
+                if opened.resp is not None:
+                    opened.resp.close()
+                opened.engine.outstanding -= 1
+                opened.engine.outstanding_tokens -= c.tokens
+            avoid.append(opened.engine)
+            dead = opened.engine
+        self.metrics.migrations.labels("failed").inc()
+        return False
+
+    async def _relay_continuation(self, response: web.StreamResponse, opened: Opened, state: migrate.StreamState,
+                                  deadline: float) -> bool:
+        """Relay a continuation stream in the client's format; True at [DONE], False when it failed too."""
+        assert opened.resp is not None
+        pending = b""
+        try:
+            async for chunk in _chunks(opened.first, opened.resp.content):
+                pending += chunk
+                cut = pending.rfind(b"\n") + 1
+                if not cut:
+                    continue
+                block, pending = pending[:cut], pending[cut:]
+                out = []
+                for line in block.splitlines():
+                    if not line.startswith(b"data: "):
+                        continue
+                    if line[6:].strip() == b"[DONE]":
+                        out.append(b"data: [DONE]\n\n")
+                        await _client_write(response, b"".join(out), eof=True, timeout=deadline)
+                        return True
+                    try:
+                        rewritten = state.rewrite(orjson.loads(line[6:]))
+                    except orjson.JSONDecodeError:
+                        continue
+                    if rewritten is not None:
+                        out.append(rewritten)
+                if out:
+                    await _client_write(response, b"".join(out), timeout=deadline)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("continuation on %s failed too: %s", opened.engine.name, exc or type(exc).__name__)
+        return False
 
 
 async def _discard_decode(task: asyncio.Task[Opened], tokens: int) -> None:

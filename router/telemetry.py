@@ -91,6 +91,9 @@ class Metrics:
                                          ["limit"], registry=r)
         self.slow_readers = Counter("turnkv_router_slow_readers",
                                     "Streams cut because the client did not read within write_timeout.", registry=r)
+        self.migrations = Counter("turnkv_router_stream_migrations",
+                                  "Streams continued on another decode engine after theirs died, by result.",
+                                  ["result"], registry=r)
         self.push_dispatch = Counter("turnkv_router_push_dispatches",
                                      "Push-mode dispatches: concurrent (identity known) or serial.", ["kind"],
                                      registry=r)

@@ -112,6 +112,9 @@ CATALOG: tuple[Tunable, ...] = (
     Tunable("decode_retries", 1, 0, 10, "retries", Scope.ROUTER,
             "Retry budget of a decode leg that fails before its first token (both legs again, on another decode "
             "engine, without reuse)."),
+    Tunable("decode_migrations", 1, 0, 5, "migrations", Scope.ROUTER,
+            "A stream whose decode engine dies after tokens went out continues on another decode engine (prefill "
+            "of prompt + tokens so far, then decode) up to this many times; 0: end it with an error event."),
     Tunable("health_interval", 2.0, 0.2, 60, "s", Scope.ROUTER,
             "Interval of the active /health probes of every engine.", float),
     Tunable("eject_failures", 1, 1, 20, "failures", Scope.ROUTER,

@@ -289,3 +289,41 @@ async def test_stored_entries_keep_decodes_signed_offer_verbatim():
         returned = next(x for x in reversed(d[0].seen_params) if x)  # what decode was sent; its answer is stored
         assert returned.get(wire.RETAIN) is True
         assert all(k in entry.params for k in wire.OFFER_KEYS if k != wire.TOKEN_PROOF)
+
+
+async def test_a_stream_survives_its_decode_engine_dying_with_no_token_lost_or_repeated():
+    p, d = engines(1, "prefill"), engines(2, "decode")
+    long = [{"role": "user", "content": "tell me a story " * 40}]
+    async with router_over(p, d) as (s, app):
+        pool = app[FLOW].pool
+        pool.decode[1].outstanding = 5  # decode-0 first
+        calm = await chat(s, long, conversation=None, stream=True, max_tokens=12)
+        d[0].fault = {"die_after": 4}
+        cut = await chat(s, long, conversation=None, stream=True, max_tokens=12)
+        pool.decode[1].outstanding = 0
+        assert cut["status"] == 200 and not any("error" in e for e in cut["events"])
+        assert cut["raw"].endswith(b"data: [DONE]\n\n")
+        # the first word names the engines' request id (new per dispatch); every token after it is the same
+        assert words(cut["text"]) == words(calm["text"]) and len(cut["text"].split()) == 12
+        assert d[1].stats["decode"] == 1 and p[0].stats["prefill"] == 3  # the continuation's own prefill
+        continuation = d[1].seen_params[-1]
+        assert continuation["remote_engine_id"] == "prefill-0"
+        assert app[METRICS].registry.get_sample_value("turnkv_router_stream_migrations_total",
+                                                      {"result": "continued"}) == 1
+        # the ids the router asked for to count tokens never reach a client that did not ask for them
+        assert b"token_ids" not in cut["raw"]
+        # a client that asked for token ids gets them all, once each, across the migration
+        d[0].fault = {"die_after": 3}
+        pool.decode[1].outstanding = 5
+        with_ids = await chat(s, long, conversation=None, stream=True, max_tokens=12, return_token_ids=True)
+        ids = [t for e in with_ids["events"] for c in e.get("choices", []) for t in c.get("token_ids") or []]
+        assert len(ids) == 12 and with_ids["events"][0]["id"] == with_ids["events"][-1]["id"]
+
+
+async def test_a_stream_that_cannot_migrate_ends_with_an_error_event():
+    p, d = engines(1, "prefill"), engines(2, "decode")
+    async with router_over(p, d, tunables={"decode_migrations": 0}) as (s, app):
+        app[FLOW].pool.decode[1].outstanding = 5
+        d[0].fault = {"die_after": 2}
+        r = await chat(s, conversation=None, stream=True, max_tokens=8)
+        assert r["events"][-1]["error"]["type"] == "upstream_error" and d[1].stats["decode"] == 0
