@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from router import flow, guard
+from router import errors, flow, guard
 from router.limits import Admission, RetentionLedger, TokenBucket
 
 
@@ -55,11 +55,11 @@ def test_engine_error_text_is_passed_on_only_when_it_names_nothing_internal():
         body = orjson.dumps({"error": {"message": message}})
         return flow.UpstreamError(status, "internal", body)
 
-    assert flow.public_message(err("temperature must be non-negative")) == "temperature must be non-negative"
+    assert errors.public_message(err("temperature must be non-negative")) == "temperature must be non-negative"
     for leaky in ("bad kv_transfer_params={...}", "cannot reach 10.0.0.5", "remote_block_ids out of range",
                   "see http://decode-0:8000", "engine fd00::1 failed"):
-        assert flow.public_message(err(leaky)).startswith("the model server refused the request (HTTP 400)")
-    assert "10.0.0" not in flow.public_message(err("x", 502))
+        assert errors.public_message(err(leaky)).startswith("the model server refused the request (HTTP 400)")
+    assert "10.0.0" not in errors.public_message(err("x", 502))
 
 
 def test_media_behind_urls_is_not_reusable_but_inline_bytes_are():
