@@ -166,6 +166,9 @@ def test_entries_expire_before_the_engine_frees_blocks(prod):
         assert entry.expires_at <= stored_by + 45
         # vLLM 0.32 exports decode's perf_counter, not a Unix time: the router must not use it as one
         assert entry.params["remote_blocks_expiry_time"] < 1e9
+        # decode's own wall-clock expiry bounds the entry (a slow reader's late store cannot outlive it)
+        assert stored_by + 40 < entry.params["turnkv_expires_at"] <= stored_by + 61
+        assert entry.expires_at <= entry.params["turnkv_expires_at"] - 10
 
 
 def test_store_outage_costs_reuse_not_answers(prod):
