@@ -65,6 +65,7 @@ class Scheduler(TurnkvSchedulerMixin, UpstreamScheduler):
 @pytest.fixture
 def clock(monkeypatch, tmp_path):
     monkeypatch.setenv("TURNKV_TUNABLES_FILE", str(tmp_path / "none.json"))
+    monkeypatch.setenv("TURNKV_REQUIRE_SIGNED_OFFERS", "0")  # these offers are unsigned: the cost model is tested here
     c = Clock()
     monkeypatch.setattr(scheduler_mod.time, "perf_counter", c)
     return c
