@@ -10,7 +10,7 @@ DEPS := pyproject.toml turnkv/versions.py $(wildcard requirements/*.txt)
 EXTRAS ?= engines,infra,dev,peers
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint unit e2e infra-test clean down tools synth
+.PHONY: setup demo test lint unit e2e infra-test clean down tools synth aiperf
 
 setup: $(READY)
 
@@ -56,6 +56,14 @@ unit: setup
 
 e2e: setup tools
 	$(BIN)/python -m pytest tests/e2e tests/e2e_router tests/e2e_push $(PYTEST_ARGS)
+
+# aiperf (bench.aiperf_multiturn) in a venv of its own: its pins differ from vLLM's.
+AIPERF_VENV ?= .venv-aiperf
+aiperf: $(AIPERF_VENV)/bin/aiperf
+$(AIPERF_VENV)/bin/aiperf: requirements/aiperf.txt
+	@test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q --disable-pip-version-check -r requirements/aiperf.txt
+	@touch $@
 
 infra-test: setup $(CDK)
 	$(BIN)/python -m pytest tests/infra $(PYTEST_ARGS)

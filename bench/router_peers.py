@@ -63,11 +63,12 @@ def _wait_http(url: str, timeout: float = 30) -> None:
 
 
 class Proc:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, log: Path | None = None):
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, log: Path | None = None,
+                 cwd: Path = ROOT):
         self.name = name
         out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
         self.p = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
-                                  start_new_session=True, cwd=ROOT)
+                                  start_new_session=True, cwd=cwd)
 
     def rss_mb(self) -> float | None:
         try:
@@ -189,6 +190,13 @@ def run(args: argparse.Namespace) -> dict:
                      "--log-level", "warning", "--no-access-log"], f"http://127.0.0.1:{base + 2}"),
     }
     chosen = [t for t in args.targets.split(",") if t]
+    baseline = Path(args.baseline).resolve() if args.baseline else None
+    if baseline:  # another checkout's router, measured in the same interleaved rounds (before/after a change)
+        targets["turnkv-baseline"] = ([py, "-m", "turnkv.cli", "router", "serve", "--port", str(base + 3),
+                                       "--prefill", f"http://127.0.0.1:{p_port}", "--decode",
+                                       f"http://127.0.0.1:{d_port}", *(["--no-emf"] if args.no_emf else [])],
+                                      f"http://127.0.0.1:{base + 3}")
+        chosen.append("turnkv-baseline")
     engines = Proc("fake-engines", [py, "-m", "bench.fake_engine", "--port", str(p_port), "--port", str(d_port)],
                    env, out / "fake_engines.log")
     procs: dict[str, Proc] = {}
@@ -198,11 +206,13 @@ def run(args: argparse.Namespace) -> dict:
         for name in chosen:  # every target runs at once (idle when not measured): rounds interleave them
             argv = targets[name][0]
             if argv:
+                own = {"PYTHONPATH": str(baseline)} if name == "turnkv-baseline" and baseline else {}
                 procs[name] = Proc(name, argv, {**env, "PREFILL": f"http://127.0.0.1:{p_port}",
-                                                "DECODE": f"http://127.0.0.1:{d_port}"}, out / f"{name}.log")
+                                                "DECODE": f"http://127.0.0.1:{d_port}", **own}, out / f"{name}.log",
+                                   cwd=baseline if own and baseline else ROOT)
         for name in chosen:
             _wait_http(targets[name][1] + "/health")
-            asyncio.run(load(targets[name][1] + "/v1/chat/completions", 32, args.warmup, name == "turnkv"))
+            asyncio.run(load(targets[name][1] + "/v1/chat/completions", 32, args.warmup, name.startswith("turnkv")))
         for c in (int(x) for x in args.concurrency.split(",")):
             total = args.requests_c1 if c == 1 else args.requests
             results: dict[str, list[tuple[int, int, float, list[float]]]] = {n: [] for n in chosen}
@@ -210,7 +220,7 @@ def run(args: argparse.Namespace) -> dict:
                 order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
                 for name in order:
                     endpoint = targets[name][1] + "/v1/chat/completions"
-                    results[name].append(asyncio.run(load(endpoint, c, total, name == "turnkv")))
+                    results[name].append(asyncio.run(load(endpoint, c, total, name.startswith("turnkv"))))
             for name in chosen:
                 runs = results[name]
                 rps = sorted(n / elapsed for n, _, elapsed, _ in runs)[len(runs) // 2]
@@ -269,6 +279,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port-base", type=int, default=28000)
     p.add_argument("--memory", type=int, default=0, help="also measure a MemoryStore with this many conversations")
     p.add_argument("--no-emf", action="store_true", help="turnkv without its per-request EMF line")
+    p.add_argument("--baseline", help="another checkout of turnkv (e.g. main before a change): its router is measured "
+                                      "as target turnkv-baseline in the same interleaved rounds")
     p.add_argument("--out", default="results/router-peers")
     return p
 

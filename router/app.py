@@ -39,6 +39,12 @@ log = logging.getLogger("turnkv.router")
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 #: Added by the ALB (and every common reverse proxy) to forwarded requests.
 FORWARDED_HEADERS = ("X-Forwarded-For", "Forwarded")
+#: APIs agents speak that the pinned vLLM serves with ``kv_transfer_params`` but the router does not split
+#: into P/D legs yet: a clear 501 naming the endpoint instead of a bare 404 (docs/router.md, "Other APIs").
+NOT_ROUTED = {
+    "/v1/responses": "the OpenAI Responses API",
+    "/v1/messages": "the Anthropic Messages API",
+}
 
 FLOW = web.AppKey("flow", Flow)
 CONFIG = web.AppKey("config", RouterConfig)
@@ -128,6 +134,14 @@ async def lease(request: web.Request) -> web.Response:
                               headers={"WWW-Authenticate": 'Bearer realm="turnkv"'})
     except guard.RequestError as exc:
         return error_response(400, str(exc))
+
+
+def _not_routed(path: str, name: str):
+    async def handler(request: web.Request) -> web.Response:
+        return error_response(501, f"{path} ({name}) is not served by the turnkv router: send the conversation "
+                                   "to /v1/chat/completions (KV reuse needs no extra field there)", "not_implemented")
+
+    return handler
 
 
 def _engines_status(pool: EnginePool) -> tuple[bool, dict[str, Any]]:
@@ -270,6 +284,8 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
     app.cleanup_ctx.append(lifecycle)
     for path, kind in ROUTES.items():
         app.router.add_post(path, _completion_handler(path, kind))
+    for path, name in NOT_ROUTED.items():
+        app.router.add_route("*", path, _not_routed(path, name))
     app.router.add_post("/v1/conversations/lease", lease)
     app.router.add_get("/health", _ops(health))
     app.router.add_get("/ready", _ops(ready))

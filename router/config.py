@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from router import hints
 from turnkv import params
 
 KEY_SECRET_ENV = "TURNKV_KEY_SECRET"
@@ -64,6 +65,9 @@ class RouterConfig:
     #: Serve without API keys on a non-loopback address (refused unless set: open mode serves anyone who can
     #: reach the port, and all of them share one tenant).
     allow_open: bool = False
+    #: Where clients' session ids are read, in priority order (``header:NAME`` / ``body:FIELD``). They are
+    #: hints (decode affinity, metric labels), never keys to KV: see router/hints.py.
+    session_hints: list[str] = field(default_factory=lambda: list(hints.DEFAULT_SOURCES))
 
     def __post_init__(self) -> None:
         self.tunables = params.validate({}, self.tunables)
@@ -80,6 +84,7 @@ class RouterConfig:
             raise ValueError(f"store {self.store!r}: expected memory or redis://HOST:PORT (rediss:// for TLS)")
         if isinstance(self.key_secret, str):
             self.key_secret = self.key_secret.encode()
+        hints.parse_sources(self.session_hints)  # a ValueError names a bad source
         if self.policy not in ("least_load", "round_robin"):
             raise ValueError(f"policy {self.policy!r}: expected least_load or round_robin")
         if not self.key_secret and os.environ.get(KEY_SECRET_ENV):

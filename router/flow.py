@@ -1,8 +1,10 @@
 """The two-leg P/D dispatch: prefill (``max_tokens=1``) and decode, with multi-turn KV reuse.
 
 Per request:
-1. take the conversation's stored decode params (single-use) and keep them only if the new
-   prompt extends the stored history exactly and they name a known engine (``router.guard``);
+1. look the turn up by its content (``router.guard``: the digest of its messages up to its last
+   assistant reply; no client field needed), take the stored decode params (single-use) and keep them
+   only if they name a known engine; a client's session id (``router.hints``) only steers the decode
+   engine and labels metrics;
 2. pull mode: prefill with those params (a pull of the previous turn's KV from decode) or fresh
    ones, then decode with prefill's params verbatim; push mode: prefill and decode at once when the
    prefill engine's identity is known (decode is told where its KV will come from), serially otherwise;
@@ -32,7 +34,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router import guard, limits, migrate, telemetry
+from router import guard, hints, limits, migrate, telemetry
 from router.config import RouterConfig
 from router.engines import Engine, EnginePool, NoEngineError, PushIdentity
 from router.errors import public_message
@@ -118,7 +120,7 @@ class Dispatch:
     body: dict[str, Any]
     request_id: str  # the client's (or ours): echoed in the reply header and logged, never sent to an engine
     turn: guard.Turn | None
-    key: str | None
+    key: str | None  # where this turn's previous turn is looked up (None: nothing to look up)
     outcome: str = "none"
     reused_tokens: int = 0
     started: float = 0.0
@@ -138,6 +140,9 @@ class Dispatch:
     error: str = ""
     prefill_engine: str = ""
     decode_engine: str = ""
+    hint: hints.Hint | None = None
+    #: Reuse applies: decode retains its KV for the next turn and the reply is stored.
+    storable: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -170,6 +175,8 @@ class Flow:
         self._store_seconds = {op: metrics.store_seconds.labels(op) for op in ("take", "put")}
         self.retention = limits.RetentionLedger()
         self.lease_rate = limits.TokenBucket()
+        self.hint_sources = hints.parse_sources(config.session_hints)
+        self._hint_counts = {s: metrics.session_hints.labels(s.label) for s in self.hint_sources}
 
     # -- request intake -------------------------------------------------------------------------
 
@@ -178,22 +185,34 @@ class Flow:
         if not isinstance(body, dict):
             raise guard.RequestError("the request body must be a JSON object")
         body.pop("kv_transfer_params", None)  # engine metadata is never accepted from clients
-        conversation_id = body.pop("conversation_id", None) or request.headers.get(CONVERSATION_HEADER)
-        if conversation_id is not None and (not isinstance(conversation_id, str) or not conversation_id
-                                            or len(conversation_id) > 256):
-            raise guard.RequestError("'conversation_id' must be a non-empty string of at most 256 characters")
+        try:
+            hint = hints.find(self.hint_sources, request.headers, body)
+        except ValueError as exc:
+            raise guard.RequestError(str(exc)) from None
+        for own in hints.OWN_BODY_FIELDS:
+            body.pop(own, None)
         turn = guard.parse_turn(kind, body)
         request_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
         key = None
-        if conversation_id and turn is not None:
-            key = guard.conversation_key(self.config.key_secret, tenant, conversation_id, turn)
+        storable = turn is not None
+        if turn is not None and turn.kind == "chat":
+            if turn.lookup is not None:
+                key = guard.content_key(self.config.key_secret, tenant, turn.lookup)
+        elif turn is not None:
+            storable = hint is not None  # a raw prompt has no turn boundaries: only a session names its slot
+            if hint is not None:
+                key = guard.hint_key(self.config.key_secret, tenant, hint.value, turn)
         d = Dispatch(kind, path, body, request_id, turn, key, started=time.perf_counter(), tenant=tenant,
-                     tokens=size // 4, stream=bool(body.get("stream")), leg_request_id=new_leg_id())
+                     tokens=size // 4, stream=bool(body.get("stream")), leg_request_id=new_leg_id(), hint=hint,
+                     storable=storable)
         d.migrate = int(self.config.decode_migrations) > 0 and migrate.migratable(kind, body)
-        if key is None:
+        if hint is not None:
+            self._hint_counts[hint.source].inc()
+            d.affinity = hints.rendezvous(tenant, hint.value, [e.name for e in self.pool.decode])
+        if request.headers.get(REUSE_HEADER, "").lower() in ("off", "0", "false", "no"):
+            d.outcome, d.storable = "disabled", False
+        elif key is None:
             d.outcome = "none"
-        elif request.headers.get(REUSE_HEADER, "").lower() in ("off", "0", "false", "no"):
-            d.outcome = "disabled"
         return d
 
     async def _take(self, d: Dispatch) -> dict[str, Any] | None:
@@ -232,17 +251,21 @@ class Flow:
 
     async def _remember(self, d: Dispatch, decode: Engine, params: Any, reply: Mapping[str, Any] | str) -> None:
         replay = guard.replayable(params)
-        if d.key is None or d.turn is None or replay is None or not d.retain:
+        if not d.retain or d.turn is None or replay is None:
             return
         now = time.time()
         expires = guard.entry_expiry(now, self.config.entry_lifetime(), replay, float(self.config.expiry_margin))
         if expires <= now:
             return
-        entry = Entry(replay, d.turn.extended_by(reply), expires, decode.name, now)
+        history = d.turn.extended_by(reply)
+        key = guard.content_key(self.config.key_secret, d.tenant, history) if d.kind == "chat" else d.key
+        if key is None:
+            return
+        entry = Entry(replay, history, expires, decode.name, now)
         t0 = time.perf_counter()
         try:
-            await asyncio.wait_for(self.store.put(d.key, entry), self.config.store_timeout_ms / 1000)
-            self.hold_retention(d.tenant, d.key, entry, expires)
+            await asyncio.wait_for(self.store.put(key, entry), self.config.store_timeout_ms / 1000)
+            self.hold_retention(d.tenant, key, entry, expires)
         except Exception as exc:
             self.metrics.store_errors.labels("put").inc()
             log.warning("could not store conversation state (%s)", exc or type(exc).__name__)
@@ -258,7 +281,7 @@ class Flow:
         self.retention.release(key)
 
     def _may_retain(self, d: Dispatch) -> bool:
-        if d.key is None or d.outcome == "disabled":
+        if not d.storable:
             return False
         budget = d.tokens + int(d.body.get("max_tokens") or d.body.get("max_completion_tokens") or 0)
         if self.retention.allows(d.tenant, budget, int(self.config.tenant_max_conversations),
@@ -367,7 +390,7 @@ class Flow:
     def _decode_body(self, d: Dispatch, params: Mapping[str, Any]) -> bytes:
         body = dict(d.body)
         if d.retain:
-            # A conversation turn: ask decode to keep its KV for the next turn (others pin nothing).
+            # A turn that can be continued: ask decode to keep its KV for the next turn (others pin nothing).
             params = {**params, wire.RETAIN: True}
         if d.migrate:
             body["return_token_ids"] = True  # the relay counts the tokens sent, to continue right after them
@@ -540,8 +563,9 @@ class Flow:
                 "request_id": d.request_id, "status": d.status, "route": d.path, "stream": d.stream,
                 "tenant": d.tenant, "prefill_engine": d.prefill_engine, "decode_engine": d.decode_engine,
                 "prompt_tokens": d.prompt_tokens, "retries": d.retries, "mode": self.config.mode,
-                "latency_ms": round((time.perf_counter() - d.started) * 1000, 3), **({"error": d.error}
-                                                                                    if d.error else {})}))
+                "latency_ms": round((time.perf_counter() - d.started) * 1000, 3),
+                **({"session": d.hint.value, "session_source": d.hint.source.label} if d.hint else {}),
+                **({"error": d.error} if d.error else {})}))
 
     def _first_token(self, d: Dispatch) -> None:
         d.ttft = time.perf_counter() - d.started
@@ -617,7 +641,7 @@ class Flow:
                      request: web.Request | None = None) -> web.StreamResponse:
         assert opened.resp is not None
         deadline = float(self.config.write_timeout)
-        reply = _ReplyCollector(d.kind, parse=d.key is not None and d.outcome != "disabled")
+        reply = _ReplyCollector(d.kind, parse=d.retain)
         state = migrate.StreamState(d.kind, bool(d.body.get("return_token_ids"))) if d.migrate else None
         remembered = False
         first = True
@@ -793,13 +817,14 @@ async def _chunks(first: bytes, rest: aiohttp.StreamReader):
 
 
 class _ReplyCollector:
-    """Reads decode's SSE lines: forwards them, strips ``kv_transfer_params``, rebuilds the reply."""
+    """Reads decode's SSE lines: forwards them, strips ``kv_transfer_params``, rebuilds the reply (text and
+    tool calls, as a client assembles them to send back; reasoning is not part of a turn's address)."""
 
     def __init__(self, kind: str, parse: bool = True) -> None:
         self.kind = kind
         self.parse = parse  # False: nothing will be stored, only strip params and spot the first token
         self.content: list[str] = []
-        self.reasoning: dict[str, list[str]] = {}  # "reasoning_content" / "reasoning" deltas, as named
+        self.tool_calls: dict[int, dict[str, Any]] = {}  # by the deltas' index: id, type, name, arguments
         self.kv_transfer_params: dict[str, Any] | None = None
         self.has_content = False
         self.complete = False
@@ -837,12 +862,9 @@ class _ReplyCollector:
                 continue
             if self.kind == "chat":
                 delta = choice.get("delta") or {}
-                if delta.get("tool_calls"):
-                    self.storable = False  # tool-call deltas are not rebuilt here: no reuse rather than a guess
+                for call in delta.get("tool_calls") or ():
+                    self._tool_call_delta(call)
                 text = delta.get("content")
-                for field_name in ("reasoning_content", "reasoning"):
-                    if delta.get(field_name):
-                        self.reasoning.setdefault(field_name, []).append(delta[field_name])
             else:
                 text = choice.get("text")
             if text:
@@ -850,11 +872,26 @@ class _ReplyCollector:
                 self.has_content = True
         return line
 
+    def _tool_call_delta(self, call: Any) -> None:
+        if not isinstance(call, Mapping) or not isinstance(call.get("index", 0), int):
+            self.storable = False
+            return
+        self.has_content = True
+        slot = self.tool_calls.setdefault(call.get("index", 0), {"id": "", "type": "", "name": "", "arguments": ""})
+        fn = call.get("function") or {}
+        for key, value in (("id", call.get("id")), ("type", call.get("type")), ("name", fn.get("name"))):
+            if value:
+                slot[key] = value
+        slot["arguments"] += fn.get("arguments") or ""
+
     def value(self) -> dict[str, Any] | str:
         text = "".join(self.content)
         if self.kind != "chat":
             return text
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        for field_name, parts in self.reasoning.items():
-            message[field_name] = "".join(parts)
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c["id"], "type": c["type"] or "function", "function": {"name": c["name"],
+                                                                               "arguments": c["arguments"]}}
+                for _, c in sorted(self.tool_calls.items())]
         return guard.canonical_message(message)

@@ -1,16 +1,20 @@
-"""Pure reuse-safety logic: conversation keys, history digests and the replayable parameters.
+"""Pure reuse-safety logic: content addresses of turns, history digests and the replayable parameters.
 
 The prefill engine pulls KV by position and never compares tokens, so the router may attach a
 stored ``kv_transfer_params`` only when the new request provably extends the exact sequence the
 decode engine holds. This module decides that from the request bodies alone; no I/O.
 
-- The *conversation key* is an HMAC over the tenant, the conversation id and every request setting
-  that changes how a prompt is rendered (model, tools, template settings, ``cache_salt``): a
-  different model or tool list is a different conversation, and no client-chosen id can reach
-  another tenant's entry.
-- The *history digest* covers the canonical messages the decode engine saw plus the reply it
-  generated. The next turn must start with exactly those messages; any edit, truncation or
-  reordering is a miss, never wrong KV.
+- A chat turn is found by its **content**: the *history digest* chains the canonical messages decode
+  saw plus the reply it generated, seeded with every request setting that changes how a prompt is
+  rendered (model, tools, template settings, ``cache_salt``). A stored turn is keyed by an HMAC of
+  the tenant and that digest; the next request looks up the digest of its messages up to and
+  including its last assistant message. No client field is needed; an edited, truncated or
+  reordered history (or another model, tool list, template or tenant) is a different address.
+  One pass over the messages gives both the lookup digest and, extended by the reply, the store key.
+- Raw-prompt completions have no message boundaries to address: there a client's session hint
+  (``router.hints``) names the slot and the text digest decides whether the prompt extends it.
+- Decode's token proof (``connector.token_proof``) then limits every pull to the tokens proven equal,
+  so a template that renders past turns differently costs reuse, never correctness.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import hashlib
 import hmac
 import ipaddress
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -34,9 +38,11 @@ CHAT_RENDER_FIELDS = (
 )
 COMPLETION_RENDER_FIELDS = ("model", "cache_salt", "add_special_tokens", "truncate_prompt_tokens")
 
-#: Message fields that reach the chat template. Everything else (client metadata) is ignored.
-MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning")
-
+#: Message fields that reach the chat template and address a turn. Everything else (client metadata) is
+#: ignored, and so is reasoning (``reasoning_content`` / ``reasoning``): clients commonly drop it when they
+#: send a reply back and templates commonly drop it from past turns; decode's token proof then limits the
+#: pull to the tokens that really match.
+MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
 #: ``kv_transfer_params`` keys a decode engine returns in bi-directional mode and prefill may be sent:
 #: upstream's, then turnkv's (``turnkv.wire``: token proof, boot, wall-clock expiry, model, signature).
 REPLAY_KEYS = (
@@ -69,18 +75,33 @@ def _digest(*parts: bytes) -> str:
     return h.hexdigest()
 
 
+def _tool_call(call: Any) -> Any:
+    """The part of a tool call a template renders (OpenAI shape); streaming's ``index`` and extras dropped."""
+    if not isinstance(call, Mapping):
+        return call
+    fn = call.get("function")
+    out: dict[str, Any] = {"type": call.get("type") or "function"}
+    if call.get("id"):
+        out["id"] = call["id"]
+    if isinstance(fn, Mapping):
+        out["function"] = {"name": fn.get("name") or "", "arguments": fn.get("arguments") or ""}
+    return out
+
+
 def canonical_message(message: Mapping[str, Any]) -> dict[str, Any]:
     """The part of a chat message the template sees; text content parts are flattened."""
     out: dict[str, Any] = {}
-    for field in MESSAGE_FIELDS:
-        value = message.get(field)
-        if value is None or value == [] or (field != "content" and value == ""):
+    for name in MESSAGE_FIELDS:
+        value = message.get(name)
+        if value is None or value == [] or (name != "content" and value == ""):
             continue
-        if field == "content" and isinstance(value, list) and all(
+        if name == "content" and isinstance(value, list) and all(
             isinstance(p, Mapping) and p.get("type") == "text" for p in value
         ):
             value = "".join(str(p.get("text", "")) for p in value)
-        out[field] = value
+        elif name == "tool_calls" and isinstance(value, list):
+            value = [_tool_call(c) for c in value]
+        out[name] = value
     out.setdefault("content", "")
     return out
 
@@ -112,12 +133,39 @@ def has_remote_media(message: Mapping[str, Any]) -> bool:
     return False
 
 
-def history_digest(messages: Sequence[Mapping[str, Any]]) -> str:
-    return _digest(*(_canonical(canonical_message(m)) for m in messages))
+def _running(kind: str, render: str) -> Any:
+    """A running digest of a history: seeded with the render settings, then fed message by message."""
+    h = hashlib.blake2b(digest_size=20)
+    h.update(f"turnkv-history-v2\0{kind}\0{render}\0".encode())
+    return h
+
+
+def _feed(h: Any, message: Mapping[str, Any]) -> None:
+    part = _canonical(canonical_message(message))
+    h.update(len(part).to_bytes(8, "little"))
+    h.update(part)
+
+
+def history_digest(messages: Sequence[Mapping[str, Any]], render: str = "") -> str:
+    """Digest of ``messages`` (what ``chat_turn`` computes in its one pass)."""
+    h = _running("chat", render)
+    for m in messages:
+        _feed(h, m)
+    return h.hexdigest()
 
 
 def text_digest(text: str) -> str:
     return _digest(text.encode())
+
+
+@dataclass(frozen=True)
+class History:
+    """A sequence decode holds (or a request's prefix): its digest and length (messages or characters)."""
+
+    kind: str
+    render_digest: str
+    digest: str
+    length: int
 
 
 @dataclass(frozen=True)
@@ -128,14 +176,19 @@ class Turn:
     render_digest: str  # settings that change rendering
     messages: tuple[Mapping[str, Any], ...] = ()
     prompt: str | None = None
+    #: Chat: the prefix up to and including the last assistant message (None: nothing to look up).
+    lookup: History | None = None
+    #: Chat: the running digest after all the messages (a hashlib object: extended by the reply, never mutated).
+    chain: Any = field(default=None, compare=False, repr=False)
 
     def continues(self, history: History) -> bool:
         """True when this request's prompt extends ``history`` exactly."""
         if history.kind != self.kind or history.render_digest != self.render_digest:
             return False
         if self.kind == "chat":
-            n = history.length
-            return len(self.messages) > n and history_digest(self.messages[:n]) == history.digest
+            # the digest covers every message up to the reply: equal digests, equal histories (the token
+            # proof still checks every pulled token)
+            return self.lookup is not None and self.lookup == history
         assert self.prompt is not None
         return len(self.prompt) > history.length and text_digest(self.prompt[: history.length]) == history.digest
 
@@ -143,19 +196,23 @@ class Turn:
         """The history the decode engine holds after answering this request with ``reply``."""
         if self.kind == "chat":
             assert isinstance(reply, Mapping)
-            messages = (*self.messages, reply)
-            return History(self.kind, self.render_digest, history_digest(messages), len(messages))
+            h = self.chain.copy()
+            _feed(h, reply)
+            return History(self.kind, self.render_digest, h.hexdigest(), len(self.messages) + 1)
         assert self.prompt is not None and isinstance(reply, str)
         text = self.prompt + reply
         return History(self.kind, self.render_digest, text_digest(text), len(text))
 
 
-@dataclass(frozen=True)
-class History:
-    kind: str
-    render_digest: str
-    digest: str
-    length: int  # messages (chat) or characters (completion)
+def chat_turn(render: str, messages: Sequence[Mapping[str, Any]]) -> Turn:
+    """One pass over the messages: the lookup prefix (up to the last assistant message) and the full chain."""
+    h = _running("chat", render)
+    lookup = None
+    for i, m in enumerate(messages):
+        _feed(h, m)
+        if m.get("role") == "assistant":
+            lookup = History("chat", render, h.hexdigest(), i + 1)
+    return Turn("chat", render, messages=tuple(messages), lookup=lookup, chain=h)
 
 
 def render_digest(kind: str, body: Mapping[str, Any]) -> str:
@@ -185,7 +242,7 @@ def parse_turn(kind: str, body: Mapping[str, Any]) -> Turn | None:
         render = render_digest("chat", body)
         if (body.get("n") or 1) != 1 or any(has_remote_media(m) for m in messages):
             return None
-        return Turn("chat", render, messages=tuple(messages))
+        return chat_turn(render, messages)
     prompt = body.get("prompt")
     if prompt is None or (isinstance(prompt, (str, list)) and len(prompt) == 0):
         raise RequestError("'prompt' is required")
@@ -197,9 +254,21 @@ def parse_turn(kind: str, body: Mapping[str, Any]) -> Turn | None:
     return Turn("completion", render, prompt=prompt)
 
 
-def conversation_key(secret: bytes, tenant: str, conversation_id: str, turn: Turn) -> str:
-    """HMAC(tenant, rendering settings, conversation id): unforgeable and tenant-isolated."""
-    msg = _digest(tenant.encode(), turn.kind.encode(), turn.render_digest.encode(), conversation_id.encode())
+def content_key(secret: bytes, tenant: str, history: History) -> str:
+    """HMAC(tenant, rendering settings, history digest and length): where a chat turn is stored and found.
+    Unforgeable and tenant-isolated: a client can only reach it by sending the very same history."""
+    mac = hmac.new(secret, b"turnkv-content-v1", hashlib.sha256)
+    for part in (tenant.encode(), history.kind.encode(), history.render_digest.encode(), history.digest.encode(),
+                 str(history.length).encode()):
+        mac.update(len(part).to_bytes(4, "little"))
+        mac.update(part)
+    return mac.hexdigest()
+
+
+def hint_key(secret: bytes, tenant: str, hint: str, turn: Turn) -> str:
+    """HMAC(tenant, rendering settings, session hint): the one slot of a raw-prompt completion session
+    (the text digest, not the hint, decides whether its KV is replayed)."""
+    msg = _digest(tenant.encode(), turn.kind.encode(), turn.render_digest.encode(), hint.encode())
     return hmac.new(secret, msg.encode(), hashlib.sha256).hexdigest()
 
 

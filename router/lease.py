@@ -1,10 +1,12 @@
 """``POST /v1/conversations/lease``: keep a conversation's retained KV alive past the engine TTL.
 
 An agent that will think or run tools for longer than ``decoder_kv_blocks_ttl`` sends the request
-settings it will use next turn (``model``, ``tools``, ..., without ``messages``) with its
-``conversation_id`` and an optional ``ttl``. The router sends the conversation's signed offer to the
-decode engine that holds its blocks (``turnkv.wire.LEASE_ROUTE``: the offer is the credential), and
-stores the offer decode re-signed with its new expiry, so the expiry it acts on stays decode's.
+it has so far: the settings it will use next turn (``model``, ``tools``, ...) and its ``messages`` up
+to and including the last assistant reply (turns are found by their content, as in ``router.guard``),
+plus an optional ``ttl``. Raw-prompt completions (``"kind": "completion"``) name their session with a
+hint instead (``conversation_id`` or one of ``session_hints``). The router sends the turn's signed offer
+to the decode engine that holds its blocks (``turnkv.wire.LEASE_ROUTE``: the offer is the credential),
+and stores the offer decode re-signed with its new expiry, so the expiry it acts on stays decode's.
 
 Limits: ``lease_max_ttl`` per call, ``tenant_lease_rate`` renewals per second per tenant.
 The entry stays in the store while decode renews (a turn arriving meanwhile takes it and reuses, as
@@ -24,8 +26,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router import guard
-from router.flow import CONVERSATION_HEADER, Flow, error_response
+from router import guard, hints
+from router.flow import Flow, error_response
 from turnkv import wire
 
 ENGINE_ROUTE = wire.LEASE_ROUTE
@@ -34,19 +36,15 @@ ENGINE_ROUTE = wire.LEASE_ROUTE
 async def renew(flow: Flow, request: web.Request, body: Any, tenant: str = "") -> web.Response:
     if not isinstance(body, dict):
         raise guard.RequestError("the request body must be a JSON object")
-    conversation_id = body.get("conversation_id") or request.headers.get(CONVERSATION_HEADER)
-    if not isinstance(conversation_id, str) or not conversation_id or len(conversation_id) > 256:
-        raise guard.RequestError("'conversation_id' (or the X-Conversation-Id header) is required")
     max_ttl = float(flow.config.lease_max_ttl)
     ttl = body.get("ttl", min(max_ttl, float(flow.config.decoder_kv_blocks_ttl)))
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= max_ttl:
         raise guard.RequestError(f"'ttl' must be a number of seconds in (0, {max_ttl:g}]")
+    key = _key(flow, request, body, tenant)
     rate = float(flow.config.tenant_lease_rate)
     if not flow.lease_rate.allow(tenant, rate, max(1.0, rate * 10)):
         return error_response(429, "too many lease renewals for this API key; slow down", "rate_limit_exceeded",
                               headers={"Retry-After": "1"})
-    kind = "completion" if body.get("kind") == "completion" else "chat"
-    key = guard.conversation_key(flow.config.key_secret, tenant, conversation_id, guard.render_only(kind, body))
     entry = await flow.store.get(key)
     if entry is None:
         return error_response(404, "no live KV for this conversation (expired, consumed, or different settings)",
@@ -84,4 +82,22 @@ async def renew(flow: Flow, request: web.Request, body: Any, tenant: str = "") -
     if not stored:  # a turn of this conversation took or replaced the entry meanwhile: it wins
         return error_response(409, "the conversation moved on while renewing; renew again", "conflict")
     flow.hold_retention(tenant, key, entry, expires)
-    return web.json_response({"conversation_id": conversation_id, "expires_in": round(expires - now, 1)})
+    return web.json_response({"expires_in": round(expires - now, 1)})
+
+
+def _key(flow: Flow, request: web.Request, body: dict[str, Any], tenant: str) -> str:
+    secret = flow.config.key_secret
+    if body.get("kind") == "completion":
+        try:
+            hint = hints.find(flow.hint_sources, request.headers, body)
+        except ValueError as exc:
+            raise guard.RequestError(str(exc)) from None
+        if hint is None:
+            raise guard.RequestError("a completion session is named by 'conversation_id' (or a session header)")
+        return guard.hint_key(secret, tenant, hint.value, guard.render_only("completion", body))
+    messages = body.get("messages")
+    turn = guard.parse_turn("chat", body) if messages else None
+    if turn is None or turn.lookup is None or turn.lookup.length != len(messages):
+        raise guard.RequestError("'messages' is required: the conversation so far, ending with the assistant's "
+                                 "last reply (the turn whose KV to keep)")
+    return guard.content_key(secret, tenant, turn.lookup)

@@ -21,7 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 #: expired: the entry's blocks are (nearly) freed; refused: stored params name an unknown engine;
 #: recompute: replayed but prefill recomputed (pull failed or below kv_recompute_threshold);
 #: token_mismatch: the text matched but prefill's token proof pulled less (re-tokenization, templates);
-#: disabled: the client turned reuse off; store_error: the store was down or slow; none: no conversation id.
+#: disabled: the client turned reuse off; store_error: the store was down or slow; none: nothing to look up
+#: (a first turn: no assistant message yet; n > 1; a token prompt; a raw-prompt completion without a session hint).
 OUTCOMES = ("hit", "miss", "mismatch", "expired", "refused", "recompute", "token_mismatch", "disabled", "store_error",
             "none")
 
@@ -94,6 +95,9 @@ class Metrics:
         self.migrations = Counter("turnkv_router_stream_migrations",
                                   "Streams continued on another decode engine after theirs died, by result.",
                                   ["result"], registry=r)
+        self.session_hints = Counter("turnkv_router_session_hints",
+                                     "Requests carrying a client session id (a hint: affinity and labels), "
+                                     "by where it was read.", ["source"], registry=r)
         self.push_dispatch = Counter("turnkv_router_push_dispatches",
                                      "Push-mode dispatches: concurrent (identity known) or serial.", ["kind"],
                                      registry=r)

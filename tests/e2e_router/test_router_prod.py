@@ -103,7 +103,7 @@ def test_reuse_through_valkey_with_api_keys(prod):
     messages = [{"role": "user", "content": words(model_dir, 600, 101)}]
     conv = f"reuse-{uuid.uuid4().hex[:6]}"
     first = post(router, messages, conversation=conv)
-    assert first.status_code == 200 and first.headers["X-TurnKV-Reuse-Outcome"] == "miss"
+    assert first.status_code == 200 and first.headers["X-TurnKV-Reuse-Outcome"] == "none"
     messages += [{"role": "assistant", "content": text_of(first)},
                  {"role": "user", "content": words(model_dir, 80, 102)}]
     before = pulled(prod)

@@ -53,7 +53,7 @@ async def test_second_turn_reuses_and_params_never_reach_the_client():
         for stream in (False, True):
             conv = f"conv-{stream}"
             first = await chat(s, conversation=conv, stream=stream)
-            assert first["status"] == 200 and first["headers"]["X-TurnKV-Reuse-Outcome"] == "miss"
+            assert first["status"] == 200 and first["headers"]["X-TurnKV-Reuse-Outcome"] == "none"
             assert b"kv_transfer_params" not in first["raw"]
             second = await chat(s, next_turn(MSGS, first["text"]), conversation=conv, stream=stream)
             assert second["headers"]["X-TurnKV-Reuse-Outcome"] == "hit"
@@ -62,7 +62,7 @@ async def test_second_turn_reuses_and_params_never_reach_the_client():
             assert p[0].seen_params[-1]["remote_engine_id"] == "decode-0"
             # single use: replaying the same turn again is a miss
             again = await chat(s, next_turn(MSGS, first["text"]), conversation=conv, stream=stream)
-            assert again["headers"]["X-TurnKV-Reuse-Outcome"] in ("miss", "mismatch")
+            assert again["headers"]["X-TurnKV-Reuse-Outcome"] == "miss"
         assert p[0].stats["wrong_reuse"] == 0 and p[0].stats["pulled"] > 200
 
 
@@ -220,7 +220,7 @@ async def test_keepalive_comments_before_the_first_token_and_trailing_outcome():
         p[0].fault = {"delay": 1.5}
         r = await chat(s, stream=True, conversation="ka")
         assert r["status"] == 200 and r["comments"][0] == ": keepalive"
-        assert r["comments"][-1].startswith(": turnkv reuse_outcome=miss reused_tokens=0")
+        assert r["comments"][-1].startswith(": turnkv reuse_outcome=none reused_tokens=0")
         assert r["text"]
 
 
@@ -304,7 +304,8 @@ async def test_one_emf_line_per_request_and_the_request_id_in_log_lines(caplog):
         lines = [orjson.loads(x) for x in buf.getvalue().splitlines()]
         assert [x["request_id"] for x in lines] == ["rid-0", "rid-1"]
         assert lines[0]["_aws"]["CloudWatchMetrics"][0]["Namespace"] == "turnkv/Router"
-        assert lines[0]["ReuseOutcome"] == "miss" and lines[0]["TTFT"] > 0
+        assert lines[0]["ReuseOutcome"] == "none" and lines[0]["TTFT"] > 0
+        assert lines[0]["session"] == "emf-0" and lines[0]["session_source"] == "body:conversation_id"
         assert [x["retries"] for x in lines] == [1, 1]  # the failing engine stays in the pool (no probe failed)
         # the client's id is echoed and logged, never sent to an engine: each dispatch and retry has its own
         sent = p[0].seen_request_ids + d[0].seen_request_ids
@@ -328,3 +329,111 @@ async def test_entries_of_a_decode_engine_ejected_since_are_not_replayed():
         second = await chat(s, next_turn(MSGS, first["text"]), conversation="crash")
         assert second["status"] == 200 and second["headers"]["X-TurnKV-Reuse-Outcome"] == "refused"
         assert p[0].seen_params[-1]["remote_block_ids"] is None
+
+
+async def test_clients_without_any_id_reuse_from_the_second_turn():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d) as (s, app):
+        for stream in (False, True):
+            messages = [{"role": "user", "content": f"plain client {stream} " * 100}]
+            for turn in range(3):
+                r = await chat(s, messages, conversation=None, stream=stream)
+                assert r["status"] == 200
+                assert r["headers"]["X-TurnKV-Reuse-Outcome"] == ("none" if turn == 0 else "hit"), (stream, turn)
+                assert turn == 0 or int(r["headers"]["X-TurnKV-Reused-Tokens"]) > 100
+                messages = next_turn(messages, r["text"])
+        assert p[0].stats["wrong_reuse"] == 0
+        assert app[METRICS].registry.get_sample_value("turnkv_router_session_hints_total",
+                                                      {"source": "header:x-session-id"}) == 0
+
+
+async def test_forks_of_one_history_one_pulls_the_other_recomputes():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d) as (s, _):
+        first = await chat(s, conversation=None)
+        a = [*MSGS, {"role": "assistant", "content": first["text"]}, {"role": "user", "content": "branch a"}]
+        b = [*MSGS, {"role": "assistant", "content": first["text"]}, {"role": "user", "content": "branch b"}]
+        ra, rb = await asyncio.gather(chat(s, a, conversation=None), chat(s, b, conversation=None, stream=True))
+        outcomes = sorted([ra["headers"]["X-TurnKV-Reuse-Outcome"], rb["headers"]["X-TurnKV-Reuse-Outcome"]])
+        assert outcomes == ["hit", "miss"] and ra["text"] and rb["text"]
+        assert p[0].stats["wrong_reuse"] == 0
+        # each branch is its own turn from now on
+        for branch, reply in ((a, ra), (b, rb)):
+            nxt = await chat(s, next_turn(branch, reply["text"]), conversation=None)
+            assert nxt["headers"]["X-TurnKV-Reuse-Outcome"] == "hit"
+
+
+async def test_a_session_hint_steers_decode_but_never_attaches_another_conversations_kv():
+    p, d = engines(1, "prefill"), engines(3, "decode")
+    async with router_over(p, d) as (s, app):
+        pool = app[FLOW].pool
+        from router import hints
+
+        target = hints.rendezvous("", "agent-7", [e.name for e in pool.decode])
+        mine = await chat(s, conversation=None, headers={"X-Correlation-ID": "agent-7"})
+        assert d[[e.name for e in pool.decode].index(target)].stats["decode"] == 1  # first turn: the hint's engine
+        # another conversation sends the same (forged or reused) hint: its own history decides, not the hint
+        other = [{"role": "user", "content": "other " * 100}, {"role": "assistant", "content": mine["text"]},
+                 {"role": "user", "content": "more"}]
+        stolen = await chat(s, other, conversation=None, headers={"X-Correlation-ID": "agent-7"})
+        assert stolen["headers"]["X-TurnKV-Reuse-Outcome"] == "miss"
+        assert p[0].seen_params[-1]["remote_block_ids"] is None
+        own = await chat(s, next_turn(MSGS, mine["text"]), conversation=None, headers={"X-Correlation-ID": "agent-7"})
+        assert own["headers"]["X-TurnKV-Reuse-Outcome"] == "hit" and p[0].stats["wrong_reuse"] == 0
+        assert app[METRICS].registry.get_sample_value("turnkv_router_session_hints_total",
+                                                      {"source": "header:x-correlation-id"}) == 3
+
+
+async def test_completion_sessions_need_a_hint_and_reuse_only_an_exact_prefix():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d) as (s, _):
+        async def complete(prompt, **headers):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 4}
+            async with s.post("/v1/completions", json=body, headers=headers) as resp:
+                return resp.headers["X-TurnKV-Reuse-Outcome"], (await resp.json())["choices"][0]["text"]
+
+        prompt = "once upon a time " * 50
+        assert (await complete(prompt))[0] == "none"  # no turn boundaries and no session: nothing to address
+        outcome, text = await complete(prompt, **{"X-Session-ID": "s1"})
+        assert outcome == "miss"  # the session's slot is empty
+        assert (await complete(prompt + "EDITED" + text + " more", **{"X-Session-ID": "s1"}))[0] == "mismatch"
+        outcome, text = await complete(prompt, **{"X-Session-ID": "s2"})
+        assert (await complete(prompt + text + " more", **{"X-Session-ID": "s2"}))[0] == "hit"
+        assert p[0].stats["wrong_reuse"] == 0
+
+
+async def test_apis_not_routed_yet_answer_501_naming_the_endpoint():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d) as (s, _):
+        for path, body in (("/v1/responses", {"model": "tiny", "input": "hi", "previous_response_id": "r1"}),
+                           ("/v1/messages", {"model": "tiny", "max_tokens": 4,
+                                             "messages": [{"role": "user", "content": "hi"}]})):
+            async with s.post(path, json=body) as resp:
+                error = (await resp.json())["error"]
+                assert resp.status == 501 and path in error["message"], error
+                assert error["type"] == "not_implemented"
+        assert p[0].stats["requests"] == d[0].stats["requests"] == 0
+
+
+async def test_the_openai_sdk_with_no_field_reuses_over_fake_engines():
+    from openai import AsyncOpenAI
+
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d) as (s, _):
+        client = AsyncOpenAI(base_url=str(s._base_url).rstrip("/") + "/v1", api_key="unused", max_retries=0)
+        for stream in (False, True):
+            messages = [{"role": "user", "content": f"sdk {stream} " * 200}]
+            outcomes = []
+            for _ in range(3):
+                raw = await client.chat.completions.with_raw_response.create(
+                    model="tiny", messages=messages, max_tokens=4, stream=stream)
+                if stream:
+                    text = "".join([c.choices[0].delta.content or "" async for c in raw.parse() if c.choices])
+                    reply = {"role": "assistant", "content": text}
+                else:
+                    reply = raw.parse().choices[0].message  # appended as the SDK returns it
+                outcomes.append(raw.headers["X-TurnKV-Reuse-Outcome"])
+                messages = [*messages, reply, {"role": "user", "content": "and then?"}]
+            assert outcomes == ["none", "hit", "hit"], (stream, outcomes)
+        await client.close()
+        assert p[0].stats["wrong_reuse"] == 0

@@ -154,8 +154,9 @@ async def test_push_prefill_failing_after_decode_opened_closes_the_decode_stream
         assert d[0].stats["running"] == 0 and d[0].stats["aborted"] >= 1
 
 
-async def _lease(s, conversation, ttl=60):
-    async with s.post("/v1/conversations/lease", json={"model": "tiny", "conversation_id": conversation,
+async def _lease(s, messages, ttl=60):
+    """Renew the turn that ``messages`` (ending with its reply) address."""
+    async with s.post("/v1/conversations/lease", json={"model": "tiny", "messages": messages,
                                                        "ttl": ttl}) as resp:
         return resp.status, await resp.json()
 
@@ -165,39 +166,43 @@ async def test_lease_renews_with_decode_and_survives_engine_failures_and_concurr
     p, d = engines(1, "prefill"), engines(1, "decode", expiry_ttl=20.0)
     async with router_over(p, d, store=store) as (s, _):
         first = await chat(s, conversation="L")
+        so_far = [*MSGS, {"role": "assistant", "content": first["text"]}]
         [key] = store.conversation_keys()
         before = store.peek(key).params[wire.EXPIRES_AT]
-        status, body = await _lease(s, "L", ttl=200)
+        status, body = await _lease(s, so_far, ttl=200)
         assert status == 200 and body["expires_in"] > 150
         renewed = store.peek(key).params
         assert renewed[wire.EXPIRES_AT] > before + 100  # decode's new expiry, re-signed by decode
         # an engine that fails (5xx) leaves the entry: the old lease still stands
         d[0].fault = {"lease_status": 503}
-        status, _ = await _lease(s, "L")
+        status, _ = await _lease(s, so_far)
         assert status == 502 and store.peek(key) is not None
         # a concurrent turn wins over a renewal in flight
         d[0].fault = {"lease_delay": 0.5}
-        renewal = asyncio.create_task(_lease(s, "L"))
+        renewal = asyncio.create_task(_lease(s, so_far))
         await asyncio.sleep(0.1)
         turn2 = await chat(s, next_turn(MSGS, first["text"]), conversation="L")
         assert turn2["headers"]["X-TurnKV-Reuse-Outcome"] == "hit"
-        newer = store.peek(key)
+        [newer_key] = store.conversation_keys()  # the new turn, at its own content address
+        newer = store.peek(newer_key)
         status, _ = await renewal
-        # decode no longer holds the old blocks (410) or the entry moved on (409): either way the newer turn stays
-        assert status in (409, 410) and store.peek(key) == newer and newer is not None
+        # decode no longer holds the old blocks (410) or the entry moved on (409): the old turn is not put back,
+        # the newer turn stays
+        assert status in (409, 410) and store.peek(key) is None and store.peek(newer_key) == newer
         # an engine that no longer holds the blocks: the entry is dropped (410), not kept to be read
         d[0].fault = {"lease_status": 404}
-        status, _ = await _lease(s, "L")
-        assert status == 410 and store.peek(key) is None
+        status, _ = await _lease(s, [*next_turn(MSGS, first["text"]), {"role": "assistant", "content": turn2["text"]}])
+        assert status == 410 and store.peek(newer_key) is None
 
 
 async def test_lease_ttl_and_renewal_rate_are_bounded_per_tenant():
     p, d = engines(1, "prefill"), engines(1, "decode")
     async with router_over(p, d, tunables={"lease_max_ttl": 100, "tenant_lease_rate": 0.1}) as (s, _):
-        await chat(s, conversation="R")
-        status, body = await _lease(s, "R", ttl=3600)
+        first = await chat(s, conversation="R")
+        so_far = [*MSGS, {"role": "assistant", "content": first["text"]}]
+        status, body = await _lease(s, so_far, ttl=3600)
         assert status == 400 and "(0, 100]" in body["error"]["message"]
-        statuses = [(await _lease(s, "R", ttl=50))[0] for _ in range(3)]
+        statuses = [(await _lease(s, so_far, ttl=50))[0] for _ in range(3)]
         assert statuses[0] == 200 and 429 in statuses
 
 

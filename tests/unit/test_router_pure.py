@@ -156,12 +156,12 @@ def test_reuse_outcome():
     assert guard.normalize_host("[FD00::0:1]") == "fd00::1"
 
 
-def test_conversation_keys_differ_by_tenant_and_secret():
-    turn = _turn([{"role": "user", "content": "hi"}])
-    k = guard.conversation_key(b"s", "acme", "c", turn)
-    assert k != guard.conversation_key(b"s", "globex", "c", turn)
-    assert k != guard.conversation_key(b"t", "acme", "c", turn)
-    assert k == guard.conversation_key(b"s", "acme", "c", turn)
+def test_content_keys_differ_by_tenant_and_secret():
+    history = _turn([{"role": "user", "content": "hi"}]).extended_by({"role": "assistant", "content": "yo"})
+    k = guard.content_key(b"s", "acme", history)
+    assert k != guard.content_key(b"s", "globex", history)
+    assert k != guard.content_key(b"t", "acme", history)
+    assert k == guard.content_key(b"s", "acme", history)
 
 
 def test_entry_expiry_never_outlives_the_engine():

@@ -41,6 +41,9 @@ def serve(
     side_channel_host: Annotated[list[str] | None, typer.Option(
         help="Extra NIXL side-channel address a replayed remote_host may name (repeatable).")] = None,
     policy: Annotated[str | None, typer.Option(help="Engine choice: least_load or round_robin.")] = None,
+    session_hint: Annotated[list[str] | None, typer.Option(
+        help="Where clients send session ids, header:NAME or body:FIELD (repeatable; replaces the default "
+             "list). Hints steer decode affinity and label metrics; reuse never depends on them.")] = None,
     emf: Annotated[bool | None, typer.Option("--emf/--no-emf", help="One EMF log line per request [on].")] = None,
     keepalive_timeout: Annotated[float | None, typer.Option(
         help="Seconds an idle client connection stays open [75]; behind a load balancer, longer than its idle "
@@ -68,7 +71,8 @@ def serve(
                      namespace=namespace, service=service, region=region, aws_endpoint_url=aws_endpoint_url,
                      store=store, api_keys_file=api_keys_file, deployment=deployment, ssm=ssm,
                      side_channel_hosts=side_channel_host, policy=policy, emf=emf,
-                     keepalive_timeout=keepalive_timeout, allow_open=allow_open or None)
+                     keepalive_timeout=keepalive_timeout, allow_open=allow_open or None,
+                     session_hints=session_hint)
         if key_secret_file:
             flags["key_secret"] = key_secret_file.read_text().strip().encode()
         merged_discovery = flags["discovery"] or file_values.get("discovery")
