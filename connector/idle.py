@@ -17,7 +17,7 @@ Measured with ``python -m bench.idle_cpu`` (decode CPU over the minute after a b
 a 1 s tick saved the most CPU but let a peer's pull wait up to a tick for this engine's transfer
 progress; 100 ms keeps turn-2 TTFT where upstream's loop has it at about 5 % of a core.
 
-Reads by other engines need neither loop: NIXL's progress thread serves them (see cpu.py).
+Reads by other engines need neither loop: NIXL's progress thread serves them (see nixl_agent.py).
 """
 
 from __future__ import annotations

@@ -27,10 +27,11 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from connector import cpu, idle, leases, streaming
+    from connector import cpu, idle, leases, nixl_agent, streaming
 
     applied = []
-    for name, module in (("cpu", cpu), ("idle", idle), ("leases", leases), ("streaming", streaming)):
+    patches = (("nixl", nixl_agent), ("cpu", cpu), ("idle", idle), ("leases", leases), ("streaming", streaming))
+    for name, module in patches:
         if not _enabled(name):
             continue
         try:

@@ -6,7 +6,8 @@
   READs by the pull worker's code, on the engine thread, as in pull mode.
 The writer thread keeps owning NIXL notifications; READ-completion notifications from a prefill that read
 this engine's retained blocks reach ``_get_new_notifs`` like any other and release the blocks. The UCX
-worker is shared by both threads, which the strict thread-sync mode (``connector.cpu``) protects.
+worker is shared by both threads: with bi-directional on, the agent is created with NIXL's strict thread sync
+on every platform (``connector.nixl_agent``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
 
+from connector import nixl_agent
 from connector.worker import TurnkvWorkerMixin
 
 
@@ -29,6 +32,14 @@ def is_read_back(meta: Any) -> bool:
 # MRO: turnkv's mixin, then push's methods (start_load_kv, notifications, writer thread), then pull's READ
 # helpers.
 class PushBidiWorker(TurnkvWorkerMixin, NixlPushConnectorWorker, NixlPullConnectorWorker):
+    def __init__(self, vllm_config: Any, engine_id: str, *args: Any, **kwargs: Any) -> None:
+        transfer = vllm_config.kv_transfer_config
+        if nixl_agent.needs_strict_sync(transfer.kv_connector, transfer.kv_connector_extra_config):
+            with nixl_agent.strict_thread_sync(base_worker):
+                super().__init__(vllm_config, engine_id, *args, **kwargs)
+        else:
+            super().__init__(vllm_config, engine_id, *args, **kwargs)
+
     def start_load_kv(self, metadata: Any) -> None:
         reads = {rid: meta for rid, meta in metadata.reqs_to_recv.items() if is_read_back(meta)}
         if reads:

@@ -49,16 +49,21 @@ def _bytes_per_block(kv_cache_config: Any) -> int:
 
 
 def _boot_of(metadata: dict[tuple[int, int], Any]) -> str | None:
-    """Boot fingerprint of this engine from the handshake payload it serves (first rank's NIXL agent)."""
+    """This engine's boot stamp from the handshake payloads it serves: every tensor-parallel rank's NIXL agent
+    (pipeline stage 0, the stage a prefill worker reads from), in rank order."""
     import msgspec
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
 
     try:
-        payload = metadata[min(metadata)]
-        agent = msgspec.msgpack.decode(payload.agent_metadata_bytes, type=NixlAgentMetadata)
-        return boot.fingerprint(agent.agent_metadata)
+        stage = min(pp for pp, _ in metadata)
+        ranks = sorted(tp for pp, tp in metadata if pp == stage)
+        fingerprints = []
+        for tp in ranks:
+            agent = msgspec.msgpack.decode(metadata[(stage, tp)].agent_metadata_bytes, type=NixlAgentMetadata)
+            fingerprints.append(boot.fingerprint(agent.agent_metadata))
+        return boot.stamp(fingerprints)
     except Exception:  # no fingerprint: decode's offers are then read without the boot check
-        logger.exception("turnkv: could not fingerprint this engine's NIXL agent")
+        logger.exception("turnkv: could not fingerprint this engine's NIXL agents")
         return None
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
-from connector import boot
+from connector import boot, compat
 from connector.stats import TurnkvKVConnectorStats
 
 logger = logging.getLogger("vllm.turnkv.connector")
@@ -50,13 +50,13 @@ class TurnkvWorkerMeta(KVConnectorWorkerMetadata):
 class TurnkvWorkerMixin:
     xfer_stats: Any
     _remote_agents: dict[str, Any]
-    _recv_failures: set[str]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # turnkv's counters count as news: upstream's stats report a step only when it moved or lost KV.
         self.xfer_stats = TurnkvKVConnectorStats()
-        self._turnkv_boots: dict[str, str] = {}  # engine id -> boot fingerprint of its handshaken agent
+        # engine id -> {remote tensor-parallel rank: fingerprint of the agent handshaken there}
+        self._turnkv_boots: dict[str, dict[int, str]] = {}
         self._turnkv_expected: dict[str, str] = {}  # request id -> boot its offer came from
         # Cost model samples, taken by build_turnkv_meta once per step (handshakes finish in a NIXL thread).
         self._turnkv_step: int | None = None
@@ -101,8 +101,9 @@ class TurnkvWorkerMixin:
 
     def add_remote_agent(self, nixl_agent_meta: Any, remote_tp_rank: int = 0, *args: Any, **kwargs: Any) -> str:
         name = super().add_remote_agent(nixl_agent_meta, remote_tp_rank, *args, **kwargs)  # type: ignore[misc]
-        if remote_tp_rank == 0:
-            self._turnkv_boots[nixl_agent_meta.engine_id] = boot.fingerprint(nixl_agent_meta.agent_metadata)
+        # Every rank this worker reads from (with TP > 1, rank i reads decode's rank i, not rank 0).
+        ranks = self._turnkv_boots.setdefault(nixl_agent_meta.engine_id, {})
+        ranks[int(remote_tp_rank)] = boot.fingerprint(nixl_agent_meta.agent_metadata)
         return name
 
     def start_load_kv(self, metadata: Any) -> None:
@@ -119,7 +120,6 @@ class TurnkvWorkerMixin:
                 logger.warning("turnkv: request %s: decode engine %s has restarted since it offered its KV "
                                "(boot %s, now %s); recomputing", req_id, engine_id, expected, current)
                 self.xfer_stats.record("turnkv_stale_offers", 1)
-                self._handle_failed_transfer(req_id, None, self._recv_failures,  # type: ignore[attr-defined]
-                                             record_failed_transfer=False)
+                compat.fail_read(self, req_id)
                 return
         super()._read_blocks_for_req(req_id, meta)  # type: ignore[misc]

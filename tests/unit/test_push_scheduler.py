@@ -155,7 +155,7 @@ def test_reads_go_ahead_only_from_the_boot_that_offered():
     w._read_blocks_for_req("unstamped", meta)  # params without a fingerprint are read as before
     assert w.read == ["new", "unstamped"] and w.failed == ["old"] and w._recv_failures == {"old"}
     assert w.xfer_stats.data["turnkv_stale_offers"] == [1] and not w.xfer_stats.is_empty()
-    assert boot.same_boot(None, now) and not boot.same_boot(before, now)
+    assert boot.same_boot(None, {0: now}) and not boot.same_boot(before, {0: now})
 
 
 def test_the_first_pull_from_an_engine_pays_the_handshake_and_is_no_cost_sample():

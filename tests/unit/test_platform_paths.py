@@ -1,0 +1,170 @@
+"""Paths a GPU or Neuron engine takes that the CPU suites never reach, checked without a device.
+
+Each test runs the connector as on a non-CPU platform (or with tensor parallelism above 1) and checks the
+setting the engine would get: the NIXL progress-thread delay, the thread-sync mode of push + bi-directional
+agents, and the decode-boot check on every tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import msgspec
+from nixl._api import nixl_thread_sync_t
+from vllm.distributed import nixl_utils
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
+
+from connector import cpu, plugin, scheduler
+from connector.push_worker import PushBidiWorker
+from connector.worker import TurnkvWorkerMixin
+
+
+class FakeBindings(types.ModuleType):
+    """nixl's C++ bindings, recording the progress-thread settings each agent is created with."""
+
+    def __init__(self) -> None:
+        super().__init__("nixl_bindings")
+        self.agents: list[tuple[bool, int]] = []
+
+    def nixlAgent(self, name: str, config: types.SimpleNamespace) -> str:
+        self.agents.append((config.useProgThread, config.pthrDelay))
+        return name
+
+
+def recording_config(calls: list[dict]):
+    def nixl_agent_config(*args, **kwargs):
+        calls.append(kwargs)
+        return kwargs
+
+    return nixl_agent_config
+
+
+@pytest.fixture
+def gpu_platform(monkeypatch):
+    """The plugin as it runs on a GPU engine: not the CPU platform, registered afresh, only NIXL patches."""
+    import nixl._api as nixl_api
+
+    monkeypatch.setattr(cpu, "_is_cpu_platform", lambda: False)
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setenv("TURNKV_PATCHES", "nixl,cpu")
+    calls: list[dict] = []
+    config = recording_config(calls)
+    monkeypatch.setattr(nixl_utils, "nixl_agent_config", config)
+    monkeypatch.setattr(base_worker, "nixl_agent_config", config)
+    bindings = FakeBindings()
+    monkeypatch.setattr(nixl_api, "nixlBind", bindings)
+    return types.SimpleNamespace(calls=calls, bindings=bindings, nixl_api=nixl_api)
+
+
+def test_progress_thread_delay_is_set_on_a_gpu_platform(gpu_platform, monkeypatch):
+    monkeypatch.setenv("TURNKV_NIXL_PROGRESS_US", "1000")
+    plugin.register()
+    base_worker.nixl_agent_config(num_threads=4, capture_telemetry=True)
+    assert gpu_platform.calls[-1]["enable_prog_thread"] is True
+    gpu_platform.nixl_api.nixlBind.nixlAgent("a", types.SimpleNamespace(useProgThread=True, pthrDelay=0))
+    assert gpu_platform.bindings.agents == [(True, 1000)]  # not NIXL's zero-delay busy loop
+
+
+def test_no_core_pinning_change_off_the_cpu_platform(gpu_platform):
+    plugin.register()
+    assert not isinstance(base_worker.os, cpu._NoPinOs)
+
+
+def build_push_worker(monkeypatch, connector: str, bidirectional: bool) -> list[dict]:
+    """PushBidiWorker's construction with upstream's constructor reduced to the agent-config call it makes."""
+    calls: list[dict] = []
+    monkeypatch.setattr(base_worker, "nixl_agent_config", recording_config(calls))
+
+    def upstream_init(self, vllm_config, engine_id, kv_cache_config):
+        base_worker.nixl_agent_config(num_threads=4, capture_telemetry=True)
+
+    monkeypatch.setattr(NixlPushConnectorWorker, "__init__", upstream_init)
+    transfer = types.SimpleNamespace(kv_connector=connector,
+                                     kv_connector_extra_config={"bidirectional_kv_xfer": bidirectional})
+    PushBidiWorker(types.SimpleNamespace(kv_transfer_config=transfer), "engine-0", None)
+    return calls
+
+
+@pytest.mark.parametrize("cpu_platform", [False, True])
+def test_push_bidirectional_agents_use_strict_thread_sync_on_any_platform(monkeypatch, cpu_platform):
+    monkeypatch.setattr(cpu, "_is_cpu_platform", lambda: cpu_platform)
+    calls = build_push_worker(monkeypatch, "TurnkvPushConnector", bidirectional=True)
+    assert calls and calls[-1].get("sync_mode") == nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+
+
+def test_push_without_bidirectional_keeps_nixls_default_sync(monkeypatch):
+    calls = build_push_worker(monkeypatch, "TurnkvPushConnector", bidirectional=False)
+    assert calls and "sync_mode" not in calls[-1]
+    # and the module's config function is restored after construction
+    assert base_worker.nixl_agent_config.__name__ == "nixl_agent_config"
+
+
+# --- decode-boot check on every tensor-parallel rank ------------------------------------------------------
+
+
+def handshake_payloads(agents: list[bytes]) -> dict[tuple[int, int], types.SimpleNamespace]:
+    """What a decode engine's scheduler serves in the NIXL handshake: one payload per (pp, tp) rank."""
+    def payload(rank: int, agent: bytes) -> types.SimpleNamespace:
+        meta = NixlAgentMetadata(engine_id="decode-0", agent_metadata=agent, kv_caches_base_addr=[0], device_id=rank,
+                                 num_blocks=8, block_lens=[1], block_strides=[1], kv_cache_layout="HND",
+                                 block_size=128, ssm_sizes=(0, 0), attn_backend_name="CPU_ATTN",
+                                 physical_blocks_per_logical_kv_block=1)
+        return types.SimpleNamespace(agent_metadata_bytes=msgspec.msgpack.encode(meta))
+
+    return {(0, rank): payload(rank, agent) for rank, agent in enumerate(agents)}
+
+
+class FakeUpstreamWorker:
+    def __init__(self) -> None:
+        self.read: list[str] = []
+        self.failed: list[str] = []
+        self.xfer_stats = types.SimpleNamespace(data={})
+        self._remote_agents: dict = {}
+        self._recv_failures: set[str] = set()
+
+    def add_remote_agent(self, meta, remote_tp_rank=0, *args, **kwargs):
+        self._remote_agents.setdefault(meta.engine_id, {})[(0, remote_tp_rank)] = f"agent-{remote_tp_rank}"
+        return f"agent-{remote_tp_rank}"
+
+    def start_load_kv(self, metadata):
+        pass
+
+    def _read_blocks_for_req(self, req_id, meta):
+        self.read.append(req_id)
+
+    def _handle_failed_transfer(self, req_id, handle, failed=None, record_failed_transfer=True):
+        self.failed.append(req_id)
+        return True
+
+
+class Worker(TurnkvWorkerMixin, FakeUpstreamWorker):
+    pass
+
+
+@pytest.mark.parametrize("remote_rank", [0, 1])
+def test_every_tensor_parallel_rank_refuses_a_restarted_decode(remote_rank):
+    """TP=2 on both sides: prefill rank i reads decode rank i, so rank 1 must check decode's rank 1 too."""
+    offered = scheduler._boot_of(handshake_payloads([b"rank0-boot1", b"rank1-boot1"]))  # decode's stamp
+    restarted = [b"rank0-boot2", b"rank1-boot2"]
+    meta = types.SimpleNamespace(remote=types.SimpleNamespace(engine_id="decode-0"))
+
+    stale = Worker()
+    stale.add_remote_agent(types.SimpleNamespace(engine_id="decode-0", agent_metadata=restarted[remote_rank]),
+                           remote_rank)
+    stale.start_load_kv(types.SimpleNamespace(turnkv_boots={"turn-2": offered}))
+    stale._read_blocks_for_req("turn-2", meta)
+    assert stale.failed == ["turn-2"] and stale.read == []
+
+    same = Worker()
+    same.add_remote_agent(types.SimpleNamespace(engine_id="decode-0",
+                                                agent_metadata=[b"rank0-boot1", b"rank1-boot1"][remote_rank]),
+                          remote_rank)
+    same.start_load_kv(types.SimpleNamespace(turnkv_boots={"turn-2": offered}))
+    same._read_blocks_for_req("turn-2", meta)
+    assert same.read == ["turn-2"] and same.failed == []
