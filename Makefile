@@ -10,7 +10,7 @@ DEPS := pyproject.toml turnkv/versions.py $(wildcard requirements/*.txt)
 EXTRAS ?= engines,infra,dev,peers
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint unit e2e infra-test clean down tools synth aiperf
+.PHONY: setup demo test lint unit e2e infra-test clean down tools synth aiperf vllm029 e2e-vllm029 gpu-check
 
 setup: $(READY)
 
@@ -44,9 +44,10 @@ demo: setup
 
 # tests/infra also runs `$(CDK) synth` with CDK_DEFAULT_ACCOUNT set (what `make synth` does on a machine with
 # credentials) and the offline deploy rehearsal through moto's CloudFormation.
-test: setup tools $(CDK)
+test: setup tools $(CDK) vllm029
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory e2e-vllm029
 
 lint: setup
 	$(BIN)/ruff check .
@@ -64,6 +65,52 @@ $(AIPERF_VENV)/bin/aiperf: requirements/aiperf.txt
 	@test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
 	$(AIPERF_VENV)/bin/python -m pip install -q --disable-pip-version-check -r requirements/aiperf.txt
 	@touch $@
+
+# The Neuron image ships vLLM 0.29 (turnkv.versions.IMAGE_VLLM): its CPU build lives in a side venv, and the
+# engine suites (pull, push, router) run there too. The venv holds only what the engine suites need.
+VENV_VLLM029 ?= .venv-vllm029
+READY_VLLM029 := $(VENV_VLLM029)/.turnkv-ready
+ENGINE_SUITES := tests/e2e tests/e2e_push tests/e2e_router
+
+vllm029: $(READY_VLLM029)
+
+$(READY_VLLM029): $(DEPS)
+	@test -x $(VENV_VLLM029)/bin/python || $(PYTHON) -m venv $(VENV_VLLM029)
+	@$(PYTHON) -m turnkv.versions --write >/dev/null
+	$(VENV_VLLM029)/bin/python -m pip install -q --disable-pip-version-check -U pip
+	$(VENV_VLLM029)/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]' \
+	  -r requirements/engines-vllm029.txt
+	$(VENV_VLLM029)/bin/python -m turnkv.local.engine_env
+	@touch $@
+
+e2e-vllm029: vllm029 tools
+	$(VENV_VLLM029)/bin/python -m pytest $(ENGINE_SUITES) $(PYTEST_ARGS)
+
+# Not in CI (downloads the ~330 MB CUDA wheel; no GPU needed): the GPU image's vLLM pin, its CUDA wheel
+# installed --no-deps over the CPU venv's dependencies (torch CPU and the rest, via a .pth), then the
+# connector's imports, version guard, patches and scheduler-side unit tests against it; and the GPU image's
+# whole requirement set (vLLM, NIXL + its CUDA variant, torch for CUDA, turnkv) resolved from PyPI alone.
+VENV_GPU ?= .venv-gpu-check
+GPU_CHECK_OUT ?= results/gpu-check
+GPU_UNIT_TESTS := tests/unit/test_platform_paths.py tests/unit/test_push_scheduler.py \
+  tests/unit/test_connector_units.py tests/unit/test_policy.py tests/unit/test_token_proof.py \
+  tests/unit/test_tunables_file.py tests/unit/test_versions.py
+gpu-check: setup
+	@mkdir -p $(GPU_CHECK_OUT)
+	@test -x $(VENV_GPU)/bin/python || $(PYTHON) -m venv $(VENV_GPU)
+	$(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
+	  > "$$($(VENV_GPU)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-turnkv-cpu-venv.pth"
+	$(VENV_GPU)/bin/python -m pip install -q --disable-pip-version-check --no-deps \
+	  "vllm==$$($(PYTHON) -m turnkv.versions --get VLLM_GPU)"
+	cd $(GPU_CHECK_OUT) && PYTHONPATH=$(CURDIR) $(CURDIR)/$(VENV_GPU)/bin/python -c 'import importlib.metadata as m, \
+	  vllm, connector.pull, connector.push; from connector import plugin; plugin.register(); \
+	  print("vllm", vllm.__version__, "from", vllm.__file__, "| dist", m.version("vllm"))'
+	PYTHONPATH=$(CURDIR) $(VENV_GPU)/bin/python -m turnkv.vllm_files
+	PYTHONPATH=$(CURDIR) $(VENV_GPU)/bin/python -m pytest -q -p no:cacheprovider $(GPU_UNIT_TESTS)
+	PIP_CONFIG_FILE=/dev/null $(BIN)/python -m pip install --disable-pip-version-check --dry-run -q \
+	  --ignore-installed --report $(GPU_CHECK_OUT)/gpu-requirements.json \
+	  -r requirements/engines-gpu.txt "$$($(PYTHON) -m turnkv.versions --get NIXL_CUDA_PACKAGE)==$$($(PYTHON) -m turnkv.versions --get NIXL)" .
+	$(BIN)/python -m turnkv.gpu_report $(GPU_CHECK_OUT)/gpu-requirements.json
 
 infra-test: setup $(CDK)
 	$(BIN)/python -m pytest tests/infra $(PYTEST_ARGS)

@@ -107,7 +107,8 @@ def _pins(flavor: str) -> dict[str, dict[str, str]]:
             "EfaPrefix": versions.EFA_PREFIX,
         },
         "turnkv-vllm-gpu": {"VllmVersion": versions.VLLM_GPU},
-        "turnkv-vllm-neuron": {"VllmNeuronVersion": versions.VLLM_NEURON},
+        "turnkv-vllm-neuron": {"VllmNeuronVersion": versions.VLLM_NEURON, "VllmVersion": versions.VLLM_NEURON_CORE,
+                               "NixlVersion": versions.NIXL},
         "turnkv-connector": {"TurnkvVersion": versions.TURNKV, "Flavor": flavor},
         "turnkv-cloudwatch-agent": {"CloudWatchAgentVersion": versions.CLOUDWATCH_AGENT,
                                     "CloudWatchAgentSha256": versions.CLOUDWATCH_AGENT_SHA256,
@@ -121,7 +122,8 @@ def _pins(flavor: str) -> dict[str, dict[str, str]]:
 ORDER: dict[str, tuple[str, ...]] = {
     "gpu": ("turnkv-base", "turnkv-efa", "turnkv-nixl", "turnkv-vllm-gpu", "turnkv-connector",
             "turnkv-cloudwatch-agent", "turnkv-doctor"),
-    "neuron": ("turnkv-base", "turnkv-efa", "turnkv-vllm-neuron", "turnkv-connector",
+    # NIXL with its LIBFABRIC plugin on EFA, as the Neuron disaggregated-inference tutorial sets it up.
+    "neuron": ("turnkv-base", "turnkv-efa", "turnkv-nixl", "turnkv-vllm-neuron", "turnkv-connector",
                "turnkv-cloudwatch-agent", "turnkv-doctor"),
 }
 

@@ -1,12 +1,25 @@
-"""The vLLM versions this connector is written against; anything else is refused at start."""
+"""The vLLM releases this connector is written against (``turnkv.versions.SUPPORTED_VLLM``), and the shims
+for where their NIXL internals differ. Anything else is refused at start, naming the supported releases.
+
+Shims are gated on the running release, each saying which release needs it, so moving the matrix (adding or
+dropping a release) shows every place to revisit: ``grep -n "release()" connector/``.
+"""
 
 from __future__ import annotations
 
-from turnkv import versions
+import functools
+import os
+from collections.abc import Mapping
+
+from turnkv import platforms, versions
 
 
 class UnsupportedVllmError(RuntimeError):
     pass
+
+
+def _base(version: str) -> str:
+    return version.split("+", 1)[0]
 
 
 def check_vllm_version(version: str | None = None) -> str:
@@ -15,10 +28,42 @@ def check_vllm_version(version: str | None = None) -> str:
         import vllm
 
         version = vllm.__version__
-    base = version.split("+", 1)[0]
-    if base not in versions.SUPPORTED_VLLM:
+    if _base(version) not in versions.SUPPORTED_VLLM:
+        images = ", ".join(f"{image} image {release}" for image, release in versions.IMAGE_VLLM.items())
         raise UnsupportedVllmError(
-            f"turnkv's connector supports vLLM {' and '.join(versions.SUPPORTED_VLLM)} (it subclasses their NIXL "
-            f"connector internals), but vLLM {version} is installed. Install a supported version "
+            f"turnkv's connector supports vLLM {' and '.join(versions.SUPPORTED_VLLM)} ({images}; it subclasses "
+            f"their NIXL connector internals), but vLLM {version} is installed. Install a supported version "
             f"(see turnkv/versions.py) or use the upstream NixlConnector without turnkv's connector.")
     return version
+
+
+def as_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in _base(version).split(".")[:3])
+
+
+@functools.cache
+def release() -> tuple[int, ...]:
+    """The running vLLM release as a tuple, e.g. (0, 32, 0)."""
+    import vllm
+
+    return as_tuple(vllm.__version__)
+
+
+def fail_read(worker: object, req_id: str) -> None:
+    """Fail one READ before it is posted (prefill then recomputes), in the running release's terms."""
+    handle_failed = worker._handle_failed_transfer  # type: ignore[attr-defined]
+    if release() < (0, 32):
+        # 0.29: (req_id, handle); it also counts the read as a transport failure.
+        handle_failed(req_id, None)
+    else:
+        # 0.32: the failed set the worker tracks, and no transport-failure count (turnkv counts its own).
+        handle_failed(req_id, None, worker._recv_failures, record_failed_transfer=False)  # type: ignore[attr-defined]
+
+
+def check_platform(device_type: str | None = None, env: Mapping[str, str] | None = None) -> None:
+    """Refuse to build the connector where it is unverified (``turnkv.platforms``), e.g. on Neuron."""
+    if device_type is None:
+        from vllm.platforms import current_platform
+
+        device_type = str(current_platform.device_type)
+    platforms.check(device_type, os.environ if env is None else env)

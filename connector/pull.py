@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from connector.compat import check_vllm_version
+from connector.compat import check_platform, check_vllm_version
 
 check_vllm_version()
 
@@ -42,6 +42,7 @@ class TurnkvPullWorker(TurnkvWorkerMixin, NixlPullConnectorWorker):
 
 class TurnkvPullConnector(TurnkvStatsReporting, NixlPullConnector):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        check_platform()  # unverified platforms (Neuron) stop here, naming what is unverified
         # The base constructor, then turnkv's roles (NixlPullConnector's would build upstream's first).
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from connector.compat import check_vllm_version
+from connector.compat import check_platform, check_vllm_version
 
 check_vllm_version()
 
@@ -37,6 +37,7 @@ class TurnkvPushScheduler(TurnkvSchedulerMixin, PushBidiScheduler):
 
 class TurnkvPushConnector(TurnkvStatsReporting, NixlPushConnector):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        check_platform()  # unverified platforms (Neuron) stop here, naming what is unverified
         # NixlPushConnector's constructor would build upstream's push scheduler, which refuses
         # bi-directional transfer: run the base constructor and build turnkv's roles instead.
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 
-from turnkv import versions
+from turnkv import node_env, platforms, versions
 
 VENV_PYTHON = "/opt/turnkv/venv/bin/python"
 NIXL_ENV_FILE = "/etc/turnkv/nixl.env"
@@ -126,13 +126,11 @@ def _tail(text: str, lines: int = 3) -> str:
 
 
 def parse_env_file(text: str | None) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for line in (text or "").splitlines():
-        line = line.strip()
-        if line and not line.startswith("#") and "=" in line:
-            name, _, value = line.partition("=")
-            out[name.strip()] = value.strip().strip('"')
-    return out
+    """A node env file through the one parser (turnkv.node_env); a malformed file reads as empty."""
+    try:
+        return node_env.parse(text or "")
+    except node_env.NodeEnvError:
+        return {}
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -216,8 +214,6 @@ print(json.dumps({"plugins": sorted(agent.plugin_list), "backends": sorted(agent
 def check_nixl(node: Node, opts: Options) -> CheckResult:
     """NIXL's LIBFABRIC plugin links the EFA libfabric and a nixl agent instantiates the LIBFABRIC backend."""
     name = "nixl-libfabric"
-    if opts.flavor == "neuron":
-        return CheckResult(name, Status.SKIP, "Neuron image: KV transfer does not use NIXL here")
     rebuild = "re-run the AMI's turnkv-nixl component (it builds NIXL against the EFA libfabric when needed)"
     env = parse_env_file(node.read_text(NIXL_ENV_FILE))
     plugin_dir = env.get("NIXL_PLUGIN_DIR")
@@ -337,22 +333,27 @@ print(json.dumps(out))
 
 def expected_versions(flavor: str) -> dict[str, str]:
     if flavor == "neuron":
-        return {"vllm-neuron": versions.VLLM_NEURON, "turnkv": versions.TURNKV}
+        return {"vllm": versions.VLLM_NEURON_CORE, "vllm-neuron": versions.VLLM_NEURON, "nixl": versions.NIXL,
+                "turnkv": versions.TURNKV}
     return {"vllm": versions.VLLM_GPU, "nixl": versions.NIXL, "turnkv": versions.TURNKV}
+
+
+#: Importing the connector modules runs their version guard (connector.compat) against the installed vLLM.
+CONNECTOR_MODULES = ("connector.pull", "connector.push")
 
 
 def check_versions(node: Node, opts: Options) -> CheckResult:
     """vLLM and the connector import, at the versions pinned in turnkv/versions.py."""
     name = "pinned-versions"
     want = expected_versions(opts.flavor)
-    modules = ["vllm", "connector"] + (["vllm_neuron"] if opts.flavor == "neuron" else ["nixl"])
+    modules = ["vllm", *CONNECTOR_MODULES, "nixl"] + (["vllm_neuron"] if opts.flavor == "neuron" else [])
     out = node.run([node.python, "-c", VERSIONS_PROBE, ",".join(want), ",".join(modules)], None, 300)
     result = _last_json(out.stdout)
     if out.returncode != 0 or result is None:
         return CheckResult(name, Status.FAIL, f"{node.python} could not run: {_tail(out.stderr or out.stdout)}",
                            "the AMI installs /opt/turnkv/venv; pass --python for another interpreter")
-    problems = [f"{dist} {result['versions'].get(dist) or 'missing'} (pinned {pin})"
-                for dist, pin in want.items() if result["versions"].get(dist) != pin]
+    problems = [f"{dist} {(result['versions'].get(dist) or 'missing').split('+', 1)[0]} (pinned {pin})"
+                for dist, pin in want.items() if (result["versions"].get(dist) or "").split("+", 1)[0] != pin]
     problems += [f"import {module}: {error}" for module, error in sorted(result["errors"].items())]
     if problems:
         return CheckResult(name, Status.FAIL, "; ".join(problems),
@@ -362,8 +363,42 @@ def check_versions(node: Node, opts: Options) -> CheckResult:
                        f"; {', '.join(modules)} import")
 
 
+def check_connector_code(node: Node, opts: Options) -> CheckResult:
+    """The installed vLLM's connector files are the bytes the engine suites ran (turnkv/vllm_files.json)."""
+    name = "connector-code"
+    out = node.run([node.python, "-m", "turnkv.vllm_files"], None, 120)
+    if out.returncode != 0:
+        return CheckResult(name, Status.FAIL, _tail(out.stderr or out.stdout, 6),
+                           "install the vLLM this image pins (turnkv/versions.py IMAGE_VLLM): other builds or "
+                           "releases run connector code no turnkv suite has run")
+    return CheckResult(name, Status.PASS, _tail(out.stdout, 1))
+
+
+ENGINE_ENV_FILE = node_env.ENGINE_ENV_FILE
+
+
+def check_engine_env(node: Node, opts: Options) -> CheckResult:
+    """engine.env passes the engine's own validation, and the engine may start on this platform."""
+    name = "engine-env"
+    text = node.read_text(ENGINE_ENV_FILE)
+    if text is None:
+        why = "image build" if opts.image else "not written yet (the instance's user data writes it)"
+        return CheckResult(name, Status.SKIP, f"{ENGINE_ENV_FILE}: {why}")
+    try:
+        variables = node_env.parse(text)
+        env = node_env.EngineEnv.from_variables(variables)
+    except node_env.NodeEnvError as exc:
+        return CheckResult(name, Status.FAIL, str(exc), f"fix {ENGINE_ENV_FILE} (template: engine.env.template)")
+    refusal = platforms.refusal(opts.flavor, variables)
+    if refusal:
+        return CheckResult(name, Status.FAIL, refusal, f"the engine will not start on {opts.flavor} as configured")
+    return CheckResult(name, Status.PASS, f"{env.role.value} engine {env.engine_id}: {env.mode.value}, "
+                       f"TP {env.tp_size}, backends {','.join(env.backends)}")
+
+
 CHECKS: tuple[Callable[[Node, Options], CheckResult], ...] = (
-    check_libfabric, check_efa_device, check_nixl, check_gdr, check_driver, check_versions,
+    check_libfabric, check_efa_device, check_nixl, check_gdr, check_driver, check_versions, check_connector_code,
+    check_engine_env,
 )
 
 

@@ -5,8 +5,10 @@ The AMI installs ``turnkv-engine.service`` (``EnvironmentFile=/etc/turnkv/engine
 (``EnvironmentFile=/etc/turnkv/node.env``, runs ``turnkv params sync``). The CDK user data writes both
 files. Every variable name and path lives here once, so both sides spell them the same way.
 
-Pure: no I/O. ``render`` produces the file text, ``parse`` reads it back, ``engine_spec`` turns the
-engine file (plus the synced tunables) into :class:`turnkv.engine_args.EngineSpec`.
+Pure: no I/O. ``render`` produces the file text, ``parse`` reads it back (the one parser of the node's env
+files: ``turnkv engine run`` and ``turnkv doctor`` use it too). :meth:`EngineEnv.from_variables` is the one
+validating reader of engine.env: defaults are the dataclass's (written once), every bad or missing variable is
+named; ``engine_spec`` turns the result (plus the synced tunables) into :class:`turnkv.engine_args.EngineSpec`.
 """
 
 from __future__ import annotations
@@ -64,6 +66,13 @@ EFA_BACKENDS = ("LIBFABRIC",)
 #: Variables only known on the running instance (its id and address); the user data fills them in.
 RUNTIME_VARIABLES = (ENGINE_ID, SIDE_CHANNEL_HOST, VLLM_SIDE_CHANNEL_HOST)
 
+#: NIXL backend plugins an engine may name.
+KNOWN_BACKENDS = frozenset({"LIBFABRIC", "UCX", "UCCL", "GDS", "GDS_MT", "POSIX", "OBJ", "MOONCAKE", "GPUNETIO"})
+#: Variables engine.env must set (the others have the defaults of :class:`EngineEnv`).
+REQUIRED = (ROLE, ENGINE_ID, MODEL, SIDE_CHANNEL_HOST)
+_NOT_ROUTABLE = re.compile(r"^(localhost|127\.\d+\.\d+\.\d+|0\.0\.0\.0|::1?|\[::1?\])$", re.I)
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+
 # Values are written unquoted; keep them to characters that neither systemd nor a shell reinterprets.
 _SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.,:/@+=\-]*$")
 _NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
@@ -113,6 +122,78 @@ class EngineEnv:
             out[MODEL_S3_URI] = self.model_s3_uri
         return out
 
+    @classmethod
+    def from_variables(cls, env: Mapping[str, str]) -> EngineEnv:
+        """Read engine.env variables (empty ones count as unset); raises NodeEnvError naming every problem."""
+        env = {**ENGINE_DEFAULTS, **{k: v for k, v in env.items() if v != ""}}
+        errors = [f"{name} is missing" for name in REQUIRED if not env.get(name)]
+        role = env.get(ROLE, "")
+        if role and role not in {r.value for r in Role}:
+            errors.append(f"{ROLE}={role!r} must be prefill or decode")
+        engine_id = env.get(ENGINE_ID, "")
+        if engine_id and not _ID.match(engine_id):
+            errors.append(f"{ENGINE_ID}={engine_id!r}: use letters, digits and ._:@- (at most 128)")
+        mode = env[MODE]
+        if mode not in {m.value for m in Mode}:
+            errors.append(f"{MODE}={mode!r} must be pull or push")
+        bidi = env[BIDIRECTIONAL].lower()
+        if bidi not in {"true", "false"}:
+            errors.append(f"{BIDIRECTIONAL}={env[BIDIRECTIONAL]!r} must be true or false")
+        tp = _int(env, TP_SIZE, 1, 64, errors)
+        max_len = _int(env, MAX_MODEL_LEN, 16, 10_000_000, errors)
+        port = _int(env, PORT, 1, 65535, errors)
+        side_port = _int(env, SIDE_CHANNEL_PORT, 1, 65535, errors)
+        if port == side_port:
+            errors.append(f"{PORT} and {SIDE_CHANNEL_PORT} are both {port}")
+        host = env.get(SIDE_CHANNEL_HOST, "")
+        if host and _NOT_ROUTABLE.match(host):
+            errors.append(f"{SIDE_CHANNEL_HOST}={host!r} is not routable: engines on other nodes must reach the "
+                          "NIXL side channel there (use this node's private IP)")
+        backends = tuple(b.strip().upper() for b in env[BACKENDS].split(",") if b.strip())
+        unknown = [b for b in backends if b not in KNOWN_BACKENDS]
+        if not backends or unknown:
+            errors.append(f"{BACKENDS}={env[BACKENDS]!r}: give NIXL backends from {', '.join(sorted(KNOWN_BACKENDS))}")
+        if errors:
+            raise NodeEnvError(f"{ENGINE_ENV_FILE}: " + "; ".join(errors))
+        return cls(role=Role(role), engine_id=engine_id, model=env[MODEL],
+                   served_model_name=env.get(SERVED_MODEL_NAME) or env[MODEL], side_channel_host=host,
+                   mode=Mode(mode), bidirectional=bidi == "true", tp_size=tp, max_model_len=max_len, port=port,
+                   side_channel_port=side_port, backends=backends, tunables_file=env[TUNABLES_FILE_VAR],
+                   model_s3_uri=env.get(MODEL_S3_URI) or None,
+                   offer_secret_file=env.get(OFFER_SECRET_FILE_VAR) or wire.DEFAULT_OFFER_SECRET_FILE)
+
+    def spec(self, tunables: Mapping[str, int | float] | None = None, model_path: str | None = None) -> EngineSpec:
+        """The EngineSpec ``turnkv engine run`` serves (on the node: all interfaces)."""
+        engine_tunables = params.defaults(params.Scope.ENGINE)
+        engine_tunables.update({k: v for k, v in (tunables or {}).items() if k in engine_tunables})
+        return EngineSpec(
+            role=Role(self.role), engine_id=self.engine_id, model=model_path or self.model,
+            served_model_name=self.served_model_name or self.model, host="0.0.0.0", port=self.port,
+            side_channel_host=self.side_channel_host, side_channel_port=self.side_channel_port,
+            mode=Mode(self.mode), bidirectional=self.bidirectional, tensor_parallel_size=self.tp_size,
+            max_model_len=self.max_model_len, backends=tuple(self.backends), tunables=engine_tunables,
+            offer_secret_file=self.offer_secret_file)
+
+
+def _int(env: Mapping[str, str], name: str, low: int, high: int, errors: list[str]) -> int:
+    raw = env.get(name, "")
+    try:
+        value = int(raw)
+    except ValueError:
+        errors.append(f"{name}={raw!r} is not an integer ({low}..{high})")
+        return low
+    if not low <= value <= high:
+        errors.append(f"{name}={value} is out of range ({low}..{high})")
+    return value
+
+
+def _engine_defaults() -> dict[str, str]:
+    """engine.env's optional variables and their values, taken from EngineEnv's field defaults."""
+    sample = EngineEnv(role=Role.PREFILL, engine_id="x", model="x", served_model_name="x", side_channel_host="x")
+    rendered = sample.variables()
+    return {name: rendered[name] for name in (MODE, BIDIRECTIONAL, TP_SIZE, MAX_MODEL_LEN, PORT, SIDE_CHANNEL_PORT,
+                                              BACKENDS, TUNABLES_FILE_VAR)}
+
 
 @dataclass(frozen=True)
 class NodeEnv:
@@ -137,6 +218,8 @@ def render(variables: Mapping[str, str], *, skip: tuple[str, ...] = ()) -> str:
 
 
 def parse(text: str) -> dict[str, str]:
+    """``KEY=value`` lines (systemd EnvironmentFile syntax): comments and blank lines skipped, one pair of
+    matching quotes around a value removed."""
     out: dict[str, str] = {}
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
@@ -145,31 +228,17 @@ def parse(text: str) -> dict[str, str]:
         name, sep, value = line.partition("=")
         if not sep:
             raise NodeEnvError(f"line {number}: expected NAME=value, got {line!r}")
-        out[name.strip()] = value.strip().strip('"')
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+            value = value[1:-1]
+        out[name.strip()] = value
     return out
 
 
 def engine_spec(env: Mapping[str, str], tunables: Mapping[str, int | float] | None = None) -> EngineSpec:
     """The EngineSpec that ``turnkv engine run`` starts from an engine.env mapping (on the node: all interfaces)."""
-    missing = [n for n in (ROLE, ENGINE_ID, MODEL, SIDE_CHANNEL_HOST) if not env.get(n)]
-    if missing:
-        raise NodeEnvError(f"{ENGINE_ENV_FILE} misses {', '.join(missing)}")
-    engine_tunables = params.defaults(params.Scope.ENGINE)
-    engine_tunables.update({k: v for k, v in (tunables or {}).items() if k in engine_tunables})
-    return EngineSpec(
-        role=Role(env[ROLE]),
-        engine_id=env[ENGINE_ID],
-        model=env[MODEL],
-        served_model_name=env.get(SERVED_MODEL_NAME) or env[MODEL],
-        host="0.0.0.0",
-        port=int(env.get(PORT, DEFAULT_PORT)),
-        side_channel_host=env[SIDE_CHANNEL_HOST],
-        side_channel_port=int(env.get(SIDE_CHANNEL_PORT, DEFAULT_SIDE_CHANNEL_PORT)),
-        mode=Mode(env.get(MODE, Mode.PULL.value)),
-        bidirectional=env.get(BIDIRECTIONAL, "true").lower() == "true",
-        tensor_parallel_size=int(env.get(TP_SIZE, 1)),
-        max_model_len=int(env.get(MAX_MODEL_LEN, 8192)),
-        backends=tuple(b for b in env.get(BACKENDS, ",".join(EFA_BACKENDS)).split(",") if b),
-        tunables=engine_tunables,
-        offer_secret_file=env.get(OFFER_SECRET_FILE_VAR) or wire.DEFAULT_OFFER_SECRET_FILE,
-    )
+    return EngineEnv.from_variables(env).spec(tunables)
+
+
+#: engine.env's defaults, as written in the file (from EngineEnv's field defaults: one place).
+ENGINE_DEFAULTS: dict[str, str] = _engine_defaults()

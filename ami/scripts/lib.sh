@@ -22,7 +22,7 @@ WORK_DIR="${TURNKV_WORK_DIR:-/var/tmp/turnkv-ami}"
 
 # The build steps per flavor, in order (ami/recipes.py ORDER lists the same components).
 STEPS_gpu=(00-base 10-efa 20-nixl 30-vllm-gpu 40-connector 50-cloudwatch-agent)
-STEPS_neuron=(00-base 10-efa 31-vllm-neuron 40-connector 50-cloudwatch-agent)
+STEPS_neuron=(00-base 10-efa 20-nixl 31-vllm-neuron 40-connector 50-cloudwatch-agent)
 
 log() { printf 'turnkv-ami[%s]: %s\n' "${STEP:-?}" "$*" >&2; }
 

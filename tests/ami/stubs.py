@@ -68,7 +68,8 @@ case "$1" in
         *.whl) name="$(basename "$arg")"; rest="${name#turnkv-}"; echo "${rest%%-*}" >"$db/turnkv"
                printf '#!/usr/bin/env bash\nprintf "%%s\\n" "turnkv $*" >>"$STUB_LOG"\n' >"$venv/bin/turnkv"
                chmod +x "$venv/bin/turnkv";;
-        "vllm-neuron @ git+"*) echo "${arg##*@}" >"$db/vllm-neuron"; echo 0.11.0 >"$db/vllm";;
+        # Tag v<release>; what vllm-neuron itself requires of vLLM is left to the vllm==... argument.
+        "vllm-neuron @ git+"*) tag="${arg##*@}"; echo "${tag#v}" >"$db/vllm-neuron";;
         *==*) echo "${arg##*==}" >"$db/${arg%%==*}"
               pkg="${arg%%==*}"
               if [[ "$pkg" == nixl-cu* && "${FAKE_NIXL_WHEEL_PLUGIN:-efa}" != none ]]; then

@@ -84,11 +84,13 @@ def test_neuron_bake(bake):
     bake.bake("neuron")
     calls = bake.calls()
     order = positions(calls, "efa_installer.sh -y",
+                      f"pip install --no-cache-dir --no-deps nixl=={versions.NIXL}",
                       f"pip install --no-cache-dir --extra-index-url https://pip.repos.neuron.amazonaws.com "
-                      f"vllm-neuron @ git+https://github.com/vllm-project/vllm-neuron.git@{versions.VLLM_NEURON}",
+                      f"vllm-neuron @ git+https://github.com/vllm-project/vllm-neuron.git@v{versions.VLLM_NEURON} "
+                      f"vllm=={versions.VLLM_NEURON_CORE} nixl=={versions.NIXL}",
                       "aws s3 cp", "dpkg --root=", "turnkv doctor --flavor neuron --image")
     assert order == sorted(set(order))
-    assert not any("nixl" in c for c in calls if c.startswith("pip install"))
+    assert (bake.root / "etc/turnkv/nixl.env").exists()  # NIXL's LIBFABRIC plugin, as on the GPU image
     assert "nvidia_gpu" not in (bake.root / "opt/aws/amazon-cloudwatch-agent/etc/turnkv.json").read_text()
     before = bake.manifest()
     bake.bake("neuron")

@@ -13,10 +13,12 @@ from turnkv import versions
 def test_unsupported_vllm_is_refused_naming_the_supported_versions():
     assert compat.check_vllm_version(f"{versions.VLLM_CPU}+cpu") == f"{versions.VLLM_CPU}+cpu"
     assert compat.check_vllm_version(versions.VLLM_GPU) == versions.VLLM_GPU
-    with pytest.raises(compat.UnsupportedVllmError) as info:
-        compat.check_vllm_version("0.31.2")
-    assert f"supports vLLM {versions.VLLM_CPU} and {versions.VLLM_GPU}" in str(info.value)
-    assert "0.31.2 is installed" in str(info.value)
+    assert compat.check_vllm_version("0.29.0+cpu") == "0.29.0+cpu"  # the Neuron image's vLLM
+    for unsupported in ("0.31.2", "0.33.0", "0.11.0"):
+        with pytest.raises(compat.UnsupportedVllmError) as info:
+            compat.check_vllm_version(unsupported)
+        assert "supports vLLM 0.29.0 and 0.32.0 (gpu image 0.32.0, neuron image 0.29.0" in str(info.value)
+        assert f"{unsupported} is installed" in str(info.value)
 
 
 def test_patch_selection(monkeypatch):

@@ -38,6 +38,8 @@ class FakeNode:
                 "versions": {"vllm": versions.VLLM_GPU, "nixl": versions.NIXL, "turnkv": versions.TURNKV,
                              "vllm-neuron": versions.VLLM_NEURON}, "errors": {}}) + "\n"),
             "neuron-ls --json-output": Completed(0, json.dumps([{"neuron_device": 0}, {"neuron_device": 1}])),
+            "python -m turnkv.vllm_files": Completed(0, "vLLM 0.32.0 at /opt/turnkv/venv: 20 connector files "
+                                                        "identical to the recorded wheel\n"),
             **(responses or {}),
         }
         self.files = {
@@ -180,9 +182,10 @@ def test_nixl_fails_without_its_env_file():
     assert result.status is Status.FAIL and doctor.NIXL_ENV_FILE in result.detail
 
 
-def test_nixl_is_skipped_on_neuron():
+def test_nixl_is_checked_on_neuron_too():
+    """The Neuron image ships NIXL's LIBFABRIC plugin (the Neuron disaggregated-inference setup)."""
     result, fake = run(doctor.check_nixl, flavor="neuron")
-    assert result.status is Status.SKIP and fake.calls == []
+    assert result.status is Status.PASS and any(line.startswith("ldd ") for line, _ in fake.calls)
 
 
 # --- GPUDirect RDMA ---------------------------------------------------------------------------------------
@@ -256,7 +259,7 @@ def test_versions_pass():
     result, fake = run(doctor.check_versions)
     assert result.status is Status.PASS and f"vllm {versions.VLLM_GPU}" in result.detail
     line = next(line for line, _ in fake.calls if "importlib" in line)
-    assert line.endswith("vllm,nixl,turnkv vllm,connector,nixl")
+    assert line.endswith("vllm,nixl,turnkv vllm,connector.pull,connector.push,nixl")
 
 
 def test_versions_fail_on_a_wrong_vllm_and_a_broken_connector():
@@ -273,10 +276,53 @@ def test_versions_fail_when_the_interpreter_is_missing():
     assert result.status is Status.FAIL and "could not run" in result.detail
 
 
-def test_neuron_versions_check_vllm_neuron():
-    result, fake = run(doctor.check_versions, flavor="neuron")
-    assert result.status is Status.PASS and f"vllm-neuron {versions.VLLM_NEURON}" in result.detail
-    assert any(line.endswith("vllm-neuron,turnkv vllm,connector,vllm_neuron") for line, _ in fake.calls)
+def test_neuron_versions_check_vllm_neuron_its_vllm_and_the_connector():
+    probe = Completed(0, json.dumps({"versions": {"vllm": f"{versions.VLLM_NEURON_CORE}+neuron", "nixl": versions.NIXL,
+                                                  "turnkv": versions.TURNKV, "vllm-neuron": versions.VLLM_NEURON},
+                                     "errors": {}}) + "\n")
+    result, fake = run(doctor.check_versions, FakeNode({"python -c \nimport importlib": probe}), flavor="neuron")
+    assert result.status is Status.PASS, result.detail
+    assert f"vllm {versions.VLLM_NEURON_CORE}" in result.detail
+    assert f"vllm-neuron {versions.VLLM_NEURON}" in result.detail
+    assert any(line.endswith("vllm,vllm-neuron,nixl,turnkv vllm,connector.pull,connector.push,nixl,vllm_neuron")
+               for line, _ in fake.calls)
+
+
+def test_neuron_refuses_the_gpu_images_vllm():
+    result, _ = run(doctor.check_versions, flavor="neuron")  # the probe answers vllm 0.32.0
+    assert result.status is Status.FAIL and f"(pinned {versions.VLLM_NEURON_CORE})" in result.detail
+
+
+def test_connector_code_passes_and_fails_on_drift():
+    result, fake = run(doctor.check_connector_code)
+    assert result.status is Status.PASS and ("python -m turnkv.vllm_files", None) in fake.calls
+    drift = Completed(1, "", "vLLM 0.32.0 at /x differs from the image wheel's connector files:\n"
+                             "  vllm/v1/engine/core.py")
+    result, _ = run(doctor.check_connector_code, FakeNode({"python -m turnkv.vllm_files": drift}))
+    assert result.status is Status.FAIL and "core.py" in result.detail
+
+
+ENGINE_ENV = ("TURNKV_ROLE=prefill\nTURNKV_ENGINE_ID=p-1\nTURNKV_MODEL=/m\nTURNKV_SIDE_CHANNEL_HOST=10.0.0.5\n"
+              "TURNKV_TP_SIZE='8'\n")
+
+
+def test_engine_env_is_validated_by_the_engines_own_spec():
+    result, _ = run(doctor.check_engine_env, FakeNode(files={doctor.ENGINE_ENV_FILE: ENGINE_ENV}))
+    assert result.status is Status.PASS and "TP 8" in result.detail
+    bad = ENGINE_ENV.replace("10.0.0.5", "localhost")
+    result, _ = run(doctor.check_engine_env, FakeNode(files={doctor.ENGINE_ENV_FILE: bad}))
+    assert result.status is Status.FAIL and "is not routable" in result.detail
+    result, _ = run(doctor.check_engine_env, image=True)
+    assert result.status is Status.SKIP
+
+
+def test_engine_env_on_neuron_names_what_is_unverified():
+    fake = FakeNode(files={doctor.ENGINE_ENV_FILE: ENGINE_ENV})
+    result, _ = run(doctor.check_engine_env, fake, flavor="neuron")
+    assert result.status is Status.FAIL and "unverified on neuron" in result.detail
+    allowed = FakeNode(files={doctor.ENGINE_ENV_FILE: ENGINE_ENV + "TURNKV_ALLOW_UNVERIFIED=neuron\n"})
+    result, _ = run(doctor.check_engine_env, allowed, flavor="neuron")
+    assert result.status is Status.PASS
 
 
 # --- the whole run and the CLI ------------------------------------------------------------------------------
@@ -293,8 +339,8 @@ def test_a_crashing_check_is_a_failure_not_a_crash():
 def test_all_checks_pass_on_a_healthy_node():
     results = doctor.run_checks(FakeNode().node(), Options())
     assert [r.name for r in results] == ["efa-libfabric", "efa-device", "nixl-libfabric", "gpudirect-rdma",
-                                         "driver-cuda", "pinned-versions"]
-    assert all(r.status is Status.PASS for r in results) and not doctor.failed(results)
+                                         "driver-cuda", "pinned-versions", "connector-code", "engine-env"]
+    assert all(r.status is not Status.FAIL for r in results) and not doctor.failed(results)
 
 
 @pytest.fixture
@@ -311,7 +357,7 @@ def test_cli_json_and_exit_code(cli):
     ok = CliRunner().invoke(app, ["doctor", "--json", "--flavor", "gpu"])
     assert ok.exit_code == 0, ok.output
     body = json.loads(ok.output)
-    assert body["ok"] is True and len(body["checks"]) == 6
+    assert body["ok"] is True and len(body["checks"]) == 8
 
     state["fake"] = FakeNode({f"{EFA}/bin/fi_info -p efa": Completed(61, "", "fi_getinfo: -61")})
     bad = CliRunner().invoke(app, ["doctor", "--json", "--retry-seconds", "0"])
@@ -329,7 +375,10 @@ def test_cli_table_and_image_mode(cli):
 
 def test_cli_flavor_from_the_image_and_a_bad_flavor(cli):
     app, state = cli
-    state["fake"] = FakeNode(files={doctor.FLAVOR_FILE: "neuron\n"})
+    neuron_probe = Completed(0, json.dumps({"versions": {"vllm": versions.VLLM_NEURON_CORE, "nixl": versions.NIXL,
+                                                         "turnkv": versions.TURNKV,
+                                                         "vllm-neuron": versions.VLLM_NEURON}, "errors": {}}))
+    state["fake"] = FakeNode({"python -c \nimport importlib": neuron_probe}, files={doctor.FLAVOR_FILE: "neuron\n"})
     result = CliRunner().invoke(app, ["doctor", "--json"])
     assert json.loads(result.output)["flavor"] == "neuron" and result.exit_code == 0
     bad = CliRunner().invoke(app, ["doctor", "--flavor", "tpu"])

@@ -220,3 +220,25 @@ def test_names_and_spec_agree_with_node_env():
         assert getattr(engine, name) == getattr(node_env, name), name
     assert engine.TUNABLES_FILE == node_env.TUNABLES_FILE_VAR and engine.ENGINE_ENV_FILE == node_env.ENGINE_ENV_FILE
     assert engine.spec_from_env(FULL) == node_env.engine_spec(FULL)
+
+
+def test_neuron_node_stops_at_start_naming_what_is_unverified_without_a_restart_loop():
+    files = {engine.FLAVOR_FILE: "neuron\n"}
+    with pytest.raises(engine.EngineEnvError, match="unverified on neuron") as err:
+        engine.prepare(FULL, files.get, run=lambda cmd: 0)
+    assert "bi-directional" in str(err.value) and "TURNKV_ALLOW_UNVERIFIED=neuron" in str(err.value)
+    argv, _, _ = engine.prepare({**FULL, "TURNKV_ALLOW_UNVERIFIED": "neuron"}, files.get, run=lambda cmd: 0)
+    assert argv[1] == "serve"
+    engine.prepare(FULL, {engine.FLAVOR_FILE: "gpu\n"}.get, run=lambda cmd: 0)  # GPU: verified, starts
+    # `turnkv engine run` exits 2 on a refused configuration; systemd must not restart it.
+    unit = (REPO / "ami/scripts/files/turnkv-engine.service").read_text()
+    assert "\nRestartPreventExitStatus=2\n" in unit and "\nRestart=on-failure\n" in unit
+
+
+def test_one_parser_for_every_engine_env_reader():
+    from turnkv import doctor, node_env
+
+    text = "TURNKV_MODEL='/m'\nTURNKV_ROLE=\"prefill\"\n# comment\nTURNKV_PORT=8000\n"
+    expected = {"TURNKV_MODEL": "/m", "TURNKV_ROLE": "prefill", "TURNKV_PORT": "8000"}
+    assert node_env.parse(text) == engine.parse_env_file(text) == doctor.parse_env_file(text) == expected
+    assert engine.DEFAULTS is node_env.ENGINE_DEFAULTS

