@@ -102,7 +102,7 @@ gpu-check: setup
 	  > "$$($(VENV_GPU)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-turnkv-cpu-venv.pth"
 	$(VENV_GPU)/bin/python -m pip install -q --disable-pip-version-check --no-deps \
 	  "vllm==$$($(PYTHON) -m turnkv.versions --get VLLM_GPU)"
-	cd $(GPU_CHECK_OUT) && PYTHONPATH=$(CURDIR) $(CURDIR)/$(VENV_GPU)/bin/python -c 'import importlib.metadata as m, \
+	cd $(GPU_CHECK_OUT) && PYTHONPATH=$(CURDIR) $(abspath $(VENV_GPU))/bin/python -c 'import importlib.metadata as m, \
 	  vllm, connector.pull, connector.push; from connector import plugin; plugin.register(); \
 	  print("vllm", vllm.__version__, "from", vllm.__file__, "| dist", m.version("vllm"))'
 	PYTHONPATH=$(CURDIR) $(VENV_GPU)/bin/python -m turnkv.vllm_files

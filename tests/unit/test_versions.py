@@ -70,3 +70,22 @@ def test_a_drifted_file_is_named():
 
     recorded = {"vllm/a.py": "1", "vllm/b.py": "2"}
     assert vllm_files.compare(recorded, {"vllm/a.py": "1", "vllm/b.py": "3"}) == ["vllm/b.py"]
+
+
+def test_gpu_report_checks_the_resolved_pins(tmp_path, capsys):
+    import json
+
+    from turnkv import gpu_report
+
+    def report(vllm: str) -> str:
+        install = [{"metadata": {"name": n, "version": v}} for n, v in (
+            ("vllm", vllm), ("nixl", versions.NIXL), (versions.NIXL_CUDA_PACKAGE, versions.NIXL),
+            ("torch", "2.13.0"), ("turnkv", versions.TURNKV))]
+        path = tmp_path / f"{vllm}.json"
+        path.write_text(json.dumps({"install": install}))
+        return str(path)
+
+    assert gpu_report.main([report(versions.VLLM_GPU)]) == 0
+    assert "torch==2.13.0" in capsys.readouterr().out
+    assert gpu_report.main([report("0.33.0")]) == 1
+    assert "vllm 0.33.0 (pinned 0.32.0)" in capsys.readouterr().err
