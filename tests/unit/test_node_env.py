@@ -60,3 +60,11 @@ def test_engine_spec_names_missing_variables():
 def test_node_env_file():
     assert node_env.parse(node_env.render(node_env.NodeEnv("prod", "us-east-2").variables())) == {
         "TURNKV_DEPLOYMENT": "prod", "AWS_REGION": "us-east-2"}
+
+
+def test_what_infra_writes_is_what_the_node_reads():
+    """One spec: EngineEnv written by the user data (infra) parses back, validated, into the same EngineEnv."""
+    env = _env(mode=Mode.PUSH, bidirectional=False)
+    assert node_env.EngineEnv.from_variables(node_env.parse(node_env.render(env.variables()))) == env
+    with pytest.raises(node_env.NodeEnvError, match="TURNKV_TP_SIZE=0 is out of range"):
+        node_env.EngineEnv.from_variables({**env.variables(), node_env.TP_SIZE: "0"})
