@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping
+from typing import Any
 
 from turnkv import platforms, versions
 
@@ -58,6 +59,25 @@ def fail_read(worker: object, req_id: str) -> None:
     else:
         # 0.32: the failed set the worker tracks, and no transport-failure count (turnkv counts its own).
         handle_failed(req_id, None, worker._recv_failures, record_failed_transfer=False)  # type: ignore[attr-defined]
+
+
+def start_read(worker: Any, req_id: str, meta: Any) -> None:
+    """Post one READ of a remote engine's blocks the way the running release's pull worker does."""
+    if release() < (0, 32):
+        # 0.29: metadata always kept (failure recovery); an unknown engine is handshaken first, in the background.
+        worker._recving_metadata[req_id] = meta
+        engine_id = meta.remote.engine_id
+        if engine_id not in worker._remote_agents:
+            with worker._handshake_lock:
+                if engine_id not in worker._remote_agents:
+                    worker._background_nixl_handshake(req_id, engine_id, meta)
+                    return
+        worker._read_blocks_for_req(req_id, meta)
+        return
+    # 0.32: a full local hit only notifies the remote (nothing awaited); _read_blocks_for_req handshakes itself.
+    if meta.awaiting_kvs or any(meta.local_block_ids):
+        worker._recving_metadata[req_id] = meta
+    worker._read_blocks_for_req(req_id, meta)
 
 
 def check_platform(device_type: str | None = None, env: Mapping[str, str] | None = None) -> None:

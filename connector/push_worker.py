@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
 
-from connector import nixl_agent
+from connector import compat, nixl_agent
 from connector.worker import TurnkvWorkerMixin
 
 
@@ -50,10 +50,8 @@ class PushBidiWorker(TurnkvWorkerMixin, NixlPushConnectorWorker, NixlPullConnect
         for req_id, meta in reads.items():
             meta.local_physical_block_ids = self._logical_to_kernel_block_ids(
                 meta.local_block_ids, self._physical_blocks_per_logical_kv_block)
-            # As pull: a full local hit only notifies decode (which frees its blocks); nothing is awaited.
-            if meta.awaiting_kvs or any(meta.local_block_ids):
-                self._recving_metadata[req_id] = meta
-            self._read_blocks_for_req(req_id, meta)
+            # As the running release's pull worker posts it (a full local hit only notifies decode).
+            compat.start_read(self, req_id, meta)
         # READs whose handshake finished in the background since the last step.
         while not self._ready_requests.empty():
             self._read_blocks_for_req(*self._ready_requests.get_nowait())
