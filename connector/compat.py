@@ -61,6 +61,12 @@ def fail_read(worker: object, req_id: str) -> None:
         handle_failed(req_id, None, worker._recv_failures, record_failed_transfer=False)  # type: ignore[attr-defined]
 
 
+def reports_prefill_cached_tokens() -> bool:
+    """0.32's scheduler adds ``remote_prefill_cached_tokens`` (local hits + pulled) to prefill's answer; 0.29's
+    does not, so the connector adds it there (the router counts reused tokens from it)."""
+    return release() >= (0, 32)
+
+
 def start_read(worker: Any, req_id: str, meta: Any) -> None:
     """Post one READ of a remote engine's blocks the way the running release's pull worker does."""
     if release() < (0, 32):

@@ -18,7 +18,7 @@ import os
 import time
 from typing import Any
 
-from connector import boot, token_proof
+from connector import boot, compat, token_proof
 from connector.offers import ReplayGuard, model_fields
 from connector.policy import CostModel, Decision, Load, StepClock
 from connector.stats import TurnkvKVConnectorStats
@@ -122,6 +122,9 @@ class TurnkvSchedulerMixin:
             logger.warning("turnkv: no offer secret (%s / %s): decode's offers are unsigned and %s",
                            wire.OFFER_SECRET_ENV, wire.OFFER_SECRET_FILE_ENV,
                            "prefill recomputes every offer" if self._require_signed else "read unchecked")
+        # Prefill side: prompt tokens not computed (local prefix hits + pulled), for releases whose scheduler
+        # does not report them itself (compat.reports_prefill_cached_tokens).
+        self._prefill_cached: dict[str, int] = {}
 
     def set_xfer_handshake_metadata(self, metadata: dict[tuple[int, int], Any]) -> None:
         super().set_xfer_handshake_metadata(metadata)  # type: ignore[misc]
@@ -163,6 +166,7 @@ class TurnkvSchedulerMixin:
             if isinstance(params.get(boot.PARAMS_KEY), str):
                 self._expected_boots[request.request_id] = params[boot.PARAMS_KEY]
         count, asynchronous = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        self._prefill_cached[request.request_id] = num_computed_tokens + max(0, count or 0)
         if not first_look:
             return count, asynchronous
         decision = None
@@ -172,6 +176,7 @@ class TurnkvSchedulerMixin:
                                         new_engine=engine not in self._handshaken)
         if count > 0 and decision is not None and not decision.pull:
             count, asynchronous = 0, False
+            self._prefill_cached[request.request_id] = num_computed_tokens
         self.turnkv_stats.record("turnkv_decisions_pull" if count > 0 else "turnkv_decisions_recompute", 1)
         if decision is not None:
             self._export_decision(decision)
@@ -361,8 +366,12 @@ class TurnkvSchedulerMixin:
         self._pending.pop(request.request_id, None)
         self._pulls_started.pop(request.request_id, None)
         self._expected_boots.pop(request.request_id, None)
+        cached = self._prefill_cached.pop(request.request_id, None)
         if out is None:
             return delay, out
+        if out.get("do_remote_prefill") and cached is not None and not compat.reports_prefill_cached_tokens():
+            # What 0.32's scheduler adds to prefill's answer (the router counts reuse from it).
+            out.setdefault("remote_prefill_cached_tokens", cached)
         if out.get("do_remote_decode") and delay and out.get("remote_num_tokens"):
             # Decode: prove which tokens the retained blocks hold.
             held = list(request.all_token_ids[: out["remote_num_tokens"]])

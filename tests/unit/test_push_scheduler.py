@@ -182,3 +182,29 @@ def test_the_first_pull_from_an_engine_pays_the_handshake_and_is_no_cost_sample(
     s.update_connector_output(types.SimpleNamespace(finished_recving={"second"}, finished_sending=None,
                                                     kv_connector_worker_meta=None))
     assert s.cost.wait.value is not None and s.cost.transfers.w == 1  # the wait is no transfer sample
+
+
+@pytest.mark.parametrize(("release", "added"), [((0, 29, 0), True), ((0, 32, 0), False)])
+def test_prefill_answer_reports_its_cached_tokens_where_the_release_does_not(monkeypatch, release, added):
+    """0.29's scheduler does not add remote_prefill_cached_tokens to prefill's answer (0.32's does): the router
+    counts reused tokens from it, so the connector adds it on 0.29 (local prefix hits + pulled)."""
+    from connector import compat
+    from connector.policy import CostModel, StepClock
+    from connector.push import TurnkvPushScheduler
+    from connector.stats import TurnkvKVConnectorStats
+
+    monkeypatch.setattr(compat, "release", lambda: release)
+    s = TurnkvPushScheduler.__new__(TurnkvPushScheduler)
+    s.__dict__.update(scheduler().__dict__)
+    s.__dict__.update(cost=CostModel(), _pulls_started={}, _pulled_from=set(), _handshaken=set(), _steps=StepClock(),
+                      _pending={}, _bytes_per_block=128 * 4096, _retained={},
+                      turnkv_stats=TurnkvKVConnectorStats(), _verdicts={}, _expected_boots={}, _prefill_cached={},
+                      _retain_on_demand=True, _adaptive=False, _require_proof=False, _boot=None,
+                      _tunables=types.SimpleNamespace(poll=lambda: None))
+    req = request("p1", {**DECODE_OFFER, "turnkv_token_proof": None}, prompt=500)
+    count, _ = s.get_num_new_matched_tokens(req, 128)  # 128 tokens from prefill's own prefix cache
+    assert count > 0
+    s.update_state_after_alloc(req, blocks([1, 2, 3, 4]), count)
+    _, out = s.request_finished(req, ([1, 2, 3, 4],))
+    assert out is not None and out.get("do_remote_prefill")
+    assert (out.get("remote_prefill_cached_tokens") == 128 + count) is added
