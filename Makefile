@@ -44,10 +44,9 @@ demo: setup
 
 # tests/infra also runs `$(CDK) synth` with CDK_DEFAULT_ACCOUNT set (what `make synth` does on a machine with
 # credentials) and the offline deploy rehearsal through moto's CloudFormation.
-test: setup tools $(CDK) vllm029
+test: setup tools $(CDK)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
-	$(MAKE) --no-print-directory e2e-vllm029
 
 lint: setup
 	$(BIN)/ruff check .
@@ -67,7 +66,8 @@ $(AIPERF_VENV)/bin/aiperf: requirements/aiperf.txt
 	@touch $@
 
 # The Neuron image ships vLLM 0.29 (turnkv.versions.IMAGE_VLLM): its CPU build lives in a side venv, and the
-# engine suites (pull, push, router) run there too. The venv holds only what the engine suites need.
+# engine suites (pull, push, router) run there too. Not yet part of `make test`: it joins once the three suites
+# have passed on 0.29 here (see docs/connector.md).
 VENV_VLLM029 ?= .venv-vllm029
 READY_VLLM029 := $(VENV_VLLM029)/.turnkv-ready
 ENGINE_SUITES := tests/e2e tests/e2e_push tests/e2e_router

@@ -4,6 +4,9 @@ On the CPU platform the NIXL worker pins its process to the last core of each NU
 on a host fights over one core. The engine's own placement (``taskset``) is kept instead. GPU and Neuron
 workers do not pin. The NIXL agent settings (progress-thread delay, thread sync) apply on every platform:
 ``connector.nixl_agent``.
+
+CPU agents also keep the strict thread-sync mode for every connector mode, as the engine suites have always
+run them; push + bi-directional gets it on every platform from the connector itself.
 """
 
 from __future__ import annotations
@@ -41,7 +44,20 @@ def apply() -> list[str]:
         return []
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
-    if isinstance(base_worker.os, _NoPinOs):
-        return []
-    base_worker.os = _NoPinOs()  # type: ignore[assignment]
-    return ["keep-core-affinity"]
+    applied = []
+    config = base_worker.nixl_agent_config
+    if config is not None and not getattr(config, "_turnkv_cpu_strict", False):
+        from nixl._api import nixl_thread_sync_t
+
+        def strict_by_default(*args: Any, **kwargs: Any) -> Any:
+            kwargs.setdefault("sync_mode", nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+            return config(*args, **kwargs)
+
+        strict_by_default._turnkv_cpu_strict = True  # type: ignore[attr-defined]
+        strict_by_default._turnkv_wrapped = True  # type: ignore[attr-defined]
+        base_worker.nixl_agent_config = strict_by_default
+        applied.append("strict-sync")
+    if not isinstance(base_worker.os, _NoPinOs):
+        base_worker.os = _NoPinOs()  # type: ignore[assignment]
+        applied.append("keep-core-affinity")
+    return applied

@@ -168,3 +168,13 @@ def test_every_tensor_parallel_rank_refuses_a_restarted_decode(remote_rank):
     same.start_load_kv(types.SimpleNamespace(turnkv_boots={"turn-2": offered}))
     same._read_blocks_for_req("turn-2", meta)
     assert same.read == ["turn-2"] and same.failed == []
+
+
+def test_cpu_engines_keep_strict_sync_for_every_mode(gpu_platform, monkeypatch):
+    """As the engine suites have always run them: CPU agents get the strict mode and the delayed progress thread."""
+    monkeypatch.setattr(cpu, "_is_cpu_platform", lambda: True)
+    monkeypatch.setattr(base_worker, "os", base_worker.os)  # restored after the test
+    plugin.register()
+    base_worker.nixl_agent_config(num_threads=4)
+    assert gpu_platform.calls[-1]["sync_mode"] == nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+    assert gpu_platform.calls[-1]["enable_prog_thread"] is True
