@@ -200,6 +200,8 @@ def test_prefill_answer_reports_its_cached_tokens_where_the_release_does_not(mon
                       _pending={}, _bytes_per_block=128 * 4096, _retained={},
                       turnkv_stats=TurnkvKVConnectorStats(), _verdicts={}, _expected_boots={}, _prefill_cached={},
                       _retain_on_demand=True, _adaptive=False, _require_proof=False, _boot=None,
+                      _offer_secret=None, _require_signed=False, _model=None, _expiry_skew=5.0,
+                      _replays=None,
                       _tunables=types.SimpleNamespace(poll=lambda: None))
     req = request("p1", {**DECODE_OFFER, "turnkv_token_proof": None}, prompt=500)
     count, _ = s.get_num_new_matched_tokens(req, 128)  # 128 tokens from prefill's own prefix cache
