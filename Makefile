@@ -55,7 +55,7 @@ unit: setup
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 e2e: setup tools
-	$(BIN)/python -m pytest tests/e2e tests/e2e_router tests/e2e_push $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/e2e tests/e2e_router tests/e2e_push tests/e2e_clients $(PYTEST_ARGS)
 
 # aiperf (bench.aiperf_multiturn) in a venv of its own: its pins differ from vLLM's.
 AIPERF_VENV ?= .venv-aiperf

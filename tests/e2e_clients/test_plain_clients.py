@@ -1,0 +1,150 @@
+"""Reuse for clients that send no turnkv field: the official openai SDK against the router on real vLLM CPU
+engines (1 prefill + 1 decode, two tenants). Every pull is proven by the prefill engine's
+``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`` counter, and every answer equals the
+answer with reuse off. Ports 38000 (router), 38100/38200 (engines), 35600+ (NIXL)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from tests.e2e.client import engine_stack, metric, words
+from turnkv.local.stack import StackConfig
+
+pytestmark = pytest.mark.engines
+
+STATE = Path(__file__).resolve().parents[2] / ".turnkv" / "e2e-clients"
+ACME, GLOBEX = "acme-key-0123456789", "globex-key-0123456789"
+OFF = {"X-TurnKV-Reuse": "off"}  # the reference arm only: the client under test sends nothing of ours
+BLOCK = 128
+OUTCOME, REUSED = "X-TurnKV-Reuse-Outcome", "X-TurnKV-Reused-Tokens"
+
+# Opens every reply with a reasoning block in the generation prompt and renders earlier assistant turns
+# without it, as Qwen3's template drops earlier turns' <think> blocks: the text history the client sends
+# back is exact, but the tokens of the previous reply differ from what decode holds.
+THINK_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' + (m['content'] or '').split('</think>')[-1] + '<|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'] or '') + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def stack():
+    STATE.mkdir(parents=True, exist_ok=True)
+    keys = STATE / "api-keys"
+    keys.write_text(f"acme:{ACME}\nglobex:{GLOBEX}\n")
+    config = StackConfig(state_dir=STATE, router_port=38000, prefill_port=38100, decode_port=38200,
+                         side_channel_base=35600, kv_cache_gib=1,
+                         tunables={"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45},
+                         engine_extra_args=("--trust-request-chat-template",),
+                         router_args=("--api-keys-file", str(keys)))
+    with engine_stack(config) as running:
+        yield running
+
+
+def sdk(stack, key=ACME) -> OpenAI:
+    return OpenAI(base_url=stack["router"] + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def pulled(stack) -> float:
+    return metric(stack["prefill-0"], "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+
+
+def ask(client: OpenAI, messages, *, stream=False, max_tokens=16, **extra):
+    """One turn as an SDK user writes it: the reply message to append, its text, and the HTTP headers."""
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=messages, temperature=0,
+                                                           max_tokens=max_tokens, stream=stream, **extra)
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+        return {"role": "assistant", "content": text}, text, raw.headers
+    message = raw.parse().choices[0].message
+    return message, message.content or "", raw.headers
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_the_openai_sdk_with_no_id_reuses_from_turn_two(stack, stream):
+    client, model_dir = sdk(stack), stack["model_dir"]
+    messages = [{"role": "system", "content": words(model_dir, 200, 300 + stream)},
+                {"role": "user", "content": words(model_dir, 400, 310 + stream)}]
+    previous = 0
+    for turn in range(4):
+        before = pulled(stack)
+        reply, text, headers = ask(client, messages, stream=stream)
+        moved = pulled(stack) - before
+        _, off, off_headers = ask(client, messages, stream=stream, extra_headers=OFF)
+        assert text and text == off, f"turn {turn + 1}: reuse changed the answer"
+        assert off_headers[OUTCOME] == "disabled"
+        if turn == 0:
+            assert headers[OUTCOME] == "none" and moved == 0
+        else:
+            assert headers[OUTCOME] == "hit", (turn, headers[OUTCOME])
+            # everything decode held (the history + its reply) but the last generated token: grows every turn
+            assert int(headers[REUSED]) == moved > max(600, previous + 100), (turn, moved, previous)
+            previous = moved
+        messages = [*messages, reply, {"role": "user", "content": words(model_dir, 100, 320 + turn)}]
+
+
+def test_an_edited_history_misses_and_answers_correctly(stack):
+    client, model_dir = sdk(stack), stack["model_dir"]
+    messages = [{"role": "user", "content": words(model_dir, 500, 330)}]
+    reply, _, _ = ask(client, messages)
+    edited = [{"role": "user", "content": words(model_dir, 500, 331)}, reply,
+              {"role": "user", "content": words(model_dir, 50, 332)}]
+    before = pulled(stack)
+    _, text, headers = ask(client, edited)
+    assert headers[OUTCOME] == "miss" and pulled(stack) == before
+    assert text == ask(client, edited, extra_headers=OFF)[1]
+    # the untouched history still finds its turn
+    _, _, headers = ask(client, [*messages, reply, {"role": "user", "content": "go on"}])
+    assert headers[OUTCOME] == "hit" and pulled(stack) > before
+
+
+def test_a_template_that_strips_reasoning_pulls_only_the_proven_prefix(stack):
+    client, model_dir = sdk(stack), stack["model_dir"]
+    template = {"extra_body": {"chat_template": THINK_TEMPLATE}}
+    messages = [{"role": "user", "content": words(model_dir, 700, 340)}]
+    reply, _, _ = ask(client, messages, **template)
+    messages = [*messages, reply, {"role": "user", "content": words(model_dir, 100, 341)}]
+    mismatches = metric(stack["prefill-0"], "vllm:turnkv_proof_mismatches_total")
+    before = pulled(stack)
+    _, text, headers = ask(client, messages, **template)
+    moved = pulled(stack) - before
+    # the router found the turn; decode's token proof cut the pull at the first block that differs
+    assert headers[OUTCOME] == "token_mismatch", headers[OUTCOME]
+    assert int(headers[REUSED]) == moved >= 512 and moved % BLOCK == 0
+    assert metric(stack["prefill-0"], "vllm:turnkv_proof_mismatches_total") == mismatches + 1
+    assert text == ask(client, messages, extra_headers=OFF, **template)[1]
+
+
+def test_forks_one_branch_pulls_the_other_recomputes(stack):
+    client, model_dir = sdk(stack), stack["model_dir"]
+    messages = [{"role": "user", "content": words(model_dir, 600, 360)}]
+    reply, _, _ = ask(client, messages)
+    branches = [[*messages, reply, {"role": "user", "content": words(model_dir, 40, 361 + i)}] for i in range(2)]
+    results = []
+    for branch in branches:
+        before = pulled(stack)
+        _, text, headers = ask(client, branch)
+        results.append((headers[OUTCOME], pulled(stack) - before, int(headers[REUSED])))
+        assert text == ask(client, branch, extra_headers=OFF)[1]
+    (first, first_moved, first_reused), (second, second_moved, second_reused) = results
+    assert first == "hit" and first_reused == first_moved > 600
+    assert second == "miss" and second_reused == second_moved == 0
+
+
+def test_two_tenants_with_identical_histories_never_share(stack):
+    acme, globex, model_dir = sdk(stack, ACME), sdk(stack, GLOBEX), stack["model_dir"]
+    messages = [{"role": "user", "content": words(model_dir, 500, 370)}]
+    reply, _, _ = ask(acme, messages)
+    follow = [*messages, {"role": "assistant", "content": reply.content}, {"role": "user", "content": "more"}]
+    before = pulled(stack)
+    _, text, headers = ask(globex, follow)
+    assert headers[OUTCOME] == "miss" and pulled(stack) == before
+    assert text == ask(globex, follow, extra_headers=OFF)[1]
+    _, _, headers = ask(acme, follow)
+    assert headers[OUTCOME] == "hit" and pulled(stack) > before
