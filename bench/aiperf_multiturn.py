@@ -167,7 +167,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(out, ignore_errors=True)
             offset = log.stat().st_size
             before = prefill_pulled(prefill)
-            cmd = aiperf_command(aiperf, args, router, state["model_dir"], out, headers)
+            # an absolute folder: aiperf's services resolve a relative one elsewhere and take it for a hub id
+            cmd = aiperf_command(aiperf, args, router, Path(state["model_dir"]).resolve(), out.resolve(), headers)
             print(f"{arm}: {' '.join(cmd)}", flush=True)
             t0 = time.monotonic()
             done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
