@@ -72,6 +72,13 @@ def router_records(deployment: str) -> list[dict]:
                         assert resp.status == 200, raw
                     messages = [*messages, {"role": "assistant", "content": _answer(raw, stream)},
                                 {"role": "user", "content": f"and step {turn + 2}?"}]
+            # An edited history (a reply this router never stored) misses: the miss outcome is emitted too.
+            edited = [{"role": "user", "content": "Plan a three-step refactor of the billing module."},
+                      {"role": "assistant", "content": "A reply the router never saw."},
+                      {"role": "user", "content": "and step 2?"}]
+            async with session.post("/v1/chat/completions",
+                                    json={"model": "tiny", "messages": edited, "max_tokens": 4}) as resp:
+                assert resp.status == 200, await resp.read()
             async with session.post("/v1/chat/completions", json={"model": "tiny"}) as resp:  # a client error
                 assert resp.status == 400
             app[FLOW].emf.flush()
