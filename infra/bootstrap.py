@@ -50,6 +50,9 @@ class NodeBootstrap:
     #: serving stack's name and the pool's Auto Scaling group logical id. Empty: no signal.
     signal_stack: str = ""
     signal_resource: str = ""
+    #: The Secrets Manager secret (id or ARN) holding the deployment's offer secret, written to the engine's
+    #: offer-secret file before it starts. Empty: none (offers unsigned, prefill recomputes every turn).
+    offer_secret_id: str = ""
     port: int = node_env.DEFAULT_PORT
     side_channel_port: int = node_env.DEFAULT_SIDE_CHANNEL_PORT
 
@@ -230,6 +233,29 @@ else
 fi"""
 
 
+def offer_secret_script(b: NodeBootstrap) -> str:
+    """Shell that writes the deployment's offer secret (Secrets Manager) to the engine's offer-secret file,
+    readable by root only. Without it the engine would run but never reuse KV, so a failure stops the boot."""
+    if not b.offer_secret_id:
+        return ""
+    path = b.engine_env().offer_secret_file
+    return f"""
+# The deployment's offer secret: decode signs its KV offers with it, prefill reads only offers it verifies.
+umask 077
+mkdir -p "$(dirname '{path}')"
+for attempt in 1 2 3 4 5; do
+  if aws secretsmanager get-secret-value --region '{b.region}' --secret-id '{b.offer_secret_id}' \\
+      --query SecretString --output text > '{path}.new' && test -s '{path}.new'; then
+    mv '{path}.new' '{path}'; break
+  fi
+  echo "offer secret fetch failed (attempt $attempt); retrying"; sleep $((attempt * 5))
+done
+rm -f '{path}.new'
+test -s '{path}' || {{ echo "no offer secret; refusing to start the engine"; exit 1; }}
+umask 022
+"""
+
+
 def user_data(b: NodeBootstrap) -> str:
     static_env = node_env.render(b.engine_env().variables(), skip=node_env.RUNTIME_VARIABLES)
     node_file = node_env.render(node_env.NodeEnv(b.deployment, b.region).variables())
@@ -269,7 +295,7 @@ for attempt in 1 2 3 4 5; do
   echo "params sync failed (attempt $attempt); retrying"; sleep $((attempt * 5))
 done
 test -s {node_env.TUNABLES_FILE} || {{ echo "no tunables file; refusing to start the engine"; exit 1; }}
-
+{offer_secret_script(b)}
 # CloudWatch agent: GPU and EFA metrics, EMF listener on tcp:{EMF_PORT} (engine metrics arrive there).
 cat > {AGENT_CONFIG_PATH} <<'TURNKV_EOF'
 {agent}

@@ -81,6 +81,11 @@ def apply(app: cdk.App, t: TurnkvApp) -> None:
         bucket_prefix = config.model.s3_uri[len("s3://"):]
         ack(engine_role, "IAM5", "Engines read the model weights under the configured S3 prefix (read-only).",
             f"Resource::arn:<AWS::Partition>:s3:::{bucket_prefix}*")
+    ack(serving.offer_secret, "SMG4", "The engines' offer signing key: every engine of the deployment must hold the "
+                                      "same value, and running engines read it once at boot, so a rotation Lambda "
+                                      "would split the fleet. Rotate by changing the secret, then replacing the "
+                                      "engines (cdk deploy rolls them); offers signed with the old key are "
+                                      "recomputed, never read.")
     dereg_role = serving.node.find_child("DeregisterRole")
     for pool in serving.pools.values():
         ack(dereg_role, "IAM5", "An Auto Scaling group ARN embeds a generated id; the group is pinned by name.",

@@ -14,6 +14,7 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
 from aws_cdk import aws_lambda as lambda_
 from aws_cdk import aws_logs as logs
+from aws_cdk import aws_secretsmanager as secretsmanager
 from aws_cdk import aws_servicediscovery as servicediscovery
 from aws_cdk import aws_sns as sns
 from aws_cdk import aws_sns_subscriptions as subscriptions
@@ -74,6 +75,15 @@ class ServingStack(Stack):
 
         self.log_group = logs.LogGroup(self, "EngineLogs", log_group_name=f"/turnkv/{config.name}/engines",
                                        retention=logs.RetentionDays.ONE_MONTH, removal_policy=RemovalPolicy.DESTROY)
+        # The deployment's offer secret: decode engines sign the KV offers they return with it and prefill
+        # engines read only offers it verifies (turnkv.wire). Every engine writes it to its offer-secret file
+        # before the engine starts; without it offers are unsigned and every turn is recomputed.
+        self.offer_secret = secretsmanager.Secret(
+            self, "OfferSecret", secret_name=f"{config.prefix}/engine-offer-secret",
+            description="turnkv engines' KV offer signing key (HMAC); engines only, never the router",
+            generate_secret_string=secretsmanager.SecretStringGenerator(
+                exclude_punctuation=True, password_length=64),
+            removal_policy=RemovalPolicy.DESTROY)
         self.role = self._instance_role()
 
         self.pools: dict[str, EnginePool] = {}
@@ -86,7 +96,7 @@ class ServingStack(Stack):
                 tp_size=config.model.tensor_parallel_size, max_model_len=config.model.max_model_len,
                 cloudmap_service_id=self.cloudmap_service.service_id, log_group=self.log_group.log_group_name,
                 model_s3_uri=config.model.s3_uri, signal_stack=self.stack_name,
-                signal_resource=group_logical_id(pool.name)))
+                signal_resource=group_logical_id(pool.name), offer_secret_id=self.offer_secret.secret_arn))
             self.pools[pool.name] = EnginePool(self, f"Pool-{pool.name}", EnginePoolProps(
                 pool=pool, deployment_prefix=config.prefix, vpc=vpc, subnet=subnet,
                 machine_image=images[profile.flavor.value], user_data=ec2.UserData.custom(script), role=self.role,
@@ -110,6 +120,9 @@ class ServingStack(Stack):
             sid="SignalRollingUpdate", actions=["cloudformation:SignalResource"],
             resources=[self.format_arn(service="cloudformation", resource="stack",
                                        resource_name=f"{self.stack_name}/*")]))
+        role.add_to_policy(iam.PolicyStatement(
+            sid="ReadOfferSecret", actions=["secretsmanager:GetSecretValue"],
+            resources=[self.offer_secret.secret_arn]))
         role.add_to_policy(iam.PolicyStatement(
             sid="PublishMetrics", actions=["cloudwatch:PutMetricData"], resources=["*"],
             conditions={"StringEquals": {"cloudwatch:namespace": [mn.AGENT_NAMESPACE, mn.ENGINE_NAMESPACE]}}))

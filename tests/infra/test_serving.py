@@ -228,3 +228,24 @@ def test_without_nat_egress_is_the_vpc_and_the_s3_prefix_list_only(gpu, push):
     (lookup,) = gpu.resources("network", "Custom::AWS").values()
     assert "com.amazonaws.us-east-2.s3" in json.dumps(lookup["Properties"])
     assert push.resources("network", "Custom::AWS") == {}
+
+
+def test_engines_get_the_deployments_offer_secret_before_they_start(any_app):
+    """Decode signs its KV offers and prefill reads only verified ones (turnkv.wire): without the shared secret
+    on every engine, offers go unsigned and every turn is recomputed, so the deploy must provide it."""
+    secrets = any_app.resources("serving", "AWS::SecretsManager::Secret")
+    (secret_id, secret), = ((k, v) for k, v in secrets.items() if k.startswith("OfferSecret"))
+    assert secret["Properties"]["GenerateSecretString"]["PasswordLength"] >= 32
+    policies = any_app.resources("serving", "AWS::IAM::Policy")
+    statements = [s for p in policies.values() for s in p["Properties"]["PolicyDocument"]["Statement"]]
+    read = next(s for s in statements if s.get("Sid") == "ReadOfferSecret")
+    assert read["Action"] == "secretsmanager:GetSecretValue" and read["Resource"] == {"Ref": secret_id}
+    for res in any_app.resources("serving", "AWS::EC2::LaunchTemplate").values():
+        ud = res["Properties"]["LaunchTemplateData"]["UserData"]["Fn::Base64"]
+        parts = ud["Fn::Join"][1]
+        text = "".join(p if isinstance(p, str) else "<ref>" for p in parts)
+        assert {"Ref": secret_id} in parts  # the secret's ARN, resolved at deploy time
+        fetch = text.index("secretsmanager get-secret-value")
+        assert "TURNKV_OFFER_SECRET_FILE=/etc/turnkv/offer-secret" in text
+        assert "refusing to start the engine" in text[fetch:]
+        assert fetch < text.index("systemctl enable --now turnkv-engine.service")
