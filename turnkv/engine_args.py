@@ -62,8 +62,8 @@ class EngineSpec:
     #: A connector class other than the mode's (e.g. upstream "NixlPushConnector", no module path).
     connector: str | None = None
     #: File holding the deployment's offer secret (``turnkv.wire``): decode signs its offers with it and prefill
-    #: reads only offers it verifies. ``turnkv local up`` generates one; on AWS the node writes the Secrets
-    #: Manager secret named by ``TURNKV_OFFER_SECRET_ID`` there.
+    #: reads only offers it verifies. ``turnkv local up`` generates one; on AWS the node's user data writes
+    #: the deployment's Secrets Manager secret there.
     offer_secret_file: str | None = None
 
 

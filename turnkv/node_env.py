@@ -48,8 +48,8 @@ SIDE_CHANNEL_HOST = "TURNKV_SIDE_CHANNEL_HOST"
 SIDE_CHANNEL_PORT = "TURNKV_SIDE_CHANNEL_PORT"
 BACKENDS = "TURNKV_BACKENDS"
 TUNABLES_FILE_VAR = params.TUNABLES_FILE_ENV
-#: The deployment's offer secret file (turnkv.wire); the node writes the Secrets Manager secret named by
-#: TURNKV_OFFER_SECRET_ID into it before the engine starts.
+#: The deployment's offer secret file (turnkv.wire); the node's user data writes the deployment's Secrets
+#: Manager secret into it before the engine starts (infra.bootstrap.offer_secret_script).
 OFFER_SECRET_FILE_VAR = wire.OFFER_SECRET_FILE_ENV
 MODEL_S3_URI = "TURNKV_MODEL_S3_URI"
 #: vLLM reads this itself; written too so the engine advertises a routable address even if started by hand.

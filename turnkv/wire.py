@@ -55,10 +55,9 @@ LEASE_MAX_TTL = 3600
 # -- the deployment's offer secret ------------------------------------------------------------------
 
 #: The secret itself (tests), or a file holding it (``turnkv local up`` writes one into the state dir; on
-#: AWS the node writes the Secrets Manager secret named by ``OFFER_SECRET_ID_ENV`` into the file).
+#: AWS the node's user data writes the deployment's Secrets Manager secret into the file).
 OFFER_SECRET_ENV = "TURNKV_OFFER_SECRET"
 OFFER_SECRET_FILE_ENV = "TURNKV_OFFER_SECRET_FILE"
-OFFER_SECRET_ID_ENV = "TURNKV_OFFER_SECRET_ID"
 #: Where an engine node keeps the secret unless told otherwise.
 DEFAULT_OFFER_SECRET_FILE = "/etc/turnkv/offer-secret"
 #: Override of the model fingerprint (e.g. the checkpoint's digest, where the config alone is ambiguous).
