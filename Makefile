@@ -98,16 +98,19 @@ GPU_UNIT_TESTS := tests/unit/test_platform_paths.py tests/unit/test_push_schedul
 gpu-check: setup
 	@mkdir -p $(GPU_CHECK_OUT)
 	@test -x $(VENV_GPU)/bin/python || $(PYTHON) -m venv $(VENV_GPU)
+	@# The CUDA wheel first: once the .pth shows the CPU venv, pip would take its vllm 0.32.0+cpu as satisfying.
+	$(VENV_GPU)/bin/python -m pip install -q --disable-pip-version-check --no-deps --force-reinstall \
+	  "vllm==$$($(PYTHON) -m turnkv.versions --get VLLM_GPU)"
 	$(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
 	  > "$$($(VENV_GPU)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-turnkv-cpu-venv.pth"
-	$(VENV_GPU)/bin/python -m pip install -q --disable-pip-version-check --no-deps \
-	  "vllm==$$($(PYTHON) -m turnkv.versions --get VLLM_GPU)"
 	cd $(GPU_CHECK_OUT) && PYTHONPATH=$(CURDIR) $(abspath $(VENV_GPU))/bin/python -c 'import importlib.metadata as m, \
 	  vllm, connector.pull, connector.push; from connector import plugin; plugin.register(); \
-	  print("vllm", vllm.__version__, "from", vllm.__file__, "| dist", m.version("vllm"))'
+	  print("vllm", vllm.__version__, "from", vllm.__file__, "| dist", m.version("vllm")); \
+	  assert "+cpu" not in m.version("vllm") and "$(abspath $(VENV_GPU))" in vllm.__file__, "not the CUDA wheel"'
 	PYTHONPATH=$(CURDIR) $(VENV_GPU)/bin/python -m turnkv.vllm_files
 	PYTHONPATH=$(CURDIR) $(VENV_GPU)/bin/python -m pytest -q -p no:cacheprovider $(GPU_UNIT_TESTS)
-	PIP_CONFIG_FILE=/dev/null $(BIN)/python -m pip install --disable-pip-version-check --dry-run -q \
+	@# PyPI alone, as a fresh GPU image resolves: no machine config, no local wheel folder (its CPU torch).
+	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(BIN)/python -m pip install --disable-pip-version-check --dry-run -q \
 	  --ignore-installed --report $(GPU_CHECK_OUT)/gpu-requirements.json \
 	  -r requirements/engines-gpu.txt "$$($(PYTHON) -m turnkv.versions --get NIXL_CUDA_PACKAGE)==$$($(PYTHON) -m turnkv.versions --get NIXL)" .
 	$(BIN)/python -m turnkv.gpu_report $(GPU_CHECK_OUT)/gpu-requirements.json

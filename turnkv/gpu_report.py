@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name}=={packages[name]}")
     wrong = [f"{name} {packages.get(name, 'missing')} (pinned {pin})" for name, pin in expectations().items()
              if packages.get(name) != pin]
+    if "+cpu" in packages.get("torch", ""):
+        wrong.append(f"torch {packages['torch']} is a CPU build (resolved from a local wheel folder, not PyPI)")
     if wrong:
         print("not the pins: " + "; ".join(wrong), file=sys.stderr)
         return 1
