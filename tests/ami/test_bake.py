@@ -154,7 +154,9 @@ def signer(tmp_path):
     def sign(path, as_name):
         _gpg(home, "--yes", "--detach-sign", "-o", str(served / as_name), str(path))
 
-    return sign, fingerprint, served
+    yield sign, fingerprint, served
+    # Key generation and signing start a gpg-agent for this home: stop it, no process outlives the test.
+    subprocess.run(["gpgconf", "--homedir", str(home), "--kill", "all"], check=False, capture_output=True)
 
 
 def _efa_build(bake):
