@@ -230,6 +230,32 @@ def stream_ids(resp) -> tuple[list[int], list[dict]]:
     return [t for e in events for c in e.get("choices", []) for t in c.get("token_ids") or []], events
 
 
+def test_a_stream_survives_its_decode_engine_being_killed(prod):
+    """Decode killed after tokens went out: the router continues the stream on the other decode engine with
+    every token once, identical (greedy) to an undisturbed run."""
+    router, model_dir = prod["router"], prod["model_dir"]
+    messages = [{"role": "user", "content": words(model_dir, 300, 151)}]
+    calm, _ = stream_ids(post(router, messages, stream=True, max_tokens=300, ignore_eos=True))
+    assert len(calm) == 300
+    for _ in range(6):  # until the stream lands on decode-0 (ties alternate)
+        resp = post(router, messages, stream=True, max_tokens=300, ignore_eos=True)
+        lines = resp.iter_lines()
+        head = [next(line for line in lines if line.startswith(b"data: {")) for _ in range(20)]
+        if running(prod, "decode-0") >= 1:
+            break
+        resp.close()
+    else:
+        pytest.fail("no stream landed on decode-0")
+    kill(prod, "decode-0")
+    rest = [json.loads(line[6:]) for line in lines if line.startswith(b"data: {")]
+    events = [json.loads(line[6:]) for line in head] + rest
+    assert not any("error" in e for e in events), events[-1]
+    ids = [t for e in events for c in e.get("choices", []) for t in c.get("token_ids") or []]
+    assert ids == calm
+    text = requests.get(router + "/metrics", timeout=10).text
+    assert 'turnkv_router_stream_migrations_total{result="continued"} 1.0' in text
+
+
 def test_killed_prefill_engine_requests_succeed_on_the_other(prod):
     router = prod["router"]
     kill(prod, "prefill-0")
