@@ -31,18 +31,21 @@ class LeastLoad:
     """Least outstanding requests and tokens, slow-start aware, with decode affinity."""
 
     def __init__(self) -> None:
-        self._tick = itertools.count()
+        # One tie counter per role (as RoundRobin): a shared one steps twice per request (prefill, then
+        # decode), so with an even number of idle engines every decode leg went to the same engine.
+        self._ticks: dict[str, itertools.count[int]] = {}
 
     def choose(self, candidates: Sequence[Engine], *, now: float, preferred: Engine | None = None,
                tunables: Mapping[str, float] | None = None, tokens: int = 0) -> Engine:
         tunables = tunables or {}
+        tick = self._ticks.setdefault(candidates[0].role, itertools.count())
         scores = [load(e, now, tunables) for e in candidates]
         best = min(scores)
         slack = float(tunables.get("affinity_slack", 4))
         if preferred is not None and preferred in candidates and load(preferred, now, tunables) - best <= slack:
             return preferred
         ties = [e for e, s in zip(candidates, scores, strict=True) if s - best < 1e-9]
-        return ties[next(self._tick) % len(ties)]
+        return ties[next(tick) % len(ties)]
 
 
 class RoundRobin:

@@ -34,6 +34,16 @@ def test_least_load_counts_requests_and_tokens_and_round_robins_ties():
     assert {p.pick("prefill").name for _ in range(4)} == {a.name, c.name}
 
 
+def test_least_load_ties_turn_each_role_on_its_own():
+    # Idle engines all tie. With one turn counter for both roles, 2 prefill + 2 decode engines sent every
+    # prefill leg to the first prefill engine and every decode leg to the second decode engine.
+    p = EnginePool(["http://p1:1", "http://p2:1"], ["http://d1:1", "http://d2:1"], tunables=dict(T),
+                   clock=lambda: 0.0)
+    legs = [(p.pick("prefill").name, p.pick("decode").name) for _ in range(4)]
+    assert [pf for pf, _ in legs] == [p.prefill[0].name, p.prefill[1].name] * 2
+    assert [d for _, d in legs] == [p.decode[0].name, p.decode[1].name] * 2
+
+
 def test_round_robin_turns_each_role_on_its_own():
     p = EnginePool(["http://p:1"], ["http://d1:1", "http://d2:1"], tunables=dict(T), clock=lambda: 0.0,
                    policy=RoundRobin())
