@@ -10,6 +10,7 @@ Counts are per router process; replicas each enforce their share (docs/router.md
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,9 @@ class Admission:
 class _Tenant:
     conversations: dict[str, tuple[int, float]] = field(default_factory=dict)  # key -> (tokens, expires_at)
     tokens: int = 0
+    #: (expires_at, key) per hold, soonest first: purging costs O(expired log n), not a scan of every held turn
+    #: on every request. Entries of keys taken or re-held since are skipped when they surface.
+    expiries: list[tuple[float, str]] = field(default_factory=list)
 
 
 class RetentionLedger:
@@ -55,8 +59,15 @@ class RetentionLedger:
 
     def _purge(self, t: _Tenant) -> None:
         now = self._clock()
-        for key in [k for k, (_, exp) in t.conversations.items() if exp <= now]:
-            self.release(key)
+        heap = t.expiries
+        while heap and heap[0][0] <= now:
+            expires_at, key = heapq.heappop(heap)
+            held = t.conversations.get(key)
+            if held is not None and held[1] == expires_at:
+                self.release(key)
+        if len(heap) > 2 * len(t.conversations) + 64:  # mostly taken turns: rebuild from what is still held
+            t.expiries = [(exp, key) for key, (_, exp) in t.conversations.items()]
+            heapq.heapify(t.expiries)
 
     def allows(self, tenant: str, tokens: int, max_conversations: int, max_tokens: int) -> bool:
         """Whether ``tenant`` may retain one more turn of ``tokens`` tokens."""
@@ -71,6 +82,7 @@ class RetentionLedger:
         t = self._tenants.setdefault(tenant, _Tenant())
         t.conversations[key] = (tokens, expires_at)
         t.tokens += tokens
+        heapq.heappush(t.expiries, (expires_at, key))
         self._owner[key] = tenant
 
     def release(self, key: str) -> None:

@@ -33,6 +33,45 @@ def test_retention_ledger_limits_conversations_and_tokens_and_forgets_expired():
     assert ledger.allows("t", 900, 1, 1000) and ledger.usage("t") == (0, 0)
 
 
+def test_retention_ledger_a_renewed_hold_outlives_its_first_expiry():
+    now = [0.0]
+    ledger = RetentionLedger(clock=lambda: now[0])
+    ledger.hold("t", "k", 100, 10)
+    ledger.hold("t", "k", 100, 30)  # the same turn held again (lease renewed): its first expiry no longer applies
+    now[0] = 15
+    assert ledger.allows("t", 1, 10, 1000) and ledger.usage("t") == (1, 100)
+    now[0] = 31
+    assert ledger.allows("t", 1, 10, 1000) and ledger.usage("t") == (0, 0)
+
+
+def test_retention_ledger_purge_does_not_scan_every_held_turn():
+    """Each request checks its tenant's limits: with many held turns, that must not cost a pass over all of them
+    (it did: 13% of the router's CPU under load), and turns taken before they expire must not pile up."""
+    now = [0.0]
+    ledger = RetentionLedger(clock=lambda: now[0])
+    for i in range(20_000):
+        ledger.hold("t", f"k{i}", 1, 1000 + i)
+    reads = 0
+    conversations = ledger._tenants["t"].conversations
+
+    class Counting(dict):
+        def items(self):
+            nonlocal reads
+            reads += 1
+            return super().items()
+
+    ledger._tenants["t"].conversations = Counting(conversations)
+    for _ in range(100):
+        assert ledger.allows("t", 1, 100_000, 10**9)
+    assert reads == 0
+    for i in range(19_000):  # taken (single use) long before they expire
+        ledger.release(f"k{i}")
+    ledger.allows("t", 1, 100_000, 10**9)
+    assert len(ledger._tenants["t"].expiries) <= 2 * 1_000 + 64
+    now[0] = 1000 + 19_500
+    assert ledger.allows("t", 1, 100_000, 10**9) and ledger.usage("t") == (499, 499)
+
+
 def test_token_bucket():
     now = [0.0]
     bucket = TokenBucket(clock=lambda: now[0])
