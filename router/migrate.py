@@ -46,16 +46,16 @@ def migratable(kind: str, body: Mapping[str, Any]) -> bool:
     return kind == "chat" or isinstance(body.get("prompt"), str)
 
 
-def _cut(line: bytes, marker: bytes) -> tuple[bytes, list[int] | None]:
-    """``line`` without the JSON list field starting at ``marker``, and that list (None when absent)."""
+def _cut(line: bytes, marker: bytes, parse: bool = True) -> tuple[bytes, list[int] | None]:
+    """``line`` without the JSON list field starting at ``marker``, and that list (None when absent; empty when
+    not ``parse``: a prompt's thousands of ids are dropped without being read)."""
     at = line.find(marker)
     if at < 0:
         return line, None
     end = line.find(b"]", at)
     if end < 0:
         return line, None
-    raw = line[at + len(marker):end]
-    ids = [int(x) for x in raw.split(b",") if x.strip()]
+    ids = [int(x) for x in line[at + len(marker):end].split(b",") if x.strip()] if parse else []
     if line[at - 1:at] == b",":
         return line[:at - 1] + line[end + 1:], ids
     if line[end + 1:end + 2] == b",":
@@ -70,7 +70,7 @@ def take_token_ids(line: bytes, strip: bool) -> tuple[bytes, list[int]]:
         return line, []
     out, ids = _cut(line, _TOKEN_IDS)
     if strip:
-        out, _ = _cut(out, _PROMPT_IDS)
+        out, _ = _cut(out, _PROMPT_IDS, parse=False)
         return out, ids or []
     return line, ids or []
 
