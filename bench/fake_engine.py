@@ -97,6 +97,9 @@ class FakeEngine:
     #: False: prefill reads any offer, as upstream vLLM does (no signature, wall-clock expiry or replay check).
     verify_offers: bool = True
     fault: dict[str, Any] = field(default_factory=dict)
+    #: one write per SSE event with a yield between them, as a real engine emits one event per step; otherwise a
+    #: whole stream goes out in one write (the cheapest case for whoever relays it)
+    event_writes: bool = False
     stats: dict[str, int] = field(default_factory=lambda: {"requests": 0, "prefill": 0, "decode": 0, "running": 0,
                                                            "aborted": 0, "pulled": 0, "errors": 0,
                                                            "wrong_reuse": 0, "stale_reads": 0, "push_timeouts": 0})
@@ -289,10 +292,10 @@ class FakeEngine:
                 await asyncio.sleep(0.01)
                 request.transport.close()  # type: ignore[union-attr]
                 return response
-            if fault.get("token_delay"):
+            if fault.get("token_delay") or self.event_writes:
                 await response.write(b"".join(parts))
                 parts.clear()
-                await asyncio.sleep(float(fault["token_delay"]))
+                await asyncio.sleep(float(fault.get("token_delay") or 0))
         if out_params:
             parts.append(b"data: " + orjson.dumps({**head, "choices": [], "kv_transfer_params": out_params})
                          + b"\n\n")
@@ -391,6 +394,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, action="append", required=True, help="repeatable: one engine per port")
     parser.add_argument("--mode", default="pull", choices=("pull", "push"))
     parser.add_argument("--no-bidirectional", action="store_true")
+    parser.add_argument("--event-writes", action="store_true", help="one write per streamed event (as a real engine)")
     args = parser.parse_args()
     with contextlib.suppress(ImportError):
         import uvloop
@@ -398,7 +402,8 @@ def main() -> None:
         uvloop.install()
 
     async def run() -> None:
-        engines = [FakeEngine(p, mode=args.mode, bidirectional=not args.no_bidirectional) for p in args.port]
+        engines = [FakeEngine(p, mode=args.mode, bidirectional=not args.no_bidirectional,
+                              event_writes=args.event_writes) for p in args.port]
         await start(engines)
         await asyncio.Event().wait()
 

@@ -6,8 +6,12 @@ Targets (each over the same fake prefill + decode engines, loopback only):
 - ``vllm-router``: the Rust router from PyPI (``vllm-router==0.1.17 --vllm-pd-disaggregation``);
 - ``fastapi``: a plain FastAPI + httpx proxy like vLLM's example (``bench/fastapi_proxy.py``).
 
-For each, streamed chat requests at concurrency 1, 32 and 128 (bounded request counts): requests/s,
-TTFT p50/p99 (client side, to the first content event) and the router's RSS. All targets run at
+For each, streamed chat requests at concurrency 1, 32 and 128 (bounded request counts) and each reply length
+(``--reply-tokens``, 16 by default): requests/s, TTFT p50/p99 (client side, to the first content event), the
+router's CPU per request (its process tree's user + system time over the run) and its RSS. With several reply
+lengths, a least-squares line through CPU per request against reply length splits the router's cost into a fixed
+cost per request (intercept) and a cost per relayed event (slope). ``--event-writes`` makes the fake engine write
+one event at a time, as a real engine does, instead of a whole stream in one write. All targets run at
 once and are measured in interleaved rounds (median requests/s; TTFT percentiles over all rounds), so
 that a busy shared machine disturbs every target alike. Every turnkv request
 carries a fresh conversation id, so the store is written on every request (the real hot path).
@@ -48,6 +52,8 @@ class Row:
     ttft_p99_ms: float
     rss_mb: float | None = None
     extra: dict = field(default_factory=dict)
+    reply_tokens: int = 16
+    cpu_ms_per_request: float | None = None
 
 
 def _wait_http(url: str, timeout: float = 30) -> None:
@@ -79,6 +85,16 @@ class Proc:
         except Exception:
             return None
 
+    def cpu_s(self) -> float | None:
+        """User + system CPU seconds of the process and its children so far."""
+        try:
+            import psutil
+
+            proc = psutil.Process(self.p.pid)
+            return sum(sum(p.cpu_times()[:2]) for p in [proc, *proc.children(recursive=True)])
+        except Exception:
+            return None
+
     def stop(self) -> None:
         if self.p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -90,8 +106,8 @@ class Proc:
                 self.p.wait(5)
 
 
-async def _one(session: aiohttp.ClientSession, url: str, ttfts: list[float], conv: bool) -> bool:
-    body = {"model": "tiny", "messages": PROMPT, "max_tokens": 16, "stream": True, "temperature": 0}
+async def _one(session: aiohttp.ClientSession, url: str, ttfts: list[float], conv: bool, tokens: int) -> bool:
+    body = {"model": "tiny", "messages": PROMPT, "max_tokens": tokens, "stream": True, "temperature": 0}
     if conv:
         body["conversation_id"] = uuid.uuid4().hex
     t0 = time.perf_counter()
@@ -107,7 +123,8 @@ async def _one(session: aiohttp.ClientSession, url: str, ttfts: list[float], con
         return not first
 
 
-async def load(url: str, concurrency: int, total: int, conv: bool) -> tuple[int, int, float, list[float]]:
+async def load(url: str, concurrency: int, total: int, conv: bool,
+               tokens: int = 16) -> tuple[int, int, float, list[float]]:
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     ttfts: list[float] = []
     errors = 0
@@ -117,7 +134,7 @@ async def load(url: str, concurrency: int, total: int, conv: bool) -> tuple[int,
             nonlocal errors
             for _ in todo:
                 try:
-                    ok = await _one(session, url, ttfts, conv)
+                    ok = await _one(session, url, ttfts, conv, tokens)
                 except Exception:
                     ok = False
                 errors += not ok
@@ -170,6 +187,58 @@ print(len(store), before, after, fill_s, take_s)
             "put_us": round(fill_s / n * 1e6, 2), "take_us": round(take_s * 1e6, 2), "held": held}
 
 
+def _level(args: argparse.Namespace, chosen: list[str], targets: dict, procs: dict[str, Proc], c: int,
+           tokens: int) -> list[Row]:
+    """One concurrency level and reply length: interleaved rounds over every target, one row per target."""
+    total = args.requests_c1 if c == 1 else args.requests
+    results: dict[str, list[tuple[int, int, float, list[float]]]] = {n: [] for n in chosen}
+    cpu: dict[str, float] = dict.fromkeys(chosen, 0.0)
+    for r in range(args.rounds):
+        order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
+        for name in order:
+            endpoint = targets[name][1] + "/v1/chat/completions"
+            proc = procs.get(name)
+            before = proc.cpu_s() if proc else None
+            results[name].append(asyncio.run(load(endpoint, c, total, name.startswith("turnkv"), tokens)))
+            after = proc.cpu_s() if proc else None
+            if before is not None and after is not None:
+                cpu[name] += after - before
+    rows = []
+    for name in chosen:
+        runs = results[name]
+        rps = sorted(n / elapsed for n, _, elapsed, _ in runs)[len(runs) // 2]
+        ttfts = [t for *_, ts in runs for t in ts]
+        proc = procs.get(name)
+        rss = proc.rss_mb() if proc else None
+        done = sum(n for n, *_ in runs)
+        row = Row(name, c, done, sum(e for _, e, *_ in runs), round(rps, 1),
+                  round(pct(ttfts, 0.5), 3), round(pct(ttfts, 0.99), 3),
+                  round(rss, 1) if rss is not None else None,
+                  {"rps_per_round": [round(n / el, 1) for n, _, el, _ in runs]}, tokens,
+                  round(cpu[name] / done * 1000, 3) if proc and done else None)
+        rows.append(row)
+        print(f"{name:15s} c={c:<4d} tokens={tokens:<5d} {row.rps:8.1f} req/s  TTFT p50 {row.ttft_p50_ms:7.2f} ms  "
+              f"p99 {row.ttft_p99_ms:7.2f} ms  CPU {row.cpu_ms_per_request} ms/req  errors {row.errors}  "
+              f"rss {row.rss_mb} MB  rounds {row.extra['rps_per_round']}", flush=True)
+    return rows
+
+
+def cost_split(rows: list[Row]) -> dict[tuple[str, int], tuple[float, float]]:
+    """Per target and concurrency, the least-squares line of CPU per request against reply length:
+    (fixed ms per request, us per relayed event). Needs two reply lengths or more."""
+    out = {}
+    for key in {(r.target, r.concurrency) for r in rows if r.cpu_ms_per_request is not None}:
+        pts = [(r.reply_tokens, r.cpu_ms_per_request) for r in rows
+               if (r.target, r.concurrency) == key and r.cpu_ms_per_request is not None]
+        if len({x for x, _ in pts}) < 2:
+            continue
+        mx = sum(x for x, _ in pts) / len(pts)
+        my = sum(y for _, y in pts) / len(pts)
+        slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+        out[key] = (round(my - slope * mx, 3), round(slope * 1000, 2))
+    return out
+
+
 def run(args: argparse.Namespace) -> dict:
     base = args.port_base
     p_port, d_port = base + 100, base + 200
@@ -197,7 +266,8 @@ def run(args: argparse.Namespace) -> dict:
                                        f"http://127.0.0.1:{d_port}", *(["--no-emf"] if args.no_emf else [])],
                                       f"http://127.0.0.1:{base + 3}")
         chosen.append("turnkv-baseline")
-    engines = Proc("fake-engines", [py, "-m", "bench.fake_engine", "--port", str(p_port), "--port", str(d_port)],
+    engines = Proc("fake-engines", [py, "-m", "bench.fake_engine", "--port", str(p_port), "--port", str(d_port),
+                                    *(["--event-writes"] if args.event_writes else [])],
                    env, out / "fake_engines.log")
     procs: dict[str, Proc] = {}
     rows: list[Row] = []
@@ -213,34 +283,17 @@ def run(args: argparse.Namespace) -> dict:
         for name in chosen:
             _wait_http(targets[name][1] + "/health")
             asyncio.run(load(targets[name][1] + "/v1/chat/completions", 32, args.warmup, name.startswith("turnkv")))
-        for c in (int(x) for x in args.concurrency.split(",")):
-            total = args.requests_c1 if c == 1 else args.requests
-            results: dict[str, list[tuple[int, int, float, list[float]]]] = {n: [] for n in chosen}
-            for r in range(args.rounds):
-                order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
-                for name in order:
-                    endpoint = targets[name][1] + "/v1/chat/completions"
-                    results[name].append(asyncio.run(load(endpoint, c, total, name.startswith("turnkv"))))
-            for name in chosen:
-                runs = results[name]
-                rps = sorted(n / elapsed for n, _, elapsed, _ in runs)[len(runs) // 2]
-                ttfts = [t for *_, ts in runs for t in ts]
-                proc = procs.get(name)
-                rss = proc.rss_mb() if proc else None
-                row = Row(name, c, sum(n for n, *_ in runs), sum(e for _, e, *_ in runs), round(rps, 1),
-                          round(pct(ttfts, 0.5), 3), round(pct(ttfts, 0.99), 3),
-                          round(rss, 1) if rss is not None else None,
-                          {"rps_per_round": [round(n / el, 1) for n, _, el, _ in runs]})
-                rows.append(row)
-                print(f"{name:12s} c={c:<4d} {row.rps:8.1f} req/s  TTFT p50 {row.ttft_p50_ms:7.2f} ms  "
-                      f"p99 {row.ttft_p99_ms:7.2f} ms  errors {row.errors}  rss {row.rss_mb} MB  "
-                      f"rounds {row.extra['rps_per_round']}", flush=True)
+        for tokens in (int(x) for x in args.reply_tokens.split(",")):
+            for c in (int(x) for x in args.concurrency.split(",")):
+                rows.extend(_level(args, chosen, targets, procs, c, tokens))
     finally:
         for proc in procs.values():
             proc.stop()
         engines.stop()
     summary: dict = {"rows": [asdict(r) for r in rows], "cpus": os.cpu_count(), "rounds": args.rounds,
-                     "requests": args.requests, "requests_c1": args.requests_c1}
+                     "requests": args.requests, "requests_c1": args.requests_c1, "event_writes": args.event_writes,
+                     "cost_split": [{"target": t, "concurrency": c, "fixed_ms_per_request": f, "us_per_event": e}
+                                    for (t, c), (f, e) in sorted(cost_split(rows).items())]}
     if args.memory:
         summary["memory"] = measure_store_memory(args.memory)
         print(f"MemoryStore with {args.memory:,} conversations: {summary['memory']}", flush=True)
@@ -252,13 +305,21 @@ def run(args: argparse.Namespace) -> dict:
 
 def markdown(summary: dict) -> str:
     rows = [Row(**r) for r in summary["rows"]]
-    direct = {r.concurrency: r for r in rows if r.target == "direct"}
-    lines = ["| target | concurrency | requests/s | TTFT p50 ms | TTFT p99 ms | added TTFT p50 ms | errors | RSS MB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    direct = {(r.concurrency, r.reply_tokens): r for r in rows if r.target == "direct"}
+    lines = ["| target | concurrency | reply tokens | requests/s | TTFT p50 ms | TTFT p99 ms | added TTFT p50 ms | "
+             "CPU ms/request | errors | RSS MB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        added = r.ttft_p50_ms - direct[r.concurrency].ttft_p50_ms if r.concurrency in direct else float("nan")
-        lines.append(f"| {r.target} | {r.concurrency} | {r.rps:.0f} | {r.ttft_p50_ms:.2f} | {r.ttft_p99_ms:.2f} | "
-                     f"{added:.2f} | {r.errors} | {r.rss_mb if r.rss_mb is not None else '-'} |")
+        base = direct.get((r.concurrency, r.reply_tokens))
+        added = r.ttft_p50_ms - base.ttft_p50_ms if base else float("nan")
+        cpu = f"{r.cpu_ms_per_request:.3f}" if r.cpu_ms_per_request is not None else "-"
+        lines.append(f"| {r.target} | {r.concurrency} | {r.reply_tokens} | {r.rps:.0f} | {r.ttft_p50_ms:.2f} | "
+                     f"{r.ttft_p99_ms:.2f} | {added:.2f} | {cpu} | {r.errors} | "
+                     f"{r.rss_mb if r.rss_mb is not None else '-'} |")
+    if summary.get("cost_split"):
+        lines += ["", "| target | concurrency | fixed CPU ms per request | CPU us per relayed event |",
+                  "|---|---:|---:|---:|"]
+        lines += [f"| {x['target']} | {x['concurrency']} | {x['fixed_ms_per_request']:.3f} | {x['us_per_event']:.2f} |"
+                  for x in summary["cost_split"]]
     if "memory" in summary:
         m = summary["memory"]
         lines.append("")
@@ -272,6 +333,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--targets", default="direct,turnkv,vllm-router,fastapi")
     p.add_argument("--concurrency", default="1,32,128")
+    p.add_argument("--reply-tokens", default="16", help="reply lengths, comma-separated (e.g. 16,64,256,1024)")
+    p.add_argument("--event-writes", action="store_true", help="the fake engine writes one event at a time")
     p.add_argument("--requests", type=int, default=3000, help="requests per concurrency level (32, 128)")
     p.add_argument("--requests-c1", type=int, default=300)
     p.add_argument("--warmup", type=int, default=200)
