@@ -67,6 +67,18 @@ def reports_prefill_cached_tokens() -> bool:
     return release() >= (0, 32)
 
 
+def prefill_cached_tokens(request: Any) -> int | None:
+    """On 0.29, the prompt tokens prefill does not compute, as 0.32's scheduler would report them: the
+    ``num_cached_tokens`` of the request's ``PrefillStats``, which 0.29's scheduler also keeps (reset at each
+    admission, before the connector's ``update_state_after_alloc``) but never sends. Read, not recounted from
+    ``get_num_new_matched_tokens``: after a failed READ the request is admitted again with nothing to load,
+    and only the stats say so. None where the release reports them itself, or once the stats are taken."""
+    if reports_prefill_cached_tokens():
+        return None
+    stats = getattr(request, "prefill_stats", None)
+    return None if stats is None else int(stats.num_cached_tokens)
+
+
 def start_read(worker: Any, req_id: str, meta: Any) -> None:
     """Post one READ of a remote engine's blocks the way the running release's pull worker does."""
     if release() < (0, 32):

