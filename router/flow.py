@@ -34,7 +34,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router import guard, hints, limits, migrate, telemetry
+from router import guard, hints, limits, migrate, sse, telemetry
 from router.config import RouterConfig
 from router.engines import Engine, EnginePool, NoEngineError, PushIdentity
 from router.errors import public_message
@@ -646,16 +646,11 @@ class Flow:
         remembered = False
         first = True
         tail: list[bytes] = []
+        lines = sse.LineCollector()
         try:
-            pending = b""
             async for chunk in _chunks(opened.first, opened.resp.content):
-                pending += chunk
-                cut = pending.rfind(b"\n") + 1
-                if not cut:
-                    continue
-                block, pending = pending[:cut], pending[cut:]
                 out = []  # one write per chunk received, not per line
-                for line in block.splitlines(keepends=True):
+                for line in lines.feed(chunk):
                     if state is not None:
                         line = state.observe(line)
                     fed = reply.feed(line)
@@ -676,8 +671,8 @@ class Flow:
                     tail.extend(out)
                 elif out:
                     await _client_write(response, b"".join(out), timeout=deadline)
-            if pending:
-                fed = reply.feed(pending)
+            if rest := lines.flush():
+                fed = reply.feed(rest)
                 if fed:
                     tail.append(fed)
             await _client_write(response, b"".join(tail), eof=True, timeout=deadline)
@@ -747,24 +742,20 @@ class Flow:
                                   deadline: float) -> bool:
         """Relay a continuation stream in the client's format; True at [DONE], False when it failed too."""
         assert opened.resp is not None
-        pending = b""
+        lines = sse.LineCollector()
         try:
             async for chunk in _chunks(opened.first, opened.resp.content):
-                pending += chunk
-                cut = pending.rfind(b"\n") + 1
-                if not cut:
-                    continue
-                block, pending = pending[:cut], pending[cut:]
                 out = []
-                for line in block.splitlines():
-                    if not line.startswith(b"data: "):
+                for line in lines.feed(chunk):
+                    payload = sse.data_of(line)
+                    if payload is None:
                         continue
-                    if line[6:].strip() == b"[DONE]":
+                    if payload == sse.DONE:
                         out.append(b"data: [DONE]\n\n")
                         await _client_write(response, b"".join(out), eof=True, timeout=deadline)
                         return True
                     try:
-                        rewritten = state.rewrite(orjson.loads(line[6:]))
+                        rewritten = state.rewrite(orjson.loads(payload))
                     except orjson.JSONDecodeError:
                         continue
                     if rewritten is not None:
