@@ -93,6 +93,10 @@ class FakeEngine:
     expiry_ttl: float = 480.0
     offer_secret: bytes | None = FAKE_SECRET
     expiry_skew: float = 1.0
+    #: Decode: most turns retained at once (0: no bound); above it the oldest is evicted as turnkv's connector
+    #: does (connector.retention): announced on the evictions feed, its blocks freed ``eviction_grace`` later.
+    retain_limit: int = 0
+    eviction_grace: float = 30.0
     push_wait: float = 2.0
     #: False: prefill reads any offer, as upstream vLLM does (no signature, wall-clock expiry or replay check).
     verify_offers: bool = True
@@ -112,6 +116,9 @@ class FakeEngine:
         self.side_channel_port = self.side_channel_port or self.port + 1000
         self._ids = itertools.count()
         self._read: set[str] = set()
+        self._held: list[tuple[str, int, float]] = []  # retained turns, oldest first: (request id, block, expiry)
+        self._evicted: dict[str, tuple[int, float]] = {}  # the evictions feed: request id -> (number, expiry)
+        self._epoch = f"{random.getrandbits(48):012x}"
         # perf_counter's origin differs per host: make it differ per engine, as on separate machines
         self.clock_origin = random.uniform(1e4, 1e6)
         LOCAL_ENGINES.add(self.engine_id)
@@ -137,13 +144,28 @@ class FakeEngine:
                   "transfer_mode": "pull", wire.BOOT: f"boot-{self.engine_id}"}
         if self.offer_secret is not None:
             wire.sign_offer(self.offer_secret, params, time.time() + self.expiry_ttl, FAKE_MODEL)
+        if self.retain_limit:
+            self._held.append((request_id, block, time.time() + self.expiry_ttl))
+            while len(self._held) > self.retain_limit:
+                self._evict(*self._held.pop(0))
         return params
+
+    def _evict(self, request_id: str, block: int, until: float) -> None:
+        key = (self.engine_id, block)
+        if key in RETAINED:
+            until = max(until, RETAINED[key])  # a renewed lease
+            RETAINED[key] = min(RETAINED[key], time.time() + self.eviction_grace)
+        self._evicted[request_id] = (len(self._evicted) + 1, until)
+        self.stats["evicted"] = self.stats.get("evicted", 0) + 1
 
     def _admit_offer(self, kv: dict[str, Any]) -> bool:
         """What turnkv's connector checks before a READ: signature, wall-clock expiry, single use."""
         if not self.verify_offers:
             return True
         reason = wire.check_offer(self.offer_secret, kv, FAKE_MODEL, time.time(), self.expiry_skew)
+        read_by = kv.get(wire.READ_BY)
+        if reason == "ok" and read_by is not None and time.time() >= float(read_by) - self.expiry_skew:
+            reason = "late"
         if reason == "ok" and kv[wire.SIGNATURE] in self._read:
             reason = "replayed"
         if reason != "ok":
@@ -350,7 +372,7 @@ class FakeEngine:
             for offer in body.get("offers") or ():
                 rid = str(offer.get("remote_request_id"))
                 blocks = [(self.engine_id, b) for g in offer.get("remote_block_ids") or () for b in g]
-                held = all(RETAINED.get(k, 0) > time.time() for k in blocks)
+                held = all(RETAINED.get(k, 0) > time.time() for k in blocks) and rid not in self._evicted
                 if wire.check_offer(self.offer_secret, offer, FAKE_MODEL, time.time(), 0.0) != "ok" or not held:
                     missing.append(rid)
                     continue
@@ -364,6 +386,12 @@ class FakeEngine:
         async def stats(_: web.Request) -> web.Response:
             return web.json_response(self.stats)
 
+        async def evictions(request: web.Request) -> web.Response:
+            """turnkv's evictions feed (connector.leases): announcements after ``since``."""
+            since = int(request.query.get("since", "0"))
+            events = [[rid, until] for rid, (seq, until) in self._evicted.items() if seq > since]
+            return web.json_response({"epoch": self._epoch, "seq": len(self._evicted), "evicted": events})
+
         async def metrics(_: web.Request) -> web.Response:
             return web.Response(text=f"vllm:num_requests_running {self.stats['running']}\n"
                                      f"fake:aborted_total {self.stats['aborted']}\n")
@@ -375,6 +403,8 @@ class FakeEngine:
         app.router.add_post("/fault", set_fault)
         app.router.add_post(wire.LEASE_ROUTE, leases)
         app.router.add_get("/stats", stats)
+        if self.retain_limit:  # an engine that never evicts has no feed (404), like one without turnkv's connector
+            app.router.add_get(wire.EVICTIONS_ROUTE, evictions)
         app.router.add_get("/metrics", metrics)
         return app
 

@@ -9,6 +9,10 @@ The route is authenticated by the offers themselves (``turnkv.wire``): a caller 
 by sending decode's signed offers, and only offers this engine signed, still live, are renewed. At
 most ``wire.LEASE_MAX_OFFERS`` offers per call, leases of at most ``wire.LEASE_MAX_TTL`` seconds.
 
+The same plugin serves decode's evictions feed (``GET`` ``wire.EVICTIONS_ROUTE``): the retained turns it
+evicted to stay under ``retained_kv_share`` (``connector.retention``), read by routers so they never replay
+them. An evicted turn is not renewed.
+
 vLLM loads the route as the endpoint plugin ``turnkv-leases`` (endpoint plugins must be allow-listed
 in ``VLLM_PLUGINS``; ``turnkv.engine_args.serve_env`` does). The general plugin installs the worker
 method ``turnkv_renew_leases`` that the route reaches through ``collective_rpc`` by name; it runs
@@ -29,6 +33,7 @@ MAX_TTL = wire.LEASE_MAX_TTL
 
 
 WORKER_METHOD = "turnkv_renew_leases"
+FEED_METHOD = "turnkv_evictions"
 
 
 def renew_on_worker(worker: Any, request_ids: list[str], ttl: float) -> dict[str, float]:
@@ -41,23 +46,46 @@ def renew_on_worker(worker: Any, request_ids: list[str], ttl: float) -> dict[str
 
     holder = get_kv_transfer_group().connector_worker
     held: dict[str, float] = getattr(holder, "_reqs_to_send", {})
+    evicted = getattr(holder, "turnkv_evicted", lambda _rid: False)
     now = time.perf_counter()
     renewed = {}
     for request_id in request_ids:
-        if request_id in held:
+        if request_id in held and not evicted(request_id):  # an evicted turn's blocks are about to be freed
             held[request_id] = max(held[request_id], now + ttl)
             renewed[request_id] = held[request_id]
     return renewed
 
 
+def evictions_on_worker(worker: Any, since: int) -> dict[str, Any]:
+    """Runs in each worker process: the retained turns it evicted after announcement ``since``."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    holder = get_kv_transfer_group().connector_worker
+    feed = getattr(holder, "turnkv_evictions", None)
+    return feed(since) if feed is not None else {"epoch": "", "seq": 0, "evicted": []}
+
+
+def merge_feeds(per_worker: list[dict[str, Any]]) -> dict[str, Any]:
+    """One feed from every rank's (pure). Ranks announce the same evictions in the same order but may be a step
+    apart: every announcement any rank made, and the lowest ``seq``, so the next call misses none."""
+    evicted: dict[str, float] = {}
+    for feed in per_worker:
+        for request_id, until in feed.get("evicted") or ():
+            evicted[request_id] = max(float(until), evicted.get(request_id, 0.0))
+    return {"epoch": "-".join(str(f.get("epoch", "")) for f in per_worker),
+            "seq": min((int(f.get("seq", 0)) for f in per_worker), default=0),
+            "evicted": [[rid, until] for rid, until in evicted.items()]}
+
+
 def apply() -> list[str]:
-    """General-plugin side: give vLLM's workers the method the route calls."""
+    """General-plugin side: give vLLM's workers the methods the routes call."""
     from vllm.v1.worker.worker_base import WorkerBase
 
     if getattr(WorkerBase, WORKER_METHOD, None) is renew_on_worker:
         return []
     setattr(WorkerBase, WORKER_METHOD, renew_on_worker)
-    return ["lease-renewal"]
+    setattr(WorkerBase, FEED_METHOD, evictions_on_worker)
+    return ["lease-renewal", "evictions-feed"]
 
 
 def parse_request(body: Any) -> tuple[list[dict[str, Any]], float]:
@@ -121,7 +149,18 @@ class LeaseEndpoints:
                 "missing": [rid for rid in ids if rid not in expiry],
             })
 
+        async def evictions(request: Request) -> JSONResponse:
+            client = getattr(request.app.state, "turnkv_engine_client", None)
+            if client is None:
+                return _error(503, "the engine is not ready")
+            try:
+                since = int(request.query_params.get("since", "0"))
+            except ValueError:
+                return _error(400, "'since' must be an integer")
+            return JSONResponse(merge_feeds(await client.collective_rpc(FEED_METHOD, args=(since,))))
+
         app.add_api_route(ROUTE, renew, methods=["POST"])
+        app.add_api_route(wire.EVICTIONS_ROUTE, evictions, methods=["GET"])
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         from connector.offers import model_fields

@@ -21,6 +21,7 @@ from typing import Any
 from connector import boot, compat, token_proof
 from connector.offers import ReplayGuard, model_fields
 from connector.policy import CostModel, Decision, Load, StepClock
+from connector.retention import RetentionLedger
 from connector.stats import TurnkvKVConnectorStats
 from connector.tunables import TunablesFile
 from connector.worker import TurnkvWorkerMeta
@@ -67,6 +68,23 @@ def _boot_of(metadata: dict[tuple[int, int], Any]) -> str | None:
         return None
 
 
+def _late(read_by: Any, now: float, skew: float) -> bool:
+    """Whether a replayed offer's read-by stamp (``wire.READ_BY``, the router's) has passed, minus ``skew``.
+    An offer without one (sent straight to prefill, not by a router) is not checked."""
+    if read_by is None:
+        return False
+    if isinstance(read_by, bool) or not isinstance(read_by, (int, float)):
+        return True
+    return now >= float(read_by) - skew
+
+
+def _count_blocks(block_ids: Any) -> int:
+    try:
+        return sum(len(group) for group in block_ids or ())
+    except TypeError:
+        return 0
+
+
 def _wall_expiry(params: dict[str, Any], ttl: float) -> float:
     """Decode's expiry on the wall clock: upstream stamps its own ``perf_counter`` (meaningless on another
     host); the same instant converted now, else now + TTL."""
@@ -90,6 +108,7 @@ class TurnkvSchedulerMixin:
         self._retain_on_demand = _flag("TURNKV_RETAIN_ON_DEMAND", True)
         self._expiry_skew = float(catalog.BY_NAME["expiry_skew_margin"].default)
         self._retained_share = float(catalog.BY_NAME["retained_kv_share"].default)
+        self._eviction_grace = float(catalog.BY_NAME["retention_eviction_grace"].default)
         self._tunables = TunablesFile(self._apply_tunables)
         self._tunables.poll()
         # Pull only when it is expected to beat recomputing (TURNKV_ADAPTIVE_THRESHOLD=0: the threshold alone).
@@ -106,8 +125,10 @@ class TurnkvSchedulerMixin:
         self._handshaken: set[str] = set()
         # Engines pulled from: the first pull's wait also holds the handshake, so it is no wait sample.
         self._pulled_from: set[str] = set()
-        # Decode side: blocks held for another engine to read, by request (until read or expired).
-        self._retained: dict[str, int] = {}
+        # Decode side: blocks held for another engine to read, oldest first (until read, expired or evicted),
+        # and the evictions the workers have not been told yet (request id -> (grace s, offer's wall expiry)).
+        self._retained = RetentionLedger()
+        self._evictions: dict[str, tuple[float, float]] = {}
         self._bytes_per_block = _bytes_per_block(self.kv_cache_config)
         # This engine's boot fingerprint (decode stamps its params), and the ones prefill's reads expect.
         self._boot: str | None = None
@@ -139,6 +160,8 @@ class TurnkvSchedulerMixin:
             self._expiry_skew = float(values["expiry_skew_margin"])
         if "retained_kv_share" in values:
             self._retained_share = float(values["retained_kv_share"])
+        if "retention_eviction_grace" in values:
+            self._eviction_grace = float(values["retention_eviction_grace"])
 
     # prefill side ------------------------------------------------------------------------------
 
@@ -235,12 +258,14 @@ class TurnkvSchedulerMixin:
         # The worker checks each read's expected boot against the engine it handshook with.
         meta.turnkv_boots = {rid: self._expected_boots.pop(rid) for rid in meta.reqs_to_recv
                              if rid in self._expected_boots}
+        # Retained turns evicted since the last step: the workers announce them and free them after the grace.
+        meta.turnkv_evict, self._evictions = self._evictions, {}
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
         now = time.perf_counter()
         self._observe_worker(getattr(connector_output, "kv_connector_worker_meta", None), now)
-        released = [r for r in connector_output.finished_sending or () if self._retained.pop(r, None) is not None]
+        released = [r for r in connector_output.finished_sending or () if self._retained.release(r)]
         if released:
             self._export_retained()
         for req_id in connector_output.finished_recving or ():
@@ -285,9 +310,9 @@ class TurnkvSchedulerMixin:
             s.data["turnkv_pull_wait_seconds"] = [cost.wait.value]
 
     def _export_retained(self) -> None:
-        blocks = sum(self._retained.values())
+        blocks = self._retained.blocks
         s = self.turnkv_stats
-        s.data["turnkv_retained_requests"] = [len(self._retained)]
+        s.data["turnkv_retained_requests"] = [len(self._retained.live) + len(self._retained.evicting)]
         s.data["turnkv_retained_blocks"] = [blocks]
         s.data["turnkv_retained_bytes"] = [blocks * self._bytes_per_block]
 
@@ -296,6 +321,9 @@ class TurnkvSchedulerMixin:
         reason = wire.check_offer(self._offer_secret, params, self._model, time.time(), self._expiry_skew)
         if reason == "unsigned" and not self._require_signed:
             return True
+        if reason == "ok" and _late(params.get(wire.READ_BY), time.time(), self._expiry_skew):
+            # The router's read-by instant passed (prefill queued): the offer may have been evicted meanwhile.
+            reason = "late"
         if reason == "ok" and not self._replays.first_use(params[wire.SIGNATURE], float(params[wire.EXPIRES_AT])):
             reason = "replayed"
         if reason == "ok":
@@ -349,9 +377,11 @@ class TurnkvSchedulerMixin:
         params = request.kv_transfer_params or {}
         is_decode = bool(params) and not params.get("do_remote_decode")
         unwanted = self._retain_on_demand and not params.get(RETAIN_KEY)
-        if is_decode and not unwanted and self.is_bidirectional_kv_xfer_enabled and self._over_retention(block_ids):
-            # Freeing the oldest retained turns instead would break offers already handed out (their blocks
-            # would be reused while prefill may still read them); refusing the newest keeps every offer true.
+        adding = _count_blocks(block_ids)
+        capacity = self._retention_capacity()
+        if (is_decode and not unwanted and self.is_bidirectional_kv_xfer_enabled
+                and not self._retained.fits(adding, capacity)):
+            # Larger than the share even with every other retained turn evicted: not retained.
             unwanted = True
             self.turnkv_stats.record("turnkv_retention_refused", 1)
         if is_decode and unwanted and self.is_bidirectional_kv_xfer_enabled:
@@ -379,24 +409,29 @@ class TurnkvSchedulerMixin:
             out[token_proof.PARAMS_KEY] = token_proof.make_proof(held, self.block_size)
             if self._boot:
                 out[boot.PARAMS_KEY] = self._boot
+            expires_at = _wall_expiry(out, self.decoder_kv_blocks_ttl)
             if self._offer_secret is not None:
-                wire.sign_offer(self._offer_secret, out, _wall_expiry(out, self.decoder_kv_blocks_ttl), self._model)
-            self._retained[request.request_id] = sum(len(group) for group in out.get("remote_block_ids") or ())
+                expires_at = wire.sign_offer(self._offer_secret, out, expires_at, self._model)[wire.EXPIRES_AT]
+            self._evict_for(adding, capacity)
+            self._retained.hold(request.request_id, _count_blocks(out.get("remote_block_ids")), expires_at)
             self._export_retained()
         if verdict is not None:
             out[VERDICT_KEY] = {"offered": verdict.offered, "verified": verdict.verified, "reason": verdict.reason}
         return delay, out
 
-    def _over_retention(self, block_ids: Any) -> bool:
-        """Whether retaining ``block_ids`` too would put retained blocks above ``retained_kv_share`` of the cache."""
-        total = int(getattr(self.kv_cache_config, "num_blocks", 0) or 0)
-        if total <= 0:
-            return False
-        try:
-            adding = sum(len(group) for group in block_ids)
-        except TypeError:
-            adding = 0
-        return sum(self._retained.values()) + adding > self._retained_share * total
+    def _retention_capacity(self) -> float:
+        """Blocks decode may hold for next turns: ``retained_kv_share`` of its KV cache (unbounded when unknown)."""
+        total = int(getattr(getattr(self, "kv_cache_config", None), "num_blocks", 0) or 0)
+        return self._retained_share * total if total > 0 else float("inf")
+
+    def _evict_for(self, adding: int, capacity: float) -> None:
+        """Evict the oldest retained turns so ``adding`` blocks fit: announced now, freed after the grace
+        (``connector.retention``; the workers do both)."""
+        for request_id, held in self._retained.make_room(adding, capacity) or ():
+            self._evictions[request_id] = (self._eviction_grace, held.expires_at)
+            self.turnkv_stats.record("turnkv_retention_evicted", 1)
+            logger.info("turnkv: retained KV over retained_kv_share: evicting request %s (%d blocks; freed in "
+                        "%g s)", request_id, held.blocks, self._eviction_grace)
 
     def take_turnkv_stats(self) -> TurnkvKVConnectorStats | None:
         if self.turnkv_stats.is_empty():

@@ -36,8 +36,13 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:turnkv_offers_expired", "Offers past their wall-clock expiry minus expiry_skew_margin (not read)."),
     "turnkv_offers_replayed": (
         "vllm:turnkv_offers_replayed", "Offers this prefill engine had already read once (not read again)."),
+    "turnkv_offers_late": (
+        "vllm:turnkv_offers_late", "Offers replayed by a router whose read-by instant had passed (not read)."),
     "turnkv_retention_refused": (
-        "vllm:turnkv_retention_refused", "Finished turns decode did not retain: retained KV over retained_kv_share."),
+        "vllm:turnkv_retention_refused", "Finished turns decode did not retain: larger than retained_kv_share."),
+    "turnkv_retention_evicted": (
+        "vllm:turnkv_retention_evicted", "Retained turns decode evicted, oldest first, to stay under "
+                                         "retained_kv_share (announced, freed after retention_eviction_grace)."),
     "turnkv_read_bytes": (
         "vllm:turnkv_read_bytes", "KV bytes this engine READ from a peer (NIXL READs it posted: pulls)."),
     "turnkv_read_seconds": (

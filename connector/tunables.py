@@ -18,7 +18,8 @@ from turnkv import params
 
 logger = logging.getLogger("vllm.turnkv.tunables")
 
-RELOADABLE = ("decoder_kv_blocks_ttl", "kv_recompute_threshold", "expiry_skew_margin", "retained_kv_share")
+RELOADABLE = ("decoder_kv_blocks_ttl", "kv_recompute_threshold", "expiry_skew_margin", "retained_kv_share",
+              "retention_eviction_grace")
 
 
 def parse(text: str) -> tuple[dict[str, int | float], list[str]]:

@@ -5,6 +5,9 @@
   next decode, cannot show which moved what. The split counters are ``vllm:turnkv_{read,write}_*``.
 - A read of decode's retained blocks goes ahead only if the decode engine this worker handshook with is
   the boot that stamped the offer (``connector.boot``); otherwise it fails at once and prefill recomputes.
+- Decode's retained turns evicted by the scheduler (``connector.retention``): each is announced on the
+  evictions feed (``connector.leases``), can no longer be renewed, and its lease is cut to the grace, after
+  which upstream's reaper frees its blocks.
 - The cost model's inputs measured where they happen, sent back to the scheduler with each step's output
   (:class:`TurnkvWorkerMeta`, vLLM's worker -> scheduler metadata channel): the step's number (so the
   scheduler times each step even when steps overlap), the bytes and seconds of every NIXL READ this
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 
 from connector import boot, compat
 from connector.stats import TurnkvKVConnectorStats
+from turnkv import wire
 
 logger = logging.getLogger("vllm.turnkv.connector")
 
@@ -62,6 +67,11 @@ class TurnkvWorkerMixin:
         self._turnkv_step: int | None = None
         self._turnkv_reads: list[tuple[int, float]] = []
         self._turnkv_handshakes: list[tuple[str, float]] = []
+        # Evictions announced (request id -> (announcement number, offer's wall expiry)), kept until the offer
+        # expires; the epoch tells a router reading the feed that this process restarted (numbers start over).
+        self._turnkv_evicted: dict[str, tuple[int, float]] = {}
+        self._turnkv_evict_seq = 0
+        self._turnkv_epoch = uuid.uuid4().hex[:12]
 
     # transfer metrics ---------------------------------------------------------------------------
 
@@ -110,6 +120,42 @@ class TurnkvWorkerMixin:
         self._turnkv_expected.update(getattr(metadata, "turnkv_boots", None) or {})
         self._turnkv_step = getattr(metadata, "turnkv_step", None)
         super().start_load_kv(metadata)  # type: ignore[misc]
+        evict = getattr(metadata, "turnkv_evict", None)
+        if evict:
+            self.turnkv_evict(evict)
+
+    # retained turns evicted by the scheduler ---------------------------------------------------------
+
+    def turnkv_evict(self, evict: dict[str, tuple[float, float]]) -> None:
+        """Announce each evicted turn and cut its lease to ``grace`` seconds from now (upstream's reaper frees
+        the blocks then). The announcement lasts as long as the offer could be read: its signed expiry, or the
+        lease as renewed since, whichever is later."""
+        held: dict[str, float] = getattr(self, "_reqs_to_send", {})
+        mono, wall = time.perf_counter(), time.time()
+        for request_id, (grace, expires_at) in evict.items():
+            until = float(expires_at)
+            if request_id in held:
+                until = max(until, wall + (held[request_id] - mono))
+                held[request_id] = min(held[request_id], mono + float(grace))
+            self._turnkv_evict_seq += 1
+            self._turnkv_evicted[request_id] = (self._turnkv_evict_seq, until)
+        self._forget_evictions(wall)
+
+    def _forget_evictions(self, wall: float) -> None:
+        for request_id, (_, until) in list(self._turnkv_evicted.items()):
+            if until < wall:
+                del self._turnkv_evicted[request_id]
+
+    def turnkv_evicted(self, request_id: str) -> bool:
+        return request_id in self._turnkv_evicted
+
+    def turnkv_evictions(self, since: int) -> dict[str, Any]:
+        """The evictions feed of this worker: announcements after number ``since`` (``wire.EVICTIONS_ROUTE``)."""
+        self._forget_evictions(time.time())
+        events = [(seq, rid, until) for rid, (seq, until) in self._turnkv_evicted.items() if seq > since]
+        events = events[:wire.EVICTIONS_MAX]
+        seq = events[-1][0] if events else self._turnkv_evict_seq
+        return {"epoch": self._turnkv_epoch, "seq": seq, "evicted": [[rid, until] for _, rid, until in events]}
 
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         engine_id = meta.remote.engine_id

@@ -27,6 +27,7 @@ from router import guard, limits, telemetry
 from router.auth import ApiKeys, AuthError, parse_keys
 from router.config import RouterConfig
 from router.engines import EnginePool
+from router.engines.evictions import evictions_loop
 from router.engines.health import discovery_loop, health_loop
 from router.engines.policy import POLICIES
 from router.flow import Flow, error_response
@@ -261,6 +262,8 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
                 store.purge_expired()
 
         tasks.append(asyncio.create_task(health_loop(pool, session, lambda: float(config.health_interval), purge)))
+        tasks.append(asyncio.create_task(evictions_loop(lambda: pool.decode, session,
+                                                        lambda: float(config.evictions_interval), time.time)))
         if ssm_source is not None:
             from router.reload import refresh_loop, refresh_once
 

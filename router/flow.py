@@ -242,12 +242,26 @@ class Flow:
             d.outcome = "refused"
             log.warning("decode engine %s was ejected or is unknown since this turn was stored: not replayed",
                         entry.decode_engine)
+        elif d.outcome == "hit" and (why := self._evicted(entry)):
+            d.outcome = "refused"
+            log.info("decode engine %s: stored turn not replayed (%s)", entry.decode_engine, why)
         elif d.outcome == "refused":
             log.warning("stored params name %r, which is no engine of this router: not replayed",
                         entry.params.get("remote_host"))
         if entry.decode_engine:
             d.affinity = entry.decode_engine
-        return entry.params if d.outcome == "hit" else None
+        if d.outcome != "hit":
+            return None
+        # Prefill starts reading within replay_window of now or not at all (router.engines.evictions).
+        return {**entry.params, wire.READ_BY: round(time.time() + float(self.config.replay_window), 3)}
+
+    def _evicted(self, entry: Entry) -> str | None:
+        """Why decode may have evicted (or be about to free) the entry's blocks, from its evictions feed."""
+        engine = self.pool.find(entry.decode_engine) if entry.decode_engine else None
+        if engine is None:
+            return None
+        return engine.feed.refuses(entry.params.get("remote_request_id"), time.time(),
+                                   float(self.config.evictions_interval))
 
     async def _remember(self, d: Dispatch, decode: Engine, params: Any, reply: Mapping[str, Any] | str) -> None:
         replay = guard.replayable(params)

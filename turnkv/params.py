@@ -73,6 +73,11 @@ CATALOG: tuple[Tunable, ...] = (
     Tunable("retained_kv_share", 0.5, 0.0, 1.0, "share", Scope.ENGINE,
             "Decode frees its oldest retained turns once the blocks it keeps for next turns exceed this share "
             "of its KV cache.", float),
+    Tunable("retention_eviction_grace", 30, 5, 600, "s", Scope.ENGINE,
+            "Decode frees an evicted turn's blocks this long after announcing the eviction on its evictions feed; "
+            "must exceed replay_window + 2 x evictions_interval + max(1 s, evictions_interval) + "
+            "expiry_skew_margin, "
+            "so no router still replays, and no prefill still reads, the evicted offer.", float),
     Tunable("conversation_ttl", 450, 5, 3600, "s", Scope.ROUTER,
             "How long the router keeps a conversation's decode kv_transfer_params; must stay below "
             "decoder_kv_blocks_ttl."),
@@ -117,6 +122,13 @@ CATALOG: tuple[Tunable, ...] = (
             "of prompt + tokens so far, then decode) up to this many times; 0: end it with an error event."),
     Tunable("health_interval", 2.0, 0.2, 60, "s", Scope.ROUTER,
             "Interval of the active /health probes of every engine.", float),
+    Tunable("evictions_interval", 1.0, 0.2, 10, "s", Scope.ROUTER,
+            "Interval of the router's reads of each decode engine's evictions feed; an engine whose feed is older "
+            "than 2 x this (plus one read) has none of its offers replayed.", float),
+    Tunable("replay_window", 10, 1, 300, "s", Scope.ROUTER,
+            "A replayed offer must be read by prefill within this time of the router's take, else prefill "
+            "recomputes (bounds the time between the router's last look at decode's evictions and the read).",
+            float),
     Tunable("eject_failures", 1, 1, 20, "failures", Scope.ROUTER,
             "Consecutive failures (probes or requests) after which an engine is ejected from the pool."),
     Tunable("return_successes", 2, 1, 20, "probes", Scope.ROUTER,
@@ -158,6 +170,21 @@ def cross_check(values: Mapping[str, int | float]) -> None:
             f"conversation_ttl ({ttl} s) + expiry_margin ({margin} s) must stay below decoder_kv_blocks_ttl "
             f"({engine_ttl} s): the router would replay params for blocks decode has already freed; "
             f"lower conversation_ttl or raise decoder_kv_blocks_ttl")
+    needed = eviction_grace_needed(values)
+    if values["retention_eviction_grace"] < needed:
+        raise ParamError(
+            f"retention_eviction_grace ({values['retention_eviction_grace']} s) must be at least {needed:g} s "
+            f"(replay_window + 2 x evictions_interval + max(1, evictions_interval) + expiry_skew_margin): decode would "
+            f"free an evicted turn's blocks while a router may still replay its offer or a prefill still read it")
+
+
+def eviction_grace_needed(values: Mapping[str, int | float]) -> float:
+    """The shortest safe ``retention_eviction_grace``: a router sees an eviction within 2 x evictions_interval
+    (the feed's age limit) plus one read (at most max(1, evictions_interval)); the offer it replayed just before
+    is read within replay_window, and expiry_skew_margin covers the hosts' clocks."""
+    interval = float(values["evictions_interval"])
+    return (float(values["replay_window"]) + 2 * interval + max(1.0, interval)
+            + float(values["expiry_skew_margin"]))
 
 
 def fit_router_ttl(changes: Mapping[str, object]) -> dict[str, object]:

@@ -38,6 +38,10 @@ SIGNATURE = "turnkv_sig"
 RETAIN = "turnkv_retain"
 #: Prefill's verdict on the offer it was given (router metrics).
 VERDICT = "turnkv_proof_verdict"
+#: Added by the router when it replays an offer (not stored, not signed): the wall-clock instant after which
+#: prefill must not start reading it. Bounds how long after the router last checked decode's evictions feed
+#: the blocks can be read (decode frees an evicted turn ``retention_eviction_grace`` after announcing it).
+READ_BY = "turnkv_read_by"
 
 #: Keys of decode's returned params that a router may store and replay to prefill.
 OFFER_KEYS = (TOKEN_PROOF, BOOT, EXPIRES_AT, MODEL, SIGNATURE)
@@ -51,6 +55,16 @@ LEASE_ROUTE = "/turnkv/v1/leases"
 LEASE_MAX_OFFERS = 64
 #: Longest lease one call may ask for.
 LEASE_MAX_TTL = 3600
+
+# -- the engine's evictions feed ------------------------------------------------------------------
+
+#: ``GET`` on a decode engine's API server, ``?since=SEQ``: the retained turns it evicted (to stay under
+#: ``retained_kv_share``) after announcement SEQ, as ``{"epoch": E, "seq": N, "evicted": [[request id,
+#: offer expiry], ...]}``. Their blocks are freed ``retention_eviction_grace`` after the announcement; a
+#: router refuses to replay an announced offer. ``epoch`` changes when the engine restarts (SEQ starts over).
+EVICTIONS_ROUTE = "/turnkv/v1/evictions"
+#: Most announcements one feed call returns (the caller asks again from the returned ``seq``).
+EVICTIONS_MAX = 4096
 
 # -- the deployment's offer secret ------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlsplit
 
+from router.engines.evictions import EvictionFeed
 from router.engines.policy import ChoicePolicy, LeastLoad
 from router.guard import normalize_host
 
@@ -51,6 +52,7 @@ class Engine:
     returned_at: float = 0.0  # when it last came back (slow start), pool clock
     down_at_wall: float = 0.0  # wall clock of its last ejection: blocks it held before may be gone
     learned: PushIdentity | None = None  # identity learned from a push answer
+    feed: EvictionFeed = field(default_factory=EvictionFeed)  # decode: the turns it evicted (router.engines.evictions)
     name: str = field(default="")
 
     def __post_init__(self) -> None:

@@ -332,3 +332,35 @@ async def test_a_stream_that_cannot_migrate_ends_with_an_error_event():
         d[0].fault = {"die_after": 2}
         r = await chat(s, conversation=None, stream=True, max_tokens=8)
         assert r["events"][-1]["error"]["type"] == "upstream_error" and d[1].stats["decode"] == 0
+
+
+async def test_a_turn_decode_evicted_is_never_replayed_and_its_blocks_never_read():
+    """Decode above its share evicts its oldest retained turn: announced on its evictions feed, blocks freed
+    after the grace. The router sees the announcement and recomputes that turn (without the feed check it
+    replayed the offer and prefill read freed blocks); the newer turn still reuses."""
+    p = engines(1, "prefill")
+    d = engines(1, "decode", retain_limit=1, eviction_grace=0.5)
+    alpha, beta = [{"role": "user", "content": "alpha " * 200}], [{"role": "user", "content": "beta " * 200}]
+    async with router_over(p, d, tunables={"evictions_interval": 0.2}) as (s, _):
+        a = await chat(s, alpha, conversation="a")
+        b = await chat(s, beta, conversation="b")  # decode keeps one turn: alpha's is evicted
+        assert d[0].stats["evicted"] == 1
+        await asyncio.sleep(1.0)  # past the grace: alpha's blocks are free
+        b2 = await chat(s, next_turn(beta, b["text"]), conversation="b")
+        a2 = await chat(s, next_turn(alpha, a["text"]), conversation="a")
+        assert a2["status"] == 200 and a2["headers"]["X-TurnKV-Reuse-Outcome"] == "refused"
+        assert a2["headers"]["X-TurnKV-Reused-Tokens"] == "0"
+        assert b2["headers"]["X-TurnKV-Reuse-Outcome"] == "hit"
+        assert p[0].stats["stale_reads"] == 0
+
+
+async def test_prefill_does_not_start_reading_a_replayed_offer_after_its_read_by_instant():
+    """The router stamps each replay with a read-by instant (replay_window): a prefill that gets to the offer
+    later (queued) recomputes, so an eviction announced meanwhile can never be read."""
+    p, d = engines(1, "prefill", expiry_skew=0.0), engines(1, "decode")
+    async with router_over(p, d, tunables={"replay_window": 1}) as (s, _):
+        first = await chat(s, conversation="queued")
+        p[0].fault = {"delay": 1.2}  # prefill queued past the read-by instant
+        second = await chat(s, next_turn(MSGS, first["text"]), conversation="queued")
+        assert second["status"] == 200 and second["headers"]["X-TurnKV-Reused-Tokens"] == "0"
+        assert p[0].refused_offers == {"late": 1} and p[0].stats["stale_reads"] == 0

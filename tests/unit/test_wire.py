@@ -91,6 +91,12 @@ def test_lease_requests_are_bounded():
 class _Upstream:
     """The slice of an upstream NIXL scheduler the mixin relies on."""
 
+    def build_connector_meta(self, scheduler_output):
+        return types.SimpleNamespace(reqs_to_recv={})
+
+    def update_connector_output(self, connector_output):
+        pass
+
     def __init__(self, *args, **kwargs):
         self.kv_cache_config = types.SimpleNamespace(num_blocks=100, kv_cache_tensors=[])
         self.decoder_kv_blocks_ttl = 480
@@ -170,10 +176,50 @@ def test_prefill_refuses_forged_expired_and_unsigned_offers_before_any_read(sche
         ([1], [1], [1])
 
 
-def test_decode_refuses_to_retain_above_its_share_of_the_cache(scheduler):
+RETAIN = {"turnkv_retain": True}
+
+
+def _step(decode):
+    return decode.build_connector_meta(types.SimpleNamespace(total_num_scheduled_tokens=0))
+
+
+def _freed(decode, *request_ids):
+    decode.update_connector_output(types.SimpleNamespace(finished_sending=set(request_ids), finished_recving=set(),
+                                                         kv_connector_worker_meta=None))
+
+
+def test_decode_evicts_its_oldest_retained_turns_above_its_share_of_the_cache(scheduler):
     decode = scheduler()
-    decode._retained_share = 0.05  # 5 of 100 blocks
-    _, first = decode.request_finished(_request("a", range(300), {"turnkv_retain": True}), [[1, 2, 3]])
-    delay, second = decode.request_finished(_request("b", range(300), {"turnkv_retain": True}), [[4, 5, 6]])
-    assert first is not None and not delay and second is None
+    decode._retained_share = 0.06  # 6 of 100 blocks
+    _, a = decode.request_finished(_request("a", range(300), RETAIN), [[1, 2, 3]])
+    _, b = decode.request_finished(_request("b", range(300), RETAIN), [[4, 5, 6]])
+    assert _step(decode).turnkv_evict == {}
+    delay, c = decode.request_finished(_request("c", range(300), RETAIN), [[7, 8, 9]])
+    # the newest turn is retained; the oldest is evicted: the workers are told to announce it and free it
+    # after the grace (until then its blocks still count)
+    assert delay and c is not None
+    assert _step(decode).turnkv_evict == {"a": (30.0, a[wire.EXPIRES_AT])}
+    assert _step(decode).turnkv_evict == {}  # told once
+    assert decode.turnkv_stats.data["turnkv_retention_evicted"] == [1]
+    assert decode.turnkv_stats.data["turnkv_retained_blocks"] == [9]
+    _freed(decode, "a")  # the grace is over: upstream's reaper freed a's blocks
+    assert decode.turnkv_stats.data["turnkv_retained_blocks"] == [6]
+    # a turn larger than the share on its own is not retained, and evicts nothing
+    delay, big = decode.request_finished(_request("big", range(1000), RETAIN), [list(range(10, 20))])
+    assert not delay and big is None and _step(decode).turnkv_evict == {}
     assert decode.turnkv_stats.data["turnkv_retention_refused"] == [1]
+    assert b is not None and "b" in decode._retained.live and "c" in decode._retained.live
+
+
+def test_prefill_does_not_start_reading_a_replay_past_the_routers_read_by_instant(scheduler):
+    decode, prefill = scheduler(), scheduler()
+    tokens = list(range(300))
+    _, out = decode.request_finished(_request("d1", tokens, RETAIN), [[1, 2, 3]])
+    prompt = tokens + [7] * 10
+    late = {**out, wire.READ_BY: time.time() + 3}  # within the 5 s skew margin
+    count, _ = prefill.get_num_new_matched_tokens(_request("p1", prompt, late), 0)
+    assert count == 0 and prefill.asked[-1]["remote_block_ids"] is None
+    assert prefill.turnkv_stats.data["turnkv_offers_late"] == [1]
+    in_time = {**out, wire.READ_BY: time.time() + 30}
+    count, _ = prefill.get_num_new_matched_tokens(_request("p2", prompt, in_time), 0)
+    assert count == 300

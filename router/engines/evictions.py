@@ -1,0 +1,105 @@
+"""Decode engines' evictions feeds: which retained turns a decode engine evicted, so their offers are not replayed.
+
+A decode engine above ``retained_kv_share`` evicts its oldest retained turns (``connector.retention``): it
+announces each on its feed (``turnkv.wire.EVICTIONS_ROUTE``) and frees the blocks
+``retention_eviction_grace`` later. The router reads every decode engine's feed each ``evictions_interval``
+and refuses to replay an announced offer (outcome ``refused``). An engine whose feed it has read before but
+could not read for longer than the feed's age limit has none of its offers replayed until it can again
+(an eviction may have gone unseen). Engines without the feed (404: an older connector, a fake engine)
+never evict. Each replayed offer carries a read-by instant (``turnkv.wire.READ_BY``, ``replay_window``
+away) after which prefill will not start reading it; together these bound the time between an eviction
+and the last possible read of its blocks below the grace (``turnkv.params.eviction_grace_needed``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from turnkv import wire
+
+log = logging.getLogger("turnkv.router")
+
+
+def max_age(interval: float) -> float:
+    """How old the last read of a feed may be before the engine's offers are refused: two intervals, plus one
+    read (its timeout)."""
+    return 2 * interval + max(1.0, interval)
+
+
+@dataclass
+class EvictionFeed:
+    """What the router knows of one decode engine's evictions (pure)."""
+
+    epoch: str = ""
+    seq: int = 0
+    evicted: dict[str, float] = field(default_factory=dict)  # request id -> the offer's wall-clock expiry
+    read_at: float = 0.0  # wall clock when the last successful read was sent; 0: never
+    supported: bool | None = None  # None: not read yet; False: the engine has no feed (it never evicts)
+
+    def apply(self, answer: Mapping[str, Any], sent_at: float) -> None:
+        """A feed answer to a read sent at ``sent_at``; an answer that is not a feed leaves the feed stale."""
+        epoch, seq, events = answer.get("epoch"), answer.get("seq"), answer.get("evicted")
+        if not isinstance(epoch, str) or isinstance(seq, bool) or not isinstance(seq, int) \
+                or not isinstance(events, list):
+            return
+        if epoch != self.epoch:
+            # A new process: its numbers start over, and whatever the old one announced was held by blocks a
+            # restarted engine no longer has (the pool refuses those entries anyway).
+            self.evicted.clear()
+        for event in events:
+            if isinstance(event, list) and len(event) == 2 and isinstance(event[0], str) \
+                    and isinstance(event[1], (int, float)):
+                self.evicted[event[0]] = float(event[1])
+        self.epoch, self.seq, self.read_at, self.supported = epoch, seq, sent_at, True
+        for request_id, until in list(self.evicted.items()):
+            if until < sent_at:
+                del self.evicted[request_id]  # the offer has expired: prefill refuses it anyway
+
+    def unsupported(self) -> None:
+        self.supported = False
+
+    def refuses(self, request_id: Any, now: float, interval: float) -> str | None:
+        """Why an offer of this engine must not be replayed now, or None."""
+        if request_id in self.evicted:
+            return "evicted"
+        if self.supported and now - self.read_at > max_age(interval):
+            return "evictions feed not read lately"
+        return None
+
+
+async def read_feed(session: aiohttp.ClientSession, url: str, feed: EvictionFeed, timeout: float,
+                    clock: Callable[[], float]) -> None:
+    sent_at = clock()
+    try:
+        async with session.get(f"{url}{wire.EVICTIONS_ROUTE}?since={feed.seq}",
+                               timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.status == 404:
+                feed.unsupported()
+                return
+            if resp.status != 200:
+                return
+            answer = await resp.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+        return
+    if isinstance(answer, Mapping):
+        feed.apply(answer, sent_at)
+
+
+async def evictions_loop(decode: Callable[[], list[Any]], session: aiohttp.ClientSession,
+                         interval: Callable[[], float], clock: Callable[[], float]) -> None:
+    """Read every decode engine's feed each ``interval`` (engines come from ``decode()``: discovery may change
+    them). Only engines that have a feed (or have not said yet) are asked."""
+    while True:
+        try:
+            every = interval()
+            engines = [e for e in decode() if e.feed.supported is not False]
+            await asyncio.gather(*(read_feed(session, e.url, e.feed, max(1.0, every), clock) for e in engines))
+        except Exception:  # never let the loop die
+            log.exception("evictions loop")
+        await asyncio.sleep(interval())
