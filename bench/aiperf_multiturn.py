@@ -48,7 +48,21 @@ def prefill_pulled(url: str) -> float:
     return metric(url, PULLED, source="external_kv_transfer")
 
 
-def aiperf_command(aiperf: str, args: argparse.Namespace, url: str, tokenizer: Path, out: Path,
+def hub_alias(model_dir: Path, hf_home: Path, name: str = "turnkv/tiny") -> str:
+    """Expose the tiny model's tokenizer as a cached hub repo: aiperf 0.13 offline resolves every tokenizer
+    name through ``snapshot_download`` (a local folder is refused as an invalid repo id)."""
+    repo = hf_home / "hub" / ("models--" + name.replace("/", "--"))
+    snapshot = repo / "snapshots" / "local"
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text("local")
+    for f in model_dir.iterdir():
+        if f.suffix in (".json", ".txt") and not (snapshot / f.name).exists():
+            (snapshot / f.name).symlink_to(f.resolve())
+    return name
+
+
+def aiperf_command(aiperf: str, args: argparse.Namespace, url: str, tokenizer: str, out: Path,
                    headers: dict[str, str]) -> list[str]:
     cmd = [aiperf, "profile", "--model", "tiny", "--url", url, "--endpoint-type", "chat", "--streaming",
            "--tokenizer", str(tokenizer), "--conversation-num", str(args.conversations),
@@ -161,14 +175,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         comps = state["components"]
         router, prefill = comps["router"]["url"], comps["prefill-0"]["url"]
         log = args.state_dir.resolve() / "logs" / "router.log"
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        hf_home = args.state_dir.resolve() / "hf"
+        tokenizer = hub_alias(Path(state["model_dir"]).resolve(), hf_home)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(hf_home)}
         for arm, headers in (("on", {}), ("off", {"X-TurnKV-Reuse": "off"})):
             out = args.out / arm
             shutil.rmtree(out, ignore_errors=True)
             offset = log.stat().st_size
             before = prefill_pulled(prefill)
-            # an absolute folder: aiperf's services resolve a relative one elsewhere and take it for a hub id
-            cmd = aiperf_command(aiperf, args, router, Path(state["model_dir"]).resolve(), out.resolve(), headers)
+            cmd = aiperf_command(aiperf, args, router, tokenizer, out.resolve(), headers)
             print(f"{arm}: {' '.join(cmd)}", flush=True)
             t0 = time.monotonic()
             done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
