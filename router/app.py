@@ -23,7 +23,9 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router import guard, limits, telemetry
+from router import apis, guard, limits, telemetry
+from router.apis.messages import MessagesTranslation
+from router.apis.responses import ResponsesTranslation
 from router.auth import ApiKeys, AuthError, parse_keys
 from router.config import RouterConfig
 from router.engines import EnginePool
@@ -38,13 +40,15 @@ from router.telemetry import Metrics
 log = logging.getLogger("turnkv.router")
 
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+#: Other APIs, translated to chat completions at the router (``router.apis``, docs/router.md "Other APIs").
+TRANSLATED = {"/v1/responses": ResponsesTranslation, "/v1/messages": MessagesTranslation}
+CHAT_PATH = "/v1/chat/completions"
 #: Added by the ALB (and every common reverse proxy) to forwarded requests.
 FORWARDED_HEADERS = ("X-Forwarded-For", "Forwarded")
-#: APIs agents speak that the pinned vLLM serves with ``kv_transfer_params`` but the router does not split
-#: into P/D legs yet: a clear 501 naming the endpoint instead of a bare 404 (docs/router.md, "Other APIs").
+#: Parts of those APIs that need state the router does not keep: a clear 501 naming them, not a bare 404.
 NOT_ROUTED = {
-    "/v1/responses": "the OpenAI Responses API",
-    "/v1/messages": "the Anthropic Messages API",
+    "/v1/responses/{tail:.+}": "stored responses (the router stores none: send the whole conversation as input)",
+    "/v1/messages/{tail:.+}": "this part of the Anthropic Messages API (only POST /v1/messages is served)",
 }
 
 FLOW = web.AppKey("flow", Flow)
@@ -76,14 +80,37 @@ async def _read_json(request: web.Request) -> tuple[Any, int]:
         raise guard.RequestError(f"the request body is not valid JSON: {exc}") from None
 
 
-def _completion_handler(path: str, kind: str):
+def _authorization(request: web.Request, path: str) -> str | None:
+    """The API key header: ``Authorization: Bearer KEY``, or Anthropic SDKs' ``x-api-key: KEY`` on /v1/messages."""
+    auth = request.headers.get("Authorization")
+    if auth is None and path == "/v1/messages" and request.headers.get("x-api-key"):
+        auth = "Bearer " + request.headers["x-api-key"]
+    return auth
+
+
+def _in_format(response: web.StreamResponse, path: str) -> web.StreamResponse:
+    """An error answer in the client API's own shape (Anthropic's ``{"type": "error", ...}`` on /v1/messages)."""
+    if path != "/v1/messages" or response.status < 400 or not isinstance(response, web.Response):
+        return response
+    try:
+        error = orjson.loads(response.body or b"{}").get("error") or {}  # type: ignore[arg-type]
+    except (orjson.JSONDecodeError, AttributeError):
+        return response
+    response.body = MessagesTranslation.error_shape(response.status, str(error.get("message") or "error"))
+    return response
+
+
+def _completion_handler(path: str, kind: str, translation: type[apis.Translation] | None = None):
     async def handler(request: web.Request) -> web.StreamResponse:
+        return _in_format(await _serve(request), path)
+
+    async def _serve(request: web.Request) -> web.StreamResponse:
         app = request.app
         metrics = app[METRICS]
         status = 500
         try:
             try:
-                tenant = app[KEYS].tenant(request.headers.get("Authorization"))
+                tenant = app[KEYS].tenant(_authorization(request, path))
             except AuthError as exc:
                 metrics.auth_failures.inc()
                 status = 401
@@ -100,7 +127,11 @@ def _completion_handler(path: str, kind: str):
             try:
                 body, size = await _read_json(request)
                 flow = app[FLOW]
-                dispatch = flow.prepare(kind, path, request, body, tenant, size)
+                if translation is None:
+                    dispatch = flow.prepare(kind, path, request, body, tenant, size)
+                else:
+                    api = translation(body)
+                    dispatch = flow.prepare("chat", CHAT_PATH, request, api.chat_body, tenant, size, api=api)
                 response = await flow.run(dispatch, request)
             finally:
                 app[ADMISSION].leave(tenant)
@@ -138,9 +169,9 @@ async def lease(request: web.Request) -> web.Response:
 
 
 def _not_routed(path: str, name: str):
-    async def handler(request: web.Request) -> web.Response:
-        return error_response(501, f"{path} ({name}) is not served by the turnkv router: send the conversation "
-                                   "to /v1/chat/completions (KV reuse needs no extra field there)", "not_implemented")
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return _in_format(error_response(501, f"{request.method} {request.path}: {name} is not served by the turnkv "
+                                              "router", "not_implemented"), path.split("/{")[0])
 
     return handler
 
@@ -287,6 +318,8 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
     app.cleanup_ctx.append(lifecycle)
     for path, kind in ROUTES.items():
         app.router.add_post(path, _completion_handler(path, kind))
+    for path, translation in TRANSLATED.items():
+        app.router.add_post(path, _completion_handler(path, "chat", translation))
     for path, name in NOT_ROUTED.items():
         app.router.add_route("*", path, _not_routed(path, name))
     app.router.add_post("/v1/conversations/lease", lease)

@@ -34,7 +34,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router import guard, hints, limits, migrate, sse, telemetry
+from router import apis, guard, hints, limits, migrate, sse, telemetry
 from router.config import RouterConfig
 from router.engines import Engine, EnginePool, NoEngineError, PushIdentity
 from router.errors import public_message
@@ -144,6 +144,9 @@ class Dispatch:
     #: Reuse applies: decode retains its KV for the next turn and the reply is stored.
     storable: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Another API translated to chat completions (``router.apis``): its answers are translated back.
+    api: apis.Translation | None = None
+    route: str = ""  # the client's route when it differs from ``path`` (translated APIs)
 
 
 @dataclass
@@ -181,7 +184,7 @@ class Flow:
     # -- request intake -------------------------------------------------------------------------
 
     def prepare(self, kind: str, path: str, request: web.Request, body: Any, tenant: str = "",
-                size: int = 0) -> Dispatch:
+                size: int = 0, api: apis.Translation | None = None) -> Dispatch:
         if not isinstance(body, dict):
             raise guard.RequestError("the request body must be a JSON object")
         body.pop("kv_transfer_params", None)  # engine metadata is never accepted from clients
@@ -206,6 +209,8 @@ class Flow:
                      tokens=size // 4, stream=bool(body.get("stream")), leg_request_id=new_leg_id(), hint=hint,
                      storable=storable)
         d.migrate = int(self.config.decode_migrations) > 0 and migrate.migratable(kind, body)
+        if api is not None:  # a continuation is relayed in chat format: not for translated streams
+            d.api, d.route, d.migrate = api, api.route, False
         if hint is not None:
             self._hint_counts[hint.source].inc()
             d.affinity = hints.rendezvous(tenant, hint.value, [e.name for e in self.pool.decode])
@@ -574,7 +579,7 @@ class Flow:
             prompt_tokens=d.prompt_tokens, ttft_ms=None if d.ttft is None else d.ttft * 1000,
             error=d.status >= 500 or d.status == 0, reused_tokens=d.reused_tokens, prefill_ms=d.prefill_ms,
             saved_ms=saved, fields={
-                "request_id": d.request_id, "status": d.status, "route": d.path, "stream": d.stream,
+                "request_id": d.request_id, "status": d.status, "route": d.route or d.path, "stream": d.stream,
                 "tenant": d.tenant, "prefill_engine": d.prefill_engine, "decode_engine": d.decode_engine,
                 "prompt_tokens": d.prompt_tokens, "retries": d.retries, "mode": self.config.mode,
                 "latency_ms": round((time.perf_counter() - d.started) * 1000, 3),
@@ -599,6 +604,8 @@ class Flow:
         choices = result.get("choices") or [{}]
         reply = guard.reply_message(choices[0]) if d.kind == "chat" else str(choices[0].get("text") or "")
         await self._remember(d, opened.engine, kv, reply)
+        if d.api is not None:
+            result = d.api.unary(result)
         return web.Response(body=orjson.dumps(result), content_type="application/json",
                             headers=self._reply_headers(d))
 
@@ -627,8 +634,8 @@ class Flow:
                     return self._upstream_error(d, exc)
                 d.error = str(exc)
                 status = exc.status if isinstance(exc, UpstreamError) else 503
-                await self._error_event(response, public_message(exc) if isinstance(exc, UpstreamError) else str(exc),
-                                        status)
+                await self._error_event(d, response, public_message(exc) if isinstance(exc, UpstreamError)
+                                        else str(exc), status)
                 return response
             early = response is not None
             if response is None:
@@ -646,16 +653,21 @@ class Flow:
                 opened.engine.outstanding -= 1
                 opened.engine.outstanding_tokens -= d.tokens
 
-    async def _error_event(self, response: web.StreamResponse, message: str, status: int = 502) -> None:
-        err = {"error": {"message": message, "type": "upstream_error", "code": status}}
+    async def _error_event(self, d: Dispatch, response: web.StreamResponse, message: str, status: int = 502) -> None:
+        if d.api is not None:
+            data = d.api.error_event(status, message)
+        else:
+            err = {"error": {"message": message, "type": "upstream_error", "code": status}}
+            data = b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n"
         with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):  # the client may be gone too
-            await response.write_eof(b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n")
+            await response.write_eof(data)
 
     async def _relay(self, d: Dispatch, response: web.StreamResponse, opened: Opened, early: bool,
                      request: web.Request | None = None) -> web.StreamResponse:
         assert opened.resp is not None
         deadline = float(self.config.write_timeout)
         reply = _ReplyCollector(d.kind, parse=d.retain)
+        api = d.api
         state = migrate.StreamState(d.kind, bool(d.body.get("return_token_ids"))) if d.migrate else None
         remembered = False
         first = True
@@ -677,7 +689,7 @@ class Flow:
                             out.append(f": turnkv reuse_outcome={d.outcome} "
                                        f"reused_tokens={d.reused_tokens}\n\n".encode())
                     if fed is not None:
-                        out.append(fed)
+                        out.append(fed if api is None else api.stream_line(fed))
                 if first and (reply.has_content or reply.complete):
                     first = False
                     self._first_token(d)
@@ -688,7 +700,7 @@ class Flow:
             if rest := lines.flush():
                 fed = reply.feed(rest)
                 if fed:
-                    tail.append(fed)
+                    tail.append(fed if api is None else api.stream_line(fed))
             await _client_write(response, b"".join(tail), eof=True, timeout=deadline)
         except _ClientGone as gone:
             self.metrics.client_disconnects.inc()
@@ -710,7 +722,7 @@ class Flow:
             if state is not None and await self._migrate(d, request, response, opened.engine, state, deadline):
                 return response
             d.error = error
-            await self._error_event(response, "the model server failed mid-stream; the reply is incomplete")
+            await self._error_event(d, response, "the model server failed mid-stream; the reply is incomplete")
         return response
 
     async def _migrate(self, d: Dispatch, request: web.Request | None, response: web.StreamResponse, dead: Engine,

@@ -30,9 +30,12 @@ import orjson
 
 from turnkv import wire
 
-#: Settings that change how a chat prompt renders (part of the conversation key).
+#: Settings that change how a chat prompt renders (part of the conversation key). ``tool_choice`` is not one:
+#: the engines render the same prompt for every choice (a forced call is a structured-output constraint on
+#: decoding), and agents commonly force a call on one turn and not the next; with vLLM's
+#: ``--exclude-tools-when-tool-choice-none`` the tools leave the prompt and decode's token proof cuts the pull.
 CHAT_RENDER_FIELDS = (
-    "model", "tools", "tool_choice", "chat_template", "chat_template_kwargs", "add_generation_prompt",
+    "model", "tools", "chat_template", "chat_template_kwargs", "add_generation_prompt",
     "continue_final_message", "documents", "cache_salt", "mm_processor_kwargs", "reasoning_effort",
     "add_special_tokens", "truncate_prompt_tokens",
 )
@@ -75,6 +78,24 @@ def _digest(*parts: bytes) -> str:
     return h.hexdigest()
 
 
+def _arguments(arguments: Any) -> Any:
+    """Tool-call arguments as the template sees them: vLLM parses a JSON string into an object before
+    rendering, so two spellings of one object (spacing, escapes: an engine's ``'{"a": 1}'`` and an Anthropic
+    client's ``input`` serialised again) are one address; key order is kept (templates render it)."""
+    if isinstance(arguments, Mapping):
+        return orjson.dumps(arguments).decode()
+    if not arguments:
+        return ""
+    if isinstance(arguments, str) and arguments.lstrip().startswith("{"):
+        try:
+            value = orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            return arguments
+        if isinstance(value, dict):
+            return orjson.dumps(value).decode()
+    return arguments
+
+
 def _tool_call(call: Any) -> Any:
     """The part of a tool call a template renders (OpenAI shape); streaming's ``index`` and extras dropped."""
     if not isinstance(call, Mapping):
@@ -84,7 +105,7 @@ def _tool_call(call: Any) -> Any:
     if call.get("id"):
         out["id"] = call["id"]
     if isinstance(fn, Mapping):
-        out["function"] = {"name": fn.get("name") or "", "arguments": fn.get("arguments") or ""}
+        out["function"] = {"name": fn.get("name") or "", "arguments": _arguments(fn.get("arguments"))}
     return out
 
 

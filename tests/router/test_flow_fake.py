@@ -402,17 +402,61 @@ async def test_completion_sessions_need_a_hint_and_reuse_only_an_exact_prefix():
         assert p[0].stats["wrong_reuse"] == 0
 
 
-async def test_apis_not_routed_yet_answer_501_naming_the_endpoint():
+async def test_responses_and_messages_refuse_what_they_cannot_honour_by_name():
     p, d = engines(1, "prefill"), engines(1, "decode")
     async with router_over(p, d) as (s, _):
-        for path, body in (("/v1/responses", {"model": "tiny", "input": "hi", "previous_response_id": "r1"}),
-                           ("/v1/messages", {"model": "tiny", "max_tokens": 4,
-                                             "messages": [{"role": "user", "content": "hi"}]})):
-            async with s.post(path, json=body) as resp:
-                error = (await resp.json())["error"]
-                assert resp.status == 501 and path in error["message"], error
-                assert error["type"] == "not_implemented"
+        async with s.post("/v1/responses", json={"model": "tiny", "input": "hi", "previous_response_id": "r1"}) as r:
+            assert r.status == 400 and "previous_response_id" in (await r.json())["error"]["message"]
+        async with s.post("/v1/messages", json={"model": "tiny", "max_tokens": 4, "top_logprobs": 2,
+                                                "messages": [{"role": "user", "content": "hi"}]}) as r:
+            body = await r.json()  # Anthropic's error shape
+            assert r.status == 400 and body["type"] == "error" and "top_logprobs" in body["error"]["message"]
+        async with s.get("/v1/responses/resp_1") as r:
+            assert r.status == 501 and "stored responses" in (await r.json())["error"]["message"]
         assert p[0].stats["requests"] == d[0].stats["requests"] == 0
+
+
+async def test_the_responses_and_anthropic_sdks_reuse_over_fake_engines():
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    keys = ApiKeys(parse_keys("acme:acme-key-0123456789\n"))
+    async with router_over(p, d, keys=keys) as (s, _):
+        base = str(s._base_url).rstrip("/")
+        openai = AsyncOpenAI(base_url=base + "/v1", api_key="acme-key-0123456789", max_retries=0)
+        claude = AsyncAnthropic(base_url=base, api_key="acme-key-0123456789", max_retries=0)  # x-api-key
+        for stream in (False, True):
+            items: list = [{"role": "user", "content": f"responses {stream} " * 200}]
+            messages: list = [{"role": "user", "content": f"messages {stream} " * 200}]
+            outcomes = {"responses": [], "messages": []}
+            for _ in range(3):
+                raw = await openai.responses.with_raw_response.create(model="tiny", input=items, stream=stream,
+                                                                      max_output_tokens=4, store=False)
+                if stream:
+                    done = [e async for e in raw.parse() if e.type in ("response.completed", "response.incomplete")]
+                    response = done[0].response
+                else:
+                    response = raw.parse()
+                assert response.output_text
+                outcomes["responses"].append(raw.headers["X-TurnKV-Reuse-Outcome"])
+                items = [*items, *response.output, {"role": "user", "content": "and then?"}]
+                if stream:
+                    async with claude.messages.stream(model="tiny", max_tokens=4, messages=messages) as events:
+                        message = await events.get_final_message()
+                        outcome = events.response.headers["X-TurnKV-Reuse-Outcome"]
+                else:
+                    raw = await claude.messages.with_raw_response.create(model="tiny", max_tokens=4,
+                                                                         messages=messages)
+                    message, outcome = await raw.parse(), raw.headers["X-TurnKV-Reuse-Outcome"]
+                assert message.content[0].text and message.stop_reason == "max_tokens"
+                outcomes["messages"].append(outcome)
+                messages = [*messages, {"role": "assistant", "content": message.content},
+                            {"role": "user", "content": "and then?"}]
+            assert outcomes == {"responses": ["none", "hit", "hit"], "messages": ["none", "hit", "hit"]}, stream
+        await openai.close()
+        await claude.close()
+        assert p[0].stats["wrong_reuse"] == 0
 
 
 async def test_the_openai_sdk_with_no_field_reuses_over_fake_engines():

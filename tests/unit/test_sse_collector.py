@@ -50,8 +50,9 @@ def test_streamed_tool_calls_are_rebuilt_as_the_client_sends_them_back():
              *sse(chunk(tool_calls=[{"index": 0, "function": {"arguments": '1}'}}])), b"data: [DONE]\n"]
     feed_all(c, lines)
     assert c.storable and c.has_content
+    # canonical: the arguments as the template sees them (JSON, spelled compactly)
     assert c.value() == {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call-1", "type": "function", "function": {"name": "get", "arguments": '{"q": 1}'}},
+        {"id": "call-1", "type": "function", "function": {"name": "get", "arguments": '{"q":1}'}},
         {"id": "call-2", "type": "function", "function": {"name": "put", "arguments": "{}"}}]}
 
 
