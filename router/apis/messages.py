@@ -28,9 +28,11 @@ KNOWN = frozenset({
     "tools", "tool_choice", "metadata", "thinking", "service_tier",
     # vLLM extras of its Messages request, passed to chat completions as they are
     "cache_salt", "chat_template_kwargs", "vllm_xargs", "conversation_id",
+    # and vLLM's chat extras a translation can carry (engines with --trust-request-chat-template)
+    "chat_template", "seed",
 })
 PASSED = ("model", "temperature", "top_p", "top_k", "cache_salt", "chat_template_kwargs", "vllm_xargs",
-          "conversation_id")
+          "conversation_id", "chat_template", "seed")
 BILLING_HEADER = "x-anthropic-billing-header"
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
