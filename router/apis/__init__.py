@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from router import sse as sse_lines
 from router.guard import RequestError
 
 
@@ -51,11 +52,11 @@ def chat_line(line: bytes) -> tuple[str, Any]:
     """Classify one line of a chat-completions SSE stream: ("chunk", dict), ("done", None), ("comment", line)
     or ("skip", None) (blank lines, ``event:``/``id:`` fields, unparsable data)."""
     if line.startswith(b":"):
-        return "comment", line if line.endswith(b"\n\n") else line.rstrip(b"\n") + b"\n\n"
-    if not line.startswith(b"data:"):
+        return "comment", line.rstrip(b"\r\n") + b"\n\n"
+    payload = sse_lines.data_of(line)
+    if payload is None:
         return "skip", None
-    payload = line[5:].strip()
-    if payload == b"[DONE]":
+    if payload == sse_lines.DONE:
         return "done", None
     try:
         chunk = orjson.loads(payload)
