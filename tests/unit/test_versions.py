@@ -1,3 +1,4 @@
+import re
 import tomllib
 from pathlib import Path
 
@@ -42,6 +43,19 @@ def test_every_image_ships_a_release_the_engine_suites_run():
         assert suites, f"{image} image: no requirement set installs {requirement} for the engine suites"
     makefile = (ROOT / "Makefile").read_text()
     assert "requirements/engines-vllm029.txt" in makefile and "e2e-vllm029" in makefile
+
+
+def test_make_test_runs_the_engine_suites_on_the_side_venv_too():
+    """CI runs `make test` (.ci/run): the 0.29 side venv is one of its prerequisites and its engine suites one of
+    its commands, so the Neuron image's vLLM is tested wherever the GPU image's is."""
+    makefile = (ROOT / "Makefile").read_text()
+    assert "exec make test" in (ROOT / ".ci" / "run").read_text()
+    rule = re.search(r"^test:(?P<prereqs>.*)\n(?P<recipe>(?:\t.*\n)+)", makefile, re.MULTILINE)
+    assert rule is not None, "no `test:` rule in the Makefile"
+    assert "vllm029" in rule["prereqs"].split()
+    assert "$(E2E_VLLM029)" in rule["recipe"]
+    suites = re.search(r"^ENGINE_SUITES := (.*)$", makefile, re.MULTILINE)
+    assert suites is not None and suites[1].split() == ["tests/e2e", "tests/e2e_push", "tests/e2e_router"]
 
 
 def test_each_image_release_has_recorded_wheel_digests():
