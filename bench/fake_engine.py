@@ -164,7 +164,7 @@ class FakeEngine:
             return True
         reason = wire.check_offer(self.offer_secret, kv, FAKE_MODEL, time.time(), self.expiry_skew)
         read_by = kv.get(wire.READ_BY)
-        if reason == "ok" and read_by is not None and time.time() >= float(read_by) - self.expiry_skew:
+        if reason == "ok" and read_by is not None and time.time() >= float(read_by):
             reason = "late"
         if reason == "ok" and kv[wire.SIGNATURE] in self._read:
             reason = "replayed"

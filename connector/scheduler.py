@@ -68,14 +68,15 @@ def _boot_of(metadata: dict[tuple[int, int], Any]) -> str | None:
         return None
 
 
-def _late(read_by: Any, now: float, skew: float) -> bool:
-    """Whether a replayed offer's read-by stamp (``wire.READ_BY``, the router's) has passed, minus ``skew``.
-    An offer without one (sent straight to prefill, not by a router) is not checked."""
+def _late(read_by: Any, now: float) -> bool:
+    """Whether a replayed offer's read-by stamp (``wire.READ_BY``, the router's) has passed. Clock skew and the
+    READ's own duration are in the eviction grace (``turnkv.params.eviction_grace_needed``), not here. An offer
+    without one (sent straight to prefill, not by a router) is not checked."""
     if read_by is None:
         return False
     if isinstance(read_by, bool) or not isinstance(read_by, (int, float)):
         return True
-    return now >= float(read_by) - skew
+    return now >= float(read_by)
 
 
 def _count_blocks(block_ids: Any) -> int:
@@ -321,7 +322,7 @@ class TurnkvSchedulerMixin:
         reason = wire.check_offer(self._offer_secret, params, self._model, time.time(), self._expiry_skew)
         if reason == "unsigned" and not self._require_signed:
             return True
-        if reason == "ok" and _late(params.get(wire.READ_BY), time.time(), self._expiry_skew):
+        if reason == "ok" and _late(params.get(wire.READ_BY), time.time()):
             # The router's read-by instant passed (prefill queued): the offer may have been evicted meanwhile.
             reason = "late"
         if reason == "ok" and not self._replays.first_use(params[wire.SIGNATURE], float(params[wire.EXPIRES_AT])):

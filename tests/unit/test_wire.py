@@ -216,10 +216,10 @@ def test_prefill_does_not_start_reading_a_replay_past_the_routers_read_by_instan
     tokens = list(range(300))
     _, out = decode.request_finished(_request("d1", tokens, RETAIN), [[1, 2, 3]])
     prompt = tokens + [7] * 10
-    late = {**out, wire.READ_BY: time.time() + 3}  # within the 5 s skew margin
+    late = {**out, wire.READ_BY: time.time() - 0.5}  # prefill queued past it
     count, _ = prefill.get_num_new_matched_tokens(_request("p1", prompt, late), 0)
     assert count == 0 and prefill.asked[-1]["remote_block_ids"] is None
     assert prefill.turnkv_stats.data["turnkv_offers_late"] == [1]
-    in_time = {**out, wire.READ_BY: time.time() + 30}
+    in_time = {**out, wire.READ_BY: time.time() + 10}
     count, _ = prefill.get_num_new_matched_tokens(_request("p2", prompt, in_time), 0)
     assert count == 300
