@@ -1,9 +1,11 @@
 """The local stack's supervisor: plan (pure) and process control with real, cheap processes."""
 
 import json
+import os
 import socket
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +27,8 @@ def test_plan_pins_engines_and_wires_the_router(tmp_path):
     assert kv["engine_id"] == "prefill-0" and kv["kv_connector_extra_config"]["bidirectional_kv_xfer"]
     assert prefill.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != decode.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
     assert prefill.env["UCX_NET_DEVICES"] == "lo"
+    # the engines load the connector of this checkout, not the one an editable install points at
+    assert prefill.env["PYTHONPATH"].split(os.pathsep)[0] == str(Path(stack.__file__).resolve().parents[2])
     assert router.argv[router.argv.index("--prefill") + 1] == prefill.url
     assert router.argv[router.argv.index("--decode") + 1] == decode.url
     assert router.port == 9000 and router.log.parent == (tmp_path / "logs").resolve()

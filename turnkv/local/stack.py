@@ -107,6 +107,10 @@ def ensure_offer_secret(path: Path) -> None:
         f.write(secrets.token_hex(32) + "\n")
 
 
+#: The checkout this turnkv runs from (holds ``connector/``, which the engines load).
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
+
+
 def _cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
@@ -128,6 +132,9 @@ def _engine_process(config: StackConfig, spec: EngineSpec, core: int | None) -> 
         "TMPDIR": str(state / "tmp"),
         "HF_HOME": str(state / "cache" / "hf"),
         "PYTHONUNBUFFERED": "1",
+        # The engine's connector from this checkout: `vllm` is an entry-point script, so without this an
+        # editable install resolves `connector` to wherever it was installed from (another worktree's code).
+        "PYTHONPATH": os.pathsep.join(p for p in (str(SOURCE_ROOT), os.environ.get("PYTHONPATH", "")) if p),
         params.TUNABLES_FILE_ENV: str(state / "tunables.json"),
         wire.OFFER_SECRET_FILE_ENV: str(offer_secret_path(config)),
     }
