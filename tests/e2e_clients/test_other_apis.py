@@ -1,0 +1,219 @@
+"""The other APIs agents speak, on real vLLM CPU engines (1 prefill + 1 decode): the official openai SDK's
+``responses.create`` and the official anthropic SDK's ``messages`` (translated to chat completions at the
+router), and tool-call round trips (the assistant message with its calls, then the tool's result) through
+all three APIs. Every pull is proven by the prefill engine's
+``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`` counter, and every answer equals the
+answer with reuse off. Ports 38300 (router), 38400/38500 (engines), 35700+ (NIXL)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from anthropic import Anthropic
+from openai import OpenAI
+
+from tests.e2e.client import engine_stack, metric, words
+from turnkv.local.stack import StackConfig
+
+pytestmark = pytest.mark.engines
+
+STATE = Path(__file__).resolve().parents[2] / ".turnkv" / "e2e-other-apis"
+KEY = "acme-key-0123456789"
+OFF = {"X-TurnKV-Reuse": "off"}  # the reference arm only
+OUTCOME, REUSED = "X-TurnKV-Reuse-Outcome", "X-TurnKV-Reused-Tokens"
+
+# The tiny model's template renders no tool calls; this one renders an assistant's calls as the JSON of their
+# arguments (what the model generated under the forced tool choice), so the history sent back is the tokens
+# decode holds. A tool that takes no argument: the only valid call is "{}", two tokens of the tiny vocabulary.
+TOOL_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'] or '') }}"
+    "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}{{ c['function']['arguments'] | tojson }}{% endfor %}"
+    "{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+PARAMS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def stack():
+    STATE.mkdir(parents=True, exist_ok=True)
+    keys = STATE / "api-keys"
+    keys.write_text(f"acme:{KEY}\n")
+    config = StackConfig(state_dir=STATE, router_port=38300, prefill_port=38400, decode_port=38500,
+                         side_channel_base=35700, kv_cache_gib=1,
+                         tunables={"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45},
+                         # vLLM 0.32 serves a forced tool choice only with a tool parser enabled (any one: the
+                         # forced call is structured output, the parser reads nothing)
+                         engine_extra_args=("--trust-request-chat-template", "--enable-auto-tool-choice",
+                                            "--tool-call-parser", "pythonic"),
+                         router_args=("--api-keys-file", str(keys)))
+    with engine_stack(config) as running:
+        yield running
+
+
+def pulled(stack) -> float:
+    return metric(stack["prefill-0"], "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+
+
+def openai_sdk(stack) -> OpenAI:
+    return OpenAI(base_url=stack["router"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def anthropic_sdk(stack) -> Anthropic:
+    return Anthropic(base_url=stack["router"], api_key=KEY, max_retries=0, timeout=120)  # x-api-key
+
+
+def respond(client: OpenAI, items, *, stream=False, headers=None, **extra):
+    """One Responses turn as an SDK user writes it: the output items to append, the text, the headers."""
+    raw = client.responses.with_raw_response.create(model="tiny", input=items, temperature=0, max_output_tokens=16,
+                                                    stream=stream, store=False, extra_headers=headers, **extra)
+    if stream:
+        ends = [e for e in raw.parse() if e.type in ("response.completed", "response.incomplete")]
+        assert len(ends) == 1
+        response = ends[0].response
+    else:
+        response = raw.parse()
+    return list(response.output), response.output_text, raw.headers
+
+
+def message(client: Anthropic, messages, *, stream=False, headers=None, extra_body=None, **extra):
+    """One Messages turn as an SDK user writes it: the assistant message to append, the text, the headers.
+    (anthropic 2.x's methods have no ``temperature`` argument: greedy decoding goes in the body.)"""
+    body = {"temperature": 0, **(extra_body or {})}
+    if stream:
+        with client.messages.stream(model="tiny", max_tokens=16, messages=messages, extra_headers=headers,
+                                    extra_body=body, **extra) as events:
+            answer, found = events.get_final_message(), events.response.headers
+    else:
+        raw = client.messages.with_raw_response.create(model="tiny", max_tokens=16, messages=messages,
+                                                       extra_headers=headers, extra_body=body, **extra)
+        answer, found = raw.parse(), raw.headers
+    text = "".join(b.text for b in answer.content if b.type == "text")
+    return {"role": "assistant", "content": answer.content}, text, found, answer
+
+
+def check_turns(stack, turn, *, first, follow, stream):
+    """Four turns: the first recomputes ('none'), each later one pulls everything decode held, and every
+    answer equals the one with reuse off."""
+    history, previous = first, 0
+    for n in range(4):
+        before = pulled(stack)
+        reply, text, headers = turn(history, stream=stream)
+        moved = pulled(stack) - before
+        _, off, off_headers = turn(history, stream=stream, headers=OFF)
+        assert text and text == off, f"turn {n + 1}: reuse changed the answer"
+        assert off_headers[OUTCOME] == "disabled"
+        print(f"turn {n + 1}: {headers[OUTCOME]} reused={headers[REUSED]} pulled={moved:.0f}")  # the figures (-s)
+        if n == 0:
+            assert headers[OUTCOME] == "none" and moved == 0
+        else:
+            assert headers[OUTCOME] == "hit", (n, headers[OUTCOME])
+            assert int(headers[REUSED]) == moved > max(600, previous + 100), (n, moved, previous)
+            previous = moved
+        history = follow(history, reply, n)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_the_openai_responses_sdk_reuses_from_turn_two(stack, stream):
+    client, model_dir = openai_sdk(stack), stack["model_dir"]
+
+    def turn(items, *, stream, headers=None):
+        return respond(client, items, stream=stream, headers=headers)
+
+    first = [{"role": "system", "content": words(model_dir, 200, 400 + stream)},
+             {"role": "user", "content": words(model_dir, 400, 410 + stream)}]
+    check_turns(stack, turn, first=first, stream=stream,  # input += response.output, as the SDK docs show
+                follow=lambda h, out, n: [*h, *out, {"role": "user", "content": words(model_dir, 100, 420 + n)}])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_the_anthropic_sdk_reuses_from_turn_two(stack, stream):
+    client, model_dir = anthropic_sdk(stack), stack["model_dir"]
+
+    def turn(messages, *, stream, headers=None):
+        reply, text, found, _ = message(client, messages, stream=stream, headers=headers,
+                                        system=words(model_dir, 200, 430 + stream))
+        return reply, text, found
+
+    first = [{"role": "user", "content": words(model_dir, 600, 440 + stream)}]
+    check_turns(stack, turn, first=first, stream=stream,
+                follow=lambda h, reply, n: [*h, reply, {"role": "user", "content": words(model_dir, 100, 450 + n)}])
+
+
+def check_tool_turn(stack, second):
+    """The turn that sends the calls and their results back pulls everything decode held, same answer."""
+    before = pulled(stack)
+    text, headers = second(None)
+    moved = pulled(stack) - before
+    print(f"tool turn: {headers[OUTCOME]} reused={headers[REUSED]} pulled={moved:.0f}")  # the figures (-s)
+    assert headers[OUTCOME] == "hit", headers[OUTCOME]
+    assert int(headers[REUSED]) == moved > 600
+    off, _ = second(OFF)
+    assert text == off
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_a_chat_tool_call_round_trip_hits(stack, stream):
+    client, model_dir = openai_sdk(stack), stack["model_dir"]
+    tools = [{"type": "function", "function": {"name": "look", "parameters": PARAMS}}]
+    common = {"model": "tiny", "temperature": 0, "max_tokens": 16, "tools": tools,
+              "extra_body": {"chat_template": TOOL_TEMPLATE}}
+    messages = [{"role": "user", "content": words(model_dir, 700, 460 + stream)}]
+    forced = {"type": "function", "function": {"name": "look"}}
+    if stream:
+        chunks = list(client.chat.completions.create(messages=messages, tool_choice=forced, stream=True, **common))
+        calls: dict[int, dict] = {}
+        for c in chunks:
+            for d in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+                slot = calls.setdefault(d.index, {"id": "", "type": "function",
+                                                  "function": {"name": "", "arguments": ""}})
+                slot["id"] = d.id or slot["id"]
+                slot["function"]["name"] = (d.function.name or "") or slot["function"]["name"]
+                slot["function"]["arguments"] += d.function.arguments or ""
+        assistant = {"role": "assistant", "content": None, "tool_calls": [calls[i] for i in sorted(calls)]}
+    else:
+        assistant = client.chat.completions.create(messages=messages, tool_choice=forced, **common).choices[0].message
+    call_id = assistant["tool_calls"][0]["id"] if stream else assistant.tool_calls[0].id
+    history = [*messages, assistant, {"role": "tool", "tool_call_id": call_id, "content": words(model_dir, 30, 470)}]
+
+    def second(headers):
+        raw = client.chat.completions.with_raw_response.create(messages=history, tool_choice="none",
+                                                               extra_headers=headers, **common)
+        return raw.parse().choices[0].message.content, raw.headers
+
+    check_tool_turn(stack, second)
+
+
+def test_a_responses_tool_call_round_trip_hits(stack):
+    client, model_dir = openai_sdk(stack), stack["model_dir"]
+    extra = {"tools": [{"type": "function", "name": "look", "parameters": PARAMS, "strict": False}],
+             "extra_body": {"chat_template": TOOL_TEMPLATE}}
+    items = [{"role": "user", "content": words(model_dir, 700, 480)}]
+    output, _, _ = respond(client, items, tool_choice={"type": "function", "name": "look"}, **extra)
+    call = next(o for o in output if o.type == "function_call")
+    history = [*items, *output, {"type": "function_call_output", "call_id": call.call_id,
+                                 "output": words(model_dir, 30, 481)}]
+
+    def second(headers):
+        _, text, found = respond(client, history, headers=headers, tool_choice="none", **extra)
+        return text, found
+
+    check_tool_turn(stack, second)
+
+
+def test_an_anthropic_tool_use_round_trip_hits(stack):
+    client, model_dir = anthropic_sdk(stack), stack["model_dir"]
+    extra = {"tools": [{"name": "look", "input_schema": PARAMS}], "extra_body": {"chat_template": TOOL_TEMPLATE}}
+    messages = [{"role": "user", "content": words(model_dir, 700, 490)}]
+    reply, _, _, answer = message(client, messages, tool_choice={"type": "tool", "name": "look"}, **extra)
+    use = next(b for b in answer.content if b.type == "tool_use")
+    assert answer.stop_reason == "tool_use" and use.input == {}
+    history = [*messages, reply, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": use.id, "content": words(model_dir, 30, 491)}]}]
+
+    def second(headers):
+        _, text, found, _ = message(client, history, headers=headers, tool_choice={"type": "none"}, **extra)
+        return text, found
+
+    check_tool_turn(stack, second)
