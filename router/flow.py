@@ -36,7 +36,7 @@ from aiohttp import web
 
 from router import apis, guard, hints, limits, migrate, sse, telemetry
 from router.config import RouterConfig
-from router.engines import Engine, EnginePool, NoEngineError, PushIdentity
+from router.engines import Engine, EnginePool, Lease, NoEngineError, PushIdentity
 from router.errors import public_message
 from router.state import ConversationStore, Entry
 from router.telemetry import Metrics
@@ -157,6 +157,14 @@ class Opened:
     resp: aiohttp.ClientResponse | None = None
     raw: bytes = b""
     first: bytes = b""
+    lease: Lease | None = None  # a stream's load on its engine, held until the relay ends
+
+    def close(self) -> None:
+        """Close the stream (aborting decode if it is still generating) and give back its load."""
+        if self.resp is not None:
+            self.resp.close()
+        if self.lease is not None:
+            self.lease.release()
 
 
 class Flow:
@@ -356,20 +364,16 @@ class Flow:
                        params: Mapping[str, Any]) -> dict[str, Any]:
         timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout, sock_connect=5)
         t0 = time.perf_counter()
-        engine.outstanding += 1
-        engine.outstanding_tokens += d.tokens
         d.prefill_engine = engine.name
         try:
-            async with self.session.post(engine.url + d.path, data=self._prefill_body(d, params),
-                                         headers=self._headers(d, request), timeout=timeout) as resp:
-                raw = await resp.read()
-                if resp.status != 200:
-                    raise self._http_error("prefill", engine, resp.status, raw)
+            with self.pool.lease(engine, d.tokens):
+                async with self.session.post(engine.url + d.path, data=self._prefill_body(d, params),
+                                             headers=self._headers(d, request), timeout=timeout) as resp:
+                    raw = await resp.read()
+                    if resp.status != 200:
+                        raise self._http_error("prefill", engine, resp.status, raw)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._fail("prefill", engine, exc) from exc
-        finally:
-            engine.outstanding -= 1
-            engine.outstanding_tokens -= d.tokens
         elapsed = time.perf_counter() - t0
         self._leg["prefill"].observe(elapsed)
         d.prefill_ms = elapsed * 1000
@@ -421,8 +425,7 @@ class Flow:
         """Send the decode leg and wait for its first token (stream) or its whole answer (unary)."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.config.first_token_timeout)
         t0 = time.perf_counter()
-        engine.outstanding += 1
-        engine.outstanding_tokens += d.tokens
+        lease = self.pool.lease(engine, d.tokens)
         resp = None
         handed = False
         try:
@@ -448,15 +451,14 @@ class Flow:
             self._leg["decode"].observe(time.perf_counter() - t0)
             self.pool.report_success(engine)
             handed = True  # released (and counted down) by the relay
-            return Opened(engine, resp=resp, first=first)
+            return Opened(engine, resp=resp, first=first, lease=lease)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._fail("decode", engine, exc) from exc
         finally:
             if not handed:
                 if resp is not None:
                     resp.close()
-                engine.outstanding -= 1
-                engine.outstanding_tokens -= d.tokens
+                lease.release()
 
     async def _pull_attempt(self, d: Dispatch, request: web.Request, params: dict[str, Any] | None,
                             tried: dict[str, list[Engine]]) -> Opened:
@@ -500,7 +502,7 @@ class Flow:
             answered = push_identity(kv)
             if answered is not None and answered != ident:  # P moved (restart, new id): resend decode
                 log.warning("prefill %s answered as %s, not %s: resending decode", prefill.name, answered, ident)
-                await _discard_decode(d_task, d.tokens)
+                await _discard_decode(d_task)
                 opened = await self._open_decode(d, request, decode, push_decode_params(answered, d.leg_request_id,
                                                                                         transfer_id))
             else:
@@ -510,7 +512,7 @@ class Flow:
         finally:
             if not handed:  # prefill failed (or we were cancelled): decode must not stay open or counted
                 p_task.cancel()
-                await _discard_decode(d_task, d.tokens)
+                await _discard_decode(d_task)
 
     async def _dispatch(self, d: Dispatch, request: web.Request) -> Opened:
         """Both legs, with the retry budgets; returns the opened decode leg or raises UpstreamError."""
@@ -648,10 +650,8 @@ class Flow:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
-            if opened is not None and opened.resp is not None:
-                opened.resp.close()
-                opened.engine.outstanding -= 1
-                opened.engine.outstanding_tokens -= d.tokens
+            if opened is not None:
+                opened.close()
 
     async def _error_event(self, d: Dispatch, response: web.StreamResponse, message: str, status: int = 502) -> None:
         if d.api is not None:
@@ -755,10 +755,7 @@ class Flow:
             except _ClientGone:
                 return True  # the client left: nothing more to send
             finally:
-                if opened.resp is not None:
-                    opened.resp.close()
-                opened.engine.outstanding -= 1
-                opened.engine.outstanding_tokens -= c.tokens
+                opened.close()
             avoid.append(opened.engine)
             dead = opened.engine
         self.metrics.migrations.labels("failed").inc()
@@ -793,15 +790,11 @@ class Flow:
         return False
 
 
-async def _discard_decode(task: asyncio.Task[Opened], tokens: int) -> None:
+async def _discard_decode(task: asyncio.Task[Opened]) -> None:
     """Cancel a decode leg, or, if it already opened, close its stream and give back its load."""
     task.cancel()
     with contextlib.suppress(BaseException):
-        stale = await task
-        if stale.resp is not None:
-            stale.resp.close()
-            stale.engine.outstanding -= 1
-            stale.engine.outstanding_tokens -= tokens
+        (await task).close()
 
 
 class _ClientGone(Exception):

@@ -102,6 +102,31 @@ class NoEngineError(RuntimeError):
     """No healthy engine of a role is available (HTTP 503)."""
 
 
+class Lease:
+    """One leg's share of an engine's load (a request and its prompt tokens), counted in when taken and out
+    exactly once, whichever way the leg ends: ``release`` is idempotent and ``with`` releases on exit, so load
+    accounting can neither leak nor go negative."""
+
+    __slots__ = ("_held", "engine", "tokens")
+
+    def __init__(self, engine: Engine, tokens: int) -> None:
+        self.engine, self.tokens, self._held = engine, tokens, True
+        engine.outstanding += 1
+        engine.outstanding_tokens += tokens
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.engine.outstanding -= 1
+            self.engine.outstanding_tokens -= self.tokens
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
+
+
 class EnginePool:
     def __init__(self, prefill: Iterable[str | Engine] = (), decode: Iterable[str | Engine] = (),
                  policy: ChoicePolicy | None = None, tunables: Mapping[str, float] | None = None,
@@ -132,6 +157,11 @@ class EnginePool:
             if e.name == name or e.url == name:
                 return e
         return None
+
+    @staticmethod
+    def lease(engine: Engine, tokens: int) -> Lease:
+        """Count one leg on ``engine`` until the lease is released (``with pool.lease(e, n): ...``)."""
+        return Lease(engine, tokens)
 
     def known_hosts(self) -> set[str]:
         """Addresses a replayed ``remote_host`` may name: those of the engines the router knows."""

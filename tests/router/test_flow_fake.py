@@ -481,3 +481,36 @@ async def test_the_openai_sdk_with_no_field_reuses_over_fake_engines():
             assert outcomes == ["none", "hit", "hit"], (stream, outcomes)
         await client.close()
         assert p[0].stats["wrong_reuse"] == 0
+
+
+async def test_engine_load_is_given_back_on_every_way_a_leg_ends():
+    """Load accounting (requests and prompt tokens in flight per engine) must return to zero after successes,
+    prefill errors retried elsewhere, decode hangs timed out, decode dying mid-stream (with migration) and
+    clients leaving mid-stream: a leaked count would steer least-load away from an idle engine forever."""
+    p, d = engines(2, "prefill"), engines(2, "decode")
+    async with router_over(p, d, tunables={"first_token_timeout": 1}) as (s, app):
+        pool = app[FLOW].pool
+        assert (await chat(s, conversation=None, stream=True))["status"] == 200
+        assert (await chat(s, conversation=None))["status"] == 200
+        p[0].fault = {"status": 500}
+        pool.prefill[1].outstanding = 5  # the failing engine goes first
+        assert (await chat(s, conversation=None, stream=True))["status"] == 200
+        pool.prefill[1].outstanding = 0
+        p[0].fault = {}
+        d[0].fault = {"hang": True}
+        pool.decode[1].outstanding = 5
+        assert (await chat(s, conversation=None, stream=True))["status"] == 200
+        pool.decode[1].outstanding = 0
+        d[0].fault = {"die_after_first": True}
+        pool.decode[1].outstanding = 5
+        assert (await chat(s, conversation=None, stream=True, max_tokens=8))["status"] == 200
+        pool.decode[1].outstanding = 0
+        d[0].fault = {"token_delay": 0.2}
+        pool.decode[1].outstanding = 5
+        body = {"model": "tiny", "messages": MSGS, "max_tokens": 50, "stream": True}
+        async with s.post("/v1/chat/completions", json=body) as resp:
+            await resp.content.readline()  # then the client leaves
+        pool.decode[1].outstanding = 0
+        await asyncio.sleep(0.5)
+        assert [(e.name, e.outstanding, e.outstanding_tokens) for e in pool.all] == [
+            (e.name, 0, 0) for e in pool.all]

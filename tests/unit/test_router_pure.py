@@ -242,3 +242,19 @@ def test_config_file_and_flags(tmp_path, monkeypatch):
             RouterConfig(**{"prefill": ["http://p:1"], "decode": ["http://d:1"], **bad})
     monkeypatch.setenv("TURNKV_KEY_SECRET", "shared")
     assert RouterConfig(prefill=["http://p:1"], decode=["http://d:1"]).key_secret == b"shared"
+
+
+def test_an_engine_lease_counts_in_once_and_out_once():
+    e = Engine("http://10.0.0.1:8000", "decode")
+    lease = EnginePool.lease(e, 300)
+    assert (e.outstanding, e.outstanding_tokens) == (1, 300)
+    lease.release()
+    lease.release()  # idempotent: a leg that ends on two paths gives its load back once
+    assert (e.outstanding, e.outstanding_tokens) == (0, 0)
+    try:
+        with EnginePool.lease(e, 10):
+            assert e.outstanding == 1
+            raise ConnectionError("leg failed")
+    except ConnectionError:
+        pass
+    assert (e.outstanding, e.outstanding_tokens) == (0, 0)
