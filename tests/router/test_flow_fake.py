@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+import anthropic as anthropic_errors
+import openai as openai_errors
 import orjson
+import pytest
 
 from router.app import FLOW, METRICS
 from router.auth import ApiKeys, parse_keys
@@ -222,6 +225,36 @@ async def test_keepalive_comments_before_the_first_token_and_trailing_outcome():
         assert r["status"] == 200 and r["comments"][0] == ": keepalive"
         assert r["comments"][-1].startswith(": turnkv reuse_outcome=none reused_tokens=0")
         assert r["text"]
+
+
+async def test_translated_streams_keep_their_sdks_parsing_through_keepalives_and_mid_stream_errors():
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d, tunables={"sse_keepalive": 1}) as (s, _):
+        base = str(s._base_url).rstrip("/")
+        openai = AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
+        claude = AsyncAnthropic(base_url=base, api_key="k", max_retries=0)
+        p[0].fault = {"delay": 1.5}  # keepalive comments go out before the first event
+        events = [e async for e in await openai.responses.create(model="tiny", input="hi " * 50, stream=True,
+                                                                 max_output_tokens=4)]
+        assert events[0].type == "response.created" and events[-1].response.output_text
+        async with claude.messages.stream(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+                                          ) as stream:
+            assert (await stream.get_final_message()).content[0].text
+        p[0].fault = {}
+        d[0].fault = {"die_after": 2}  # decode dies mid-stream: each SDK raises on its API's error event
+        with pytest.raises(openai_errors.APIError):
+            async for _ in await openai.responses.create(model="tiny", input="x " * 50, stream=True,
+                                                         max_output_tokens=8):
+                pass
+        with pytest.raises(anthropic_errors.APIStatusError):
+            async with claude.messages.stream(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "x"}]
+                                              ) as stream:
+                await stream.get_final_message()
+        await openai.close()
+        await claude.close()
 
 
 async def test_push_mode_dispatches_concurrently_with_one_request_id():
