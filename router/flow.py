@@ -34,7 +34,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router import apis, guard, hints, limits, migrate, sse, telemetry
+from router import apis, guard, hints, limits, migrate, retry, sse, telemetry
 from router.config import RouterConfig
 from router.engines import Engine, EnginePool, Lease, NoEngineError, PushIdentity
 from router.errors import public_message
@@ -528,15 +528,17 @@ class Flow:
                     d.outcome = "recompute"  # replayed, but prefill pulled nothing (failed or below threshold)
                 return opened
             except UpstreamError as exc:
-                if not exc.retryable or exc.engine is None or budget[exc.leg] <= 0:
+                failure = retry.Failure(exc.leg, exc.retryable, exc.connect, exc.engine is not None)
+                decision = retry.decide(failure, budget[exc.leg], replaying=params is not None)
+                if not decision.retry:
                     raise
                 budget[exc.leg] -= 1
-                tried[exc.leg].append(exc.engine)
+                tried[exc.leg].append(exc.engine)  # type: ignore[arg-type]  # engine_known
                 d.retries += 1
                 d.leg_request_id = new_leg_id()
                 self.metrics.retries.labels(exc.leg, exc.reason).inc()
-                if params is not None and (exc.leg == "decode" or not exc.connect):
-                    params = None  # the pull may have failed, or its blocks may be gone: recompute
+                if decision.drop_reuse:
+                    params = None
                     d.outcome, d.reused_tokens = "recompute", 0
                 log.warning("%s; retrying (%s retries left for %s)", exc, budget[exc.leg], exc.leg)
 
