@@ -38,6 +38,7 @@ from router import apis, guard, hints, limits, migrate, retry, sse, telemetry
 from router.config import RouterConfig
 from router.engines import Engine, EnginePool, Lease, NoEngineError, PushIdentity
 from router.errors import public_message
+from router.reply import ReplyCollector
 from router.state import ConversationStore, Entry
 from router.telemetry import Metrics
 from turnkv import wire
@@ -668,7 +669,7 @@ class Flow:
                      request: web.Request | None = None) -> web.StreamResponse:
         assert opened.resp is not None
         deadline = float(self.config.write_timeout)
-        reply = _ReplyCollector(d.kind, parse=d.retain)
+        reply = ReplyCollector(d.kind, parse=d.retain)
         api = d.api
         state = migrate.StreamState(d.kind, bool(d.body.get("return_token_ids"))) if d.migrate else None
         remembered = False
@@ -826,84 +827,3 @@ async def _chunks(first: bytes, rest: aiohttp.StreamReader):
         yield first
     async for chunk in rest.iter_any():
         yield chunk
-
-
-class _ReplyCollector:
-    """Reads decode's SSE lines: forwards them, strips ``kv_transfer_params``, rebuilds the reply (text and
-    tool calls, as a client assembles them to send back; reasoning is not part of a turn's address)."""
-
-    def __init__(self, kind: str, parse: bool = True) -> None:
-        self.kind = kind
-        self.parse = parse  # False: nothing will be stored, only strip params and spot the first token
-        self.content: list[str] = []
-        self.tool_calls: dict[int, dict[str, Any]] = {}  # by the deltas' index: id, type, name, arguments
-        self.kv_transfer_params: dict[str, Any] | None = None
-        self.has_content = False
-        self.complete = False
-        self.storable = True
-        self._drop_separator = False
-
-    def feed(self, line: bytes) -> bytes | None:
-        if not line.startswith(b"data: "):
-            if self._drop_separator and not line.strip():
-                self._drop_separator = False
-                return None  # the blank line that ended a chunk we removed
-            return line
-        payload = line[6:].strip()
-        if payload == b"[DONE]":
-            self.complete = True
-            return line
-        if not self.parse and b'"kv_transfer_params"' not in payload:
-            self.has_content = self.has_content or b'"choices":[]' not in payload
-            return line
-        try:
-            chunk = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            return line
-        if not isinstance(chunk, dict):
-            return line
-        if "kv_transfer_params" in chunk:
-            self.kv_transfer_params = chunk.pop("kv_transfer_params")
-            if not chunk.get("choices") and not chunk.get("usage"):
-                self._drop_separator = True
-                return None  # the connector's params-only chunk: nothing left for the client
-            line = b"data: " + orjson.dumps(chunk) + b"\n"
-        for choice in chunk.get("choices") or ():
-            if choice.get("index", 0) != 0:
-                self.storable = False
-                continue
-            if self.kind == "chat":
-                delta = choice.get("delta") or {}
-                for call in delta.get("tool_calls") or ():
-                    self._tool_call_delta(call)
-                text = delta.get("content")
-            else:
-                text = choice.get("text")
-            if text:
-                self.content.append(text)
-                self.has_content = True
-        return line
-
-    def _tool_call_delta(self, call: Any) -> None:
-        if not isinstance(call, Mapping) or not isinstance(call.get("index", 0), int):
-            self.storable = False
-            return
-        self.has_content = True
-        slot = self.tool_calls.setdefault(call.get("index", 0), {"id": "", "type": "", "name": "", "arguments": ""})
-        fn = call.get("function") or {}
-        for key, value in (("id", call.get("id")), ("type", call.get("type")), ("name", fn.get("name"))):
-            if value:
-                slot[key] = value
-        slot["arguments"] += fn.get("arguments") or ""
-
-    def value(self) -> dict[str, Any] | str:
-        text = "".join(self.content)
-        if self.kind != "chat":
-            return text
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        if self.tool_calls:
-            message["tool_calls"] = [
-                {"id": c["id"], "type": c["type"] or "function", "function": {"name": c["name"],
-                                                                               "arguments": c["arguments"]}}
-                for _, c in sorted(self.tool_calls.items())]
-        return guard.canonical_message(message)

@@ -1,6 +1,6 @@
 import orjson
 
-from router.flow import _ReplyCollector
+from router.reply import ReplyCollector
 
 
 def sse(obj) -> list[bytes]:
@@ -25,7 +25,7 @@ def feed_all(collector, lines):
 def test_strips_params_chunk_and_rebuilds_reply():
     lines = [*sse(chunk("", role="assistant")), *sse(chunk(" a")), *sse(chunk(" b")),
              *sse({"id": "x", "choices": [], "kv_transfer_params": PARAMS}), b"data: [DONE]\n", b"\n"]
-    c = _ReplyCollector("chat")
+    c = ReplyCollector("chat")
     forwarded = feed_all(c, lines)
     assert not any(b"kv_transfer_params" in line for line in forwarded)
     assert forwarded.count(b"\n") == 4  # the removed chunk's separator is gone too
@@ -35,14 +35,14 @@ def test_strips_params_chunk_and_rebuilds_reply():
 
 
 def test_params_on_a_usage_chunk_are_removed_but_the_chunk_kept():
-    c = _ReplyCollector("chat")
+    c = ReplyCollector("chat")
     out = feed_all(c, sse({"choices": [], "usage": {"prompt_tokens": 3}, "kv_transfer_params": PARAMS}))
     assert len(out) == 2 and b"usage" in out[0] and b"kv_transfer_params" not in out[0]
     assert c.kv_transfer_params == PARAMS
 
 
 def test_streamed_tool_calls_are_rebuilt_as_the_client_sends_them_back():
-    c = _ReplyCollector("chat")
+    c = ReplyCollector("chat")
     lines = [*sse(chunk(role="assistant", tool_calls=[{"index": 0, "id": "call-1", "type": "function",
                                                        "function": {"name": "get", "arguments": ""}}])),
              *sse(chunk(tool_calls=[{"index": 0, "function": {"arguments": '{"q": '}}])),
@@ -57,16 +57,16 @@ def test_streamed_tool_calls_are_rebuilt_as_the_client_sends_them_back():
 
 
 def test_malformed_tool_call_deltas_make_the_turn_unstorable():
-    c = _ReplyCollector("chat")
+    c = ReplyCollector("chat")
     feed_all(c, sse(chunk(tool_calls=[{"index": "zero", "function": {"name": "f"}}])))
     assert not c.storable
 
 
 def test_completion_text_and_reasoning():
-    c = _ReplyCollector("completion")
+    c = ReplyCollector("completion")
     feed_all(c, sse({"choices": [{"index": 0, "text": "x y"}]}))
     assert c.value() == "x y"
-    r = _ReplyCollector("chat")
+    r = ReplyCollector("chat")
     feed_all(r, sse(chunk(reasoning_content="think")) + sse(chunk("ok")))
     # reasoning is no part of a turn's address (clients drop it; the token proof bounds the pull)
     assert r.value() == {"role": "assistant", "content": "ok"}
