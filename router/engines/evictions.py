@@ -3,8 +3,8 @@
 A decode engine above ``retained_kv_share`` evicts its oldest retained turns (``connector.retention``): it
 announces each on its feed (``turnkv.wire.EVICTIONS_ROUTE``) and frees the blocks
 ``retention_eviction_grace`` later. The router reads every decode engine's feed each ``evictions_interval``
-and refuses to replay an announced offer (outcome ``refused``). An engine whose feed it has read before but
-could not read for longer than the feed's age limit has none of its offers replayed until it can again
+and refuses to replay an announced offer (outcome ``refused``). An engine whose feed it has not read yet, or
+has read before but not for longer than the feed's age limit, has none of its offers replayed until it has
 (an eviction may have gone unseen). Engines without the feed (404: an older connector, a fake engine)
 never evict. Each replayed offer carries a read-by instant (``turnkv.wire.READ_BY``, ``replay_window``
 away) after which prefill will not start reading it; together these bound the time between an eviction
@@ -68,6 +68,10 @@ class EvictionFeed:
         """Why an offer of this engine must not be replayed now, or None."""
         if request_id in self.evicted:
             return "evicted"
+        if self.supported is None:
+            # Not read yet (a router just started, an engine just discovered): decode may have evicted the turn
+            # while this router was not looking. The first read comes within one interval.
+            return "evictions feed not read yet"
         if self.supported and now - self.read_at > max_age(interval):
             return "evictions feed not read lately"
         return None

@@ -69,7 +69,7 @@ def test_an_evicted_turn_is_announced_its_lease_cut_to_the_grace_and_never_renew
 
 def test_the_router_refuses_announced_offers_and_every_offer_of_a_feed_gone_quiet():
     feed = EvictionFeed()
-    assert feed.refuses("a", 100.0, 1.0) is None  # never read: an engine without a feed never evicts
+    assert feed.refuses("a", 100.0, 1.0) == "evictions feed not read yet"  # a router just started
     feed.apply({"epoch": "e1", "seq": 2, "evicted": [["a", 500.0], ["old", 50.0]]}, sent_at=100.0)
     assert feed.refuses("a", 100.5, 1.0) == "evicted" and "old" not in feed.evicted and feed.seq == 2
     assert feed.refuses("b", 100.5, 1.0) is None
