@@ -24,6 +24,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router import apis, guard, limits, telemetry
+from router.apis import stored
 from router.apis.messages import MessagesTranslation
 from router.apis.responses import ResponsesTranslation
 from router.auth import ApiKeys, AuthError, parse_keys
@@ -47,7 +48,8 @@ CHAT_PATH = "/v1/chat/completions"
 FORWARDED_HEADERS = ("X-Forwarded-For", "Forwarded")
 #: Parts of those APIs that need state the router does not keep: a clear 501 naming them, not a bare 404.
 NOT_ROUTED = {
-    "/v1/responses/{tail:.+}": "stored responses (the router stores none: send the whole conversation as input)",
+    "/v1/responses/{tail:.+}": "retrieving stored responses (the router keeps a response only to continue it by "
+                               "previous_response_id)",
     "/v1/messages/{tail:.+}": "this part of the Anthropic Messages API (only POST /v1/messages is served)",
 }
 
@@ -130,7 +132,12 @@ def _completion_handler(path: str, kind: str, translation: type[apis.Translation
                 if translation is None:
                     dispatch = flow.prepare(kind, path, request, body, tenant, size)
                 else:
-                    api = translation(body)
+                    if translation is ResponsesTranslation and isinstance(body, dict) \
+                            and body.get("previous_response_id"):
+                        prior = await flow.responses.load(tenant, body["previous_response_id"])
+                        api: apis.Translation = ResponsesTranslation(body, prior)
+                    else:
+                        api = translation(body)
                     dispatch = flow.prepare("chat", CHAT_PATH, request, api.chat_body, tenant, size, api=api)
                 response = await flow.run(dispatch, request)
             finally:
@@ -140,6 +147,9 @@ def _completion_handler(path: str, kind: str, translation: type[apis.Translation
         except guard.RequestError as exc:
             status = 400
             return error_response(400, str(exc))
+        except stored.StoreUnavailable as exc:
+            status = 503
+            return error_response(503, str(exc), "service_unavailable", headers={"Retry-After": "1"})
         except web.HTTPRequestEntityTooLarge:
             status = 413
             return error_response(413, f"the request body is larger than max_body_bytes "
@@ -231,6 +241,15 @@ def make_store(config: RouterConfig) -> ConversationStore:
     return ValkeyStore(config.store, timeout=max(0.05, config.store_timeout_ms / 1000 * 2))
 
 
+def make_response_store(config: RouterConfig, store: ConversationStore) -> stored.BlobStore:
+    """Kept /v1/responses answers: apart from conversation metadata, so long histories never push it out."""
+    from router.state.valkey import ValkeyStore
+
+    if isinstance(store, ValkeyStore):  # the same Valkey (and client), its own keys
+        return ValkeyStore("", prefix=stored.VALKEY_PREFIX, client=store.client)
+    return MemoryStore(int(config.max_conversations), max_bytes=int(config.responses_max_bytes))
+
+
 def load_keys(config: RouterConfig) -> ApiKeys:
     keys: dict[str, str] = {}
     for text in config.api_keys_text():
@@ -274,7 +293,10 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
         session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                         cookie_jar=aiohttp.DummyCookieJar())
         emf = telemetry.EmfWriter()
-        app[FLOW] = Flow(config, pool, store, metrics, session, forward_auth=keys.open, emf=emf)
+        kept_store = make_response_store(config, store)
+        kept = stored.ResponseLog(kept_store, config.ensure_secret,
+                                  lambda: float(config.responses_ttl), lambda: config.store_timeout_ms / 1000 * 2)
+        app[FLOW] = Flow(config, pool, store, metrics, session, forward_auth=keys.open, emf=emf, responses=kept)
         tasks = []
         if discover is not None:
             try:
@@ -291,6 +313,9 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
             if isinstance(store, MemoryStore):
                 store.max_bytes = int(config.max_store_bytes)  # follows the SSM re-read
                 store.purge_expired()
+            if isinstance(kept_store, MemoryStore):
+                kept_store.max_bytes = int(config.responses_max_bytes)
+                kept_store.purge_expired()
 
         tasks.append(asyncio.create_task(health_loop(pool, session, lambda: float(config.health_interval), purge)))
         tasks.append(asyncio.create_task(evictions_loop(lambda: pool.decode, session,

@@ -35,6 +35,7 @@ import orjson
 from aiohttp import web
 
 from router import apis, guard, hints, limits, migrate, retry, sse, telemetry
+from router.apis import stored
 from router.config import RouterConfig
 from router.engines import Engine, EnginePool, Lease, NoEngineError, PushIdentity
 from router.errors import public_message
@@ -171,8 +172,9 @@ class Opened:
 class Flow:
     def __init__(self, config: RouterConfig, pool: EnginePool, store: ConversationStore, metrics: Metrics,
                  session: aiohttp.ClientSession, *, forward_auth: bool = True,
-                 emf: telemetry.EmfWriter | None = None) -> None:
+                 emf: telemetry.EmfWriter | None = None, responses: stored.ResponseLog | None = None) -> None:
         self.config = config
+        self.responses = responses  # kept /v1/responses answers (previous_response_id)
         self.pool = pool
         self.store = store
         self.metrics = metrics
@@ -301,6 +303,14 @@ class Flow:
             self._store_seconds["put"].observe(time.perf_counter() - t0)
 
     # -- retention limits (per tenant, this process) -----------------------------------------------
+
+    async def _keep_response(self, d: Dispatch, reply: Mapping[str, Any] | str) -> None:
+        """Keep an answer another API can continue by id (``/v1/responses``' previous_response_id)."""
+        if d.api is None or self.responses is None:
+            return
+        kept = d.api.kept(reply)
+        if kept is not None:
+            await self.responses.save(d.tenant, *kept)
 
     def hold_retention(self, tenant: str, key: str, entry: Entry, expires: float) -> None:
         self.retention.hold(tenant, key, int(entry.params.get("remote_num_tokens") or 0), expires)
@@ -611,6 +621,7 @@ class Flow:
         await self._remember(d, opened.engine, kv, reply)
         if d.api is not None:
             result = d.api.unary(result)
+            await self._keep_response(d, reply)
         return web.Response(body=orjson.dumps(result), content_type="application/json",
                             headers=self._reply_headers(d))
 
@@ -669,7 +680,7 @@ class Flow:
                      request: web.Request | None = None) -> web.StreamResponse:
         assert opened.resp is not None
         deadline = float(self.config.write_timeout)
-        reply = ReplyCollector(d.kind, parse=d.retain)
+        reply = ReplyCollector(d.kind, parse=d.retain or (d.api is not None and d.api.keeps_reply))
         api = d.api
         state = migrate.StreamState(d.kind, bool(d.body.get("return_token_ids"))) if d.migrate else None
         remembered = False
@@ -688,6 +699,7 @@ class Flow:
                         remembered = True
                         if reply.storable:
                             await self._remember(d, opened.engine, reply.kv_transfer_params, reply.value())
+                            await self._keep_response(d, reply.value())
                         if early:  # the headers left before the outcome was known: say it in a comment
                             out.append(f": turnkv reuse_outcome={d.outcome} "
                                        f"reused_tokens={d.reused_tokens}\n\n".encode())

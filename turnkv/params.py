@@ -92,6 +92,12 @@ CATALOG: tuple[Tunable, ...] = (
             "Bound of the in-memory conversation store in bytes of stored entries (least recently used go first)."),
     Tunable("max_inflight", 4096, 1, 1_000_000, "requests", Scope.ROUTER,
             "Admission control: requests in flight in one router; above it new requests get 429."),
+    Tunable("responses_ttl", 3600, 0, 30 * 86400, "s", Scope.ROUTER,
+            "How long the router keeps a /v1/responses answer's conversation (store: true, the API's default) so a "
+            "later request can continue it by previous_response_id; 0 keeps none."),
+    Tunable("responses_max_bytes", 256 * 1024 * 1024, 1024 * 1024, 64 * 1024 * 1024 * 1024, "bytes", Scope.ROUTER,
+            "Memory bound of the kept responses in an in-memory store (least recently used dropped first); "
+            "kept apart from the conversation store so long histories never push out KV metadata."),
     Tunable("tenant_max_inflight", 1024, 1, 1_000_000, "requests", Scope.ROUTER,
             "Admission control per tenant (API key): requests in flight; above it that tenant gets 429."),
     Tunable("tenant_max_conversations", 100_000, 1, 10_000_000, "conversations", Scope.ROUTER,

@@ -42,6 +42,15 @@ class Translation(Protocol):
         """A mid-stream error in the client's SSE format, ending the stream."""
         ...
 
+    @property
+    def keeps_reply(self) -> bool:
+        """Whether the answer is kept for a later request to continue (``kept``)."""
+        ...
+
+    def kept(self, reply: Any) -> tuple[str, list[dict[str, Any]]] | None:
+        """After the answer: the id to keep it under and the messages to keep (history + ``reply``), or None."""
+        ...
+
 
 def sse(event: str, data: Mapping[str, Any]) -> bytes:
     """One named SSE event (both APIs name every event)."""

@@ -174,6 +174,10 @@ class MessagesTranslation:
     """One ``/v1/messages`` request as chat completions, and its answer as a Message object or events."""
 
     route = API
+    keeps_reply = False  # the Messages API has no server-side state: every request carries the conversation
+
+    def kept(self, reply: Any) -> None:
+        return None
 
     def __init__(self, body: Any) -> None:
         if not isinstance(body, dict):

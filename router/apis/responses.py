@@ -7,9 +7,11 @@ message, a ``function_call`` joins the assistant message before it, ``function_c
 answer, sent back as input (what ``input += response.output`` does), rebuild exactly the assistant
 message decode generated, and the next turn finds its KV by content.
 
-The router is stateless about responses: nothing is stored under a response id, so
-``previous_response_id``, ``conversation``, ``background`` and ``store: true`` are refused (400 naming the
-field); send the whole conversation as ``input`` (``store: false`` style, as Codex-style agents do).
+``store`` (true unless sent false, as in the OpenAI API) keeps the answer's conversation for ``responses_ttl``
+(``router.apis.stored``), so ``previous_response_id`` continues it: its messages go in front of this request's
+input (the previous ``instructions`` are not carried over, as in the OpenAI API), and the turn is found by
+content like any other. ``conversation`` objects, ``background`` and stored prompts need state the router does
+not keep: refused (400 naming the field); so is anything else it cannot translate.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ API = "/v1/responses"
 KNOWN = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "tools",
     "tool_choice", "parallel_tool_calls", "text", "reasoning", "metadata", "user", "safety_identifier", "store",
+    "previous_response_id",
     "prompt_cache_key", "truncation", "include", "service_tier", "stream_options",
     # vLLM extras of its Responses request, passed to chat completions as they are
     "top_k", "min_p", "seed", "stop", "stop_token_ids", "repetition_penalty", "ignore_eos", "cache_salt",
@@ -39,7 +42,6 @@ PASSED = ("model", "temperature", "top_p", "parallel_tool_calls", "prompt_cache_
           "conversation_id")
 #: Fields whose meaning needs state the router does not keep.
 STATEFUL = {
-    "previous_response_id": "the router stores no responses: send the whole conversation as 'input'",
     "conversation": "the router stores no conversations: send the whole conversation as 'input'",
     "background": "background responses are not served",
     "prompt": "stored prompt templates are not served",
@@ -185,16 +187,18 @@ class ResponsesTranslation:
 
     route = API
 
-    def __init__(self, body: Any) -> None:
+    def __init__(self, body: Any, prior: list[dict[str, Any]] | None = None) -> None:
+        """``prior``: the messages ``previous_response_id`` continues (``router.apis.stored``), reply included."""
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
+        if body.get("previous_response_id") and prior is None:
+            raise RequestError("'previous_response_id' needs the router's kept responses (responses_ttl > 0)")
         for name, why in STATEFUL.items():
             if body.get(name) not in (None, False, ""):
                 raise RequestError(f"'{name}' is not supported: {why}")
         refuse_unknown({k: v for k, v in body.items() if k not in STATEFUL}, KNOWN, API)
-        if body.get("store"):
-            raise RequestError("'store': true is not supported: the router stores no responses (send store: false "
-                               "and the whole conversation as 'input')")
+        self.store = body.get("store") is not False
+        self.response_id = ""
         if body.get("truncation") not in (None, "disabled"):
             raise RequestError("'truncation' must be 'disabled' (the engines do not truncate conversations)")
         if body.get("include"):
@@ -205,6 +209,9 @@ class ResponsesTranslation:
             raise RequestError("'model' is required")
         self.request = body
         messages, partial = input_messages(body)
+        own = 1 if body.get("instructions") else 0  # the instructions message is this request's, never kept
+        messages[own:own] = prior or []
+        self.history = messages[own:]
         chat: dict[str, Any] = {k: body[k] for k in PASSED if body.get(k) is not None}
         chat["messages"] = messages
         if partial:
@@ -246,9 +253,10 @@ class ResponsesTranslation:
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
             "max_tool_calls": None, "model": model or body.get("model"), "output": output,
-            "parallel_tool_calls": body.get("parallel_tool_calls", True), "previous_response_id": None,
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "previous_response_id": body.get("previous_response_id"),
             "reasoning": {"effort": (body.get("reasoning") or {}).get("effort"), "summary": None},
-            "service_tier": body.get("service_tier") or "auto", "store": False,
+            "service_tier": body.get("service_tier") or "auto", "store": self.store,
             "temperature": body.get("temperature"), "text": body.get("text") or {"format": {"type": "text"}},
             "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
             "top_logprobs": None, "top_p": body.get("top_p"), "truncation": "disabled", "usage": usage,
@@ -272,8 +280,21 @@ class ResponsesTranslation:
             fn = call.get("function") or {}
             output.append(_call_item(str(call.get("id") or ""), str(fn.get("name") or ""),
                                      str(fn.get("arguments") or ""), "completed"))
-        return self.envelope(f"resp_{suffix}", str(chat.get("model") or ""), done, output, _usage(chat),
+        self.response_id = f"resp_{suffix}"
+        return self.envelope(self.response_id, str(chat.get("model") or ""), done, output, _usage(chat),
                              "max_output_tokens" if done == "incomplete" else None)
+
+    @property
+    def keeps_reply(self) -> bool:
+        return self.store
+
+    def kept(self, reply: Any) -> tuple[str, list[dict[str, Any]]] | None:
+        """The response id and the messages to keep under it (history + decode's reply), or None."""
+        if self._stream is not None:
+            self.response_id = self._stream.response_id
+        if not self.store or not self.response_id or not isinstance(reply, dict):
+            return None
+        return self.response_id, [*self.history, reply]
 
     def stream_line(self, line: bytes) -> bytes:
         if self._stream is None:

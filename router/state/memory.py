@@ -51,15 +51,28 @@ class MemoryStore:
         return item
 
     async def put(self, key: str, entry: Entry) -> None:
-        k = _compact(key)
+        self._put(_compact(key), entry.expires_at, entry.to_bytes())
+
+    async def put_blob(self, key: str, raw: bytes, expires_at: float) -> None:
+        """Opaque bytes until ``expires_at`` (kept responses, ``router.apis.stored``), same bounds."""
+        self._put(_compact(key), expires_at, raw)
+
+    async def get_blob(self, key: str) -> bytes | None:
+        item = self._entries.get(_compact(key))
+        if item is None or item[0] <= self._clock():
+            return None
+        self._entries.move_to_end(_compact(key))  # least recently used goes first
+        return item[1]
+
+    def _put(self, k: bytes | str, expires_at: float, raw: bytes) -> None:
         # orjson's bytes keep their ~8 KiB write buffer: an exact-size copy is 30x smaller
-        value = bytes(memoryview(entry.to_bytes()))
+        value = bytes(memoryview(raw))
         cost = self._cost(k, value)
         self._drop(k)
         if cost > self.max_bytes:
             self.evicted += 1
             return  # one entry larger than the whole store: not kept
-        self._entries[k] = (entry.expires_at, value)
+        self._entries[k] = (expires_at, value)
         self.bytes += cost
         while len(self._entries) > self._max or self.bytes > self.max_bytes:
             oldest = next(iter(self._entries))

@@ -74,6 +74,16 @@ class ValkeyStore:
         entry = Entry.from_bytes(raw)
         return entry if entry.expires_at > self._clock() else None
 
+    async def put_blob(self, key: str, raw: bytes, expires_at: float) -> None:
+        """Opaque bytes until ``expires_at`` (kept responses, ``router.apis.stored``)."""
+        ttl_ms = int((expires_at - self._clock()) * 1000)
+        if ttl_ms > 0:
+            await self.client.set(self.prefix + key, raw, px=ttl_ms)
+
+    async def get_blob(self, key: str) -> bytes | None:
+        raw = await self.client.get(self.prefix + key)
+        return None if raw is None else bytes(raw)
+
     async def shared_secret(self) -> bytes:
         """The conversation-key HMAC secret shared by every replica on this store (created once, SET NX)."""
         await self.client.set(SECRET_KEY, secrets.token_hex(32), nx=True)

@@ -439,13 +439,13 @@ async def test_responses_and_messages_refuse_what_they_cannot_honour_by_name():
     p, d = engines(1, "prefill"), engines(1, "decode")
     async with router_over(p, d) as (s, _):
         async with s.post("/v1/responses", json={"model": "tiny", "input": "hi", "previous_response_id": "r1"}) as r:
-            assert r.status == 400 and "previous_response_id" in (await r.json())["error"]["message"]
+            assert r.status == 400 and "'r1' not found" in (await r.json())["error"]["message"]
         async with s.post("/v1/messages", json={"model": "tiny", "max_tokens": 4, "top_logprobs": 2,
                                                 "messages": [{"role": "user", "content": "hi"}]}) as r:
             body = await r.json()  # Anthropic's error shape
             assert r.status == 400 and body["type"] == "error" and "top_logprobs" in body["error"]["message"]
         async with s.get("/v1/responses/resp_1") as r:
-            assert r.status == 501 and "stored responses" in (await r.json())["error"]["message"]
+            assert r.status == 501 and "retrieving stored responses" in (await r.json())["error"]["message"]
         assert p[0].stats["requests"] == d[0].stats["requests"] == 0
 
 
@@ -489,6 +489,52 @@ async def test_the_responses_and_anthropic_sdks_reuse_over_fake_engines():
             assert outcomes == {"responses": ["none", "hit", "hit"], "messages": ["none", "hit", "hit"]}, stream
         await openai.close()
         await claude.close()
+        assert p[0].stats["wrong_reuse"] == 0
+
+
+async def test_responses_continued_by_previous_response_id_reuse_and_stay_in_their_tenant():
+    """The Responses API's own way to continue (previous_response_id, store defaulting to true): the router keeps
+    the conversation, the next turn renders the same prompt and pulls; an id is useless to another tenant, and a
+    response sent with store: false is not kept."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    keys = ApiKeys(parse_keys("acme:acme-key-0123456789\nglobex:globex-key-0123456789\n"))
+    async with router_over(p, d, keys=keys) as (s, _):
+        base = str(s._base_url).rstrip("/") + "/v1"
+        acme = AsyncOpenAI(base_url=base, api_key="acme-key-0123456789", max_retries=0)
+        globex = AsyncOpenAI(base_url=base, api_key="globex-key-0123456789", max_retries=0)
+        for stream in (False, True):
+            previous, outcomes = None, []
+            for turn in range(3):
+                text = f"previous id {stream} " * 200 if turn == 0 else f"and then {turn}?"
+                raw = await acme.responses.with_raw_response.create(
+                    model="tiny", instructions="be brief", input=text, stream=stream, max_output_tokens=4,
+                    **({"previous_response_id": previous} if previous else {}))
+                if stream:
+                    done = [e async for e in raw.parse() if e.type in ("response.completed", "response.incomplete")]
+                    response = done[0].response
+                else:
+                    response = raw.parse()
+                assert response.output_text and response.store and response.previous_response_id == previous
+                outcomes.append(raw.headers["X-TurnKV-Reuse-Outcome"])
+                previous = response.id
+            assert outcomes == ["none", "hit", "hit"], (stream, outcomes)
+            try:
+                await globex.responses.create(model="tiny", input="mine now?", previous_response_id=previous,
+                                              max_output_tokens=4)
+                raise AssertionError("another tenant continued acme's response")
+            except BadRequestError as exc:
+                assert "not found" in str(exc)
+        unkept = await acme.responses.create(model="tiny", input="forget me", store=False, max_output_tokens=4)
+        assert unkept.store is False
+        try:
+            await acme.responses.create(model="tiny", input="x", previous_response_id=unkept.id, max_output_tokens=4)
+            raise AssertionError("a store: false response was kept")
+        except BadRequestError as exc:
+            assert "not found" in str(exc)
+        await acme.close()
+        await globex.close()
         assert p[0].stats["wrong_reuse"] == 0
 
 

@@ -79,6 +79,23 @@ async def test_put_take_single_use_and_ttl(redis_server):
         await store.close()
 
 
+async def test_kept_responses_live_in_their_own_keys_with_their_ttl(redis_server):
+    from router.app import make_response_store
+    from router.config import RouterConfig
+
+    store = ValkeyStore(redis_server.url)
+    try:
+        kept = make_response_store(RouterConfig(prefill=["http://p:1"], decode=["http://d:1"]), store)
+        await kept.put_blob("r1", b'[{"role": "user"}]', time.time() + 60)
+        assert await kept.get_blob("r1") == b'[{"role": "user"}]'
+        assert 58_000 < await store.client.pttl("turnkv:resp:r1") <= 60_000
+        assert await store.get("r1") is None  # not a conversation entry
+        await kept.put_blob("old", b"x", time.time() - 1)
+        assert await kept.get_blob("old") is None
+    finally:
+        await store.close()
+
+
 async def test_swap_is_compare_and_set_across_replicas(redis_server):
     a, b = ValkeyStore(redis_server.url), ValkeyStore(redis_server.url)
     try:

@@ -99,7 +99,7 @@ def test_responses_input_becomes_the_chat_messages_vllm_builds():
 
 
 @pytest.mark.parametrize("field, value, named", [
-    ("previous_response_id", "resp_1", "previous_response_id"), ("store", True, "store"),
+    ("previous_response_id", "resp_1", "kept responses"),  # the router resolves it first (router.apis.stored)
     ("background", True, "background"), ("include", ["reasoning.encrypted_content"], "include"),
     ("truncation", "auto", "truncation"), ("frobnicate", 1, "frobnicate"), ("conversation", "c", "conversation"),
     ("tools", [{"type": "web_search"}], "web_search"), ("text", {"format": {"type": "grammar"}}, "grammar"),
@@ -271,3 +271,37 @@ def test_tool_call_arguments_are_addressed_as_the_json_the_template_renders():
     assert guard.canonical_message({"role": "assistant", "tool_calls": [
         {**CALL, "function": {"name": "w", "arguments": "not json"}}]})["tool_calls"][0]["function"][
         "arguments"] == "not json"
+
+
+def test_previous_response_id_puts_the_kept_history_before_this_input_and_not_the_old_instructions():
+    first = ResponsesTranslation({"model": "tiny", "instructions": "be brief", "input": "hello"})
+    first.unary(CHAT_TEXT)
+    reply = guard.reply_message(CHAT_TEXT["choices"][0])
+    response_id, kept = first.kept(reply)
+    assert response_id == "resp_abc" and kept == [{"role": "user", "content": "hello"}, reply]
+    second = ResponsesTranslation({"model": "tiny", "instructions": "be brief", "input": "and then?",
+                                   "previous_response_id": response_id}, kept)
+    resent = ResponsesTranslation({"model": "tiny", "instructions": "be brief",
+                                   "input": [{"role": "user", "content": "hello"},
+                                             {"role": "assistant", "content": "bonjour"},
+                                             {"role": "user", "content": "and then?"}]})
+    # the same prompt as a client that resent the whole conversation: the same turn address
+    assert second.chat_body["messages"] == [{"role": "system", "content": "be brief"}, *kept,
+                                            {"role": "user", "content": "and then?"}]
+    assert guard.parse_turn("chat", second.chat_body).lookup == guard.parse_turn("chat", resent.chat_body).lookup
+    assert addresses_match(first.chat_body, CHAT_TEXT["choices"][0], second.chat_body)
+    assert second.unary(CHAT_TEXT)["previous_response_id"] == "resp_abc"
+    assert ResponsesTranslation({"model": "tiny", "input": "x", "store": False}).kept(reply) is None
+
+
+def test_a_streamed_response_is_kept_under_the_id_the_client_saw():
+    t = ResponsesTranslation({"model": "tiny", "input": "hello", "stream": True})
+    events = b"".join(t.stream_line(b"data: " + orjson.dumps(c) + b"\n") for c in (
+        {"id": "chatcmpl-s1", "model": "tiny", "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                                   "content": "hi"}}]},
+        {"id": "chatcmpl-s1", "model": "tiny", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}))
+    events += t.stream_line(b"data: [DONE]\n")
+    created = orjson.loads(events.split(b"\n")[1][6:])
+    response_id, kept = t.kept({"role": "assistant", "content": "hi"})
+    assert created["response"]["id"] == response_id == "resp_s1" and created["response"]["store"] is True
+    assert kept[-1] == {"role": "assistant", "content": "hi"}
