@@ -69,9 +69,9 @@ $(AIPERF_VENV)/bin/aiperf: requirements/aiperf.txt
 
 # The Neuron image ships vLLM 0.29 (turnkv.versions.IMAGE_VLLM): its CPU build lives in a side venv, and the
 # engine suites (pull, push, router) run there too, as the last step of `make test` (see docs/connector.md).
-# On the 2-core machine: install 1.5 min, the three suites 4.5 min. VENV_VLLM029 may name a venv shared
-# by several checkouts: PYTHONPATH makes the engines import this checkout's connector, not the one the venv's
-# editable install points at.
+# On the 2-core machine: install 1.6 min (no pip cache), the three suites 4.5-5.5 min. VENV_VLLM029 may name
+# a venv shared by several checkouts: PYTHONPATH makes the engines import this checkout's connector, not the
+# one the venv's editable install points at.
 VENV_VLLM029 ?= .venv-vllm029
 READY_VLLM029 := $(VENV_VLLM029)/.turnkv-ready
 ENGINE_SUITES := tests/e2e tests/e2e_push tests/e2e_router
