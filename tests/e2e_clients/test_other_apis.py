@@ -128,6 +128,39 @@ def test_the_openai_responses_sdk_reuses_from_turn_two(stack, stream):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_responses_continued_by_previous_response_id_pull_and_answer_as_if_resent(stack, stream):
+    """The Responses API's own multi-turn style: only the new input and previous_response_id (store defaults to
+    true). Each later turn pulls what decode held, and answers as the whole conversation resent with reuse off."""
+    client, model_dir = openai_sdk(stack), stack["model_dir"]
+    instructions = words(model_dir, 200, 430 + stream)
+    new = [{"role": "user", "content": words(model_dir, 400, 440 + stream)}]
+    whole, previous_id, previous = list(new), None, 0
+    for n in range(3):
+        before = pulled(stack)
+        raw = client.responses.with_raw_response.create(
+            model="tiny", instructions=instructions, input=new, temperature=0, max_output_tokens=16, stream=stream,
+            **({"previous_response_id": previous_id} if previous_id else {}))
+        if stream:
+            response = next(e for e in raw.parse() if e.type in ("response.completed", "response.incomplete")).response
+        else:
+            response = raw.parse()
+        moved = pulled(stack) - before
+        _, off, _ = respond(client, whole, stream=stream, headers=OFF, instructions=instructions)
+        assert response.output_text and response.output_text == off, f"turn {n + 1}: not the resent answer"
+        assert response.previous_response_id == previous_id and response.store
+        outcome, reused = raw.headers[OUTCOME], int(raw.headers[REUSED])
+        print(f"turn {n + 1}: {outcome} reused={reused} pulled={moved:.0f}")  # the figures (-s)
+        if n == 0:
+            assert outcome == "none" and moved == 0
+        else:
+            assert outcome == "hit" and reused == moved > max(600, previous + 100), (n, outcome, reused, moved)
+            previous = moved
+        new = [{"role": "user", "content": words(model_dir, 100, 450 + n)}]
+        whole = [*whole, *response.output, *new]
+        previous_id = response.id
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
 def test_the_anthropic_sdk_reuses_from_turn_two(stack, stream):
     client, model_dir = anthropic_sdk(stack), stack["model_dir"]
 
