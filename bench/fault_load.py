@@ -82,14 +82,19 @@ async def conversation(session, url, idx, args, stats: Counter, outcomes: Counte
     while time.monotonic() < stop:
         body = {"model": "tiny", "messages": messages, "max_tokens": args.max_tokens, "temperature": 0,
                 "stream": rng.random() < 0.5, "conversation_id": conv, "return_token_ids": True}
-        text, error = "", None
+        text, error, reused = "", None, 0
         try:
             async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                outcome = resp.headers.get("X-TurnKV-Reuse-Outcome", "?")
+                reused = int(resp.headers.get("X-TurnKV-Reused-Tokens") or 0)
                 if resp.status != 200:
                     error = f"http_{resp.status}"
                     await resp.read()
                 elif body["stream"]:
                     async for line in resp.content:
+                        if line.startswith(b": turnkv reuse_outcome="):  # headers left before the outcome
+                            fields = dict(f.split("=", 1) for f in line[2:].decode().split()[1:] if "=" in f)
+                            outcome, reused = fields.get("reuse_outcome", outcome), int(fields.get("reused_tokens", 0))
                         if line.startswith(b"data: {"):
                             event = json.loads(line[6:])
                             if "error" in event:
@@ -99,7 +104,6 @@ async def conversation(session, url, idx, args, stats: Counter, outcomes: Counte
                 else:
                     data = await resp.json()
                     text = data["choices"][0]["message"]["content"]
-                outcome = resp.headers.get("X-TurnKV-Reuse-Outcome", "?")
         except Exception as exc:
             error, outcome = type(exc).__name__, "?"
         stats["requests"] += 1
@@ -110,6 +114,9 @@ async def conversation(session, url, idx, args, stats: Counter, outcomes: Counte
             turn = 0
             continue
         outcomes[f"turn{'1' if turn == 0 else 'N'}:{outcome}"] += 1
+        if turn:
+            stats["later_turns"] += 1
+            stats["later_turns_pulled"] += reused > 0  # prefill really read decode's KV (reused tokens > 0)
         if args.engines == "real" and turn and rng.random() < args.check_fraction:
             checks.append((list(messages), body["stream"], text))
         messages = [*messages, {"role": "assistant", "content": text},
@@ -235,6 +242,7 @@ async def main(args) -> dict:
             "client_errors": stats["errors"], "errors_by_kind": {k[6:]: v for k, v in stats.items()
                                                                  if k.startswith("error:")},
             "outcomes": dict(outcomes),
+            "later_turns": stats["later_turns"], "later_turns_pulled": stats["later_turns_pulled"],
             "wrong_reuse": (sum(s.get("wrong_reuse", 0) for s in fake_stats.values()) if args.engines == "fake"
                             else verified.get("wrong_reuse", 0)),
             "verified": dict(verified), "faults": events, "router_rss_mb": memory,
