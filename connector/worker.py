@@ -5,6 +5,11 @@
   next decode, cannot show which moved what. The split counters are ``vllm:turnkv_{read,write}_*``.
 - A read of decode's retained blocks goes ahead only if the decode engine this worker handshook with is
   the boot that stamped the offer (``connector.boot``); otherwise it fails at once and prefill recomputes.
+  A mismatch usually means decode restarted (same engine id and address) after this worker handshook:
+  upstream keeps the dead process's agent, so every later offer of the new process would fail too. The
+  stale handshake is dropped (upstream's invalid-peer path) and the next read handshakes again. Not for an
+  offer of a process this worker has handshaken with before (an old offer: the handshake is the newer one),
+  and at most once per handshake, so offers cannot make it re-handshake over and over.
 - Decode's retained turns evicted by the scheduler (``connector.retention``): each is announced on the
   evictions feed (``connector.leases``), can no longer be renewed, and its lease is cut to the grace, after
   which upstream's reaper frees its blocks.
@@ -63,6 +68,8 @@ class TurnkvWorkerMixin:
         # engine id -> {remote tensor-parallel rank: fingerprint of the agent handshaken there}
         self._turnkv_boots: dict[str, dict[int, str]] = {}
         self._turnkv_expected: dict[str, str] = {}  # request id -> boot its offer came from
+        self._turnkv_dropped: set[tuple[str, tuple[tuple[int, str], ...]]] = set()  # handshakes dropped once
+        self._turnkv_met: set[tuple[str, int, str]] = set()  # (engine, rank, fingerprint) ever handshaken with
         # Cost model samples, taken by build_turnkv_meta once per step (handshakes finish in a NIXL thread).
         self._turnkv_step: int | None = None
         self._turnkv_reads: list[tuple[int, float]] = []
@@ -114,6 +121,7 @@ class TurnkvWorkerMixin:
         # Every rank this worker reads from (with TP > 1, rank i reads decode's rank i, not rank 0).
         ranks = self._turnkv_boots.setdefault(nixl_agent_meta.engine_id, {})
         ranks[int(remote_tp_rank)] = boot.fingerprint(nixl_agent_meta.agent_metadata)
+        self._turnkv_met.add((nixl_agent_meta.engine_id, int(remote_tp_rank), ranks[int(remote_tp_rank)]))
         return name
 
     def start_load_kv(self, metadata: Any) -> None:
@@ -123,6 +131,23 @@ class TurnkvWorkerMixin:
         evict = getattr(metadata, "turnkv_evict", None)
         if evict:
             self.turnkv_evict(evict)
+
+    def _turnkv_drop_handshake(self, engine_id: str, seen: dict[int, str], offered: str) -> None:
+        """Have upstream release its state for ``engine_id`` once reads drain, so the next read handshakes with
+        the process serving there now (see the module docstring)."""
+        fingerprints = boot.rank_fingerprints(offered)
+        if all((engine_id, rank, fingerprints[rank]) in self._turnkv_met
+               for rank in seen if rank < len(fingerprints)):
+            return  # an offer of a process met before: the handshake is the newer one
+        key = (engine_id, tuple(sorted(seen.items())))
+        mark = getattr(self, "_mark_remote_engine_invalid", None)
+        if key in self._turnkv_dropped or mark is None:
+            return
+        self._turnkv_dropped.add(key)
+        try:
+            mark(engine_id, time.perf_counter())
+        except Exception:  # the read is refused anyway; only the recovery is lost
+            logger.exception("turnkv: could not drop the handshake with %s", engine_id)
 
     # retained turns evicted by the scheduler ---------------------------------------------------------
 
@@ -166,6 +191,7 @@ class TurnkvWorkerMixin:
                 logger.warning("turnkv: request %s: decode engine %s has restarted since it offered its KV "
                                "(boot %s, now %s); recomputing", req_id, engine_id, expected, current)
                 self.xfer_stats.record("turnkv_stale_offers", 1)
+                self._turnkv_drop_handshake(engine_id, current or {}, expected)
                 compat.fail_read(self, req_id)
                 return
         super()._read_blocks_for_req(req_id, meta)  # type: ignore[misc]

@@ -142,6 +142,9 @@ class FakeUpstreamWorker:
         self.failed.append(req_id)
         return True
 
+    def _mark_remote_engine_invalid(self, engine_id, now):
+        self.invalidated = [*getattr(self, "invalidated", []), engine_id]
+
 
 class Worker(TurnkvWorkerMixin, FakeUpstreamWorker):
     pass
@@ -178,3 +181,28 @@ def test_cpu_engines_keep_strict_sync_for_every_mode(gpu_platform, monkeypatch):
     base_worker.nixl_agent_config(num_threads=4)
     assert gpu_platform.calls[-1]["sync_mode"] == nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
     assert gpu_platform.calls[-1]["enable_prog_thread"] is True
+
+
+def test_a_handshake_with_a_restarted_decode_is_dropped_once_so_its_new_offers_are_read():
+    """Decode restarted after prefill handshook: upstream kept the dead process's agent and every offer of the
+    new process failed the boot check (298 recomputes in a 210 s fault run). The stale handshake is released
+    (re-handshake on the next read), once per handshake; offers of the old process do not drop the new one."""
+    old, new = [b"rank0-boot1"], [b"rank0-boot2"]
+    new_offer = scheduler._boot_of(handshake_payloads(new))
+    old_offer = scheduler._boot_of(handshake_payloads(old))
+    meta = types.SimpleNamespace(remote=types.SimpleNamespace(engine_id="decode-0"))
+    w = Worker()
+    w.add_remote_agent(types.SimpleNamespace(engine_id="decode-0", agent_metadata=old[0]), 0)
+    w.start_load_kv(types.SimpleNamespace(turnkv_boots={"t1": new_offer, "t2": new_offer}))
+    w._read_blocks_for_req("t1", meta)
+    w._read_blocks_for_req("t2", meta)
+    assert w.failed == ["t1", "t2"] and w.invalidated == ["decode-0"]  # released once, not per read
+    # upstream released it; the next read handshook with the new process: its offers are read
+    w._remote_agents.clear()
+    w.add_remote_agent(types.SimpleNamespace(engine_id="decode-0", agent_metadata=new[0]), 0)
+    w.start_load_kv(types.SimpleNamespace(turnkv_boots={"t3": new_offer, "t4": old_offer, "t5": old_offer}))
+    w._read_blocks_for_req("t3", meta)
+    assert w.read == ["t3"]
+    w._read_blocks_for_req("t4", meta)  # offers of the dead process: refused, the new handshake kept
+    w._read_blocks_for_req("t5", meta)
+    assert w.failed[-2:] == ["t4", "t5"] and w.invalidated == ["decode-0"]
