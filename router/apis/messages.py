@@ -25,7 +25,7 @@ from router.guard import RequestError
 API = "/v1/messages"
 KNOWN = frozenset({
     "model", "messages", "max_tokens", "system", "stop_sequences", "temperature", "top_p", "top_k", "stream",
-    "tools", "tool_choice", "metadata", "thinking", "service_tier",
+    "tools", "tool_choice", "metadata", "thinking", "service_tier", "output_config",
     # vLLM extras of its Messages request, passed to chat completions as they are
     "cache_salt", "chat_template_kwargs", "vllm_xargs", "conversation_id",
     # and vLLM's chat extras a translation can carry (engines with --trust-request-chat-template)
@@ -156,6 +156,47 @@ def _tool_choice(choice: Any, chat: dict[str, Any]) -> None:
         chat["parallel_tool_calls"] = not choice["disable_parallel_tool_use"]
 
 
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+
+
+def _reasoning(body: Mapping[str, Any], chat: dict[str, Any]) -> None:
+    """``output_config`` and ``thinking`` as vLLM's own endpoint maps them: ``effort`` is the chat
+    ``reasoning_effort``, a JSON ``format`` the ``response_format``; thinking ``enabled`` a
+    ``thinking_token_budget`` (engines need a reasoning config for it), ``disabled`` reasoning effort ``none``
+    (vLLM probes the template and may pick ``low`` instead; the router does not), ``adaptive`` nothing."""
+    config = body.get("output_config")
+    if config is not None:
+        if not isinstance(config, Mapping) or set(config) - {"effort", "format"}:
+            raise RequestError("'output_config': only 'effort' and 'format' are supported")
+        effort = config.get("effort")
+        if effort is not None:
+            if effort not in EFFORTS:
+                raise RequestError(f"'output_config.effort' must be one of {', '.join(EFFORTS)}")
+            chat["reasoning_effort"] = effort
+        fmt = config.get("format")
+        if fmt is not None:
+            if not isinstance(fmt, Mapping) or fmt.get("type", "json_schema") != "json_schema" or not isinstance(
+                    fmt.get("schema"), Mapping):
+                raise RequestError("'output_config.format' must be {\"type\": \"json_schema\", \"schema\": {...}}")
+            chat["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "json_schema", "schema": fmt["schema"]}}
+    thinking = body.get("thinking")
+    if thinking is None:
+        return
+    kind = thinking.get("type") if isinstance(thinking, Mapping) else None
+    if kind == "disabled":
+        chat["reasoning_effort"] = "none"
+    elif kind == "enabled":
+        budget = thinking.get("budget_tokens")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024:
+            raise RequestError("'thinking.budget_tokens' must be an integer of at least 1024")
+        if budget >= body["max_tokens"]:
+            raise RequestError("'thinking.budget_tokens' must be less than 'max_tokens'")
+        chat["thinking_token_budget"] = budget
+    elif kind != "adaptive":
+        raise RequestError(f"'thinking' type {kind!r} is not supported (enabled, disabled or adaptive)")
+
+
 def _stop(choice: Mapping[str, Any], stops: list[str], tools: bool) -> tuple[str | None, str | None]:
     """Anthropic's stop_reason and stop_sequence from a chat choice (vLLM puts a matched stop string in
     ``stop_reason``)."""
@@ -188,10 +229,6 @@ class MessagesTranslation:
         max_tokens = body.get("max_tokens")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
             raise RequestError("'max_tokens' must be a positive integer")
-        thinking = body.get("thinking")
-        if thinking is not None and (not isinstance(thinking, Mapping) or thinking.get("type") != "disabled"):
-            raise RequestError("'thinking' is not supported (only {\"type\": \"disabled\"}): the engines' reasoning "
-                               "budget is not translated")
         if body.get("service_tier") not in (None, "auto", "standard_only"):
             raise RequestError(f"'service_tier' {body['service_tier']!r} is not supported")
         metadata = body.get("metadata")
@@ -221,6 +258,7 @@ class MessagesTranslation:
         if body.get("stream"):
             chat["stream"] = True
             chat["stream_options"] = {"include_usage": True}  # output_tokens of message_delta
+        _reasoning(body, chat)
         if messages[-1].get("role") == "assistant":  # a prefilled answer: continue it (Anthropic's semantics)
             chat["continue_final_message"], chat["add_generation_prompt"] = True, False
         self.stops = stops

@@ -200,7 +200,9 @@ def test_messages_become_the_chat_messages_vllm_builds():
 
 
 @pytest.mark.parametrize("field, value, named", [
-    ("thinking", {"type": "enabled", "budget_tokens": 1024}, "thinking"), ("frobnicate", 1, "frobnicate"),
+    ("thinking", {"type": "enabled", "budget_tokens": 100}, "budget_tokens"), ("frobnicate", 1, "frobnicate"),
+    ("thinking", {"type": "enabled", "budget_tokens": 2048}, "less than"), ("thinking", {"type": "on"}, "'on'"),
+    ("output_config", {"effort": "huge"}, "effort"), ("output_config", {"task_budget": 1}, "output_config"),
     ("tools", [{"type": "web_search_20250305", "name": "web_search"}], "web_search_20250305"),
     ("mcp_servers", [], "mcp_servers"), ("max_tokens", 0, "max_tokens"),
 ])
@@ -211,6 +213,20 @@ def test_messages_fields_it_cannot_honour_are_refused_by_name(field, value, name
     with pytest.raises(RequestError, match="document"):
         MessagesTranslation({"model": "tiny", "max_tokens": 4, "messages": [
             {"role": "user", "content": [{"type": "document", "source": {}}]}]})
+
+
+def test_thinking_and_output_config_map_as_vllms_own_endpoint_does():
+    base = {"model": "tiny", "max_tokens": 4096, "messages": [{"role": "user", "content": "hi"}]}
+    body = MessagesTranslation({**base, "thinking": {"type": "enabled", "budget_tokens": 2048}}).chat_body
+    assert body["thinking_token_budget"] == 2048 and "reasoning_effort" not in body
+    body = MessagesTranslation({**base, "thinking": {"type": "disabled"},
+                                "output_config": {"effort": "high"}}).chat_body
+    assert body["reasoning_effort"] == "none"  # disabled wins over the effort, as in vLLM
+    body = MessagesTranslation({**base, "thinking": {"type": "adaptive"}, "output_config": {
+        "effort": "low", "format": {"type": "json_schema", "schema": {"type": "object"}}}}).chat_body
+    assert body["reasoning_effort"] == "low" and "thinking_token_budget" not in body
+    assert body["response_format"] == {"type": "json_schema",
+                                       "json_schema": {"name": "json_schema", "schema": {"type": "object"}}}
 
 
 @pytest.mark.parametrize("chat", [CHAT_TEXT, CHAT_CALL], ids=["text", "tool-call"])
