@@ -250,3 +250,22 @@ def test_an_anthropic_tool_use_round_trip_hits(stack):
         return text, found
 
     check_tool_turn(stack, second)
+
+
+def test_anthropic_thinking_settings_reach_the_engines_as_vllm_maps_them(stack):
+    """thinking disabled (reasoning_effort none) is served and reuses; thinking enabled is the engines'
+    thinking_token_budget, which engines without a reasoning config refuse: a 400 the SDK raises."""
+    import anthropic
+
+    client, model_dir = anthropic_sdk(stack), stack["model_dir"]
+    off = {"thinking": {"type": "disabled"}}
+    messages = [{"role": "user", "content": words(model_dir, 700, 530)}]
+    reply, _, _, _ = message(client, messages, **off)
+    history = [*messages, reply, {"role": "user", "content": words(model_dir, 50, 531)}]
+    before = pulled(stack)
+    _, text, headers, _ = message(client, history, **off)
+    assert headers[OUTCOME] == "hit" and int(headers[REUSED]) == pulled(stack) - before > 600
+    assert text == message(client, history, headers=OFF, **off)[1]
+    with pytest.raises(anthropic.BadRequestError, match="thinking_token_budget is set but reasoning_config"):
+        message(client, messages, thinking={"type": "enabled", "budget_tokens": 1024},
+                extra_body={"max_tokens": 2048})  # the engine's own refusal, passed on
