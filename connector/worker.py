@@ -149,6 +149,25 @@ class TurnkvWorkerMixin:
         except Exception:  # the read is refused anyway; only the recovery is lost
             logger.exception("turnkv: could not drop the handshake with %s", engine_id)
 
+    def _cleanup_remote_engines(self) -> None:
+        """Pull: drop the handshake with every engine a READ failed from, so the next read handshakes again.
+
+        Upstream drops a failed engine only when NIXL's *local* copy of its metadata is gone. A peer that
+        restarted under the same engine id and address keeps that copy, so every later READ from it failed
+        (NIXL_ERR_REMOTE_DISCONNECT) and decode recomputed the whole prompt: 307 READs by one decode engine
+        after a prefill restart in a 210 s fault run, each also leaving prefill's blocks pinned until their
+        lease ran out. Upstream backs off repeated invalidations of one engine (reads fail fast meanwhile)."""
+        failed = getattr(self, "_failed_remote_engines", None)
+        mark = getattr(self, "_mark_remote_engine_invalid", None)
+        if failed and mark is not None and getattr(self, "_TRANSFER_MODE", "pull") == "pull":
+            invalid = getattr(self, "_invalid_remote_engines", set())
+            now = time.perf_counter()
+            for engine_id in sorted(failed - invalid):
+                if engine_id in self._remote_agents:
+                    logger.warning("turnkv: a READ from %s failed: handshaking with it again", engine_id)
+                    mark(engine_id, now)
+        super()._cleanup_remote_engines()  # type: ignore[misc]
+
     # retained turns evicted by the scheduler ---------------------------------------------------------
 
     def turnkv_evict(self, evict: dict[str, tuple[float, float]]) -> None:

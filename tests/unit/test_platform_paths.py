@@ -206,3 +206,39 @@ def test_a_handshake_with_a_restarted_decode_is_dropped_once_so_its_new_offers_a
     w._read_blocks_for_req("t4", meta)  # offers of the dead process: refused, the new handshake kept
     w._read_blocks_for_req("t5", meta)
     assert w.failed[-2:] == ["t4", "t5"] and w.invalidated == ["decode-0"]
+
+
+def test_an_engine_a_read_failed_from_is_handshaken_again():
+    """Prefill restarted under the same engine id and address: upstream kept the dead agent (its local metadata
+    still exists), so decode's every READ from it failed (307 in a 210 s fault run). turnkv drops it."""
+
+    class Upstream(FakeUpstreamWorker):
+        _TRANSFER_MODE = "pull"
+
+        def __init__(self):
+            super().__init__()
+            self._failed_remote_engines: set[str] = set()
+            self._invalid_remote_engines: set[str] = set()
+            self.cleanups = 0
+
+        def _mark_remote_engine_invalid(self, engine_id, now):
+            super()._mark_remote_engine_invalid(engine_id, now)
+            self._invalid_remote_engines.add(engine_id)
+
+        def _cleanup_remote_engines(self):
+            self.cleanups += 1
+            self._failed_remote_engines.clear()
+
+    class W(TurnkvWorkerMixin, Upstream):
+        pass
+
+    w = W()
+    w.add_remote_agent(types.SimpleNamespace(engine_id="prefill-1", agent_metadata=b"boot1"), 0)
+    w._cleanup_remote_engines()
+    assert not hasattr(w, "invalidated") and w.cleanups == 1  # nothing failed: nothing dropped
+    w._failed_remote_engines.update({"prefill-1", "gone"})  # "gone": no handshake left to drop
+    w._cleanup_remote_engines()
+    assert w.invalidated == ["prefill-1"] and w.cleanups == 2
+    w._failed_remote_engines.add("prefill-1")  # already invalid: upstream's backoff decides
+    w._cleanup_remote_engines()
+    assert w.invalidated == ["prefill-1"]
