@@ -202,7 +202,8 @@ async def main(args) -> dict:
                                *[a for u in prefill for a in ("--prefill", u)],
                                *[a for u in decode for a in ("--decode", u)],
                                "--set", "health_interval=1", "--set", "first_token_timeout=30",
-                               "--set", "prefill_timeout=30", "--no-emf"],
+                               "--set", "prefill_timeout=30", "--no-emf",
+                               *[a for v in args.router_set for a in ("--set", v)]],
                               env={**os.environ, **env}, stdout=open(out / "router.log", "wb"),  # noqa: SIM115
                               stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     url = f"http://127.0.0.1:{router_port}"
@@ -276,6 +277,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--check-limit", type=int, default=50)
     p.add_argument("--port-base", type=int, default=28300)
     p.add_argument("--out", default="results/fault-load")
+    p.add_argument("--router-set", action="append", default=[], metavar="NAME=VALUE",
+                   help="a router tunable (repeatable), e.g. conversation_ttl=20 to see the store's memory settle")
     return p
 
 
