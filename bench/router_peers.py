@@ -250,7 +250,8 @@ def run(args: argparse.Namespace) -> dict:
         "direct": (None, f"http://127.0.0.1:{d_port}"),
         "turnkv": ([py, "-m", "turnkv.cli", "router", "serve", "--port", str(base), "--prefill",
                     f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}",
-                    *(["--no-emf"] if args.no_emf else [])], f"http://127.0.0.1:{base}"),
+                    *(["--no-emf"] if args.no_emf else []), *(x for kv in args.set for x in ("--set", kv))],
+                   f"http://127.0.0.1:{base}"),
         "vllm-router": ([shutil.which("vllm-router") or str(Path(py).with_name("vllm-router")),
                          "--vllm-pd-disaggregation", "--prefill", f"http://127.0.0.1:{p_port}", "--decode",
                          f"http://127.0.0.1:{d_port}", "--host", "127.0.0.1", "--port", str(base + 1),
@@ -342,6 +343,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port-base", type=int, default=28000)
     p.add_argument("--memory", type=int, default=0, help="also measure a MemoryStore with this many conversations")
     p.add_argument("--no-emf", action="store_true", help="turnkv without its per-request EMF line")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="a tunable for the turnkv target only (not the baseline), e.g. decode_migrations=0")
     p.add_argument("--baseline", help="another checkout of turnkv (e.g. main before a change): its router is measured "
                                       "as target turnkv-baseline in the same interleaved rounds")
     p.add_argument("--out", default="results/router-peers")
