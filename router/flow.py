@@ -220,8 +220,8 @@ class Flow:
                      tokens=size // 4, stream=bool(body.get("stream")), leg_request_id=new_leg_id(), hint=hint,
                      storable=storable)
         d.migrate = int(self.config.decode_migrations) > 0 and migrate.migratable(kind, body)
-        if api is not None:  # a continuation is relayed in chat format: not for translated streams
-            d.api, d.route, d.migrate = api, api.route, False
+        if api is not None:  # the engines speak chat; a continuation is translated like the rest of the stream
+            d.api, d.route = api, api.route
         if hint is not None:
             self._hint_counts[hint.source].inc()
             d.affinity = hints.rendezvous(tenant, hint.value, [e.name for e in self.pool.decode])
@@ -764,7 +764,7 @@ class Flow:
                         len(state.generated), opened.engine.name)
             d.retries += 1
             try:
-                if await self._relay_continuation(response, opened, state, deadline):
+                if await self._relay_continuation(response, opened, state, deadline, d.api):
                     self.metrics.migrations.labels("continued").inc()
                     return True
             except _ClientGone:
@@ -777,8 +777,9 @@ class Flow:
         return False
 
     async def _relay_continuation(self, response: web.StreamResponse, opened: Opened, state: migrate.StreamState,
-                                  deadline: float) -> bool:
-        """Relay a continuation stream in the client's format; True at [DONE], False when it failed too."""
+                                  deadline: float, api: apis.Translation | None = None) -> bool:
+        """Relay a continuation stream in the client's format (chat chunks, then through ``api`` for a translated
+        stream); True at [DONE], False when it failed too."""
         assert opened.resp is not None
         lines = sse.LineCollector()
         try:
@@ -789,7 +790,8 @@ class Flow:
                     if payload is None:
                         continue
                     if payload == sse.DONE:
-                        out.append(b"data: [DONE]\n\n")
+                        done = b"data: [DONE]\n\n"
+                        out.append(done if api is None else api.stream_line(done))
                         await _client_write(response, b"".join(out), eof=True, timeout=deadline)
                         return True
                     try:
@@ -797,7 +799,7 @@ class Flow:
                     except orjson.JSONDecodeError:
                         continue
                     if rewritten is not None:
-                        out.append(rewritten)
+                        out.append(rewritten if api is None else api.stream_line(rewritten))
                 if out:
                     await _client_write(response, b"".join(out), timeout=deadline)
         except (aiohttp.ClientError, TimeoutError) as exc:

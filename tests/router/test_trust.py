@@ -325,6 +325,48 @@ async def test_a_stream_survives_its_decode_engine_dying_with_no_token_lost_or_r
         assert len(ids) == 12 and with_ids["events"][0]["id"] == with_ids["events"][-1]["id"]
 
 
+async def test_translated_streams_survive_their_decode_engine_dying():
+    """Responses and Messages streams are chat streams to the engines: a continuation on another decode engine is
+    translated like the rest, so the SDKs see one stream, every word once, and a normal end."""
+    from anthropic import AsyncAnthropic
+    from openai import AsyncOpenAI
+
+    p, d = engines(1, "prefill"), engines(2, "decode")
+    keys = ApiKeys(parse_keys("acme:acme-key-0123456789\n"))
+    async with router_over(p, d, keys=keys) as (s, app):
+        pool = app[FLOW].pool
+        base = str(s._base_url).rstrip("/")
+        openai = AsyncOpenAI(base_url=base + "/v1", api_key="acme-key-0123456789", max_retries=0)
+        claude = AsyncAnthropic(base_url=base, api_key="acme-key-0123456789", max_retries=0)
+        story = "tell me a story " * 40
+
+        async def responses() -> str:
+            events = [e async for e in await openai.responses.create(model="tiny", input=story, stream=True,
+                                                                     max_output_tokens=12, store=False)]
+            assert not [e for e in events if e.type == "error"]
+            end = next(e for e in events if e.type in ("response.completed", "response.incomplete"))
+            return end.response.output_text
+
+        async def messages() -> str:
+            async with claude.messages.stream(model="tiny", max_tokens=12,
+                                              messages=[{"role": "user", "content": story}]) as events:
+                final = await events.get_final_message()
+            return "".join(b.text for b in final.content if b.type == "text")
+
+        for ask in (responses, messages):
+            pool.decode[1].outstanding = 5  # decode-0 first
+            calm = await ask()
+            d[0].fault = {"die_after": 4}
+            cut = await ask()
+            d[0].fault = {}
+            pool.decode[1].outstanding = 0
+            assert words(cut) == words(calm) and len(cut.split()) == 12, (ask.__name__, calm, cut)
+        assert app[METRICS].registry.get_sample_value("turnkv_router_stream_migrations_total",
+                                                      {"result": "continued"}) == 2
+        await openai.close()
+        await claude.close()
+
+
 async def test_a_stream_that_cannot_migrate_ends_with_an_error_event():
     p, d = engines(1, "prefill"), engines(2, "decode")
     async with router_over(p, d, tunables={"decode_migrations": 0}) as (s, app):
