@@ -35,7 +35,11 @@ STORE_PASSWORD_ENV = "TURNKV_STORE_PASSWORD"
 #: idle timeout causes sporadic 502s).
 KEEPALIVE_MARGIN_S = 60
 #: Beyond .dockerignore: never stage these into the image asset.
-DOCKER_EXCLUDES = [".git", ".venv", "node_modules", "cdk.out", "build", "dist", ".turnkv", "results", "tests"]
+#: Kept out of the router image's build context (CDK stages it in cdk.out, then docker reads it): every virtual
+#: environment (`.venv`, and the side venvs `.venv-vllm029`, `.venv-aiperf`, `.venv-gpu-check`: gigabytes each), the
+#: local stack's state and results, build output. Mirrors .dockerignore for `docker build -f router/Dockerfile .`.
+DOCKER_EXCLUDES = [".git", ".venv*", "node_modules", "cdk.out", "build", "dist", ".turnkv", "results", "tests",
+                   "**/__pycache__", "*.egg-info"]
 
 
 class RouterStack(Stack):

@@ -145,6 +145,19 @@ def test_image_asset_is_built_from_the_repository_root(gpu):
     staged = gpu.outdir / image["source"]["directory"]
     assert (staged / "router" / "Dockerfile").is_file() and (staged / "turnkv" / "params.py").is_file()
     assert not (staged / ".venv").exists() and not (staged / "tests").exists()
+    # side venvs (make test builds .venv-vllm029 before this synth) stay out too: staged, each is gigabytes
+    assert not [p.name for p in staged.iterdir() if p.name.startswith(".venv")]
+
+
+def test_every_virtual_environment_is_kept_out_of_the_router_image_context():
+    from fnmatch import fnmatch
+
+    from infra.stacks.router import DOCKER_EXCLUDES
+
+    ignore = (REPO_ROOT / ".dockerignore").read_text().split()
+    for venv in (".venv", ".venv-vllm029", ".venv-aiperf", ".venv-gpu-check"):
+        assert any(fnmatch(venv, pattern) for pattern in DOCKER_EXCLUDES), venv
+        assert any(fnmatch(venv, pattern) for pattern in ignore), venv
 
 
 def test_router_keepalive_outlasts_the_alb_idle_timeout(any_app):
