@@ -3,7 +3,8 @@
 router), and tool-call round trips (the assistant message with its calls, then the tool's result) through
 all three APIs. Every pull is proven by the prefill engine's
 ``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`` counter, and every answer equals the
-answer with reuse off. Ports 38300 (router), 38400/38500 (engines), 35700+ (NIXL)."""
+answer with reuse off. Ports 21300 (router), 21400/21500 (engines), 22700+ (NIXL),
+below Linux's ephemeral range (32768+), where a client connection's local port can hold them."""
 
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ def stack():
     STATE.mkdir(parents=True, exist_ok=True)
     keys = STATE / "api-keys"
     keys.write_text(f"acme:{KEY}\n")
-    config = StackConfig(state_dir=STATE, router_port=38300, prefill_port=38400, decode_port=38500,
-                         side_channel_base=35700, kv_cache_gib=1,
+    config = StackConfig(state_dir=STATE, router_port=21300, prefill_port=21400, decode_port=21500,
+                         side_channel_base=22700, kv_cache_gib=1,
                          tunables={"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45},
                          # vLLM 0.32 serves a forced tool choice only with a tool parser enabled (any one: the
                          # forced call is structured output, the parser reads nothing)

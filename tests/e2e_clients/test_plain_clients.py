@@ -1,7 +1,8 @@
 """Reuse for clients that send no turnkv field: the official openai SDK against the router on real vLLM CPU
 engines (1 prefill + 1 decode, two tenants). Every pull is proven by the prefill engine's
 ``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`` counter, and every answer equals the
-answer with reuse off. Ports 38000 (router), 38100/38200 (engines), 35600+ (NIXL)."""
+answer with reuse off. Ports 21000 (router), 21100/21200 (engines), 22600+ (NIXL),
+below Linux's ephemeral range (32768+)."""
 
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ def stack():
     STATE.mkdir(parents=True, exist_ok=True)
     keys = STATE / "api-keys"
     keys.write_text(f"acme:{ACME}\nglobex:{GLOBEX}\n")
-    config = StackConfig(state_dir=STATE, router_port=38000, prefill_port=38100, decode_port=38200,
-                         side_channel_base=35600, kv_cache_gib=1,
+    config = StackConfig(state_dir=STATE, router_port=21000, prefill_port=21100, decode_port=21200,
+                         side_channel_base=22600, kv_cache_gib=1,
                          tunables={"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45},
                          engine_extra_args=("--trust-request-chat-template",),
                          router_args=("--api-keys-file", str(keys)))
