@@ -278,9 +278,16 @@ def parse_turn(kind: str, body: Mapping[str, Any]) -> Turn | None:
 def content_key(secret: bytes, tenant: str, history: History) -> str:
     """HMAC(tenant, rendering settings, history digest and length): where a chat turn is stored and found.
     Unforgeable and tenant-isolated: a client can only reach it by sending the very same history."""
-    mac = hmac.new(secret, b"turnkv-content-v1", hashlib.sha256)
-    for part in (tenant.encode(), history.kind.encode(), history.render_digest.encode(), history.digest.encode(),
-                 str(history.length).encode()):
+    return keyed_digest(secret, b"turnkv-content-v1", tenant, history.kind, history.render_digest, history.digest,
+                        str(history.length))
+
+
+def keyed_digest(secret: bytes, label: bytes, *parts: str) -> str:
+    """HMAC-SHA256 under ``label`` over length-prefixed parts (no two part lists collide): store keys a client can
+    only reach by sending the very same parts, never another tenant's."""
+    mac = hmac.new(secret, label, hashlib.sha256)
+    for text in parts:
+        part = text.encode()
         mac.update(len(part).to_bytes(4, "little"))
         mac.update(part)
     return mac.hexdigest()

@@ -74,6 +74,14 @@ def chat_line(line: bytes) -> tuple[str, Any]:
     return ("chunk", chunk) if isinstance(chunk, dict) else ("skip", None)
 
 
+def engine_error(chunk: Mapping[str, Any]) -> tuple[int, str] | None:
+    """(status, message) of vLLM's mid-stream error chunk (``{"error": {...}}``), or None for any other chunk."""
+    if "error" not in chunk:
+        return None
+    error = chunk["error"] if isinstance(chunk["error"], Mapping) else {}
+    return int(error.get("code") or 500), str(error.get("message") or "error")
+
+
 def refuse_unknown(body: Mapping[str, Any], known: set[str] | frozenset[str], api: str) -> None:
     """A 400 naming every field the translation does not carry (never a silent drop)."""
     unknown = sorted(k for k in body if k not in known)

@@ -19,7 +19,16 @@ from typing import Any
 
 import orjson
 
-from router.apis import chat_line, first_choice, parse_arguments, reasoning_of, refuse_unknown, sse, usage_of
+from router.apis import (
+    chat_line,
+    engine_error,
+    first_choice,
+    parse_arguments,
+    reasoning_of,
+    refuse_unknown,
+    sse,
+    usage_of,
+)
 from router.guard import RequestError
 
 API = "/v1/messages"
@@ -366,10 +375,10 @@ class _MessagesStream:
         return sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
 
     def _chunk(self, chunk: Mapping[str, Any]) -> list[bytes]:
-        if "error" in chunk:  # vLLM's mid-stream error chunk
-            error = chunk["error"] if isinstance(chunk["error"], Mapping) else {}
+        error = engine_error(chunk)
+        if error is not None:
             self.ended = True
-            return [self.owner.error_event(int(error.get("code") or 500), str(error.get("message") or "error"))]
+            return [self.owner.error_event(*error)]
         out = [] if self.started else self._start(chunk)
         if chunk.get("usage"):
             self.usage = usage_of(chunk)

@@ -21,7 +21,16 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from router.apis import chat_line, compact_arguments, first_choice, reasoning_of, refuse_unknown, sse, usage_of
+from router.apis import (
+    chat_line,
+    compact_arguments,
+    engine_error,
+    first_choice,
+    reasoning_of,
+    refuse_unknown,
+    sse,
+    usage_of,
+)
 from router.guard import RequestError
 
 API = "/v1/responses"
@@ -458,10 +467,10 @@ class _ResponsesStream:
         return out
 
     def _chunk(self, chunk: Mapping[str, Any]) -> list[bytes]:
-        if "error" in chunk:  # vLLM's mid-stream error chunk
-            error = chunk["error"] if isinstance(chunk["error"], Mapping) else {}
+        error = engine_error(chunk)
+        if error is not None:
             self.ended = True
-            return [self.owner.error_event(int(error.get("code") or 500), str(error.get("message") or "error"))]
+            return [self.owner.error_event(*error)]
         out = [] if self.started else self._start(chunk)
         if chunk.get("usage"):
             self.usage = _usage(chunk)

@@ -14,8 +14,6 @@ Valkey), so they never push conversation metadata out.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -23,7 +21,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from router.guard import RequestError
+from router.guard import RequestError, keyed_digest
 
 log = logging.getLogger("turnkv.router")
 VALKEY_PREFIX = "turnkv:resp:"
@@ -45,11 +43,7 @@ class ResponseLog:
         self.store, self._secret, self._ttl, self._timeout, self._clock = store, secret, ttl, timeout, clock
 
     def _key(self, tenant: str, response_id: str) -> str:
-        mac = hmac.new(self._secret(), b"turnkv-response-v1", hashlib.sha256)
-        for part in (tenant.encode(), response_id.encode()):
-            mac.update(len(part).to_bytes(4, "little"))
-            mac.update(part)
-        return mac.hexdigest()
+        return keyed_digest(self._secret(), b"turnkv-response-v1", tenant, response_id)
 
     async def load(self, tenant: str, response_id: Any) -> list[dict[str, Any]]:
         """The messages ``response_id`` continues, its reply included; a 400 naming the id when it is unknown."""
