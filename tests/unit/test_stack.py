@@ -44,13 +44,24 @@ def test_best_case_adds_a_cached_prefill_and_a_second_router(tmp_path):
     assert argv[argv.index("--prefill") + 1] == procs["prefill-cached"].url
 
 
+def _config_with_only_router_busy(tmp_path, router_port: int) -> StackConfig:
+    """Engine ports derived from free_port() (bases + offsets) can land on a port another process on a
+    busy CI machine holds at that moment; pick again until every port but the router's is free."""
+    for _ in range(20):
+        config = StackConfig(state_dir=tmp_path, router_port=router_port, prefill_port=free_port(),
+                             decode_port=free_port(), side_channel_base=free_port())
+        ports = [q for p in stack.plan(config) for q in (p.port, *p.extra_ports) if q != router_port]
+        if not any(stack.port_in_use(q) for q in ports):
+            return config
+    pytest.fail("no set of free engine ports found in 20 tries")
+
+
 def test_busy_port_is_named_before_anything_starts(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        config = StackConfig(state_dir=tmp_path, router_port=port, prefill_port=free_port(),
-                             decode_port=free_port(), side_channel_base=free_port())
+        config = _config_with_only_router_busy(tmp_path, port)
         with pytest.raises(StackError, match=rf"port\(s\) already in use: {port} \(router\)\."):
             Supervisor(tmp_path).up(config)
     assert not (tmp_path / "state.json").exists()

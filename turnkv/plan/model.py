@@ -245,11 +245,15 @@ class Plan:
     def load(self, arm: str) -> Load:
         return self.load_off if arm == "off" else self.load_on
 
-    def ttft(self, arm: str) -> np.ndarray:
-        """TTFT of every sampled turn (seconds), queueing included; ``on`` pulls only on hits."""
+    def unqueued_ttft(self, arm: str) -> np.ndarray:
+        """TTFT of every sampled turn (seconds) without prefill queueing; ``on`` pulls only on hits."""
         if arm == "off":
-            return self.costs.ttft_off + self.load_off.wait_s
-        return np.where(self.hit > 0, self.costs.ttft_on, self.costs.ttft_off) + self.load_on.wait_s
+            return self.costs.ttft_off
+        return np.where(self.hit > 0, self.costs.ttft_on, self.costs.ttft_off)
+
+    def ttft(self, arm: str) -> np.ndarray:
+        """TTFT of every sampled turn (seconds), queueing included (infinite on an overloaded fleet)."""
+        return self.unqueued_ttft(arm) + self.load(arm).wait_s
 
     def per_turn(self) -> list[dict[str, Any]]:
         rows = []
@@ -300,13 +304,13 @@ def size_fleet(fleet: Fleet, workload: Workload, ttft_target_ms: float | None = 
         return evaluate(replace(fleet, prefill_nodes=p, decode_nodes=d), workload, turns=turns)
 
     unloaded = plan_for(max_nodes, max_nodes)
-    floor_ms = float(np.percentile(unloaded.ttft(arm) - unloaded.load(arm).wait_s, 90)) * 1000
+    floor_ms = float(np.percentile(unloaded.unqueued_ttft(arm), 90)) * 1000
     met = ttft_target_ms is None or floor_ms <= ttft_target_ms
     target = ttft_target_ms if met else None
 
     def prefill_ok(plan: Plan) -> bool:
         load = plan.load(arm)
-        p90 = float(np.percentile(plan.ttft(arm) - load.wait_s, 90)) + load.wait_p90_s
+        p90 = float(np.percentile(plan.unqueued_ttft(arm), 90)) + load.wait_p90_s
         return load.prefill_util < max_util and (target is None or p90 * 1000 <= target)
 
     def decode_ok(plan: Plan) -> bool:
