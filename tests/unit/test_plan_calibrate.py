@@ -10,18 +10,44 @@ from turnkv.plan import model as plan_model
 from turnkv.plan.models import tiny_local
 
 
-def test_fit_prefill_recovers_gemm_and_attention_rates():
+def _secs(arch, chunk, c, new, ctx):
+    hop, r_lin, r_att, r_ctx, step = c
+    return float(calibrate.design(arch, chunk, new, ctx)[0] @ [hop, 1 / r_lin, 1 / r_att, 1 / r_ctx, step])
+
+
+def test_fit_prefill_recovers_hop_rates_and_chunk_step():
+    """Plain prefills (one chunk and several) and prefills over a cached context pin all five constants."""
+    arch, chunk = tiny_local(), 2048
+    truth = (0.021, 70e9, 130e9, 45e9, 0.004)
+    points = [(n, 0, _secs(arch, chunk, truth, n, 0)) for n in (16, 256, 1024, 2048, 4096, 6144)]
+    points += [(n, h, _secs(arch, chunk, truth, n, h)) for h, n in ((1024, 256), (3072, 128), (3072, 512))]
+    got = calibrate.fit_prefill(arch, points, chunk)
+    assert (got["hop_s"], got["linear_flops_s"], got["attention_flops_s"], got["context_attention_flops_s"],
+            got["step_s"]) == pytest.approx(truth, rel=1e-6)
+
+
+def test_chunking_splits_attention_without_changing_its_total():
+    """A 6,144-token prompt in 2,048-token chunks: the same attention FLOPs as one pass, two thirds of
+    them over the earlier chunks' keys."""
     arch = tiny_local()
-    hop, r_lin, r_att = 0.03, 40e9, 12e9
-    points = [(n, hop + arch.linear_flops_per_token() * n / r_lin + arch.attention_flops(n, 0) / r_att)
-              for n in (256, 1024, 2048, 4096, 6144)]
-    got = calibrate.fit_prefill(arch, points)
-    assert got == pytest.approx((hop, r_lin, r_att), rel=1e-6)
+    fresh, ctx = plan_model.chunked_attention_flops(arch, 6144.0, 0.0, 2048)
+    assert fresh + ctx == pytest.approx(arch.attention_flops(6144, 0))
+    assert fresh == pytest.approx(3 * arch.attention_flops(2048, 0))
+    fresh, ctx = plan_model.chunked_attention_flops(arch, np.array([390.0]), np.array([3775.0]), 2048)
+    assert ctx[0] == pytest.approx(arch.attention_flops(390, 3775) - arch.attention_flops(390, 0))
+
+
+def test_fit_prefill_reads_old_two_column_points():
+    arch = tiny_local()
+    truth = (0.02, 60e9, 100e9, 100e9, 0.0)
+    points = [(n, _secs(arch, 8192, truth, n, 0)) for n in (16, 256, 1024, 2048, 4096)]
+    got = calibrate.fit_prefill(arch, points, 8192)
+    assert got["hop_s"] == pytest.approx(0.02, rel=1e-6) and got["linear_flops_s"] == pytest.approx(60e9, rel=1e-6)
 
 
 def test_fit_prefill_refuses_noise():
     with pytest.raises(ValueError, match="did not grow"):
-        calibrate.fit_prefill(tiny_local(), [(256, 0.5), (1024, 0.4), (4096, 0.3)])
+        calibrate.fit_prefill(tiny_local(), [(256, 0.5), (1024, 0.4), (4096, 0.3)], 2048)
 
 
 def test_fit_transfers_line_and_single_point():
@@ -36,14 +62,23 @@ def test_fit_transfers_line_and_single_point():
 def test_stored_constants_drive_local_cpu_predictions(tmp_path):
     arch = tiny_local()
     inst = hardware.INSTANCES["local-cpu"]
-    data = calibrate.constants(arch, inst, (0.025, 30e9, 10e9), (0.003, 4e9), {"prefills": []})
+    fit = {"hop_s": 0.025, "linear_flops_s": 30e9, "attention_flops_s": 10e9, "context_attention_flops_s": 5e9,
+           "step_s": 0.004}
+    data = calibrate.constants(arch, inst, fit, (0.003, 4e9), {"prefills": []})
     (tmp_path / hardware.CALIBRATION_FILE).write_text(json.dumps(data))
     loaded = hardware.load("local-cpu", tmp_path)
     assert loaded.efficiency.dense == pytest.approx(30e9 / inst.peak("float32"))
+    assert loaded.efficiency.request_overhead_s == 0.025 and loaded.prefill_chunk_tokens == 2048
     f = plan_model.Fleet(arch, loaded, loaded, 1, 1, block_size=128)
-    n = 3000
-    expected = arch.linear_flops_per_token() * n / 30e9 + arch.attention_flops(n, 0) / 10e9
+    n = 3000  # two chunks: 2,048 fresh, then 952 fresh over the first chunk's keys
+    fresh = arch.attention_flops(2048, 0) + arch.attention_flops(952, 0)
+    expected = (arch.linear_flops_per_token() * n / 30e9 + fresh / 10e9
+                + (arch.attention_flops(n, 0) - fresh) / 5e9 + 0.004)
     assert float(plan_model.compute_s(f, [n], [0])[0]) == pytest.approx(expected, rel=1e-6)
+    # a pulled history: the new tokens' attention over it runs at the context rate
+    expected = (arch.linear_flops_per_token() * 400 / 30e9 + arch.attention_flops(400, 0) / 10e9
+                + (arch.attention_flops(400, 3600) - arch.attention_flops(400, 0)) / 5e9)
+    assert float(plan_model.compute_s(f, [400], [3600])[0]) == pytest.approx(expected, rel=1e-6)
     assert float(plan_model.transfer_s(f, [1000])[0]) == pytest.approx(0.003 + 1000 * 8192 / 4e9, rel=1e-6)
     # another instance's file is ignored
     assert hardware.load("p5en.48xlarge", tmp_path) == hardware.INSTANCES["p5en.48xlarge"]
@@ -72,13 +107,14 @@ def test_metrics_parsing_sums_every_label_set(monkeypatch):
 
     monkeypatch.setattr(calibrate.urllib.request, "urlopen", lambda url, timeout: Resp())
     assert calibrate.nixl_totals("http://x") == pytest.approx((0.30, 3.0e7, 3.0))
-    assert np.isclose(sum(calibrate.LENGTHS), 13568)
 
 
 def test_fit_prefill_never_returns_a_negative_cost():
     """Measurements where attention explains everything (CPU attention kernels are slow): plain least
     squares gives the GEMMs a negative cost; the fit keeps every term >= 0 and bounds the free rate."""
     arch = tiny_local()
-    points = [(n, 0.15 + arch.attention_flops(n, 0) / 8e9 - 1e-12 * n) for n in (256, 1024, 2048, 4096, 6144)]
-    fixed, r_lin, r_att = calibrate.fit_prefill(arch, points, peak=156e9)
-    assert fixed >= 0 and r_lin == 156e9 and r_att == pytest.approx(8e9, rel=0.05)
+    points = [(n, 0, 0.15 + arch.attention_flops(n, 0) / 8e9 - 1e-12 * n) for n in (256, 1024, 2048, 4096, 6144)]
+    got = calibrate.fit_prefill(arch, points, 8192, peak=156e9)
+    assert got["hop_s"] >= 0 and got["linear_flops_s"] == 156e9
+    assert got["attention_flops_s"] == pytest.approx(8e9, rel=0.05)
+    assert got["context_attention_flops_s"] == got["attention_flops_s"]  # no context in the data

@@ -281,6 +281,9 @@ def calibrate(
     result = cal.run(state_dir, say=console.print)
     e = result["efficiency"]
     Console().print(
-        f"local-cpu: {result['achieved_flops_s'] / 1e9:.1f} GFLOP/s achieved ({e['dense']:.0%} of nominal peak), "
-        f"{e['request_overhead_s'] * 1000:.0f} ms per engine hop, transfers {e['transfer_setup_s'] * 1000:.1f} ms + "
+        f"local-cpu: GEMMs {result['achieved_flops_s'] / 1e9:.1f} GFLOP/s ({e['dense']:.0%} of nominal peak), "
+        f"attention {result['achieved_attention_flops_s'] / 1e9:.1f} GFLOP/s, over cached context "
+        f"{result['achieved_context_attention_flops_s'] / 1e9:.1f} GFLOP/s; "
+        f"{e['request_overhead_s'] * 1000:.0f} ms per engine hop, {e['step_overhead_s'] * 1000:.1f} ms per extra "
+        f"chunk; transfers {e['transfer_setup_s'] * 1000:.1f} ms + "
         f"{result['network_bits_s'] / 8 / 2**30:.2f} GiB/s\nwrote {state_dir / 'plan-calibration.json'}")

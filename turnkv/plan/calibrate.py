@@ -10,6 +10,7 @@ which is what the planner then predicts. ``fit_prefill`` and ``fit_transfers`` a
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import statistics
@@ -26,39 +27,61 @@ from turnkv.metric_names import VLLM_NIXL_BYTES, VLLM_NIXL_XFER_TIME
 from turnkv.plan import hardware
 from turnkv.plan.models import ModelArch
 
-LENGTHS = (256, 1024, 2048, 4096, 6144)
+#: Plain prefills (prompt tokens): one short enough to be all fixed cost, then single- and multi-chunk ones.
+LENGTHS = (16, 256, 1024, 2048, 4096, 6144)
+#: Prefills over a prefix-cached context (context tokens, new tokens), as a pulled history is prefilled.
+CONTEXT_PREFILLS = ((1024, 256), (3072, 128), (3072, 512))
 
 
-def fit_prefill(arch: ModelArch, points: Sequence[tuple[int, float]],
-                peak: float = float("inf")) -> tuple[float, float, float]:
-    """(fixed seconds per request, achieved GEMM FLOP/s, achieved attention FLOP/s) from (prompt tokens,
-    seconds) of plain prefills: non-negative least squares on seconds = fixed + linear FLOPs / R +
-    attention FLOPs / Ra (every subset of the three terms, the best fit with no negative coefficient). A
-    rate the data cannot see (its term fitted as free) is bounded by ``peak``, the hardware's nominal one."""
-    n = np.array([p[0] for p in points], dtype=float)
-    secs = np.array([p[1] for p in points], dtype=float)
-    if len(points) < 2 or secs[np.argmax(n)] <= secs[np.argmin(n)]:
+def design(arch: ModelArch, chunk: int, new: Any, context: Any) -> np.ndarray:
+    """The fit's columns for prefills of ``new`` tokens after ``context`` cached ones: fixed cost, linear
+    FLOPs, fresh and context attention FLOPs (chunked as the engine does), and chunks after the first."""
+    from turnkv.plan.model import chunked_attention_flops
+
+    new, context = np.atleast_1d(np.asarray(new, dtype=float)), np.atleast_1d(np.asarray(context, dtype=float))
+    fresh, ctx = chunked_attention_flops(arch, new, context, chunk)
+    extra = np.maximum(np.ceil(new / chunk) - 1, 0)
+    return np.column_stack([np.ones_like(new), arch.linear_flops_per_token() * new, fresh, ctx, extra])
+
+
+def fit_prefill(arch: ModelArch, points: Sequence[Sequence[float]], chunk: int,
+                peak: float = float("inf")) -> dict[str, float]:
+    """The prefill constants from (new tokens, cached context tokens, seconds) of one-token completions.
+
+    Non-negative least squares on relative error (every subset of the five columns of ``design``, the
+    best fit with no negative coefficient): seconds = hop + linear FLOPs / R + fresh attention / Ra +
+    context attention / Rc + extra chunks x step. A rate whose term the data cannot see (fitted as free)
+    is bounded by ``peak``, the hardware's nominal one; attention over context the data does not reach
+    takes the fresh attention's rate."""
+    pts = [(float(p[0]), float(p[1]), float(p[2])) if len(p) == 3 else (float(p[0]), 0.0, float(p[1]))
+           for p in points]
+    plain = sorted((n, secs) for n, h, secs in pts if h == 0)
+    if len(plain) < 2 or plain[-1][1] <= plain[0][1]:
         raise ValueError("prefill time did not grow with prompt length: the measurements are noise")
-    columns = np.column_stack([np.ones_like(n), arch.linear_flops_per_token() * n,
-                               [arch.attention_flops(x, 0.0) for x in n]])
+    new, ctx, secs = (np.array(col) for col in zip(*pts, strict=True))
+    columns = design(arch, chunk, new, ctx) / secs[:, None]
+    target = np.ones_like(secs)
     best: tuple[float, np.ndarray] | None = None
-    for mask in ((0, 1, 2), (1, 2), (0, 2), (0, 1), (2,), (1,)):
-        if len(points) < len(mask):
-            continue
-        coef, *_ = np.linalg.lstsq(columns[:, mask], secs, rcond=None)
-        if (coef < 0).any() or not (coef[[i for i, m in enumerate(mask) if m > 0]] > 0).any():
-            continue
-        full = np.zeros(3)
-        full[list(mask)] = coef
-        err = float(((columns @ full - secs) ** 2).sum())
-        if best is None or err < best[0] - 1e-15:
-            best = (err, full)
-    if best is None:
+    for size in range(len(columns[0]), 0, -1):
+        for mask in itertools.combinations(range(len(columns[0])), size):
+            if not set(mask) & {1, 2, 3} or len(pts) < len(mask):
+                continue
+            coef, *_ = np.linalg.lstsq(columns[:, mask], target, rcond=None)
+            if (coef < 0).any():
+                continue
+            full = np.zeros(len(columns[0]))
+            full[list(mask)] = coef
+            err = float(((columns @ full - target) ** 2).sum())
+            if best is None or err < best[0] - 1e-15:
+                best = (err, full)
+    if best is None or not (best[1][1:4] > 0).any():
         raise ValueError("prefill time did not grow with prompt length: the measurements are noise")
-    fixed, per_lin, per_att = best[1]
+    hop, per_lin, per_fresh, per_ctx, step = (float(c) for c in best[1])
     rate_lin = min(peak, 1 / per_lin) if per_lin > 0 else peak
-    rate_att = min(peak, 1 / per_att) if per_att > 0 else peak
-    return float(fixed), float(rate_lin), float(rate_att)
+    rate_fresh = min(peak, 1 / per_fresh) if per_fresh > 0 else peak
+    rate_ctx = min(peak, 1 / per_ctx) if per_ctx > 0 else rate_fresh
+    return {"hop_s": hop, "linear_flops_s": rate_lin, "attention_flops_s": rate_fresh,
+            "context_attention_flops_s": rate_ctx, "step_s": step}
 
 
 def fit_transfers(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -75,21 +98,23 @@ def fit_transfers(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return 0.0, float(b.sum() / s.sum())
 
 
-def constants(arch: ModelArch, inst: hardware.Instance, prefill: tuple[float, float, float],
+def constants(arch: ModelArch, inst: hardware.Instance, prefill: dict[str, float],
               transfer: tuple[float, float], raw: dict[str, Any]) -> dict[str, Any]:
     """The calibration file's content."""
-    hop, achieved, achieved_attention = prefill
     setup, rate = transfer
+    peak = inst.peak(arch.dtype)
     return {
         "instance": inst.name,
         "model": arch.name,
         "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
-        "achieved_flops_s": achieved,
-        "achieved_attention_flops_s": achieved_attention,
+        "achieved_flops_s": prefill["linear_flops_s"],
+        "achieved_attention_flops_s": prefill["attention_flops_s"],
+        "achieved_context_attention_flops_s": prefill["context_attention_flops_s"],
         "network_bits_s": rate * 8,
-        "efficiency": {"dense": achieved / inst.peak(arch.dtype),
-                       "attention": achieved_attention / inst.peak(arch.dtype), "request_overhead_s": hop,
+        "efficiency": {"dense": prefill["linear_flops_s"] / peak, "attention": prefill["attention_flops_s"] / peak,
+                       "context_attention": prefill["context_attention_flops_s"] / peak,
+                       "request_overhead_s": prefill["hop_s"], "step_overhead_s": prefill["step_s"],
                        "transfer_setup_s": setup, "transfer_efficiency": 1.0},
         "raw": raw,
     }
@@ -121,23 +146,53 @@ def nixl_totals(engine_url: str) -> tuple[float, float, float]:
     return secs, byts, count
 
 
+def _complete(url: str, model: str, prompt: str) -> tuple[float, int]:
+    secs, data, _ = _post(url, {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
+    return secs, int(data.get("usage", {}).get("prompt_tokens") or 0)
+
+
 def measure_prefills(prefill_url: str, model: str, words: list[str], lengths: Sequence[int] = LENGTHS,
-                     repeats: int = 3, say: Callable[[str], None] = print) -> list[tuple[int, float]]:
-    """Median latency of one-token completions straight to the prefill engine, by prompt length."""
-    rng = np.random.default_rng(11)
+                     repeats: int = 3, say: Callable[[str], None] = print) -> list[tuple[int, int, float]]:
+    """Median latency of one-token completions straight to the prefill engine, by prompt length:
+    (prompt tokens, 0 cached, seconds)."""
+    rng = np.random.default_rng()  # fresh words each run: nothing may be served from a prefix cache
     url = prefill_url.rstrip("/") + "/v1/completions"
-    _post(url, {"model": model, "prompt": " ".join(words[:64]), "max_tokens": 1, "temperature": 0})  # warm-up
+    _complete(url, model, " ".join(words[:64]))  # warm-up
     points = []
     for n in lengths:
         runs, tokens = [], n
-        for _ in range(repeats):
-            prompt = " ".join(rng.choice(words, size=n))
-            secs, data, _ = _post(url, {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0})
-            tokens = int(data.get("usage", {}).get("prompt_tokens") or n)
+        for _ in range(repeats if n > 64 else 2 * repeats + 1):  # the short one is all fixed cost: noisier
+            secs, tokens = _complete(url, model, " ".join(rng.choice(words, size=n)))
             runs.append(secs)
             time.sleep(1.2)  # engines busy-loop for about a second after a request: let the core settle
-        points.append((tokens, statistics.median(runs)))
+        points.append((tokens or n, 0, statistics.median(runs)))
         say(f"prefill {tokens:>5} tokens: {statistics.median(runs) * 1000:.0f} ms "
+            f"(runs {[round(r * 1000) for r in runs]})")
+    return points
+
+
+def measure_context_prefills(engine_url: str, model: str, words: list[str], block_size: int,
+                             shapes: Sequence[tuple[int, int]] = CONTEXT_PREFILLS, repeats: int = 3,
+                             say: Callable[[str], None] = print) -> list[tuple[int, int, float]]:
+    """Prefills over a cached context on an engine with prefix caching (the local stack's decode): a
+    prompt, then the same prompt plus more. vLLM caches whole blocks, so the context is the first
+    prompt's full blocks and the rest is computed: (new tokens, context tokens, seconds)."""
+    rng = np.random.default_rng()  # fresh words each run: nothing may be served from a prefix cache
+    url = engine_url.rstrip("/") + "/v1/completions"
+    points = []
+    for ctx_words, new_words in shapes:
+        runs, new, ctx = [], 0, 0
+        for _ in range(repeats):
+            first = " ".join(rng.choice(words, size=ctx_words))
+            _, n1 = _complete(url, model, first)
+            time.sleep(1.2)
+            secs, n2 = _complete(url, model, first + " " + " ".join(rng.choice(words, size=new_words)))
+            time.sleep(1.2)
+            ctx = n1 // block_size * block_size
+            new = n2 - ctx
+            runs.append(secs)
+        points.append((new, ctx, statistics.median(runs)))
+        say(f"prefill {new:>5} tokens over {ctx} cached: {statistics.median(runs) * 1000:.0f} ms "
             f"(runs {[round(r * 1000) for r in runs]})")
     return points
 
@@ -145,7 +200,7 @@ def measure_prefills(prefill_url: str, model: str, words: list[str], lengths: Se
 def measure_pull(router_url: str, prefill_url: str, decode_url: str, model: str, words: list[str],
                  say: Callable[[str], None] = print) -> list[tuple[float, float]]:
     """A two-turn conversation through the router: each NIXL transfer's (bytes, seconds)."""
-    rng = np.random.default_rng(12)
+    rng = np.random.default_rng()  # fresh words each run: nothing may be served from a prefix cache
     conv = f"plan-calibrate-{int(time.time())}"
     url = router_url.rstrip("/") + "/v1/chat/completions"
     messages = [{"role": "user", "content": " ".join(rng.choice(words, size=1500))}]
@@ -177,7 +232,8 @@ def refit(state_dir: Path) -> dict[str, Any]:
     old = json.loads(path.read_text())
     arch, inst = tiny_local(), hardware.INSTANCES["local-cpu"]
     raw = old["raw"]
-    result = constants(arch, inst, fit_prefill(arch, raw["prefills"], inst.peak(arch.dtype)),
+    points = raw["prefills"] + raw.get("context_prefills", [])
+    result = constants(arch, inst, fit_prefill(arch, points, inst.prefill_chunk_tokens, inst.peak(arch.dtype)),
                        fit_transfers(raw["transfers"]), raw)
     result["measured_at"] = old["measured_at"]
     path.write_text(json.dumps(result, indent=2))
@@ -187,6 +243,7 @@ def refit(state_dir: Path) -> dict[str, Any]:
 def run(state_dir: Path, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Start the local stack, measure, stop it; write and return the calibration."""
     from turnkv.commands.local import start_stack
+    from turnkv.engine_args import EngineSpec
     from turnkv.local.model import load_words
     from turnkv.local.stack import SERVED_MODEL_NAME, StackConfig, Supervisor
     from turnkv.plan.models import tiny_local
@@ -198,6 +255,9 @@ def run(state_dir: Path, say: Callable[[str], None] = print) -> dict[str, Any]:
         words = load_words(config.model_dir)
         prefill_url, decode_url = comps["prefill-0"]["url"], comps["decode-0"]["url"]
         prefills = measure_prefills(prefill_url, SERVED_MODEL_NAME, words, say=say)
+        # The prefill engine runs without prefix caching (as the product does); decode's cache gives the
+        # prefills over a context that a pulled history makes, on the same kind of core.
+        contexts = measure_context_prefills(decode_url, SERVED_MODEL_NAME, words, EngineSpec.block_size, say=say)
         transfers = measure_pull(comps["router"]["url"], prefill_url, decode_url, SERVED_MODEL_NAME, words, say=say)
     finally:
         Supervisor(state_dir).down()
@@ -207,8 +267,9 @@ def run(state_dir: Path, say: Callable[[str], None] = print) -> dict[str, Any]:
     except ValueError as exc:  # keep the prefill measurements; say what is missing
         say(f"warning: {exc}; keeping the table's transfer placeholders")
         transfer = (inst.efficiency.transfer_setup_s, inst.network_bits_s / 8)
-    result = constants(arch, inst, fit_prefill(arch, prefills, inst.peak(arch.dtype)), transfer,
-                       {"prefills": prefills, "transfers": transfers})
+    fit = fit_prefill(arch, prefills + contexts, inst.prefill_chunk_tokens, inst.peak(arch.dtype))
+    result = constants(arch, inst, fit, transfer,
+                       {"prefills": prefills, "context_prefills": contexts, "transfers": transfers})
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / hardware.CALIBRATION_FILE).write_text(json.dumps(result, indent=2))
     return result

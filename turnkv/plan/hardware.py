@@ -46,6 +46,14 @@ class Efficiency:
     #: Attention's own achieved fraction of peak when it differs from the GEMMs' (None: the same factor);
     #: calibration fits it separately on CPUs, where attention kernels run far from GEMM speed.
     attention: float | None = None
+    #: Attention of a chunk's queries over keys already in the KV cache (a pulled or prefix-cached history,
+    #: or the earlier chunks of a long prompt) when its kernel's efficiency differs (None: as ``attention``).
+    #: On GPUs one FlashAttention varlen kernel does both; vLLM's CPU backend runs plain prefills through
+    #: SDPA and context through its paged kernel, so calibration fits it apart.
+    context_attention: float | None = None
+    #: Cost of each prefill chunk after the first (a scheduler step and its batch set-up); the first is in
+    #: ``request_overhead_s``. Calibrated on CPUs; on GPUs a few hundred microseconds, left at 0.
+    step_overhead_s: float = 0.0
     #: Intra-node all-reduce bus bandwidth over NVLink 4 (bytes/s per GPU): about 380 GB/s of 450 GB/s
     #: unidirectional measured on HGX H100 (NVIDIA/nccl issue #1264): 360e9 for all-reduce.
     allreduce_bus_bytes_s: float = 360e9
@@ -82,6 +90,10 @@ class Instance:
     efficiency: Efficiency = field(default_factory=Efficiency)
     #: Fraction of HBM the engine gives its KV cache (vLLM --gpu-memory-utilization 0.9, minus weights).
     memory_utilization: float = 0.9
+    #: Tokens one engine step prefills (vLLM's ``max_num_batched_tokens``): a longer prompt is prefilled
+    #: in chunks, each attending over the ones before. vLLM's API-server default (engine/arg_utils.py,
+    #: get_batch_defaults): 8,192 on GPUs of 70-160 GB (H100, H200), 2,048 on CPUs.
+    prefill_chunk_tokens: int = 8192
 
     def peak(self, dtype: str) -> float:
         key = {"bfloat16": "bf16", "float16": "bf16", "float32": "fp32", "fp8": "fp8"}.get(dtype, dtype)
@@ -134,7 +146,7 @@ INSTANCES: dict[str, Instance] = {
         Efficiency(dense=0.3, moe=0.3, allreduce_bus_bytes_s=1e12, decode_bandwidth=0.5, request_overhead_s=0.02,
                    transfer_setup_s=0.002,
                    transfer_efficiency=((1, 1.0),), source="placeholder: run `turnkv plan calibrate`"),
-        memory_utilization=1.0),
+        memory_utilization=1.0, prefill_chunk_tokens=2048),
 }
 
 CALIBRATION_FILE = "plan-calibration.json"
@@ -169,6 +181,7 @@ def load(name: str, state_dir: Path | None = None) -> Instance:
 def apply_calibration(inst: Instance, data: dict[str, Any]) -> Instance:
     e = data["efficiency"]
     eff = replace(inst.efficiency, dense=e["dense"], moe=e.get("moe", e["dense"]), attention=e.get("attention"),
+                  context_attention=e.get("context_attention"), step_overhead_s=e.get("step_overhead_s", 0.0),
                   request_overhead_s=e["request_overhead_s"], transfer_setup_s=e["transfer_setup_s"],
                   transfer_efficiency=((1, e["transfer_efficiency"]),),
                   source=f"calibrated {data.get('measured_at', '')} on {data.get('host', 'this machine')}")

@@ -57,12 +57,15 @@ class Fleet:
 # -- per-request costs (vectorized over numpy arrays) ---------------------------------------------
 
 
-def _prefill_flops_s(fleet: Fleet, attention: bool = False) -> float:
-    """Achieved prefill FLOP/s of one engine (GEMMs, or attention when its factor differs)."""
+def _prefill_flops_s(fleet: Fleet, attention: str = "") -> float:
+    """Achieved prefill FLOP/s of one engine: GEMMs, or attention ("fresh": a chunk's queries over its own
+    keys; "context": over cached keys) when its factor differs."""
     m, inst, eff = fleet.model, fleet.prefill, fleet.prefill.efficiency
     factor = eff.moe if m.moe else eff.dense
     if attention and eff.attention is not None:
         factor = eff.attention
+    if attention == "context" and eff.context_attention is not None:
+        factor = eff.context_attention
     if m.index_topk:
         factor *= eff.sparse_attention
     return fleet.tp_prefill * inst.peak(m.dtype) * factor
@@ -78,12 +81,28 @@ def weight_bytes_read(m: ModelArch, tokens: Any) -> Any:
     return (m.active_params() + experts_total * touched) * per_param
 
 
+def chunked_attention_flops(m: ModelArch, new: Any, context: Any, chunk: int) -> tuple[Any, Any]:
+    """(fresh, context) attention FLOPs of prefilling ``new`` tokens after ``context`` cached ones in
+    chunks of ``chunk`` tokens: each chunk's queries over its own keys, and over every key before it."""
+    new, context = np.asarray(new, dtype=float), np.asarray(context, dtype=float)
+    full, rest = np.floor(new / chunk), np.mod(new, chunk)
+    fresh = full * m.attention_flops(float(chunk), 0.0) + m.attention_flops(rest, 0.0)
+    return fresh, m.attention_flops(new, context) - fresh
+
+
+def prefill_chunks(fleet: Fleet, new: Any) -> np.ndarray:
+    return np.ceil(np.asarray(new, dtype=float) / fleet.prefill.prefill_chunk_tokens)
+
+
 def compute_s(fleet: Fleet, new: Any, context: Any) -> np.ndarray:
-    """Prefill of ``new`` tokens after ``context`` cached tokens on one prefill engine (seconds)."""
+    """Prefill of ``new`` tokens after ``context`` cached tokens on one prefill engine (seconds), in the
+    engine's chunks (the first chunk's step is in the hop's fixed cost)."""
     m, inst, tp = fleet.model, fleet.prefill, fleet.tp_prefill
     new = np.asarray(new, dtype=float)
+    fresh, ctx = chunked_attention_flops(m, new, context, inst.prefill_chunk_tokens)
     compute = (m.linear_flops_per_token() * new / _prefill_flops_s(fleet)
-               + m.attention_flops(new, np.asarray(context, dtype=float)) / _prefill_flops_s(fleet, attention=True))
+               + fresh / _prefill_flops_s(fleet, "fresh") + ctx / _prefill_flops_s(fleet, "context")
+               + np.maximum(prefill_chunks(fleet, new) - 1, 0) * inst.efficiency.step_overhead_s)
     memory = weight_bytes_read(m, new) / (tp * inst.hbm_bytes_s)
     allreduce = 0.0
     if tp > 1:  # two all-reduces of the activations per layer (attention out, MLP out), bf16
