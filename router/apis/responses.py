@@ -210,8 +210,7 @@ class ResponsesTranslation:
         self.response_id = ""
         if body.get("truncation") not in (None, "disabled"):
             raise RequestError("'truncation' must be 'disabled' (the engines do not truncate conversations)")
-        if body.get("include"):
-            raise RequestError(f"'include' {body['include']!r} is not supported")
+        _check_include(body.get("include"))
         if body.get("service_tier") not in (None, "auto", "default"):
             raise RequestError(f"'service_tier' {body['service_tier']!r} is not supported")
         if not body.get("model"):
@@ -338,6 +337,25 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
 
 def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+#: ``include`` values accepted, as vLLM's own Responses endpoint does: agents that keep no server state
+#: (Codex CLI, the Agents SDK with ``store=False``) ask for encrypted reasoning to send back next turn; the
+#: router holds no key to encrypt it, so reasoning comes back as plain text in the item's content, which
+#: ``input_messages`` reads as the assistant's reasoning (and the turn is still found by content).
+INCLUDE_ACCEPTED = frozenset({"reasoning.encrypted_content"})
+
+
+def _check_include(include: Any) -> None:
+    if include is None:
+        return
+    if not isinstance(include, list) or not all(isinstance(v, str) for v in include):
+        raise RequestError("'include' must be a list of strings")
+    refused = [v for v in include if v not in INCLUDE_ACCEPTED]
+    if refused:
+        why = ("logprobs are not translated" if refused[0] == "message.output_text.logprobs"
+               else "hosted tools and stored files are not served")
+        raise RequestError(f"'include' {refused[0]!r} is not supported: {why}")
 
 
 def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:

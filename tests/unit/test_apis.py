@@ -100,13 +100,30 @@ def test_responses_input_becomes_the_chat_messages_vllm_builds():
 
 @pytest.mark.parametrize("field, value, named", [
     ("previous_response_id", "resp_1", "kept responses"),  # the router resolves it first (router.apis.stored)
-    ("background", True, "background"), ("include", ["reasoning.encrypted_content"], "include"),
+    ("background", True, "background"), ("include", ["message.output_text.logprobs"], "logprobs"),
+    ("include", ["file_search_call.results"], "file_search_call.results"), ("include", "x", "list of strings"),
     ("truncation", "auto", "truncation"), ("frobnicate", 1, "frobnicate"), ("conversation", "c", "conversation"),
     ("tools", [{"type": "web_search"}], "web_search"), ("text", {"format": {"type": "grammar"}}, "grammar"),
 ])
 def test_responses_fields_it_cannot_honour_are_refused_by_name(field, value, named):
     with pytest.raises(RequestError, match=named):
         ResponsesTranslation({"model": "tiny", "input": "hi", field: value})
+
+
+def test_responses_include_of_encrypted_reasoning_is_accepted_as_vllm_does():
+    """Codex CLI and the Agents SDK (store=False) ask for it on every request: the translation is the same as
+    without it, and the reasoning item returned, sent back as input, rebuilds the assistant's reasoning."""
+    body = {"model": "m", "input": "hi", "store": False, "include": ["reasoning.encrypted_content"]}
+    plain = ResponsesTranslation({k: v for k, v in body.items() if k != "include"})
+    t = ResponsesTranslation(body)
+    assert t.chat_body == plain.chat_body
+    answer = t.unary({"id": "chatcmpl-1", "model": "m", "choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "content": "4", "reasoning": "2+2"}}], "usage": {}})
+    again = ResponsesTranslation({"model": "m", "input": [{"role": "user", "content": "hi"}, *answer["output"],
+                                                           {"role": "user", "content": "and 3+3?"}]})
+    assert again.chat_body["messages"][1]["role"] == "assistant"
+    assert again.chat_body["messages"][1]["content"] == "4"
+    assert again.chat_body["messages"][1]["reasoning"] == "2+2"
 
 
 def test_responses_input_items_it_cannot_render_are_refused_by_name():
