@@ -119,8 +119,8 @@ def check_turns(stack, turn, *, first, follow, stream):
 def test_the_openai_responses_sdk_reuses_from_turn_two(stack, stream):
     client, model_dir = openai_sdk(stack), stack["model_dir"]
 
-    def turn(items, *, stream, headers=None):
-        return respond(client, items, stream=stream, headers=headers)
+    def turn(items, *, stream, headers=None):  # as stateless agents ask (Codex CLI, the Agents SDK with store=False)
+        return respond(client, items, stream=stream, headers=headers, include=["reasoning.encrypted_content"])
 
     first = [{"role": "system", "content": words(model_dir, 200, 400 + stream)},
              {"role": "user", "content": words(model_dir, 400, 410 + stream)}]
