@@ -10,7 +10,7 @@
    runs, so the constants must come from the same minutes as the TTFTs they predict;
 4. print the table, turn by turn, and the cells outside ``--tolerance``.
 
-The planner never sees a multi-turn TTFT: the A/B is only compared against. Needs ~6 minutes here.
+The planner never sees a multi-turn TTFT: the A/B is only compared against. Takes ~4 minutes here.
 
     python -m bench.plan_accuracy --out results/plan-accuracy
 """
