@@ -144,18 +144,28 @@ async def chaos(engines: list[EngineProc], args, log: list, stop: float) -> None
             log.append((round(time.monotonic(), 1), "healthy", victim.name))
 
 
-async def verify(url: str, checks: list, limit: int) -> Counter:
-    """Real engines: replay sampled turns with reuse off; a reuse that changed the answer is wrong reuse."""
+async def verify(url: str, checks: list, limit: int, budget_s: float = 180.0) -> Counter:
+    """Real engines: replay sampled turns with reuse off; a reuse that changed the answer is wrong reuse.
+    Bounded by ``budget_s`` in all (a broken stack must not hold the report back for an hour)."""
     result: Counter = Counter()
-    async with aiohttp.ClientSession() as s:
+    deadline = time.monotonic() + budget_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
         for messages, _stream, text in checks[:limit]:
+            if time.monotonic() > deadline:
+                result["not_replayed"] += 1
+                continue
             body = {"model": "tiny", "messages": messages, "max_tokens": 16, "temperature": 0}
-            async with s.post(url + "/v1/chat/completions", json=body, headers={"X-TurnKV-Reuse": "off"}) as r:
-                if r.status != 200:
-                    result["unverifiable"] += 1
-                    continue
-                same = (await r.json())["choices"][0]["message"]["content"] == text
-                result["same" if same else "wrong_reuse"] += 1
+            try:
+                async with s.post(url + "/v1/chat/completions", json=body,
+                                  headers={"X-TurnKV-Reuse": "off"}) as r:
+                    if r.status != 200:
+                        result["unverifiable"] += 1
+                        continue
+                    same = (await r.json())["choices"][0]["message"]["content"] == text
+            except (TimeoutError, aiohttp.ClientError):
+                result["unverifiable"] += 1
+                continue
+            result["same" if same else "wrong_reuse"] += 1
     return result
 
 
@@ -167,7 +177,10 @@ async def main(args) -> dict:
     env = {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     engines: list[EngineProc] = []
     supervisor = None
+    mode_args: list[str] = []
     if args.engines == "fake":
+        if args.mode != "pull":
+            raise SystemExit("--mode push needs --engines real (the fake engine speaks the pull protocol)")
         for role, off in (("prefill", 100), ("decode", 200)):
             for i in range(2):
                 port = base + off + i
@@ -180,11 +193,13 @@ async def main(args) -> dict:
         for e in engines:
             await wait_http(f"http://127.0.0.1:{e.port}/health", 30)
     else:
+        from turnkv.engine_args import Mode
         from turnkv.local.stack import StackConfig, Supervisor, plan
 
         config = StackConfig(state_dir=out / "stack", router_port=base + 50, prefill_port=base + 100,
                              decode_port=base + 200, side_channel_base=25650, prefill_engines=2, decode_engines=2,
-                             kv_cache_gib=1, tunables={"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45})
+                             kv_cache_gib=1, tunables={"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45},
+                             mode=Mode(args.mode))
         supervisor = Supervisor(config.state_dir)
         supervisor.down()
         state = supervisor.up(config)
@@ -195,14 +210,17 @@ async def main(args) -> dict:
                 proc.p = type("P", (), {"pid": comp["pgid"], "poll": lambda self: None,
                                         "wait": lambda self, t=None: None})()
                 engines.append(proc)
-        prefill = [state["components"][n]["url"] for n in state["components"] if n.startswith("prefill")]
-        decode = [state["components"][n]["url"] for n in state["components"] if n.startswith("decode")]
+        # The stack's own router flags name the engines (push: prefill's engine id and side channel too).
+        planned = specs["router"].argv
+        prefill = [planned[i + 1] for i, a in enumerate(planned) if a == "--prefill"]
+        decode = [planned[i + 1] for i, a in enumerate(planned) if a == "--decode"]
+        mode_args = ["--mode", args.mode]
     router_port = base
     router = subprocess.Popen([py, "-m", "turnkv.cli", "router", "serve", "--port", str(router_port),
                                *[a for u in prefill for a in ("--prefill", u)],
                                *[a for u in decode for a in ("--decode", u)],
                                "--set", "health_interval=1", "--set", "first_token_timeout=30",
-                               "--set", "prefill_timeout=30", "--no-emf",
+                               "--set", "prefill_timeout=30", "--no-emf", *mode_args,
                                *[a for v in args.router_set for a in ("--set", v)]],
                               env={**os.environ, **env}, stdout=open(out / "router.log", "wb"),  # noqa: SIM115
                               stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
@@ -238,7 +256,8 @@ async def main(args) -> dict:
                         async with s.get(f"http://127.0.0.1:{e.port}/stats") as r:
                             fake_stats[e.name] = await r.json()
         report = {
-            "engines": args.engines, "duration_s": round(elapsed, 1), "conversations": args.conversations,
+            "engines": args.engines, "mode": args.mode, "duration_s": round(elapsed, 1),
+            "conversations": args.conversations,
             "requests": stats["requests"], "requests_per_s": round(stats["requests"] / elapsed, 1),
             "client_errors": stats["errors"], "errors_by_kind": {k[6:]: v for k, v in stats.items()
                                                                  if k.startswith("error:")},
@@ -265,6 +284,8 @@ async def main(args) -> dict:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--engines", choices=("fake", "real"), default="fake")
+    p.add_argument("--mode", choices=("pull", "push"), default="pull",
+                   help="KV transfer mode of the real engines (push: prefill WRITEs into decode, bi-directional)")
     p.add_argument("--duration", type=float, default=120)
     p.add_argument("--conversations", type=int, default=64)
     p.add_argument("--turns", type=int, default=8, help="turns before a conversation starts over")
