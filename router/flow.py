@@ -137,7 +137,7 @@ class Dispatch:
     retries: int = 0
     retain: bool = False  # decode is asked to keep this turn's KV (a conversation turn within the tenant's limits)
     migrate: bool = False  # a stream that may continue on another decode engine (router.migrate)
-    prompt_ids: list[int] | None = None  # the rendered prompt's token ids (from prefill, when migrate)
+    prompt_ids: list[Any] | None = None  # the rendered prompt's token ids (from prefill, when migrate; unchecked)
     status: int = 0
     error: str = ""
     prefill_engine: str = ""
@@ -744,7 +744,10 @@ class Flow:
                        state: migrate.StreamState, deadline: float) -> bool:
         """Continue a stream whose decode died on another decode engine (router.migrate); True when it ended
         normally ([DONE] sent). Up to ``decode_migrations`` times; every token is relayed exactly once."""
-        if request is None or d.prompt_ids is None:
+        if request is None or d.prompt_ids is None or not migrate.valid_ids(d.prompt_ids):
+            return False
+        if not state.ids_parse():
+            log.warning("decode sent token ids that are not integers: the stream cannot be continued")
             return False
         avoid = [dead]
         state.prompt_tokens = len(d.prompt_ids)
