@@ -39,6 +39,7 @@ from router.apis import stored
 from router.config import RouterConfig
 from router.engines import Engine, EnginePool, Lease, NoEngineError, PushIdentity
 from router.errors import public_message
+from router.keepalive import Keepalive
 from router.reply import ReplyCollector
 from router.state import ConversationStore, Entry
 from router.telemetry import Metrics
@@ -51,7 +52,6 @@ REUSED_TOKENS_HEADER = "X-TurnKV-Reused-Tokens"
 REUSE_OUTCOME_HEADER = "X-TurnKV-Reuse-Outcome"
 CONVERSATION_HEADER = "X-Conversation-Id"
 REQUEST_ID_HEADER = "X-Request-Id"
-KEEPALIVE = b": keepalive\n\n"
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error",
@@ -626,23 +626,16 @@ class Flow:
                             headers=self._reply_headers(d))
 
     async def _run_stream(self, d: Dispatch, request: web.Request) -> web.StreamResponse:
-        task = asyncio.create_task(self._dispatch(d, request))
-        response: web.StreamResponse | None = None
+        # Before the first token: SSE comments keep idle-timeout proxies (ALB) from closing (router.keepalive).
+        keepalive = Keepalive(request, {REQUEST_ID_HEADER: d.request_id, "Content-Type": "text/event-stream",
+                                        "Cache-Control": "no-cache"}, float(self.config.sse_keepalive),
+                              float(self.config.write_timeout))
         opened: Opened | None = None
         try:
-            while True:  # before the first token: SSE comments keep idle-timeout proxies (ALB) from closing
-                done, _ = await asyncio.wait({task}, timeout=float(self.config.sse_keepalive))
-                if done:
-                    break
-                if response is None:
-                    response = web.StreamResponse(headers={REQUEST_ID_HEADER: d.request_id,
-                                                           "Content-Type": "text/event-stream",
-                                                           "Cache-Control": "no-cache"})
-                    await response.prepare(request)
-                await response.write(KEEPALIVE)
             try:
-                opened = task.result()
+                opened = await self._dispatch(d, request)
             except (UpstreamError, NoEngineError) as exc:
+                response = await keepalive.stop()
                 if response is None:
                     if isinstance(exc, NoEngineError):
                         d.error = str(exc)
@@ -653,6 +646,7 @@ class Flow:
                 await self._error_event(d, response, public_message(exc) if isinstance(exc, UpstreamError)
                                         else str(exc), status)
                 return response
+            response = await keepalive.stop()
             early = response is not None
             if response is None:
                 response = web.StreamResponse(headers={**self._reply_headers(d), "Content-Type": "text/event-stream",
@@ -660,10 +654,7 @@ class Flow:
                 await response.prepare(request)
             return await self._relay(d, response, opened, early, request)
         finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+            await keepalive.stop()
             if opened is not None:
                 opened.close()
 
