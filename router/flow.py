@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import os
+import secrets
 import time
 import uuid
 from collections.abc import Mapping
@@ -76,11 +79,26 @@ class UpstreamError(Exception):
         self.connect = connect  # the engine was never reached: it did no work
 
 
-def new_leg_id() -> str:
-    """The request id both engines see for one dispatch: generated here, never the client's. Upstream's push
-    mode pairs decode's registration with prefill's blocks by this id, so a client-chosen one would let two
-    requests with the same id write into each other's KV."""
-    return f"turnkv-{uuid.uuid4().hex}"
+class _LegIds:
+    """Unique ids without a system call each: a random 64-bit prefix per process (drawn again in a forked child)
+    and a counter."""
+
+    def __init__(self) -> None:
+        self.reseed()
+        os.register_at_fork(after_in_child=self.reseed)
+
+    def reseed(self) -> None:
+        self.prefix = f"turnkv-{secrets.token_hex(8)}"
+        self.counter = itertools.count(1)
+
+    def __call__(self) -> str:
+        return f"{self.prefix}{next(self.counter):016x}"
+
+
+#: The request id both engines see for one dispatch: generated here, never the client's. Upstream's push mode
+#: pairs decode's registration with prefill's blocks by this id, so a client-chosen one would let two requests
+#: with the same id write into each other's KV. Unique per process and across processes and restarts.
+new_leg_id = _LegIds()
 
 
 def client_request_id(raw: str | None) -> str:
