@@ -40,6 +40,7 @@ from aiohttp import web
 from router import apis, guard, hints, limits, migrate, retry, sse, telemetry
 from router.apis import stored
 from router.config import RouterConfig
+from router.deadline import WriteDeadline
 from router.engines import Engine, EnginePool, Lease, NoEngineError, PushIdentity
 from router.errors import public_message
 from router.keepalive import Keepalive
@@ -698,7 +699,15 @@ class Flow:
     async def _relay(self, d: Dispatch, response: web.StreamResponse, opened: Opened, early: bool,
                      request: web.Request | None = None) -> web.StreamResponse:
         assert opened.resp is not None
-        deadline = float(self.config.write_timeout)
+        deadline = WriteDeadline(float(self.config.write_timeout))
+        try:
+            return await self._relay_lines(d, response, opened, early, request, deadline)
+        finally:
+            deadline.close()
+
+    async def _relay_lines(self, d: Dispatch, response: web.StreamResponse, opened: Opened, early: bool,
+                           request: web.Request | None, deadline: WriteDeadline) -> web.StreamResponse:
+        assert opened.resp is not None
         reply = ReplyCollector(d.kind, parse=d.retain or (d.api is not None and d.api.keeps_reply))
         api = d.api
         state = migrate.StreamState(d.kind, bool(d.body.get("return_token_ids"))) if d.migrate else None
@@ -730,12 +739,12 @@ class Flow:
                 if reply.complete:  # [DONE] seen: the rest goes out with the end of the stream
                     tail.extend(out)
                 elif out:
-                    await _client_write(response, b"".join(out), timeout=deadline)
+                    await _client_write(response, b"".join(out), deadline=deadline)
             if rest := lines.flush():
                 fed = reply.feed(rest)
                 if fed:
                     tail.append(fed if api is None else api.stream_line(fed))
-            await _client_write(response, b"".join(tail), eof=True, timeout=deadline)
+            await _client_write(response, b"".join(tail), eof=True, deadline=deadline)
         except _ClientGone as gone:
             self.metrics.client_disconnects.inc()
             d.status, d.error = 499, "client disconnected"
@@ -751,7 +760,7 @@ class Flow:
             log.warning("%s", error)
             if reply.complete:  # [DONE] had arrived: only the end of the stream is missing
                 with contextlib.suppress(_ClientGone):
-                    await _client_write(response, b"".join(tail), eof=True, timeout=deadline)
+                    await _client_write(response, b"".join(tail), eof=True, deadline=deadline)
                 return response
             if state is not None and await self._migrate(d, request, response, opened.engine, state, deadline):
                 return response
@@ -760,7 +769,7 @@ class Flow:
         return response
 
     async def _migrate(self, d: Dispatch, request: web.Request | None, response: web.StreamResponse, dead: Engine,
-                       state: migrate.StreamState, deadline: float) -> bool:
+                       state: migrate.StreamState, deadline: WriteDeadline) -> bool:
         """Continue a stream whose decode died on another decode engine (router.migrate); True when it ended
         normally ([DONE] sent). Up to ``decode_migrations`` times; every token is relayed exactly once."""
         if request is None or d.prompt_ids is None or not migrate.valid_ids(d.prompt_ids):
@@ -799,7 +808,7 @@ class Flow:
         return False
 
     async def _relay_continuation(self, response: web.StreamResponse, opened: Opened, state: migrate.StreamState,
-                                  deadline: float, api: apis.Translation | None = None) -> bool:
+                                  deadline: WriteDeadline, api: apis.Translation | None = None) -> bool:
         """Relay a continuation stream in the client's format (chat chunks, then through ``api`` for a translated
         stream); True at [DONE], False when it failed too."""
         assert opened.resp is not None
@@ -814,7 +823,7 @@ class Flow:
                     if payload == sse.DONE:
                         done = b"data: [DONE]\n\n"
                         out.append(done if api is None else api.stream_line(done))
-                        await _client_write(response, b"".join(out), eof=True, timeout=deadline)
+                        await _client_write(response, b"".join(out), eof=True, deadline=deadline)
                         return True
                     try:
                         rewritten = state.rewrite(orjson.loads(payload))
@@ -823,7 +832,7 @@ class Flow:
                     if rewritten is not None:
                         out.append(rewritten if api is None else api.stream_line(rewritten))
                 if out:
-                    await _client_write(response, b"".join(out), timeout=deadline)
+                    await _client_write(response, b"".join(out), deadline=deadline)
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("continuation on %s failed too: %s", opened.engine.name, exc or type(exc).__name__)
         return False
@@ -844,14 +853,10 @@ class _ClientGone(Exception):
         self.slow = slow
 
 
-async def _client_write(response: web.StreamResponse, data: bytes, eof: bool = False,
-                        timeout: float | None = None) -> None:
+async def _client_write(response: web.StreamResponse, data: bytes, eof: bool = False, *,
+                        deadline: WriteDeadline) -> None:
     try:
-        async with asyncio.timeout(timeout):
-            if eof:
-                await response.write_eof(data)
-            else:
-                await response.write(data)
+        await deadline.run(response.write_eof(data) if eof else response.write(data))
     except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
         raise _ClientGone() from exc
     except TimeoutError as exc:
