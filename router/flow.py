@@ -29,9 +29,9 @@ import os
 import secrets
 import time
 import uuid
-from collections.abc import Coroutine, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 import orjson
@@ -50,7 +50,6 @@ from router.telemetry import Metrics
 from turnkv import wire
 
 log = logging.getLogger("turnkv.router")
-T = TypeVar("T")
 
 REUSE_HEADER = "X-TurnKV-Reuse"
 REUSED_TOKENS_HEADER = "X-TurnKV-Reused-Tokens"
@@ -251,22 +250,13 @@ class Flow:
             d.outcome = "none"
         return d
 
-    async def _bounded(self, op: Coroutine[Any, Any, T]) -> T:
-        """A store operation within ``store_timeout_ms`` (TimeoutError past it). A store whose operations never
-        wait (``waits = False``: the memory store) runs without a timer; ``asyncio.timeout``, not ``wait_for``,
-        which on Python 3.11 makes a task per call."""
-        if not getattr(self.store, "waits", True):
-            return await op
-        async with asyncio.timeout(self.config.store_timeout_ms / 1000):
-            return await op
-
     async def _take(self, d: Dispatch) -> dict[str, Any] | None:
         """The stored params to replay for this request, or None (and why, in d.outcome)."""
         if d.key is None or d.outcome == "disabled":
             return None
         t0 = time.perf_counter()
         try:
-            entry = await self._bounded(self.store.take(d.key))
+            entry = await asyncio.wait_for(self.store.take(d.key), self.config.store_timeout_ms / 1000)
         except Exception as exc:  # the store is an optimisation: never fail a request because of it
             log.warning("conversation store unavailable (%s); continuing without reuse",
                         exc or type(exc).__name__)
@@ -323,7 +313,7 @@ class Flow:
         entry = Entry(replay, history, expires, decode.name, now)
         t0 = time.perf_counter()
         try:
-            await self._bounded(self.store.put(key, entry))
+            await asyncio.wait_for(self.store.put(key, entry), self.config.store_timeout_ms / 1000)
             self.hold_retention(d.tenant, key, entry, expires)
         except Exception as exc:
             self.metrics.store_errors.labels("put").inc()

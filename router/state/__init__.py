@@ -40,9 +40,6 @@ class StoreError(RuntimeError):
 
 
 class ConversationStore(Protocol):
-    # A store may set ``waits = False`` when its operations never wait on I/O (the memory store): the flow then
-    # skips the store_timeout_ms timer. Absent, operations are bounded.
-
     async def put(self, key: str, entry: Entry) -> None: ...
 
     async def get(self, key: str) -> Entry | None:

@@ -28,9 +28,6 @@ def _compact(key: str) -> bytes | str:
 
 
 class MemoryStore:
-    #: Its operations never wait on I/O: the flow bounds them with no timer (router.flow.Flow._bounded).
-    waits = False
-
     def __init__(self, max_entries: int, clock: Callable[[], float] = time.time,
                  max_bytes: int = 256 * 1024 * 1024) -> None:
         self._entries: OrderedDict[bytes | str, tuple[float, bytes]] = OrderedDict()
