@@ -156,7 +156,7 @@ class Dispatch:
     retries: int = 0
     retain: bool = False  # decode is asked to keep this turn's KV (a conversation turn within the tenant's limits)
     migrate: bool = False  # a stream that may continue on another decode engine (router.migrate)
-    prompt_ids: list[Any] | None = None  # the rendered prompt's token ids (from prefill, when migrate; unchecked)
+    prompt_ids: bytes | None = None  # the rendered prompt's token ids as prefill wrote them (when migrate)
     status: int = 0
     error: str = ""
     prefill_engine: str = ""
@@ -407,6 +407,8 @@ class Flow:
         elapsed = time.perf_counter() - t0
         self._leg["prefill"].observe(elapsed)
         d.prefill_ms = elapsed * 1000
+        if d.migrate:  # the prompt's ids, kept unparsed for a migration (router.migrate)
+            raw, d.prompt_ids = migrate.cut_prompt_ids(raw)
         result = orjson.loads(raw)
         kv = result.get("kv_transfer_params")
         if not isinstance(kv, dict):
@@ -415,8 +417,6 @@ class Flow:
                                 leg="prefill", engine=engine)
         usage = result.get("usage") or {}
         d.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-        if d.migrate:
-            d.prompt_ids = migrate.prompt_ids_of(result)
         self.pool.report_success(engine)
         if d.outcome == "hit":
             self._account_reuse(d, kv)
@@ -762,15 +762,16 @@ class Flow:
                        state: migrate.StreamState, deadline: WriteDeadline) -> bool:
         """Continue a stream whose decode died on another decode engine (router.migrate); True when it ended
         normally ([DONE] sent). Up to ``decode_migrations`` times; every token is relayed exactly once."""
-        if request is None or d.prompt_ids is None or not migrate.valid_ids(d.prompt_ids):
+        prompt = migrate.prompt_ids(d.prompt_ids) if d.prompt_ids is not None else None
+        if request is None or not prompt:
             return False
         if not state.ids_parse():
             log.warning("decode sent token ids that are not integers: the stream cannot be continued")
             return False
         avoid = [dead]
-        state.prompt_tokens = len(d.prompt_ids)
+        state.prompt_tokens = len(prompt)
         for _ in range(int(self.config.decode_migrations)):
-            body = migrate.continuation_body(d.body, d.prompt_ids + state.generated, len(state.generated))
+            body = migrate.continuation_body(d.body, prompt + state.generated, len(state.generated))
             if body is None:
                 break
             c = Dispatch("completion", "/v1/completions", body, d.request_id, None, None, started=d.started,

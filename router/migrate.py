@@ -80,20 +80,19 @@ def take_token_ids(line: bytes, strip: bool) -> tuple[bytes, bytes]:
     return line, ids or b""
 
 
-def prompt_ids_of(prefill_answer: Mapping[str, Any]) -> list[Any] | None:
-    """The rendered prompt's token ids from a non-streaming answer (top level for chat, per choice otherwise).
-    Unchecked: ``valid_ids`` checks them when a migration needs them (one walk over thousands of ids per request
-    otherwise, for a stream that almost never migrates)."""
-    ids = prefill_answer.get("prompt_token_ids")
-    if ids is None:
-        choices = prefill_answer.get("choices") or [{}]
-        ids = choices[0].get("prompt_token_ids") if isinstance(choices[0], Mapping) else None
-    return ids if isinstance(ids, list) else None
+def cut_prompt_ids(answer: bytes) -> tuple[bytes, bytes | None]:
+    """A non-streaming answer (prefill's) without its ``prompt_token_ids`` (top level for chat, per choice
+    otherwise), and that list's text, unparsed (None when absent). The list is as long as the prompt, thousands of
+    ids that a stream needs only if it migrates: ``prompt_ids`` parses them then."""
+    return _cut(answer, _PROMPT_IDS)
 
 
-def valid_ids(ids: list[Any]) -> bool:
-    """Whether every element is a token id (an int, not a bool)."""
-    return all(type(t) is int for t in ids)
+def prompt_ids(raw: bytes) -> list[int] | None:
+    """The prompt token ids ``cut_prompt_ids`` kept (None when they are not a list of integers)."""
+    try:
+        return parse_ids([raw])
+    except ValueError:
+        return None
 
 
 def continuation_body(body: Mapping[str, Any], sequence: list[int], generated: int) -> dict[str, Any] | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import orjson
+
 from router import migrate
 
 
@@ -30,10 +32,17 @@ def test_ids_that_are_not_integers_make_the_stream_not_continuable() -> None:
     state = migrate.StreamState("chat", client_ids=False)
     state.observe(b'data: {"choices":[{"index":0,"delta":{"content":"a"},"token_ids":["x"]}]}\n')
     assert not state.ids_parse()
-    assert migrate.valid_ids([1, 2]) and not migrate.valid_ids([1, True]) and not migrate.valid_ids([1.0])
+    assert migrate.prompt_ids(b"1, 2") == [1, 2]
+    assert migrate.prompt_ids(b"1,true") is None and migrate.prompt_ids(b"1.5") is None
 
 
-def test_prompt_ids_are_read_unchecked_from_either_place() -> None:
-    assert migrate.prompt_ids_of({"prompt_token_ids": [1, 2]}) == [1, 2]
-    assert migrate.prompt_ids_of({"choices": [{"prompt_token_ids": [3]}]}) == [3]
-    assert migrate.prompt_ids_of({"choices": [{}]}) is None
+def test_prompt_ids_are_cut_unparsed_from_either_place() -> None:
+    chat = b'{"id":"c","choices":[{"index":0}],"prompt_token_ids":[1,2,3],"usage":{"prompt_tokens":3}}'
+    rest, raw = migrate.cut_prompt_ids(chat)
+    assert orjson.loads(rest) == {"id": "c", "choices": [{"index": 0}], "usage": {"prompt_tokens": 3}}
+    assert raw is not None and migrate.prompt_ids(raw) == [1, 2, 3]
+    completion = b'{"choices":[{"prompt_token_ids":[4],"index":0,"text":"x"}]}'
+    rest, raw = migrate.cut_prompt_ids(completion)
+    assert orjson.loads(rest) == {"choices": [{"index": 0, "text": "x"}]} and raw == b"4"
+    text = b'{"choices":[{"message":{"content":"\\"prompt_token_ids\\":[9]"}}]}'  # in a string: escaped, not cut
+    assert migrate.cut_prompt_ids(text) == (text, None)
