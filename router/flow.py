@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
+import os
+import secrets
 import time
 import uuid
 from collections.abc import Mapping
@@ -37,8 +40,10 @@ from aiohttp import web
 from router import apis, guard, hints, limits, migrate, retry, sse, telemetry
 from router.apis import stored
 from router.config import RouterConfig
+from router.deadline import WriteDeadline
 from router.engines import Engine, EnginePool, Lease, NoEngineError, PushIdentity
 from router.errors import public_message
+from router.keepalive import Keepalive
 from router.reply import ReplyCollector
 from router.state import ConversationStore, Entry
 from router.telemetry import Metrics
@@ -51,7 +56,6 @@ REUSED_TOKENS_HEADER = "X-TurnKV-Reused-Tokens"
 REUSE_OUTCOME_HEADER = "X-TurnKV-Reuse-Outcome"
 CONVERSATION_HEADER = "X-Conversation-Id"
 REQUEST_ID_HEADER = "X-Request-Id"
-KEEPALIVE = b": keepalive\n\n"
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error",
@@ -76,11 +80,26 @@ class UpstreamError(Exception):
         self.connect = connect  # the engine was never reached: it did no work
 
 
-def new_leg_id() -> str:
-    """The request id both engines see for one dispatch: generated here, never the client's. Upstream's push
-    mode pairs decode's registration with prefill's blocks by this id, so a client-chosen one would let two
-    requests with the same id write into each other's KV."""
-    return f"turnkv-{uuid.uuid4().hex}"
+class _LegIds:
+    """Unique ids without a system call each: a random 64-bit prefix per process (drawn again in a forked child)
+    and a counter."""
+
+    def __init__(self) -> None:
+        self.reseed()
+        os.register_at_fork(after_in_child=self.reseed)
+
+    def reseed(self) -> None:
+        self.prefix = f"turnkv-{secrets.token_hex(8)}"
+        self.counter = itertools.count(1)
+
+    def __call__(self) -> str:
+        return f"{self.prefix}{next(self.counter):016x}"
+
+
+#: The request id both engines see for one dispatch: generated here, never the client's. Upstream's push mode
+#: pairs decode's registration with prefill's blocks by this id, so a client-chosen one would let two requests
+#: with the same id write into each other's KV. Unique per process and across processes and restarts.
+new_leg_id = _LegIds()
 
 
 def client_request_id(raw: str | None) -> str:
@@ -137,7 +156,7 @@ class Dispatch:
     retries: int = 0
     retain: bool = False  # decode is asked to keep this turn's KV (a conversation turn within the tenant's limits)
     migrate: bool = False  # a stream that may continue on another decode engine (router.migrate)
-    prompt_ids: list[int] | None = None  # the rendered prompt's token ids (from prefill, when migrate)
+    prompt_ids: bytes | None = None  # the rendered prompt's token ids as prefill wrote them (when migrate)
     status: int = 0
     error: str = ""
     prefill_engine: str = ""
@@ -388,6 +407,8 @@ class Flow:
         elapsed = time.perf_counter() - t0
         self._leg["prefill"].observe(elapsed)
         d.prefill_ms = elapsed * 1000
+        if d.migrate:  # the prompt's ids, kept unparsed for a migration (router.migrate)
+            raw, d.prompt_ids = migrate.cut_prompt_ids(raw)
         result = orjson.loads(raw)
         kv = result.get("kv_transfer_params")
         if not isinstance(kv, dict):
@@ -396,8 +417,6 @@ class Flow:
                                 leg="prefill", engine=engine)
         usage = result.get("usage") or {}
         d.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-        if d.migrate:
-            d.prompt_ids = migrate.prompt_ids_of(result)
         self.pool.report_success(engine)
         if d.outcome == "hit":
             self._account_reuse(d, kv)
@@ -626,23 +645,16 @@ class Flow:
                             headers=self._reply_headers(d))
 
     async def _run_stream(self, d: Dispatch, request: web.Request) -> web.StreamResponse:
-        task = asyncio.create_task(self._dispatch(d, request))
-        response: web.StreamResponse | None = None
+        # Before the first token: SSE comments keep idle-timeout proxies (ALB) from closing (router.keepalive).
+        keepalive = Keepalive(request, {REQUEST_ID_HEADER: d.request_id, "Content-Type": "text/event-stream",
+                                        "Cache-Control": "no-cache"}, float(self.config.sse_keepalive),
+                              float(self.config.write_timeout))
         opened: Opened | None = None
         try:
-            while True:  # before the first token: SSE comments keep idle-timeout proxies (ALB) from closing
-                done, _ = await asyncio.wait({task}, timeout=float(self.config.sse_keepalive))
-                if done:
-                    break
-                if response is None:
-                    response = web.StreamResponse(headers={REQUEST_ID_HEADER: d.request_id,
-                                                           "Content-Type": "text/event-stream",
-                                                           "Cache-Control": "no-cache"})
-                    await response.prepare(request)
-                await response.write(KEEPALIVE)
             try:
-                opened = task.result()
+                opened = await self._dispatch(d, request)
             except (UpstreamError, NoEngineError) as exc:
+                response = await keepalive.stop()
                 if response is None:
                     if isinstance(exc, NoEngineError):
                         d.error = str(exc)
@@ -653,6 +665,7 @@ class Flow:
                 await self._error_event(d, response, public_message(exc) if isinstance(exc, UpstreamError)
                                         else str(exc), status)
                 return response
+            response = await keepalive.stop()
             early = response is not None
             if response is None:
                 response = web.StreamResponse(headers={**self._reply_headers(d), "Content-Type": "text/event-stream",
@@ -660,10 +673,7 @@ class Flow:
                 await response.prepare(request)
             return await self._relay(d, response, opened, early, request)
         finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
+            await keepalive.stop()
             if opened is not None:
                 opened.close()
 
@@ -679,7 +689,15 @@ class Flow:
     async def _relay(self, d: Dispatch, response: web.StreamResponse, opened: Opened, early: bool,
                      request: web.Request | None = None) -> web.StreamResponse:
         assert opened.resp is not None
-        deadline = float(self.config.write_timeout)
+        deadline = WriteDeadline(float(self.config.write_timeout))
+        try:
+            return await self._relay_lines(d, response, opened, early, request, deadline)
+        finally:
+            deadline.close()
+
+    async def _relay_lines(self, d: Dispatch, response: web.StreamResponse, opened: Opened, early: bool,
+                           request: web.Request | None, deadline: WriteDeadline) -> web.StreamResponse:
+        assert opened.resp is not None
         reply = ReplyCollector(d.kind, parse=d.retain or (d.api is not None and d.api.keeps_reply))
         api = d.api
         state = migrate.StreamState(d.kind, bool(d.body.get("return_token_ids"))) if d.migrate else None
@@ -711,12 +729,12 @@ class Flow:
                 if reply.complete:  # [DONE] seen: the rest goes out with the end of the stream
                     tail.extend(out)
                 elif out:
-                    await _client_write(response, b"".join(out), timeout=deadline)
+                    await _client_write(response, b"".join(out), deadline=deadline)
             if rest := lines.flush():
                 fed = reply.feed(rest)
                 if fed:
                     tail.append(fed if api is None else api.stream_line(fed))
-            await _client_write(response, b"".join(tail), eof=True, timeout=deadline)
+            await _client_write(response, b"".join(tail), eof=True, deadline=deadline)
         except _ClientGone as gone:
             self.metrics.client_disconnects.inc()
             d.status, d.error = 499, "client disconnected"
@@ -732,7 +750,7 @@ class Flow:
             log.warning("%s", error)
             if reply.complete:  # [DONE] had arrived: only the end of the stream is missing
                 with contextlib.suppress(_ClientGone):
-                    await _client_write(response, b"".join(tail), eof=True, timeout=deadline)
+                    await _client_write(response, b"".join(tail), eof=True, deadline=deadline)
                 return response
             if state is not None and await self._migrate(d, request, response, opened.engine, state, deadline):
                 return response
@@ -741,15 +759,19 @@ class Flow:
         return response
 
     async def _migrate(self, d: Dispatch, request: web.Request | None, response: web.StreamResponse, dead: Engine,
-                       state: migrate.StreamState, deadline: float) -> bool:
+                       state: migrate.StreamState, deadline: WriteDeadline) -> bool:
         """Continue a stream whose decode died on another decode engine (router.migrate); True when it ended
         normally ([DONE] sent). Up to ``decode_migrations`` times; every token is relayed exactly once."""
-        if request is None or d.prompt_ids is None:
+        prompt = migrate.prompt_ids(d.prompt_ids) if d.prompt_ids is not None else None
+        if request is None or not prompt:
+            return False
+        if not state.ids_parse():
+            log.warning("decode sent token ids that are not integers: the stream cannot be continued")
             return False
         avoid = [dead]
-        state.prompt_tokens = len(d.prompt_ids)
+        state.prompt_tokens = len(prompt)
         for _ in range(int(self.config.decode_migrations)):
-            body = migrate.continuation_body(d.body, d.prompt_ids + state.generated, len(state.generated))
+            body = migrate.continuation_body(d.body, prompt + state.generated, len(state.generated))
             if body is None:
                 break
             c = Dispatch("completion", "/v1/completions", body, d.request_id, None, None, started=d.started,
@@ -777,7 +799,7 @@ class Flow:
         return False
 
     async def _relay_continuation(self, response: web.StreamResponse, opened: Opened, state: migrate.StreamState,
-                                  deadline: float, api: apis.Translation | None = None) -> bool:
+                                  deadline: WriteDeadline, api: apis.Translation | None = None) -> bool:
         """Relay a continuation stream in the client's format (chat chunks, then through ``api`` for a translated
         stream); True at [DONE], False when it failed too."""
         assert opened.resp is not None
@@ -792,7 +814,7 @@ class Flow:
                     if payload == sse.DONE:
                         done = b"data: [DONE]\n\n"
                         out.append(done if api is None else api.stream_line(done))
-                        await _client_write(response, b"".join(out), eof=True, timeout=deadline)
+                        await _client_write(response, b"".join(out), eof=True, deadline=deadline)
                         return True
                     try:
                         rewritten = state.rewrite(orjson.loads(payload))
@@ -801,7 +823,7 @@ class Flow:
                     if rewritten is not None:
                         out.append(rewritten if api is None else api.stream_line(rewritten))
                 if out:
-                    await _client_write(response, b"".join(out), timeout=deadline)
+                    await _client_write(response, b"".join(out), deadline=deadline)
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("continuation on %s failed too: %s", opened.engine.name, exc or type(exc).__name__)
         return False
@@ -822,14 +844,10 @@ class _ClientGone(Exception):
         self.slow = slow
 
 
-async def _client_write(response: web.StreamResponse, data: bytes, eof: bool = False,
-                        timeout: float | None = None) -> None:
+async def _client_write(response: web.StreamResponse, data: bytes, eof: bool = False, *,
+                        deadline: WriteDeadline) -> None:
     try:
-        async with asyncio.timeout(timeout):
-            if eof:
-                await response.write_eof(data)
-            else:
-                await response.write(data)
+        await deadline.run(response.write_eof(data) if eof else response.write(data))
     except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
         raise _ClientGone() from exc
     except TimeoutError as exc:

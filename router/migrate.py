@@ -46,16 +46,16 @@ def migratable(kind: str, body: Mapping[str, Any]) -> bool:
     return kind == "chat" or isinstance(body.get("prompt"), str)
 
 
-def _cut(line: bytes, marker: bytes, parse: bool = True) -> tuple[bytes, list[int] | None]:
-    """``line`` without the JSON list field starting at ``marker``, and that list (None when absent; empty when
-    not ``parse``: a prompt's thousands of ids are dropped without being read)."""
+def _cut(line: bytes, marker: bytes) -> tuple[bytes, bytes | None]:
+    """``line`` without the JSON list field starting at ``marker``, and that list's text between the brackets
+    (None when absent). Not parsed here: the relay only keeps it, for a migration that rarely comes."""
     at = line.find(marker)
     if at < 0:
         return line, None
     end = line.find(b"]", at)
     if end < 0:
         return line, None
-    ids = [int(x) for x in line[at + len(marker):end].split(b",") if x.strip()] if parse else []
+    ids = line[at + len(marker):end]
     if line[at - 1:at] == b",":
         return line[:at - 1] + line[end + 1:], ids
     if line[end + 1:end + 2] == b",":
@@ -63,27 +63,36 @@ def _cut(line: bytes, marker: bytes, parse: bool = True) -> tuple[bytes, list[in
     return line[:at] + line[end + 1:], ids
 
 
-def take_token_ids(line: bytes, strip: bool) -> tuple[bytes, list[int]]:
-    """The generated token ids an SSE data line carries, and the line to send on (without the ids fields when
-    ``strip``: the client did not ask for them)."""
+def parse_ids(raw: list[bytes]) -> list[int]:
+    """Token ids from the list texts ``_cut`` kept (ValueError when one is not a list of integers)."""
+    return [int(x) for x in b",".join(raw).split(b",") if x.strip()]
+
+
+def take_token_ids(line: bytes, strip: bool) -> tuple[bytes, bytes]:
+    """The generated token ids an SSE data line carries, as the text of the JSON list (b"" when none), and the
+    line to send on (without the ids fields when ``strip``: the client did not ask for them)."""
     if not line.startswith(b"data: {"):
-        return line, []
+        return line, b""
     out, ids = _cut(line, _TOKEN_IDS)
     if strip:
-        out, _ = _cut(out, _PROMPT_IDS, parse=False)
-        return out, ids or []
-    return line, ids or []
+        out, _ = _cut(out, _PROMPT_IDS)
+        return out, ids or b""
+    return line, ids or b""
 
 
-def prompt_ids_of(prefill_answer: Mapping[str, Any]) -> list[int] | None:
-    """The rendered prompt's token ids from a non-streaming answer (top level for chat, per choice otherwise)."""
-    ids = prefill_answer.get("prompt_token_ids")
-    if ids is None:
-        choices = prefill_answer.get("choices") or [{}]
-        ids = choices[0].get("prompt_token_ids") if isinstance(choices[0], Mapping) else None
-    if isinstance(ids, list) and all(isinstance(t, int) for t in ids):
-        return ids
-    return None
+def cut_prompt_ids(answer: bytes) -> tuple[bytes, bytes | None]:
+    """A non-streaming answer (prefill's) without its ``prompt_token_ids`` (top level for chat, per choice
+    otherwise), and that list's text, unparsed (None when absent). The list is as long as the prompt, thousands of
+    ids that a stream needs only if it migrates: ``prompt_ids`` parses them then."""
+    return _cut(answer, _PROMPT_IDS)
+
+
+def prompt_ids(raw: bytes) -> list[int] | None:
+    """The prompt token ids ``cut_prompt_ids`` kept (None when they are not a list of integers)."""
+    try:
+        return parse_ids([raw])
+    except ValueError:
+        return None
 
 
 def continuation_body(body: Mapping[str, Any], sequence: list[int], generated: int) -> dict[str, Any] | None:
@@ -111,8 +120,24 @@ class StreamState:
     kind: str
     client_ids: bool  # the client asked for token ids: keep them in what it sees
     head: dict[str, Any] = field(default_factory=dict)  # id, object, created, model of the client's chunks
-    generated: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
+    _ids: list[int] = field(default_factory=list)  # generated token ids, parsed
+    _raw: list[bytes] = field(default_factory=list)  # generated token ids as relayed lines carried them, unparsed
+
+    @property
+    def generated(self) -> list[int]:
+        """The token ids relayed so far (ValueError when an engine sent ids that are not integers)."""
+        if self._raw:
+            self._ids.extend(parse_ids(self._raw))
+            self._raw.clear()
+        return self._ids
+
+    def ids_parse(self) -> bool:
+        """Parse the relayed ids now; False when the engine sent ids that are not integers."""
+        try:
+            return self.generated is not None
+        except ValueError:
+            return False
 
     def observe(self, line: bytes) -> bytes:
         """Count the token ids of one relayed line; return the line for the client."""
@@ -123,7 +148,8 @@ class StreamState:
             except orjson.JSONDecodeError:
                 pass
         out, ids = take_token_ids(line, strip=not self.client_ids)
-        self.generated.extend(ids)
+        if ids:
+            self._raw.append(ids)
         return out
 
     def rewrite(self, chunk: Mapping[str, Any]) -> bytes | None:

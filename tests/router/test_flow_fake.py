@@ -227,6 +227,19 @@ async def test_keepalive_comments_before_the_first_token_and_trailing_outcome():
         assert r["text"]
 
 
+async def test_client_leaving_after_a_keepalive_aborts_the_prefill_leg():
+    """The keepalive writer runs beside the legs (router.keepalive): a client that goes away after a comment still
+    cancels the handler, and with it the prefill under way."""
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d, tunables={"sse_keepalive": 1}) as (s, _):
+        p[0].fault = {"hang": True}
+        body = {"model": "tiny", "messages": MSGS, "max_tokens": 5, "stream": True}
+        async with s.post("/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200 and await resp.content.readline() == b": keepalive\n"
+        await asyncio.sleep(0.5)
+        assert p[0].stats["aborted"] == 1 and p[0].stats["running"] == 0 and d[0].stats["decode"] == 0
+
+
 async def test_translated_streams_keep_their_sdks_parsing_through_keepalives_and_mid_stream_errors():
     from anthropic import AsyncAnthropic
     from openai import AsyncOpenAI

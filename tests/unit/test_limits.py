@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import orjson
 import pytest
 
@@ -87,6 +89,21 @@ def test_client_request_ids_are_echoable_or_refused():
         with pytest.raises(guard.RequestError):
             flow.client_request_id(bad)
     assert flow.new_leg_id() != flow.new_leg_id()
+
+
+def test_leg_ids_differ_in_a_forked_worker():
+    """Router processes forked from one parent (several per task) must never hand engines the same id."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.write(write, flow.new_leg_id().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read, 100).decode()
+    os.close(read)
+    os.close(write)
+    mine = flow.new_leg_id()
+    assert len(child) == len(mine) == 39 and child[:23] != mine[:23]
 
 
 def test_engine_error_text_is_passed_on_only_when_it_names_nothing_internal():
