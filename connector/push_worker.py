@@ -8,11 +8,23 @@ The writer thread keeps owning NIXL notifications; READ-completion notifications
 this engine's retained blocks reach ``_get_new_notifs`` like any other and release the blocks. The UCX
 worker is shared by both threads: with bi-directional on, the agent is created with NIXL's strict thread sync
 on every platform (``connector.nixl_agent``).
+
+A peer that restarted under the same engine id and address is handshaken again, as the pull worker does
+(``connector.worker``; upstream leaves push mode a TODO). Without it a push prefill kept WRITEing to the dead
+process of a restarted decode (and a push decode kept sending registrations to a restarted prefill): every
+decode leg paired with it waited for KV that never came, until the router's ``first_token_timeout`` (13 legs
+of 30 s each in a 150 s fault run). A failed WRITE or registration marks the peer stale (writer thread); the
+engine thread releases its handshake once no READ from it and no handshake with it is in flight, holding the
+lock the writer holds while it WRITEs or registers, so neither thread sees the peer half released. The next
+WRITE or registration handshakes with the process serving there now.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
+import threading
+from collections.abc import Iterable
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
@@ -21,6 +33,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPu
 
 from connector import compat, nixl_agent
 from connector.worker import TurnkvWorkerMixin
+
+logger = logging.getLogger(__name__)
+
+#: Upstream failure types of push traffic to a peer (``_log_failure``): WRITEs posted by prefill, and the
+#: registrations decode sends; either one failing means the handshake with that peer may be stale.
+STALE_PEER_FAILURES = ("transfer_setup_failed", "push_reg_notif_failed")
+
+
+def releasable(stale: Iterable[str], handshaken: Iterable[str], reading: Iterable[str],
+               handshaking: Iterable[str]) -> set[str]:
+    """Stale peers whose handshake can be released now: still handshaken, no READ from them and no new
+    handshake with them in flight (pure)."""
+    return (set(stale) & set(handshaken)) - set(reading) - set(handshaking)
 
 
 def is_read_back(meta: Any) -> bool:
@@ -33,12 +58,61 @@ def is_read_back(meta: Any) -> bool:
 # helpers.
 class PushBidiWorker(TurnkvWorkerMixin, NixlPushConnectorWorker, NixlPullConnectorWorker):
     def __init__(self, vllm_config: Any, engine_id: str, *args: Any, **kwargs: Any) -> None:
+        # Before upstream's __init__: it starts the writer thread, which may WRITE at once.
+        self._turnkv_peer_lock = threading.RLock()
+        self._turnkv_stale_peers: set[str] = set()
+        self._turnkv_sending_to: str | None = None
         transfer = vllm_config.kv_transfer_config
         if nixl_agent.needs_strict_sync(transfer.kv_connector, transfer.kv_connector_extra_config):
             with nixl_agent.strict_thread_sync(base_worker):
                 super().__init__(vllm_config, engine_id, *args, **kwargs)
         else:
             super().__init__(vllm_config, engine_id, *args, **kwargs)
+
+    # restarted peers (see the module docstring) ----------------------------------------------------
+
+    def _log_failure(self, failure_type: str, *args: Any, **kwargs: Any) -> Any:
+        if failure_type in STALE_PEER_FAILURES:
+            peer = kwargs.get("dst_engine_id") or self._turnkv_sending_to
+            if peer:
+                with self._turnkv_peer_lock:
+                    self._turnkv_stale_peers.add(str(peer))
+        return super()._log_failure(failure_type, *args, **kwargs)  # type: ignore[misc]
+
+    def _do_start_push_kv(self, *args: Any, **kwargs: Any) -> Any:
+        with self._turnkv_peer_lock:
+            return super()._do_start_push_kv(*args, **kwargs)  # type: ignore[misc]
+
+    def _do_send_reg_notif(self, req_id: str, reg_data: dict[str, Any]) -> Any:
+        with self._turnkv_peer_lock:
+            self._turnkv_sending_to = reg_data.get("remote_engine_id")
+            try:
+                return super()._do_send_reg_notif(req_id, reg_data)  # type: ignore[misc]
+            finally:
+                self._turnkv_sending_to = None
+
+    def _cleanup_remote_engines(self) -> None:
+        """Engine thread, every step: release the handshakes of stale peers (and of peers the boot check
+        invalidated, which upstream releases only in pull mode), then upstream's own cleanup."""
+        if self._turnkv_stale_peers or getattr(self, "_invalid_remote_engines", None):  # else no lock taken
+            with self._turnkv_peer_lock:
+                self._turnkv_release_stale_peers()
+        super()._cleanup_remote_engines()
+
+    def _turnkv_release_stale_peers(self) -> None:
+        stale = self._turnkv_stale_peers | set(getattr(self, "_invalid_remote_engines", ()))
+        with self._handshake_lock:
+            handshaken, handshaking = set(self._remote_agents), set(self._handshake_futures)
+        released = set()
+        for engine_id in releasable(stale, handshaken, self._engines_with_inflight_transfers(), handshaking):
+            logger.warning("turnkv: traffic to %s failed: handshaking with it again", engine_id)
+            try:
+                self._cleanup_remote_engine(engine_id, log_eviction=False)
+            except Exception:  # it stays stale: tried again next step
+                logger.exception("turnkv: could not release the handshake with %s", engine_id)
+                continue
+            released.add(engine_id)
+        self._turnkv_stale_peers -= released | (stale - handshaken)
 
     def start_load_kv(self, metadata: Any) -> None:
         reads = {rid: meta for rid, meta in metadata.reqs_to_recv.items() if is_read_back(meta)}

@@ -242,3 +242,58 @@ def test_an_engine_a_read_failed_from_is_handshaken_again():
     w._failed_remote_engines.add("prefill-1")  # already invalid: upstream's backoff decides
     w._cleanup_remote_engines()
     assert w.invalidated == ["prefill-1"]
+
+
+def _push_worker_without_engines() -> PushBidiWorker:
+    """A PushBidiWorker with just the state the restarted-peer path touches (no agents, no threads)."""
+    import threading
+
+    w = object.__new__(PushBidiWorker)
+    w._turnkv_peer_lock = threading.RLock()
+    w._turnkv_stale_peers, w._turnkv_sending_to = set(), None
+    w._handshake_lock = threading.Lock()
+    w._remote_agents = {"decode-0": {(0, 0): "old-agent"}, "decode-1": {(0, 0): "agent"}}
+    w._handshake_futures, w._invalid_remote_engines = {}, set()
+    w._recving_metadata, w._recving_transfers = {}, {}
+    w.engine_id = "prefill-0"
+    w.released = []
+    w._cleanup_remote_engine = lambda eid, log_eviction=True: (w.released.append(eid), w._remote_agents.pop(eid))
+    return w
+
+
+def test_a_push_peer_that_restarted_is_handshaken_again(monkeypatch):
+    """Push + bi-directional, decode-0 restarted under the same id and address: upstream kept the dead
+    process's handshake (a TODO upstream), so every WRITE to it failed and each decode leg paired with it
+    waited 30 s for KV (13 legs in a 150 s fault run). A failed WRITE marks it stale; the engine thread
+    releases the handshake once nothing reads from it, so the next WRITE handshakes with the new process."""
+    monkeypatch.setattr(NixlPushConnectorWorker, "_cleanup_remote_engines", lambda self: None)
+    w = _push_worker_without_engines()
+    w._cleanup_remote_engines()
+    assert w.released == []  # nothing failed: nothing released, and no lock taken on the engine's step
+    w._log_failure("transfer_setup_failed", "req-1", msg="Push WRITE submission failed", dst_engine_id="decode-0")
+    # a READ of decode-0's retained blocks is still in flight: wait for it
+    w._recving_metadata["r"] = types.SimpleNamespace(remote=types.SimpleNamespace(engine_id="decode-0"))
+    w._recving_transfers["r"] = [1]
+    w._cleanup_remote_engines()
+    assert w.released == [] and w._turnkv_stale_peers == {"decode-0"}
+    w._recving_transfers.clear()
+    w._cleanup_remote_engines()
+    assert w.released == ["decode-0"] and "decode-1" in w._remote_agents and not w._turnkv_stale_peers
+    w._cleanup_remote_engines()
+    assert w.released == ["decode-0"]  # once
+
+
+def test_a_failed_registration_marks_the_prefill_it_was_for():
+    """Decode's side: a PUSH_REG to a restarted prefill fails inside upstream's send; the peer is the one
+    the registration was for."""
+    w = _push_worker_without_engines()
+
+    def upstream_send(self, req_id, reg_data):
+        self._log_failure("push_reg_notif_failed", req_id, error=RuntimeError("NIXL_ERR_REMOTE_DISCONNECT"))
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(NixlPushConnectorWorker, "_do_send_reg_notif", upstream_send)
+        w._do_send_reg_notif("req-2", {"remote_engine_id": "prefill-1"})
+    assert w._turnkv_stale_peers == {"prefill-1"} and w._turnkv_sending_to is None
+    w._log_failure("push_handshake_failed", "req-3", error=RuntimeError("timeout"))  # not a stale handshake
+    assert w._turnkv_stale_peers == {"prefill-1"}
