@@ -68,13 +68,17 @@ $(AIPERF_VENV)/bin/aiperf: requirements/aiperf.txt
 	@touch $@
 
 # The Neuron image ships vLLM 0.29 (turnkv.versions.IMAGE_VLLM): its CPU build lives in a side venv, and the
-# engine suites (pull, push, router) run there too, as the last step of `make test` (see docs/connector.md).
-# On the 2-core machine: install 1.6 min (no pip cache), the three suites 4.5-5.5 min. VENV_VLLM029 may name
-# a venv shared by several checkouts: PYTHONPATH makes the engines import this checkout's connector, not the
-# one the venv's editable install points at.
+# connector's engine suites run there too, as the last step of `make test` (see docs/connector.md): pull and
+# push (tests/e2e, tests/e2e_push) and the engine-facing router modules (decode's retention eviction, push
+# dispatch with upstream's push connector). Left to the 0.32 run: the router's production module (Valkey, API
+# keys, engine kills: router code over the same engine paths, 2.5 min of a 2P+2D stack) and the planner's
+# calibration test. On the 2-core machine: install 1.6 min (no pip cache), the suites ~5.5 min. VENV_VLLM029
+# may name a venv shared by several checkouts: PYTHONPATH makes the engines import this checkout's connector,
+# not the one the venv's editable install points at.
 VENV_VLLM029 ?= .venv-vllm029
 READY_VLLM029 := $(VENV_VLLM029)/.turnkv-ready
-ENGINE_SUITES := tests/e2e tests/e2e_push tests/e2e_router
+ENGINE_SUITES := tests/e2e tests/e2e_push tests/e2e_router/test_retention_eviction.py \
+  tests/e2e_router/test_router_push.py --deselect tests/e2e/test_plan_calibrate.py
 
 vllm029: $(READY_VLLM029)
 
