@@ -64,26 +64,6 @@ def markdown(rows: list[dict[str, Any]], tolerance: float) -> str:
     return "\n".join(lines)
 
 
-def _measure(comps: dict[str, Any], words: list[str], say) -> dict[str, list]:
-    from turnkv.engine_args import EngineSpec
-    from turnkv.local.stack import SERVED_MODEL_NAME
-
-    prefill, decode = comps["prefill-0"]["url"], comps["decode-0"]["url"]
-    # Two repeats a round: the fit pools every round's points.
-    return {"prefills": calibrate.measure_prefills(prefill, SERVED_MODEL_NAME, words, repeats=2, say=say),
-            "context_prefills": calibrate.measure_context_prefills(decode, SERVED_MODEL_NAME, words,
-                                                                   EngineSpec.block_size, repeats=2, say=say),
-            "transfers": calibrate.measure_pull(comps["router"]["url"], prefill, decode, SERVED_MODEL_NAME, words,
-                                                say=say)}
-
-
-def fit(raw: dict[str, list]) -> dict[str, Any]:
-    arch, inst = tiny_local(), hardware.INSTANCES["local-cpu"]
-    prefill = calibrate.fit_prefill(arch, raw["prefills"] + raw["context_prefills"], inst.prefill_chunk_tokens,
-                                    inst.peak(arch.dtype))
-    return calibrate.constants(arch, inst, prefill, calibrate.fit_transfers(raw["transfers"]), raw)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("results/plan-accuracy"))
@@ -108,21 +88,21 @@ def main(argv: list[str] | None = None) -> int:
         conversations = build(WorkloadSpec(conversations=args.conversations, turns=8), words)
         for conv in conversations:
             print(f"calibration round {len(rounds) + 1}")
-            rounds.append(_measure(comps, words, print))
+            rounds.append(calibrate.measure(comps, words, repeats=2))  # the fit pools every round
             print(f"the demo's A/B, conversation {conv.index + 1} of {len(conversations)} (8 turns)")
             spec = runner.RunSpec(url=comps["router"]["url"], ab=True, words=words, conversations=[conv])
             results += asyncio.run(runner.run(spec, lambda r: None))
         print(f"calibration round {len(rounds) + 1}")
-        rounds.append(_measure(comps, words, print))
+        rounds.append(calibrate.measure(comps, words, repeats=2))  # the fit pools every round
     finally:
         Supervisor(args.state_dir).down()
     measured = report.write(results, args.out / "ab")
     if measured["errors"]:
         print(f"{measured['errors']} request(s) failed: {measured['error_samples']}")
         return 1
-    constants = fit({k: [p for r in rounds for p in r[k]] for k in rounds[0]})
+    constants = calibrate.fit_raw({k: [p for r in rounds for p in r[k]] for k in rounds[0]})
     rows = compare(predict(constants), measured["turns"])
-    first = compare(predict(fit(rounds[0])), measured["turns"])
+    first = compare(predict(calibrate.fit_raw(rounds[0])), measured["turns"])
     table = markdown(rows, args.tolerance)
     print("\nconstants fitted on every round:", json.dumps(constants["efficiency"]))
     print(f"\nmeasured on the local stack vs predicted from the calibration rounds around it:\n{table}")

@@ -26,6 +26,7 @@ def _fail(message: str) -> None:
 def build_fleet(model: str, instance: str, tp: int | None, tp_prefill: int | None, tp_decode: int | None,
                 dtype: str | None, kv_dtype: str | None, block_size: int | None, mode: str, ttl: float,
                 threshold: int, prefill_prefix_caching: bool, state_dir: Path, price: float | None):
+    from turnkv.engine_args import EngineSpec
     from turnkv.plan import hardware, models
     from turnkv.plan.model import Fleet
 
@@ -50,7 +51,8 @@ def build_fleet(model: str, instance: str, tp: int | None, tp_prefill: int | Non
                   f"of {inst.name} ({value * inst.hbm_bytes * inst.memory_utilization / 1e9:.0f} GB usable): "
                   + (f"raise {name}" if value < inst.devices else "pick an instance with more memory")
                   + ("" if arch.dtype == "fp8" else " or use --dtype fp8"))
-    return Fleet(arch, inst, inst, tp_p, tp_d, block_size or (128 if instance == "local-cpu" else 16), mode,
+    local_block = EngineSpec.block_size  # the local stack's engines (turnkv.engine_args)
+    return Fleet(arch, inst, inst, tp_p, tp_d, block_size or (local_block if instance == "local-cpu" else 16), mode,
                  float(ttl), int(threshold), prefill_prefix_caching=prefill_prefix_caching)
 
 

@@ -224,17 +224,39 @@ def measure_pull(router_url: str, prefill_url: str, decode_url: str, model: str,
     return points
 
 
-def refit(state_dir: Path) -> dict[str, Any]:
-    """Fit the stored raw measurements again (after a change to the fits), without new measurements."""
+def measure(components: dict[str, Any], words: list[str], repeats: int = 3,
+            say: Callable[[str], None] = print) -> dict[str, list]:
+    """Everything a calibration measures on a running local stack (its ``components``): the raw points."""
+    from turnkv.engine_args import EngineSpec
+    from turnkv.local.stack import SERVED_MODEL_NAME
+
+    prefill, decode = components["prefill-0"]["url"], components["decode-0"]["url"]
+    return {
+        "prefills": measure_prefills(prefill, SERVED_MODEL_NAME, words, repeats=repeats, say=say),
+        # The prefill engine runs without prefix caching (as the product does); decode's cache gives the
+        # prefills over a context that a pulled history makes, on the same kind of core.
+        "context_prefills": measure_context_prefills(decode, SERVED_MODEL_NAME, words, EngineSpec.block_size,
+                                                     repeats=repeats, say=say),
+        "transfers": measure_pull(components["router"]["url"], prefill, decode, SERVED_MODEL_NAME, words, say=say),
+    }
+
+
+def fit_raw(raw: dict[str, list], transfer: tuple[float, float] | None = None) -> dict[str, Any]:
+    """The local-cpu calibration file's content from raw points (``transfer``: set-up and rate to use instead
+    of fitting ``raw["transfers"]``)."""
     from turnkv.plan.models import tiny_local
 
+    arch, inst = tiny_local(), hardware.INSTANCES["local-cpu"]
+    points = raw["prefills"] + raw.get("context_prefills", [])
+    prefill = fit_prefill(arch, points, inst.prefill_chunk_tokens, inst.peak(arch.dtype))
+    return constants(arch, inst, prefill, transfer or fit_transfers(raw["transfers"]), raw)
+
+
+def refit(state_dir: Path) -> dict[str, Any]:
+    """Fit the stored raw measurements again (after a change to the fits), without new measurements."""
     path = state_dir / hardware.CALIBRATION_FILE
     old = json.loads(path.read_text())
-    arch, inst = tiny_local(), hardware.INSTANCES["local-cpu"]
-    raw = old["raw"]
-    points = raw["prefills"] + raw.get("context_prefills", [])
-    result = constants(arch, inst, fit_prefill(arch, points, inst.prefill_chunk_tokens, inst.peak(arch.dtype)),
-                       fit_transfers(raw["transfers"]), raw)
+    result = fit_raw(old["raw"])
     result["measured_at"] = old["measured_at"]
     path.write_text(json.dumps(result, indent=2))
     return result
@@ -243,33 +265,22 @@ def refit(state_dir: Path) -> dict[str, Any]:
 def run(state_dir: Path, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Start the local stack, measure, stop it; write and return the calibration."""
     from turnkv.commands.local import start_stack
-    from turnkv.engine_args import EngineSpec
     from turnkv.local.model import load_words
-    from turnkv.local.stack import SERVED_MODEL_NAME, StackConfig, Supervisor
-    from turnkv.plan.models import tiny_local
+    from turnkv.local.stack import StackConfig, Supervisor
 
     config = StackConfig(state_dir=state_dir)
     state = start_stack(config)
     try:
-        comps = state["components"]
-        words = load_words(config.model_dir)
-        prefill_url, decode_url = comps["prefill-0"]["url"], comps["decode-0"]["url"]
-        prefills = measure_prefills(prefill_url, SERVED_MODEL_NAME, words, say=say)
-        # The prefill engine runs without prefix caching (as the product does); decode's cache gives the
-        # prefills over a context that a pulled history makes, on the same kind of core.
-        contexts = measure_context_prefills(decode_url, SERVED_MODEL_NAME, words, EngineSpec.block_size, say=say)
-        transfers = measure_pull(comps["router"]["url"], prefill_url, decode_url, SERVED_MODEL_NAME, words, say=say)
+        raw = measure(state["components"], load_words(config.model_dir), say=say)
     finally:
         Supervisor(state_dir).down()
-    arch, inst = tiny_local(), hardware.INSTANCES["local-cpu"]
     try:
-        transfer = fit_transfers(transfers)
+        transfer = fit_transfers(raw["transfers"])
     except ValueError as exc:  # keep the prefill measurements; say what is missing
         say(f"warning: {exc}; keeping the table's transfer placeholders")
+        inst = hardware.INSTANCES["local-cpu"]
         transfer = (inst.efficiency.transfer_setup_s, inst.network_bits_s / 8)
-    fit = fit_prefill(arch, prefills + contexts, inst.prefill_chunk_tokens, inst.peak(arch.dtype))
-    result = constants(arch, inst, fit, transfer,
-                       {"prefills": prefills, "context_prefills": contexts, "transfers": transfers})
+    result = fit_raw(raw, transfer)
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / hardware.CALIBRATION_FILE).write_text(json.dumps(result, indent=2))
     return result
