@@ -3,24 +3,19 @@
 router), and tool-call round trips (the assistant message with its calls, then the tool's result) through
 all three APIs. Every pull is proven by the prefill engine's
 ``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`` counter, and every answer equals the
-answer with reuse off. Ports 21300 (router), 21400/21500 (engines), 22700+ (NIXL),
-below Linux's ephemeral range (32768+), where a client connection's local port can hold them."""
+answer with reuse off. The stack is the package's (conftest.py)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 from anthropic import Anthropic
 from openai import OpenAI
 
-from tests.e2e.client import engine_stack, metric, words
-from turnkv.local.stack import StackConfig
+from tests.e2e.client import metric, words
+from tests.e2e_clients import ACME as KEY
 
 pytestmark = pytest.mark.engines
 
-STATE = Path(__file__).resolve().parents[2] / ".turnkv" / "e2e-other-apis"
-KEY = "acme-key-0123456789"
 OFF = {"X-TurnKV-Reuse": "off"}  # the reference arm only
 OUTCOME, REUSED = "X-TurnKV-Reuse-Outcome", "X-TurnKV-Reused-Tokens"
 
@@ -34,23 +29,6 @@ TOOL_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 PARAMS = {"type": "object", "properties": {}, "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def stack():
-    STATE.mkdir(parents=True, exist_ok=True)
-    keys = STATE / "api-keys"
-    keys.write_text(f"acme:{KEY}\n")
-    config = StackConfig(state_dir=STATE, router_port=21300, prefill_port=21400, decode_port=21500,
-                         side_channel_base=22700, kv_cache_gib=1,
-                         tunables={"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45},
-                         # vLLM 0.32 serves a forced tool choice only with a tool parser enabled (any one: the
-                         # forced call is structured output, the parser reads nothing)
-                         engine_extra_args=("--trust-request-chat-template", "--enable-auto-tool-choice",
-                                            "--tool-call-parser", "pythonic"),
-                         router_args=("--api-keys-file", str(keys)))
-    with engine_stack(config) as running:
-        yield running
 
 
 def pulled(stack) -> float:

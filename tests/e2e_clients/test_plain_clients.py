@@ -1,23 +1,18 @@
 """Reuse for clients that send no turnkv field: the official openai SDK against the router on real vLLM CPU
 engines (1 prefill + 1 decode, two tenants). Every pull is proven by the prefill engine's
 ``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`` counter, and every answer equals the
-answer with reuse off. Ports 21000 (router), 21100/21200 (engines), 22600+ (NIXL),
-below Linux's ephemeral range (32768+)."""
+answer with reuse off. The stack is the package's (conftest.py)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 from openai import OpenAI
 
-from tests.e2e.client import engine_stack, metric, words
-from turnkv.local.stack import StackConfig
+from tests.e2e.client import metric, words
+from tests.e2e_clients import ACME, GLOBEX
 
 pytestmark = pytest.mark.engines
 
-STATE = Path(__file__).resolve().parents[2] / ".turnkv" / "e2e-clients"
-ACME, GLOBEX = "acme-key-0123456789", "globex-key-0123456789"
 OFF = {"X-TurnKV-Reuse": "off"}  # the reference arm only: the client under test sends nothing of ours
 BLOCK = 128
 OUTCOME, REUSED = "X-TurnKV-Reuse-Outcome", "X-TurnKV-Reused-Tokens"
@@ -32,20 +27,6 @@ THINK_TEMPLATE = (
     "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'] or '') + '<|im_end|>\\n' }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}"
 )
-
-
-@pytest.fixture(scope="module")
-def stack():
-    STATE.mkdir(parents=True, exist_ok=True)
-    keys = STATE / "api-keys"
-    keys.write_text(f"acme:{ACME}\nglobex:{GLOBEX}\n")
-    config = StackConfig(state_dir=STATE, router_port=21000, prefill_port=21100, decode_port=21200,
-                         side_channel_base=22600, kv_cache_gib=1,
-                         tunables={"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45},
-                         engine_extra_args=("--trust-request-chat-template",),
-                         router_args=("--api-keys-file", str(keys)))
-    with engine_stack(config) as running:
-        yield running
 
 
 def sdk(stack, key=ACME) -> OpenAI:
