@@ -10,15 +10,21 @@ DEPS := pyproject.toml turnkv/versions.py $(wildcard requirements/*.txt)
 EXTRAS ?= engines,infra,dev,peers
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint unit e2e infra-test clean down tools synth aiperf vllm029 e2e-vllm029 gpu-check
+.PHONY: setup prepare demo test lint unit e2e infra-test clean down tools synth aiperf vllm029 e2e-vllm029 gpu-check
 
 setup: $(READY)
+
+# `make test` installs both venvs at once (prepare): their dependencies side by side, and the editable install of
+# this checkout, which writes turnkv.egg-info here, one at a time (flock, where the system has it).
+comma := ,
+EGG_LOCK = $(if $(shell command -v flock),mkdir -p .turnkv && flock .turnkv/egg-info.lock)
 
 $(READY): $(DEPS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(PYTHON) -m turnkv.versions --write >/dev/null
 	$(BIN)/python -m pip install -q --disable-pip-version-check -U pip
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[$(EXTRAS)]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check $(foreach e,$(subst $(comma), ,$(EXTRAS)),-r requirements/$(e).txt)
+	$(EGG_LOCK) $(BIN)/python -m pip install -q --disable-pip-version-check -e '.[$(EXTRAS)]'
 	$(BIN)/python -m turnkv.local.engine_env
 	@touch $@
 
@@ -45,7 +51,12 @@ demo: setup
 # tests/infra also runs `$(CDK) synth` with CDK_DEFAULT_ACCOUNT set (what `make synth` does on a machine with
 # credentials) and the offline deploy rehearsal through moto's CloudFormation. Then the engine suites again on
 # vLLM 0.29 (the Neuron image's vLLM, below): every image's vLLM is run by `make test`, hence by CI (.ci/run).
-test: setup tools $(CDK) vllm029
+# prepare: every set-up step of `make test` side by side (two venvs, npm, apt: mostly downloads), output kept
+# per step. On the 2-core machine a fresh set-up takes ~4 min this way, ~6 one after another.
+prepare:
+	@$(MAKE) --no-print-directory -j4 --output-sync=target setup tools $(CDK) vllm029
+
+test: prepare
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	$(E2E_VLLM029)
@@ -86,7 +97,9 @@ $(READY_VLLM029): $(DEPS)
 	@test -x $(VENV_VLLM029)/bin/python || $(PYTHON) -m venv $(VENV_VLLM029)
 	@$(PYTHON) -m turnkv.versions --write >/dev/null
 	$(VENV_VLLM029)/bin/python -m pip install -q --disable-pip-version-check -U pip
-	$(VENV_VLLM029)/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]' \
+	$(VENV_VLLM029)/bin/python -m pip install -q --disable-pip-version-check -r requirements/dev.txt \
+	  -r requirements/engines-vllm029.txt
+	$(EGG_LOCK) $(VENV_VLLM029)/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]' \
 	  -r requirements/engines-vllm029.txt
 	$(VENV_VLLM029)/bin/python -m turnkv.local.engine_env
 	@touch $@

