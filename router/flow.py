@@ -30,7 +30,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -41,6 +41,7 @@ from router import apis, guard, hints, limits, migrate, retry, sse, telemetry
 from router.apis import stored
 from router.config import RouterConfig
 from router.deadline import WriteDeadline
+from router.dispatch import Dispatch
 from router.engines import Engine, EnginePool, Lease, NoEngineError, PushIdentity
 from router.errors import public_message
 from router.keepalive import Keepalive
@@ -130,44 +131,6 @@ def push_decode_params(p: PushIdentity, request_id: str, transfer_id: str) -> di
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": p.engine_id,
             "remote_host": p.host, "remote_port": p.port, "tp_size": p.tp_size, "pp_size": p.pp_size,
             "remote_request_id": request_id, "transfer_id": transfer_id}
-
-
-@dataclass
-class Dispatch:
-    """One client request on its way through the two legs."""
-
-    kind: str  # "chat" | "completion"
-    path: str
-    body: dict[str, Any]
-    request_id: str  # the client's (or ours): echoed in the reply header and logged, never sent to an engine
-    turn: guard.Turn | None
-    key: str | None  # where this turn's previous turn is looked up (None: nothing to look up)
-    outcome: str = "none"
-    reused_tokens: int = 0
-    started: float = 0.0
-    tenant: str = ""
-    tokens: int = 0  # prompt size estimate (load accounting)
-    stream: bool = False
-    leg_request_id: str = ""  # router-generated, sent to both engines; a fresh one per dispatch and retry
-    affinity: str = ""  # decode engine holding the conversation's blocks
-    prompt_tokens: int = 0
-    prefill_ms: float | None = None
-    ttft: float | None = None
-    retries: int = 0
-    retain: bool = False  # decode is asked to keep this turn's KV (a conversation turn within the tenant's limits)
-    migrate: bool = False  # a stream that may continue on another decode engine (router.migrate)
-    prompt_ids: bytes | None = None  # the rendered prompt's token ids as prefill wrote them (when migrate)
-    status: int = 0
-    error: str = ""
-    prefill_engine: str = ""
-    decode_engine: str = ""
-    hint: hints.Hint | None = None
-    #: Reuse applies: decode retains its KV for the next turn and the reply is stored.
-    storable: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-    #: Another API translated to chat completions (``router.apis``): its answers are translated back.
-    api: apis.Translation | None = None
-    route: str = ""  # the client's route when it differs from ``path`` (translated APIs)
 
 
 @dataclass
