@@ -5,18 +5,20 @@ Per request:
    assistant reply; no client field needed), take the stored decode params (single-use) and keep them
    only if they name a known engine; a client's session id (``router.hints``) only steers the decode
    engine and labels metrics;
-2. pull mode: prefill with those params (a pull of the previous turn's KV from decode) or fresh
-   ones, then decode with prefill's params verbatim; push mode: prefill and decode at once when the
-   prefill engine's identity is known (decode is told where its KV will come from), serially otherwise;
-3. stream or return decode's answer, sharing one ``X-Request-Id`` (and ``transfer_id``) per dispatch;
+2. send the legs (``router.legs``): pull mode: prefill with those params (a pull of the previous turn's
+   KV from decode) or fresh ones, then decode with prefill's params verbatim; push mode: prefill and
+   decode at once when the prefill engine's identity is known (decode is told where its KV will come
+   from), serially otherwise;
+3. stream (``router.relay``) or return decode's answer, sharing one ``X-Request-Id`` (and
+   ``transfer_id``) per dispatch;
 4. take decode's returned params off the response (engine metadata never reaches a client) and
    store them for the next turn.
 
 Failover: a prefill that fails or times out is retried on another prefill engine (``prefill_retries``);
 a decode that fails before its first token is retried with both legs on another decode engine
 (``decode_retries``; prefill again, because the blocks of the failed dispatch may already be freed);
-a retry after a failed reuse pull goes without reuse. A client that goes away cancels the handler,
-which closes both upstream connections: vLLM aborts requests whose connection closes.
+a retry after a failed reuse pull goes without reuse (``router.retry`` decides). A client that goes away
+cancels the handler, which closes both upstream connections: vLLM aborts requests whose connection closes.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ def client_request_id(raw: str | None) -> str:
 
 
 class Flow:
+    """Runs client requests through the legs: intake, the store, retries, the reply and its metrics."""
+
     def __init__(self, config: RouterConfig, pool: EnginePool, store: ConversationStore, metrics: Metrics,
                  session: aiohttp.ClientSession, *, forward_auth: bool = True,
                  emf: telemetry.EmfWriter | None = None, responses: stored.ResponseLog | None = None) -> None:
@@ -236,6 +240,8 @@ class Flow:
     def log_engine_error(self, leg: str, engine: Engine, exc: BaseException) -> None:
         self.metrics.engine_errors.labels(leg, type(exc).__name__).inc()
         log.warning("%s engine %s failed: %s", leg, engine.name, str(exc) or type(exc).__name__)
+
+    # -- the retry loop ---------------------------------------------------------------------------
 
     async def _dispatch(self, d: Dispatch, request: web.Request) -> Opened:
         """Both legs, with the retry budgets; returns the opened decode leg or raises UpstreamError."""
