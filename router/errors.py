@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 if TYPE_CHECKING:
-    from router.flow import UpstreamError
+    from router.legs import UpstreamError
 
 #: Engine error text that may name engine internals (params, addresses, block ids): never shown to clients.
 _UNSAFE = re.compile(r"kv_transfer|remote_|turnkv_|block_ids|engine_id|https?://|\d{1,3}(?:\.\d{1,3}){3}|\[?[0-9a-f]*:[0-9a-f:]+\]?"

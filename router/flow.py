@@ -5,46 +5,43 @@ Per request:
    assistant reply; no client field needed), take the stored decode params (single-use) and keep them
    only if they name a known engine; a client's session id (``router.hints``) only steers the decode
    engine and labels metrics;
-2. pull mode: prefill with those params (a pull of the previous turn's KV from decode) or fresh
-   ones, then decode with prefill's params verbatim; push mode: prefill and decode at once when the
-   prefill engine's identity is known (decode is told where its KV will come from), serially otherwise;
-3. stream or return decode's answer, sharing one ``X-Request-Id`` (and ``transfer_id``) per dispatch;
+2. send the legs (``router.legs``): pull mode: prefill with those params (a pull of the previous turn's
+   KV from decode) or fresh ones, then decode with prefill's params verbatim; push mode: prefill and
+   decode at once when the prefill engine's identity is known (decode is told where its KV will come
+   from), serially otherwise;
+3. stream (``router.relay``) or return decode's answer, sharing one ``X-Request-Id`` (and
+   ``transfer_id``) per dispatch;
 4. take decode's returned params off the response (engine metadata never reaches a client) and
    store them for the next turn.
 
 Failover: a prefill that fails or times out is retried on another prefill engine (``prefill_retries``);
 a decode that fails before its first token is retried with both legs on another decode engine
 (``decode_retries``; prefill again, because the blocks of the failed dispatch may already be freed);
-a retry after a failed reuse pull goes without reuse. A client that goes away cancels the handler,
-which closes both upstream connections: vLLM aborts requests whose connection closes.
+a retry after a failed reuse pull goes without reuse (``router.retry`` decides). A client that goes away
+cancels the handler, which closes both upstream connections: vLLM aborts requests whose connection closes.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 import logging
-import os
-import secrets
 import time
-import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from router import apis, guard, hints, limits, migrate, retry, sse, telemetry
+from router import apis, guard, hints, limits, migrate, retry, telemetry
 from router.apis import stored
 from router.config import RouterConfig
-from router.deadline import WriteDeadline
-from router.engines import Engine, EnginePool, Lease, NoEngineError, PushIdentity
+from router.dispatch import Dispatch
+from router.engines import Engine, EnginePool, NoEngineError
 from router.errors import public_message
 from router.keepalive import Keepalive
-from router.reply import ReplyCollector
+from router.legs import REQUEST_ID_HEADER, Legs, Opened, UpstreamError, new_leg_id
+from router.relay import Relay, error_event
 from router.state import ConversationStore, Entry
 from router.telemetry import Metrics
 from turnkv import wire
@@ -55,51 +52,12 @@ REUSE_HEADER = "X-TurnKV-Reuse"
 REUSED_TOKENS_HEADER = "X-TurnKV-Reused-Tokens"
 REUSE_OUTCOME_HEADER = "X-TurnKV-Reuse-Outcome"
 CONVERSATION_HEADER = "X-Conversation-Id"
-REQUEST_ID_HEADER = "X-Request-Id"
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error",
                    headers: Mapping[str, str] | None = None) -> web.Response:
     body = {"error": {"message": message, "type": kind, "code": status}, "object": "error"}
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json", headers=headers)
-
-
-class UpstreamError(Exception):
-    """A leg failed. ``retryable``: another engine may succeed (5xx, connection, timeout)."""
-
-    def __init__(self, status: int, message: str, body: bytes | None = None, *, leg: str = "prefill",
-                 engine: Engine | None = None, retryable: bool = False, reason: str = "error",
-                 connect: bool = False) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = body
-        self.leg = leg
-        self.engine = engine
-        self.retryable = retryable
-        self.reason = reason
-        self.connect = connect  # the engine was never reached: it did no work
-
-
-class _LegIds:
-    """Unique ids without a system call each: a random 64-bit prefix per process (drawn again in a forked child)
-    and a counter."""
-
-    def __init__(self) -> None:
-        self.reseed()
-        os.register_at_fork(after_in_child=self.reseed)
-
-    def reseed(self) -> None:
-        self.prefix = f"turnkv-{secrets.token_hex(8)}"
-        self.counter = itertools.count(1)
-
-    def __call__(self) -> str:
-        return f"{self.prefix}{next(self.counter):016x}"
-
-
-#: The request id both engines see for one dispatch: generated here, never the client's. Upstream's push mode
-#: pairs decode's registration with prefill's blocks by this id, so a client-chosen one would let two requests
-#: with the same id write into each other's KV. Unique per process and across processes and restarts.
-new_leg_id = _LegIds()
 
 
 def client_request_id(raw: str | None) -> str:
@@ -112,83 +70,9 @@ def client_request_id(raw: str | None) -> str:
     return raw
 
 
-def reused_tokens(kv: Mapping[str, Any]) -> int:
-    """Prompt tokens prefill pulled back from decode (bi-directional mode), from its answer's params."""
-    return int(kv.get("remote_prefill_cached_tokens") or 0)
-
-
-def push_identity(kv: Mapping[str, Any]) -> PushIdentity | None:
-    """P's identity from a push-mode prefill answer (to dispatch the next ones concurrently)."""
-    if kv.get("transfer_mode") != "push" or not kv.get("remote_engine_id") or not kv.get("remote_host"):
-        return None
-    return PushIdentity(str(kv["remote_engine_id"]), str(kv["remote_host"]), int(kv.get("remote_port") or 0),
-                        int(kv.get("tp_size") or 1), int(kv.get("pp_size") or 1))
-
-
-def push_decode_params(p: PushIdentity, request_id: str, transfer_id: str) -> dict[str, Any]:
-    """What decode is sent in push mode: P's identity, not P's output (no block ids)."""
-    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": p.engine_id,
-            "remote_host": p.host, "remote_port": p.port, "tp_size": p.tp_size, "pp_size": p.pp_size,
-            "remote_request_id": request_id, "transfer_id": transfer_id}
-
-
-@dataclass
-class Dispatch:
-    """One client request on its way through the two legs."""
-
-    kind: str  # "chat" | "completion"
-    path: str
-    body: dict[str, Any]
-    request_id: str  # the client's (or ours): echoed in the reply header and logged, never sent to an engine
-    turn: guard.Turn | None
-    key: str | None  # where this turn's previous turn is looked up (None: nothing to look up)
-    outcome: str = "none"
-    reused_tokens: int = 0
-    started: float = 0.0
-    tenant: str = ""
-    tokens: int = 0  # prompt size estimate (load accounting)
-    stream: bool = False
-    leg_request_id: str = ""  # router-generated, sent to both engines; a fresh one per dispatch and retry
-    affinity: str = ""  # decode engine holding the conversation's blocks
-    prompt_tokens: int = 0
-    prefill_ms: float | None = None
-    ttft: float | None = None
-    retries: int = 0
-    retain: bool = False  # decode is asked to keep this turn's KV (a conversation turn within the tenant's limits)
-    migrate: bool = False  # a stream that may continue on another decode engine (router.migrate)
-    prompt_ids: bytes | None = None  # the rendered prompt's token ids as prefill wrote them (when migrate)
-    status: int = 0
-    error: str = ""
-    prefill_engine: str = ""
-    decode_engine: str = ""
-    hint: hints.Hint | None = None
-    #: Reuse applies: decode retains its KV for the next turn and the reply is stored.
-    storable: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-    #: Another API translated to chat completions (``router.apis``): its answers are translated back.
-    api: apis.Translation | None = None
-    route: str = ""  # the client's route when it differs from ``path`` (translated APIs)
-
-
-@dataclass
-class Opened:
-    """A decode leg that answered 200: the unary body, or the stream's first lines and the response."""
-
-    engine: Engine
-    resp: aiohttp.ClientResponse | None = None
-    raw: bytes = b""
-    first: bytes = b""
-    lease: Lease | None = None  # a stream's load on its engine, held until the relay ends
-
-    def close(self) -> None:
-        """Close the stream (aborting decode if it is still generating) and give back its load."""
-        if self.resp is not None:
-            self.resp.close()
-        if self.lease is not None:
-            self.lease.release()
-
-
 class Flow:
+    """Runs client requests through the legs: intake, the store, retries, the reply and its metrics."""
+
     def __init__(self, config: RouterConfig, pool: EnginePool, store: ConversationStore, metrics: Metrics,
                  session: aiohttp.ClientSession, *, forward_auth: bool = True,
                  emf: telemetry.EmfWriter | None = None, responses: stored.ResponseLog | None = None) -> None:
@@ -198,13 +82,14 @@ class Flow:
         self.store = store
         self.metrics = metrics
         self.session = session
-        self.forward_auth = forward_auth
         self.prefill_rate = telemetry.PrefillRate()
+        self.legs = Legs(config, pool, metrics, session, self.prefill_rate, forward_auth=forward_auth)
+        self.relay = Relay(config, metrics, dispatch=self._dispatch, store_reply=self._store_reply,
+                           first_token=self._first_token)
         self.emf = emf or telemetry.EmfWriter()
         # Prometheus children resolved once (labels() takes a lock and a dict lookup per call)
         self._ttft = {o: metrics.ttft.labels(o) for o in telemetry.OUTCOMES}
         self._reuse = {o: metrics.reuse.labels(o) for o in telemetry.OUTCOMES}
-        self._leg = {leg: metrics.leg.labels(leg) for leg in ("prefill", "decode")}
         self._store_seconds = {op: metrics.store_seconds.labels(op) for op in ("take", "put")}
         self.retention = limits.RetentionLedger()
         self.lease_rate = limits.TokenBucket()
@@ -321,8 +206,6 @@ class Flow:
         finally:
             self._store_seconds["put"].observe(time.perf_counter() - t0)
 
-    # -- retention limits (per tenant, this process) -----------------------------------------------
-
     async def _keep_response(self, d: Dispatch, reply: Mapping[str, Any] | str) -> None:
         """Keep an answer another API can continue by id (``/v1/responses``' previous_response_id)."""
         if d.api is None or self.responses is None:
@@ -330,6 +213,13 @@ class Flow:
         kept = d.api.kept(reply)
         if kept is not None:
             await self.responses.save(d.tenant, *kept)
+
+    async def _store_reply(self, d: Dispatch, decode: Engine, params: Any, reply: Mapping[str, Any] | str) -> None:
+        """A streamed reply, complete: kept for the next turn and for its API (the relay's ``store_reply``)."""
+        await self._remember(d, decode, params, reply)
+        await self._keep_response(d, reply)
+
+    # -- retention limits (per tenant, this process) -----------------------------------------------
 
     def hold_retention(self, tenant: str, key: str, entry: Entry, expires: float) -> None:
         self.retention.hold(tenant, key, int(entry.params.get("remote_num_tokens") or 0), expires)
@@ -351,198 +241,7 @@ class Flow:
         self.metrics.engine_errors.labels(leg, type(exc).__name__).inc()
         log.warning("%s engine %s failed: %s", leg, engine.name, str(exc) or type(exc).__name__)
 
-    # -- legs -----------------------------------------------------------------------------------
-
-    def _headers(self, d: Dispatch, request: web.Request) -> dict[str, str]:
-        headers = {REQUEST_ID_HEADER: d.leg_request_id, "Content-Type": "application/json"}
-        if self.forward_auth:
-            auth = request.headers.get("Authorization")
-            if auth:
-                headers["Authorization"] = auth
-        return headers
-
-    def _prefill_body(self, d: Dispatch, params: Mapping[str, Any]) -> bytes:
-        body = dict(d.body)
-        body["max_tokens"] = 1
-        if "max_completion_tokens" in body:
-            body["max_completion_tokens"] = 1
-        body.pop("min_tokens", None)  # vLLM refuses min_tokens > max_tokens: the prefill leg makes one token
-        if d.migrate:
-            body["return_token_ids"] = True  # the rendered prompt, to continue the stream elsewhere if decode dies
-        body["stream"] = False
-        body.pop("stream_options", None)
-        body["kv_transfer_params"] = params
-        return orjson.dumps(body)
-
-    def _fail(self, leg: str, engine: Engine, exc: BaseException) -> UpstreamError:
-        kind = type(exc).__name__
-        self.metrics.engine_errors.labels(leg, kind).inc()
-        connect = isinstance(exc, aiohttp.ClientConnectorError)
-        if connect:  # only an engine that cannot be reached is ejected; a slow or failing request proves nothing
-            self.pool.report_failure(engine)
-        status = 504 if isinstance(exc, TimeoutError) else 502
-        return UpstreamError(status, f"{leg} engine {engine.name} failed: {str(exc) or kind}", leg=leg, engine=engine,
-                             retryable=True, reason="timeout" if status == 504 else "connect" if connect else "error",
-                             connect=connect)
-
-    def _http_error(self, leg: str, engine: Engine, status: int, raw: bytes) -> UpstreamError:
-        self.metrics.engine_errors.labels(leg, f"http_{status}").inc()
-        return UpstreamError(status if status < 500 else 502, f"{leg} engine {engine.name} answered HTTP {status}",
-                             raw, leg=leg, engine=engine, retryable=status >= 500, reason=f"http_{status}")
-
-    async def _prefill(self, d: Dispatch, request: web.Request, engine: Engine,
-                       params: Mapping[str, Any]) -> dict[str, Any]:
-        timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout, sock_connect=5)
-        t0 = time.perf_counter()
-        d.prefill_engine = engine.name
-        try:
-            with self.pool.lease(engine, d.tokens):
-                async with self.session.post(engine.url + d.path, data=self._prefill_body(d, params),
-                                             headers=self._headers(d, request), timeout=timeout) as resp:
-                    raw = await resp.read()
-                    if resp.status != 200:
-                        raise self._http_error("prefill", engine, resp.status, raw)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise self._fail("prefill", engine, exc) from exc
-        elapsed = time.perf_counter() - t0
-        self._leg["prefill"].observe(elapsed)
-        d.prefill_ms = elapsed * 1000
-        if d.migrate:  # the prompt's ids, kept unparsed for a migration (router.migrate)
-            raw, d.prompt_ids = migrate.cut_prompt_ids(raw)
-        result = orjson.loads(raw)
-        kv = result.get("kv_transfer_params")
-        if not isinstance(kv, dict):
-            raise UpstreamError(502, f"prefill engine {engine.name} returned no kv_transfer_params: "
-                                     "is it running with the NIXL connector (--kv-transfer-config)?",
-                                leg="prefill", engine=engine)
-        usage = result.get("usage") or {}
-        d.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-        self.pool.report_success(engine)
-        if d.outcome == "hit":
-            self._account_reuse(d, kv)
-        elif d.outcome in ("miss", "none", "disabled"):
-            self.prefill_rate.observe(d.prefill_ms, d.prompt_tokens)
-        ident = push_identity(kv)
-        if ident is not None:
-            engine.learned = ident
-        return kv
-
-    def _account_reuse(self, d: Dispatch, prefill_params: Mapping[str, Any]) -> None:
-        """Reused tokens, from prefill's answer; a token-proof shortfall is a tokenization mismatch."""
-        d.reused_tokens = reused_tokens(prefill_params)
-        verdict = prefill_params.get(wire.VERDICT)
-        if isinstance(verdict, Mapping) and verdict.get("reason") in ("mismatch", "no-proof", "bad-proof"):
-            # The text history matched but the token ids did not (or could not be checked): re-tokenization,
-            # a template that renders past turns differently, or a decode engine without the turnkv connector.
-            cause = "tokenization" if verdict["reason"] == "mismatch" else "unverified"
-            self.metrics.token_mismatches.labels(cause).inc()
-            log.info("token proof verified %s of %s offered tokens (%s)", verdict.get("verified"),
-                     verdict.get("offered"), verdict["reason"])
-            d.outcome = "token_mismatch"
-
-    def _decode_body(self, d: Dispatch, params: Mapping[str, Any]) -> bytes:
-        body = dict(d.body)
-        if d.retain:
-            # A turn that can be continued: ask decode to keep its KV for the next turn (others pin nothing).
-            params = {**params, wire.RETAIN: True}
-        if d.migrate:
-            body["return_token_ids"] = True  # the relay counts the tokens sent, to continue right after them
-        body["kv_transfer_params"] = params
-        return orjson.dumps(body)
-
-    async def _open_decode(self, d: Dispatch, request: web.Request, engine: Engine,
-                           params: Mapping[str, Any]) -> Opened:
-        """Send the decode leg and wait for its first token (stream) or its whole answer (unary)."""
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.config.first_token_timeout)
-        t0 = time.perf_counter()
-        lease = self.pool.lease(engine, d.tokens)
-        resp = None
-        handed = False
-        try:
-            resp = await self.session.post(engine.url + d.path, data=self._decode_body(d, params),
-                                           headers=self._headers(d, request), timeout=timeout)
-            if resp.status != 200 or not d.stream:
-                raw = await resp.read()
-                resp.release()
-                if resp.status != 200:
-                    raise self._http_error("decode", engine, resp.status, raw)
-                self._leg["decode"].observe(time.perf_counter() - t0)
-                self.pool.report_success(engine)
-                return Opened(engine, raw=raw)
-            first = b""
-            while True:  # up to the first event: until then another engine may still take over
-                chunk = await resp.content.readany()
-                if not chunk:
-                    raise aiohttp.ServerDisconnectedError("decode closed the stream before its first token")
-                first += chunk
-                at = first.find(b"data: ")
-                if at >= 0 and first.find(b"\n", at) >= 0:
-                    break
-            self._leg["decode"].observe(time.perf_counter() - t0)
-            self.pool.report_success(engine)
-            handed = True  # released (and counted down) by the relay
-            return Opened(engine, resp=resp, first=first, lease=lease)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise self._fail("decode", engine, exc) from exc
-        finally:
-            if not handed:
-                if resp is not None:
-                    resp.close()
-                lease.release()
-
-    async def _pull_attempt(self, d: Dispatch, request: web.Request, params: dict[str, Any] | None,
-                            tried: dict[str, list[Engine]]) -> Opened:
-        prefill = self.pool.pick("prefill", exclude=tried["prefill"], tokens=d.tokens)
-        kv = await self._prefill(d, request, prefill, params or guard.FRESH_PREFILL_PARAMS)
-        decode = self.pool.pick("decode", exclude=tried["decode"], prefer="" if tried["decode"] else d.affinity,
-                                tokens=d.tokens)
-        d.decode_engine = decode.name
-        return await self._open_decode(d, request, decode, kv)
-
-    async def _push_attempt(self, d: Dispatch, request: web.Request, params: dict[str, Any] | None,
-                            tried: dict[str, list[Engine]]) -> Opened:
-        prefill = self.pool.pick("prefill", exclude=tried["prefill"], tokens=d.tokens)
-        decode = self.pool.pick("decode", exclude=tried["decode"], prefer="" if tried["decode"] else d.affinity,
-                                tokens=d.tokens)
-        d.decode_engine = decode.name
-        transfer_id = uuid.uuid4().hex
-        p_params = {**(params or guard.FRESH_PREFILL_PARAMS), "transfer_id": transfer_id}
-        ident = prefill.push_identity
-        if ident is None:  # identity unknown: serial, and learn it from the answer
-            self.metrics.push_dispatch.labels("serial").inc()
-            kv = await self._prefill(d, request, prefill, p_params)
-            ident = push_identity(kv)
-            if ident is None:
-                raise UpstreamError(502, f"prefill engine {prefill.name} did not answer in push mode "
-                                         "(transfer_mode 'push'): are the engines running NixlPushConnector?",
-                                    leg="prefill", engine=prefill)
-            return await self._open_decode(d, request, decode, push_decode_params(ident, d.leg_request_id,
-                                                                                  transfer_id))
-        self.metrics.push_dispatch.labels("concurrent").inc()
-        p_task = asyncio.create_task(self._prefill(d, request, prefill, p_params))
-        d_task = asyncio.create_task(self._open_decode(d, request, decode,
-                                                       push_decode_params(ident, d.leg_request_id, transfer_id)))
-        handed = False
-        try:
-            await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_EXCEPTION)
-            if d_task.done() and d_task.exception() is not None:
-                p_task.cancel()
-                raise d_task.exception()  # type: ignore[misc]
-            kv = await p_task  # raises: the finally cancels (or releases) decode
-            answered = push_identity(kv)
-            if answered is not None and answered != ident:  # P moved (restart, new id): resend decode
-                log.warning("prefill %s answered as %s, not %s: resending decode", prefill.name, answered, ident)
-                await _discard_decode(d_task)
-                opened = await self._open_decode(d, request, decode, push_decode_params(answered, d.leg_request_id,
-                                                                                        transfer_id))
-            else:
-                opened = await d_task
-            handed = True
-            return opened
-        finally:
-            if not handed:  # prefill failed (or we were cancelled): decode must not stay open or counted
-                p_task.cancel()
-                await _discard_decode(d_task)
+    # -- the retry loop ---------------------------------------------------------------------------
 
     async def _dispatch(self, d: Dispatch, request: web.Request) -> Opened:
         """Both legs, with the retry budgets; returns the opened decode leg or raises UpstreamError."""
@@ -550,7 +249,7 @@ class Flow:
         d.retain = self._may_retain(d)
         tried: dict[str, list[Engine]] = {"prefill": [], "decode": list(d.extra.get("avoid_decode", ()))}
         budget = {"prefill": int(self.config.prefill_retries), "decode": int(self.config.decode_retries)}
-        attempt = self._push_attempt if self.config.mode == "push" else self._pull_attempt
+        attempt = self.legs.push if self.config.mode == "push" else self.legs.pull
         while True:
             try:
                 opened = await attempt(d, request, params, tried)
@@ -662,8 +361,8 @@ class Flow:
                     return self._upstream_error(d, exc)
                 d.error = str(exc)
                 status = exc.status if isinstance(exc, UpstreamError) else 503
-                await self._error_event(d, response, public_message(exc) if isinstance(exc, UpstreamError)
-                                        else str(exc), status)
+                await error_event(d, response, public_message(exc) if isinstance(exc, UpstreamError)
+                                  else str(exc), status)
                 return response
             response = await keepalive.stop()
             early = response is not None
@@ -671,191 +370,8 @@ class Flow:
                 response = web.StreamResponse(headers={**self._reply_headers(d), "Content-Type": "text/event-stream",
                                                        "Cache-Control": "no-cache"})
                 await response.prepare(request)
-            return await self._relay(d, response, opened, early, request)
+            return await self.relay.stream(d, response, opened, early, request)
         finally:
             await keepalive.stop()
             if opened is not None:
                 opened.close()
-
-    async def _error_event(self, d: Dispatch, response: web.StreamResponse, message: str, status: int = 502) -> None:
-        if d.api is not None:
-            data = d.api.error_event(status, message)
-        else:
-            err = {"error": {"message": message, "type": "upstream_error", "code": status}}
-            data = b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n"
-        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):  # the client may be gone too
-            await response.write_eof(data)
-
-    async def _relay(self, d: Dispatch, response: web.StreamResponse, opened: Opened, early: bool,
-                     request: web.Request | None = None) -> web.StreamResponse:
-        assert opened.resp is not None
-        deadline = WriteDeadline(float(self.config.write_timeout))
-        try:
-            return await self._relay_lines(d, response, opened, early, request, deadline)
-        finally:
-            deadline.close()
-
-    async def _relay_lines(self, d: Dispatch, response: web.StreamResponse, opened: Opened, early: bool,
-                           request: web.Request | None, deadline: WriteDeadline) -> web.StreamResponse:
-        assert opened.resp is not None
-        reply = ReplyCollector(d.kind, parse=d.retain or (d.api is not None and d.api.keeps_reply))
-        api = d.api
-        state = migrate.StreamState(d.kind, bool(d.body.get("return_token_ids"))) if d.migrate else None
-        remembered = False
-        first = True
-        tail: list[bytes] = []
-        lines = sse.LineCollector()
-        try:
-            async for chunk in _chunks(opened.first, opened.resp.content):
-                out = []  # one write per chunk received, not per line
-                for line in lines.feed(chunk):
-                    if state is not None:
-                        line = state.observe(line)
-                    fed = reply.feed(line)
-                    if reply.complete and not remembered:
-                        # Store before the client sees [DONE]: its next turn may follow at once.
-                        remembered = True
-                        if reply.storable:
-                            await self._remember(d, opened.engine, reply.kv_transfer_params, reply.value())
-                            await self._keep_response(d, reply.value())
-                        if early:  # the headers left before the outcome was known: say it in a comment
-                            out.append(f": turnkv reuse_outcome={d.outcome} "
-                                       f"reused_tokens={d.reused_tokens}\n\n".encode())
-                    if fed is not None:
-                        out.append(fed if api is None else api.stream_line(fed))
-                if first and (reply.has_content or reply.complete):
-                    first = False
-                    self._first_token(d)
-                if reply.complete:  # [DONE] seen: the rest goes out with the end of the stream
-                    tail.extend(out)
-                elif out:
-                    await _client_write(response, b"".join(out), deadline=deadline)
-            if rest := lines.flush():
-                fed = reply.feed(rest)
-                if fed:
-                    tail.append(fed if api is None else api.stream_line(fed))
-            await _client_write(response, b"".join(tail), eof=True, deadline=deadline)
-        except _ClientGone as gone:
-            self.metrics.client_disconnects.inc()
-            d.status, d.error = 499, "client disconnected"
-            if gone.slow:
-                self.metrics.slow_readers.inc()
-                d.error = "client did not read within write_timeout"
-                if request is not None and request.transport is not None:
-                    request.transport.close()  # aiohttp would otherwise wait on the full buffer at the end
-            log.info("client %s mid-stream: decode aborted", "too slow" if gone.slow else "went away")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            self.metrics.engine_errors.labels("decode", type(exc).__name__).inc()
-            error = f"decode engine {opened.engine.name} failed mid-stream: {exc or type(exc).__name__}"
-            log.warning("%s", error)
-            if reply.complete:  # [DONE] had arrived: only the end of the stream is missing
-                with contextlib.suppress(_ClientGone):
-                    await _client_write(response, b"".join(tail), eof=True, deadline=deadline)
-                return response
-            if state is not None and await self._migrate(d, request, response, opened.engine, state, deadline):
-                return response
-            d.error = error
-            await self._error_event(d, response, "the model server failed mid-stream; the reply is incomplete")
-        return response
-
-    async def _migrate(self, d: Dispatch, request: web.Request | None, response: web.StreamResponse, dead: Engine,
-                       state: migrate.StreamState, deadline: WriteDeadline) -> bool:
-        """Continue a stream whose decode died on another decode engine (router.migrate); True when it ended
-        normally ([DONE] sent). Up to ``decode_migrations`` times; every token is relayed exactly once."""
-        prompt = migrate.prompt_ids(d.prompt_ids) if d.prompt_ids is not None else None
-        if request is None or not prompt:
-            return False
-        if not state.ids_parse():
-            log.warning("decode sent token ids that are not integers: the stream cannot be continued")
-            return False
-        avoid = [dead]
-        state.prompt_tokens = len(prompt)
-        for _ in range(int(self.config.decode_migrations)):
-            body = migrate.continuation_body(d.body, prompt + state.generated, len(state.generated))
-            if body is None:
-                break
-            c = Dispatch("completion", "/v1/completions", body, d.request_id, None, None, started=d.started,
-                         tenant=d.tenant, tokens=d.tokens + len(state.generated), stream=True,
-                         leg_request_id=new_leg_id(), extra={"avoid_decode": list(avoid)})
-            try:
-                opened = await self._dispatch(c, request)
-            except (UpstreamError, NoEngineError) as exc:
-                log.warning("stream migration: no engine took over (%s)", exc)
-                break
-            log.warning("decode engine %s died mid-stream after %d tokens: continuing on %s", dead.name,
-                        len(state.generated), opened.engine.name)
-            d.retries += 1
-            try:
-                if await self._relay_continuation(response, opened, state, deadline, d.api):
-                    self.metrics.migrations.labels("continued").inc()
-                    return True
-            except _ClientGone:
-                return True  # the client left: nothing more to send
-            finally:
-                opened.close()
-            avoid.append(opened.engine)
-            dead = opened.engine
-        self.metrics.migrations.labels("failed").inc()
-        return False
-
-    async def _relay_continuation(self, response: web.StreamResponse, opened: Opened, state: migrate.StreamState,
-                                  deadline: WriteDeadline, api: apis.Translation | None = None) -> bool:
-        """Relay a continuation stream in the client's format (chat chunks, then through ``api`` for a translated
-        stream); True at [DONE], False when it failed too."""
-        assert opened.resp is not None
-        lines = sse.LineCollector()
-        try:
-            async for chunk in _chunks(opened.first, opened.resp.content):
-                out = []
-                for line in lines.feed(chunk):
-                    payload = sse.data_of(line)
-                    if payload is None:
-                        continue
-                    if payload == sse.DONE:
-                        done = b"data: [DONE]\n\n"
-                        out.append(done if api is None else api.stream_line(done))
-                        await _client_write(response, b"".join(out), eof=True, deadline=deadline)
-                        return True
-                    try:
-                        rewritten = state.rewrite(orjson.loads(payload))
-                    except orjson.JSONDecodeError:
-                        continue
-                    if rewritten is not None:
-                        out.append(rewritten if api is None else api.stream_line(rewritten))
-                if out:
-                    await _client_write(response, b"".join(out), deadline=deadline)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("continuation on %s failed too: %s", opened.engine.name, exc or type(exc).__name__)
-        return False
-
-
-async def _discard_decode(task: asyncio.Task[Opened]) -> None:
-    """Cancel a decode leg, or, if it already opened, close its stream and give back its load."""
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        (await task).close()
-
-
-class _ClientGone(Exception):
-    """Writing to the client failed: it went away, or did not read within the write deadline (``slow``)."""
-
-    def __init__(self, slow: bool = False) -> None:
-        super().__init__()
-        self.slow = slow
-
-
-async def _client_write(response: web.StreamResponse, data: bytes, eof: bool = False, *,
-                        deadline: WriteDeadline) -> None:
-    try:
-        await deadline.run(response.write_eof(data) if eof else response.write(data))
-    except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
-        raise _ClientGone() from exc
-    except TimeoutError as exc:
-        raise _ClientGone(slow=True) from exc
-
-
-async def _chunks(first: bytes, rest: aiohttp.StreamReader):
-    if first:
-        yield first
-    async for chunk in rest.iter_any():
-        yield chunk

@@ -2,7 +2,7 @@
 
 An upstream stream arrives in chunks that cut lines anywhere (mid-line, between ``\\r`` and ``\\n``, inside
 a JSON payload). Every relay acts on complete lines only and writes once per chunk received, not per line
-(fewer writes under load). The decode relay and a migrated stream's continuation (``router.flow``) both
+(fewer writes under load). The decode relay and a migrated stream's continuation (``router.relay``) both
 split their input here; what each does with a line (strip params, count token ids, rewrite) is theirs.
 """
 

@@ -7,7 +7,7 @@ import os
 import orjson
 import pytest
 
-from router import errors, flow, guard
+from router import errors, flow, guard, legs
 from router.limits import Admission, RetentionLedger, TokenBucket
 
 
@@ -88,7 +88,7 @@ def test_client_request_ids_are_echoable_or_refused():
     for bad in ("café", "a\udcff", "x" * 129, "tab\there"):
         with pytest.raises(guard.RequestError):
             flow.client_request_id(bad)
-    assert flow.new_leg_id() != flow.new_leg_id()
+    assert legs.new_leg_id() != legs.new_leg_id()
 
 
 def test_leg_ids_differ_in_a_forked_worker():
@@ -96,20 +96,20 @@ def test_leg_ids_differ_in_a_forked_worker():
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
-        os.write(write, flow.new_leg_id().encode())
+        os.write(write, legs.new_leg_id().encode())
         os._exit(0)
     os.waitpid(pid, 0)
     child = os.read(read, 100).decode()
     os.close(read)
     os.close(write)
-    mine = flow.new_leg_id()
+    mine = legs.new_leg_id()
     assert len(child) == len(mine) == 39 and child[:23] != mine[:23]
 
 
 def test_engine_error_text_is_passed_on_only_when_it_names_nothing_internal():
-    def err(message: str, status: int = 400) -> flow.UpstreamError:
+    def err(message: str, status: int = 400) -> legs.UpstreamError:
         body = orjson.dumps({"error": {"message": message}})
-        return flow.UpstreamError(status, "internal", body)
+        return legs.UpstreamError(status, "internal", body)
 
     assert errors.public_message(err("temperature must be non-negative")) == "temperature must be non-negative"
     for leaky in ("bad kv_transfer_params={...}", "cannot reach 10.0.0.5", "remote_block_ids out of range",

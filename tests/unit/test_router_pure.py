@@ -12,7 +12,7 @@ from router.config import RouterConfig, build, load_file
 from router.engines import Engine, EnginePool, join_host_port, parse_engine
 from router.engines.discovery import engines_from_instances
 from router.engines.policy import RoundRobin
-from router.flow import push_decode_params, push_identity, reused_tokens
+from router.legs import push_decode_params, push_identity, reused_tokens
 from router.reload import merge
 from router.telemetry import PrefillRate, emf_record, prompt_bucket
 from turnkv import params

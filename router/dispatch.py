@@ -1,0 +1,50 @@
+"""One client request's state on its way through the two legs (``router.flow``).
+
+A module of its own so that the parts the flow drives (the engine legs, the client relay) can read and fill it in
+without importing the flow: no import cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from router import apis, guard, hints
+
+
+@dataclass
+class Dispatch:
+    """One client request on its way through the two legs."""
+
+    kind: str  # "chat" | "completion"
+    path: str
+    body: dict[str, Any]
+    request_id: str  # the client's (or ours): echoed in the reply header and logged, never sent to an engine
+    turn: guard.Turn | None
+    key: str | None  # where this turn's previous turn is looked up (None: nothing to look up)
+    outcome: str = "none"
+    reused_tokens: int = 0
+    started: float = 0.0
+    tenant: str = ""
+    tokens: int = 0  # prompt size estimate (load accounting)
+    stream: bool = False
+    leg_request_id: str = ""  # router-generated, sent to both engines; a fresh one per dispatch and retry
+    affinity: str = ""  # decode engine holding the conversation's blocks
+    prompt_tokens: int = 0
+    prefill_ms: float | None = None
+    ttft: float | None = None
+    retries: int = 0
+    retain: bool = False  # decode is asked to keep this turn's KV (a conversation turn within the tenant's limits)
+    migrate: bool = False  # a stream that may continue on another decode engine (router.migrate)
+    prompt_ids: bytes | None = None  # the rendered prompt's token ids as prefill wrote them (when migrate)
+    status: int = 0
+    error: str = ""
+    prefill_engine: str = ""
+    decode_engine: str = ""
+    hint: hints.Hint | None = None
+    #: Reuse applies: decode retains its KV for the next turn and the reply is stored.
+    storable: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+    #: Another API translated to chat completions (``router.apis``): its answers are translated back.
+    api: apis.Translation | None = None
+    route: str = ""  # the client's route when it differs from ``path`` (translated APIs)

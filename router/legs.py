@@ -1,0 +1,335 @@
+"""The engine legs of one dispatch: prefill (``max_tokens=1``), decode up to its first event, and the two together
+as one attempt, pulled (serially) or pushed (concurrently when prefill's identity is known).
+
+Every leg holds its engine's load through ``pool.lease`` (``router.engines``), so no way out of a leg, an error or
+a cancellation, leaves load counted. A failure comes out as an ``UpstreamError`` saying which leg failed and
+whether another engine may succeed; whether to try again is the flow's (``router.flow``, ``router.retry``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import secrets
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from router import guard, migrate, telemetry
+from router.config import RouterConfig
+from router.dispatch import Dispatch
+from router.engines import Engine, EnginePool, Lease, PushIdentity
+from router.telemetry import Metrics
+from turnkv import wire
+
+log = logging.getLogger("turnkv.router")
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+class UpstreamError(Exception):
+    """A leg failed. ``retryable``: another engine may succeed (5xx, connection, timeout)."""
+
+    def __init__(self, status: int, message: str, body: bytes | None = None, *, leg: str = "prefill",
+                 engine: Engine | None = None, retryable: bool = False, reason: str = "error",
+                 connect: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+        self.leg = leg
+        self.engine = engine
+        self.retryable = retryable
+        self.reason = reason
+        self.connect = connect  # the engine was never reached: it did no work
+
+
+class _LegIds:
+    """Unique ids without a system call each: a random 64-bit prefix per process (drawn again in a forked child)
+    and a counter."""
+
+    def __init__(self) -> None:
+        self.reseed()
+        os.register_at_fork(after_in_child=self.reseed)
+
+    def reseed(self) -> None:
+        self.prefix = f"turnkv-{secrets.token_hex(8)}"
+        self.counter = itertools.count(1)
+
+    def __call__(self) -> str:
+        return f"{self.prefix}{next(self.counter):016x}"
+
+
+#: The request id both engines see for one dispatch: generated here, never the client's. Upstream's push mode
+#: pairs decode's registration with prefill's blocks by this id, so a client-chosen one would let two requests
+#: with the same id write into each other's KV. Unique per process and across processes and restarts.
+new_leg_id = _LegIds()
+
+
+def reused_tokens(kv: Mapping[str, Any]) -> int:
+    """Prompt tokens prefill pulled back from decode (bi-directional mode), from its answer's params."""
+    return int(kv.get("remote_prefill_cached_tokens") or 0)
+
+
+def push_identity(kv: Mapping[str, Any]) -> PushIdentity | None:
+    """P's identity from a push-mode prefill answer (to dispatch the next ones concurrently)."""
+    if kv.get("transfer_mode") != "push" or not kv.get("remote_engine_id") or not kv.get("remote_host"):
+        return None
+    return PushIdentity(str(kv["remote_engine_id"]), str(kv["remote_host"]), int(kv.get("remote_port") or 0),
+                        int(kv.get("tp_size") or 1), int(kv.get("pp_size") or 1))
+
+
+def push_decode_params(p: PushIdentity, request_id: str, transfer_id: str) -> dict[str, Any]:
+    """What decode is sent in push mode: P's identity, not P's output (no block ids)."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": p.engine_id,
+            "remote_host": p.host, "remote_port": p.port, "tp_size": p.tp_size, "pp_size": p.pp_size,
+            "remote_request_id": request_id, "transfer_id": transfer_id}
+
+
+@dataclass
+class Opened:
+    """A decode leg that answered 200: the unary body, or the stream's first lines and the response."""
+
+    engine: Engine
+    resp: aiohttp.ClientResponse | None = None
+    raw: bytes = b""
+    first: bytes = b""
+    lease: Lease | None = None  # a stream's load on its engine, held until the relay ends
+
+    def close(self) -> None:
+        """Close the stream (aborting decode if it is still generating) and give back its load."""
+        if self.resp is not None:
+            self.resp.close()
+        if self.lease is not None:
+            self.lease.release()
+
+
+def prefill_body(d: Dispatch, params: Mapping[str, Any]) -> bytes:
+    """The prefill leg's request: the client's, for one token and no stream, with the KV ``params``."""
+    body = dict(d.body)
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body.pop("min_tokens", None)  # vLLM refuses min_tokens > max_tokens: the prefill leg makes one token
+    if d.migrate:
+        body["return_token_ids"] = True  # the rendered prompt, to continue the stream elsewhere if decode dies
+    body["stream"] = False
+    body.pop("stream_options", None)
+    body["kv_transfer_params"] = params
+    return orjson.dumps(body)
+
+
+def decode_body(d: Dispatch, params: Mapping[str, Any]) -> bytes:
+    """The decode leg's request: the client's, with prefill's (or push's) ``params``."""
+    body = dict(d.body)
+    if d.retain:
+        # A turn that can be continued: ask decode to keep its KV for the next turn (others pin nothing).
+        params = {**params, wire.RETAIN: True}
+    if d.migrate:
+        body["return_token_ids"] = True  # the relay counts the tokens sent, to continue right after them
+    body["kv_transfer_params"] = params
+    return orjson.dumps(body)
+
+
+
+class Legs:
+    """Sends the legs of one dispatch to the engines, on the router's shared client session."""
+
+    def __init__(self, config: RouterConfig, pool: EnginePool, metrics: Metrics, session: aiohttp.ClientSession,
+                 prefill_rate: telemetry.PrefillRate, *, forward_auth: bool = True) -> None:
+        self.config = config
+        self.pool = pool
+        self.metrics = metrics
+        self.session = session
+        self.prefill_rate = prefill_rate  # prefill's ms per token, from fresh prefills (the EMF's saved time)
+        self.forward_auth = forward_auth
+        self._leg = {leg: metrics.leg.labels(leg) for leg in ("prefill", "decode")}
+
+    def _headers(self, d: Dispatch, request: web.Request) -> dict[str, str]:
+        """Both legs' headers: the router's leg id, never the client's, and the client's key if it is forwarded."""
+        headers = {REQUEST_ID_HEADER: d.leg_request_id, "Content-Type": "application/json"}
+        if self.forward_auth:
+            auth = request.headers.get("Authorization")
+            if auth:
+                headers["Authorization"] = auth
+        return headers
+
+    def _fail(self, leg: str, engine: Engine, exc: BaseException) -> UpstreamError:
+        """A network error or timeout of a leg, as the retryable failure it is (counted, and logged by the flow)."""
+        kind = type(exc).__name__
+        self.metrics.engine_errors.labels(leg, kind).inc()
+        connect = isinstance(exc, aiohttp.ClientConnectorError)
+        if connect:  # only an engine that cannot be reached is ejected; a slow or failing request proves nothing
+            self.pool.report_failure(engine)
+        status = 504 if isinstance(exc, TimeoutError) else 502
+        return UpstreamError(status, f"{leg} engine {engine.name} failed: {str(exc) or kind}", leg=leg, engine=engine,
+                             retryable=True, reason="timeout" if status == 504 else "connect" if connect else "error",
+                             connect=connect)
+
+    def _http_error(self, leg: str, engine: Engine, status: int, raw: bytes) -> UpstreamError:
+        """An engine's non-200 answer: a 4xx is the request's fault (passed on), a 5xx another engine may not have."""
+        self.metrics.engine_errors.labels(leg, f"http_{status}").inc()
+        return UpstreamError(status if status < 500 else 502, f"{leg} engine {engine.name} answered HTTP {status}",
+                             raw, leg=leg, engine=engine, retryable=status >= 500, reason=f"http_{status}")
+
+    async def prefill(self, d: Dispatch, request: web.Request, engine: Engine,
+                      params: Mapping[str, Any]) -> dict[str, Any]:
+        """The prefill leg on ``engine``: its answer's ``kv_transfer_params`` (what decode is sent in pull mode)."""
+        timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout, sock_connect=5)
+        t0 = time.perf_counter()
+        d.prefill_engine = engine.name
+        try:
+            with self.pool.lease(engine, d.tokens):
+                async with self.session.post(engine.url + d.path, data=prefill_body(d, params),
+                                             headers=self._headers(d, request), timeout=timeout) as resp:
+                    raw = await resp.read()
+                    if resp.status != 200:
+                        raise self._http_error("prefill", engine, resp.status, raw)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise self._fail("prefill", engine, exc) from exc
+        elapsed = time.perf_counter() - t0
+        self._leg["prefill"].observe(elapsed)
+        d.prefill_ms = elapsed * 1000
+        if d.migrate:  # the prompt's ids, kept unparsed for a migration (router.migrate)
+            raw, d.prompt_ids = migrate.cut_prompt_ids(raw)
+        result = orjson.loads(raw)
+        kv = result.get("kv_transfer_params")
+        if not isinstance(kv, dict):
+            raise UpstreamError(502, f"prefill engine {engine.name} returned no kv_transfer_params: "
+                                     "is it running with the NIXL connector (--kv-transfer-config)?",
+                                leg="prefill", engine=engine)
+        usage = result.get("usage") or {}
+        d.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        self.pool.report_success(engine)
+        if d.outcome == "hit":
+            self._account_reuse(d, kv)
+        elif d.outcome in ("miss", "none", "disabled"):
+            self.prefill_rate.observe(d.prefill_ms, d.prompt_tokens)
+        ident = push_identity(kv)
+        if ident is not None:
+            engine.learned = ident
+        return kv
+
+    def _account_reuse(self, d: Dispatch, prefill_params: Mapping[str, Any]) -> None:
+        """Reused tokens, from prefill's answer; a token-proof shortfall is a tokenization mismatch."""
+        d.reused_tokens = reused_tokens(prefill_params)
+        verdict = prefill_params.get(wire.VERDICT)
+        if isinstance(verdict, Mapping) and verdict.get("reason") in ("mismatch", "no-proof", "bad-proof"):
+            # The text history matched but the token ids did not (or could not be checked): re-tokenization,
+            # a template that renders past turns differently, or a decode engine without the turnkv connector.
+            cause = "tokenization" if verdict["reason"] == "mismatch" else "unverified"
+            self.metrics.token_mismatches.labels(cause).inc()
+            log.info("token proof verified %s of %s offered tokens (%s)", verdict.get("verified"),
+                     verdict.get("offered"), verdict["reason"])
+            d.outcome = "token_mismatch"
+
+    async def open_decode(self, d: Dispatch, request: web.Request, engine: Engine,
+                          params: Mapping[str, Any]) -> Opened:
+        """Send the decode leg and wait for its first token (stream) or its whole answer (unary)."""
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.config.first_token_timeout)
+        t0 = time.perf_counter()
+        lease = self.pool.lease(engine, d.tokens)
+        resp = None
+        handed = False
+        try:
+            resp = await self.session.post(engine.url + d.path, data=decode_body(d, params),
+                                           headers=self._headers(d, request), timeout=timeout)
+            if resp.status != 200 or not d.stream:
+                raw = await resp.read()
+                resp.release()
+                if resp.status != 200:
+                    raise self._http_error("decode", engine, resp.status, raw)
+                self._leg["decode"].observe(time.perf_counter() - t0)
+                self.pool.report_success(engine)
+                return Opened(engine, raw=raw)
+            first = b""
+            while True:  # up to the first event: until then another engine may still take over
+                chunk = await resp.content.readany()
+                if not chunk:
+                    raise aiohttp.ServerDisconnectedError("decode closed the stream before its first token")
+                first += chunk
+                at = first.find(b"data: ")
+                if at >= 0 and first.find(b"\n", at) >= 0:
+                    break
+            self._leg["decode"].observe(time.perf_counter() - t0)
+            self.pool.report_success(engine)
+            handed = True  # released (and counted down) by the relay
+            return Opened(engine, resp=resp, first=first, lease=lease)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise self._fail("decode", engine, exc) from exc
+        finally:
+            if not handed:
+                if resp is not None:
+                    resp.close()
+                lease.release()
+
+    async def pull(self, d: Dispatch, request: web.Request, params: dict[str, Any] | None,
+                   tried: dict[str, list[Engine]]) -> Opened:
+        """One attempt in pull mode: prefill, then decode with prefill's params verbatim."""
+        prefill = self.pool.pick("prefill", exclude=tried["prefill"], tokens=d.tokens)
+        kv = await self.prefill(d, request, prefill, params or guard.FRESH_PREFILL_PARAMS)
+        decode = self.pool.pick("decode", exclude=tried["decode"], prefer="" if tried["decode"] else d.affinity,
+                                tokens=d.tokens)
+        d.decode_engine = decode.name
+        return await self.open_decode(d, request, decode, kv)
+
+    async def push(self, d: Dispatch, request: web.Request, params: dict[str, Any] | None,
+                   tried: dict[str, list[Engine]]) -> Opened:
+        """One attempt in push mode: both legs at once when prefill's identity is known, serially otherwise."""
+        prefill = self.pool.pick("prefill", exclude=tried["prefill"], tokens=d.tokens)
+        decode = self.pool.pick("decode", exclude=tried["decode"], prefer="" if tried["decode"] else d.affinity,
+                                tokens=d.tokens)
+        d.decode_engine = decode.name
+        transfer_id = uuid.uuid4().hex
+        p_params = {**(params or guard.FRESH_PREFILL_PARAMS), "transfer_id": transfer_id}
+        ident = prefill.push_identity
+        if ident is None:  # identity unknown: serial, and learn it from the answer
+            self.metrics.push_dispatch.labels("serial").inc()
+            kv = await self.prefill(d, request, prefill, p_params)
+            ident = push_identity(kv)
+            if ident is None:
+                raise UpstreamError(502, f"prefill engine {prefill.name} did not answer in push mode "
+                                         "(transfer_mode 'push'): are the engines running NixlPushConnector?",
+                                    leg="prefill", engine=prefill)
+            return await self.open_decode(d, request, decode, push_decode_params(ident, d.leg_request_id,
+                                                                                 transfer_id))
+        self.metrics.push_dispatch.labels("concurrent").inc()
+        p_task = asyncio.create_task(self.prefill(d, request, prefill, p_params))
+        d_task = asyncio.create_task(self.open_decode(d, request, decode,
+                                                      push_decode_params(ident, d.leg_request_id, transfer_id)))
+        handed = False
+        try:
+            await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_EXCEPTION)
+            if d_task.done() and d_task.exception() is not None:
+                p_task.cancel()
+                raise d_task.exception()  # type: ignore[misc]
+            kv = await p_task  # raises: the finally cancels (or releases) decode
+            answered = push_identity(kv)
+            if answered is not None and answered != ident:  # P moved (restart, new id): resend decode
+                log.warning("prefill %s answered as %s, not %s: resending decode", prefill.name, answered, ident)
+                await _discard_decode(d_task)
+                opened = await self.open_decode(d, request, decode, push_decode_params(answered, d.leg_request_id,
+                                                                                       transfer_id))
+            else:
+                opened = await d_task
+            handed = True
+            return opened
+        finally:
+            if not handed:  # prefill failed (or we were cancelled): decode must not stay open or counted
+                p_task.cancel()
+                await _discard_decode(d_task)
+
+
+async def _discard_decode(task: asyncio.Task[Opened]) -> None:
+    """Cancel a decode leg, or, if it already opened, close its stream and give back its load."""
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        (await task).close()
