@@ -198,7 +198,8 @@ async def main(args) -> dict:
 
         config = StackConfig(state_dir=out / "stack", router_port=base + 50, prefill_port=base + 100,
                              decode_port=base + 200, side_channel_base=25650, prefill_engines=2, decode_engines=2,
-                             kv_cache_gib=1, tunables={"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45},
+                             kv_cache_gib=1, tunables={"decoder_kv_blocks_ttl": args.engine_ttl,
+                                                         "conversation_ttl": args.engine_ttl - 15},
                              mode=Mode(args.mode))
         supervisor = Supervisor(config.state_dir)
         supervisor.down()
@@ -257,6 +258,7 @@ async def main(args) -> dict:
                             fake_stats[e.name] = await r.json()
         report = {
             "engines": args.engines, "mode": args.mode, "duration_s": round(elapsed, 1),
+            "engine_ttl_s": args.engine_ttl if args.engines == "real" else None,
             "conversations": args.conversations,
             "requests": stats["requests"], "requests_per_s": round(stats["requests"] / elapsed, 1),
             "client_errors": stats["errors"], "errors_by_kind": {k[6:]: v for k, v in stats.items()
@@ -296,6 +298,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-after", type=float, default=5)
     p.add_argument("--check-fraction", type=float, default=0.1, help="real engines: turns re-run with reuse off")
     p.add_argument("--check-limit", type=int, default=50)
+    p.add_argument("--engine-ttl", type=int, default=60,
+                   help="real engines: decoder_kv_blocks_ttl in s (the catalog's default is 480; 60 keeps retained "
+                        "blocks from filling the 1 GiB caches in short runs)")
     p.add_argument("--port-base", type=int, default=28300)
     p.add_argument("--out", default="results/fault-load")
     p.add_argument("--router-set", action="append", default=[], metavar="NAME=VALUE",
