@@ -42,11 +42,6 @@ class EngineDisconnected(EngineHTTPError):
     """The connection closed (or sent what is not HTTP) before the answer ended."""
 
 
-def _expire(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_exception(TimeoutError())
-
-
 class _Connection(asyncio.Protocol):
     """One connection to an engine, parsing one answer at a time (httptools calls the ``on_*`` methods)."""
 
@@ -57,6 +52,7 @@ class _Connection(asyncio.Protocol):
         self.chunks: collections.deque[bytes] = collections.deque()
         self.buffered = 0
         self.waiter: asyncio.Future[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
         self.reset()
         self.lost = False
         self.idle_since = 0.0
@@ -69,6 +65,10 @@ class _Connection(asyncio.Protocol):
         self.received = False
         self.broken: str | None = None
         self.paused = False
+        self.timed_out = False
+        self.activity = self.loop.time()
+        self.read_timeout: float | None = None
+        self.deadline: float | None = None
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
 
@@ -77,6 +77,7 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received = True
+        self.activity = self.loop.time()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -112,26 +113,56 @@ class _Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def wait(self, timeout: float | None) -> None:
-        """Until more arrives, the connection ends, or ``timeout`` s pass (TimeoutError)."""
+    def arm(self, read_timeout: float | None, deadline: float | None) -> None:
+        """Bound this answer: ``read_timeout`` s without a byte, or the loop-time ``deadline``. One timer for the
+        whole answer, re-armed only when it fires early (a timer per wait would cost one per relayed event)."""
+        self.read_timeout, self.deadline = read_timeout, deadline
+        self._schedule()
+
+    def _schedule(self) -> None:
+        due = [t for t in (self.deadline, None if self.read_timeout is None else self.activity + self.read_timeout)
+               if t is not None]
+        self.timer = self.loop.call_at(min(due), self._check) if due else None
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        if (self.deadline is not None and now >= self.deadline) or (
+                self.read_timeout is not None and now - self.activity >= self.read_timeout):
+            self.timer = None
+            self.timed_out = True
+            self._wake()
+        else:
+            self._schedule()
+
+    def disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    async def wait(self) -> None:
+        """Until more arrives, the connection ends, or the armed timeout passes (TimeoutError)."""
+        if self.timed_out:
+            raise TimeoutError()
         self.waiter = fut = self.loop.create_future()
-        handle = self.loop.call_later(timeout, _expire, fut) if timeout is not None else None
         try:
             await fut
         finally:
             self.waiter = None
-            if handle is not None:
-                handle.cancel()
+        if self.timed_out:
+            raise TimeoutError()
 
     def take(self) -> bytes:
-        data = self.chunks.popleft()
-        self.buffered -= len(data)
+        """Everything buffered, as one chunk (fewer relay iterations when several events arrived at once)."""
+        data = self.chunks.popleft() if len(self.chunks) == 1 else b"".join(self.chunks)
+        self.chunks.clear()
+        self.buffered = 0
         if self.paused and self.buffered < HIGH_WATER // 2 and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()
         return data
 
     def close(self) -> None:
+        self.disarm()
         if self.transport is not None:
             self.transport.close()
         self.lost = True
@@ -141,24 +172,13 @@ class EngineResponse:
     """An engine's answer: ``status``, then its body as it arrives. ``release`` after the whole body was read
     gives the connection back for the next leg; ``close`` drops it (mid-stream: vLLM aborts the request)."""
 
-    __slots__ = ("_conn", "_deadline", "_key", "_pool", "_read_timeout", "status")
+    __slots__ = ("_conn", "_key", "_pool", "status")
 
-    def __init__(self, pool: LegClient, key: tuple[str, int], conn: _Connection, read_timeout: float | None,
-                 deadline: float | None) -> None:
+    def __init__(self, pool: LegClient, key: tuple[str, int], conn: _Connection) -> None:
         self._pool = pool
         self._key = key
         self._conn: _Connection | None = conn
-        self._read_timeout = read_timeout
-        self._deadline = deadline
         self.status = conn.status
-
-    def _timeout(self) -> float | None:
-        if self._deadline is None:
-            return self._read_timeout
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError()
-        return left if self._read_timeout is None else min(left, self._read_timeout)
 
     async def readany(self) -> bytes:
         """The next body chunk; ``b""`` once the answer is complete."""
@@ -170,7 +190,7 @@ class EngineResponse:
                 return b""
             if conn.lost:
                 raise EngineDisconnected(conn.broken or "the engine closed the connection before its answer ended")
-            await conn.wait(self._timeout())
+            await conn.wait()
         return conn.take()
 
     async def read(self) -> bytes:
@@ -187,6 +207,7 @@ class EngineResponse:
         conn, self._conn = self._conn, None
         if conn is None:
             return
+        conn.disarm()
         if conn.complete and conn.keep_alive and not conn.lost and not conn.chunks:
             self._pool.put_back(self._key, conn)
         else:
@@ -222,7 +243,8 @@ class LegClient:
                    read_timeout: float | None = None, total_timeout: float | None = None) -> EngineResponse:
         """POST ``body`` to the engine at ``base_url``; returns once the answer's headers are in."""
         key, prefix = self._target(base_url)
-        deadline = None if total_timeout is None else time.monotonic() + total_timeout
+        loop = asyncio.get_running_loop()
+        deadline = None if total_timeout is None else loop.time() + total_timeout
         lines = [b"POST ", prefix, path.encode(), b" HTTP/1.1\r\nHost: ", f"{key[0]}:{key[1]}".encode(),
                  b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n"]
         for name, value in headers.items():
@@ -238,12 +260,13 @@ class LegClient:
             conn.reset()
             assert conn.transport is not None
             conn.transport.write(request)
-            response = EngineResponse(self, key, conn, read_timeout, deadline)
+            conn.arm(read_timeout, deadline)
+            response = EngineResponse(self, key, conn)
             try:
                 while not conn.headers_done:
                     if conn.lost:
                         raise EngineDisconnected(conn.broken or "the engine closed the connection before answering")
-                    await conn.wait(response._timeout())
+                    await conn.wait()
             except EngineDisconnected:
                 conn.close()
                 if reused and not conn.received and attempt == 0:
@@ -270,7 +293,7 @@ class LegClient:
         loop = asyncio.get_running_loop()
         timeout = self.connect_timeout
         if deadline is not None:
-            timeout = min(timeout, max(deadline - time.monotonic(), 0.0))
+            timeout = min(timeout, max(deadline - loop.time(), 0.0))
         try:
             async with asyncio.timeout(timeout):
                 _, conn = await loop.create_connection(lambda: _Connection(loop), key[0], key[1])
