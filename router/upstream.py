@@ -225,27 +225,27 @@ class LegClient:
     def __init__(self, connect_timeout: float = 5.0) -> None:
         self.connect_timeout = connect_timeout
         self._idle: dict[tuple[str, int], collections.deque[_Connection]] = {}
-        self._targets: dict[str, tuple[tuple[str, int], bytes]] = {}
+        self._targets: dict[str, tuple[tuple[str, int], bytes, bytes]] = {}
         self._closed = False
 
-    def _target(self, base_url: str) -> tuple[tuple[str, int], bytes]:
+    def _target(self, base_url: str) -> tuple[tuple[str, int], bytes, bytes]:
+        """(host, port), the path prefix and the Host header of an engine's base URL, parsed once."""
         target = self._targets.get(base_url)
         if target is None:
             parts = urlsplit(base_url)
             if parts.scheme != "http" or not parts.hostname:
                 raise ValueError(f"engine URL {base_url!r}: only http://host:port is supported for the legs")
-            port = parts.port or 80
-            target = ((parts.hostname, port), parts.path.rstrip("/").encode())
+            target = ((parts.hostname, parts.port or 80), parts.path.rstrip("/").encode(), parts.netloc.encode())
             self._targets[base_url] = target
         return target
 
     async def post(self, base_url: str, path: str, body: bytes, headers: Mapping[str, str], *,
                    read_timeout: float | None = None, total_timeout: float | None = None) -> EngineResponse:
         """POST ``body`` to the engine at ``base_url``; returns once the answer's headers are in."""
-        key, prefix = self._target(base_url)
+        key, prefix, host = self._target(base_url)
         loop = asyncio.get_running_loop()
         deadline = None if total_timeout is None else loop.time() + total_timeout
-        lines = [b"POST ", prefix, path.encode(), b" HTTP/1.1\r\nHost: ", f"{key[0]}:{key[1]}".encode(),
+        lines = [b"POST ", prefix, path.encode(), b" HTTP/1.1\r\nHost: ", host,
                  b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n"]
         for name, value in headers.items():
             if "\r" in value or "\n" in value:
