@@ -338,6 +338,7 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
                 await task
         emf.flush()
         await session.close()
+        app[FLOW].legs_client.close()
         await store.close()
 
     app.cleanup_ctx.append(lifecycle)

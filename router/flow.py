@@ -33,7 +33,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router import apis, guard, hints, limits, migrate, retry, telemetry
+from router import apis, guard, hints, limits, migrate, retry, telemetry, upstream
 from router.apis import stored
 from router.config import RouterConfig
 from router.dispatch import Dispatch
@@ -75,15 +75,17 @@ class Flow:
 
     def __init__(self, config: RouterConfig, pool: EnginePool, store: ConversationStore, metrics: Metrics,
                  session: aiohttp.ClientSession, *, forward_auth: bool = True,
-                 emf: telemetry.EmfWriter | None = None, responses: stored.ResponseLog | None = None) -> None:
+                 emf: telemetry.EmfWriter | None = None, responses: stored.ResponseLog | None = None,
+                 legs_client: upstream.LegClient | None = None) -> None:
         self.config = config
         self.responses = responses  # kept /v1/responses answers (previous_response_id)
         self.pool = pool
         self.store = store
         self.metrics = metrics
-        self.session = session
+        self.session = session  # probes, leases, the evictions feed; the legs have their own pooled connections
+        self.legs_client = legs_client or upstream.LegClient()
         self.prefill_rate = telemetry.PrefillRate()
-        self.legs = Legs(config, pool, metrics, session, self.prefill_rate, forward_auth=forward_auth)
+        self.legs = Legs(config, pool, metrics, self.legs_client, self.prefill_rate, forward_auth=forward_auth)
         self.relay = Relay(config, metrics, dispatch=self._dispatch, store_reply=self._store_reply,
                            first_token=self._first_token)
         self.emf = emf or telemetry.EmfWriter()

@@ -24,7 +24,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router import guard, migrate, telemetry
+from router import guard, migrate, telemetry, upstream
 from router.config import RouterConfig
 from router.dispatch import Dispatch
 from router.engines import Engine, EnginePool, Lease, PushIdentity
@@ -99,7 +99,7 @@ class Opened:
     """A decode leg that answered 200: the unary body, or the stream's first lines and the response."""
 
     engine: Engine
-    resp: aiohttp.ClientResponse | None = None
+    resp: upstream.EngineResponse | None = None
     raw: bytes = b""
     first: bytes = b""
     lease: Lease | None = None  # a stream's load on its engine, held until the relay ends
@@ -141,14 +141,14 @@ def decode_body(d: Dispatch, params: Mapping[str, Any]) -> bytes:
 
 
 class Legs:
-    """Sends the legs of one dispatch to the engines, on the router's shared client session."""
+    """Sends the legs of one dispatch to the engines, on the router's pooled connections (``router.upstream``)."""
 
-    def __init__(self, config: RouterConfig, pool: EnginePool, metrics: Metrics, session: aiohttp.ClientSession,
+    def __init__(self, config: RouterConfig, pool: EnginePool, metrics: Metrics, client: upstream.LegClient,
                  prefill_rate: telemetry.PrefillRate, *, forward_auth: bool = True) -> None:
         self.config = config
         self.pool = pool
         self.metrics = metrics
-        self.session = session
+        self.client = client
         self.prefill_rate = prefill_rate  # prefill's ms per token, from fresh prefills (the EMF's saved time)
         self.forward_auth = forward_auth
         self._leg = {leg: metrics.leg.labels(leg) for leg in ("prefill", "decode")}
@@ -166,7 +166,7 @@ class Legs:
         """A network error or timeout of a leg, as the retryable failure it is (counted, and logged by the flow)."""
         kind = type(exc).__name__
         self.metrics.engine_errors.labels(leg, kind).inc()
-        connect = isinstance(exc, aiohttp.ClientConnectorError)
+        connect = isinstance(exc, (upstream.EngineConnectError, aiohttp.ClientConnectorError))
         if connect:  # only an engine that cannot be reached is ejected; a slow or failing request proves nothing
             self.pool.report_failure(engine)
         status = 504 if isinstance(exc, TimeoutError) else 502
@@ -183,16 +183,18 @@ class Legs:
     async def prefill(self, d: Dispatch, request: web.Request, engine: Engine,
                       params: Mapping[str, Any]) -> dict[str, Any]:
         """The prefill leg on ``engine``: its answer's ``kv_transfer_params`` (what decode is sent in pull mode)."""
-        timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout, sock_connect=5)
         t0 = time.perf_counter()
         d.prefill_engine = engine.name
         try:
             with self.pool.lease(engine, d.tokens):
-                async with self.session.post(engine.url + d.path, data=prefill_body(d, params),
-                                             headers=self._headers(d, request), timeout=timeout) as resp:
+                resp = await self.client.post(engine.url, d.path, prefill_body(d, params), self._headers(d, request),
+                                              total_timeout=float(self.config.prefill_timeout))
+                try:
                     raw = await resp.read()
-                    if resp.status != 200:
-                        raise self._http_error("prefill", engine, resp.status, raw)
+                finally:
+                    resp.release()
+                if resp.status != 200:
+                    raise self._http_error("prefill", engine, resp.status, raw)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise self._fail("prefill", engine, exc) from exc
         elapsed = time.perf_counter() - t0
@@ -234,14 +236,13 @@ class Legs:
     async def open_decode(self, d: Dispatch, request: web.Request, engine: Engine,
                           params: Mapping[str, Any]) -> Opened:
         """Send the decode leg and wait for its first token (stream) or its whole answer (unary)."""
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.config.first_token_timeout)
         t0 = time.perf_counter()
         lease = self.pool.lease(engine, d.tokens)
         resp = None
         handed = False
         try:
-            resp = await self.session.post(engine.url + d.path, data=decode_body(d, params),
-                                           headers=self._headers(d, request), timeout=timeout)
+            resp = await self.client.post(engine.url, d.path, decode_body(d, params), self._headers(d, request),
+                                          read_timeout=float(self.config.first_token_timeout))
             if resp.status != 200 or not d.stream:
                 raw = await resp.read()
                 resp.release()
@@ -252,9 +253,9 @@ class Legs:
                 return Opened(engine, raw=raw)
             first = b""
             while True:  # up to the first event: until then another engine may still take over
-                chunk = await resp.content.readany()
+                chunk = await resp.readany()
                 if not chunk:
-                    raise aiohttp.ServerDisconnectedError("decode closed the stream before its first token")
+                    raise upstream.EngineDisconnected("decode closed the stream before its first token")
                 first += chunk
                 at = first.find(b"data: ")
                 if at >= 0 and first.find(b"\n", at) >= 0:

@@ -18,7 +18,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router import apis, migrate, sse
+from router import apis, migrate, sse, upstream
 from router.config import RouterConfig
 from router.deadline import WriteDeadline
 from router.dispatch import Dispatch
@@ -79,7 +79,7 @@ class Relay:
         tail: list[bytes] = []
         lines = sse.LineCollector()
         try:
-            async for chunk in _chunks(opened.first, opened.resp.content):
+            async for chunk in _chunks(opened.first, opened.resp):
                 out = []  # one write per chunk received, not per line
                 for line in lines.feed(chunk):
                     if state is not None:
@@ -177,7 +177,7 @@ class Relay:
         assert opened.resp is not None
         lines = sse.LineCollector()
         try:
-            async for chunk in _chunks(opened.first, opened.resp.content):
+            async for chunk in _chunks(opened.first, opened.resp):
                 out = []
                 for line in lines.feed(chunk):
                     payload = sse.data_of(line)
@@ -220,7 +220,7 @@ async def _client_write(response: web.StreamResponse, data: bytes, eof: bool = F
         raise _ClientGone(slow=True) from exc
 
 
-async def _chunks(first: bytes, rest: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+async def _chunks(first: bytes, rest: upstream.EngineResponse) -> AsyncIterator[bytes]:
     """The stream as it comes: what opening the decode leg already read, then the rest."""
     if first:
         yield first
