@@ -68,7 +68,7 @@ unit: setup
 	$(BIN)/python -m pytest tests/unit $(PYTEST_ARGS)
 
 e2e: setup tools
-	$(BIN)/python -m pytest tests/e2e tests/e2e_router tests/e2e_push tests/e2e_clients $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/e2e tests/e2e_router tests/e2e_push $(PYTEST_ARGS)
 
 # aiperf (bench.aiperf_multiturn) in a venv of its own: its pins differ from vLLM's.
 AIPERF_VENV ?= .venv-aiperf
@@ -80,16 +80,17 @@ $(AIPERF_VENV)/bin/aiperf: requirements/aiperf.txt
 
 # The Neuron image ships vLLM 0.29 (turnkv.versions.IMAGE_VLLM): its CPU build lives in a side venv, and the
 # connector's engine suites run there too, as the last step of `make test` (see docs/connector.md): pull and
-# push (tests/e2e, tests/e2e_push) and the engine-facing router modules (decode's retention eviction, push
-# dispatch with upstream's push connector). Left to the 0.32 run: the router's production module (Valkey, API
-# keys, engine kills: router code over the same engine paths, 2.5 min of a 2P+2D stack) and the planner's
-# calibration test. On the 2-core machine: install 1.6 min (no pip cache), the suites ~5.5 min. VENV_VLLM029
-# may name a venv shared by several checkouts: PYTHONPATH makes the engines import this checkout's connector,
-# not the one the venv's editable install points at.
+# push (tests/e2e, decode's retention eviction included; tests/e2e_push) and push dispatch with upstream's push
+# connector. Left to the 0.32 run: the unmodified SDK clients (router code over the pull path tests/e2e proves),
+# the router's production module (Valkey, API keys, engine kills: router code over the same engine paths, 2.5 min
+# of a 2P+2D stack) and the planner's calibration test. On the 2-core machine: install 1.6 min (no pip cache),
+# the suites ~5 min. VENV_VLLM029 may name a venv shared by several checkouts: PYTHONPATH makes the engines
+# import this checkout's connector, not the one the venv's editable install points at.
 VENV_VLLM029 ?= .venv-vllm029
 READY_VLLM029 := $(VENV_VLLM029)/.turnkv-ready
-ENGINE_SUITES := tests/e2e tests/e2e_push tests/e2e_router/test_retention_eviction.py \
-  tests/e2e_router/test_router_push.py --deselect tests/e2e/test_plan_calibrate.py
+ENGINE_SUITES := tests/e2e tests/e2e_push tests/e2e_router/test_router_push.py \
+  --deselect tests/e2e/test_plan_calibrate.py --ignore tests/e2e/test_plain_clients.py \
+  --ignore tests/e2e/test_other_apis.py
 
 vllm029: $(READY_VLLM029)
 

@@ -113,3 +113,27 @@ def test_plan_with_several_engines_router_args_and_upstream_push(tmp_path):
     kv = procs["prefill-1"].argv[procs["prefill-1"].argv.index("--kv-transfer-config") + 1]
     assert '"kv_connector":"NixlPushConnector"' in kv and "module_path" not in kv
     assert '"bidirectional_kv_xfer":false' in kv
+
+
+def test_extra_routers_share_the_engines_with_flags_and_router_tunables_of_their_own(tmp_path):
+    from turnkv.local.stack import ExtraRouter, plan
+
+    config = StackConfig(state_dir=tmp_path, router_port=18000, prefill_port=18100, decode_port=18200,
+                         tunables={"conversation_ttl": 45}, connector="NixlPushConnector",
+                         extra_routers=(ExtraRouter("router-keyed", 18010, ("--api-keys-file", "/k")),
+                                        ExtraRouter("router-evict", 18020, tunables={"replay_window": 3})))
+    procs = {p.name: p for p in plan(config)}
+    assert list(procs) == ["prefill-0", "decode-0", "router", "router-keyed", "router-evict"]
+    main, keyed, evict = procs["router"], procs["router-keyed"], procs["router-evict"]
+    assert keyed.port == 18010 and keyed.kind == "router" and keyed.log.name == "router-keyed.log"
+    for router in (keyed, evict):  # the same engines, the same mode, the stack's tunables
+        assert [router.argv[i + 1] for i, a in enumerate(router.argv) if a in ("--prefill", "--decode")] == \
+            [procs["prefill-0"].url, procs["decode-0"].url]
+        assert router.argv[-2:] == ["--mode", "push"] and "conversation_ttl=45" in router.argv
+    assert "--api-keys-file" in keyed.argv and "--api-keys-file" not in main.argv + evict.argv
+    windows = {r.name: [a for a in r.argv if a.startswith("replay_window=")] for r in (main, keyed, evict)}
+    assert windows["router-evict"] == ["replay_window=3.0"] and windows["router"] == windows["router-keyed"] != \
+        windows["router-evict"]
+    with pytest.raises(StackError, match="decoder_kv_blocks_ttl are not router tunables"):
+        plan(StackConfig(state_dir=tmp_path, extra_routers=(
+            ExtraRouter("r", 9, tunables={"decoder_kv_blocks_ttl": 5}),)))

@@ -35,6 +35,18 @@ class StackError(RuntimeError):
     """A start-up or shutdown problem, phrased for the person at the terminal."""
 
 
+@dataclass(frozen=True)
+class ExtraRouter:
+    """One more router over the stack's engines, with flags and router tunables of its own: several router
+    configurations (API keys, short replay windows) served by one engine boot, the costly part."""
+
+    name: str
+    port: int
+    args: tuple[str, ...] = ()
+    #: Router-scope tunables (catalog names) on top of the stack's.
+    tunables: dict[str, int | float] = field(default_factory=dict)
+
+
 @dataclass
 class StackConfig:
     state_dir: Path = DEFAULT_STATE_DIR
@@ -61,6 +73,7 @@ class StackConfig:
     connector: str | None = None
     #: Router flags carry each prefill engine's identity (engine_id, side channel) for concurrent push.
     router_identity: bool = False
+    extra_routers: tuple[ExtraRouter, ...] = ()
     model_spec: model_maker.ModelSpec = field(default_factory=model_maker.ModelSpec)
 
     @property
@@ -197,12 +210,21 @@ def plan(config: StackConfig) -> list[ProcessSpec]:
     decode_urls = [f"http://127.0.0.1:{spec.port}" for spec in decodes]
     router = _router_process(config, "router", config.router_port, prefill_urls, decode_urls, router_tunables)
     router.argv += list(config.router_args)
-    if config.mode is Mode.PUSH or config.connector == "NixlPushConnector":
-        router.argv += ["--mode", "push"]
+    mode_args = ["--mode", "push"] if config.mode is Mode.PUSH or config.connector == "NixlPushConnector" else []
+    router.argv += mode_args
     procs.append(router)
     if config.best_case:
         procs.append(_router_process(config, "router-best", config.best_router_port,
                                      [f"http://127.0.0.1:{config.best_prefill_port}"], decode_urls, router_tunables))
+    for extra in config.extra_routers:
+        if wrong := sorted(k for k in extra.tunables if params.get(k).scope is not params.Scope.ROUTER):
+            raise StackError(f"extra router {extra.name}: {', '.join(wrong)} are not router tunables; set them in "
+                             "StackConfig.tunables (engines) or the tunables file")
+        mine = params.validate({**config.tunables, **extra.tunables})  # cross-checked with the engines' values
+        other = _router_process(config, extra.name, extra.port, prefill_urls, decode_urls,
+                                {**router_tunables, **{k: mine[k] for k in extra.tunables}})
+        other.argv += [*extra.args, *mode_args]
+        procs.append(other)
     return procs
 
 

@@ -1,17 +1,23 @@
 """Reuse for clients that send no turnkv field: the official openai SDK against the router on real vLLM CPU
 engines (1 prefill + 1 decode, two tenants). Every pull is proven by the prefill engine's
 ``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`` counter, and every answer equals the
-answer with reuse off. The stack is the package's (conftest.py)."""
+answer with reuse off. The stack is the package's, reached through its router with API keys (conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 from openai import OpenAI
 
+from tests.e2e import ACME, GLOBEX
 from tests.e2e.client import metric, words
-from tests.e2e_clients import ACME, GLOBEX
 
 pytestmark = pytest.mark.engines
+
+
+@pytest.fixture
+def stack(keyed_stack):
+    """This module's clients send API keys: the package stack with ``router`` being the keyed one."""
+    return keyed_stack
 
 OFF = {"X-TurnKV-Reuse": "off"}  # the reference arm only: the client under test sends nothing of ours
 BLOCK = 128

@@ -3,7 +3,7 @@
 router), and tool-call round trips (the assistant message with its calls, then the tool's result) through
 all three APIs. Every pull is proven by the prefill engine's
 ``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`` counter, and every answer equals the
-answer with reuse off. The stack is the package's (conftest.py)."""
+answer with reuse off. The stack is the package's, reached through its router with API keys (conftest.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,16 @@ import pytest
 from anthropic import Anthropic
 from openai import OpenAI
 
+from tests.e2e import ACME as KEY
 from tests.e2e.client import metric, words
-from tests.e2e_clients import ACME as KEY
 
 pytestmark = pytest.mark.engines
+
+
+@pytest.fixture
+def stack(keyed_stack):
+    """This module's clients send API keys: the package stack with ``router`` being the keyed one."""
+    return keyed_stack
 
 OFF = {"X-TurnKV-Reuse": "off"}  # the reference arm only
 OUTCOME, REUSED = "X-TurnKV-Reuse-Outcome", "X-TurnKV-Reused-Tokens"

@@ -1,0 +1,73 @@
+"""Decode above retained_kv_share on real vLLM CPU engines: the oldest retained turn is evicted (announced on
+decode's evictions feed, its lease cut to the grace), the router never replays it, the newest still reuses,
+and answers equal reuse-off. On the package's engines through its ``router-evict`` (a 3 s replay window, the
+feed read every 0.2 s), with the share and grace hot-reloaded from the tunables file for this module only.
+
+It runs first in the package (conftest.py): decode must hold no other module's turns (checked), and its own
+turns live 25 s (decoder_kv_blocks_ttl, for this module only), so the next module finds decode empty soon."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import requests
+
+from tests.e2e import TUNABLES
+from tests.e2e.client import chat, metric, words
+from turnkv import params, wire
+
+pytestmark = pytest.mark.engines
+
+GRACE = 10  # >= replay_window 3 + 2 x 0.2 + 1 + expiry_skew_margin 5 (the catalog's rule)
+# 1% of the 1,024-block cache: ~10 blocks, two 4-5-block turns; the third evicts the first
+ENGINE = {"retained_kv_share": 0.01, "retention_eviction_grace": GRACE}
+# A's natural expiry (25 s) comes well after its eviction's grace ends (~3 s + GRACE): only the cut frees it in time
+TTL = 25
+
+
+@pytest.fixture(scope="module")
+def stack(shared_stack):
+    """The package stack with ``router`` being its evictions router, and ENGINE in force on decode until the
+    module ends (the connector re-reads the file at most once a second)."""
+    assert metric(shared_stack["decode-0"], "vllm:turnkv_retained_requests") == 0, \
+        "decode already holds turns of another module: this module must run first in the package (conftest.FIRST)"
+    tunables = shared_stack["state_dir"] / "tunables.json"
+    tunables.write_text(json.dumps({**ENGINE, "decoder_kv_blocks_ttl": TTL}))
+    time.sleep(1.2)
+    try:
+        yield {**shared_stack, "router": shared_stack["router-evict"]}
+    finally:
+        tunables.write_text(json.dumps({**{name: params.BY_NAME[name].default for name in ENGINE},
+                                        "decoder_kv_blocks_ttl": TUNABLES["decoder_kv_blocks_ttl"]}))
+        time.sleep(1.2)
+
+
+def test_decode_evicts_its_oldest_turn_and_the_router_never_replays_it(stack):
+    router, decode, model_dir = stack["router"], stack["decode-0"], stack["model_dir"]
+    evicted_before = metric(decode, "vllm:turnkv_retention_evicted_total")
+    expired_before = metric(decode, "vllm:nixl_num_kv_expired_reqs_total")
+    firsts = {}
+    for seed in (801, 802, 803):  # A, B, C: C's retention evicts A (the oldest)
+        messages = [{"role": "user", "content": words(model_dir, 450, seed)}]
+        reply = chat(router, messages, conversation=f"evict-{seed}")
+        assert reply.status == 200
+        firsts[seed] = [*messages, {"role": "assistant", "content": reply.text},
+                        {"role": "user", "content": words(model_dir, 40, seed + 50)}]
+    evicted = metric(decode, "vllm:turnkv_retention_evicted_total") - evicted_before
+    assert evicted >= 1
+    feed = requests.get(decode + wire.EVICTIONS_ROUTE, timeout=10).json()
+    assert feed["seq"] >= 1 and len(feed["evicted"]) >= 1, feed
+    time.sleep(1.0)  # the router reads the feed every 0.2 s
+    # the newest turn was retained: it reuses, with the answer reuse-off gives
+    c = chat(router, firsts[803], conversation="evict-803")
+    assert c.headers["X-TurnKV-Reuse-Outcome"] == "hit" and int(c.headers["X-TurnKV-Reused-Tokens"]) > 300
+    assert c.token_ids == chat(router, firsts[803], reuse=False).token_ids
+    # the evicted one is not replayed (its blocks are freed after the grace): recomputed, same answer
+    a = chat(router, firsts[801], conversation="evict-801")
+    assert a.headers["X-TurnKV-Reuse-Outcome"] == "refused" and a.headers["X-TurnKV-Reused-Tokens"] == "0"
+    assert a.token_ids == chat(router, firsts[801], reuse=False).token_ids
+    # the lease was cut to the grace: upstream's reaper freed the blocks long before decoder_kv_blocks_ttl
+    time.sleep(GRACE + 2)
+    assert metric(decode, "vllm:nixl_num_kv_expired_reqs_total") - expired_before >= evicted
