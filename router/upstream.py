@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import time
 from collections.abc import AsyncIterator, Mapping
 from urllib.parse import urlsplit
 
@@ -281,7 +280,7 @@ class LegClient:
 
     def _idle_connection(self, key: tuple[str, int]) -> tuple[_Connection | None, bool]:
         idle = self._idle.get(key)
-        now = time.monotonic()
+        now = asyncio.get_running_loop().time()  # the clock of every timeout here
         while idle:
             conn = idle.pop()
             if not conn.lost and now - conn.idle_since < IDLE_REUSE_S:
@@ -306,7 +305,7 @@ class LegClient:
         if self._closed or len(idle) >= MAX_IDLE_PER_ENGINE:
             conn.close()
             return
-        conn.idle_since = time.monotonic()
+        conn.idle_since = conn.loop.time()
         idle.append(conn)
 
     def close(self) -> None:
