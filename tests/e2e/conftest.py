@@ -1,11 +1,12 @@
 """One real local stack for the whole package: 1 prefill + 1 decode vLLM CPU engine and three routers over them.
 
 An engine boot is the costly part of the suite (~25 s of CPU each on the 2-core machine); a router starts in a
-second. So the package boots the engines once and serves each router configuration its modules need:
+second. So the package boots the engines once and serves each router configuration its modules need (a module
+names its router in ``ROUTER``; ``stack["router"]`` is that one):
 - ``router`` (18000): open (no API keys), the stack's tunables: the connector's pull path, token proofs, signed
   offers, engine controls, the planner's calibration;
 - ``router-keyed`` (18010): two tenants' API keys (``ACME``, ``GLOBEX``): the unmodified openai and anthropic
-  SDKs (``keyed_stack``);
+  SDKs;
 - ``router-evict`` (18020): a short replay window and a fast evictions feed: decode's retention eviction.
 
 The engines take the union of what the modules need: request chat templates (the token-proof tests render past
@@ -35,7 +36,7 @@ EVICT_ROUTER = {"replay_window": 3, "evictions_interval": 0.2}
 
 @pytest.fixture(scope="package")
 def shared_stack():
-    """The engines and the three routers; modules take ``stack`` (its open router) or a view of it."""
+    """The engines and the three routers; modules take ``stack``."""
     STATE_DIR.mkdir(parents=True, exist_ok=True)
     keys = STATE_DIR / "api-keys"
     keys.write_text(f"acme:{ACME}\nglobex:{GLOBEX}\n")
@@ -53,15 +54,10 @@ def shared_stack():
         yield running
 
 
-@pytest.fixture(scope="package")
-def stack(shared_stack):
-    return shared_stack
-
-
-@pytest.fixture(scope="package")
-def keyed_stack(shared_stack):
-    """The stack as the SDK modules see it: ``router`` is the router with API keys."""
-    return {**shared_stack, "router": shared_stack["router-keyed"]}
+@pytest.fixture(scope="module")
+def stack(request, shared_stack):
+    """The package stack as a module sees it: ``router`` is the router its ``ROUTER`` names (the open one if none)."""
+    return {**shared_stack, "router": shared_stack[getattr(request.module, "ROUTER", "router")]}
 
 
 #: Modules that run before every other module of the package (pytest's order is by file name otherwise).

@@ -15,12 +15,7 @@ from tests.e2e import ACME as KEY
 from tests.e2e.client import metric, words
 
 pytestmark = pytest.mark.engines
-
-
-@pytest.fixture
-def stack(keyed_stack):
-    """This module's clients send API keys: the package stack with ``router`` being the keyed one."""
-    return keyed_stack
+ROUTER = "router-keyed"  # the clients send API keys (conftest.py)
 
 OFF = {"X-TurnKV-Reuse": "off"}  # the reference arm only
 OUTCOME, REUSED = "X-TurnKV-Reuse-Outcome", "X-TurnKV-Reused-Tokens"

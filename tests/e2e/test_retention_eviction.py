@@ -19,6 +19,7 @@ from tests.e2e.client import chat, metric, words
 from turnkv import params, wire
 
 pytestmark = pytest.mark.engines
+ROUTER = "router-evict"  # a 3 s replay window, the evictions feed read every 0.2 s (conftest.py)
 
 GRACE = 10  # >= replay_window 3 + 2 x 0.2 + 1 + expiry_skew_margin 5 (the catalog's rule)
 # 1% of the 1,024-block cache: ~10 blocks, two 4-5-block turns; the third evicts the first
@@ -27,17 +28,16 @@ ENGINE = {"retained_kv_share": 0.01, "retention_eviction_grace": GRACE}
 TTL = 25
 
 
-@pytest.fixture(scope="module")
-def stack(shared_stack):
-    """The package stack with ``router`` being its evictions router, and ENGINE in force on decode until the
-    module ends (the connector re-reads the file at most once a second)."""
-    assert metric(shared_stack["decode-0"], "vllm:turnkv_retained_requests") == 0, \
+@pytest.fixture(scope="module", autouse=True)
+def engine_tunables(stack):
+    """ENGINE in force on decode until the module ends (the connector re-reads the file at most once a second)."""
+    assert metric(stack["decode-0"], "vllm:turnkv_retained_requests") == 0, \
         "decode already holds turns of another module: this module must run first in the package (conftest.FIRST)"
-    tunables = shared_stack["state_dir"] / "tunables.json"
+    tunables = stack["state_dir"] / "tunables.json"
     tunables.write_text(json.dumps({**ENGINE, "decoder_kv_blocks_ttl": TTL}))
     time.sleep(1.2)
     try:
-        yield {**shared_stack, "router": shared_stack["router-evict"]}
+        yield
     finally:
         tunables.write_text(json.dumps({**{name: params.BY_NAME[name].default for name in ENGINE},
                                         "decoder_kv_blocks_ttl": TUNABLES["decoder_kv_blocks_ttl"]}))
