@@ -110,6 +110,8 @@ class FakeEngine:
     seen_request_ids: list[str] = field(default_factory=list)
     seen_params: list[Any] = field(default_factory=list)
     refused_offers: dict[str, int] = field(default_factory=dict)
+    #: the client address of every connection a request came on (a keep-alive connection reused is one)
+    peers: set[Any] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.engine_id = self.engine_id or f"fake-{self.port}"
@@ -188,6 +190,8 @@ class FakeEngine:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.stats["requests"] += 1
         self.stats["running"] += 1
+        if request.transport is not None:
+            self.peers.add(request.transport.get_extra_info("peername"))
         try:
             return await self._answer(request)
         except asyncio.CancelledError:

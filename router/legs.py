@@ -105,9 +105,10 @@ class Opened:
     lease: Lease | None = None  # a stream's load on its engine, held until the relay ends
 
     def close(self) -> None:
-        """Close the stream (aborting decode if it is still generating) and give back its load."""
+        """End the stream and give back its load: a stream read to its end gives its connection back for the next
+        leg; one cut short closes it, which makes vLLM abort the request."""
         if self.resp is not None:
-            self.resp.close()
+            self.resp.release()
         if self.lease is not None:
             self.lease.release()
 
