@@ -41,8 +41,8 @@ from router.engines import Engine, EnginePool, NoEngineError
 from router.errors import public_message
 from router.keepalive import Keepalive
 from router.legs import REQUEST_ID_HEADER, Legs, Opened, UpstreamError, new_leg_id
-from router.relay import Relay, error_event
-from router.state import ConversationStore, Entry
+from router.relay import Relay, SseResponse, error_event
+from router.state import ConversationStore, Entry, within
 from router.telemetry import Metrics
 from turnkv import wire
 
@@ -143,7 +143,7 @@ class Flow:
             return None
         t0 = time.perf_counter()
         try:
-            entry = await asyncio.wait_for(self.store.take(d.key), self.config.store_timeout_ms / 1000)
+            entry = await within(self.store, self.store.take(d.key), self.config.store_timeout_ms / 1000)
         except Exception as exc:  # the store is an optimisation: never fail a request because of it
             log.warning("conversation store unavailable (%s); continuing without reuse",
                         exc or type(exc).__name__)
@@ -200,7 +200,7 @@ class Flow:
         entry = Entry(replay, history, expires, decode.name, now)
         t0 = time.perf_counter()
         try:
-            await asyncio.wait_for(self.store.put(key, entry), self.config.store_timeout_ms / 1000)
+            await within(self.store, self.store.put(key, entry), self.config.store_timeout_ms / 1000)
             self.hold_retention(d.tenant, key, entry, expires)
         except Exception as exc:
             self.metrics.store_errors.labels("put").inc()
@@ -369,7 +369,7 @@ class Flow:
             response = await keepalive.stop()
             early = response is not None
             if response is None:
-                response = web.StreamResponse(headers={**self._reply_headers(d), "Content-Type": "text/event-stream",
+                response = SseResponse(headers={**self._reply_headers(d), "Content-Type": "text/event-stream",
                                                        "Cache-Control": "no-cache"})
                 await response.prepare(request)
             return await self.relay.stream(d, response, opened, early, request)

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 import aiohttp
 from aiohttp import web
 
+from router.relay import SseResponse
+
 KEEPALIVE = b": keepalive\n\n"
 
 
@@ -45,7 +47,7 @@ class Keepalive:
                 self._writing = True
                 async with asyncio.timeout(self._write_timeout):
                     if self.response is None:
-                        response = web.StreamResponse(headers=self._headers)
+                        response = SseResponse(headers=self._headers)
                         self.response = response  # from here on the headers may have left
                         await response.prepare(self._request)
                     await self.response.write(KEEPALIVE)

@@ -35,6 +35,14 @@ Dispatcher = Callable[[Dispatch, web.Request], Awaitable[Opened]]
 ReplyStore = Callable[[Dispatch, Engine, Any, Mapping[str, Any] | str], Awaitable[None]]
 
 
+class SseResponse(web.StreamResponse):
+    """A client's event stream whose headers leave with its first event: one send where aiohttp makes two (the
+    headers at ``prepare``, then the event). The first event is at hand when the stream is prepared (decode's
+    first chunk, or a keepalive comment), so nothing waits on this."""
+
+    _send_headers_immediately = False  # aiohttp's switch (web.Response has it off): an unknown name is ignored
+
+
 async def error_event(d: Dispatch, response: web.StreamResponse, message: str, status: int = 502) -> None:
     """End ``response`` with an error event in the client's format (the stream has begun: no status to send)."""
     if d.api is not None:
