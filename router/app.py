@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import ipaddress
 import logging
 import time
@@ -370,6 +371,22 @@ def check_open_mode(config: RouterConfig, keys: ApiKeys) -> None:
                          "--allow-open")
 
 
+#: Allocations between young cyclic-GC passes (CPython's default is 700).
+GC_YOUNG_THRESHOLD = 20_000
+
+
+def tune_gc() -> None:
+    """Fewer cyclic-GC passes on the hot path. At CPython's defaults the few hundred containers of each request
+    start a young pass every request or two and a full pass every hundred or so, and a full pass walks every object
+    the imports left (aiohttp, prometheus_client, the catalog): 4% of the router's CPU at 16 reply tokens (py-spy
+    --native). What exists at start is frozen out of the collector, and young passes wait for more allocations.
+    Reference counting still frees a request's objects at once; only reference cycles wait for a pass."""
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
+
+
 def serve(config: RouterConfig) -> None:
     """Run the router until SIGINT/SIGTERM (uvloop when available)."""
     with contextlib.suppress(ImportError):
@@ -380,6 +397,8 @@ def serve(config: RouterConfig) -> None:
     started = time.time()
     log.info("turnkv router on http://%s:%d mode=%s discovery=%s store=%s prefill=%s decode=%s", config.host,
              config.port, config.mode, config.discovery, config.store.split("@")[-1], config.prefill, config.decode)
-    web.run_app(build_app(config), host=config.host, port=config.port, print=None, access_log=None,
+    app = build_app(config)
+    tune_gc()
+    web.run_app(app, host=config.host, port=config.port, print=None, access_log=None,
                 handler_cancellation=True, shutdown_timeout=5, keepalive_timeout=config.keepalive_timeout)
     log.info("router stopped after %.0f s", time.time() - started)

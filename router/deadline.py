@@ -22,7 +22,7 @@ class WriteDeadline:
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self._loop = asyncio.get_running_loop()
-        self._task = asyncio.current_task()
+        self._task = asyncio.current_task(self._loop)  # given the loop: no second lookup (a getpid call)
         self._since: float | None = None  # when the write under way began
         self._expired = False
         self._timer: asyncio.TimerHandle | None = None

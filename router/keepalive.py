@@ -31,11 +31,12 @@ class Keepalive:
         self._headers = headers
         self._interval = interval
         self._write_timeout = write_timeout
-        self._owner = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        self._owner = asyncio.current_task(loop)
         self._task: asyncio.Task[None] | None = None
         self._writing = False
         self._stopping = False
-        self._timer = asyncio.get_running_loop().call_later(interval, self._start)
+        self._timer = loop.call_later(interval, self._start)
 
     def _start(self) -> None:
         if not self._stopping:

@@ -226,6 +226,14 @@ class LegClient:
         self._idle: dict[tuple[str, int], collections.deque[_Connection]] = {}
         self._targets: dict[str, tuple[tuple[str, int], bytes, bytes]] = {}
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop the legs run on, looked up once (each ``asyncio.get_running_loop`` is a getpid system call)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
 
     def _target(self, base_url: str) -> tuple[tuple[str, int], bytes, bytes]:
         """(host, port), the path prefix and the Host header of an engine's base URL, parsed once."""
@@ -242,7 +250,7 @@ class LegClient:
                    read_timeout: float | None = None, total_timeout: float | None = None) -> EngineResponse:
         """POST ``body`` to the engine at ``base_url``; returns once the answer's headers are in."""
         key, prefix, host = self._target(base_url)
-        loop = asyncio.get_running_loop()
+        loop = self._running_loop()
         deadline = None if total_timeout is None else loop.time() + total_timeout
         lines = [b"POST ", prefix, path.encode(), b" HTTP/1.1\r\nHost: ", host,
                  b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n"]
@@ -280,7 +288,7 @@ class LegClient:
 
     def _idle_connection(self, key: tuple[str, int]) -> tuple[_Connection | None, bool]:
         idle = self._idle.get(key)
-        now = asyncio.get_running_loop().time()  # the clock of every timeout here
+        now = self._running_loop().time()  # the clock of every timeout here
         while idle:
             conn = idle.pop()
             if not conn.lost and now - conn.idle_since < IDLE_REUSE_S:
@@ -289,7 +297,7 @@ class LegClient:
         return None, False
 
     async def _connect(self, key: tuple[str, int], deadline: float | None) -> _Connection:
-        loop = asyncio.get_running_loop()
+        loop = self._running_loop()
         timeout = self.connect_timeout
         if deadline is not None:
             timeout = min(timeout, max(deadline - loop.time(), 0.0))
