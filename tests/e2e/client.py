@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+OFF = {"X-TurnKV-Reuse": "off"}  # a request's reference arm: computed from scratch, nothing reused
+OUTCOME, REUSED = "X-TurnKV-Reuse-Outcome", "X-TurnKV-Reused-Tokens"  # what the router says it did
+PULLED = "vllm:prompt_tokens_by_source_total"  # prefill's prompt tokens by source (vLLM's own metric)
+
 
 @dataclass
 class Reply:
@@ -25,11 +29,11 @@ class Reply:
 
     @property
     def reused(self) -> int:
-        return int(self.headers.get("X-TurnKV-Reused-Tokens", "0"))
+        return int(self.headers.get(REUSED, "0"))
 
     @property
     def outcome(self) -> str:
-        return self.headers.get("X-TurnKV-Reuse-Outcome", "")
+        return self.headers.get(OUTCOME, "")
 
 
 def chat(url: str, messages: list[dict], *, conversation: str | None = None, stream: bool = False,
@@ -38,7 +42,7 @@ def chat(url: str, messages: list[dict], *, conversation: str | None = None, str
             "return_token_ids": True, **extra}
     if conversation:
         body["conversation_id"] = conversation
-    headers = {} if reuse else {"X-TurnKV-Reuse": "off"}
+    headers = {} if reuse else dict(OFF)
     resp = requests.post(f"{url}/v1/chat/completions", json=body, headers=headers, stream=stream, timeout=300)
     if resp.status_code != 200 or not stream:
         data = resp.json()
@@ -68,6 +72,11 @@ def metric(url: str, name: str, **labels) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
+
+
+def pulled_tokens(stack) -> float:
+    """Prompt tokens the stack's prefill engine took over the KV connector so far (not recomputed)."""
+    return metric(stack["prefill-0"], PULLED, source="external_kv_transfer")
 
 
 def words(model_dir, n: int, seed: int) -> str:

@@ -12,13 +12,11 @@ from anthropic import Anthropic
 from openai import OpenAI
 
 from tests.e2e import ACME as KEY
-from tests.e2e.client import metric, words
+from tests.e2e.client import OFF, OUTCOME, REUSED, pulled_tokens, words
 
 pytestmark = pytest.mark.engines
 ROUTER = "router-keyed"  # the clients send API keys (conftest.py)
 
-OFF = {"X-TurnKV-Reuse": "off"}  # the reference arm only
-OUTCOME, REUSED = "X-TurnKV-Reuse-Outcome", "X-TurnKV-Reused-Tokens"
 
 # The tiny model's template renders no tool calls; this one renders an assistant's calls as the JSON of their
 # arguments (what the model generated under the forced tool choice), so the history sent back is the tokens
@@ -30,10 +28,6 @@ TOOL_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 PARAMS = {"type": "object", "properties": {}, "additionalProperties": False}
-
-
-def pulled(stack) -> float:
-    return metric(stack["prefill-0"], "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
 
 
 def openai_sdk(stack) -> OpenAI:
@@ -78,9 +72,9 @@ def check_turns(stack, turn, *, first, follow, stream):
     answer equals the one with reuse off."""
     history, previous = first, 0
     for n in range(4):
-        before = pulled(stack)
+        before = pulled_tokens(stack)
         reply, text, headers = turn(history, stream=stream)
-        moved = pulled(stack) - before
+        moved = pulled_tokens(stack) - before
         _, off, off_headers = turn(history, stream=stream, headers=OFF)
         assert text and text == off, f"turn {n + 1}: reuse changed the answer"
         assert off_headers[OUTCOME] == "disabled"
@@ -116,7 +110,7 @@ def test_responses_continued_by_previous_response_id_pull_and_answer_as_if_resen
     new = [{"role": "user", "content": words(model_dir, 400, 440 + stream)}]
     whole, previous_id, previous = list(new), None, 0
     for n in range(3):
-        before = pulled(stack)
+        before = pulled_tokens(stack)
         raw = client.responses.with_raw_response.create(
             model="tiny", instructions=instructions, input=new, temperature=0, max_output_tokens=16, stream=stream,
             **({"previous_response_id": previous_id} if previous_id else {}))
@@ -124,7 +118,7 @@ def test_responses_continued_by_previous_response_id_pull_and_answer_as_if_resen
             response = next(e for e in raw.parse() if e.type in ("response.completed", "response.incomplete")).response
         else:
             response = raw.parse()
-        moved = pulled(stack) - before
+        moved = pulled_tokens(stack) - before
         _, off, _ = respond(client, whole, stream=stream, headers=OFF, instructions=instructions)
         assert response.output_text and response.output_text == off, f"turn {n + 1}: not the resent answer"
         assert response.previous_response_id == previous_id and response.store
@@ -156,9 +150,9 @@ def test_the_anthropic_sdk_reuses_from_turn_two(stack, stream):
 
 def check_tool_turn(stack, second):
     """The turn that sends the calls and their results back pulls everything decode held, same answer."""
-    before = pulled(stack)
+    before = pulled_tokens(stack)
     text, headers = second(None)
-    moved = pulled(stack) - before
+    moved = pulled_tokens(stack) - before
     print(f"tool turn: {headers[OUTCOME]} reused={headers[REUSED]} pulled={moved:.0f}")  # the figures (-s)
     assert headers[OUTCOME] == "hit", headers[OUTCOME]
     assert int(headers[REUSED]) == moved > 600
@@ -242,9 +236,9 @@ def test_anthropic_thinking_settings_reach_the_engines_as_vllm_maps_them(stack):
     messages = [{"role": "user", "content": words(model_dir, 700, 530)}]
     reply, _, _, _ = message(client, messages, **off)
     history = [*messages, reply, {"role": "user", "content": words(model_dir, 50, 531)}]
-    before = pulled(stack)
+    before = pulled_tokens(stack)
     _, text, headers, _ = message(client, history, **off)
-    assert headers[OUTCOME] == "hit" and int(headers[REUSED]) == pulled(stack) - before > 600
+    assert headers[OUTCOME] == "hit" and int(headers[REUSED]) == pulled_tokens(stack) - before > 600
     assert text == message(client, history, headers=OFF, **off)[1]
     with pytest.raises(anthropic.BadRequestError, match="thinking_token_budget is set but reasoning_config"):
         message(client, messages, thinking={"type": "enabled", "budget_tokens": 1024},

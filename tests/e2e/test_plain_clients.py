@@ -9,14 +9,12 @@ import pytest
 from openai import OpenAI
 
 from tests.e2e import ACME, GLOBEX
-from tests.e2e.client import metric, words
+from tests.e2e.client import OFF, OUTCOME, REUSED, metric, pulled_tokens, words
 
 pytestmark = pytest.mark.engines
 ROUTER = "router-keyed"  # the clients send API keys (conftest.py)
 
-OFF = {"X-TurnKV-Reuse": "off"}  # the reference arm only: the client under test sends nothing of ours
 BLOCK = 128
-OUTCOME, REUSED = "X-TurnKV-Reuse-Outcome", "X-TurnKV-Reused-Tokens"
 
 # Opens every reply with a reasoning block in the generation prompt and renders earlier assistant turns
 # without it, as Qwen3's template drops earlier turns' <think> blocks: the text history the client sends
@@ -32,10 +30,6 @@ THINK_TEMPLATE = (
 
 def sdk(stack, key=ACME) -> OpenAI:
     return OpenAI(base_url=stack["router"] + "/v1", api_key=key, max_retries=0, timeout=120)
-
-
-def pulled(stack) -> float:
-    return metric(stack["prefill-0"], "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
 
 
 def ask(client: OpenAI, messages, *, stream=False, max_tokens=16, **extra):
@@ -56,9 +50,9 @@ def test_the_openai_sdk_with_no_id_reuses_from_turn_two(stack, stream):
                 {"role": "user", "content": words(model_dir, 400, 310 + stream)}]
     previous = 0
     for turn in range(4):
-        before = pulled(stack)
+        before = pulled_tokens(stack)
         reply, text, headers = ask(client, messages, stream=stream)
-        moved = pulled(stack) - before
+        moved = pulled_tokens(stack) - before
         _, off, off_headers = ask(client, messages, stream=stream, extra_headers=OFF)
         assert text and text == off, f"turn {turn + 1}: reuse changed the answer"
         assert off_headers[OUTCOME] == "disabled"
@@ -78,13 +72,13 @@ def test_an_edited_history_misses_and_answers_correctly(stack):
     reply, _, _ = ask(client, messages)
     edited = [{"role": "user", "content": words(model_dir, 500, 331)}, reply,
               {"role": "user", "content": words(model_dir, 50, 332)}]
-    before = pulled(stack)
+    before = pulled_tokens(stack)
     _, text, headers = ask(client, edited)
-    assert headers[OUTCOME] == "miss" and pulled(stack) == before
+    assert headers[OUTCOME] == "miss" and pulled_tokens(stack) == before
     assert text == ask(client, edited, extra_headers=OFF)[1]
     # the untouched history still finds its turn
     _, _, headers = ask(client, [*messages, reply, {"role": "user", "content": "go on"}])
-    assert headers[OUTCOME] == "hit" and pulled(stack) > before
+    assert headers[OUTCOME] == "hit" and pulled_tokens(stack) > before
 
 
 def test_a_template_that_strips_reasoning_pulls_only_the_proven_prefix(stack):
@@ -94,9 +88,9 @@ def test_a_template_that_strips_reasoning_pulls_only_the_proven_prefix(stack):
     reply, _, _ = ask(client, messages, **template)
     messages = [*messages, reply, {"role": "user", "content": words(model_dir, 100, 341)}]
     mismatches = metric(stack["prefill-0"], "vllm:turnkv_proof_mismatches_total")
-    before = pulled(stack)
+    before = pulled_tokens(stack)
     _, text, headers = ask(client, messages, **template)
-    moved = pulled(stack) - before
+    moved = pulled_tokens(stack) - before
     # the router found the turn; decode's token proof cut the pull at the first block that differs
     assert headers[OUTCOME] == "token_mismatch", headers[OUTCOME]
     assert int(headers[REUSED]) == moved >= 512 and moved % BLOCK == 0
@@ -111,9 +105,9 @@ def test_forks_one_branch_pulls_the_other_recomputes(stack):
     branches = [[*messages, reply, {"role": "user", "content": words(model_dir, 40, 361 + i)}] for i in range(2)]
     results = []
     for branch in branches:
-        before = pulled(stack)
+        before = pulled_tokens(stack)
         _, text, headers = ask(client, branch)
-        results.append((headers[OUTCOME], pulled(stack) - before, int(headers[REUSED])))
+        results.append((headers[OUTCOME], pulled_tokens(stack) - before, int(headers[REUSED])))
         assert text == ask(client, branch, extra_headers=OFF)[1]
     (first, first_moved, first_reused), (second, second_moved, second_reused) = results
     assert first == "hit" and first_reused == first_moved > 600
@@ -125,9 +119,9 @@ def test_two_tenants_with_identical_histories_never_share(stack):
     messages = [{"role": "user", "content": words(model_dir, 500, 370)}]
     reply, _, _ = ask(acme, messages)
     follow = [*messages, {"role": "assistant", "content": reply.content}, {"role": "user", "content": "more"}]
-    before = pulled(stack)
+    before = pulled_tokens(stack)
     _, text, headers = ask(globex, follow)
-    assert headers[OUTCOME] == "miss" and pulled(stack) == before
+    assert headers[OUTCOME] == "miss" and pulled_tokens(stack) == before
     assert text == ask(globex, follow, extra_headers=OFF)[1]
     _, _, headers = ask(acme, follow)
-    assert headers[OUTCOME] == "hit" and pulled(stack) > before
+    assert headers[OUTCOME] == "hit" and pulled_tokens(stack) > before

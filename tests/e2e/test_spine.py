@@ -9,16 +9,9 @@ import sys
 import pytest
 import requests
 
-from tests.e2e.client import chat, metric, words
+from tests.e2e.client import chat, metric, pulled_tokens, words
 
 pytestmark = pytest.mark.engines
-
-PULLED = "vllm:prompt_tokens_by_source_total"
-
-
-def pulled_tokens(stack) -> float:
-    return metric(stack["prefill-0"], PULLED, source="external_kv_transfer")
-
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
 def test_four_turns_reuse_the_previous_turns_kv(stack, stream):
