@@ -4,7 +4,11 @@ Targets (each over the same fake prefill + decode engines, loopback only):
 - ``direct``: the client talks to the decode engine itself (one leg, no router): the floor;
 - ``turnkv``: ``turnkv router serve`` (this repository, default settings, in-memory store);
 - ``vllm-router``: the Rust router from PyPI (``vllm-router==0.1.17 --vllm-pd-disaggregation``);
-- ``fastapi``: a plain FastAPI + httpx proxy like vLLM's example (``bench/fastapi_proxy.py``).
+- ``fastapi``: a plain FastAPI + httpx proxy like vLLM's example (``bench/fastapi_proxy.py``);
+- ``turnkv-valkey``: turnkv as one replica of a scaled-out deployment, its conversation state in a Valkey/Redis
+  server (``redis-server`` on loopback, started here), as the CDK stack runs more than one replica;
+- ``turnkv-2x``: two such replicas on that one server, the client alternating between them as a load balancer
+  does (CPU per request summed over both: what scaling out costs per request, not the cores it needs).
 
 For each, streamed chat requests at concurrency 1, 32 and 128 (bounded request counts) and each reply length
 (``--reply-tokens``, 16 by default): requests/s, TTFT p50/p99 (client side, to the first content event), the
@@ -106,6 +110,36 @@ class Proc:
                 self.p.wait(5)
 
 
+class Group:
+    """Several processes measured as one target (the replicas of ``turnkv-2x``)."""
+
+    def __init__(self, procs: list[Proc]) -> None:
+        self.procs = procs
+
+    def rss_mb(self) -> float | None:
+        values = [p.rss_mb() for p in self.procs]
+        return None if None in values else sum(v for v in values if v is not None)
+
+    def cpu_s(self) -> float | None:
+        values = [p.cpu_s() for p in self.procs]
+        return None if None in values else sum(v for v in values if v is not None)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.stop()
+
+
+def _wait_tcp(port: int, timeout: float = 30) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port}")
+
+
 async def _one(session: aiohttp.ClientSession, url: str, ttfts: list[float], conv: bool, tokens: int) -> bool:
     body = {"model": "tiny", "messages": PROMPT, "max_tokens": tokens, "stream": True, "temperature": 0}
     if conv:
@@ -123,8 +157,11 @@ async def _one(session: aiohttp.ClientSession, url: str, ttfts: list[float], con
         return not first
 
 
-async def load(url: str, concurrency: int, total: int, conv: bool,
+async def load(url: str | list[str], concurrency: int, total: int, conv: bool,
                tokens: int = 16) -> tuple[int, int, float, list[float]]:
+    """``total`` streamed requests, ``concurrency`` at a time; several URLs take turns (a load balancer's
+    round robin over replicas)."""
+    urls = [url] if isinstance(url, str) else url
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     ttfts: list[float] = []
     errors = 0
@@ -132,9 +169,9 @@ async def load(url: str, concurrency: int, total: int, conv: bool,
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
         async def worker() -> None:
             nonlocal errors
-            for _ in todo:
+            for i in todo:
                 try:
-                    ok = await _one(session, url, ttfts, conv, tokens)
+                    ok = await _one(session, urls[i % len(urls)], ttfts, conv, tokens)
                 except Exception:
                     ok = False
                 errors += not ok
@@ -187,7 +224,7 @@ print(len(store), before, after, fill_s, take_s)
             "put_us": round(fill_s / n * 1e6, 2), "take_us": round(take_s * 1e6, 2), "held": held}
 
 
-def _level(args: argparse.Namespace, chosen: list[str], targets: dict, procs: dict[str, Proc], c: int,
+def _level(args: argparse.Namespace, chosen: list[str], targets: dict, procs: dict[str, Proc | Group], c: int,
            tokens: int) -> list[Row]:
     """One concurrency level and reply length: interleaved rounds over every target, one row per target."""
     total = args.requests_c1 if c == 1 else args.requests
@@ -196,7 +233,7 @@ def _level(args: argparse.Namespace, chosen: list[str], targets: dict, procs: di
     for r in range(args.rounds):
         order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
         for name in order:
-            endpoint = targets[name][1] + "/v1/chat/completions"
+            endpoint = [url + "/v1/chat/completions" for url in targets[name][1]]
             proc = procs.get(name)
             before = proc.cpu_s() if proc else None
             results[name].append(asyncio.run(load(endpoint, c, total, name.startswith("turnkv"), tokens)))
@@ -246,50 +283,68 @@ def run(args: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     py = sys.executable
     env = {"PYTHONPATH": str(ROOT)}
-    targets = {
-        "direct": (None, f"http://127.0.0.1:{d_port}"),
-        "turnkv": ([py, "-m", "turnkv.cli", "router", "serve", "--port", str(base), "--prefill",
-                    f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}",
-                    *(["--no-emf"] if args.no_emf else []), *(x for kv in args.set for x in ("--set", kv))],
-                   f"http://127.0.0.1:{base}"),
-        "vllm-router": ([shutil.which("vllm-router") or str(Path(py).with_name("vllm-router")),
-                         "--vllm-pd-disaggregation", "--prefill", f"http://127.0.0.1:{p_port}", "--decode",
-                         f"http://127.0.0.1:{d_port}", "--host", "127.0.0.1", "--port", str(base + 1),
-                         "--log-level", "warning"], f"http://127.0.0.1:{base + 1}"),
-        "fastapi": ([py, "-m", "uvicorn", "bench.fastapi_proxy:app", "--host", "127.0.0.1", "--port", str(base + 2),
-                     "--log-level", "warning", "--no-access-log"], f"http://127.0.0.1:{base + 2}"),
+    turnkv = [py, "-m", "turnkv.cli", "router", "serve", "--prefill", f"http://127.0.0.1:{p_port}", "--decode",
+              f"http://127.0.0.1:{d_port}", *(["--no-emf"] if args.no_emf else []),
+              *(x for kv in args.set for x in ("--set", kv))]
+    valkey_port = base + 9
+    valkey = ["--store", f"redis://127.0.0.1:{valkey_port}"]
+    # name -> (the argv of each process, the URL of each): several URLs are replicas the client alternates over
+    targets: dict[str, tuple[list[list[str]], list[str]]] = {
+        "direct": ([], [f"http://127.0.0.1:{d_port}"]),
+        "turnkv": ([[*turnkv, "--port", str(base)]], [f"http://127.0.0.1:{base}"]),
+        "vllm-router": ([[shutil.which("vllm-router") or str(Path(py).with_name("vllm-router")),
+                          "--vllm-pd-disaggregation", "--prefill", f"http://127.0.0.1:{p_port}", "--decode",
+                          f"http://127.0.0.1:{d_port}", "--host", "127.0.0.1", "--port", str(base + 1),
+                          "--log-level", "warning"]], [f"http://127.0.0.1:{base + 1}"]),
+        "fastapi": ([[py, "-m", "uvicorn", "bench.fastapi_proxy:app", "--host", "127.0.0.1", "--port", str(base + 2),
+                      "--log-level", "warning", "--no-access-log"]], [f"http://127.0.0.1:{base + 2}"]),
+        "turnkv-valkey": ([[*turnkv, "--port", str(base + 4), *valkey]], [f"http://127.0.0.1:{base + 4}"]),
+        "turnkv-2x": ([[*turnkv, "--port", str(base + 5), *valkey], [*turnkv, "--port", str(base + 6), *valkey]],
+                      [f"http://127.0.0.1:{base + 5}", f"http://127.0.0.1:{base + 6}"]),
     }
     chosen = [t for t in args.targets.split(",") if t]
+    unknown = [t for t in chosen if t not in targets]
+    if unknown:
+        raise SystemExit(f"unknown target(s) {unknown}; known: {sorted(targets)}")
     baseline = Path(args.baseline).resolve() if args.baseline else None
     if baseline:  # another checkout's router, measured in the same interleaved rounds (before/after a change)
-        targets["turnkv-baseline"] = ([py, "-m", "turnkv.cli", "router", "serve", "--port", str(base + 3),
-                                       "--prefill", f"http://127.0.0.1:{p_port}", "--decode",
-                                       f"http://127.0.0.1:{d_port}", *(["--no-emf"] if args.no_emf else [])],
-                                      f"http://127.0.0.1:{base + 3}")
+        targets["turnkv-baseline"] = ([[*turnkv, "--port", str(base + 3)]], [f"http://127.0.0.1:{base + 3}"])
         chosen.append("turnkv-baseline")
     engines = Proc("fake-engines", [py, "-m", "bench.fake_engine", "--port", str(p_port), "--port", str(d_port),
                                     *(["--event-writes"] if args.event_writes else [])],
                    env, out / "fake_engines.log")
-    procs: dict[str, Proc] = {}
+    procs: dict[str, Proc | Group] = {}
+    helpers: list[Proc] = []
     rows: list[Row] = []
     try:
+        if any("--store" in argv for name in chosen for argv in targets[name][0]):
+            if not shutil.which("redis-server"):
+                raise SystemExit("the valkey targets need redis-server (make tools installs it)")
+            helpers.append(Proc("valkey", ["redis-server", "--port", str(valkey_port), "--bind", "127.0.0.1",
+                                           "--save", "", "--appendonly", "no"], log=out / "valkey.log"))
+            _wait_tcp(valkey_port)
         _wait_http(f"http://127.0.0.1:{d_port}/health")
         for name in chosen:  # every target runs at once (idle when not measured): rounds interleave them
-            argv = targets[name][0]
-            if argv:
-                own = {"PYTHONPATH": str(baseline)} if name == "turnkv-baseline" and baseline else {}
-                procs[name] = Proc(name, argv, {**env, "PREFILL": f"http://127.0.0.1:{p_port}",
-                                                "DECODE": f"http://127.0.0.1:{d_port}", **own}, out / f"{name}.log",
-                                   cwd=baseline if own and baseline else ROOT)
+            own = {"PYTHONPATH": str(baseline)} if name == "turnkv-baseline" and baseline else {}
+            group = [Proc(f"{name}-{i}", argv, {**env, "PREFILL": f"http://127.0.0.1:{p_port}",
+                                                "DECODE": f"http://127.0.0.1:{d_port}", **own},
+                          out / f"{name}{'-' + str(i) if i else ''}.log", cwd=baseline if own and baseline else ROOT)
+                     for i, argv in enumerate(targets[name][0])]
+            if group:
+                procs[name] = group[0] if len(group) == 1 else Group(group)
         for name in chosen:
-            _wait_http(targets[name][1] + "/health")
-            asyncio.run(load(targets[name][1] + "/v1/chat/completions", 32, args.warmup, name.startswith("turnkv")))
+            for url in targets[name][1]:
+                _wait_http(url + "/health")
+            asyncio.run(load([url + "/v1/chat/completions" for url in targets[name][1]], 32, args.warmup,
+                             name.startswith("turnkv")))
         for tokens in (int(x) for x in args.reply_tokens.split(",")):
             for c in (int(x) for x in args.concurrency.split(",")):
                 rows.extend(_level(args, chosen, targets, procs, c, tokens))
     finally:
         for proc in procs.values():
             proc.stop()
+        for helper in helpers:
+            helper.stop()
         engines.stop()
     summary: dict = {"rows": [asdict(r) for r in rows], "cpus": os.cpu_count(), "rounds": args.rounds,
                      "requests": args.requests, "requests_c1": args.requests_c1, "event_writes": args.event_writes,

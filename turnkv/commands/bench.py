@@ -193,9 +193,14 @@ def modes(
 
 @app.command()
 def router(
-    targets: Annotated[str, typer.Option(help="Comma list: direct,turnkv,vllm-router,fastapi.")]
+    targets: Annotated[str, typer.Option(help="Comma list: direct,turnkv,vllm-router,fastapi,turnkv-valkey (one "
+                                               "replica on a Valkey store),turnkv-2x (two replicas on it).")]
     = "direct,turnkv,vllm-router,fastapi",
     concurrency: Annotated[str, typer.Option(help="Comma list of concurrency levels.")] = "1,32,128",
+    reply_tokens: Annotated[str, typer.Option(help="Comma list of reply lengths; two or more split CPU per request "
+                                                   "into a fixed cost and a cost per relayed event.")] = "16",
+    event_writes: Annotated[bool, typer.Option(help="The fake engine writes one event at a time, as vLLM does.")]
+    = False,
     requests: Annotated[int, typer.Option(help="Requests per level (32, 128) and round.")] = 2000,
     requests_c1: Annotated[int, typer.Option(help="Requests at concurrency 1, per round.")] = 300,
     rounds: Annotated[int, typer.Option(help="Interleaved rounds (median requests/s).")] = 3,
@@ -207,9 +212,9 @@ def router(
     from bench import router_peers
 
     args = router_peers.parser().parse_args([
-        "--targets", targets, "--concurrency", concurrency, "--requests", str(requests), "--requests-c1",
-        str(requests_c1), "--rounds", str(rounds), "--memory", str(memory), "--port-base", str(port_base),
-        "--out", str(out)])
+        "--targets", targets, "--concurrency", concurrency, "--reply-tokens", reply_tokens, "--requests",
+        str(requests), "--requests-c1", str(requests_c1), "--rounds", str(rounds), "--memory", str(memory),
+        "--port-base", str(port_base), "--out", str(out), *(["--event-writes"] if event_writes else [])])
     router_peers.run(args)
 
 
