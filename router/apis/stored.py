@@ -13,6 +13,7 @@ Valkey), so they never push conversation metadata out.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -21,7 +22,6 @@ from typing import Any, Protocol
 import orjson
 
 from router.guard import RequestError, keyed_digest
-from router.state import within
 
 log = logging.getLogger("turnkv.router")
 VALKEY_PREFIX = "turnkv:resp:"
@@ -50,7 +50,7 @@ class ResponseLog:
         if not isinstance(response_id, str) or not response_id or len(response_id) > 256:
             raise RequestError("'previous_response_id' must be a response id (a non-empty string)")
         try:
-            raw = await within(self.store, self.store.get_blob(self._key(tenant, response_id)), self._timeout())
+            raw = await asyncio.wait_for(self.store.get_blob(self._key(tenant, response_id)), self._timeout())
         except Exception as exc:
             raise StoreUnavailable(f"the kept responses are unavailable ({exc or type(exc).__name__})") from exc
         if raw is None:
@@ -65,7 +65,7 @@ class ResponseLog:
         if ttl <= 0 or not response_id:
             return False
         try:
-            await within(self.store, self.store.put_blob(self._key(tenant, response_id), orjson.dumps(messages),
+            await asyncio.wait_for(self.store.put_blob(self._key(tenant, response_id), orjson.dumps(messages),
                                                        self._clock() + ttl), self._timeout())
             return True
         except Exception as exc:

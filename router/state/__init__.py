@@ -6,10 +6,8 @@ single-use: the next turn's prefill read frees decode's blocks, so ``take`` remo
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import orjson
 
@@ -42,9 +40,6 @@ class StoreError(RuntimeError):
 
 
 class ConversationStore(Protocol):
-    #: Whether an answer takes I/O (Valkey) and so needs a timeout; the in-memory store answers at once.
-    remote: bool
-
     async def put(self, key: str, entry: Entry) -> None: ...
 
     async def get(self, key: str) -> Entry | None:
@@ -61,16 +56,3 @@ class ConversationStore(Protocol):
         ...
 
     async def close(self) -> None: ...
-
-
-T = TypeVar("T")
-
-
-async def within(store: object, op: Awaitable[T], timeout: float) -> T:
-    """Await ``op`` on ``store``, bounded by ``timeout`` seconds (TimeoutError past it) when the store does I/O.
-    The in-memory store answers without awaiting anything, so its calls are not wrapped: ``asyncio.wait_for`` made
-    a task per call (2.6% of the router's CPU at 16 reply tokens). A store that does not say is bounded."""
-    if not getattr(store, "remote", True):
-        return await op
-    async with asyncio.timeout(timeout):
-        return await op

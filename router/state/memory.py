@@ -28,8 +28,6 @@ def _compact(key: str) -> bytes | str:
 
 
 class MemoryStore:
-    remote = False  # no I/O: calls need no timeout (router.state.within)
-
     def __init__(self, max_entries: int, clock: Callable[[], float] = time.time,
                  max_bytes: int = 256 * 1024 * 1024) -> None:
         self._entries: OrderedDict[bytes | str, tuple[float, bytes]] = OrderedDict()

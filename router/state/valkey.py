@@ -32,8 +32,6 @@ return 1
 
 
 class ValkeyStore:
-    remote = True
-
     def __init__(self, url: str, *, timeout: float = 0.5, prefix: str = KEY_PREFIX,
                  clock: Callable[[], float] = time.time, client: Any = None) -> None:
         if client is None:

@@ -1,9 +1,5 @@
-import asyncio
-
-import pytest
-
 from router.guard import History
-from router.state import Entry, within
+from router.state import Entry
 from router.state.memory import MemoryStore
 
 H = History("chat", "r", "d", 3)
@@ -69,19 +65,3 @@ async def test_swap_is_compare_and_set():
     assert await store.swap("k", entry(), entry(expires_at=200.0)) is True
     assert (await store.get("k")).expires_at == 200.0
     assert await store.swap("k", entry(expires_at=200.0), None) is True and await store.get("k") is None
-
-
-class SlowStore:
-    """A store that does I/O and does not answer in time (a Valkey under load): it says nothing about ``remote``."""
-
-    async def take(self, key: str) -> Entry | None:
-        await asyncio.sleep(5)
-        return None
-
-
-async def test_a_store_that_does_io_is_bounded_by_its_timeout_and_the_memory_store_is_awaited_as_is():
-    with pytest.raises(TimeoutError):
-        await within(SlowStore(), SlowStore().take("k"), 0.05)
-    store = MemoryStore(10, clock=lambda: 0.0)
-    await within(store, store.put("k", entry()), 0.0)  # no timer at all: a zero timeout does not fire
-    assert (await within(store, store.take("k"), 0.0)) == entry()
