@@ -1,6 +1,7 @@
 """`turnkv plan calibrate`'s measurements against real engines: what it reads from vLLM (usage, prefix-cache
 reuse on decode, the NIXL metrics of one pull) is there, and the fit comes out usable. Short lengths, one run
-each: the fit's accuracy is bench.plan_accuracy's job (docs/planning.md), not a test's."""
+each (three for the context prefill, whose time is compared): the fit's accuracy is bench.plan_accuracy's job
+(docs/planning.md), not a test's."""
 
 from turnkv.engine_args import EngineSpec
 from turnkv.local.model import load_words
@@ -17,11 +18,13 @@ def test_calibration_measures_prefills_context_prefills_and_a_pull(stack):
     tokens = [n for n, _, _ in plain]
     assert tokens == sorted(tokens) and tokens[-1] >= 3000 and all(ctx == 0 for _, ctx, _ in plain)
     context = calibrate.measure_context_prefills(stack["decode-0"], SERVED_MODEL_NAME, words, EngineSpec.block_size,
-                                                 shapes=((1024, 256),), repeats=1, say=said.append)
+                                                 shapes=((1024, 256),), repeats=3, say=said.append)
     (new, ctx, secs), = context
     # vLLM caches whole blocks: the first prompt's full blocks are the context, the rest is computed
     assert ctx % EngineSpec.block_size == 0 and 896 <= ctx <= 1024 and 256 <= new < 256 + EngineSpec.block_size
-    assert secs < plain[-1][2]  # far less than a 3,072-token prefill from scratch
+    # far less than a 3,072-token prefill from scratch; the median of 3, as one run on decode once took 3.9 s
+    # (the 2-core machine's other work, or a first prefill of that shape on decode) against 0.7 s
+    assert secs < plain[-1][2]
     transfers = calibrate.measure_pull(stack["router"], stack["prefill-0"], stack["decode-0"], SERVED_MODEL_NAME,
                                        words, say=said.append)
     assert any("D->P" in line for line in said), said  # the second turn really pulled
