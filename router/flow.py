@@ -372,7 +372,7 @@ class Flow:
             early = response is not None
             if response is None:
                 response = SseResponse(headers={**self._reply_headers(d), "Content-Type": "text/event-stream",
-                                                       "Cache-Control": "no-cache"})
+                                               "Cache-Control": "no-cache"})
                 await response.prepare(request)
             return await self.relay.stream(d, response, opened, early, request)
         finally:
