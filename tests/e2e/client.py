@@ -79,6 +79,29 @@ def pulled_tokens(stack) -> float:
     return metric(stack["prefill-0"], PULLED, source="external_kv_transfer")
 
 
+def check_turns(stack, turn, *, first, follow, stream):
+    """Four turns of an unmodified client: the first recomputes ('none'), each later one pulls everything decode
+    held (the history and its reply but the last generated token: more every turn), and every answer equals the
+    one with reuse off. ``turn(history, stream=, headers=)`` asks as the client does: (reply, text, headers);
+    ``follow(history, reply, n)`` is the next turn's history."""
+    history, previous = first, 0
+    for n in range(4):
+        before = pulled_tokens(stack)
+        reply, text, headers = turn(history, stream=stream)
+        moved = pulled_tokens(stack) - before
+        _, off, off_headers = turn(history, stream=stream, headers=OFF)
+        assert text and text == off, f"turn {n + 1}: reuse changed the answer"
+        assert off_headers[OUTCOME] == "disabled"
+        print(f"turn {n + 1}: {headers[OUTCOME]} reused={headers[REUSED]} pulled={moved:.0f}")  # the figures (-s)
+        if n == 0:
+            assert headers[OUTCOME] == "none" and moved == 0
+        else:
+            assert headers[OUTCOME] == "hit", (n, headers[OUTCOME])
+            assert int(headers[REUSED]) == moved > max(600, previous + 100), (n, moved, previous)
+            previous = moved
+        history = follow(history, reply, n)
+
+
 def words(model_dir, n: int, seed: int) -> str:
     vocab = (model_dir / "words.txt").read_text().split()
     rng = random.Random(seed)

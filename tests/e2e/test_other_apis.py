@@ -12,7 +12,7 @@ from anthropic import Anthropic
 from openai import OpenAI
 
 from tests.e2e import ACME as KEY
-from tests.e2e.client import OFF, OUTCOME, REUSED, pulled_tokens, words
+from tests.e2e.client import OFF, OUTCOME, REUSED, check_turns, pulled_tokens, words
 
 pytestmark = pytest.mark.engines
 ROUTER = "router-keyed"  # the clients send API keys (conftest.py)
@@ -65,27 +65,6 @@ def message(client: Anthropic, messages, *, stream=False, headers=None, extra_bo
         answer, found = raw.parse(), raw.headers
     text = "".join(b.text for b in answer.content if b.type == "text")
     return {"role": "assistant", "content": answer.content}, text, found, answer
-
-
-def check_turns(stack, turn, *, first, follow, stream):
-    """Four turns: the first recomputes ('none'), each later one pulls everything decode held, and every
-    answer equals the one with reuse off."""
-    history, previous = first, 0
-    for n in range(4):
-        before = pulled_tokens(stack)
-        reply, text, headers = turn(history, stream=stream)
-        moved = pulled_tokens(stack) - before
-        _, off, off_headers = turn(history, stream=stream, headers=OFF)
-        assert text and text == off, f"turn {n + 1}: reuse changed the answer"
-        assert off_headers[OUTCOME] == "disabled"
-        print(f"turn {n + 1}: {headers[OUTCOME]} reused={headers[REUSED]} pulled={moved:.0f}")  # the figures (-s)
-        if n == 0:
-            assert headers[OUTCOME] == "none" and moved == 0
-        else:
-            assert headers[OUTCOME] == "hit", (n, headers[OUTCOME])
-            assert int(headers[REUSED]) == moved > max(600, previous + 100), (n, moved, previous)
-            previous = moved
-        history = follow(history, reply, n)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])

@@ -9,7 +9,7 @@ import pytest
 from openai import OpenAI
 
 from tests.e2e import ACME, GLOBEX
-from tests.e2e.client import OFF, OUTCOME, REUSED, metric, pulled_tokens, words
+from tests.e2e.client import OFF, OUTCOME, REUSED, check_turns, metric, pulled_tokens, words
 
 pytestmark = pytest.mark.engines
 ROUTER = "router-keyed"  # the clients send API keys (conftest.py)
@@ -48,22 +48,12 @@ def test_the_openai_sdk_with_no_id_reuses_from_turn_two(stack, stream):
     client, model_dir = sdk(stack), stack["model_dir"]
     messages = [{"role": "system", "content": words(model_dir, 200, 300 + stream)},
                 {"role": "user", "content": words(model_dir, 400, 310 + stream)}]
-    previous = 0
-    for turn in range(4):
-        before = pulled_tokens(stack)
-        reply, text, headers = ask(client, messages, stream=stream)
-        moved = pulled_tokens(stack) - before
-        _, off, off_headers = ask(client, messages, stream=stream, extra_headers=OFF)
-        assert text and text == off, f"turn {turn + 1}: reuse changed the answer"
-        assert off_headers[OUTCOME] == "disabled"
-        if turn == 0:
-            assert headers[OUTCOME] == "none" and moved == 0
-        else:
-            assert headers[OUTCOME] == "hit", (turn, headers[OUTCOME])
-            # everything decode held (the history + its reply) but the last generated token: grows every turn
-            assert int(headers[REUSED]) == moved > max(600, previous + 100), (turn, moved, previous)
-            previous = moved
-        messages = [*messages, reply, {"role": "user", "content": words(model_dir, 100, 320 + turn)}]
+
+    def turn(history, *, stream, headers=None):
+        return ask(client, history, stream=stream, extra_headers=headers)
+
+    check_turns(stack, turn, first=messages, stream=stream,
+                follow=lambda h, reply, n: [*h, reply, {"role": "user", "content": words(model_dir, 100, 320 + n)}])
 
 
 def test_an_edited_history_misses_and_answers_correctly(stack):
