@@ -19,7 +19,8 @@ It returns what real vLLM + turnkv's connector return, and keeps what they keep,
   on another host), not Unix time; turnkv's connector adds the wall-clock ``turnkv_expires_at`` and signs the
   offer (``turnkv.wire``) with the deployment's secret;
 - prefill reads an offer only when its signature verifies, it has not expired on prefill's wall clock (minus a
-  skew margin) and it was not read before (``refused_offers`` counts the others);
+  skew margin), a router cleared it and its read-by instant has not passed, and it was not read before
+  (``refused_offers`` counts the others);
 - decode's retained blocks live in a fabric shared by the engines of one process: a read of blocks whose TTL
   ran out, or that were read already, counts in ``stale_reads`` (what real NIXL would read silently);
 - push mode pairs decode's registration with prefill's KV by request id, as upstream does (a second
@@ -100,6 +101,8 @@ class FakeEngine:
     push_wait: float = 2.0
     #: False: prefill reads any offer, as upstream vLLM does (no signature, wall-clock expiry or replay check).
     verify_offers: bool = True
+    #: False: prefill reads valid offers no router cleared (``TURNKV_REQUIRE_CLEARED_OFFERS=0``).
+    require_cleared: bool = True
     fault: dict[str, Any] = field(default_factory=dict)
     #: one write per SSE event with a yield between them, as a real engine emits one event per step; otherwise a
     #: whole stream goes out in one write (the cheapest case for whoever relays it)
@@ -160,21 +163,20 @@ class FakeEngine:
         self._evicted[request_id] = (len(self._evicted) + 1, until)
         self.stats["evicted"] = self.stats.get("evicted", 0) + 1
 
-    def _admit_offer(self, kv: dict[str, Any]) -> bool:
-        """What turnkv's connector checks before a READ: signature, wall-clock expiry, single use."""
+    def _admit_offer(self, kv: dict[str, Any]) -> str:
+        """What turnkv's connector checks before a READ: signature, wall-clock expiry, a router's clearance and
+        read-by instant, single use. ``"ok"`` or the reason the offer is refused (``turnkv.wire.OFFER_REFUSALS``)."""
         if not self.verify_offers:
-            return True
-        reason = wire.check_offer(self.offer_secret, kv, FAKE_MODEL, time.time(), self.expiry_skew)
-        read_by = kv.get(wire.READ_BY)
-        if reason == "ok" and read_by is not None and time.time() >= float(read_by):
-            reason = "late"
+            return "ok"
+        reason = wire.offer_verdict(self.offer_secret, kv, FAKE_MODEL, time.time(), self.expiry_skew,
+                                    require_cleared=self.require_cleared)
         if reason == "ok" and kv[wire.SIGNATURE] in self._read:
             reason = "replayed"
         if reason != "ok":
             self.refused_offers[reason] = self.refused_offers.get(reason, 0) + 1
-            return False
+            return reason
         self._read.add(kv[wire.SIGNATURE])
-        return True
+        return "ok"
 
     def _read_blocks(self, kv: dict[str, Any]) -> None:
         """The READ itself: blocks decode no longer holds give whatever is in them now."""
@@ -234,7 +236,11 @@ class FakeEngine:
         if isinstance(kv, dict) and kv.get("do_remote_decode"):  # prefill leg
             self.stats["prefill"] += 1
             params = self._prefill_params(request_id, prompt_tokens)
-            if kv.get("remote_block_ids") and self._admit_offer(kv):  # a pull of the previous turn's KV from decode
+            verdict = self._admit_offer(kv) if kv.get("remote_block_ids") else None
+            if verdict not in (None, "ok"):  # refused before any read: prefill says why, as the connector does
+                params[wire.VERDICT] = {"offered": int(kv.get("remote_num_tokens") or 0), "verified": 0,
+                                        "reason": verdict}
+            if verdict == "ok":  # a pull of the previous turn's KV from decode
                 self._read_blocks(kv)
                 # decode wrote its request id into its reply: the history must contain the reply whose KV is pulled
                 if f"rid-{kv.get('remote_request_id')} " not in orjson.dumps(prompt).decode():

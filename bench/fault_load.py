@@ -29,6 +29,8 @@ from pathlib import Path
 
 import aiohttp
 
+from turnkv import wire
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -178,7 +180,11 @@ async def main(args) -> dict:
     engines: list[EngineProc] = []
     supervisor = None
     mode_args: list[str] = []
+    router_env: dict[str, str] = {}  # the engines' offer secret: the router clears the offers it replays
     if args.engines == "fake":
+        from bench.fake_engine import FAKE_SECRET
+
+        router_env[wire.OFFER_SECRET_ENV] = FAKE_SECRET.decode()
         if args.mode != "pull":
             raise SystemExit("--mode push needs --engines real (the fake engine speaks the pull protocol)")
         for role, off in (("prefill", 100), ("decode", 200)):
@@ -216,6 +222,7 @@ async def main(args) -> dict:
         prefill = [planned[i + 1] for i, a in enumerate(planned) if a == "--prefill"]
         decode = [planned[i + 1] for i, a in enumerate(planned) if a == "--decode"]
         mode_args = ["--mode", args.mode]
+        router_env.update(specs["router"].env)
     router_port = base
     router = subprocess.Popen([py, "-m", "turnkv.cli", "router", "serve", "--port", str(router_port),
                                *[a for u in prefill for a in ("--prefill", u)],
@@ -223,7 +230,7 @@ async def main(args) -> dict:
                                "--set", "health_interval=1", "--set", "first_token_timeout=30",
                                "--set", "prefill_timeout=30", "--no-emf", *mode_args,
                                *[a for v in args.router_set for a in ("--set", v)]],
-                              env={**os.environ, **env}, stdout=open(out / "router.log", "wb"),  # noqa: SIM115
+                              env={**os.environ, **env, **router_env}, stdout=open(out / "router.log", "wb"),  # noqa: SIM115
                               stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     url = f"http://127.0.0.1:{router_port}"
     stats: Counter = Counter()

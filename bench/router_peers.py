@@ -40,6 +40,9 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from bench.fake_engine import FAKE_SECRET
+from turnkv import wire
+
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [{"role": "system", "content": "You are a careful agent. " * 20},
           {"role": "user", "content": "Summarise the tool output below. " + "data " * 150}]
@@ -282,7 +285,8 @@ def run(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     py = sys.executable
-    env = {"PYTHONPATH": str(ROOT)}
+    # The fake engines' offer secret, as a deployment's router holds the engines' (it clears what it replays).
+    env = {"PYTHONPATH": str(ROOT), wire.OFFER_SECRET_ENV: FAKE_SECRET.decode()}
     turnkv = [py, "-m", "turnkv.cli", "router", "serve", "--prefill", f"http://127.0.0.1:{p_port}", "--decode",
               f"http://127.0.0.1:{d_port}", *(["--no-emf"] if args.no_emf else []),
               *(x for kv in args.set for x in ("--set", kv))]

@@ -68,17 +68,6 @@ def _boot_of(metadata: dict[tuple[int, int], Any]) -> str | None:
         return None
 
 
-def _late(read_by: Any, now: float) -> bool:
-    """Whether a replayed offer's read-by stamp (``wire.READ_BY``, the router's) has passed. Clock skew and the
-    READ's own duration are in the eviction grace (``turnkv.params.eviction_grace_needed``), not here. An offer
-    without one (sent straight to prefill, not by a router) is not checked."""
-    if read_by is None:
-        return False
-    if isinstance(read_by, bool) or not isinstance(read_by, (int, float)):
-        return True
-    return now >= float(read_by)
-
-
 def _count_blocks(block_ids: Any) -> int:
     try:
         return sum(len(group) for group in block_ids or ())
@@ -139,6 +128,9 @@ class TurnkvSchedulerMixin:
         self._model = wire.model_fingerprint(model_fields(getattr(self, "vllm_config", None)
                                                           or kwargs.get("vllm_config") or (args[0] if args else None)))
         self._require_signed = _flag("TURNKV_REQUIRE_SIGNED_OFFERS", True)
+        # Only offers a router cleared (it read decode's evictions feed) are read: TURNKV_REQUIRE_CLEARED_OFFERS=0
+        # reads any valid offer, honouring a read-by instant where there is one.
+        self._require_cleared = _flag(wire.REQUIRE_CLEARED_ENV, True)
         self._replays = ReplayGuard()
         if self._offer_secret is None:
             logger.warning("turnkv: no offer secret (%s / %s): decode's offers are unsigned and %s",
@@ -318,13 +310,12 @@ class TurnkvSchedulerMixin:
         s.data["turnkv_retained_bytes"] = [blocks * self._bytes_per_block]
 
     def _offer_admitted(self, request: Any, params: dict[str, Any]) -> bool:
-        """Signature, expiry on this host's wall clock, and single use; a refused offer is neutralized."""
-        reason = wire.check_offer(self._offer_secret, params, self._model, time.time(), self._expiry_skew)
+        """Signature, expiry on this host's wall clock, a router's clearance and read-by instant (decode may have
+        evicted the turn since the router last read its feed), and single use; a refused offer is neutralized."""
+        reason = wire.offer_verdict(self._offer_secret, params, self._model, time.time(), self._expiry_skew,
+                                    require_cleared=self._require_cleared)
         if reason == "unsigned" and not self._require_signed:
             return True
-        if reason == "ok" and _late(params.get(wire.READ_BY), time.time()):
-            # The router's read-by instant passed (prefill queued): the offer may have been evicted meanwhile.
-            reason = "late"
         if reason == "ok" and not self._replays.first_use(params[wire.SIGNATURE], float(params[wire.EXPIRES_AT])):
             reason = "replayed"
         if reason == "ok":

@@ -36,6 +36,8 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:turnkv_offers_expired", "Offers past their wall-clock expiry minus expiry_skew_margin (not read)."),
     "turnkv_offers_replayed": (
         "vllm:turnkv_offers_replayed", "Offers this prefill engine had already read once (not read again)."),
+    "turnkv_offers_uncleared": (
+        "vllm:turnkv_offers_uncleared", "Offers no router cleared (sent straight to prefill; not read)."),
     "turnkv_offers_late": (
         "vllm:turnkv_offers_late", "Offers replayed by a router whose read-by instant had passed (not read)."),
     "turnkv_retention_refused": (

@@ -38,6 +38,7 @@ from router.flow import Flow, error_response
 from router.state import ConversationStore
 from router.state.memory import MemoryStore
 from router.telemetry import Metrics
+from turnkv import wire
 
 log = logging.getLogger("turnkv.router")
 
@@ -397,6 +398,10 @@ def serve(config: RouterConfig) -> None:
     started = time.time()
     log.info("turnkv router on http://%s:%d mode=%s discovery=%s store=%s prefill=%s decode=%s", config.host,
              config.port, config.mode, config.discovery, config.store.split("@")[-1], config.prefill, config.decode)
+    if config.offer_secret is None:
+        log.warning("no offer secret (%s or %s, the file the engines read): replayed offers go uncleared, and "
+                    "prefill engines recompute every turn unless they run with %s=0", wire.OFFER_SECRET_FILE_ENV,
+                    wire.OFFER_SECRET_ENV, wire.REQUIRE_CLEARED_ENV)
     app = build_app(config)
     tune_gc()
     web.run_app(app, host=config.host, port=config.port, print=None, access_log=None,

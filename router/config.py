@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from router import hints
-from turnkv import params
+from turnkv import params, wire
 
 KEY_SECRET_ENV = "TURNKV_KEY_SECRET"
 API_KEYS_ENV = "TURNKV_API_KEYS"
@@ -35,6 +35,9 @@ class RouterConfig:
     #: HMAC secret for conversation keys; replicas sharing a store must share it. Empty: from the
     #: environment, else (with a Valkey store) one secret created in the store and shared, else random.
     key_secret: bytes = b""
+    #: The engines' offer secret (``turnkv.wire``): the router clears each offer it replays with it, and prefill
+    #: reads only cleared offers. None: from TURNKV_OFFER_SECRET / TURNKV_OFFER_SECRET_FILE, as the engines read it.
+    offer_secret: bytes | None = None
     #: "pull" or "push" (concurrent P and D dispatch).
     mode: str = "pull"
     #: "static" (--prefill/--decode) or "cloudmap".
@@ -84,6 +87,10 @@ class RouterConfig:
             raise ValueError(f"store {self.store!r}: expected memory or redis://HOST:PORT (rediss:// for TLS)")
         if isinstance(self.key_secret, str):
             self.key_secret = self.key_secret.encode()
+        if isinstance(self.offer_secret, str):
+            self.offer_secret = self.offer_secret.encode()
+        if self.offer_secret is None:
+            self.offer_secret = wire.offer_secret()
         hints.parse_sources(self.session_hints)  # a ValueError names a bad source
         if self.policy not in ("least_load", "round_robin"):
             raise ValueError(f"policy {self.policy!r}: expected least_load or round_robin")

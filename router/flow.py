@@ -175,7 +175,8 @@ class Flow:
         if d.outcome != "hit":
             return None
         # Prefill starts reading within replay_window of now or not at all (router.engines.evictions).
-        return {**entry.params, wire.READ_BY: round(time.time() + float(self.config.replay_window), 3)}
+        # Cleared with the offer secret: prefill reads only offers a router cleared (turnkv.wire).
+        return wire.clear_offer(self.config.offer_secret, entry.params, time.time() + float(self.config.replay_window))
 
     def _evicted(self, entry: Entry) -> str | None:
         """Why decode may have evicted (or be about to free) the entry's blocks, from its evictions feed."""

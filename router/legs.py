@@ -153,6 +153,7 @@ class Legs:
         self.prefill_rate = prefill_rate  # prefill's ms per token, from fresh prefills (the EMF's saved time)
         self.forward_auth = forward_auth
         self._leg = {leg: metrics.leg.labels(leg) for leg in ("prefill", "decode")}
+        self._refusals_logged: set[str] = set()  # prefill's offer refusal reasons already logged
 
     def _headers(self, d: Dispatch, request: web.Request) -> dict[str, str]:
         """Both legs' headers: the router's leg id, never the client's, and the client's key if it is forwarded."""
@@ -213,7 +214,7 @@ class Legs:
         d.prompt_tokens = int(usage.get("prompt_tokens") or 0)
         self.pool.report_success(engine)
         if d.outcome == "hit":
-            self._account_reuse(d, kv)
+            self._account_reuse(d, kv, engine)
         elif d.outcome in ("miss", "none", "disabled"):
             self.prefill_rate.observe(d.prefill_ms, d.prompt_tokens)
         ident = push_identity(kv)
@@ -221,10 +222,20 @@ class Legs:
             engine.learned = ident
         return kv
 
-    def _account_reuse(self, d: Dispatch, prefill_params: Mapping[str, Any]) -> None:
-        """Reused tokens, from prefill's answer; a token-proof shortfall is a tokenization mismatch."""
+    def _account_reuse(self, d: Dispatch, prefill_params: Mapping[str, Any], engine: Engine) -> None:
+        """Reused tokens, from prefill's answer; a refused offer is counted by reason, a token-proof shortfall is
+        a tokenization mismatch."""
         d.reused_tokens = reused_tokens(prefill_params)
         verdict = prefill_params.get(wire.VERDICT)
+        if isinstance(verdict, Mapping) and verdict.get("reason") in wire.OFFER_REFUSALS:
+            # Prefill did not read the offer at all (the outcome becomes recompute); say why, once per reason.
+            reason = verdict["reason"]
+            self.metrics.offer_refusals.labels(reason).inc()
+            if reason not in self._refusals_logged:
+                self._refusals_logged.add(reason)
+                log.warning("prefill engine %s refused a replayed offer (%s)%s", engine.name, reason,
+                            ": does this router hold the engines' offer secret (TURNKV_OFFER_SECRET_FILE)?"
+                            if reason == "uncleared" else "")
         if isinstance(verdict, Mapping) and verdict.get("reason") in ("mismatch", "no-proof", "bad-proof"):
             # The text history matched but the token ids did not (or could not be checked): re-tokenization,
             # a template that renders past turns differently, or a decode engine without the turnkv connector.

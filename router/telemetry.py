@@ -63,6 +63,9 @@ class Metrics:
                              ["leg"], buckets=_LATENCY_BUCKETS, registry=r)
         self.token_mismatches = Counter("turnkv_router_token_mismatches",
                                         "Reuse cut short by prefill's token proof, by cause.", ["cause"], registry=r)
+        self.offer_refusals = Counter("turnkv_router_offer_refusals",
+                                      "Replayed offers prefill refused to read, by its reason (turnkv.wire).",
+                                      ["reason"], registry=r)
         self.retries = Counter("turnkv_router_retries", "Leg retries by leg and reason.", ["leg", "reason"],
                                registry=r)
         self.engine_errors = Counter("turnkv_router_engine_errors", "Engine failures by role and kind.",

@@ -10,6 +10,13 @@ offer secret over every field the read depends on, (2) have not expired on prefi
 (minus a skew margin), and (3) it has not already read. The MAC covers the engine id, the boot, the
 request id, host and port, the block ids, the token count, the token proof, the expiry and the model
 fingerprint: a forged, edited, re-pointed or other-checkpoint offer fails the check and is recomputed.
+
+**Cleared replays.** A signed offer is still valid after decode *evicted* its turn (retention under memory
+pressure): decode frees the blocks ``retention_eviction_grace`` after announcing the eviction on its feed, well
+before the signed expiry. Routers read every decode engine's feed and, when they replay an offer, *clear* it: a
+read-by instant (``READ_BY``) and a MAC over it and the offer's signature (``CLEARANCE``), keyed with the same
+secret. Prefill reads only cleared offers before their read-by instant, so an offer that did not come through a
+router (replayed from a log, sent straight to prefill) can never reach blocks freed after an eviction.
 """
 
 from __future__ import annotations
@@ -38,10 +45,17 @@ SIGNATURE = "turnkv_sig"
 RETAIN = "turnkv_retain"
 #: Prefill's verdict on the offer it was given (router metrics).
 VERDICT = "turnkv_proof_verdict"
-#: Added by the router when it replays an offer (not stored, not signed): the wall-clock instant after which
-#: prefill must not start reading it. Bounds how long after the router last checked decode's evictions feed
-#: the blocks can be read (decode frees an evicted turn ``retention_eviction_grace`` after announcing it).
+#: Added by the router when it replays an offer (not stored): the wall-clock instant after which prefill must
+#: not start reading it. Bounds how long after the router last checked decode's evictions feed the blocks can be
+#: read (decode frees an evicted turn ``retention_eviction_grace`` after announcing it).
 READ_BY = "turnkv_read_by"
+#: The router's MAC over the offer's signature and ``READ_BY`` (see ``clear_offer``): a router cleared this replay.
+CLEARANCE = "turnkv_clearance"
+#: Why prefill refused an offer, as its ``VERDICT`` names it (each one a ``vllm:turnkv_offers_<reason>`` counter).
+OFFER_REFUSALS = ("unsigned", "forged", "expired", "uncleared", "late", "replayed")
+#: Prefill reads only cleared offers unless this is "0" (another proxy in front of the engines, which does not
+#: read the evictions feed, can then replay offers; evicted turns are then read until their expiry).
+REQUIRE_CLEARED_ENV = "TURNKV_REQUIRE_CLEARED_OFFERS"
 
 #: Keys of decode's returned params that a router may store and replay to prefill.
 OFFER_KEYS = (TOKEN_PROOF, BOOT, EXPIRES_AT, MODEL, SIGNATURE)
@@ -78,13 +92,14 @@ DEFAULT_OFFER_SECRET_FILE = "/etc/turnkv/offer-secret"
 MODEL_FINGERPRINT_ENV = "TURNKV_MODEL_FINGERPRINT"
 
 _VERSION = b"turnkv-offer-v1"
+_CLEARANCE_VERSION = b"turnkv-clearance-v1"
 
 
 def offer_secret(env: Mapping[str, str] | None = None) -> bytes | None:
     """The deployment's offer secret from the environment, or None (offers are then neither signed nor read)."""
     env = os.environ if env is None else env
     if env.get(OFFER_SECRET_ENV):
-        return env[OFFER_SECRET_ENV].encode()
+        return env[OFFER_SECRET_ENV].strip().encode()  # as the file is read
     path = env.get(OFFER_SECRET_FILE_ENV)
     if path:
         try:
@@ -147,3 +162,50 @@ def neutralize(params: dict[str, Any]) -> None:
     for key in ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port", "remote_request_id"):
         params[key] = None
     params["remote_num_tokens"] = 0
+
+
+def clearance_mac(secret: bytes, signature: str, read_by: float) -> str:
+    return hmac.new(secret, _CLEARANCE_VERSION + orjson.dumps([signature, read_by]), hashlib.sha256).hexdigest()
+
+
+def clear_offer(secret: bytes | None, params: Mapping[str, Any], read_by: float) -> dict[str, Any]:
+    """A copy of a stored offer as a router replays it: prefill may start reading it until ``read_by`` (Unix
+    time), and, with the deployment's secret, the clearance that proves a router (which reads the evictions feed)
+    set that instant. Without a secret only the read-by instant is added (prefill then recomputes unless it was
+    told not to require clearance)."""
+    out = dict(params)
+    out[READ_BY] = round(float(read_by), 3)
+    signature = out.get(SIGNATURE)
+    if secret is not None and isinstance(signature, str):
+        out[CLEARANCE] = clearance_mac(secret, signature, out[READ_BY])
+    else:
+        out.pop(CLEARANCE, None)
+    return out
+
+
+def check_clearance(secret: bytes | None, params: Mapping[str, Any], now: float, *, required: bool) -> str:
+    """For a signed offer that passed ``check_offer``: ``"ok"``, ``"uncleared"`` (no valid clearance, and one is
+    ``required``) or ``"late"`` (its read-by instant has passed). Without ``required`` an uncleared read-by
+    instant, if any, is still honoured (it can only make prefill read less)."""
+    read_by = params.get(READ_BY)
+    clearance = params.get(CLEARANCE)
+    cleared = (secret is not None and isinstance(clearance, str) and isinstance(read_by, (int, float))
+               and not isinstance(read_by, bool) and isinstance(params.get(SIGNATURE), str)
+               and hmac.compare_digest(clearance, clearance_mac(secret, params[SIGNATURE], read_by)))
+    if required and not cleared:
+        return "uncleared"
+    if read_by is None:
+        return "ok"
+    if isinstance(read_by, bool) or not isinstance(read_by, (int, float)):
+        return "late"
+    return "late" if now >= float(read_by) else "ok"
+
+
+def offer_verdict(secret: bytes | None, params: Mapping[str, Any], model: str, now: float, skew: float, *,
+                  require_cleared: bool) -> str:
+    """Everything prefill checks on an offer before a READ except single use (which needs its memory):
+    ``"ok"`` or the reason it is refused (``check_offer``, then ``check_clearance``)."""
+    reason = check_offer(secret, params, model, now, skew)
+    if reason != "ok":
+        return reason
+    return check_clearance(secret, params, now, required=require_cleared)

@@ -23,7 +23,7 @@ from infra.stacks.params import parameter_arn
 from infra.stacks.serving import CLOUDMAP_SERVICE, ServingStack
 from infra.wheel import REPO_ROOT
 from turnkv import metric_names as mn
-from turnkv import node_env
+from turnkv import node_env, wire
 
 ROUTER_PORT = 8000
 VALKEY_PORT = 6379
@@ -142,7 +142,12 @@ class RouterStack(Stack):
                    "--service", CLOUDMAP_SERVICE, "--region", config.region, *store_args,
                    # Outlast the ALB's idle timeout: a connection the ALB still reuses is never closed under it.
                    "--keepalive-timeout", str(rc.idle_timeout_s + KEEPALIVE_MARGIN_S)]
-        container_secrets = {"TURNKV_API_KEYS": ecs.Secret.from_secrets_manager(self.api_keys)}
+        container_secrets = {
+            "TURNKV_API_KEYS": ecs.Secret.from_secrets_manager(self.api_keys),
+            # The engines' offer secret: the router clears each offer it replays, and prefill reads only cleared
+            # offers (turnkv.wire), so an offer that bypassed the evictions feed is never read.
+            wire.OFFER_SECRET_ENV: ecs.Secret.from_secrets_manager(serving.offer_secret),
+        }
         environment = {"TURNKV_DEPLOYMENT": config.name, "AWS_REGION": config.region,
                        "TURNKV_METRICS_NAMESPACE": mn.ROUTER_NAMESPACE}
         if self.valkey is not None:

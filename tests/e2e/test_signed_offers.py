@@ -18,7 +18,7 @@ PULLED = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer
 
 def offers(stack) -> dict[str, float]:
     counts = {r: metric(stack["prefill-0"], f"vllm:turnkv_offers_{r}_total")
-              for r in ("forged", "replayed", "expired", "unsigned")}
+              for r in ("forged", "replayed", "expired", "unsigned", "uncleared")}
     counts["pulled"] = metric(stack["prefill-0"], PULLED[0], **PULLED[1])
     return counts
 
@@ -53,7 +53,7 @@ def test_forged_replayed_expired_and_unsigned_offers_are_never_read(stack):
                                                                   offer[wire.MODEL]))
     after = offers(stack)
     assert {k: after[k] - before[k] for k in after} == {"forged": 1, "unsigned": 1, "expired": 1, "replayed": 0,
-                                                       "pulled": 0}
+                                                       "uncleared": 0, "pulled": 0}
     # the genuine offer is read once; the same offer again (a replay) is not read
     genuine = _direct_turn(stack, follow, params=dict(offer))
     assert genuine["prefill"]["kv_transfer_params"]["remote_prefill_cached_tokens"] > 500
@@ -63,6 +63,26 @@ def test_forged_replayed_expired_and_unsigned_offers_are_never_read(stack):
     assert end["replayed"] == mid["replayed"] + 1 and end["pulled"] == mid["pulled"]
     answers = {tuple(x["decode"]["choices"][0]["token_ids"]) for x in (forged, unsigned, expired, genuine, replay)}
     assert len(answers) == 1  # every refused offer was recomputed into the same greedy answer
+
+
+def test_a_genuine_offer_no_router_cleared_is_not_read(stack):
+    """A valid, live, unread offer sent straight to prefill (from a log, by a proxy that does not read decode's
+    evictions feed) is recomputed: decode may have evicted and freed its turn before its signed expiry. A read-by
+    instant stamped without the secret does not pass either; the same offer cleared by a router is read."""
+    offer, follow = first_turn(stack, 82)
+    before = offers(stack)
+    straight = _direct_turn(stack, follow, params=dict(offer), clear=False)
+    self_stamped = _direct_turn(stack, follow, params={**offer, wire.READ_BY: time.time() + 30}, clear=False)
+    mid = offers(stack)
+    assert {k: mid[k] - before[k] for k in mid} == {"forged": 0, "unsigned": 0, "expired": 0, "replayed": 0,
+                                                   "uncleared": 2, "pulled": 0}
+    assert not straight["prefill"]["kv_transfer_params"].get("remote_prefill_cached_tokens")
+    cleared = _direct_turn(stack, follow, params=dict(offer))
+    end = offers(stack)
+    assert cleared["prefill"]["kv_transfer_params"]["remote_prefill_cached_tokens"] > 500
+    assert end["pulled"] - mid["pulled"] > 500 and end["uncleared"] == mid["uncleared"]
+    answers = {tuple(x["decode"]["choices"][0]["token_ids"]) for x in (straight, self_stamped, cleared)}
+    assert len(answers) == 1
 
 
 def test_lease_route_is_authenticated_by_the_offer_and_bounded(stack):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import requests
 
 from tests.e2e.client import chat, metric, words
+from turnkv import wire
 
 pytestmark = pytest.mark.engines
 
@@ -66,10 +69,14 @@ def test_normal_turns_pull_everything_offered(stack):
     assert counts["mismatches"] == counts["rejected_tokens"] == counts["missing"] == 0
 
 
-def _direct_turn(stack, messages, params=None) -> dict:
-    """Prefill + decode straight against the engines (no router): what a peer's router would do."""
+def _direct_turn(stack, messages, params=None, *, clear: bool = True) -> dict:
+    """Prefill + decode straight against the engines: what a peer router holding the stack's offer secret would do
+    (it clears the offer it replays, ``turnkv.wire.clear_offer``); ``clear=False`` sends the offer as it is."""
     fresh = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
              "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    if params is not None and clear:
+        secret = (stack["state_dir"] / "offer-secret").read_bytes().strip()
+        params = wire.clear_offer(secret, params, time.time() + 30)
     base = {"model": "tiny", "messages": messages, "temperature": 0, "return_token_ids": True}
     p = requests.post(f"{stack['prefill-0']}/v1/chat/completions", timeout=120,
                       json={**base, "max_tokens": 1, "kv_transfer_params": params or fresh}).json()

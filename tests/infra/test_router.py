@@ -81,8 +81,9 @@ def test_container_runs_discovery_and_store_flags(gpu, push):
     env = {e["Name"]: e["Value"] for e in _container(gpu)["Environment"]}
     assert env["TURNKV_DEPLOYMENT"] == "gpu" and env["AWS_REGION"] == "us-east-2"
     secrets = {s["Name"] for s in _container(gpu)["Secrets"]}
-    assert secrets == {"TURNKV_API_KEYS", "TURNKV_STORE_PASSWORD"}  # the store's password only with Valkey
-    assert {s["Name"] for s in _container(push)["Secrets"]} == {"TURNKV_API_KEYS"}
+    # the store's password only with Valkey; the engines' offer secret always (the router clears its replays)
+    assert secrets == {"TURNKV_API_KEYS", "TURNKV_STORE_PASSWORD", "TURNKV_OFFER_SECRET"}
+    assert {s["Name"] for s in _container(push)["Secrets"]} == {"TURNKV_API_KEYS", "TURNKV_OFFER_SECRET"}
     c = _container(gpu)
     assert c["User"] == "10001" and c["ReadonlyRootFilesystem"] is True
     assert "/health" in " ".join(c["HealthCheck"]["Command"])

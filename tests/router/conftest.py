@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from bench.fake_engine import FakeEngine, start
+from bench.fake_engine import FAKE_SECRET, FakeEngine, start
 from router.app import build_app
 from router.config import RouterConfig
 from tests.conftest import free_port
@@ -26,7 +26,7 @@ async def router_over(prefill: list[FakeEngine], decode: list[FakeEngine], *, id
         return base + (f"?engine_id={e.engine_id}&side_channel_port={e.side_channel_port}" if identity else "")
 
     config = RouterConfig(prefill=[url(e) for e in prefill], decode=[url(e) for e in decode], tunables=tunables,
-                          key_secret=b"test-secret", **{"emf": False, **overrides})
+                          key_secret=b"test-secret", **{"emf": False, "offer_secret": FAKE_SECRET, **overrides})
     app = build_app(config, store=store, keys=keys)
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()

@@ -9,6 +9,7 @@ import time
 
 import orjson
 
+from bench.fake_engine import FAKE_SECRET
 from router.app import FLOW, METRICS
 from router.auth import ApiKeys, parse_keys
 from router.guard import History
@@ -406,3 +407,31 @@ async def test_prefill_does_not_start_reading_a_replayed_offer_after_its_read_by
         second = await chat(s, next_turn(MSGS, first["text"]), conversation="queued")
         assert second["status"] == 200 and second["headers"]["X-TurnKV-Reused-Tokens"] == "0"
         assert p[0].refused_offers == {"late": 1} and p[0].stats["stale_reads"] == 0
+
+
+async def test_the_router_clears_what_it_replays_and_prefill_reads_nothing_it_did_not_clear(monkeypatch):
+    """Prefill reads only offers a router cleared with the engines' offer secret (turnkv.wire.clear_offer). A router
+    without the secret still serves every turn, recomputed (the refusal is prefill's, counted as uncleared); with
+    it the same conversation reuses, and what reached prefill carries a clearance that verifies."""
+    monkeypatch.delenv(wire.OFFER_SECRET_ENV, raising=False)
+    monkeypatch.delenv(wire.OFFER_SECRET_FILE_ENV, raising=False)
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d, offer_secret=None) as (s, app):
+        assert app[FLOW].config.offer_secret is None
+        first = await chat(s, conversation="no-secret")
+        second = await chat(s, next_turn(MSGS, first["text"]), conversation="no-secret")
+        assert second["status"] == 200 and second["headers"]["X-TurnKV-Reused-Tokens"] == "0"
+        assert second["headers"]["X-TurnKV-Reuse-Outcome"] == "recompute"
+        assert p[0].refused_offers == {"uncleared": 1} and p[0].stats["pulled"] == 0
+        # the router counts prefill's reason (and logs it once, naming the missing secret)
+        assert app[METRICS].offer_refusals.labels("uncleared")._value.get() == 1
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d) as (s, _):
+        first = await chat(s, conversation="secret")
+        second = await chat(s, next_turn(MSGS, first["text"]), conversation="secret")
+        assert second["headers"]["X-TurnKV-Reuse-Outcome"] == "hit" and int(
+            second["headers"]["X-TurnKV-Reused-Tokens"]) > 0
+        assert p[0].refused_offers == {} and p[0].stats["pulled"] > 0
+        replayed = next(kv for kv in p[0].seen_params if isinstance(kv, dict) and kv.get(wire.CLEARANCE))
+        assert 0 < replayed[wire.READ_BY] - time.time() <= 10  # replay_window
+        assert wire.check_clearance(FAKE_SECRET, replayed, time.time(), required=True) == "ok"

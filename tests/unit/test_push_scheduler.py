@@ -198,7 +198,7 @@ def turnkv_push_scheduler(monkeypatch, release: tuple[int, int, int]):
                       _pending={}, _bytes_per_block=128 * 4096, _retained={},
                       turnkv_stats=TurnkvKVConnectorStats(), _verdicts={}, _expected_boots={}, _prefill_cached={},
                       _retain_on_demand=True, _adaptive=False, _require_proof=False, _boot=None,
-                      _offer_secret=None, _require_signed=False, _model=None, _expiry_skew=5.0,
+                      _offer_secret=None, _require_signed=False, _require_cleared=True, _model=None, _expiry_skew=5.0,
                       _replays=None,
                       _tunables=types.SimpleNamespace(poll=lambda: None))
     return s

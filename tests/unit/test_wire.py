@@ -144,6 +144,11 @@ def _request(rid, tokens, params):
                                  kv_transfer_params=params)
 
 
+def _cleared(offer, within=10.0):
+    """An offer as a router replays it: cleared, to be read within ``within`` seconds."""
+    return wire.clear_offer(SECRET, offer, time.time() + within)
+
+
 def test_decode_signs_with_a_wall_clock_expiry_and_prefill_reads_once(scheduler):
     decode, prefill = scheduler(), scheduler()
     tokens = list(range(300))
@@ -151,10 +156,10 @@ def test_decode_signs_with_a_wall_clock_expiry_and_prefill_reads_once(scheduler)
     assert delay and abs(out[wire.EXPIRES_AT] - (time.time() + 480)) < 2
     assert wire.check_offer(SECRET, out, "model-x", time.time(), 5) == "ok"
     prompt = tokens + list(range(1000, 1100))
-    count, _ = prefill.get_num_new_matched_tokens(_request("p1", prompt, dict(out)), 0)
+    count, _ = prefill.get_num_new_matched_tokens(_request("p1", prompt, _cleared(out)), 0)
     assert count == 300
-    # the same offer again (a replay): not read, and upstream is given a plain prefill
-    replay = dict(out)
+    # the same offer again (a replay, cleared anew): not read, and upstream is given a plain prefill
+    replay = _cleared(out)
     count, _ = prefill.get_num_new_matched_tokens(_request("p2", prompt, replay), 0)
     assert count == 0 and prefill.asked[-1]["remote_block_ids"] is None and replay["remote_host"] is None
     assert prefill.turnkv_stats.data["turnkv_offers_replayed"] == [1]
@@ -165,9 +170,9 @@ def test_prefill_refuses_forged_expired_and_unsigned_offers_before_any_read(sche
     tokens = list(range(300))
     _, out = decode.request_finished(_request("d1", tokens, {"turnkv_retain": True}), [[1, 2, 3]])
     prompt = tokens + [7] * 10
-    forged = {**out, "remote_block_ids": [[50, 51, 52]]}
-    expired = wire.sign_offer(SECRET, dict(out), time.time() + 2, "model-x")  # within the 5 s skew margin
-    unsigned = {k: v for k, v in out.items() if k != wire.SIGNATURE}
+    forged = _cleared({**out, "remote_block_ids": [[50, 51, 52]]})
+    expired = _cleared(wire.sign_offer(SECRET, dict(out), time.time() + 2, "model-x"))  # within the 5 s margin
+    unsigned = {k: v for k, v in _cleared(out).items() if k != wire.SIGNATURE}
     for i, params in enumerate((forged, expired, unsigned)):
         count, _ = prefill.get_num_new_matched_tokens(_request(f"p{i}", prompt, params), 0)
         assert count == 0 and prefill.asked[-1]["remote_block_ids"] is None
@@ -216,10 +221,64 @@ def test_prefill_does_not_start_reading_a_replay_past_the_routers_read_by_instan
     tokens = list(range(300))
     _, out = decode.request_finished(_request("d1", tokens, RETAIN), [[1, 2, 3]])
     prompt = tokens + [7] * 10
-    late = {**out, wire.READ_BY: time.time() - 0.5}  # prefill queued past it
+    late = _cleared(out, within=-0.5)  # prefill queued past it
     count, _ = prefill.get_num_new_matched_tokens(_request("p1", prompt, late), 0)
     assert count == 0 and prefill.asked[-1]["remote_block_ids"] is None
     assert prefill.turnkv_stats.data["turnkv_offers_late"] == [1]
-    in_time = {**out, wire.READ_BY: time.time() + 10}
-    count, _ = prefill.get_num_new_matched_tokens(_request("p2", prompt, in_time), 0)
+    count, _ = prefill.get_num_new_matched_tokens(_request("p2", prompt, _cleared(out)), 0)
     assert count == 300
+
+
+def test_prefill_reads_only_offers_a_router_cleared(scheduler):
+    """A valid signed offer that did not come through a router (replayed from a log, sent straight to prefill) is
+    not read: decode may have evicted its turn, and only a router reads the evictions feed. A read-by instant
+    without the router's clearance, or one moved after clearing, does not pass either."""
+    decode, prefill = scheduler(), scheduler()
+    tokens = list(range(300))
+    _, out = decode.request_finished(_request("d1", tokens, RETAIN), [[1, 2, 3]])
+    prompt = tokens + [7] * 10
+    cleared = _cleared(out)
+    unstamped = dict(out)
+    self_stamped = {**out, wire.READ_BY: time.time() + 10}
+    moved = {**cleared, wire.READ_BY: cleared[wire.READ_BY] + 60}
+    other_key = wire.clear_offer(b"t" * 32, out, time.time() + 10)
+    for i, params in enumerate((unstamped, self_stamped, moved, other_key)):
+        count, _ = prefill.get_num_new_matched_tokens(_request(f"p{i}", prompt, params), 0)
+        assert count == 0 and prefill.asked[-1]["remote_block_ids"] is None, i
+    assert prefill.turnkv_stats.data["turnkv_offers_uncleared"] == [1, 1, 1, 1]
+    count, _ = prefill.get_num_new_matched_tokens(_request("p9", prompt, cleared), 0)
+    assert count == 300  # the refusals did not use the offer up
+
+
+def test_without_required_clearance_prefill_reads_valid_offers_and_still_honours_a_read_by(scheduler, monkeypatch):
+    monkeypatch.setenv(wire.REQUIRE_CLEARED_ENV, "0")  # another proxy replays offers
+    decode, prefill = scheduler(), scheduler()
+    tokens = list(range(300))
+    _, a = decode.request_finished(_request("a", tokens, RETAIN), [[1, 2, 3]])
+    _, b = decode.request_finished(_request("b", tokens, RETAIN), [[4, 5, 6]])
+    prompt = tokens + [7] * 10
+    assert prefill.get_num_new_matched_tokens(_request("p1", prompt, dict(a)), 0)[0] == 300
+    late = {**b, wire.READ_BY: time.time() - 1}
+    assert prefill.get_num_new_matched_tokens(_request("p2", prompt, late), 0)[0] == 0
+    assert prefill.turnkv_stats.data["turnkv_offers_late"] == [1]
+
+
+def test_clearance_is_a_mac_over_the_offer_and_its_read_by_instant():
+    good = offer()
+    now = time.time()
+    cleared = wire.clear_offer(SECRET, good, now + 10)
+    assert wire.offer_verdict(SECRET, cleared, "model-x", now, 5, require_cleared=True) == "ok"
+    assert wire.offer_verdict(SECRET, cleared, "model-x", now + 11, 5, require_cleared=True) == "late"
+    assert wire.offer_verdict(SECRET, good, "model-x", now, 5, require_cleared=True) == "uncleared"
+    assert wire.offer_verdict(SECRET, good, "model-x", now, 5, require_cleared=False) == "ok"
+    # the clearance names this offer's signature: moved onto another offer it does not verify
+    other = wire.clear_offer(SECRET, offer(remote_request_id="other"), now + 10)
+    swapped = {**other, wire.CLEARANCE: cleared[wire.CLEARANCE], wire.READ_BY: cleared[wire.READ_BY]}
+    assert wire.offer_verdict(SECRET, swapped, "model-x", now, 5, require_cleared=True) == "uncleared"
+    # the signature checks still come first, and clearing never changes what is signed
+    assert wire.offer_verdict(SECRET, {**cleared, "remote_port": 1}, "model-x", now, 5, require_cleared=True) \
+        == "forged"
+    assert wire.check_offer(SECRET, cleared, "model-x", now, 5) == "ok"
+    # without a secret the router adds only the read-by instant
+    assert wire.CLEARANCE not in wire.clear_offer(None, good, now + 10)
+    assert wire.CLEARANCE not in wire.clear_offer(None, cleared, now + 10)

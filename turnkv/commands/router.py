@@ -33,6 +33,9 @@ def serve(
     key_secret_file: Annotated[Path | None, typer.Option(
         help="File with the conversation-key HMAC secret (else TURNKV_KEY_SECRET, else shared in the store).")
     ] = None,
+    offer_secret_file: Annotated[Path | None, typer.Option(
+        help="File with the engines' offer secret, to clear the offers the router replays (else "
+             "TURNKV_OFFER_SECRET / TURNKV_OFFER_SECRET_FILE; without it prefill recomputes every turn).")] = None,
     deployment: Annotated[str | None, typer.Option(
         help="Deployment name (SSM paths, EMF dimension).", envvar="TURNKV_DEPLOYMENT")] = None,
     ssm: Annotated[bool | None, typer.Option(
@@ -75,6 +78,11 @@ def serve(
                      session_hints=session_hint)
         if key_secret_file:
             flags["key_secret"] = key_secret_file.read_text().strip().encode()
+        if offer_secret_file:
+            offer_secret = offer_secret_file.read_text().strip()
+            if not offer_secret:
+                raise ValueError(f"{offer_secret_file} is empty: it should hold the engines' offer secret")
+            flags["offer_secret"] = offer_secret.encode()
         merged_discovery = flags["discovery"] or file_values.get("discovery")
         if flags["ssm"] is None and "ssm" not in file_values and merged_discovery == "cloudmap":
             flags["ssm"] = True

@@ -164,7 +164,9 @@ def _router_process(config: StackConfig, name: str, port: int, prefill: list[str
         argv += ["--decode", url]
     for key, value in router_tunables.items():
         argv += ["--set", f"{key}={value}"]
-    return ProcessSpec(name, argv, {"PYTHONUNBUFFERED": "1"}, port, f"http://127.0.0.1:{port}/health",
+    # The engines' offer secret: the router clears each offer it replays with it (turnkv.wire).
+    env = {"PYTHONUNBUFFERED": "1", wire.OFFER_SECRET_FILE_ENV: str(offer_secret_path(config))}
+    return ProcessSpec(name, argv, env, port, f"http://127.0.0.1:{port}/health",
                        config.state_dir.resolve() / "logs" / f"{name}.log", kind="router")
 
 
