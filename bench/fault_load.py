@@ -76,7 +76,8 @@ async def wait_http(url: str, timeout: float) -> None:
     raise RuntimeError(f"{url} not up after {timeout} s")
 
 
-async def conversation(session, url, idx, args, stats: Counter, outcomes: Counter, checks: list, stop: float):
+async def conversation(session, url, idx, args, stats: Counter, outcomes: Counter, checks: list, stop: float,
+                       lost: list):
     rng = random.Random(idx)
     conv = f"fl-{idx}-{uuid.uuid4().hex[:6]}"
     messages = [{"role": "user", "content": " ".join(rng.choice("abcdefgh") * 3 for _ in range(args.words))}]
@@ -119,6 +120,8 @@ async def conversation(session, url, idx, args, stats: Counter, outcomes: Counte
         if turn:
             stats["later_turns"] += 1
             stats["later_turns_pulled"] += reused > 0  # prefill really read decode's KV (reused tokens > 0)
+            if reused <= 0:
+                lost.append((time.monotonic(), outcome))
         if args.engines == "real" and turn and rng.random() < args.check_fraction:
             checks.append((list(messages), body["stream"], text))
         messages = [*messages, {"role": "assistant", "content": text},
@@ -144,6 +147,32 @@ async def chaos(engines: list[EngineProc], args, log: list, stop: float) -> None
         with contextlib.suppress(RuntimeError):  # one engine down at a time: wait until it is back
             await wait_http(f"http://127.0.0.1:{victim.port}/health", max(5.0, stop - time.monotonic()))
             log.append((round(time.monotonic(), 1), "healthy", victim.name))
+
+
+#: A later turn within this many seconds after an engine came back counts as "after a restart".
+AFTER_RESTART_S = 30.0
+
+
+def phase_of(t: float, faults: list) -> str:
+    """Where a lost later turn fell among the faults (pure): before any, while an engine was down (killed, not yet
+    healthy), within ``AFTER_RESTART_S`` of it being back, or calm."""
+    phase = "before any fault"
+    for at, kind, name in faults:
+        if at > t:
+            break
+        if kind in ("kill", "restart"):
+            phase = f"{name} down"
+        elif kind == "healthy":
+            phase = f"{name} back" if t - at <= AFTER_RESTART_S else "calm"
+    return phase
+
+
+def lost_by_phase(lost: list, faults: list) -> dict[str, dict[str, int]]:
+    """Later turns that pulled nothing, by outcome and by ``phase_of`` (pure)."""
+    out: dict[str, Counter] = {}
+    for t, outcome in lost:
+        out.setdefault(outcome, Counter())[phase_of(t, faults)] += 1
+    return {k: dict(v.most_common()) for k, v in sorted(out.items())}
 
 
 async def verify(url: str, checks: list, limit: int, budget_s: float = 180.0) -> Counter:
@@ -236,6 +265,7 @@ async def main(args) -> dict:
     stats: Counter = Counter()
     outcomes: Counter = Counter()
     checks: list = []
+    lost: list = []
     events: list = []
     memory: list[float] = []
     try:
@@ -251,7 +281,7 @@ async def main(args) -> dict:
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
             await asyncio.gather(
-                *(conversation(session, url, i, args, stats, outcomes, checks, stop)
+                *(conversation(session, url, i, args, stats, outcomes, checks, stop, lost)
                   for i in range(args.conversations)),
                 chaos(engines, args, events, stop), sample_memory())
         verified = await verify(url, checks, args.check_limit) if checks else Counter()
@@ -272,6 +302,7 @@ async def main(args) -> dict:
                                                                  if k.startswith("error:")},
             "outcomes": dict(outcomes),
             "later_turns": stats["later_turns"], "later_turns_pulled": stats["later_turns_pulled"],
+            "not_pulled_by_phase": lost_by_phase(lost, events),
             "wrong_reuse": (sum(s.get("wrong_reuse", 0) for s in fake_stats.values()) if args.engines == "fake"
                             else verified.get("wrong_reuse", 0)),
             "verified": dict(verified), "faults": events, "router_rss_mb": memory,
