@@ -168,11 +168,56 @@ def phase_of(t: float, faults: list) -> str:
 
 
 def lost_by_phase(lost: list, faults: list) -> dict[str, dict[str, int]]:
-    """Later turns that pulled nothing, by outcome and by ``phase_of`` (pure)."""
+    """Later turns that pulled nothing (``(time, outcome)``, or ``(time, what, count)``), by outcome and by
+    ``phase_of`` (pure)."""
     out: dict[str, Counter] = {}
-    for t, outcome in lost:
-        out.setdefault(outcome, Counter())[phase_of(t, faults)] += 1
+    for t, outcome, *count in lost:
+        out.setdefault(outcome, Counter())[phase_of(t, faults)] += int(count[0]) if count else 1
     return {k: dict(v.most_common()) for k, v in sorted(out.items())}
+
+
+#: Decode's retention counters sampled during a real-engine run (connector.retention): turns it evicted to stay
+#: under retained_kv_share, and turns it declined to retain (no room: their next turns miss).
+RETENTION_COUNTERS = {"evicted": "vllm:turnkv_retention_evicted_total",
+                      "refused": "vllm:turnkv_retention_refused_total"}
+
+
+def counter_increase(last: dict, key: tuple, value: float) -> float:
+    """How much a Prometheus counter rose since its last sample (pure): a restarted engine starts from 0."""
+    prev = last.get(key, 0.0)
+    last[key] = value
+    return value - prev if value >= prev else value
+
+
+def retention_samples(text: str) -> dict[str, float]:
+    """The retention counters of one engine's /metrics text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {name: kind for kind, name in RETENTION_COUNTERS.items()}
+    out = dict.fromkeys(RETENTION_COUNTERS, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                out[wanted[sample.name]] += sample.value
+    return out
+
+
+async def sample_retention(engines: list[EngineProc], found: list, stop: float, every: float = 2.0) -> None:
+    """Real engines: the decode engines' retention counters every ``every`` s, as (time, kind, increase)."""
+    last: dict = {}
+    decode = [e for e in engines if e.name.startswith("decode")]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
+        while time.monotonic() < stop:
+            for e in decode:
+                try:
+                    async with s.get(f"http://127.0.0.1:{e.port}/metrics") as r:
+                        counts = retention_samples(await r.text())
+                except (aiohttp.ClientError, TimeoutError, OSError):
+                    continue  # down: its counters start over when it is back
+                for kind, value in counts.items():
+                    if (rise := counter_increase(last, (e.name, kind), value)) > 0:
+                        found.append((time.monotonic(), f"{kind} on {e.name}", rise))
+            await asyncio.sleep(every)
 
 
 async def verify(url: str, checks: list, limit: int, budget_s: float = 180.0) -> Counter:
@@ -266,6 +311,7 @@ async def main(args) -> dict:
     outcomes: Counter = Counter()
     checks: list = []
     lost: list = []
+    retention: list = []
     events: list = []
     memory: list[float] = []
     try:
@@ -283,7 +329,8 @@ async def main(args) -> dict:
             await asyncio.gather(
                 *(conversation(session, url, i, args, stats, outcomes, checks, stop, lost)
                   for i in range(args.conversations)),
-                chaos(engines, args, events, stop), sample_memory())
+                chaos(engines, args, events, stop), sample_memory(),
+                *([sample_retention(engines, retention, stop)] if args.engines == "real" else []))
         verified = await verify(url, checks, args.check_limit) if checks else Counter()
         elapsed = time.monotonic() - t0
         fake_stats = {}
@@ -303,6 +350,7 @@ async def main(args) -> dict:
             "outcomes": dict(outcomes),
             "later_turns": stats["later_turns"], "later_turns_pulled": stats["later_turns_pulled"],
             "not_pulled_by_phase": lost_by_phase(lost, events),
+            "decode_retention_by_phase": lost_by_phase(retention, events),
             "wrong_reuse": (sum(s.get("wrong_reuse", 0) for s in fake_stats.values()) if args.engines == "fake"
                             else verified.get("wrong_reuse", 0)),
             "verified": dict(verified), "faults": events, "router_rss_mb": memory,

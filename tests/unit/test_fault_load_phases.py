@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.fault_load import AFTER_RESTART_S, lost_by_phase, phase_of
+from bench.fault_load import AFTER_RESTART_S, counter_increase, lost_by_phase, phase_of, retention_samples
 
 FAULTS = [(100.0, "kill", "decode-0"), (105.0, "restart", "decode-0"), (150.0, "healthy", "decode-0"),
           (200.0, "kill", "prefill-1"), (205.0, "restart", "prefill-1"), (240.0, "healthy", "prefill-1")]
@@ -25,3 +25,24 @@ def test_lost_turns_are_counted_by_outcome_then_phase():
         "recompute": {"prefill-1 down": 1},
         "refused": {"decode-0 down": 2},
     }
+
+
+def test_counted_events_add_their_counts():
+    found = [(120.0, "evicted on decode-1", 30.0), (125.0, "evicted on decode-1", 5.0),
+             (170.0, "refused on decode-1", 4.0)]
+    assert lost_by_phase(found, FAULTS) == {"evicted on decode-1": {"decode-0 down": 35},
+                                            "refused on decode-1": {"decode-0 back": 4}}
+
+
+def test_decode_retention_counters_rise_and_start_over_with_a_restarted_engine():
+    last: dict = {}
+    assert counter_increase(last, ("decode-0", "evicted"), 0.0) == 0
+    assert counter_increase(last, ("decode-0", "evicted"), 12.0) == 12
+    assert counter_increase(last, ("decode-0", "evicted"), 12.0) == 0
+    assert counter_increase(last, ("decode-0", "evicted"), 3.0) == 3  # restarted: counting from 0 again
+    text = ('# TYPE vllm:turnkv_retention_evicted_total counter\n'
+            'vllm:turnkv_retention_evicted_total{engine="0",model_name="tiny"} 7.0\n'
+            '# TYPE vllm:turnkv_retention_refused_total counter\n'
+            'vllm:turnkv_retention_refused_total{engine="0",model_name="tiny"} 2.0\n')
+    assert retention_samples(text) == {"evicted": 7.0, "refused": 2.0}
+    assert retention_samples("") == {"evicted": 0.0, "refused": 0.0}
