@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
+from turnkv import wire
 from turnkv.local import stack
 from turnkv.local.stack import ProcessSpec, StackConfig, StackError, Supervisor
 
@@ -32,6 +33,10 @@ def test_plan_pins_engines_and_wires_the_router(tmp_path):
     assert router.argv[router.argv.index("--prefill") + 1] == prefill.url
     assert router.argv[router.argv.index("--decode") + 1] == decode.url
     assert router.port == 9000 and router.log.parent == (tmp_path / "logs").resolve()
+    # one offer secret: the engines sign and verify with it, the router clears its replays with it
+    secret = str(stack.offer_secret_path(StackConfig(state_dir=tmp_path)))
+    assert prefill.env[wire.OFFER_SECRET_FILE_ENV] == decode.env[wire.OFFER_SECRET_FILE_ENV] == secret
+    assert router.env[wire.OFFER_SECRET_FILE_ENV] == secret
 
 
 def test_best_case_adds_a_cached_prefill_and_a_second_router(tmp_path):
