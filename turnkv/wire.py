@@ -165,7 +165,9 @@ def neutralize(params: dict[str, Any]) -> None:
 
 
 def clearance_mac(secret: bytes, signature: str, read_by: float) -> str:
-    return hmac.new(secret, _CLEARANCE_VERSION + orjson.dumps([signature, read_by]), hashlib.sha256).hexdigest()
+    # The instant as fixed-point text: 1796177453.0 and 1796177453 (a JSON layer may turn one into the other) agree.
+    message = orjson.dumps([signature, f"{float(read_by):.3f}"])
+    return hmac.new(secret, _CLEARANCE_VERSION + message, hashlib.sha256).hexdigest()
 
 
 def clear_offer(secret: bytes | None, params: Mapping[str, Any], read_by: float) -> dict[str, Any]:

@@ -279,6 +279,10 @@ def test_clearance_is_a_mac_over_the_offer_and_its_read_by_instant():
     assert wire.offer_verdict(SECRET, {**cleared, "remote_port": 1}, "model-x", now, 5, require_cleared=True) \
         == "forged"
     assert wire.check_offer(SECRET, cleared, "model-x", now, 5) == "ok"
+    # an instant that crossed a JSON layer as an integer still verifies
+    whole = wire.clear_offer(SECRET, good, float(int(now) + 10))
+    as_int = {**whole, wire.READ_BY: int(whole[wire.READ_BY])}
+    assert wire.offer_verdict(SECRET, as_int, "model-x", now, 5, require_cleared=True) == "ok"
     # without a secret the router adds only the read-by instant
     assert wire.CLEARANCE not in wire.clear_offer(None, good, now + 10)
     assert wire.CLEARANCE not in wire.clear_offer(None, cleared, now + 10)
