@@ -227,22 +227,22 @@ class Legs:
         a tokenization mismatch."""
         d.reused_tokens = reused_tokens(prefill_params)
         verdict = prefill_params.get(wire.VERDICT)
-        if isinstance(verdict, Mapping) and verdict.get("reason") in wire.OFFER_REFUSALS:
+        reason = verdict.get("reason") if isinstance(verdict, Mapping) else None
+        if reason in wire.OFFER_REFUSALS:
             # Prefill did not read the offer at all (the outcome becomes recompute); say why, once per reason.
-            reason = verdict["reason"]
             self.metrics.offer_refusals.labels(reason).inc()
             if reason not in self._refusals_logged:
                 self._refusals_logged.add(reason)
                 log.warning("prefill engine %s refused a replayed offer (%s)%s", engine.name, reason,
-                            ": does this router hold the engines' offer secret (TURNKV_OFFER_SECRET_FILE)?"
+                            f": does this router hold the engines' offer secret ({wire.OFFER_SECRET_FILE_ENV})?"
                             if reason == "uncleared" else "")
-        if isinstance(verdict, Mapping) and verdict.get("reason") in ("mismatch", "no-proof", "bad-proof"):
+        elif reason in ("mismatch", "no-proof", "bad-proof"):
             # The text history matched but the token ids did not (or could not be checked): re-tokenization,
             # a template that renders past turns differently, or a decode engine without the turnkv connector.
-            cause = "tokenization" if verdict["reason"] == "mismatch" else "unverified"
+            cause = "tokenization" if reason == "mismatch" else "unverified"
             self.metrics.token_mismatches.labels(cause).inc()
             log.info("token proof verified %s of %s offered tokens (%s)", verdict.get("verified"),
-                     verdict.get("offered"), verdict["reason"])
+                     verdict.get("offered"), reason)
             d.outcome = "token_mismatch"
 
     async def open_decode(self, d: Dispatch, request: web.Request, engine: Engine,

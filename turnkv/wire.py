@@ -191,16 +191,15 @@ def check_clearance(secret: bytes | None, params: Mapping[str, Any], now: float,
     instant, if any, is still honoured (it can only make prefill read less)."""
     read_by = params.get(READ_BY)
     clearance = params.get(CLEARANCE)
-    cleared = (secret is not None and isinstance(clearance, str) and isinstance(read_by, (int, float))
-               and not isinstance(read_by, bool) and isinstance(params.get(SIGNATURE), str)
+    instant = isinstance(read_by, (int, float)) and not isinstance(read_by, bool)
+    cleared = (secret is not None and instant and isinstance(clearance, str)
+               and isinstance(params.get(SIGNATURE), str)
                and hmac.compare_digest(clearance, clearance_mac(secret, params[SIGNATURE], read_by)))
     if required and not cleared:
         return "uncleared"
     if read_by is None:
         return "ok"
-    if isinstance(read_by, bool) or not isinstance(read_by, (int, float)):
-        return "late"
-    return "late" if now >= float(read_by) else "ok"
+    return "late" if not instant or now >= float(read_by) else "ok"
 
 
 def offer_verdict(secret: bytes | None, params: Mapping[str, Any], model: str, now: float, skew: float, *,
