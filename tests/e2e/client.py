@@ -13,9 +13,20 @@ from dataclasses import dataclass, field
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from turnkv import wire
+from turnkv.local.stack import StackConfig, offer_secret_path
+
 OFF = {"X-TurnKV-Reuse": "off"}  # a request's reference arm: computed from scratch, nothing reused
 OUTCOME, REUSED = "X-TurnKV-Reuse-Outcome", "X-TurnKV-Reused-Tokens"  # what the router says it did
 PULLED = "vllm:prompt_tokens_by_source_total"  # prefill's prompt tokens by source (vLLM's own metric)
+
+
+def offer_secret(stack) -> bytes:
+    """The stack's offer secret, read as its engines and router read it (``turnkv local up`` writes the file)."""
+    path = offer_secret_path(StackConfig(state_dir=stack["state_dir"]))
+    secret = wire.offer_secret({wire.OFFER_SECRET_FILE_ENV: str(path)})
+    assert secret, f"no offer secret at {path}"
+    return secret
 
 
 @dataclass

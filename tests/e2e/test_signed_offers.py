@@ -7,7 +7,7 @@ import time
 import pytest
 import requests
 
-from tests.e2e.client import metric, words
+from tests.e2e.client import metric, offer_secret, words
 from tests.e2e.test_token_proof import _direct_turn
 from turnkv import wire
 
@@ -35,12 +35,12 @@ def test_decode_returns_a_signed_offer_with_a_wall_clock_expiry(stack):
     offer, _ = first_turn(stack, 80)
     assert offer["remote_blocks_expiry_time"] < 1e9  # vLLM's own: decode's perf_counter, not Unix time
     assert abs(offer[wire.EXPIRES_AT] - (time.time() + 60)) < 5  # the stack's decoder_kv_blocks_ttl
-    secret = (stack["state_dir"] / "offer-secret").read_bytes().strip()
+    secret = offer_secret(stack)
     assert wire.check_offer(secret, offer, offer[wire.MODEL], time.time(), 5) == "ok"
 
 
 def test_forged_replayed_expired_and_unsigned_offers_are_never_read(stack):
-    secret = (stack["state_dir"] / "offer-secret").read_bytes().strip()
+    secret = offer_secret(stack)
     offer, follow = first_turn(stack, 81)
     before = offers(stack)
     # forged: another conversation's blocks, more tokens than decode holds
@@ -99,5 +99,5 @@ def test_lease_route_is_authenticated_by_the_offer_and_bounded(stack):
     assert ok.status_code == 200, ok.text
     renewed = ok.json()["renewed"][offer["remote_request_id"]]
     assert renewed[wire.EXPIRES_AT] > offer[wire.EXPIRES_AT] + 200
-    secret = (stack["state_dir"] / "offer-secret").read_bytes().strip()
+    secret = offer_secret(stack)
     assert wire.check_offer(secret, renewed, offer[wire.MODEL], time.time(), 5) == "ok"

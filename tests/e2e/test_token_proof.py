@@ -7,7 +7,7 @@ import time
 import pytest
 import requests
 
-from tests.e2e.client import chat, metric, words
+from tests.e2e.client import chat, metric, offer_secret, words
 from turnkv import wire
 
 pytestmark = pytest.mark.engines
@@ -75,7 +75,7 @@ def _direct_turn(stack, messages, params=None, *, clear: bool = True) -> dict:
     fresh = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
              "remote_block_ids": None, "remote_host": None, "remote_port": None}
     if params is not None and clear:
-        secret = (stack["state_dir"] / "offer-secret").read_bytes().strip()
+        secret = offer_secret(stack)
         params = wire.clear_offer(secret, params, time.time() + 30)
     base = {"model": "tiny", "messages": messages, "temperature": 0, "return_token_ids": True}
     p = requests.post(f"{stack['prefill-0']}/v1/chat/completions", timeout=120,
