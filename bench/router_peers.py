@@ -15,7 +15,10 @@ For each, streamed chat requests at concurrency 1, 32 and 128 (bounded request c
 router's CPU per request (its process tree's user + system time over the run) and its RSS. With several reply
 lengths, a least-squares line through CPU per request against reply length splits the router's cost into a fixed
 cost per request (intercept) and a cost per relayed event (slope). ``--event-writes`` makes the fake engine write
-one event at a time, as a real engine does, instead of a whole stream in one write. All targets run at
+one event at a time, as a real engine does, instead of a whole stream in one write. ``--rate`` sends an open
+loop instead: every target is offered the same requests/s (a closed loop sends a faster target more, and a busier
+router batches more events per wake-up, so its CPU per request falls; at equal load the two compare fairly). All
+targets run at
 once and are measured in interleaved rounds (median requests/s; TTFT percentiles over all rounds), so
 that a busy shared machine disturbs every target alike. Every turnkv request
 carries a fresh conversation id, so the store is written on every request (the real hot path).
@@ -61,6 +64,7 @@ class Row:
     extra: dict = field(default_factory=dict)
     reply_tokens: int = 16
     cpu_ms_per_request: float | None = None
+    offered_rps: float | None = None  # open loop (--rate): the requests/s every target was sent
 
 
 def _wait_http(url: str, timeout: float = 30) -> None:
@@ -160,26 +164,57 @@ async def _one(session: aiohttp.ClientSession, url: str, ttfts: list[float], con
         return not first
 
 
+def arrivals(total: int, rate: float) -> list[float]:
+    """Open loop: when each of ``total`` requests is sent, in seconds from the start, at a constant ``rate``
+    per second (every target is offered the same load, whatever its speed)."""
+    if rate <= 0:
+        raise ValueError(f"rate {rate}: expected requests per second above 0")
+    return [i / rate for i in range(total)]
+
+
 async def load(url: str | list[str], concurrency: int, total: int, conv: bool,
-               tokens: int = 16) -> tuple[int, int, float, list[float]]:
-    """``total`` streamed requests, ``concurrency`` at a time; several URLs take turns (a load balancer's
-    round robin over replicas)."""
+               tokens: int = 16, rate: float | None = None) -> tuple[int, int, float, list[float]]:
+    """``total`` streamed requests; several URLs take turns (a load balancer's round robin over replicas).
+
+    Closed loop (``rate`` None): ``concurrency`` workers, each sending its next request when the last ended, so a
+    faster target is offered more load. Open loop (``rate``): requests leave at a constant rate, at most
+    ``concurrency`` in flight (one that finds no slot waits, and the achieved rate falls below the offered one);
+    the elapsed time runs to the last answer."""
     urls = [url] if isinstance(url, str) else url
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     ttfts: list[float] = []
     errors = 0
-    todo = iter(range(total))
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
-        async def worker() -> None:
+        async def send(i: int) -> None:
             nonlocal errors
-            for i in todo:
-                try:
-                    ok = await _one(session, urls[i % len(urls)], ttfts, conv, tokens)
-                except Exception:
-                    ok = False
-                errors += not ok
+            try:
+                ok = await _one(session, urls[i % len(urls)], ttfts, conv, tokens)
+            except Exception:
+                ok = False
+            errors += not ok
+
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        if rate is None:
+            todo = iter(range(total))
+
+            async def worker() -> None:
+                for i in todo:
+                    await send(i)
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        else:
+            slots = asyncio.Semaphore(concurrency)
+
+            async def paced(i: int) -> None:
+                try:
+                    await send(i)
+                finally:
+                    slots.release()
+            tasks = []
+            for i, at in enumerate(arrivals(total, rate)):
+                await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+                await slots.acquire()
+                tasks.append(asyncio.create_task(paced(i)))
+            await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - t0
     return total, errors, elapsed, ttfts
 
@@ -228,8 +263,9 @@ print(len(store), before, after, fill_s, take_s)
 
 
 def _level(args: argparse.Namespace, chosen: list[str], targets: dict, procs: dict[str, Proc | Group], c: int,
-           tokens: int) -> list[Row]:
-    """One concurrency level and reply length: interleaved rounds over every target, one row per target."""
+           tokens: int, rate: float | None = None) -> list[Row]:
+    """One concurrency level, reply length and offered rate (None: closed loop): interleaved rounds over every
+    target, one row per target."""
     total = args.requests_c1 if c == 1 else args.requests
     results: dict[str, list[tuple[int, int, float, list[float]]]] = {n: [] for n in chosen}
     cpu: dict[str, float] = dict.fromkeys(chosen, 0.0)
@@ -239,7 +275,7 @@ def _level(args: argparse.Namespace, chosen: list[str], targets: dict, procs: di
             endpoint = [url + "/v1/chat/completions" for url in targets[name][1]]
             proc = procs.get(name)
             before = proc.cpu_s() if proc else None
-            results[name].append(asyncio.run(load(endpoint, c, total, name.startswith("turnkv"), tokens)))
+            results[name].append(asyncio.run(load(endpoint, c, total, name.startswith("turnkv"), tokens, rate)))
             after = proc.cpu_s() if proc else None
             if before is not None and after is not None:
                 cpu[name] += after - before
@@ -255,21 +291,26 @@ def _level(args: argparse.Namespace, chosen: list[str], targets: dict, procs: di
                   round(pct(ttfts, 0.5), 3), round(pct(ttfts, 0.99), 3),
                   round(rss, 1) if rss is not None else None,
                   {"rps_per_round": [round(n / el, 1) for n, _, el, _ in runs]}, tokens,
-                  round(cpu[name] / done * 1000, 3) if proc and done else None)
+                  round(cpu[name] / done * 1000, 3) if proc and done else None, rate)
         rows.append(row)
-        print(f"{name:15s} c={c:<4d} tokens={tokens:<5d} {row.rps:8.1f} req/s  TTFT p50 {row.ttft_p50_ms:7.2f} ms  "
+        if rate is not None and row.rps < 0.97 * rate:
+            print(f"{name}: {row.rps:.0f} of {rate:.0f} requests/s offered: saturated, so its CPU per request is "
+                  "not comparable at this rate (lower --rate)", flush=True)
+        offered = "" if rate is None else f"offered {rate:.0f} "
+        print(f"{name:15s} c={c:<4d} tokens={tokens:<5d} {offered}{row.rps:8.1f} req/s  "
+              f"TTFT p50 {row.ttft_p50_ms:7.2f} ms  "
               f"p99 {row.ttft_p99_ms:7.2f} ms  CPU {row.cpu_ms_per_request} ms/req  errors {row.errors}  "
               f"rss {row.rss_mb} MB  rounds {row.extra['rps_per_round']}", flush=True)
     return rows
 
 
-def cost_split(rows: list[Row]) -> dict[tuple[str, int], tuple[float, float]]:
-    """Per target and concurrency, the least-squares line of CPU per request against reply length:
+def cost_split(rows: list[Row]) -> dict[tuple[str, int, float | None], tuple[float, float]]:
+    """Per target, concurrency and offered rate, the least-squares line of CPU per request against reply length:
     (fixed ms per request, us per relayed event). Needs two reply lengths or more."""
     out = {}
-    for key in {(r.target, r.concurrency) for r in rows if r.cpu_ms_per_request is not None}:
+    for key in {(r.target, r.concurrency, r.offered_rps) for r in rows if r.cpu_ms_per_request is not None}:
         pts = [(r.reply_tokens, r.cpu_ms_per_request) for r in rows
-               if (r.target, r.concurrency) == key and r.cpu_ms_per_request is not None]
+               if (r.target, r.concurrency, r.offered_rps) == key and r.cpu_ms_per_request is not None]
         if len({x for x, _ in pts}) < 2:
             continue
         mx = sum(x for x, _ in pts) / len(pts)
@@ -343,7 +384,8 @@ def run(args: argparse.Namespace) -> dict:
                              name.startswith("turnkv")))
         for tokens in (int(x) for x in args.reply_tokens.split(",")):
             for c in (int(x) for x in args.concurrency.split(",")):
-                rows.extend(_level(args, chosen, targets, procs, c, tokens))
+                for rate in args.rate or [None]:
+                    rows.extend(_level(args, chosen, targets, procs, c, tokens, rate))
     finally:
         for proc in procs.values():
             proc.stop()
@@ -352,8 +394,9 @@ def run(args: argparse.Namespace) -> dict:
         engines.stop()
     summary: dict = {"rows": [asdict(r) for r in rows], "cpus": os.cpu_count(), "rounds": args.rounds,
                      "requests": args.requests, "requests_c1": args.requests_c1, "event_writes": args.event_writes,
-                     "cost_split": [{"target": t, "concurrency": c, "fixed_ms_per_request": f, "us_per_event": e}
-                                    for (t, c), (f, e) in sorted(cost_split(rows).items())]}
+                     "cost_split": [{"target": t, "concurrency": c, "offered_rps": o, "fixed_ms_per_request": f,
+                                     "us_per_event": e}
+                                    for (t, c, o), (f, e) in sorted(cost_split(rows).items(), key=_split_order)]}
     if args.memory:
         summary["memory"] = measure_store_memory(args.memory)
         print(f"MemoryStore with {args.memory:,} conversations: {summary['memory']}", flush=True)
@@ -363,23 +406,33 @@ def run(args: argparse.Namespace) -> dict:
     return summary
 
 
+def _split_order(item: tuple[tuple[str, int, float | None], tuple[float, float]]) -> tuple[str, int, float]:
+    (target, concurrency, rate), _ = item
+    return target, concurrency, rate or 0.0
+
+
+def _offered(rate: float | None) -> str:
+    return "closed loop" if rate is None else f"{rate:.0f}"
+
+
 def markdown(summary: dict) -> str:
     rows = [Row(**r) for r in summary["rows"]]
-    direct = {(r.concurrency, r.reply_tokens): r for r in rows if r.target == "direct"}
-    lines = ["| target | concurrency | reply tokens | requests/s | TTFT p50 ms | TTFT p99 ms | added TTFT p50 ms | "
-             "CPU ms/request | errors | RSS MB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    direct = {(r.concurrency, r.reply_tokens, r.offered_rps): r for r in rows if r.target == "direct"}
+    lines = ["| target | concurrency | offered requests/s | reply tokens | requests/s | TTFT p50 ms | TTFT p99 ms | "
+             "added TTFT p50 ms | CPU ms/request | errors | RSS MB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        base = direct.get((r.concurrency, r.reply_tokens))
+        base = direct.get((r.concurrency, r.reply_tokens, r.offered_rps))
         added = r.ttft_p50_ms - base.ttft_p50_ms if base else float("nan")
         cpu = f"{r.cpu_ms_per_request:.3f}" if r.cpu_ms_per_request is not None else "-"
-        lines.append(f"| {r.target} | {r.concurrency} | {r.reply_tokens} | {r.rps:.0f} | {r.ttft_p50_ms:.2f} | "
-                     f"{r.ttft_p99_ms:.2f} | {added:.2f} | {cpu} | {r.errors} | "
+        lines.append(f"| {r.target} | {r.concurrency} | {_offered(r.offered_rps)} | {r.reply_tokens} | {r.rps:.0f} | "
+                     f"{r.ttft_p50_ms:.2f} | {r.ttft_p99_ms:.2f} | {added:.2f} | {cpu} | {r.errors} | "
                      f"{r.rss_mb if r.rss_mb is not None else '-'} |")
     if summary.get("cost_split"):
-        lines += ["", "| target | concurrency | fixed CPU ms per request | CPU us per relayed event |",
-                  "|---|---:|---:|---:|"]
-        lines += [f"| {x['target']} | {x['concurrency']} | {x['fixed_ms_per_request']:.3f} | {x['us_per_event']:.2f} |"
-                  for x in summary["cost_split"]]
+        lines += ["", "| target | concurrency | offered requests/s | fixed CPU ms per request | "
+                      "CPU us per relayed event |", "|---|---:|---:|---:|---:|"]
+        lines += [f"| {x['target']} | {x['concurrency']} | {_offered(x.get('offered_rps'))} | "
+                  f"{x['fixed_ms_per_request']:.3f} | {x['us_per_event']:.2f} |" for x in summary["cost_split"]]
     if "memory" in summary:
         m = summary["memory"]
         lines.append("")
@@ -387,6 +440,16 @@ def markdown(summary: dict) -> str:
                      f"each): RSS {m['rss_mb']} MB ({m['bytes_per_conversation']} bytes per conversation), put "
                      f"{m['put_us']} us, take {m['take_us']} us.")
     return "\n".join(lines) + "\n"
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected requests/s, comma-separated (e.g. 300,600)") from None
+    if not rates or any(r <= 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"{text!r}: every rate must be above 0 requests/s")
+    return rates
 
 
 def parser() -> argparse.ArgumentParser:
@@ -406,6 +469,10 @@ def parser() -> argparse.ArgumentParser:
                    help="a tunable for the turnkv target only (not the baseline), e.g. decode_migrations=0")
     p.add_argument("--baseline", help="another checkout of turnkv (e.g. main before a change): its router is measured "
                                       "as target turnkv-baseline in the same interleaved rounds")
+    p.add_argument("--rate", type=_rates, default=[],
+                   help="open loop: requests/s offered to every target alike, comma-separated (e.g. 300,600); "
+                        "--concurrency then caps requests in flight. CPU per request compares fairly only at equal "
+                        "load: in a closed loop a faster router is sent more, and batches more per wake-up")
     p.add_argument("--out", default="results/router-peers")
     return p
 

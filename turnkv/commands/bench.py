@@ -205,16 +205,23 @@ def router(
     requests_c1: Annotated[int, typer.Option(help="Requests at concurrency 1, per round.")] = 300,
     rounds: Annotated[int, typer.Option(help="Interleaved rounds (median requests/s).")] = 3,
     memory: Annotated[int, typer.Option(help="Also measure a MemoryStore holding this many conversations.")] = 0,
+    rate: Annotated[str, typer.Option(help="Open loop: comma list of requests/s offered to every target alike "
+                                           "(--concurrency caps requests in flight); CPU per request compares "
+                                           "fairly only at equal load. Empty: closed loop.")] = "",
     port_base: Annotated[int, typer.Option(help="Router ports base; fake engines at +100 and +200.")] = 28000,
     out: Annotated[Path, typer.Option(help="Folder for peers.json and peers.md.")] = Path("results/router-peers"),
 ) -> None:
     """The router against direct access, vllm-router and a FastAPI+httpx proxy, on a fake instant engine."""
     from bench import router_peers
 
-    args = router_peers.parser().parse_args([
-        "--targets", targets, "--concurrency", concurrency, "--reply-tokens", reply_tokens, "--requests",
-        str(requests), "--requests-c1", str(requests_c1), "--rounds", str(rounds), "--memory", str(memory),
-        "--port-base", str(port_base), "--out", str(out), *(["--event-writes"] if event_writes else [])])
+    try:
+        args = router_peers.parser().parse_args([
+            "--targets", targets, "--concurrency", concurrency, "--reply-tokens", reply_tokens, "--requests",
+            str(requests), "--requests-c1", str(requests_c1), "--rounds", str(rounds), "--memory", str(memory),
+            "--port-base", str(port_base), "--out", str(out), *(["--event-writes"] if event_writes else []),
+            *(["--rate", rate] if rate else [])])
+    except SystemExit as exc:  # argparse printed what is wrong (e.g. a rate that is not a positive number)
+        raise typer.Exit(2) from exc
     router_peers.run(args)
 
 

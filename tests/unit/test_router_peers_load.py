@@ -1,0 +1,104 @@
+"""bench.router_peers' load generator: closed loop, and the open loop that offers every target the same rate."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+import pytest
+from aiohttp import web
+
+from bench import router_peers
+
+
+def test_arrivals_are_evenly_spaced_at_the_rate():
+    assert router_peers.arrivals(4, 200.0) == [0.0, 0.005, 0.01, 0.015]
+    with pytest.raises(ValueError, match="above 0"):
+        router_peers.arrivals(3, 0)
+
+
+@pytest.mark.parametrize("text", ["0", "-5", "fast", ","])
+def test_rate_flag_refuses_what_is_not_a_positive_rate(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        router_peers._rates(text)
+
+
+def test_rate_flag_reads_a_list():
+    assert router_peers.parser().parse_args(["--rate", "300,600"]).rate == [300.0, 600.0]
+    assert router_peers.parser().parse_args([]).rate == []
+
+
+async def _sse_server(delay: float) -> tuple[web.AppRunner, str, list[float]]:
+    """A stand-in for a streaming chat endpoint: records when each request came, answers after ``delay``."""
+    seen: list[float] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        seen.append(time.perf_counter())
+        await request.read()
+        await asyncio.sleep(delay)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n')
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}/v1/chat/completions", seen
+
+
+async def test_open_loop_sends_at_the_offered_rate_whatever_the_target_speed():
+    runner, url, seen = await _sse_server(delay=0.0)
+    try:
+        total, errors, elapsed, ttfts = await router_peers.load(url, 32, 20, False, rate=100.0)
+    finally:
+        await runner.cleanup()
+    assert (total, errors, len(ttfts)) == (20, 0, 20)
+    # 20 requests at 100/s: the last leaves 0.19 s after the first, though the server answers at once
+    assert seen[-1] - seen[0] == pytest.approx(0.19, abs=0.05)
+    assert elapsed >= 0.19
+
+
+async def test_open_loop_never_has_more_than_concurrency_in_flight():
+    runner, url, seen = await _sse_server(delay=0.1)
+    try:
+        total, errors, elapsed, _ = await router_peers.load(url, 2, 6, False, rate=1000.0)
+    finally:
+        await runner.cleanup()
+    assert (total, errors) == (6, 0)
+    # two slots, 0.1 s per answer: three waves, so the achieved rate is far below the offered 1,000/s
+    assert elapsed >= 0.29
+    assert seen[2] - seen[0] >= 0.09
+
+
+async def test_closed_loop_keeps_concurrency_requests_in_flight():
+    runner, url, seen = await _sse_server(delay=0.1)
+    try:
+        total, errors, elapsed, _ = await router_peers.load(url, 3, 6, False)
+    finally:
+        await runner.cleanup()
+    assert (total, errors) == (6, 0)
+    assert seen[2] - seen[0] < 0.05  # the first three leave together
+    assert 0.19 <= elapsed < 0.6
+
+
+def test_cli_hands_the_rate_to_the_benchmark_and_refuses_a_bad_one(monkeypatch):
+    from typer.testing import CliRunner
+
+    from turnkv.cli import app
+
+    seen = []
+    monkeypatch.setattr(router_peers, "run", seen.append)
+    runner = CliRunner()
+    assert runner.invoke(app, ["bench", "router", "--rate", "150,300"]).exit_code == 0
+    assert seen[-1].rate == [150.0, 300.0]
+    assert runner.invoke(app, ["bench", "router"]).exit_code == 0
+    assert seen[-1].rate == []  # closed loop
+    res = runner.invoke(app, ["bench", "router", "--rate", "0"])
+    assert res.exit_code == 2
+    assert len(seen) == 2  # nothing run
