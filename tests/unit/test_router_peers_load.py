@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
@@ -29,7 +31,8 @@ def test_rate_flag_reads_a_list():
     assert router_peers.parser().parse_args([]).rate == []
 
 
-async def _sse_server(delay: float) -> tuple[web.AppRunner, str, list[float]]:
+@contextlib.asynccontextmanager
+async def _sse_server(delay: float) -> AsyncIterator[tuple[str, list[float]]]:
     """A stand-in for a streaming chat endpoint: records when each request came, answers after ``delay``."""
     seen: list[float] = []
 
@@ -46,18 +49,17 @@ async def _sse_server(delay: float) -> tuple[web.AppRunner, str, list[float]]:
     app.router.add_post("/v1/chat/completions", chat)
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    return runner, f"http://127.0.0.1:{port}/v1/chat/completions", seen
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}/v1/chat/completions", seen
+    finally:
+        await runner.cleanup()
 
 
 async def test_open_loop_sends_at_the_offered_rate_whatever_the_target_speed():
-    runner, url, seen = await _sse_server(delay=0.0)
-    try:
+    async with _sse_server(delay=0.0) as (url, seen):
         total, errors, elapsed, ttfts = await router_peers.load(url, 32, 20, False, rate=100.0)
-    finally:
-        await runner.cleanup()
     assert (total, errors, len(ttfts)) == (20, 0, 20)
     # 20 requests at 100/s: the last leaves 0.19 s after the first, though the server answers at once
     assert seen[-1] - seen[0] == pytest.approx(0.19, abs=0.05)
@@ -65,11 +67,8 @@ async def test_open_loop_sends_at_the_offered_rate_whatever_the_target_speed():
 
 
 async def test_open_loop_never_has_more_than_concurrency_in_flight():
-    runner, url, seen = await _sse_server(delay=0.1)
-    try:
+    async with _sse_server(delay=0.1) as (url, seen):
         total, errors, elapsed, _ = await router_peers.load(url, 2, 6, False, rate=1000.0)
-    finally:
-        await runner.cleanup()
     assert (total, errors) == (6, 0)
     # two slots, 0.1 s per answer: three waves, so the achieved rate is far below the offered 1,000/s
     assert elapsed >= 0.29
@@ -77,11 +76,8 @@ async def test_open_loop_never_has_more_than_concurrency_in_flight():
 
 
 async def test_closed_loop_keeps_concurrency_requests_in_flight():
-    runner, url, seen = await _sse_server(delay=0.1)
-    try:
+    async with _sse_server(delay=0.1) as (url, seen):
         total, errors, elapsed, _ = await router_peers.load(url, 3, 6, False)
-    finally:
-        await runner.cleanup()
     assert (total, errors) == (6, 0)
     assert seen[2] - seen[0] < 0.05  # the first three leave together
     assert 0.19 <= elapsed < 0.6
