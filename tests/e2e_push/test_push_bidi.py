@@ -52,6 +52,13 @@ def counter(name: str):
     return lambda url: metric(url, name)
 
 
+def prefill_grew(stack, name: str, before: float, timeout: float = 10) -> bool:
+    """Whether the prefill engines' counter ``name`` rises above ``before`` within ``timeout``. Prefill counts a
+    transfer when a step of its own polls it done, which can come after decode has finished a short reply (read
+    at once, the WRITE's bytes were missing once in a fresh-clone run)."""
+    return wait_for(lambda: prefill_side(stack, counter(name)) > before, timeout)
+
+
 def finished(url: str) -> float:
     return metric(url, "vllm:request_success_total")
 
@@ -88,14 +95,14 @@ def test_push_turns_read_back_from_one_decode_and_write_into_the_other(push_stac
         # the answering decode engine received its KV by prefill's WRITE: all of it, or what its own prefix
         # cache lacked (a turn back on an engine that decoded an earlier one)
         assert external(stack[decode]) > before[decode][0]
-        assert prefill_side(stack, counter("vllm:turnkv_write_bytes_total")) > written_before
+        assert prefill_grew(stack, "vllm:turnkv_write_bytes_total", written_before)
         if turn == 0:
             assert on.outcome == "none" and on.reused == 0 and prefill_side(stack, external) == pulled_before
         else:
             # prefill READ everything the previous turn's decode engine held (but the unsent last token)
             assert on.outcome == "hit" and on.reused == previous - 1, (on.outcome, on.reused, previous)
             assert prefill_side(stack, external) - pulled_before == on.reused
-            assert prefill_side(stack, counter("vllm:turnkv_read_bytes_total")) > read_before
+            assert prefill_grew(stack, "vllm:turnkv_read_bytes_total", read_before)
         previous = prompt_len(stack, messages) + len(on.token_ids)
         turns.append((list(messages), on))
         messages = [*messages, {"role": "assistant", "content": on.text},
