@@ -22,7 +22,9 @@ targets run at
 once and are measured in interleaved rounds (median requests/s; TTFT percentiles over all rounds), so
 that a busy shared machine disturbs every target alike. Every turnkv request
 carries a fresh conversation id, so the store is written on every request (the real hot path).
-``--memory`` also measures the RSS of a MemoryStore holding N conversations.
+``--router-cpus`` pins every router (each thread of it) to the CPUs named and the client and fake engines to the
+rest: a router then has what a 1-vCPU task gives it, vllm-router's thread pool included, and does not compete with
+the load it is measured under. ``--memory`` also measures the RSS of a MemoryStore holding N conversations.
 """
 
 from __future__ import annotations
@@ -79,13 +81,38 @@ def _wait_http(url: str, timeout: float = 30) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
+def cpu_split(text: str, available: set[int]) -> tuple[set[int], set[int]]:
+    """``--router-cpus``: the CPUs the routers run on, and the rest (client, fake engines, Valkey). Every CPU named
+    must be one this process may use, and at least one must be left for the rest."""
+    try:
+        chosen = {int(x) for x in text.split(",") if x.strip()}
+    except ValueError:
+        raise ValueError(f"{text!r}: expected CPU numbers, comma-separated (e.g. 1)") from None
+    if not chosen or not chosen <= available:
+        raise ValueError(f"{text!r}: choose among the CPUs this process may use: "
+                         f"{','.join(map(str, sorted(available)))}")
+    rest = available - chosen
+    if not rest:
+        raise ValueError(f"{text!r} leaves no CPU for the client and the fake engines: name fewer")
+    return chosen, rest
+
+
+def _router_cpus(text: str) -> tuple[set[int], set[int]]:
+    try:
+        return cpu_split(text, os.sched_getaffinity(0))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 class Proc:
     def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None, log: Path | None = None,
-                 cwd: Path = ROOT):
+                 cwd: Path = ROOT, cpus: set[int] | None = None):
         self.name = name
         out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
+        # Set before exec, so every thread the program starts inherits it (a Rust runtime sizes its pool by it).
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         self.p = subprocess.Popen(argv, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
-                                  start_new_session=True, cwd=cwd)
+                                  start_new_session=True, cwd=cwd, preexec_fn=pin)
 
     def rss_mb(self) -> float | None:
         try:
@@ -96,13 +123,15 @@ class Proc:
         except Exception:
             return None
 
-    def cpu_s(self) -> float | None:
-        """User + system CPU seconds of the process and its children so far."""
+    def cpu_s(self) -> tuple[float, float] | None:
+        """User and system CPU seconds of the process and its children so far."""
         try:
             import psutil
 
-            proc = psutil.Process(self.p.pid)
-            return sum(sum(p.cpu_times()[:2]) for p in [proc, *proc.children(recursive=True)])
+            procs = [psutil.Process(self.p.pid)]
+            procs += procs[0].children(recursive=True)
+            times = [p.cpu_times() for p in procs]
+            return sum(t.user for t in times), sum(t.system for t in times)
         except Exception:
             return None
 
@@ -127,9 +156,11 @@ class Group:
         values = [p.rss_mb() for p in self.procs]
         return None if None in values else sum(v for v in values if v is not None)
 
-    def cpu_s(self) -> float | None:
+    def cpu_s(self) -> tuple[float, float] | None:
         values = [p.cpu_s() for p in self.procs]
-        return None if None in values else sum(v for v in values if v is not None)
+        if any(v is None for v in values):
+            return None
+        return sum(v[0] for v in values if v), sum(v[1] for v in values if v)
 
     def stop(self) -> None:
         for p in self.procs:
@@ -269,6 +300,7 @@ def _level(args: argparse.Namespace, chosen: list[str], targets: dict, procs: di
     total = args.requests_c1 if c == 1 else args.requests
     results: dict[str, list[tuple[int, int, float, list[float]]]] = {n: [] for n in chosen}
     cpu: dict[str, float] = dict.fromkeys(chosen, 0.0)
+    kernel: dict[str, float] = dict.fromkeys(chosen, 0.0)  # the system-time part of cpu
     for r in range(args.rounds):
         order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
         for name in order:
@@ -278,7 +310,8 @@ def _level(args: argparse.Namespace, chosen: list[str], targets: dict, procs: di
             results[name].append(asyncio.run(load(endpoint, c, total, name.startswith("turnkv"), tokens, rate)))
             after = proc.cpu_s() if proc else None
             if before is not None and after is not None:
-                cpu[name] += after - before
+                cpu[name] += (after[0] - before[0]) + (after[1] - before[1])
+                kernel[name] += after[1] - before[1]
     rows = []
     for name in chosen:
         runs = results[name]
@@ -290,7 +323,8 @@ def _level(args: argparse.Namespace, chosen: list[str], targets: dict, procs: di
         row = Row(name, c, done, sum(e for _, e, *_ in runs), round(rps, 1),
                   round(pct(ttfts, 0.5), 3), round(pct(ttfts, 0.99), 3),
                   round(rss, 1) if rss is not None else None,
-                  {"rps_per_round": [round(n / el, 1) for n, _, el, _ in runs]}, tokens,
+                  {"rps_per_round": [round(n / el, 1) for n, _, el, _ in runs],
+                   "cpu_system_share": round(kernel[name] / cpu[name], 3) if cpu[name] else None}, tokens,
                   round(cpu[name] / done * 1000, 3) if proc and done else None, rate)
         rows.append(row)
         if rate is not None and row.rps < 0.97 * rate:
@@ -299,7 +333,8 @@ def _level(args: argparse.Namespace, chosen: list[str], targets: dict, procs: di
         offered = "" if rate is None else f"offered {rate:.0f} "
         print(f"{name:15s} c={c:<4d} tokens={tokens:<5d} {offered}{row.rps:8.1f} req/s  "
               f"TTFT p50 {row.ttft_p50_ms:7.2f} ms  "
-              f"p99 {row.ttft_p99_ms:7.2f} ms  CPU {row.cpu_ms_per_request} ms/req  errors {row.errors}  "
+              f"p99 {row.ttft_p99_ms:7.2f} ms  CPU {row.cpu_ms_per_request} ms/req "
+              f"({row.extra['cpu_system_share']} in the kernel)  errors {row.errors}  "
               f"rss {row.rss_mb} MB  rounds {row.extra['rps_per_round']}", flush=True)
     return rows
 
@@ -347,6 +382,10 @@ def run(args: argparse.Namespace) -> dict:
         "turnkv-2x": ([[*turnkv, "--port", str(base + 5), *valkey], [*turnkv, "--port", str(base + 6), *valkey]],
                       [f"http://127.0.0.1:{base + 5}", f"http://127.0.0.1:{base + 6}"]),
     }
+    router_cpus = None
+    if args.router_cpus:  # routers on their own CPUs, as on a deployment's task; the rest here and in the engines
+        router_cpus, others = args.router_cpus
+        os.sched_setaffinity(0, others)
     chosen = [t for t in args.targets.split(",") if t]
     unknown = [t for t in chosen if t not in targets]
     if unknown:
@@ -373,7 +412,8 @@ def run(args: argparse.Namespace) -> dict:
             own = {"PYTHONPATH": str(baseline)} if name == "turnkv-baseline" and baseline else {}
             group = [Proc(f"{name}-{i}", argv, {**env, "PREFILL": f"http://127.0.0.1:{p_port}",
                                                 "DECODE": f"http://127.0.0.1:{d_port}", **own},
-                          out / f"{name}{'-' + str(i) if i else ''}.log", cwd=baseline if own and baseline else ROOT)
+                          out / f"{name}{'-' + str(i) if i else ''}.log", cwd=baseline if own and baseline else ROOT,
+                          cpus=router_cpus)
                      for i, argv in enumerate(targets[name][0])]
             if group:
                 procs[name] = group[0] if len(group) == 1 else Group(group)
@@ -393,6 +433,7 @@ def run(args: argparse.Namespace) -> dict:
             helper.stop()
         engines.stop()
     summary: dict = {"rows": [asdict(r) for r in rows], "cpus": os.cpu_count(), "rounds": args.rounds,
+                     "router_cpus": sorted(router_cpus) if router_cpus else None,
                      "requests": args.requests, "requests_c1": args.requests_c1, "event_writes": args.event_writes,
                      "cost_split": [{"target": t, "concurrency": c, "offered_rps": o, "fixed_ms_per_request": f,
                                      "us_per_event": e}
@@ -433,6 +474,9 @@ def markdown(summary: dict) -> str:
                       "CPU us per relayed event |", "|---|---:|---:|---:|---:|"]
         lines += [f"| {x['target']} | {x['concurrency']} | {_offered(x.get('offered_rps'))} | "
                   f"{x['fixed_ms_per_request']:.3f} | {x['us_per_event']:.2f} |" for x in summary["cost_split"]]
+    if summary.get("router_cpus"):
+        lines += ["", f"Routers pinned to CPU {','.join(map(str, summary['router_cpus']))}; the client and the fake "
+                      "engines ran on the others."]
     if "memory" in summary:
         m = summary["memory"]
         lines.append("")
@@ -473,6 +517,10 @@ def parser() -> argparse.ArgumentParser:
                    help="open loop: requests/s offered to every target alike, comma-separated (e.g. 300,600); "
                         "--concurrency then caps requests in flight. CPU per request compares fairly only at equal "
                         "load: in a closed loop a faster router is sent more, and batches more per wake-up")
+    p.add_argument("--router-cpus", type=_router_cpus, default=None,
+                   help="pin every router (all its threads) to these CPUs, comma-separated, and the client, fake "
+                        "engines and Valkey to the others: one router CPU is a 1-vCPU task's share, and the "
+                        "routers no longer compete with the load they are measured under")
     p.add_argument("--out", default="results/router-peers")
     return p
 

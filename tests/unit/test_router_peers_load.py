@@ -1,10 +1,12 @@
-"""bench.router_peers' load generator: closed loop, and the open loop that offers every target the same rate."""
+"""bench.router_peers' load generator (closed and open loop) and its CPU pinning of the routers."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import os
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -98,3 +100,44 @@ def test_cli_hands_the_rate_to_the_benchmark_and_refuses_a_bad_one(monkeypatch):
     res = runner.invoke(app, ["bench", "router", "--rate", "0"])
     assert res.exit_code == 2
     assert len(seen) == 2  # nothing run
+
+
+def test_router_cpus_leave_the_rest_to_the_load():
+    assert router_peers.cpu_split("1", {0, 1}) == ({1}, {0})
+    assert router_peers.cpu_split("2,3", {0, 1, 2, 3}) == ({2, 3}, {0, 1})
+    with pytest.raises(ValueError, match="leaves no CPU"):
+        router_peers.cpu_split("0,1", {0, 1})
+    with pytest.raises(ValueError, match="choose among the CPUs this process may use: 0,1"):
+        router_peers.cpu_split("7", {0, 1})
+    with pytest.raises(ValueError, match="comma-separated"):
+        router_peers.cpu_split("one", {0, 1})
+
+
+def test_a_pinned_process_and_every_thread_it_starts_stay_on_its_cpus(tmp_path):
+    cpu = min(os.sched_getaffinity(0))
+    out = tmp_path / "affinity.txt"
+    # the child starts a thread after exec (as a Rust runtime or uvloop's resolver would) and reports both
+    code = ("import os, threading; seen = []; t = threading.Thread(target=lambda: seen.append("
+            "sorted(os.sched_getaffinity(0)))); t.start(); t.join(); "
+            "print(sorted(os.sched_getaffinity(0)), seen[0])")
+    proc = router_peers.Proc("pinned", [sys.executable, "-c", code], log=out, cpus={cpu})
+    assert proc.p.wait(30) == 0
+    assert out.read_text().split() == [f"[{cpu}]", f"[{cpu}]"]
+
+
+def test_cli_hands_the_router_cpus_over_and_refuses_a_bad_list(monkeypatch):
+    from typer.testing import CliRunner
+
+    from turnkv.cli import app
+
+    seen = []
+    monkeypatch.setattr(router_peers, "run", seen.append)
+    runner = CliRunner()
+    if len(os.sched_getaffinity(0)) > 1:
+        cpu = max(os.sched_getaffinity(0))
+        assert runner.invoke(app, ["bench", "router", "--router-cpus", str(cpu)]).exit_code == 0
+        assert seen[-1].router_cpus == ({cpu}, os.sched_getaffinity(0) - {cpu})
+    res = runner.invoke(app, ["bench", "router", "--router-cpus", ",".join(map(str, os.sched_getaffinity(0)))])
+    assert res.exit_code == 2
+    assert "leaves no CPU" in res.output
+    assert runner.invoke(app, ["bench", "router", "--router-cpus", "9999"]).exit_code == 2

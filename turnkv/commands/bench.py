@@ -208,6 +208,9 @@ def router(
     rate: Annotated[str, typer.Option(help="Open loop: comma list of requests/s offered to every target alike "
                                            "(--concurrency caps requests in flight); CPU per request compares "
                                            "fairly only at equal load. Empty: closed loop.")] = "",
+    router_cpus: Annotated[str, typer.Option(help="Pin every router to these CPUs (comma list) and the client and "
+                                                  "fake engines to the others, e.g. 1: a 1-vCPU task's share. "
+                                                  "Empty: no pinning.")] = "",
     port_base: Annotated[int, typer.Option(help="Router ports base; fake engines at +100 and +200.")] = 28000,
     out: Annotated[Path, typer.Option(help="Folder for peers.json and peers.md.")] = Path("results/router-peers"),
 ) -> None:
@@ -219,7 +222,7 @@ def router(
             "--targets", targets, "--concurrency", concurrency, "--reply-tokens", reply_tokens, "--requests",
             str(requests), "--requests-c1", str(requests_c1), "--rounds", str(rounds), "--memory", str(memory),
             "--port-base", str(port_base), "--out", str(out), *(["--event-writes"] if event_writes else []),
-            *(["--rate", rate] if rate else [])])
+            *(["--rate", rate] if rate else []), *(["--router-cpus", router_cpus] if router_cpus else [])])
     except SystemExit as exc:  # argparse printed what is wrong (e.g. a rate that is not a positive number)
         raise typer.Exit(2) from exc
     router_peers.run(args)
