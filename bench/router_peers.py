@@ -3,7 +3,9 @@
 Targets (each over the same fake prefill + decode engines, loopback only):
 - ``direct``: the client talks to the decode engine itself (one leg, no router): the floor;
 - ``turnkv``: ``turnkv router serve`` (this repository, default settings, in-memory store);
-- ``vllm-router``: the Rust router from PyPI (``vllm-router==0.1.17 --vllm-pd-disaggregation``);
+- ``vllm-router``: the Rust router from PyPI (``vllm-router==0.1.17 --vllm-pd-disaggregation``), default policy
+  (``cache_aware``: before each request it asks both engines to render the chat and tokenize it);
+- ``vllm-router-rr``: the same with ``--policy round_robin``, which sends only the two legs, as turnkv does;
 - ``fastapi``: a plain FastAPI + httpx proxy like vLLM's example (``bench/fastapi_proxy.py``);
 - ``turnkv-valkey``: turnkv as one replica of a scaled-out deployment, its conversation state in a Valkey/Redis
   server (``redis-server`` on loopback, started here), as the CDK stack runs more than one replica;
@@ -294,21 +296,27 @@ print(len(store), before, after, fill_s, take_s)
 
 
 def _level(args: argparse.Namespace, chosen: list[str], targets: dict, procs: dict[str, Proc | Group], c: int,
-           tokens: int, rate: float | None = None) -> list[Row]:
+           tokens: int, rate: float | None = None, engines: Proc | None = None) -> list[Row]:
     """One concurrency level, reply length and offered rate (None: closed loop): interleaved rounds over every
-    target, one row per target."""
+    target, one row per target. ``engines``: the fake engines, whose CPU per request says what each target costs
+    the engines it talks to (connections, writes)."""
     total = args.requests_c1 if c == 1 else args.requests
     results: dict[str, list[tuple[int, int, float, list[float]]]] = {n: [] for n in chosen}
     cpu: dict[str, float] = dict.fromkeys(chosen, 0.0)
     kernel: dict[str, float] = dict.fromkeys(chosen, 0.0)  # the system-time part of cpu
+    engine_cpu: dict[str, float] = dict.fromkeys(chosen, 0.0)
     for r in range(args.rounds):
         order = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
         for name in order:
             endpoint = [url + "/v1/chat/completions" for url in targets[name][1]]
             proc = procs.get(name)
             before = proc.cpu_s() if proc else None
+            engines_before = engines.cpu_s() if engines else None
             results[name].append(asyncio.run(load(endpoint, c, total, name.startswith("turnkv"), tokens, rate)))
             after = proc.cpu_s() if proc else None
+            engines_after = engines.cpu_s() if engines else None
+            if engines_before is not None and engines_after is not None:
+                engine_cpu[name] += sum(engines_after) - sum(engines_before)
             if before is not None and after is not None:
                 cpu[name] += (after[0] - before[0]) + (after[1] - before[1])
                 kernel[name] += after[1] - before[1]
@@ -324,7 +332,9 @@ def _level(args: argparse.Namespace, chosen: list[str], targets: dict, procs: di
                   round(pct(ttfts, 0.5), 3), round(pct(ttfts, 0.99), 3),
                   round(rss, 1) if rss is not None else None,
                   {"rps_per_round": [round(n / el, 1) for n, _, el, _ in runs],
-                   "cpu_system_share": round(kernel[name] / cpu[name], 3) if cpu[name] else None}, tokens,
+                   "cpu_system_share": round(kernel[name] / cpu[name], 3) if cpu[name] else None,
+                   "engine_cpu_ms_per_request": round(engine_cpu[name] / done * 1000, 3) if engines and done
+                   else None}, tokens,
                   round(cpu[name] / done * 1000, 3) if proc and done else None, rate)
         rows.append(row)
         if rate is not None and row.rps < 0.97 * rate:
@@ -334,7 +344,8 @@ def _level(args: argparse.Namespace, chosen: list[str], targets: dict, procs: di
         print(f"{name:15s} c={c:<4d} tokens={tokens:<5d} {offered}{row.rps:8.1f} req/s  "
               f"TTFT p50 {row.ttft_p50_ms:7.2f} ms  "
               f"p99 {row.ttft_p99_ms:7.2f} ms  CPU {row.cpu_ms_per_request} ms/req "
-              f"({row.extra['cpu_system_share']} in the kernel)  errors {row.errors}  "
+              f"({row.extra['cpu_system_share']} in the kernel), engines {row.extra['engine_cpu_ms_per_request']} "
+              f"ms/req  errors {row.errors}  "
               f"rss {row.rss_mb} MB  rounds {row.extra['rps_per_round']}", flush=True)
     return rows
 
@@ -366,16 +377,21 @@ def run(args: argparse.Namespace) -> dict:
     turnkv = [py, "-m", "turnkv.cli", "router", "serve", "--prefill", f"http://127.0.0.1:{p_port}", "--decode",
               f"http://127.0.0.1:{d_port}", *(["--no-emf"] if args.no_emf else []),
               *(x for kv in args.set for x in ("--set", kv))]
+    # vllm-router's default policy (cache_aware) asks both engines to render and tokenize every request before it
+    # is sent; ``vllm-router-rr`` (round_robin) sends the two legs only, as turnkv does
+    vllm_router = [shutil.which("vllm-router") or str(Path(py).with_name("vllm-router")), "--vllm-pd-disaggregation",
+                   "--prefill", f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}",
+                   "--host", "127.0.0.1", "--log-level", "warning"]
     valkey_port = base + 9
     valkey = ["--store", f"redis://127.0.0.1:{valkey_port}"]
     # name -> (the argv of each process, the URL of each): several URLs are replicas the client alternates over
     targets: dict[str, tuple[list[list[str]], list[str]]] = {
         "direct": ([], [f"http://127.0.0.1:{d_port}"]),
         "turnkv": ([[*turnkv, "--port", str(base)]], [f"http://127.0.0.1:{base}"]),
-        "vllm-router": ([[shutil.which("vllm-router") or str(Path(py).with_name("vllm-router")),
-                          "--vllm-pd-disaggregation", "--prefill", f"http://127.0.0.1:{p_port}", "--decode",
-                          f"http://127.0.0.1:{d_port}", "--host", "127.0.0.1", "--port", str(base + 1),
-                          "--log-level", "warning"]], [f"http://127.0.0.1:{base + 1}"]),
+        "vllm-router": ([[*vllm_router, "--port", str(base + 1), "--prometheus-port", str(base + 10)]],
+                        [f"http://127.0.0.1:{base + 1}"]),
+        "vllm-router-rr": ([[*vllm_router, "--port", str(base + 7), "--prometheus-port", str(base + 11), "--policy",
+                             "round_robin"]], [f"http://127.0.0.1:{base + 7}"]),
         "fastapi": ([[py, "-m", "uvicorn", "bench.fastapi_proxy:app", "--host", "127.0.0.1", "--port", str(base + 2),
                       "--log-level", "warning", "--no-access-log"]], [f"http://127.0.0.1:{base + 2}"]),
         "turnkv-valkey": ([[*turnkv, "--port", str(base + 4), *valkey]], [f"http://127.0.0.1:{base + 4}"]),
@@ -425,7 +441,7 @@ def run(args: argparse.Namespace) -> dict:
         for tokens in (int(x) for x in args.reply_tokens.split(",")):
             for c in (int(x) for x in args.concurrency.split(",")):
                 for rate in args.rate or [None]:
-                    rows.extend(_level(args, chosen, targets, procs, c, tokens, rate))
+                    rows.extend(_level(args, chosen, targets, procs, c, tokens, rate, engines))
     finally:
         for proc in procs.values():
             proc.stop()
@@ -460,15 +476,17 @@ def markdown(summary: dict) -> str:
     rows = [Row(**r) for r in summary["rows"]]
     direct = {(r.concurrency, r.reply_tokens, r.offered_rps): r for r in rows if r.target == "direct"}
     lines = ["| target | concurrency | offered requests/s | reply tokens | requests/s | TTFT p50 ms | TTFT p99 ms | "
-             "added TTFT p50 ms | CPU ms/request | errors | RSS MB |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "added TTFT p50 ms | CPU ms/request | of it in the kernel | engines' CPU ms/request | errors | RSS MB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         base = direct.get((r.concurrency, r.reply_tokens, r.offered_rps))
         added = r.ttft_p50_ms - base.ttft_p50_ms if base else float("nan")
         cpu = f"{r.cpu_ms_per_request:.3f}" if r.cpu_ms_per_request is not None else "-"
+        kernel, engines = r.extra.get("cpu_system_share"), r.extra.get("engine_cpu_ms_per_request")
         lines.append(f"| {r.target} | {r.concurrency} | {_offered(r.offered_rps)} | {r.reply_tokens} | {r.rps:.0f} | "
-                     f"{r.ttft_p50_ms:.2f} | {r.ttft_p99_ms:.2f} | {added:.2f} | {cpu} | {r.errors} | "
-                     f"{r.rss_mb if r.rss_mb is not None else '-'} |")
+                     f"{r.ttft_p50_ms:.2f} | {r.ttft_p99_ms:.2f} | {added:.2f} | {cpu} | "
+                     f"{'-' if kernel is None else f'{kernel:.0%}'} | {'-' if engines is None else f'{engines:.3f}'} | "
+                     f"{r.errors} | {r.rss_mb if r.rss_mb is not None else '-'} |")
     if summary.get("cost_split"):
         lines += ["", "| target | concurrency | offered requests/s | fixed CPU ms per request | "
                       "CPU us per relayed event |", "|---|---:|---:|---:|---:|"]

@@ -193,8 +193,9 @@ def modes(
 
 @app.command()
 def router(
-    targets: Annotated[str, typer.Option(help="Comma list: direct,turnkv,vllm-router,fastapi,turnkv-valkey (one "
-                                               "replica on a Valkey store),turnkv-2x (two replicas on it).")]
+    targets: Annotated[str, typer.Option(help="Comma list: direct,turnkv,vllm-router,vllm-router-rr (round_robin: "
+                                               "no render and tokenize calls),fastapi,turnkv-valkey (one replica on "
+                                               "a Valkey store),turnkv-2x (two replicas on it).")]
     = "direct,turnkv,vllm-router,fastapi",
     concurrency: Annotated[str, typer.Option(help="Comma list of concurrency levels.")] = "1,32,128",
     reply_tokens: Annotated[str, typer.Option(help="Comma list of reply lengths; two or more split CPU per request "
