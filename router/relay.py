@@ -90,6 +90,9 @@ class Relay:
             async for chunk in _chunks(opened.first, opened.resp):
                 out = []  # one write per chunk received, not per line
                 for line in lines.feed(chunk):
+                    if line == b"\n" and api is None and not reply.drop_separator:
+                        out.append(line)  # the blank line ending each event: nothing to read in it
+                        continue
                     if state is not None:
                         line = state.observe(line)
                     fed = reply.feed(line)

@@ -25,12 +25,12 @@ class ReplyCollector:
         self.has_content = False
         self.complete = False
         self.storable = True
-        self._drop_separator = False
+        self.drop_separator = False  # the blank line after a chunk we removed is dropped too
 
     def feed(self, line: bytes) -> bytes | None:
         if not line.startswith(b"data: "):
-            if self._drop_separator and not line.strip():
-                self._drop_separator = False
+            if self.drop_separator and not line.strip():
+                self.drop_separator = False
                 return None  # the blank line that ended a chunk we removed
             return line
         payload = line[6:].strip()
@@ -49,7 +49,7 @@ class ReplyCollector:
         if "kv_transfer_params" in chunk:
             self.kv_transfer_params = chunk.pop("kv_transfer_params")
             if not chunk.get("choices") and not chunk.get("usage"):
-                self._drop_separator = True
+                self.drop_separator = True
                 return None  # the connector's params-only chunk: nothing left for the client
             line = b"data: " + orjson.dumps(chunk) + b"\n"
         for choice in chunk.get("choices") or ():

@@ -631,3 +631,17 @@ async def test_legs_reuse_their_engine_connections_after_a_stream_ends():
         d[0].fault = {}
         assert (await chat(s, conversation="reuse-after", stream=True))["status"] == 200
         assert len(d[0].peers) == 2  # the cut connection was not reused
+
+
+async def test_streamed_events_reach_the_client_framed_without_the_params_chunk():
+    """Decode's params-only chunk is cut with the blank line that ended it: the client reads whole events only."""
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d) as (s, _):
+        for conversation in ("framed", None):  # retained (lines parsed) and not (lines passed through)
+            r = await chat(s, conversation=conversation, stream=True, max_tokens=6)
+            assert r["status"] == 200 and b"kv_transfer_params" not in r["raw"]
+            assert r["raw"].endswith(b"\n\ndata: [DONE]\n\n") and b"\n\n\n" not in r["raw"]
+            events = r["raw"].split(b"\n\n")[:-1]
+            assert all(e.startswith((b"data: ", b": ")) for e in events), events
+            assert len(r["events"]) >= 6  # every token's event arrived
+    assert d[0].stats["requests"] == 2
