@@ -85,19 +85,26 @@ async def test_closed_loop_keeps_concurrency_requests_in_flight():
     assert 0.19 <= elapsed < 0.6
 
 
-def test_cli_hands_the_rate_to_the_benchmark_and_refuses_a_bad_one(monkeypatch):
+@pytest.fixture
+def bench_router(monkeypatch):
+    """``turnkv bench router ARGS`` with the benchmark itself replaced: (invoke, the argument sets it was run with)."""
     from typer.testing import CliRunner
 
     from turnkv.cli import app
 
-    seen = []
+    seen: list[argparse.Namespace] = []
     monkeypatch.setattr(router_peers, "run", seen.append)
     runner = CliRunner()
-    assert runner.invoke(app, ["bench", "router", "--rate", "150,300"]).exit_code == 0
+    return (lambda *args: runner.invoke(app, ["bench", "router", *args])), seen
+
+
+def test_cli_hands_the_rate_to_the_benchmark_and_refuses_a_bad_one(bench_router):
+    invoke, seen = bench_router
+    assert invoke("--rate", "150,300").exit_code == 0
     assert seen[-1].rate == [150.0, 300.0]
-    assert runner.invoke(app, ["bench", "router"]).exit_code == 0
+    assert invoke().exit_code == 0
     assert seen[-1].rate == []  # closed loop
-    res = runner.invoke(app, ["bench", "router", "--rate", "0"])
+    res = invoke("--rate", "0")
     assert res.exit_code == 2
     assert len(seen) == 2  # nothing run
 
@@ -125,19 +132,13 @@ def test_a_pinned_process_and_every_thread_it_starts_stay_on_its_cpus(tmp_path):
     assert out.read_text().split() == [f"[{cpu}]", f"[{cpu}]"]
 
 
-def test_cli_hands_the_router_cpus_over_and_refuses_a_bad_list(monkeypatch):
-    from typer.testing import CliRunner
-
-    from turnkv.cli import app
-
-    seen = []
-    monkeypatch.setattr(router_peers, "run", seen.append)
-    runner = CliRunner()
+def test_cli_hands_the_router_cpus_over_and_refuses_a_bad_list(bench_router):
+    invoke, seen = bench_router
     if len(os.sched_getaffinity(0)) > 1:
         cpu = max(os.sched_getaffinity(0))
-        assert runner.invoke(app, ["bench", "router", "--router-cpus", str(cpu)]).exit_code == 0
+        assert invoke("--router-cpus", str(cpu)).exit_code == 0
         assert seen[-1].router_cpus == ({cpu}, os.sched_getaffinity(0) - {cpu})
-    res = runner.invoke(app, ["bench", "router", "--router-cpus", ",".join(map(str, os.sched_getaffinity(0)))])
+    res = invoke("--router-cpus", ",".join(map(str, os.sched_getaffinity(0))))
     assert res.exit_code == 2
     assert "leaves no CPU" in res.output
-    assert runner.invoke(app, ["bench", "router", "--router-cpus", "9999"]).exit_code == 2
+    assert invoke("--router-cpus", "9999").exit_code == 2
