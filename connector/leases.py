@@ -53,6 +53,8 @@ def renew_on_worker(worker: Any, request_ids: list[str], ttl: float) -> dict[str
         if request_id in held and not evicted(request_id):  # an evicted turn's blocks are about to be freed
             held[request_id] = max(held[request_id], now + ttl)
             renewed[request_id] = held[request_id]
+    if renewed and hasattr(holder, "turnkv_renewed"):
+        holder.turnkv_renewed(list(renewed))  # wanted again: not idle (connector.retention)
     return renewed
 
 
@@ -67,14 +69,21 @@ def evictions_on_worker(worker: Any, since: int) -> dict[str, Any]:
 
 def merge_feeds(per_worker: list[dict[str, Any]]) -> dict[str, Any]:
     """One feed from every rank's (pure). Ranks announce the same evictions in the same order but may be a step
-    apart: every announcement any rank made, and the lowest ``seq``, so the next call misses none."""
+    apart: every announcement any rank made, and the lowest ``seq``, so the next call misses none. A turn is
+    hosted only once every rank has copied its share to the host tier."""
     evicted: dict[str, float] = {}
     for feed in per_worker:
         for request_id, until in feed.get("evicted") or ():
             evicted[request_id] = max(float(until), evicted.get(request_id, 0.0))
+    hosted: dict[str, float] | None = None
+    for feed in per_worker:
+        mine = {str(rid): float(until) for rid, until in feed.get("hosted") or ()}
+        hosted = mine if hosted is None else {rid: min(until, mine[rid]) for rid, until in hosted.items()
+                                              if rid in mine}
     return {"epoch": "-".join(str(f.get("epoch", "")) for f in per_worker),
             "seq": min((int(f.get("seq", 0)) for f in per_worker), default=0),
-            "evicted": [[rid, until] for rid, until in evicted.items()]}
+            "evicted": [[rid, until] for rid, until in evicted.items()],
+            "hosted": [[rid, until] for rid, until in (hosted or {}).items() if rid not in evicted]}
 
 
 def apply() -> list[str]:

@@ -1,27 +1,112 @@
-"""Decode's retained turns under a share of its KV cache: oldest first out (pure, no vLLM).
+"""Decode's retained turns in two tiers, and what to keep when they do not all fit (pure, no vLLM).
 
-A decode engine keeps a finished turn's blocks for the next turn's prefill to read. Above
-``retained_kv_share`` of the cache it frees the oldest retained turns to make room for the newest (the
-conversation most likely to come back soon), instead of refusing the newest.
+A decode engine keeps a finished turn's blocks for the next turn's prefill to read. Room is bounded twice:
+``retained_kv_share`` of the device KV cache, then the host tier (``host_kv_budget_mib``, slots of a pool that
+``connector.host_tier`` allocates and registers with NIXL). A finished turn goes to the first tier with room.
+
+**No cliff.** Oldest-first eviction under a cyclic pattern (every live conversation comes back in turn, as
+agents do) evicts exactly the turn needed next: with room for a third of the live conversations, reuse fell to
+10% of turns. So a newcomer never pushes out a turn that is still likely to be read. Only turns *idle* past
+``idle_after`` (unread and unrenewed that long: the conversation probably ended) are evicted; otherwise the
+newcomer is not retained. A stable subset keeps reusing, so reuse degrades to the share that fits.
 
 Freeing blocks that an offer names is only safe once no prefill can read them: prefill READs by block
 position and the offer's token proof and signature describe what decode held, not what the blocks hold
 after reuse. So an evicted turn is not freed at once. It is first *announced* (the engine's evictions feed,
 ``connector.leases``; routers refuse to replay an announced offer and its lease can no longer be renewed)
-and its blocks are freed ``retention_eviction_grace`` seconds later, longer than a router takes to see the
-announcement and a prefill it already sent the offer to takes to read. Until then its blocks still count
-against the share (the share is a bound on memory, not a target), but it is no candidate any more.
+and its blocks are freed ``retention_eviction_grace`` seconds later. Until then its room still counts (the
+tiers are bounds on memory, not targets), but it is no candidate any more.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Tier(StrEnum):
+    DEVICE = "device"
+    HOST = "host"
+
+
+class Refusal(StrEnum):
+    """Why a finished turn was not retained (the label of ``vllm:turnkv_retention_refusals``)."""
+
+    TOO_LARGE = "too_large"  # larger than any tier on its own
+    FULL = "full"  # every tier full of turns still likely to be read
+
+
+class EvictReason(StrEnum):
+    """Why a retained turn was evicted (the label of ``vllm:turnkv_retention_evictions``)."""
+
+    IDLE = "idle"  # unread past idle_after, to make room for a newer turn
+    SHRUNK = "shrunk"  # its tier's bound was lowered below what it holds
 
 
 @dataclass
 class Held:
     blocks: int
     expires_at: float  # the offer's wall-clock expiry: an announcement is kept until then
+    tier: Tier = Tier.DEVICE
+    since: float = 0.0  # when it was retained or last renewed (wall clock)
+    slots: tuple[int, ...] = ()  # host tier: the pool slots that hold it
+
+
+@dataclass
+class Placement:
+    """Where a finished turn goes: a tier (and host slots), or why not; and the idle turns evicted for it."""
+
+    tier: Tier | None
+    refusal: Refusal | None = None
+    slots: tuple[int, ...] = ()
+    evicted: list[tuple[str, Held]] = field(default_factory=list)
+
+
+class HostSlots:
+    """The host pool's free slots (block-sized), lowest first so the pool's tail stays unused when it can."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free = list(range(size - 1, -1, -1))  # popped from the end: slot 0 first
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def take(self, count: int) -> tuple[int, ...] | None:
+        if count > len(self._free):
+            return None
+        return tuple(self._free.pop() for _ in range(count))
+
+    def give_back(self, slots: tuple[int, ...]) -> None:
+        self._free.extend(sorted(slots, reverse=True))
+        self._free.sort(reverse=True)
+
+
+class ReadDelays:
+    """How long retained turns waited before prefill read them (the last ``keep``), for ``idle_after``."""
+
+    def __init__(self, keep: int = 256, min_samples: int = 8) -> None:
+        self._delays: deque[float] = deque(maxlen=keep)
+        self._min = min_samples
+
+    def observe(self, seconds: float) -> None:
+        if seconds >= 0:
+            self._delays.append(seconds)
+
+    def p90(self) -> float | None:
+        if len(self._delays) < self._min:
+            return None
+        ordered = sorted(self._delays)
+        return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+
+    def idle_after(self, configured: float, ttl: float) -> float:
+        """``configured`` when set, else twice the p90 of the waits seen (the TTL until there are enough)."""
+        if configured > 0:
+            return configured
+        p90 = self.p90()
+        return ttl if p90 is None else min(ttl, max(1.0, 2 * p90))
 
 
 @dataclass
@@ -30,39 +115,94 @@ class RetentionLedger:
 
     live: dict[str, Held] = field(default_factory=dict)
     evicting: dict[str, Held] = field(default_factory=dict)
+    host: HostSlots | None = None
 
     @property
     def blocks(self) -> int:
-        """Blocks decode holds for next turns (evicting turns included: not freed yet)."""
-        return sum(h.blocks for h in self.live.values()) + sum(h.blocks for h in self.evicting.values())
+        """Blocks decode holds for next turns, both tiers (evicting turns included: not freed yet)."""
+        return self.used(Tier.DEVICE) + self.used(Tier.HOST)
 
-    def hold(self, request_id: str, blocks: int, expires_at: float) -> None:
-        self.live[request_id] = Held(blocks, expires_at)
+    def used(self, tier: Tier) -> int:
+        return (sum(h.blocks for h in self.live.values() if h.tier is tier)
+                + sum(h.blocks for h in self.evicting.values() if h.tier is tier))
 
-    def release(self, request_id: str) -> bool:
-        """Blocks freed (read by prefill, expired, or evicted and past the grace); True if it was held."""
-        return (self.live.pop(request_id, None) or self.evicting.pop(request_id, None)) is not None
+    def count(self, tier: Tier) -> int:
+        return sum(1 for h in (*self.live.values(), *self.evicting.values()) if h.tier is tier)
 
-    def fits(self, adding: int, capacity: float) -> bool:
-        """Whether ``adding`` blocks can be retained, evicting live turns if need be (evicting ones are not
-        freed yet: they still take their room)."""
-        return sum(h.blocks for h in self.evicting.values()) + adding <= capacity
+    def get(self, request_id: str) -> Held | None:
+        return self.live.get(request_id) or self.evicting.get(request_id)
 
-    def make_room(self, adding: int, capacity: float) -> list[tuple[str, Held]] | None:
-        """Evict the oldest live turns until ``adding`` more blocks fit in ``capacity``; returns the evicted
-        (oldest first), or None when the new turn cannot fit even with every live turn gone (then nothing is
-        evicted and the new turn is not retained)."""
-        over = self.blocks + adding - capacity
-        if over <= 0:
-            return []
-        if sum(h.blocks for h in self.live.values()) < over:
-            return None
+    def hold(self, request_id: str, held: Held) -> None:
+        self.live[request_id] = held
+
+    def touch(self, request_id: str, now: float) -> None:
+        """A renewed lease: the turn is wanted again, so it is not idle."""
+        if request_id in self.live:
+            self.live[request_id].since = now
+
+    def release(self, request_id: str) -> Held | None:
+        """Freed (read by prefill, expired, or evicted and past the grace): its host slots return to the pool."""
+        held = self.live.pop(request_id, None) or self.evicting.pop(request_id, None)
+        if held is not None and held.slots and self.host is not None:
+            self.host.give_back(held.slots)
+        return held
+
+    def place(self, adding: int, now: float, device_room: float, host_room: float, idle_after: float,
+              host_ok: bool = True) -> Placement:
+        """Where a finished turn of ``adding`` blocks goes: the device tier while it has room, then the host tier
+        (``host_ok``: the turn's layout can live there), else nowhere. When neither has room, turns idle for
+        ``idle_after`` are evicted (oldest idle first, device first) until ``adding`` would fit once they are
+        freed; the newcomer itself is not retained then (evicted room frees only after the grace)."""
+        host_room = host_room if (host_ok and self.host is not None) else 0.0
+        if adding > device_room and adding > host_room:
+            return Placement(None, Refusal.TOO_LARGE)
+        if self.used(Tier.DEVICE) + adding <= device_room:
+            return Placement(Tier.DEVICE)
+        if host_room and self.used(Tier.HOST) + adding <= host_room:
+            slots = self.host.take(adding) if self.host is not None else None
+            if slots is not None:
+                return Placement(Tier.HOST, slots=slots)
+        return Placement(None, Refusal.FULL, evicted=self._evict_idle(adding, now, device_room, host_room,
+                                                                      idle_after))
+
+    def _evict_idle(self, adding: int, now: float, device_room: float, host_room: float,
+                    idle_after: float) -> list[tuple[str, Held]]:
+        evicted: list[tuple[str, Held]] = []
+        for tier, room in ((Tier.DEVICE, device_room), (Tier.HOST, host_room)):
+            if adding > room:
+                continue
+            # What the tier holds once its evicting turns are freed, and how much must go for the newcomer.
+            over = sum(h.blocks for h in self.live.values() if h.tier is tier) + adding - room
+            idle = sorted((h.since, rid) for rid, h in self.live.items()
+                          if h.tier is tier and now - h.since >= idle_after)
+            if sum(self.live[rid].blocks for _, rid in idle) < over:
+                continue
+            for _, rid in idle:
+                if over <= 0:
+                    break
+                held = self.live.pop(rid)
+                self.evicting[rid] = held
+                evicted.append((rid, held))
+                over -= held.blocks
+            return evicted
+        return evicted
+
+    def shrink(self, tier: Tier, room: float) -> list[tuple[str, Held]]:
+        """Evict a tier's oldest live turns until what it holds fits ``room`` again (its bound was lowered)."""
         evicted = []
-        for request_id in list(self.live):
+        over = self.used(tier) - room
+        for rid in [r for r, h in self.live.items() if h.tier is tier]:
             if over <= 0:
                 break
-            held = self.live.pop(request_id)
-            self.evicting[request_id] = held
-            evicted.append((request_id, held))
+            held = self.live.pop(rid)
+            self.evicting[rid] = held
+            evicted.append((rid, held))
             over -= held.blocks
         return evicted
+
+    def announce(self, request_id: str) -> Held | None:
+        """Mark a live turn as evicting (announced, freed after the grace)."""
+        held = self.live.pop(request_id, None)
+        if held is not None:
+            self.evicting[request_id] = held
+        return held

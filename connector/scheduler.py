@@ -18,12 +18,12 @@ import os
 import time
 from typing import Any
 
-from connector import boot, compat, token_proof
+from connector import boot, compat, host_tier, token_proof
 from connector.offers import ReplayGuard, model_fields
 from connector.policy import CostModel, Decision, Load, StepClock
-from connector.retention import RetentionLedger
+from connector.retention import EvictReason, Held, HostSlots, ReadDelays, RetentionLedger, Tier
 from connector.stats import TurnkvKVConnectorStats
-from connector.tunables import TunablesFile
+from connector.tunables import TunablesFile, start_values
 from connector.worker import TurnkvWorkerMeta
 from turnkv import params as catalog
 from turnkv import wire
@@ -99,6 +99,30 @@ class TurnkvSchedulerMixin:
         self._expiry_skew = float(catalog.BY_NAME["expiry_skew_margin"].default)
         self._retained_share = float(catalog.BY_NAME["retained_kv_share"].default)
         self._eviction_grace = float(catalog.BY_NAME["retention_eviction_grace"].default)
+        self._host_budget_mib = int(catalog.BY_NAME["host_kv_budget_mib"].default)
+        self._idle_evict = float(catalog.BY_NAME["retention_idle_evict"].default)
+        # Decode side, retention (connector.retention): blocks held for another engine to read, by tier (until
+        # read, expired or evicted), the evictions the workers have not been told yet (request id -> (grace s,
+        # offer's wall expiry)), and how long read turns had waited (what "idle" means).
+        self._retained = RetentionLedger()
+        self._evictions: dict[str, tuple[float, float]] = {}
+        self._read_delays = ReadDelays()
+        # Host tier (connector.host_tier): each rank's pool base, the pool's slots, the budget it was sized by,
+        # copies the workers have to make (request id -> (device blocks, slots, wall expiry)), and host releases
+        # counted per rank.
+        vllm_config = getattr(self, "vllm_config", None) or kwargs.get("vllm_config") or (args[0] if args else None)
+        self._tp_size = int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
+        self._host_bases: dict[int, int] = {}
+        self._host_pool_blocks = 0
+        self._host_started_mib = 0
+        self._to_host: dict[str, tuple[list[int], list[int], float]] = {}
+        self._host_released: dict[str, int] = {}
+        # Prefill side: host-tier offers admitted, for the workers' READs (request id -> (bases, pool slots)).
+        self._host_reads: dict[str, tuple[list[int], int]] = {}
+        # Start-up values: every engine tunable the engine was started with (kv_connector_extra_config), then the
+        # tunables file (hot reload) over them.
+        self._apply_tunables(start_values(vllm_config))
+        self._host_started_mib = self._host_budget_mib
         self._tunables = TunablesFile(self._apply_tunables)
         self._tunables.poll()
         # Pull only when it is expected to beat recomputing (TURNKV_ADAPTIVE_THRESHOLD=0: the threshold alone).
@@ -115,10 +139,6 @@ class TurnkvSchedulerMixin:
         self._handshaken: set[str] = set()
         # Engines pulled from: the first pull's wait also holds the handshake, so it is no wait sample.
         self._pulled_from: set[str] = set()
-        # Decode side: blocks held for another engine to read, oldest first (until read, expired or evicted),
-        # and the evictions the workers have not been told yet (request id -> (grace s, offer's wall expiry)).
-        self._retained = RetentionLedger()
-        self._evictions: dict[str, tuple[float, float]] = {}
         self._bytes_per_block = _bytes_per_block(self.kv_cache_config)
         # This engine's boot fingerprint (decode stamps its params), and the ones prefill's reads expect.
         self._boot: str | None = None
@@ -155,6 +175,16 @@ class TurnkvSchedulerMixin:
             self._retained_share = float(values["retained_kv_share"])
         if "retention_eviction_grace" in values:
             self._eviction_grace = float(values["retention_eviction_grace"])
+        if "host_kv_budget_mib" in values:
+            self._host_budget_mib = int(values["host_kv_budget_mib"])
+            if self._host_started_mib and self._host_budget_mib > self._host_started_mib:
+                logger.warning("turnkv: host_kv_budget_mib %d is above the %d MiB this engine started with: the host "
+                               "tier stays at %d MiB until a restart", self._host_budget_mib, self._host_started_mib,
+                               self._host_started_mib)
+        if "retention_idle_evict" in values:
+            self._idle_evict = float(values["retention_idle_evict"])
+        if "retained_kv_share" in values or "host_kv_budget_mib" in values:
+            self._enforce_rooms()
 
     # prefill side ------------------------------------------------------------------------------
 
@@ -173,8 +203,10 @@ class TurnkvSchedulerMixin:
             return 0, False
         offer = self._is_decode_offer(params)
         first_look = offer and request.request_id not in self._verdicts
-        if first_look and not self._offer_admitted(request, params):
+        if first_look and ((host_tier.is_host_offer(params) and not self._admit_host_offer(request, params))
+                           or not self._offer_admitted(request, params)):
             # Refused before any READ: the request is an ordinary prefill now (nothing read, no peer contacted).
+            self._host_reads.pop(request.request_id, None)
             self.turnkv_stats.record("turnkv_decisions_recompute", 1)
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
         if first_look:
@@ -192,6 +224,11 @@ class TurnkvSchedulerMixin:
         if count > 0 and decision is not None and not decision.pull:
             count, asynchronous = 0, False
         self.turnkv_stats.record("turnkv_decisions_pull" if count > 0 else "turnkv_decisions_recompute", 1)
+        if count > 0:
+            self.turnkv_stats.record_label("turnkv_pulls", Tier.HOST if request.request_id in self._host_reads
+                                           else Tier.DEVICE)
+        else:
+            self._host_reads.pop(request.request_id, None)
         if decision is not None:
             self._export_decision(decision)
             if decision.reason in ("slower", "probe"):
@@ -251,6 +288,11 @@ class TurnkvSchedulerMixin:
         # The worker checks each read's expected boot against the engine it handshook with.
         meta.turnkv_boots = {rid: self._expected_boots.pop(rid) for rid in meta.reqs_to_recv
                              if rid in self._expected_boots}
+        # Host-tier reads: where decode's pool is (connector.host_tier).
+        meta.turnkv_host_reads = {rid: self._host_reads.pop(rid) for rid in meta.reqs_to_recv
+                                  if rid in self._host_reads}
+        # Finished turns placed on the host tier: the workers copy their device blocks into the slots now.
+        meta.turnkv_to_host, self._to_host = self._to_host, {}
         # Retained turns evicted since the last step: the workers announce them and free them after the grace.
         meta.turnkv_evict, self._evictions = self._evictions, {}
         return meta
@@ -258,7 +300,15 @@ class TurnkvSchedulerMixin:
     def update_connector_output(self, connector_output: Any) -> None:
         now = time.perf_counter()
         self._observe_worker(getattr(connector_output, "kv_connector_worker_meta", None), now)
-        released = [r for r in connector_output.finished_sending or () if self._retained.release(r)]
+        wall = time.time()
+        released = False
+        for request_id in connector_output.finished_sending or ():
+            held = self._retained.get(request_id)
+            if held is None or held.tier is not Tier.DEVICE:
+                continue  # a host-tier turn's device blocks, freed once copied: the turn itself is still held
+            read = request_id in self._retained.live and wall < held.expires_at - 1.0
+            self._release(request_id, read, wall)
+            released = True
         if released:
             self._export_retained()
         for req_id in connector_output.finished_recving or ():
@@ -278,6 +328,7 @@ class TurnkvSchedulerMixin:
         """Feed the cost model what the workers measured in the step(s) this output closes."""
         if not isinstance(meta, TurnkvWorkerMeta):
             return
+        self._observe_host(meta)
         for step in meta.steps:
             sample = self._steps.finished(step, now)
             if sample is not None:
@@ -302,12 +353,57 @@ class TurnkvSchedulerMixin:
         if cost.wait.value is not None:
             s.data["turnkv_pull_wait_seconds"] = [cost.wait.value]
 
+    def _observe_host(self, meta: TurnkvWorkerMeta) -> None:
+        """Host tier news from the workers: pools registered, host turns done with, leases renewed."""
+        for rank, base, blocks in meta.host_pools:
+            self._host_bases[int(rank)] = int(base)
+            if not self._host_pool_blocks:
+                self._host_pool_blocks = int(blocks)
+                self._retained.host = HostSlots(int(blocks))
+                self._export_retained()
+        wall = time.time()
+        for request_id in meta.renewed:
+            self._retained.touch(request_id, wall)
+        changed = False
+        for request_id, read in meta.host_released:
+            count = self._host_released.get(request_id, 0) + 1
+            if count < self._tp_size:
+                self._host_released[request_id] = count
+                continue
+            self._host_released.pop(request_id, None)
+            self._release(request_id, read and request_id in self._retained.live, wall)
+            changed = True
+        if changed:
+            self._export_retained()
+
+    def _release(self, request_id: str, read: bool, wall: float) -> None:
+        held = self._retained.release(request_id)
+        if held is not None and read:
+            self._read_delays.observe(wall - held.since)
+
+    def _host_room(self) -> float:
+        """Host-tier slots usable now: the pool, as far as the (reloadable) budget allows; 0 until every rank's
+        pool is known."""
+        if not self._host_pool_blocks or len(self._host_bases) < self._tp_size or not self._host_started_mib:
+            return 0.0
+        return self._host_pool_blocks * min(1.0, self._host_budget_mib / self._host_started_mib)
+
+    def _enforce_rooms(self) -> None:
+        """A lowered share or host budget: evict each tier's oldest turns until it fits again."""
+        for tier, room in ((Tier.DEVICE, self._retention_capacity()), (Tier.HOST, self._host_room())):
+            for request_id, held in self._retained.shrink(tier, room):
+                self._announce_eviction(request_id, held, EvictReason.SHRUNK)
+
     def _export_retained(self) -> None:
-        blocks = self._retained.blocks
+        ledger = self._retained
         s = self.turnkv_stats
-        s.data["turnkv_retained_requests"] = [len(self._retained.live) + len(self._retained.evicting)]
-        s.data["turnkv_retained_blocks"] = [blocks]
-        s.data["turnkv_retained_bytes"] = [blocks * self._bytes_per_block]
+        host = ledger.used(Tier.HOST)
+        s.data["turnkv_retained_requests"] = [len(ledger.live) + len(ledger.evicting)]
+        s.data["turnkv_retained_blocks"] = [ledger.blocks]
+        s.data["turnkv_retained_bytes"] = [ledger.blocks * self._bytes_per_block]
+        s.data["turnkv_host_retained_requests"] = [ledger.count(Tier.HOST)]
+        s.data["turnkv_host_retained_bytes"] = [host * self._bytes_per_block]
+        s.data["turnkv_host_pool_bytes"] = [self._host_pool_blocks * self._bytes_per_block]
 
     def _offer_admitted(self, request: Any, params: dict[str, Any]) -> bool:
         """Signature, expiry on this host's wall clock, a router's clearance and read-by instant (decode may have
@@ -325,6 +421,25 @@ class TurnkvSchedulerMixin:
         self.turnkv_stats.record(f"turnkv_offers_{reason}", 1)
         logger.warning("turnkv: request %s: decode's offer is %s; recomputing without reading it",
                        request.request_id, reason)
+        wire.neutralize(params)
+        return False
+
+    def _admit_host_offer(self, request: Any, params: dict[str, Any]) -> bool:
+        """A host-tier offer is read only when a router cleared it (the router checked that decode's copy is done),
+        whatever ``TURNKV_REQUIRE_CLEARED_OFFERS`` says, and only with a well-formed pool field."""
+        parsed = host_tier.parse_offer_field(params.get(wire.HOST_TIER))
+        reason = "ok" if parsed is not None else "forged"
+        if parsed is not None and self._offer_secret is not None:
+            reason = wire.offer_verdict(self._offer_secret, params, self._model, time.time(), self._expiry_skew,
+                                        require_cleared=True)
+        elif parsed is not None:
+            reason = "unsigned"
+        if reason == "ok":
+            self._host_reads[request.request_id] = parsed  # type: ignore[assignment]
+            return True
+        self._verdicts[request.request_id] = token_proof.Verdict(int(params.get("remote_num_tokens") or 0), 0, reason)
+        self.turnkv_stats.record(f"turnkv_offers_{reason}", 1)
+        logger.warning("turnkv: request %s: decode's host-tier offer is %s; recomputing", request.request_id, reason)
         wire.neutralize(params)
         return False
 
@@ -370,12 +485,11 @@ class TurnkvSchedulerMixin:
         is_decode = bool(params) and not params.get("do_remote_decode")
         unwanted = self._retain_on_demand and not params.get(RETAIN_KEY)
         adding = _count_blocks(block_ids)
-        capacity = self._retention_capacity()
-        if (is_decode and not unwanted and self.is_bidirectional_kv_xfer_enabled
-                and not self._retained.fits(adding, capacity)):
-            # Larger than the share even with every other retained turn evicted: not retained.
-            unwanted = True
-            self.turnkv_stats.record("turnkv_retention_refused", 1)
+        placement = None
+        if is_decode and not unwanted and self.is_bidirectional_kv_xfer_enabled:
+            placement = self._place(adding, block_ids)
+            if placement.tier is None:
+                unwanted = True  # no room in any tier for a turn still likely to be read: not retained
         if is_decode and unwanted and self.is_bidirectional_kv_xfer_enabled:
             # Nobody will come back for this turn: free its blocks now, as upstream does without bi-directional.
             self.is_bidirectional_kv_xfer_enabled = False
@@ -402,28 +516,55 @@ class TurnkvSchedulerMixin:
             if self._boot:
                 out[boot.PARAMS_KEY] = self._boot
             expires_at = _wall_expiry(out, self.decoder_kv_blocks_ttl)
+            tier, slots = (placement.tier, placement.slots) if placement is not None and placement.tier else \
+                (Tier.DEVICE, ())
+            if tier is Tier.HOST:
+                # Offered from the host pool: the slots replace the device blocks, which the workers copy from at
+                # the next step and then free (connector.host_tier).
+                device_blocks = list((out.get("remote_block_ids") or [[]])[0])
+                out["remote_block_ids"] = [list(slots)]
+                out[wire.HOST_TIER] = host_tier.offer_field([self._host_bases[r] for r in range(self._tp_size)],
+                                                            self._host_pool_blocks)
             if self._offer_secret is not None:
                 expires_at = wire.sign_offer(self._offer_secret, out, expires_at, self._model)[wire.EXPIRES_AT]
-            self._evict_for(adding, capacity)
-            self._retained.hold(request.request_id, _count_blocks(out.get("remote_block_ids")), expires_at)
+            if tier is Tier.HOST:
+                self._to_host[request.request_id] = (device_blocks, list(slots), expires_at)
+            self._retained.hold(request.request_id, Held(_count_blocks(out.get("remote_block_ids")), expires_at,
+                                                         tier, time.time(), tuple(slots)))
+            self.turnkv_stats.record_label("turnkv_retention_placed", tier)
             self._export_retained()
+        elif placement is not None and placement.slots and self._retained.host is not None:
+            self._retained.host.give_back(placement.slots)  # placed, but upstream did not keep the blocks
         if verdict is not None:
             out[VERDICT_KEY] = {"offered": verdict.offered, "verified": verdict.verified, "reason": verdict.reason}
         return delay, out
 
     def _retention_capacity(self) -> float:
-        """Blocks decode may hold for next turns: ``retained_kv_share`` of its KV cache (unbounded when unknown)."""
+        """Device blocks decode may hold for next turns: ``retained_kv_share`` of its KV cache (unbounded when
+        unknown)."""
         total = int(getattr(getattr(self, "kv_cache_config", None), "num_blocks", 0) or 0)
         return self._retained_share * total if total > 0 else float("inf")
 
-    def _evict_for(self, adding: int, capacity: float) -> None:
-        """Evict the oldest retained turns so ``adding`` blocks fit: announced now, freed after the grace
-        (``connector.retention``; the workers do both)."""
-        for request_id, held in self._retained.make_room(adding, capacity) or ():
-            self._evictions[request_id] = (self._eviction_grace, held.expires_at)
-            self.turnkv_stats.record("turnkv_retention_evicted", 1)
-            logger.info("turnkv: retained KV over retained_kv_share: evicting request %s (%d blocks; freed in "
-                        "%g s)", request_id, held.blocks, self._eviction_grace)
+    def _place(self, adding: int, block_ids: Any) -> Any:
+        """The tier a finished turn goes to (``connector.retention``), evicting idle turns when no tier has room."""
+        idle_after = self._read_delays.idle_after(self._idle_evict, float(self.decoder_kv_blocks_ttl))
+        host_ok = len(block_ids or ()) == 1  # one KV cache group: the pool's layout
+        placement = self._retained.place(adding, time.time(), self._retention_capacity(), self._host_room(),
+                                         idle_after, host_ok=host_ok)
+        for request_id, held in placement.evicted:
+            self._announce_eviction(request_id, held, EvictReason.IDLE)
+        if placement.refusal is not None:
+            self.turnkv_stats.record("turnkv_retention_refused", 1)
+            self.turnkv_stats.record_label("turnkv_retention_refusals", placement.refusal)
+        return placement
+
+    def _announce_eviction(self, request_id: str, held: Held, reason: EvictReason) -> None:
+        """Announced now, freed after the grace (the workers do both; ``connector.retention``)."""
+        self._evictions[request_id] = (self._eviction_grace, held.expires_at)
+        self.turnkv_stats.record("turnkv_retention_evicted", 1)
+        self.turnkv_stats.record_label("turnkv_retention_evictions", reason)
+        logger.info("turnkv: evicting retained request %s (%s tier, %d blocks, %s; freed in %g s)", request_id,
+                    held.tier, held.blocks, reason, self._eviction_grace)
 
     def take_turnkv_stats(self) -> TurnkvKVConnectorStats | None:
         if self.turnkv_stats.is_empty():

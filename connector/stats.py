@@ -53,6 +53,26 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:turnkv_write_bytes", "KV bytes this engine WROTE into a peer (NIXL WRITEs it posted: pushes)."),
     "turnkv_write_seconds": (
         "vllm:turnkv_write_seconds", "Time spent in the NIXL WRITEs this engine posted (sum over transfers)."),
+    "turnkv_host_moves": (
+        "vllm:turnkv_host_moves", "Finished turns decode copied from its device cache into its host tier."),
+    "turnkv_host_move_bytes": (
+        "vllm:turnkv_host_move_bytes", "KV bytes decode copied from its device cache into its host tier."),
+}
+
+#: stats key -> (Prometheus counter name, help, label, label values). Each entry records a label value's index.
+LABELLED: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
+    "turnkv_retention_placed": (
+        "vllm:turnkv_retention_placed", "Finished turns decode retained for the next turn, by tier.", "tier",
+        ("device", "host")),
+    "turnkv_retention_refusals": (
+        "vllm:turnkv_retention_refusals", "Finished turns decode did not retain, by reason: too_large (larger than "
+        "any tier), full (every tier full of turns still likely to be read).", "reason", ("too_large", "full")),
+    "turnkv_retention_evictions": (
+        "vllm:turnkv_retention_evictions", "Retained turns decode evicted, by reason: idle (unread past "
+        "retention_idle_evict, for a newer turn), shrunk (share or host budget lowered).", "reason",
+        ("idle", "shrunk")),
+    "turnkv_pulls": (
+        "vllm:turnkv_pulls", "Offers prefill pulled, by the tier decode held them in.", "tier", ("device", "host")),
 }
 
 #: stats key -> (Prometheus gauge name, help). The last value of an interval is exported.
@@ -89,7 +109,13 @@ GAUGES: dict[str, tuple[str, str]] = {
     "turnkv_retained_blocks": (
         "vllm:turnkv_retained_blocks", "KV blocks decode holds for the next turn's prefill."),
     "turnkv_retained_bytes": (
-        "vllm:turnkv_retained_bytes", "KV bytes decode holds for the next turn's prefill."),
+        "vllm:turnkv_retained_bytes", "KV bytes decode holds for the next turn's prefill (both tiers)."),
+    "turnkv_host_retained_requests": (
+        "vllm:turnkv_host_retained_requests", "Finished turns decode holds in its host tier."),
+    "turnkv_host_retained_bytes": (
+        "vllm:turnkv_host_retained_bytes", "KV bytes decode holds in its host tier."),
+    "turnkv_host_pool_bytes": (
+        "vllm:turnkv_host_pool_bytes", "Size of decode's host-tier pool (0: no host tier)."),
 }
 
 
@@ -98,7 +124,7 @@ REASONS_KEY = "turnkv_decision_reasons"
 REASONS_METRIC = ("vllm:turnkv_decision_reasons",
                   "Pull-or-recompute decisions by reason: floor, no-estimate, faster, load (pulled because "
                   "recomputing would delay the queue), slower (refused), probe (a refused path tried).")
-_KEYS = (*COUNTERS, *GAUGES, REASONS_KEY)
+_KEYS = (*COUNTERS, *GAUGES, *LABELLED, REASONS_KEY)
 
 
 class TurnkvKVConnectorStats(NixlKVConnectorStats):
@@ -117,6 +143,10 @@ class TurnkvKVConnectorStats(NixlKVConnectorStats):
 
     def record_reason(self, reason: str) -> None:
         self.data[REASONS_KEY].append(REASONS.index(reason))
+
+    def record_label(self, key: str, value: str) -> None:
+        """One increment of a labelled counter (``LABELLED``), as the index of its label value."""
+        self.data[key].append(LABELLED[key][3].index(str(value)))
 
     def is_empty(self) -> bool:
         return super().is_empty() and not any(self.data.get(key) for key in _KEYS)
@@ -152,6 +182,11 @@ class TurnkvPromMetrics(NixlPromMetrics):
                                     labelnames=[*labelnames, "reason"])
         self.turnkv_reasons = {idx: [reasons.labels(*values, reason) for reason in REASONS]
                                for idx, values in self.per_engine_labelvalues.items()}
+        self.turnkv_labelled = {}
+        for key, (name, doc, label, label_values) in LABELLED.items():
+            counter = self._counter_cls(name=name, documentation=doc, labelnames=[*labelnames, label])
+            self.turnkv_labelled[key] = {idx: [counter.labels(*values, v) for v in label_values]
+                                         for idx, values in self.per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         super().observe(transfer_stats_data, engine_idx)
@@ -164,6 +199,9 @@ class TurnkvPromMetrics(NixlPromMetrics):
                 gauge[engine_idx].set(values[-1])
         for index in transfer_stats_data.get(REASONS_KEY, ()):
             self.turnkv_reasons[engine_idx][int(index)].inc()
+        for key, per_engine in self.turnkv_labelled.items():
+            for index in transfer_stats_data.get(key, ()):
+                per_engine[engine_idx][int(index)].inc()
 
 
 class TurnkvStatsReporting:

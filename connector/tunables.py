@@ -1,4 +1,5 @@
-"""Hot-reloadable engine tunables: TTL and recompute threshold from the file the node's SSM sync writes.
+"""Engine tunables: start-up values from the engine's KV-transfer config, hot reloads from the file the node's SSM
+sync writes.
 
 The file (``TURNKV_TUNABLES_FILE``, default ``/etc/turnkv/tunables.json``) holds engine-scope
 tunables of ``turnkv.params`` as JSON. It is re-read when its modification time changes (checked at
@@ -13,13 +14,25 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from turnkv import params
 
 logger = logging.getLogger("vllm.turnkv.tunables")
 
 RELOADABLE = ("decoder_kv_blocks_ttl", "kv_recompute_threshold", "expiry_skew_margin", "retained_kv_share",
-              "retention_eviction_grace")
+              "retention_eviction_grace", "host_kv_budget_mib", "retention_idle_evict")
+
+
+def start_values(vllm_config: Any) -> dict[str, int | float]:
+    """The reloadable tunables the engine was started with: ``kv_connector_extra_config`` carries every engine
+    tunable (``turnkv.engine_args``), so ``turnkv local up --set`` and the node's engine.env reach the connector
+    before any tunables file exists. Bad values are refused with a log line (the catalog default stays)."""
+    config = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector_extra_config", None) or {}
+    values, errors = parse(json.dumps({k: v for k, v in dict(config).items() if k in RELOADABLE}, default=str))
+    for error in errors:
+        logger.error("turnkv: kv_connector_extra_config: refused %s", error)
+    return values
 
 
 def parse(text: str) -> tuple[dict[str, int | float], list[str]]:

@@ -22,6 +22,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -30,7 +32,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
-from connector import boot, compat
+from connector import boot, compat, host_tier
 from connector.stats import TurnkvKVConnectorStats
 from turnkv import wire
 
@@ -47,6 +49,12 @@ class TurnkvWorkerMeta(KVConnectorWorkerMetadata):
     reads: list[tuple[int, float]] = field(default_factory=list)
     #: (remote engine id, seconds) of each NIXL handshake this worker finished.
     handshakes: list[tuple[str, float]] = field(default_factory=list)
+    #: Host tier: (rank, pool base address, pool slots), once per rank when its pool is registered.
+    host_pools: list[tuple[int, int, int]] = field(default_factory=list)
+    #: Host tier: (request id, read by prefill) of host-held turns this rank is done with (read or expired).
+    host_released: list[tuple[str, bool]] = field(default_factory=list)
+    #: Retained turns whose lease a router renewed (the scheduler counts them as wanted, not idle).
+    renewed: list[str] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Tensor-parallel ranks: one step, every rank's reads and handshakes."""
@@ -54,6 +62,9 @@ class TurnkvWorkerMeta(KVConnectorWorkerMetadata):
             self.steps = sorted({*self.steps, *other.steps})
             self.reads = [*self.reads, *other.reads]
             self.handshakes = [*self.handshakes, *other.handshakes]
+            self.host_pools = [*self.host_pools, *other.host_pools]
+            self.host_released = [*self.host_released, *other.host_released]
+            self.renewed = sorted({*self.renewed, *other.renewed})
         return self
 
 
@@ -79,6 +90,19 @@ class TurnkvWorkerMixin:
         self._turnkv_evicted: dict[str, tuple[int, float]] = {}
         self._turnkv_evict_seq = 0
         self._turnkv_epoch = uuid.uuid4().hex[:12]
+        # Host tier (connector.host_tier): this rank's pool; turns copied there (request id -> offer's wall expiry),
+        # listed on the feed as "hosted"; device copies done this step (reported as sent: vLLM frees the device
+        # blocks); host turns done with (read or expired) for the scheduler; prefill's host-tier reads.
+        self._turnkv_pool: host_tier.HostPool | None = None
+        self._turnkv_pool_reported = False
+        self._turnkv_hosted: dict[str, float] = {}
+        self._turnkv_device_done: set[str] = set()
+        self._turnkv_host_released: list[tuple[str, bool]] = []
+        self._turnkv_notified: set[str] = set()
+        self._turnkv_renewed: list[str] = []
+        self._turnkv_remote_meta: dict[tuple[str, int], Any] = {}
+        self._turnkv_host_handles: dict[tuple[str, int, int, int], int] = {}
+        self._turnkv_host_reads: dict[str, tuple[list[int], int]] = {}
 
     # transfer metrics ---------------------------------------------------------------------------
 
@@ -110,14 +134,156 @@ class TurnkvWorkerMixin:
         step, self._turnkv_step = self._turnkv_step, None
         reads, self._turnkv_reads = self._turnkv_reads, []
         handshakes, self._turnkv_handshakes = self._turnkv_handshakes, []
-        if step is None and not reads and not handshakes:
+        released, self._turnkv_host_released = self._turnkv_host_released, []
+        renewed, self._turnkv_renewed = self._turnkv_renewed, []
+        pools = []
+        if self._turnkv_pool is not None and not self._turnkv_pool_reported:
+            self._turnkv_pool_reported = True
+            pools = [(int(getattr(self, "tp_rank", 0)), self._turnkv_pool.base, self._turnkv_pool.blocks)]
+        if step is None and not reads and not handshakes and not released and not renewed and not pools:
             return None
-        return TurnkvWorkerMeta([step] if step is not None else [], reads, handshakes)
+        return TurnkvWorkerMeta([step] if step is not None else [], reads, handshakes, pools, released, renewed)
+
+    # host tier (connector.host_tier) -------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        super().register_kv_caches(kv_caches)  # type: ignore[misc]
+        budget = int(_extra_config(self).get("host_kv_budget_mib") or 0)
+        if budget <= 0:
+            return
+        why = self._turnkv_host_tier_unsupported()
+        if why:
+            logger.warning("turnkv: host_kv_budget_mib=%d ignored: %s", budget, why)
+            return
+        tp = int(getattr(getattr(self.vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
+        blocks = host_tier.pool_blocks(budget, tp, sum(self.block_len_per_layer))
+        if blocks <= 0:
+            return
+        self._turnkv_pool = host_tier.HostPool(self, blocks)
+        # The pool is in this agent's metadata only if the handshake payload is made again after registering it.
+        import msgspec
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
+
+        payload = self.xfer_handshake_metadata
+        agent = msgspec.msgpack.decode(payload.agent_metadata_bytes, type=NixlAgentMetadata)
+        agent = dataclasses.replace(agent, agent_metadata=self.nixl_wrapper.get_agent_metadata())
+        self.xfer_handshake_metadata = dataclasses.replace(
+            payload, agent_metadata_bytes=msgspec.msgpack.Encoder().encode(agent))
+        logger.info("turnkv: host tier: %d slots (%.1f MiB) registered with NIXL at %#x", blocks,
+                    self._turnkv_pool.tensor.nbytes / host_tier.MIB, self._turnkv_pool.base)
+
+    def _turnkv_host_tier_unsupported(self) -> str | None:
+        if getattr(self, "_has_mamba", False) or getattr(self, "_mixed_mem_types", False):
+            return "hybrid (Mamba) or mixed-memory KV caches are not supported by the host tier"
+        if getattr(self, "_physical_blocks_per_logical_kv_block", 1) != 1:
+            return "kernel blocks smaller than vLLM's blocks are not supported by the host tier"
+        if getattr(self, "use_host_buffer", False):
+            return "the KV cache is already staged through a host buffer"
+        if len(set(getattr(self, "region_num_blocks", []) or [0])) != 1:
+            return "regions with different block counts are not supported by the host tier"
+        return None
+
+    def _turnkv_copy_to_host(self, to_host: dict[str, tuple[list[int], list[int], float]]) -> None:
+        """Copy each turn placed on the host tier into its slots; its device blocks are then reported as sent."""
+        for request_id, (blocks, slots, until) in to_host.items():
+            self._turnkv_device_done.add(request_id)
+            if self._turnkv_pool is None or request_id not in getattr(self, "_reqs_to_send", {}):
+                # Never copied, so never listed as hosted: no router clears its offer. Its slots go back.
+                self._turnkv_host_released.append((request_id, False))
+                continue
+            try:
+                self._turnkv_pool.copy_in(blocks, slots)
+            except Exception:
+                logger.exception("turnkv: could not copy request %s to the host tier; not retained", request_id)
+                self._reqs_to_send.pop(request_id, None)
+                self._reqs_to_process.discard(request_id)
+                self._turnkv_host_released.append((request_id, False))
+                continue
+            self._turnkv_hosted[request_id] = until
+            self.xfer_stats.record("turnkv_host_moves", 1)
+            self.xfer_stats.record("turnkv_host_move_bytes", len(slots) * sum(self._turnkv_pool.block_lens))
+
+    def _get_new_notifs(self) -> set[str]:
+        notified = super()._get_new_notifs()  # type: ignore[misc]
+        self._turnkv_notified.update(r for r in notified if r in self._turnkv_hosted)
+        return notified
+
+    def get_transfer_results(self) -> Any:
+        """Host-tier turns: their device blocks are reported sent once copied, and upstream's later report (read or
+        expired) is the pool's, not vLLM's: those slots go back to the scheduler's ledger instead."""
+        results = super().get_transfer_results()  # type: ignore[misc]
+        sending = set(results.finished_sending)
+        for request_id in [r for r in sending if r in self._turnkv_hosted]:
+            del self._turnkv_hosted[request_id]
+            read = request_id in self._turnkv_notified
+            self._turnkv_notified.discard(request_id)
+            self._turnkv_host_released.append((request_id, read))
+            sending.discard(request_id)
+        sending |= self._turnkv_device_done
+        self._turnkv_device_done = set()
+        for request_id in results.finished_recving:
+            self._turnkv_host_reads.pop(request_id, None)
+        return dataclasses.replace(results, finished_sending=sending)
+
+    def _read_blocks(self, read_spec: Any, dst_engine_id: str, request_id: str, *args: Any, **kwargs: Any) -> Any:
+        """A host-tier offer: the same READ, against decode's pool (slot ids in place of block ids)."""
+        host = self._turnkv_host_reads.get(request_id)
+        if host is None:
+            return super()._read_blocks(read_spec, dst_engine_id, request_id, *args, **kwargs)  # type: ignore[misc]
+        bases, blocks = host
+        rank = int(read_spec.remote_rank)
+        handle = self._turnkv_host_handle(dst_engine_id, rank, bases[rank] if rank < len(bases) else 0, blocks)
+        if handle is None:
+            compat.fail_read(self, request_id)
+            return False
+        if args:
+            args = (*args[:3], handle, *args[4:])  # remote_request_id, local handle, local dram handle, REMOTE
+        else:
+            kwargs["remote_xfer_side_handle"] = handle
+        num, regions = self.dst_num_blocks.get(dst_engine_id), self.dst_region_num_blocks.get(dst_engine_id)
+        self.dst_num_blocks[dst_engine_id] = blocks
+        if regions:
+            self.dst_region_num_blocks[dst_engine_id] = [blocks] * len(regions)
+        try:
+            return super()._read_blocks(read_spec, dst_engine_id, request_id, *args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.dst_num_blocks[dst_engine_id] = num
+            if regions:
+                self.dst_region_num_blocks[dst_engine_id] = regions
+
+    def _turnkv_host_handle(self, engine_id: str, rank: int, base: int, blocks: int) -> int | None:
+        """Prepared descriptors of decode rank ``rank``'s pool, laid out like its device cache (cached)."""
+        key = (engine_id, rank, base, blocks)
+        if key in self._turnkv_host_handles:
+            return self._turnkv_host_handles[key]
+        meta = self._turnkv_remote_meta.get((engine_id, rank))
+        agent = self._remote_agents.get(engine_id, {}).get((0, rank)) if meta is not None else None
+        if meta is None or agent is None or base <= 0:
+            logger.warning("turnkv: no handshake with rank %d of %s for a host-tier read; recomputing", rank,
+                           engine_id)
+            return None
+        try:
+            plan = self.tp_mappings[engine_id]
+            ratio = self.transfer_topo.block_size_ratio(meta.block_size)
+            pool = host_tier.remote_pool_meta(meta, base, blocks)
+            descs = self.nixl_wrapper.get_xfer_descs(self._build_fa_remote(plan, pool, ratio), "DRAM")
+            handle = self.nixl_wrapper.prep_xfer_dlist(agent, descs)
+        except Exception:
+            logger.exception("turnkv: could not prepare a host-tier read from %s; recomputing", engine_id)
+            return None
+        for old in [k for k in self._turnkv_host_handles if k[:2] == (engine_id, rank)]:
+            with contextlib.suppress(Exception):
+                self.nixl_wrapper.release_dlist_handle(self._turnkv_host_handles.pop(old))
+        self._turnkv_host_handles[key] = handle
+        return handle
 
     # decode boot check ---------------------------------------------------------------------------
 
     def add_remote_agent(self, nixl_agent_meta: Any, remote_tp_rank: int = 0, *args: Any, **kwargs: Any) -> str:
         name = super().add_remote_agent(nixl_agent_meta, remote_tp_rank, *args, **kwargs)  # type: ignore[misc]
+        self._turnkv_remote_meta[(nixl_agent_meta.engine_id, int(remote_tp_rank))] = nixl_agent_meta
+        for key in [k for k in self._turnkv_host_handles if k[:2] == (nixl_agent_meta.engine_id, remote_tp_rank)]:
+            del self._turnkv_host_handles[key]  # a new process: its pool is elsewhere (NIXL dropped the old agent)
         # Every rank this worker reads from (with TP > 1, rank i reads decode's rank i, not rank 0).
         ranks = self._turnkv_boots.setdefault(nixl_agent_meta.engine_id, {})
         ranks[int(remote_tp_rank)] = boot.fingerprint(nixl_agent_meta.agent_metadata)
@@ -126,8 +292,12 @@ class TurnkvWorkerMixin:
 
     def start_load_kv(self, metadata: Any) -> None:
         self._turnkv_expected.update(getattr(metadata, "turnkv_boots", None) or {})
+        self._turnkv_host_reads.update(getattr(metadata, "turnkv_host_reads", None) or {})
         self._turnkv_step = getattr(metadata, "turnkv_step", None)
         super().start_load_kv(metadata)  # type: ignore[misc]
+        to_host = getattr(metadata, "turnkv_to_host", None)
+        if to_host:
+            self._turnkv_copy_to_host(to_host)
         evict = getattr(metadata, "turnkv_evict", None)
         if evict:
             self.turnkv_evict(evict)
@@ -193,13 +363,22 @@ class TurnkvWorkerMixin:
     def turnkv_evicted(self, request_id: str) -> bool:
         return request_id in self._turnkv_evicted
 
+    def turnkv_renewed(self, request_ids: list[str]) -> None:
+        """Leases a router renewed (``connector.leases``): reported to the scheduler, which keeps them off the idle
+        list."""
+        self._turnkv_renewed.extend(request_ids)
+
     def turnkv_evictions(self, since: int) -> dict[str, Any]:
-        """The evictions feed of this worker: announcements after number ``since`` (``wire.EVICTIONS_ROUTE``)."""
+        """The evictions feed of this worker: announcements after number ``since`` (``wire.EVICTIONS_ROUTE``), and
+        every turn whose host-tier copy is done and still held (``hosted``; a router clears a host-tier offer only
+        once it is listed)."""
         self._forget_evictions(time.time())
         events = [(seq, rid, until) for rid, (seq, until) in self._turnkv_evicted.items() if seq > since]
         events = events[:wire.EVICTIONS_MAX]
         seq = events[-1][0] if events else self._turnkv_evict_seq
-        return {"epoch": self._turnkv_epoch, "seq": seq, "evicted": [[rid, until] for _, rid, until in events]}
+        hosted = [[rid, until] for rid, until in self._turnkv_hosted.items() if rid not in self._turnkv_evicted]
+        return {"epoch": self._turnkv_epoch, "seq": seq, "evicted": [[rid, until] for _, rid, until in events],
+                "hosted": hosted[:wire.EVICTIONS_MAX]}
 
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         engine_id = meta.remote.engine_id
@@ -214,3 +393,8 @@ class TurnkvWorkerMixin:
                 compat.fail_read(self, req_id)
                 return
         super()._read_blocks_for_req(req_id, meta)  # type: ignore[misc]
+
+
+def _extra_config(worker: Any) -> dict[str, Any]:
+    config = getattr(getattr(worker, "vllm_config", None), "kv_transfer_config", None)
+    return dict(getattr(config, "kv_connector_extra_config", None) or {})

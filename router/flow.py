@@ -37,7 +37,7 @@ from router import apis, guard, hints, limits, migrate, retry, telemetry, upstre
 from router.apis import stored
 from router.config import RouterConfig
 from router.dispatch import Dispatch
-from router.engines import Engine, EnginePool, NoEngineError
+from router.engines import Engine, EnginePool, NoEngineError, evictions
 from router.errors import public_message
 from router.keepalive import Keepalive
 from router.legs import REQUEST_ID_HEADER, Legs, Opened, UpstreamError, new_leg_id
@@ -174,7 +174,7 @@ class Flow:
             d.outcome = "refused"
             log.warning("decode engine %s was ejected or is unknown since this turn was stored: not replayed",
                         entry.decode_engine)
-        elif d.outcome == "hit" and (why := self._evicted(entry)):
+        elif d.outcome == "hit" and (why := await self._evicted(entry)):
             d.outcome = "refused"
             log.info("decode engine %s: stored turn not replayed (%s)", entry.decode_engine, why)
         elif d.outcome == "refused":
@@ -188,13 +188,21 @@ class Flow:
         # Cleared with the offer secret: prefill reads only offers a router cleared (turnkv.wire).
         return wire.clear_offer(self.config.offer_secret, entry.params, time.time() + float(self.config.replay_window))
 
-    def _evicted(self, entry: Entry) -> str | None:
-        """Why decode may have evicted (or be about to free) the entry's blocks, from its evictions feed."""
+    async def _evicted(self, entry: Entry) -> str | None:
+        """Why decode may have evicted (or be about to free) the entry's blocks, from its evictions feed. A
+        host-tier offer whose copy the last read did not list yet gets one read of the feed now (the copy takes a
+        step; a fast next turn should not wait for the next interval)."""
         engine = self.pool.find(entry.decode_engine) if entry.decode_engine else None
         if engine is None:
             return None
-        return engine.feed.refuses(entry.params.get("remote_request_id"), time.time(),
-                                   float(self.config.evictions_interval))
+        request_id = entry.params.get("remote_request_id")
+        host = entry.params.get(wire.HOST_TIER) is not None
+        interval = float(self.config.evictions_interval)
+        why = engine.feed.refuses(request_id, time.time(), interval, host_tier=host)
+        if why == evictions.HOST_COPY_PENDING:
+            await evictions.read_feed(self.session, engine.url, engine.feed, 1.0, time.time)
+            why = engine.feed.refuses(request_id, time.time(), interval, host_tier=host)
+        return why
 
     async def _remember(self, d: Dispatch, decode: Engine, params: Any, reply: Mapping[str, Any] | str) -> None:
         replay = guard.replayable(params)

@@ -69,12 +69,16 @@ class EngineSpec:
 
 def kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
     connector, module_path = (spec.connector, None) if spec.connector else CONNECTORS[spec.mode]
+    # Every engine tunable (catalog defaults under the spec's values): vLLM reads the TTL, threshold and lease
+    # duration; the connector reads the rest as its start-up values (connector.tunables.start_values). The host
+    # tier is decode's alone: a prefill engine never retains, so it allocates no pool.
+    values = {**params.defaults(params.Scope.ENGINE), **spec.tunables}
+    if spec.role is Role.PREFILL:
+        values["host_kv_budget_mib"] = 0
     extra: dict[str, object] = {
         "backends": list(spec.backends),
         "bidirectional_kv_xfer": spec.bidirectional and connector not in _NO_BIDIRECTIONAL,
-        "decoder_kv_blocks_ttl": int(spec.tunables["decoder_kv_blocks_ttl"]),
-        "kv_recompute_threshold": int(spec.tunables["kv_recompute_threshold"]),
-        "kv_lease_duration": int(spec.tunables["kv_lease_duration"]),
+        **{name: params.get(name).parse(value) for name, value in values.items()},
     }
     config: dict[str, object] = {
         "kv_connector": connector,

@@ -71,8 +71,18 @@ CATALOG: tuple[Tunable, ...] = (
             "Prefill refuses to read a decode offer this long before the offer's wall-clock expiry (measured on "
             "prefill's own clock), covering clock skew between hosts and the time the read takes."),
     Tunable("retained_kv_share", 0.5, 0.0, 1.0, "share", Scope.ENGINE,
-            "Decode frees its oldest retained turns once the blocks it keeps for next turns exceed this share "
-            "of its KV cache.", float),
+            "Share of decode's KV cache that may hold finished turns for next turns; a turn that does not fit goes "
+            "to the host tier (host_kv_budget_mib) or, with no room there either, is not retained.", float),
+    Tunable("host_kv_budget_mib", 0, 0, 4 * 1024 * 1024, "MiB", Scope.ENGINE,
+            "Host memory per decode engine for retained turns that do not fit in retained_kv_share of the device "
+            "cache (the host tier; prefill reads them there with the same NIXL READ). Allocated and registered at "
+            "engine start; a reload can lower it or raise it back up to the size the engine started with; 0: no "
+            "host tier."),
+    Tunable("retention_idle_evict", 0, 0, 3600, "s", Scope.ENGINE,
+            "A retained turn unread and unrenewed for this long may be evicted to make room for a newer one; 0: "
+            "twice the 90th percentile of how long retained turns waited before being read (the TTL until 8 reads "
+            "are seen). Younger turns are kept and the newcomer is not retained, so reuse degrades to the share "
+            "that fits instead of collapsing under oldest-first eviction.", float),
     Tunable("retention_eviction_grace", 30, 5, 600, "s", Scope.ENGINE,
             "Decode frees an evicted turn's blocks this long after announcing the eviction on its evictions feed; "
             "must exceed replay_window + 2 x evictions_interval + max(1 s, evictions_interval) + "

@@ -51,6 +51,11 @@ VERDICT = "turnkv_proof_verdict"
 READ_BY = "turnkv_read_by"
 #: The router's MAC over the offer's signature and ``READ_BY`` (see ``clear_offer``): a router cleared this replay.
 CLEARANCE = "turnkv_clearance"
+#: Where decode holds an offer's blocks when not in its device KV cache: ``{"tier": "host", "bases": [pool base
+#: address per tensor-parallel rank], "blocks": pool blocks}`` (``connector.host_tier``); the offer's
+#: ``remote_block_ids`` are then slots of that pool. Signed with the rest of the offer. Prefill reads a host-tier
+#: offer only when a router cleared it, and a router clears one only once decode's feed lists its copy as done.
+HOST_TIER = "turnkv_host_tier"
 #: Why prefill refused an offer, as its ``VERDICT`` names it (each one a ``vllm:turnkv_offers_<reason>`` counter).
 OFFER_REFUSALS = ("unsigned", "forged", "expired", "uncleared", "late", "replayed")
 #: Prefill reads only cleared offers unless this is "0" (another proxy in front of the engines, which does not
@@ -58,7 +63,7 @@ OFFER_REFUSALS = ("unsigned", "forged", "expired", "uncleared", "late", "replaye
 REQUIRE_CLEARED_ENV = "TURNKV_REQUIRE_CLEARED_OFFERS"
 
 #: Keys of decode's returned params that a router may store and replay to prefill.
-OFFER_KEYS = (TOKEN_PROOF, BOOT, EXPIRES_AT, MODEL, SIGNATURE)
+OFFER_KEYS = (TOKEN_PROOF, BOOT, EXPIRES_AT, MODEL, SIGNATURE, HOST_TIER)
 
 # -- the engine's lease route ---------------------------------------------------------------------
 
@@ -91,7 +96,7 @@ DEFAULT_OFFER_SECRET_FILE = "/etc/turnkv/offer-secret"
 #: Override of the model fingerprint (e.g. the checkpoint's digest, where the config alone is ambiguous).
 MODEL_FINGERPRINT_ENV = "TURNKV_MODEL_FINGERPRINT"
 
-_VERSION = b"turnkv-offer-v1"
+_VERSION = b"turnkv-offer-v2"  # v2: the host tier is signed too
 _CLEARANCE_VERSION = b"turnkv-clearance-v1"
 
 
@@ -127,6 +132,8 @@ def _signed_part(params: Mapping[str, Any]) -> bytes:
         params.get("remote_host"), params.get("remote_port"), params.get("remote_block_ids"),
         params.get("remote_num_tokens"), params.get(EXPIRES_AT), params.get(MODEL),
         orjson.dumps(proof, option=orjson.OPT_SORT_KEYS).decode() if proof is not None else None,
+        orjson.dumps(host, option=orjson.OPT_SORT_KEYS).decode() if (host := params.get(HOST_TIER)) is not None
+        else None,
     ])
 
 

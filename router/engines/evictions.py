@@ -25,6 +25,9 @@ from turnkv import wire
 
 log = logging.getLogger("turnkv.router")
 
+#: Why a host-tier offer is not replayed yet: decode's feed does not list its copy as done.
+HOST_COPY_PENDING = "host-tier copy not confirmed"
+
 
 def max_age(interval: float) -> float:
     """How old the last read of a feed may be before the engine's offers are refused: two intervals, plus one
@@ -41,6 +44,7 @@ class EvictionFeed:
     evicted: dict[str, float] = field(default_factory=dict)  # request id -> the offer's wall-clock expiry
     read_at: float = 0.0  # wall clock when the last successful read was sent; 0: never
     supported: bool | None = None  # None: not read yet; False: the engine has no feed (it never evicts)
+    hosted: set[str] = field(default_factory=set)  # turns whose host-tier copy is done (the last read's list)
 
     def apply(self, answer: Mapping[str, Any], sent_at: float) -> None:
         """A feed answer to a read sent at ``sent_at``; an answer that is not a feed leaves the feed stale."""
@@ -57,6 +61,9 @@ class EvictionFeed:
                     and isinstance(event[1], (int, float)):
                 self.evicted[event[0]] = float(event[1])
         self.epoch, self.seq, self.read_at, self.supported = epoch, seq, sent_at, True
+        hosted = answer.get("hosted")
+        self.hosted = {e[0] for e in hosted if isinstance(e, list) and e and isinstance(e[0], str)} \
+            if isinstance(hosted, list) else set()
         for request_id, until in list(self.evicted.items()):
             if until < sent_at:
                 del self.evicted[request_id]  # the offer has expired: prefill refuses it anyway
@@ -64,10 +71,13 @@ class EvictionFeed:
     def unsupported(self) -> None:
         self.supported = False
 
-    def refuses(self, request_id: Any, now: float, interval: float) -> str | None:
-        """Why an offer of this engine must not be replayed now, or None."""
+    def refuses(self, request_id: Any, now: float, interval: float, host_tier: bool = False) -> str | None:
+        """Why an offer of this engine must not be replayed now, or None. A host-tier offer also needs its copy
+        listed as done (decode copies at the step after the turn ends: ``connector.host_tier``)."""
         if request_id in self.evicted:
             return "evicted"
+        if host_tier and request_id not in self.hosted:
+            return HOST_COPY_PENDING
         if self.supported is None:
             # Not read yet (a router just started, an engine just discovered): decode may have evicted the turn
             # while this router was not looking. The first read comes within one interval.

@@ -33,7 +33,8 @@ def scheduler(bidirectional: bool = True) -> PushBidiScheduler:
         _has_mamba=False, _bounded_replay=False,
         _reqs_in_batch=set(), _reqs_need_recv={}, _reqs_need_send={}, _reqs_need_save={}, _reqs_not_processed=set(),
         _push_pending_registrations={}, _push_registration_deadlines={}, _finished_request_blocks={},
-        _newly_finished_push_blocks={}, _heartbeat_req_engine={}, _heartbeat_by_engine={})
+        _newly_finished_push_blocks={}, _heartbeat_req_engine={}, _heartbeat_by_engine={},
+        _host_reads={}, _to_host={})
     s.get_exchange_clipped_blocks = lambda block_ids: block_ids
     return s
 

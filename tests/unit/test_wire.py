@@ -193,27 +193,91 @@ def _freed(decode, *request_ids):
                                                          kv_connector_worker_meta=None))
 
 
-def test_decode_evicts_its_oldest_retained_turns_above_its_share_of_the_cache(scheduler):
+def _worker_news(decode, *, pools=(), released=(), renewed=()):
+    from connector.worker import TurnkvWorkerMeta
+
+    meta = TurnkvWorkerMeta(host_pools=list(pools), host_released=list(released), renewed=list(renewed))
+    decode.update_connector_output(types.SimpleNamespace(finished_sending=set(), finished_recving=set(),
+                                                         kv_connector_worker_meta=meta))
+
+
+def test_decode_keeps_turns_likely_to_be_read_and_evicts_only_idle_ones_when_its_share_is_full(scheduler):
     decode = scheduler()
     decode._retained_share = 0.06  # 6 of 100 blocks
     _, a = decode.request_finished(_request("a", range(300), RETAIN), [[1, 2, 3]])
     _, b = decode.request_finished(_request("b", range(300), RETAIN), [[4, 5, 6]])
     assert _step(decode).turnkv_evict == {}
     delay, c = decode.request_finished(_request("c", range(300), RETAIN), [[7, 8, 9]])
-    # the newest turn is retained; the oldest is evicted: the workers are told to announce it and free it
-    # after the grace (until then its blocks still count)
-    assert delay and c is not None
-    assert _step(decode).turnkv_evict == {"a": (30.0, a[wire.EXPIRES_AT])}
+    # no room, and a and b are not idle (no reads seen yet: idle means past the TTL): c is not retained, nothing
+    # is evicted (oldest-first would evict exactly the turn the next request needs)
+    assert not delay and c is None and _step(decode).turnkv_evict == {}
+    assert decode.turnkv_stats.data["turnkv_retention_refused"] == [1]
+    assert decode.turnkv_stats.data["turnkv_retention_refusals"] == [1]  # index of "full"
+    decode._idle_evict = 0.01  # retention_idle_evict: a and b are idle now
+    time.sleep(0.02)
+    delay, d = decode.request_finished(_request("d", range(300), RETAIN), [[10, 11, 12]])
+    assert not delay and d is None  # its room frees only after the grace
+    assert _step(decode).turnkv_evict == {"a": (30.0, a[wire.EXPIRES_AT])}  # the oldest idle one, announced
     assert _step(decode).turnkv_evict == {}  # told once
     assert decode.turnkv_stats.data["turnkv_retention_evicted"] == [1]
-    assert decode.turnkv_stats.data["turnkv_retained_blocks"] == [9]
+    assert decode.turnkv_stats.data["turnkv_retention_evictions"] == [0]  # index of "idle"
     _freed(decode, "a")  # the grace is over: upstream's reaper freed a's blocks
-    assert decode.turnkv_stats.data["turnkv_retained_blocks"] == [6]
+    assert decode.turnkv_stats.data["turnkv_retained_blocks"] == [3]
+    delay, e = decode.request_finished(_request("e", range(300), RETAIN), [[13, 14, 15]])
+    assert delay and e is not None and list(decode._retained.live) == ["b", "e"]
     # a turn larger than the share on its own is not retained, and evicts nothing
-    delay, big = decode.request_finished(_request("big", range(1000), RETAIN), [list(range(10, 20))])
+    delay, big = decode.request_finished(_request("big", range(1000), RETAIN), [list(range(20, 30))])
     assert not delay and big is None and _step(decode).turnkv_evict == {}
-    assert decode.turnkv_stats.data["turnkv_retention_refused"] == [1]
-    assert b is not None and "b" in decode._retained.live and "c" in decode._retained.live
+    assert b is not None
+
+
+def test_a_turn_past_the_device_share_goes_to_the_host_tier_signed_with_its_slots(scheduler):
+    decode, prefill = scheduler(), scheduler()
+    decode._retained_share = 0.03
+    decode._host_budget_mib = decode._host_started_mib = 64
+    _worker_news(decode, pools=[(0, 0x7F0000, 8)])  # rank 0's pool: 8 slots
+    tokens = list(range(300))
+    _, a = decode.request_finished(_request("a", tokens, RETAIN), [[1, 2, 3]])
+    delay, b = decode.request_finished(_request("b", tokens, RETAIN), [[4, 5, 6]])
+    assert wire.HOST_TIER not in a and delay
+    assert b["remote_block_ids"] == [[0, 1, 2]] and b[wire.HOST_TIER] == {"tier": "host", "bases": [0x7F0000],
+                                                                           "blocks": 8}
+    assert wire.check_offer(SECRET, b, "model-x", time.time(), 5) == "ok"
+    moved = dict(b, **{wire.HOST_TIER: {"tier": "host", "bases": [0x100], "blocks": 8}})  # re-pointed: forged
+    assert wire.check_offer(SECRET, moved, "model-x", time.time(), 5) == "forged"
+    # the workers copy device blocks 4-6 into slots 0-2 at the next step
+    assert _step(decode).turnkv_to_host == {"b": ([4, 5, 6], [0, 1, 2], b[wire.EXPIRES_AT])}
+    assert decode.turnkv_stats.data["turnkv_host_retained_requests"] == [1]
+    _freed(decode, "b")  # the copy is done: vLLM frees b's device blocks, the turn stays held in the pool
+    assert "b" in decode._retained.live and decode._retained.host.free == 5
+    # prefill reads it from the pool only when cleared, whatever TURNKV_REQUIRE_CLEARED_OFFERS says
+    prefill._require_cleared = False
+    prompt = tokens + [7] * 10
+    count, _ = prefill.get_num_new_matched_tokens(_request("p1", prompt, dict(b)), 0)
+    assert count == 0 and prefill.turnkv_stats.data["turnkv_offers_uncleared"] == [1]
+    count, _ = prefill.get_num_new_matched_tokens(_request("p2", prompt, _cleared(b)), 0)
+    assert count == 300 and prefill._host_reads["p2"] == ([0x7F0000], 8)
+    assert prefill.turnkv_stats.data["turnkv_pulls"] == [1]  # index of "host"
+    # read: the worker hands the slots back
+    _worker_news(decode, released=[("b", True)])
+    assert "b" not in decode._retained.live and decode._retained.host.free == 8
+    assert decode.turnkv_stats.data["turnkv_host_retained_requests"] == [0]
+
+
+def test_a_lowered_host_budget_evicts_host_turns_and_a_renewal_keeps_a_turn_from_going_idle(scheduler):
+    decode = scheduler()
+    decode._retained_share = 0.03
+    decode._host_budget_mib = decode._host_started_mib = 64
+    _worker_news(decode, pools=[(0, 0x7F0000, 8)])
+    decode.request_finished(_request("a", range(300), RETAIN), [[1, 2, 3]])
+    decode.request_finished(_request("h", range(300), RETAIN), [[4, 5, 6]])
+    assert decode._retained.get("h").tier == "host"
+    since = decode._retained.get("a").since
+    _worker_news(decode, renewed=["a"])
+    assert decode._retained.get("a").since > since
+    decode._apply_tunables({"host_kv_budget_mib": 16})  # 2 of 8 slots usable now: h (3 blocks) must go
+    assert set(_step(decode).turnkv_evict) == {"h"}
+    assert decode.turnkv_stats.data["turnkv_retention_evictions"] == [1]  # index of "shrunk"
 
 
 def test_prefill_does_not_start_reading_a_replay_past_the_routers_read_by_instant(scheduler):
