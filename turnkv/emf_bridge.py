@@ -33,6 +33,13 @@ class Spec:
     outputs: tuple[tuple[str, str, str], ...]
     scale: float = 1.0
     aggregate: str = "sum"  # how label sets (several engines/ranks) combine: sum | max
+    #: Only samples with these labels (e.g. one tier of a counter labelled by tier).
+    labels: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def key(self) -> str:
+        """The snapshot key: the family, and the label filter when there is one."""
+        return self.family + "".join(f"{{{k}={v}}}" for k, v in self.labels)
 
 
 SPECS: tuple[Spec, ...] = (
@@ -47,6 +54,17 @@ SPECS: tuple[Spec, ...] = (
     Spec(mn.VLLM_RUNNING, "gauge", ((mn.REQUESTS_RUNNING, "value", "Count"),)),
     Spec(mn.VLLM_WAITING, "gauge", ((mn.REQUESTS_WAITING, "value", "Count"),)),
     Spec(mn.VLLM_NIXL_EXPIRED, "counter", ((mn.NIXL_EXPIRED, "delta", "Count"),)),
+    Spec(mn.VLLM_RETAINED_BYTES, "gauge", ((mn.RETAINED_BYTES, "value", "Bytes"),)),
+    Spec(mn.VLLM_HOST_RETAINED_BYTES, "gauge", ((mn.HOST_RETAINED_BYTES, "value", "Bytes"),)),
+    Spec(mn.VLLM_HOST_POOL_BYTES, "gauge", ((mn.HOST_POOL_BYTES, "value", "Bytes"),)),
+    Spec(mn.VLLM_HOST_MOVES, "counter", ((mn.HOST_MOVES, "delta", "Count"),)),
+    *(Spec(mn.VLLM_PULLS, "counter", ((mn.pulls(t), "delta", "Count"),), labels=(("tier", t),)) for t in mn.TIERS),
+    *(Spec(mn.VLLM_RETENTION_PLACED, "counter", ((mn.retained(t), "delta", "Count"),), labels=(("tier", t),))
+      for t in mn.TIERS),
+    *(Spec(mn.VLLM_RETENTION_REFUSALS, "counter", ((mn.refused(r), "delta", "Count"),), labels=(("reason", r),))
+      for r in mn.REFUSAL_REASONS),
+    *(Spec(mn.VLLM_RETENTION_EVICTIONS, "counter", ((mn.evicted(r), "delta", "Count"),), labels=(("reason", r),))
+      for r in mn.EVICTION_REASONS),
 )
 
 
@@ -64,28 +82,35 @@ def parse(text: str, specs: tuple[Spec, ...] = SPECS) -> Snapshot:
     """The families in ``specs`` from Prometheus text, label sets combined; missing families are left out."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    wanted = {s.family: s for s in specs}
+    wanted: dict[str, list[Spec]] = {}
+    for spec in specs:
+        wanted.setdefault(spec.family, []).append(spec)
     out: Snapshot = {}
     for family in text_string_to_metric_families(text):
         name = family.name[:-6] if family.name.endswith("_total") else family.name
-        spec = wanted.get(name)
-        if spec is None or not family.samples:
-            continue
-        if spec.kind == "histogram":
-            h = out.setdefault(name, Histogram())
-            for s in family.samples:
-                if s.name.endswith("_bucket"):
-                    le = math.inf if s.labels["le"] == "+Inf" else float(s.labels["le"])
-                    h.buckets[le] = h.buckets.get(le, 0.0) + s.value
-                elif s.name.endswith("_sum"):
-                    h.sum += s.value
-                elif s.name.endswith("_count"):
-                    h.count += s.value
-        else:
-            values = [s.value for s in family.samples if not s.name.endswith("_created")]
-            if values:
-                out[name] = max(values) if spec.aggregate == "max" else sum(values)
+        for spec in wanted.get(name, ()):
+            samples = [s for s in family.samples if all(s.labels.get(k) == v for k, v in spec.labels)]
+            if samples:
+                _take(spec, samples, out)
     return out
+
+
+def _take(spec: Spec, samples: list, out: Snapshot) -> None:
+    if spec.kind == "histogram":
+        h = out.setdefault(spec.key, Histogram())
+        assert isinstance(h, Histogram)
+        for s in samples:
+            if s.name.endswith("_bucket"):
+                le = math.inf if s.labels["le"] == "+Inf" else float(s.labels["le"])
+                h.buckets[le] = h.buckets.get(le, 0.0) + s.value
+            elif s.name.endswith("_sum"):
+                h.sum += s.value
+            elif s.name.endswith("_count"):
+                h.count += s.value
+        return
+    values = [s.value for s in samples if not s.name.endswith("_created")]
+    if values:
+        out[spec.key] = max(values) if spec.aggregate == "max" else sum(values)
 
 
 def quantile(q: float, buckets: Mapping[float, float]) -> float | None:
@@ -116,10 +141,10 @@ def interval_values(prev: Snapshot, cur: Snapshot, specs: tuple[Spec, ...] = SPE
     """EMF name -> (value, unit) for one interval; metrics without observations in it are left out."""
     out: dict[str, tuple[float, str]] = {}
     for spec in specs:
-        if spec.family not in cur:
+        if spec.key not in cur:
             continue
-        now = cur[spec.family]
-        before = prev.get(spec.family)
+        now = cur[spec.key]
+        before = prev.get(spec.key)
         for emf_name, stat, unit in spec.outputs:
             value: float | None
             if spec.kind == "gauge":

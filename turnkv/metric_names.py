@@ -37,6 +37,18 @@ VLLM_WAITING = "vllm:num_requests_waiting"  # gauge
 VLLM_NIXL_XFER_TIME = "vllm:nixl_xfer_time_seconds"  # histogram
 VLLM_NIXL_BYTES = "vllm:nixl_bytes_transferred"  # histogram (its sum: bytes moved)
 VLLM_NIXL_EXPIRED = "vllm:nixl_num_kv_expired_reqs"  # counter
+#: turnkv's retention tiers (connector.stats): counters with a tier or reason label, gauges of bytes held.
+VLLM_PULLS = "vllm:turnkv_pulls"  # counter, label tier (prefill)
+VLLM_RETENTION_PLACED = "vllm:turnkv_retention_placed"  # counter, label tier (decode)
+VLLM_RETENTION_REFUSALS = "vllm:turnkv_retention_refusals"  # counter, label reason (decode)
+VLLM_RETENTION_EVICTIONS = "vllm:turnkv_retention_evictions"  # counter, label reason (decode)
+VLLM_HOST_MOVES = "vllm:turnkv_host_moves"  # counter (decode)
+VLLM_RETAINED_BYTES = "vllm:turnkv_retained_bytes"  # gauge, both tiers (decode)
+VLLM_HOST_RETAINED_BYTES = "vllm:turnkv_host_retained_bytes"  # gauge (decode)
+VLLM_HOST_POOL_BYTES = "vllm:turnkv_host_pool_bytes"  # gauge (decode)
+TIERS = ("device", "host")
+REFUSAL_REASONS = ("too_large", "full")
+EVICTION_REASONS = ("idle", "shrunk")
 
 #: What the bridge publishes per interval (dims Deployment, Role), units in brackets.
 ENGINE_TTFT = "EngineTTFT"  # [Milliseconds] mean over the interval
@@ -50,6 +62,30 @@ NIXL_XFER_TIME = "NixlXferTime"  # [Milliseconds] mean
 NIXL_XFER_TIME_P99 = "NixlXferTimep99"  # [Milliseconds]
 NIXL_BYTES = "NixlBytes"  # [Bytes] moved during the interval
 NIXL_EXPIRED = "NixlExpiredReqs"  # [Count] reads declined because D's blocks were about to expire
+RETAINED_BYTES = "RetainedBytes"  # [Bytes] decode's retained turns, both tiers
+HOST_RETAINED_BYTES = "HostRetainedBytes"  # [Bytes] decode's retained turns in its host tier
+HOST_POOL_BYTES = "HostPoolBytes"  # [Bytes] decode's host-tier pool
+HOST_MOVES = "HostMoves"  # [Count] turns copied from device to host
+
+
+def pulls(tier: str) -> str:
+    """[Count] offers prefill pulled from decode's ``tier`` (device | host)."""
+    return f"Pulls{tier.capitalize()}"
+
+
+def retained(tier: str) -> str:
+    """[Count] finished turns decode retained in ``tier``."""
+    return f"Retained{tier.capitalize()}"
+
+
+def refused(reason: str) -> str:
+    """[Count] finished turns decode did not retain, by reason (too_large | full)."""
+    return "RetentionRefused" + "".join(w.capitalize() for w in reason.split("_"))
+
+
+def evicted(reason: str) -> str:
+    """[Count] retained turns decode evicted, by reason (idle | shrunk)."""
+    return f"RetentionEvicted{reason.capitalize()}"
 
 #: CloudWatch agent metric names (nvidia_gpu and efa sections).
 GPU_UTIL = "nvidia_smi_utilization_gpu"

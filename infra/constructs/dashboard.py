@@ -105,6 +105,7 @@ def engine_segment(f: EngineMetricFactory, roles: tuple[str, ...], gpu: bool) ->
         _graph("Requests running / waiting",
                [f.engine(mn.REQUESTS_RUNNING, r) for r in roles] + [f.engine(mn.REQUESTS_WAITING, r) for r in roles]),
     ])
+    rows.append(retention_row(f))
     accel = ([_graph("GPU utilization", [f.agent(mn.GPU_UTIL, r) for r in roles], unit="%")] if gpu else [])
     rows.append([
         *accel,
@@ -114,3 +115,20 @@ def engine_segment(f: EngineMetricFactory, roles: tuple[str, ...], gpu: bool) ->
                + [f.agent(mn.EFA_UNRESPONSIVE, r, "Sum") for r in roles]),
     ])
     return rows
+
+
+def retention_row(f: EngineMetricFactory) -> list[cw.IWidget]:
+    """Decode's retention tiers (connector.retention): where reuse came from, what each tier holds, and what was
+    moved, refused or evicted, by reason."""
+    return [
+        _graph("Reuse by tier (prefill pulls)", [f.engine(mn.pulls(t), "prefill", "Sum", f"pulled from {t}")
+                                                 for t in mn.TIERS], stacked=True, unit="pulls"),
+        _graph("Retained KV by tier", [f.engine(mn.RETAINED_BYTES, "decode", "Maximum", "both tiers"),
+                                       f.engine(mn.HOST_RETAINED_BYTES, "decode", "Maximum", "host tier"),
+                                       f.engine(mn.HOST_POOL_BYTES, "decode", "Maximum", "host pool size")],
+               unit="bytes", right=[f.engine(mn.HOST_MOVES, "decode", "Sum", "moved device -> host")]),
+        _graph("Retention refusals and evictions by reason",
+               [f.engine(mn.refused(r), "decode", "Sum", f"refused: {r}") for r in mn.REFUSAL_REASONS]
+               + [f.engine(mn.evicted(r), "decode", "Sum", f"evicted: {r}") for r in mn.EVICTION_REASONS],
+               unit="turns"),
+    ]

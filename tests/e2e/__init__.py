@@ -2,4 +2,6 @@
 
 ACME, GLOBEX = "acme-key-0123456789", "globex-key-0123456789"  # the keyed router's two tenants' API keys
 # A short TTL: a decode engine holding retained blocks keeps a core busy until they expire.
-TUNABLES = {"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45}
+# A 64 MiB host tier on decode (64 slots of the tiny model's 1 MiB blocks; allocated at start, so set here):
+# tests/e2e/test_host_tier.py uses it, the other modules leave the device share room enough not to need it.
+TUNABLES = {"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45, "host_kv_budget_mib": 64}

@@ -61,7 +61,7 @@ def stack(request, shared_stack):
 
 
 #: Modules that run before every other module of the package (pytest's order is by file name otherwise).
-FIRST = ("test_retention_eviction.py",)
+FIRST = ("test_retention_eviction.py", "test_host_tier.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,6 +1,7 @@
-"""Decode above retained_kv_share on real vLLM CPU engines: the oldest retained turn is evicted (announced on
-decode's evictions feed, its lease cut to the grace), the router never replays it, the newest still reuses,
-and answers equal reuse-off. On the package's engines through its ``router-evict`` (a 3 s replay window, the
+"""Decode above retained_kv_share on real vLLM CPU engines, no host tier: a newcomer never pushes out a turn still
+likely to be read; an idle one is evicted for it (announced on decode's evictions feed, its lease cut to the
+grace), the router never replays it, the turn kept still reuses, and answers equal reuse-off. On the package's
+engines through its ``router-evict`` (a 3 s replay window, the
 feed read every 0.2 s), with the share and grace hot-reloaded from the tunables file for this module only.
 
 It runs first in the package (conftest.py): decode must hold no other module's turns (checked), and its own
@@ -22,8 +23,10 @@ pytestmark = pytest.mark.engines
 ROUTER = "router-evict"  # a 3 s replay window, the evictions feed read every 0.2 s (conftest.py)
 
 GRACE = 10  # >= replay_window 3 + 2 x 0.2 + 1 + expiry_skew_margin 5 (the catalog's rule)
-# 1% of the 1,024-block cache: ~10 blocks, two 4-5-block turns; the third evicts the first
-ENGINE = {"retained_kv_share": 0.01, "retention_eviction_grace": GRACE}
+IDLE = 2  # retention_idle_evict: a turn unread this long may go for a newer one
+# 1% of the 1,024-block cache: ~10 blocks, two 4-5-block turns; no host tier (the package's decode has one)
+ENGINE = {"retained_kv_share": 0.01, "retention_eviction_grace": GRACE, "retention_idle_evict": IDLE,
+          "host_kv_budget_mib": 0}
 # A's natural expiry (25 s) comes well after its eviction's grace ends (~3 s + GRACE): only the cut frees it in time
 TTL = 25
 
@@ -39,35 +42,45 @@ def engine_tunables(stack):
     try:
         yield
     finally:
-        tunables.write_text(json.dumps({**{name: params.BY_NAME[name].default for name in ENGINE},
+        tunables.write_text(json.dumps({**{name: TUNABLES.get(name, params.BY_NAME[name].default) for name in ENGINE},
                                         "decoder_kv_blocks_ttl": TUNABLES["decoder_kv_blocks_ttl"]}))
         time.sleep(1.2)
 
 
-def test_decode_evicts_its_oldest_turn_and_the_router_never_replays_it(stack):
+def test_decode_keeps_turns_likely_to_be_read_evicts_an_idle_one_and_the_router_never_replays_it(stack):
     router, decode, model_dir = stack["router"], stack["decode-0"], stack["model_dir"]
     evicted_before = metric(decode, "vllm:turnkv_retention_evicted_total")
+    idle_before = metric(decode, "vllm:turnkv_retention_evictions_total", reason="idle")
+    full_before = metric(decode, "vllm:turnkv_retention_refusals_total", reason="full")
     expired_before = metric(decode, "vllm:nixl_num_kv_expired_reqs_total")
     firsts = {}
-    for seed in (801, 802, 803):  # A, B, C: C's retention evicts A (the oldest)
+    for seed in (801, 802, 803):  # A, B, then C once A and B have been idle for IDLE s
+        if seed == 803:
+            time.sleep(IDLE + 0.5)
         messages = [{"role": "user", "content": words(model_dir, 450, seed)}]
         reply = chat(router, messages, conversation=f"evict-{seed}")
         assert reply.status == 200
         firsts[seed] = [*messages, {"role": "assistant", "content": reply.text},
                         {"role": "user", "content": words(model_dir, 40, seed + 50)}]
-    evicted = metric(decode, "vllm:turnkv_retention_evicted_total") - evicted_before
-    assert evicted >= 1
+    # C found the share full: the oldest idle turn (A) went for it, and C itself waits for A's grace (not retained)
+    assert metric(decode, "vllm:turnkv_retention_evictions_total", reason="idle") - idle_before == 1
+    assert metric(decode, "vllm:turnkv_retention_evicted_total") - evicted_before == 1
+    assert metric(decode, "vllm:turnkv_retention_refusals_total", reason="full") - full_before == 1
     feed = requests.get(decode + wire.EVICTIONS_ROUTE, timeout=10).json()
     assert feed["seq"] >= 1 and len(feed["evicted"]) >= 1, feed
     time.sleep(1.0)  # the router reads the feed every 0.2 s
-    # the newest turn was retained: it reuses, with the answer reuse-off gives
-    c = chat(router, firsts[803], conversation="evict-803")
-    assert c.headers["X-TurnKV-Reuse-Outcome"] == "hit" and int(c.headers["X-TurnKV-Reused-Tokens"]) > 300
-    assert c.token_ids == chat(router, firsts[803], reuse=False).token_ids
+    # B was kept: it reuses, with the answer reuse-off gives
+    b = chat(router, firsts[802], conversation="evict-802")
+    assert b.headers["X-TurnKV-Reuse-Outcome"] == "hit" and int(b.headers["X-TurnKV-Reused-Tokens"]) > 300
+    assert b.token_ids == chat(router, firsts[802], reuse=False).token_ids
     # the evicted one is not replayed (its blocks are freed after the grace): recomputed, same answer
     a = chat(router, firsts[801], conversation="evict-801")
     assert a.headers["X-TurnKV-Reuse-Outcome"] == "refused" and a.headers["X-TurnKV-Reused-Tokens"] == "0"
     assert a.token_ids == chat(router, firsts[801], reuse=False).token_ids
+    # C was not retained: nothing to replay, same answer
+    c = chat(router, firsts[803], conversation="evict-803")
+    assert c.headers["X-TurnKV-Reuse-Outcome"] == "miss"
+    assert c.token_ids == chat(router, firsts[803], reuse=False).token_ids
     # the lease was cut to the grace: upstream's reaper freed the blocks long before decoder_kv_blocks_ttl
     time.sleep(GRACE + 2)
-    assert metric(decode, "vllm:nixl_num_kv_expired_reqs_total") - expired_before >= evicted
+    assert metric(decode, "vllm:nixl_num_kv_expired_reqs_total") - expired_before >= 1

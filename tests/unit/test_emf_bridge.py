@@ -136,3 +136,21 @@ def test_run_scrapes_and_sends_emf_lines_over_tcp():
 def test_unreachable_engine_is_logged_not_fatal(capsys):
     bridge.run("http://127.0.0.1:9/metrics", {}, "g", interval=0, iterations=1)
     assert "turnkv emf bridge" in capsys.readouterr().err
+
+
+def test_retention_tiers_are_published_one_series_per_label_value():
+    def text(host_pulls: float, device_pulls: float, full: float, held: float) -> str:
+        return "\n".join([
+            "# TYPE vllm:turnkv_pulls_total counter",
+            f'vllm:turnkv_pulls_total{{engine="0",tier="device"}} {device_pulls}',
+            f'vllm:turnkv_pulls_total{{engine="0",tier="host"}} {host_pulls}',
+            "# TYPE vllm:turnkv_retention_refusals_total counter",
+            f'vllm:turnkv_retention_refusals_total{{engine="0",reason="full"}} {full}',
+            'vllm:turnkv_retention_refusals_total{engine="0",reason="too_large"} 0',
+            "# TYPE vllm:turnkv_host_retained_bytes gauge", f'vllm:turnkv_host_retained_bytes{{engine="0"}} {held}',
+        ]) + "\n"
+
+    values = bridge.interval_values(bridge.parse(text(1, 5, 0, 10)), bridge.parse(text(4, 6, 2, 30)))
+    assert values[mn.pulls("host")] == (3, "Count") and values[mn.pulls("device")] == (1, "Count")
+    assert values[mn.refused("full")] == (2, "Count") and values[mn.refused("too_large")] == (0, "Count")
+    assert values[mn.HOST_RETAINED_BYTES] == (30, "Bytes") and mn.refused("too_large") == "RetentionRefusedTooLarge"
