@@ -107,6 +107,16 @@ def vllm_metrics(scale: int) -> str:
     for family, value in ((mn.VLLM_KV_USAGE, 0.3), (mn.VLLM_RUNNING, 2), (mn.VLLM_WAITING, 1)):
         lines += [f"# TYPE {family} gauge", f'{family}{{engine="0",model_name="tiny"}} {value}']
     lines += [f"# TYPE {mn.VLLM_NIXL_EXPIRED} counter", f'{mn.VLLM_NIXL_EXPIRED}_total{{engine="0"}} {scale}']
+    # turnkv's retention tiers, as the connector's metrics export them (a label per tier or reason)
+    for family in (mn.VLLM_RETAINED_BYTES, mn.VLLM_HOST_RETAINED_BYTES, mn.VLLM_HOST_POOL_BYTES):
+        lines += [f"# TYPE {family} gauge", f'{family}{{engine="0",model_name="tiny"}} {1024 * scale}']
+    lines += [f"# TYPE {mn.VLLM_HOST_MOVES} counter",
+              f'{mn.VLLM_HOST_MOVES}_total{{engine="0",model_name="tiny"}} {scale}']
+    for family, label, values in ((mn.VLLM_PULLS, "tier", mn.TIERS), (mn.VLLM_RETENTION_PLACED, "tier", mn.TIERS),
+                                  (mn.VLLM_RETENTION_REFUSALS, "reason", mn.REFUSAL_REASONS),
+                                  (mn.VLLM_RETENTION_EVICTIONS, "reason", mn.EVICTION_REASONS)):
+        lines.append(f"# TYPE {family} counter")
+        lines += [f'{family}_total{{engine="0",model_name="tiny",{label}="{v}"}} {scale}' for v in values]
     return "\n".join(lines) + "\n"
 
 
