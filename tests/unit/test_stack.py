@@ -5,12 +5,13 @@ import os
 import socket
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import free_port
-from turnkv import wire
+from turnkv import params, wire
 from turnkv.local import stack
 from turnkv.local.stack import ProcessSpec, StackConfig, StackError, Supervisor
 
@@ -142,3 +143,37 @@ def test_extra_routers_share_the_engines_with_flags_and_router_tunables_of_their
     with pytest.raises(StackError, match="decoder_kv_blocks_ttl are not router tunables"):
         plan(StackConfig(state_dir=tmp_path, extra_routers=(
             ExtraRouter("r", 9, tunables={"decoder_kv_blocks_ttl": 5}),)))
+
+
+def _off_default(name):
+    """A value other than the catalog's default that the catalog's cross-checks accept with the other defaults."""
+    tunable = params.get(name)
+    span = tunable.maximum - tunable.minimum
+    for raw in (tunable.maximum, tunable.minimum, tunable.default + span / 10, tunable.default - span / 100,
+                tunable.default * 1.5, tunable.default + 1):
+        try:
+            value = tunable.parse(round(raw) if tunable.kind is int else raw)
+            if value != tunable.default:
+                params.validate({name: value})
+                return value
+        except params.ParamError:
+            continue
+    raise AssertionError(f"no valid non-default value found for {name}")
+
+
+@pytest.mark.parametrize("name", [t.name for t in params.CATALOG if t.scope is params.Scope.ENGINE])
+def test_every_engine_tunable_set_on_local_up_reaches_the_engines_start_values(tmp_path, name):
+    """`turnkv local up --set NAME=VALUE` for each engine tunable: the engines' KV-transfer config carries it, and the
+    connector starts with it (reloadable ones) before any tunables file exists. The host tier is decode's alone."""
+    from connector.tunables import RELOADABLE, start_values
+
+    value = _off_default(name)
+    procs = {p.name: p for p in stack.plan(StackConfig(state_dir=tmp_path, tunables={name: value}))}
+    for role in ("prefill-0", "decode-0"):
+        argv = procs[role].argv
+        extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+        expected = 0 if (name == "host_kv_budget_mib" and role == "prefill-0") else value
+        assert extra[name] == expected, (role, extra)
+        if name in RELOADABLE:
+            config = types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config=extra))
+            assert start_values(config)[name] == expected
