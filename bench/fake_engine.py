@@ -51,6 +51,9 @@ FAKE_SECRET = b"fake-offer-secret"
 FAKE_MODEL = "fake-model-fingerprint"
 #: (decode engine id, block id) -> wall-clock instant decode frees it: the engines of this process.
 RETAINED: dict[tuple[str, int], float] = {}
+#: (engine id, block) -> when decode's host-tier copy of that block is done: a READ before then reads a slot not
+#: yet written (host_copy_delay).
+COPIED_AT: dict[tuple[str, int], float] = {}
 LOCAL_ENGINES: set[str] = set()
 #: Push mode, by request id: decode's registrations waiting for prefill's KV, and KV waiting for a registration.
 PUSH_REGISTRATIONS: dict[str, asyncio.Future[str]] = {}
@@ -98,6 +101,9 @@ class FakeEngine:
     #: does (connector.retention): announced on the evictions feed, its blocks freed ``eviction_grace`` later.
     retain_limit: int = 0
     eviction_grace: float = 30.0
+    #: Decode: offer every retained turn from a host tier (connector.host_tier), its copy done this long after the
+    #: turn ends (a real decode copies at its next step); listed on the feed as hosted from then. None: device.
+    host_copy_delay: float | None = None
     push_wait: float = 2.0
     #: False: prefill reads any offer, as upstream vLLM does (no signature, wall-clock expiry or replay check).
     verify_offers: bool = True
@@ -123,6 +129,7 @@ class FakeEngine:
         self._read: set[str] = set()
         self._held: list[tuple[str, int, float]] = []  # retained turns, oldest first: (request id, block, expiry)
         self._evicted: dict[str, tuple[int, float]] = {}  # the evictions feed: request id -> (number, expiry)
+        self._hosted: dict[str, tuple[float, float]] = {}  # host tier: request id -> (copy done at, offer expiry)
         self._epoch = f"{random.getrandbits(48):012x}"
         # perf_counter's origin differs per host: make it differ per engine, as on separate machines
         self.clock_origin = random.uniform(1e4, 1e6)
@@ -147,6 +154,10 @@ class FakeEngine:
                   "remote_port": self.side_channel_port, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
                   "remote_num_tokens": tokens, "remote_blocks_expiry_time": self.monotonic() + self.expiry_ttl,
                   "transfer_mode": "pull", wire.BOOT: f"boot-{self.engine_id}"}
+        if self.host_copy_delay is not None:
+            params[wire.HOST_TIER] = {"tier": "host", "bases": [0x1000], "blocks": 1 << 20}
+            self._hosted[request_id] = (time.time() + self.host_copy_delay, time.time() + self.expiry_ttl)
+            COPIED_AT[(self.engine_id, block)] = time.time() + self.host_copy_delay
         if self.offer_secret is not None:
             wire.sign_offer(self.offer_secret, params, time.time() + self.expiry_ttl, FAKE_MODEL)
         if self.retain_limit:
@@ -186,8 +197,9 @@ class FakeEngine:
         for group in kv.get("remote_block_ids") or ():
             for block in group:
                 deadline = RETAINED.pop((engine, block), None)
-                if deadline is None or deadline <= time.time():
-                    self.stats["stale_reads"] += 1
+                copied = COPIED_AT.pop((engine, block), 0.0)
+                if deadline is None or deadline <= time.time() or copied > time.time():
+                    self.stats["stale_reads"] += 1  # freed, or a host slot read before decode's copy
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.stats["requests"] += 1
@@ -400,7 +412,11 @@ class FakeEngine:
             """turnkv's evictions feed (connector.leases): announcements after ``since``."""
             since = int(request.query.get("since", "0"))
             events = [[rid, until] for rid, (seq, until) in self._evicted.items() if seq > since]
-            return web.json_response({"epoch": self._epoch, "seq": len(self._evicted), "evicted": events})
+            now = time.time()
+            hosted = [[rid, until] for rid, (done, until) in self._hosted.items()
+                      if done <= now < until and rid not in self._evicted]
+            return web.json_response({"epoch": self._epoch, "seq": len(self._evicted), "evicted": events,
+                                      "hosted": hosted})
 
         async def metrics(_: web.Request) -> web.Response:
             return web.Response(text=f"vllm:num_requests_running {self.stats['running']}\n"
@@ -413,7 +429,8 @@ class FakeEngine:
         app.router.add_post("/fault", set_fault)
         app.router.add_post(wire.LEASE_ROUTE, leases)
         app.router.add_get("/stats", stats)
-        if self.retain_limit:  # an engine that never evicts has no feed (404), like one without turnkv's connector
+        # An engine that never evicts nor hosts has no feed (404), like one without turnkv's connector.
+        if self.retain_limit or self.host_copy_delay is not None:
             app.router.add_get(wire.EVICTIONS_ROUTE, evictions)
         app.router.add_get("/metrics", metrics)
         return app

@@ -436,3 +436,34 @@ async def test_the_router_clears_what_it_replays_and_prefill_reads_nothing_it_di
         replayed = next(kv for kv in p[0].seen_params if isinstance(kv, dict) and kv.get(wire.CLEARANCE))
         assert 0 < replayed[wire.READ_BY] - time.time() <= 10  # replay_window
         assert wire.check_clearance(FAKE_SECRET, replayed, time.time(), required=True) == "ok"
+
+
+async def test_a_host_tier_offer_is_replayed_only_once_decode_lists_its_copy_as_done(monkeypatch):
+    """Decode copies a turn placed on its host tier at its next step, while the offer already left with the
+    response. A next turn that arrives first must not read the slots: the router clears a host-tier offer only once
+    decode's feed lists it as hosted, reading the feed again on the spot when its last read did not (a fast tool
+    loop still reuses once the copy is done). Without that check the race reads unwritten slots."""
+    from router.engines import evictions
+
+    alpha = [{"role": "user", "content": "alpha " * 200}]
+    p, d = engines(1, "prefill"), engines(1, "decode", host_copy_delay=0.6)
+    async with router_over(p, d, tunables={"evictions_interval": 3}) as (s, _):
+        await asyncio.sleep(0.3)  # the feed's first read
+        first = await chat(s, alpha, conversation="fast")
+        racing = await chat(s, next_turn(alpha, first["text"]), conversation="fast")  # before the copy is done
+        assert racing["status"] == 200 and racing["headers"]["X-TurnKV-Reuse-Outcome"] == "refused"
+        second = await chat(s, [*alpha, {"role": "user", "content": "again"}], conversation="slow")
+        await asyncio.sleep(0.8)  # the copy is done; the feed is read every 3 s, and once on the spot
+        later = await chat(s, next_turn([*alpha, {"role": "user", "content": "again"}], second["text"]),
+                           conversation="slow")
+        assert later["headers"]["X-TurnKV-Reuse-Outcome"] == "hit" and p[0].stats["pulled"] > 0
+        assert p[0].stats["stale_reads"] == 0
+    # the same race with the router's check taken out: prefill reads the slots before decode wrote them
+    monkeypatch.setattr(evictions, "HOST_COPY_PENDING", "(check disabled)")
+    monkeypatch.setattr(evictions.EvictionFeed, "refuses",
+                        lambda self, rid, now, interval, host_tier=False: "evicted" if rid in self.evicted else None)
+    p, d = engines(1, "prefill"), engines(1, "decode", host_copy_delay=0.6)
+    async with router_over(p, d, tunables={"evictions_interval": 3}) as (s, _):
+        first = await chat(s, alpha, conversation="fast")
+        racing = await chat(s, next_turn(alpha, first["text"]), conversation="fast")
+        assert racing["headers"]["X-TurnKV-Reuse-Outcome"] == "hit" and p[0].stats["stale_reads"] == 1
