@@ -25,11 +25,14 @@ class InstanceProfile:
     efa_interfaces: int
     #: Devices a tensor-parallel group can span: GPUs, or logical NeuronCores (LNC=2 on trn2).
     accelerators: int
+    #: Host memory (EC2 instance type specifications): what decode's host tier of retained turns can draw on.
+    host_memory_gib: int = 2048
     #: Root volume: model weights are cached there unless the AMI puts them on instance NVMe.
     root_volume_gib: int = 1000
 
 
-#: p5en 16 EFA, p5/p5e 32, trn2 16, trn1 8 (AWS HPC recipes, moto's instance data, EC2 user guide).
+#: p5en 16 EFA, p5/p5e 32, trn2 16, trn1 8 (AWS HPC recipes, moto's instance data, EC2 user guide); host
+#: memory 2,048 GiB on p5en, p5, p5e and trn2, 512 GiB on trn1 (EC2 accelerated computing specifications).
 INSTANCE_TYPES: dict[str, InstanceProfile] = {
     p.instance_type: p
     for p in (
@@ -37,7 +40,7 @@ INSTANCE_TYPES: dict[str, InstanceProfile] = {
         InstanceProfile("p5.48xlarge", Flavor.GPU, efa_interfaces=32, accelerators=8),
         InstanceProfile("p5e.48xlarge", Flavor.GPU, efa_interfaces=32, accelerators=8),
         InstanceProfile("trn2.48xlarge", Flavor.NEURON, efa_interfaces=16, accelerators=64),
-        InstanceProfile("trn1.32xlarge", Flavor.NEURON, efa_interfaces=8, accelerators=32),
+        InstanceProfile("trn1.32xlarge", Flavor.NEURON, efa_interfaces=8, accelerators=32, host_memory_gib=512),
     )
 }
 
@@ -55,3 +58,16 @@ def efa_layout(instance_type: str) -> tuple[InterfaceSlot, ...]:
     return tuple(
         InterfaceSlot(card, 0, "efa" if card == 0 else "efa-only") for card in range(profile.efa_interfaces)
     )
+
+
+#: Share of a decode node's host memory its engines' host tiers take by default: the rest stays for vLLM (weights
+#: staging, CPU-side buffers), the OS and NIXL's bounce buffers.
+HOST_TIER_SHARE = 0.5
+
+
+def host_tier_budget_mib(instance_type: str, tensor_parallel_size: int, share: float = HOST_TIER_SHARE) -> int:
+    """Each decode engine's default ``host_kv_budget_mib``: ``share`` of the node's host memory, split between the
+    engines a node runs (its accelerators over the tensor-parallel size)."""
+    profile = INSTANCE_TYPES[instance_type]
+    engines = max(1, profile.accelerators // max(1, tensor_parallel_size))
+    return int(profile.host_memory_gib * 1024 * share) // engines

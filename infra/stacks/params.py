@@ -8,8 +8,10 @@ from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
 from infra.config import DeploymentConfig
+from infra.instances import host_tier_budget_mib
 from turnkv import params
 from turnkv.aws_params import allowed_pattern, description
+from turnkv.engine_args import Role
 
 
 class ParamsStack(Stack):
@@ -18,17 +20,30 @@ class ParamsStack(Stack):
         # The catalog's cross-checks hold for the defaults (a broken catalog fails the synth here).
         params.cross_check(params.defaults())
         self.parameters: dict[str, ssm.CfnParameter] = {}
+        values = deployment_defaults(config)
         for tunable in params.CATALOG:
             self.parameters[tunable.name] = ssm.CfnParameter(
                 self, _logical_id(tunable.name),
                 name=tunable.ssm_path(config.name),
                 type="String",
-                value=str(tunable.default),
+                value=str(values[tunable.name]),
                 description=description(tunable),
                 allowed_pattern=allowed_pattern(tunable),
                 tier="Standard",
                 tags={"turnkv:deployment": config.name, "turnkv:scope": tunable.scope.value},
             )
+
+
+def deployment_defaults(config: DeploymentConfig) -> dict[str, int | float]:
+    """The catalog's defaults, with what depends on the deployment's nodes: the host tier of retained turns sized
+    from the decode pool's host memory (``infra.instances.host_tier_budget_mib``; 0 without a decode pool)."""
+    values = params.defaults()
+    decode = next((p for p in config.pools if p.role is Role.DECODE), None)
+    if decode is not None:
+        budget = host_tier_budget_mib(decode.instance_type, config.model.tensor_parallel_size)
+        values["host_kv_budget_mib"] = params.get("host_kv_budget_mib").parse(budget)
+    params.cross_check(values)
+    return values
 
 
 def parameter_arn(stack: Stack, deployment: str, suffix: str) -> str:

@@ -9,6 +9,7 @@ import boto3
 import pytest
 from typer.testing import CliRunner
 
+from infra.stacks.params import deployment_defaults
 from turnkv import params
 from turnkv.cli import app
 
@@ -39,12 +40,13 @@ def test_params_stack_deploys_and_the_cli_reads_it(gpu, moto_env, monkeypatch):
 
     pages = ssm.get_paginator("get_parameters_by_path").paginate(Path="/turnkv/gpu", Recursive=True)
     stored = {p["Name"]: p["Value"] for page in pages for p in page["Parameters"]}
-    assert stored == {t.ssm_path("gpu"): str(t.default) for t in params.CATALOG}
+    sized = deployment_defaults(gpu.app.config)  # the catalog's, the host tier sized from the decode nodes
+    assert stored == {t.ssm_path("gpu"): str(sized[t.name]) for t in params.CATALOG}
 
     listed = CliRunner().invoke(app, ["params", "list", "--deployment", "gpu", "--json"])
     assert listed.exit_code == 0, listed.output
     table = json.loads(listed.output)
-    assert all(row["stored"] == str(row["default"]) and row["error"] is None for row in table.values())
+    assert all(row["stored"] == str(sized[name]) and row["error"] is None for name, row in table.items())
 
     ok = CliRunner().invoke(app, ["params", "set", "decoder_kv_blocks_ttl", "600", "--deployment", "gpu",
                                   "--who", "ci"])

@@ -9,6 +9,7 @@ import re
 import pytest
 from aws_cdk.assertions import Match
 
+from infra.instances import INSTANCE_TYPES
 from turnkv import metric_names as mn
 from turnkv import params
 from turnkv.aws_params import allowed_pattern
@@ -23,12 +24,24 @@ def test_every_tunable_is_an_ssm_parameter_with_its_default(any_app):
     assert set(stored) == {t.ssm_path(name) for t in params.CATALOG}
     for t in params.CATALOG:
         p = stored[t.ssm_path(name)]
-        assert p["Value"] == str(t.default) and p["Type"] == "String"
+        expected = t.default
+        if t.name == "host_kv_budget_mib":  # sized from the decode nodes: half of a p5/p5en's 2 TiB, one TP-8 engine
+            expected = 1024 * 1024
+        assert p["Value"] == str(expected) and p["Type"] == "String"
         assert p["AllowedPattern"] == allowed_pattern(t) and re.match(p["AllowedPattern"], p["Value"])
         assert t.help[:40] in p["Description"] and t.allowed in p["Description"]
     assert stored[f"/turnkv/{name}/engine/decoder_kv_blocks_ttl"]["Value"] == "480"
     assert stored[f"/turnkv/{name}/engine/kv_recompute_threshold"]["Value"] == "64"
     assert stored[f"/turnkv/{name}/router/conversation_ttl"]["Value"] == "450"
+
+
+def test_the_host_tier_budget_is_sized_from_the_decode_nodes_host_memory():
+    from infra.instances import host_tier_budget_mib
+
+    assert host_tier_budget_mib("p5en.48xlarge", 8) == 1024 * 1024  # 1 TiB of the node's 2 TiB, one engine
+    assert host_tier_budget_mib("p5en.48xlarge", 1) == 128 * 1024  # eight engines share it
+    assert host_tier_budget_mib("trn1.32xlarge", 32) == 256 * 1024
+    assert all(host_tier_budget_mib(t, 8) <= params.get("host_kv_budget_mib").maximum for t in INSTANCE_TYPES)
 
 
 def test_vpc_flow_logs_and_endpoints_without_internet_path(gpu):
