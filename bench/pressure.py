@@ -1,0 +1,538 @@
+"""Retention pressure: reuse and TTFT as live conversations outnumber what decode can retain.
+
+Levels are multiples of the conversations whose last turn fits in decode's retention room
+(``retained_kv_share`` x decode's KV blocks, from its /metrics, over the blocks of one conversation's last
+turn; ``--fit`` overrides). At each level N conversations are played at once, one client task each, with
+think times between turns. The reuse-on phase comes first and the same turns are then played again with
+``X-TurnKV-Reuse: off``, as a second phase rather than interleaved: interleaved, each arm's requests would
+queue behind the other's on the one prefill engine, and decode's counters and gauges (evictions, refusals,
+bytes per tier, read before and after the reuse-on phase) would mix in the other arm's traffic. Reuse-off
+turns are not retained by decode (the router does not ask), so the second phase does not add pressure.
+
+Per variant (engine tunables such as ``retained_kv_share`` and ``host_kv_budget_mib``) it starts its own
+local stack (``turnkv.local.stack``), by default one per level so that no level starts with the turns of the
+one before it in decode's room; or runs against a router already up (``--url``, one variant).
+
+    python -m bench.pressure --levels 1,3 --variant "device only=retained_kv_share=0.02"
+    python -m bench.pressure --url http://127.0.0.1:8000 --decode-url http://127.0.0.1:8200 --fit 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+
+from bench import pressure_calc as calc
+from bench.client import Result, chat
+from bench.workload import Conversation, WorkloadSpec, build, from_workload_file
+
+SAMPLE_EVERY_S = 2.0
+
+
+@dataclass
+class Options:
+    levels: list[float] = field(default_factory=lambda: [0.5, 1, 2, 4, 8])
+    turns: int = 4
+    think: calc.Think = field(default_factory=lambda: calc.Think("fixed", 35.0))
+    workload: WorkloadSpec = field(default_factory=lambda: WorkloadSpec(
+        turns=4, system_words=200, first_user_words=300, turn_words=200, max_tokens=16, seed=7))
+    #: A ``turnkv plan`` workload (turnkv.plan.workload.Workload): lengths and think times from its samples.
+    planned: Any = None
+    fit: int | None = None
+    stagger: float = 0.2
+    timeout: float = 300.0
+    #: Wall-clock bound on the whole sweep: no turn starts after it (what is left is counted as skipped).
+    max_seconds: float = 7200.0
+    sample_every: float = SAMPLE_EVERY_S
+    words: list[str] | None = None
+
+
+@dataclass
+class Target:
+    """What a level is played against: the router, and decode for its /metrics and memory."""
+
+    url: str
+    decode_url: str | None = None
+    decode_pid: int | None = None
+    model: str | None = None
+
+
+# -- conversations -----------------------------------------------------------------------------------
+
+
+def conversations(opts: Options, n: int, level_index: int) -> list[Conversation]:
+    """``n`` conversations, with text of their own per level (no level finds another's turns by content)."""
+    seed = opts.workload.seed + 1000 * level_index
+    if opts.planned is not None:
+        return from_workload_file(dataclasses.replace(opts.planned, num_conversations=n), opts.words, seed)
+    return build(dataclasses.replace(opts.workload, conversations=n, turns=opts.turns, seed=seed), opts.words)
+
+
+def tokens_per_conversation(opts: Options) -> int:
+    """The largest last turn (prompt + reply tokens) of the workload, for the fit."""
+    convs = conversations(opts, opts.planned.num_conversations if opts.planned is not None else 4, 0)
+    return max(calc.last_turn_tokens(c, opts.workload.max_tokens) for c in convs)
+
+
+# -- decode's metrics and memory ---------------------------------------------------------------------
+
+
+async def metrics_text(session: aiohttp.ClientSession, decode_url: str) -> str | None:
+    try:
+        async with session.get(decode_url.rstrip("/") + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            return await r.text() if r.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+
+
+def rss_bytes(pid: int | None) -> int | None:
+    """Resident memory of a process and its children (vLLM's engine core is a child of the API server)."""
+    if pid is None:
+        return None
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return None
+    total = 0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss
+    return total
+
+
+async def snapshot(session: aiohttp.ClientSession, target: Target) -> dict[str, float]:
+    """decode's turnkv series (by tier/reason) plus ``rss_bytes`` when the pid is known."""
+    text = await metrics_text(session, target.decode_url) if target.decode_url else None
+    series = calc.turnkv_series(text) if text else {}
+    rss = rss_bytes(target.decode_pid)
+    return {**series, **({"rss_bytes": float(rss)} if rss is not None else {})}
+
+
+async def sample_until(session: aiohttp.ClientSession, target: Target, stop: asyncio.Event, every: float,
+                       into: list[dict[str, float]]) -> None:
+    while not stop.is_set():
+        into.append(await snapshot(session, target))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every)
+
+
+async def read_fit(session: aiohttp.ClientSession, target: Target, share: float, opts: Options) -> calc.Fit:
+    if opts.fit is not None:
+        return calc.Fit(opts.fit, "given", retained_kv_share=share,
+                        last_turn_tokens=tokens_per_conversation(opts))
+    text = await metrics_text(session, target.decode_url) if target.decode_url else None
+    config = calc.cache_config(text) if text else None
+    if config is None:
+        raise RuntimeError(f"no vllm:cache_config_info on {target.decode_url}/metrics: pass --fit N "
+                           "(conversations whose last turn fits in decode's retention room)")
+    return calc.compute_fit(config[0], config[1], share, tokens_per_conversation(opts))
+
+
+# -- playing a level ---------------------------------------------------------------------------------
+
+
+async def play(session: aiohttp.ClientSession, target: Target, convs: list[Conversation], opts: Options,
+               arm: str, tag: str, deadline: float, on_result: Callable[[Result], None]) -> tuple[list[Result], int]:
+    """Every conversation at once, one task each, think times between turns; returns results and turns skipped
+    for the deadline."""
+    results: list[Result] = []
+    skipped = 0
+    headers = {"X-TurnKV-Reuse": "off"} if arm == "off" else {}
+    think_seed = opts.workload.seed
+
+    async def converse(conv: Conversation) -> None:
+        nonlocal skipped
+        await asyncio.sleep(conv.index * opts.stagger)
+        replies: list[str] = []
+        delays = opts.think.delays(conv, think_seed)
+        for turn in range(len(conv.user_turns)):
+            if delays[turn]:
+                await asyncio.sleep(delays[turn])
+            if time.monotonic() > deadline:
+                skipped += len(conv.user_turns) - turn
+                return
+            body = {"model": target.model, "messages": conv.messages_for(turn, replies),
+                    "max_tokens": conv.max_tokens[turn] if conv.max_tokens else opts.workload.max_tokens,
+                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                    "conversation_id": f"pressure-{tag}-{conv.index}-{arm}"}
+            result = await chat(session, target.url, body, headers, Result(conv.index, turn, arm), opts.timeout)
+            replies.append(result.reply)
+            results.append(result)
+            on_result(result)
+
+    await asyncio.gather(*(converse(c) for c in convs))
+    return results, skipped
+
+
+async def run_level(target: Target, convs: list[Conversation], opts: Options, tag: str, deadline: float,
+                    on_result: Callable[[Result], None]) -> tuple[dict[str, Any], list[Result]]:
+    """Reuse on (decode sampled throughout, counters read before and after), then reuse off."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        if target.model is None:
+            from bench.runner import discover_model
+
+            target.model = await discover_model(session, target.url)
+        before = await snapshot(session, target)
+        samples: list[dict[str, float]] = [before]
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(sample_until(session, target, stop, opts.sample_every, samples))
+        started = time.monotonic()
+        on, skipped_on = await play(session, target, convs, opts, "on", tag, deadline, on_result)
+        on_seconds = time.monotonic() - started
+        stop.set()
+        await sampler
+        after = await snapshot(session, target)
+        samples.append(after)
+        off, skipped_off = await play(session, target, convs, opts, "off", tag, deadline, on_result)
+    summary = calc.level_summary(on, off)
+    deltas = calc.counter_deltas(before, after)
+    rss = [s["rss_bytes"] for s in samples if "rss_bytes" in s]
+    summary.update({
+        "turns_skipped": skipped_on + skipped_off,
+        "reuse_on_phase_s": round(on_seconds, 1),
+        "decode_counters": deltas,
+        "evictions": calc.sum_by(deltas, "vllm:turnkv_retention_evictions_total")
+        + calc.sum_by(deltas, "vllm:turnkv_retention_evicted_total"),
+        "refusals": calc.sum_by(deltas, "vllm:turnkv_retention_refusals_total")
+        + calc.sum_by(deltas, "vllm:turnkv_retention_refused_total"),
+        "tier_bytes": calc.gauge_peaks(samples),
+        "decode_rss_mib": {"peak": round(max(rss) / 2**20, 1), "last": round(rss[-1] / 2**20, 1)} if rss else None,
+        "decode_metrics": bool(target.decode_url) and any(k != "rss_bytes" for k in after),
+    })
+    return summary, on + off
+
+
+# -- variants: a stack of their own, or the router given ---------------------------------------------
+
+
+@contextlib.contextmanager
+def stack_target(variant: calc.Variant, state_dir: Path, port_base: int) -> Iterator[tuple[Target, list[str]]]:
+    """A local stack with the variant's engine tunables; stopped on exit, Ctrl-C included (its own ``down``)."""
+    from bench.variants import stack_with_env
+    from turnkv.local.model import load_words
+
+    with stack_with_env({}, state_dir, port_base=port_base, tunables=dict(variant.tunables)) as state:
+        decode = state["components"]["decode-0"]
+        yield (Target(state["components"]["router"]["url"], decode["url"], decode["pid"]),
+               load_words(state["model_dir"]))
+
+
+def share_of(variant: calc.Variant) -> float:
+    from turnkv import params
+
+    return float(variant.tunables.get("retained_kv_share", params.BY_NAME["retained_kv_share"].default))
+
+
+async def _fit_and_level(target: Target, variant: calc.Variant, opts: Options, index: int, level: float,
+                         run_id: str, deadline: float, on_result: Callable[[Result], None],
+                         on_start: Callable[[int], None], fit: calc.Fit | None) -> tuple[dict, list[Result], calc.Fit]:
+    if fit is None:
+        async with aiohttp.ClientSession() as session:
+            fit = await read_fit(session, target, share_of(variant), opts)
+    n = calc.conversations_at(level, fit.conversations)
+    on_start(n)
+    convs = conversations(opts, n, index)
+    summary, results = await run_level(target, convs, opts, f"{run_id}-{index}", deadline, on_result)
+    return {"level": level, "conversations": n, **summary}, results, fit
+
+
+def sweep_variant(variant: calc.Variant, opts: Options, *, url: Target | None = None, state_dir: Path = Path(
+        ".turnkv/pressure"), port_base: int = 8700, stack_per: str = "level",
+        on_result: Callable[[Result], None] = lambda r: None, on_level_start: Callable[[str, float, int], None]
+        = lambda v, lv, n: None, on_level: Callable[[dict[str, Any], list[Result]], None] = lambda lv, rs: None,
+        deadline: float | None = None) -> dict[str, Any]:
+    """Every level for one variant: against ``url``, or on its own stack (one per level or per variant)."""
+    run_id = uuid.uuid4().hex[:6]
+    deadline = deadline if deadline is not None else time.monotonic() + opts.max_seconds
+    levels: list[dict[str, Any]] = []
+    fit: calc.Fit | None = None
+
+    def one(target: Target, index: int, level: float, fit: calc.Fit | None) -> calc.Fit:
+        summary, results, fit = asyncio.run(_fit_and_level(
+            target, variant, opts, index, level, run_id, deadline, on_result,
+            lambda n: on_level_start(variant.name, level, n), fit))
+        levels.append(summary)
+        on_level(summary, results)
+        return fit
+
+    if url is not None:
+        for i, level in enumerate(opts.levels):
+            if time.monotonic() > deadline:
+                break
+            fit = one(url, i, level, fit)
+    elif stack_per == "variant":
+        with stack_target(variant, state_dir, port_base) as (target, words):
+            opts.words = opts.words or words
+            for i, level in enumerate(opts.levels):
+                if time.monotonic() > deadline:
+                    break
+                fit = one(target, i, level, fit)
+    else:
+        for i, level in enumerate(opts.levels):
+            if time.monotonic() > deadline:
+                break
+            with stack_target(variant, state_dir, port_base) as (target, words):
+                opts.words = opts.words or words
+                fit = one(target, i, level, fit)
+    return {"variant": variant.name, "tunables": variant.tunables, "fit": fit.as_dict() if fit else None,
+            "levels": levels}
+
+
+# -- report ------------------------------------------------------------------------------------------
+
+
+def _pct(v: float | None) -> str:
+    return f"{100 * v:.0f}%" if v is not None else "-"
+
+
+def _ms(v: float | None) -> str:
+    return f"{v:,.0f}" if v is not None else "-"
+
+
+def _mib(level: dict[str, Any]) -> str:
+    peaks = [f"{k.removeprefix('vllm:turnkv_')} {v['peak'] / 2**20:.1f}" for k, v in level["tier_bytes"].items()]
+    return ", ".join(peaks) or "-"
+
+
+COLUMNS: dict[str, Callable[[dict[str, Any], dict[str, Any]], str]] = {
+    "variant": lambda v, lv: v["variant"],
+    "level": lambda v, lv: f"{lv['level']:g}x",
+    "conversations": lambda v, lv: str(lv["conversations"]),
+    "later turns reused": lambda v, lv: f"{lv['later_turns_reused']}/{lv['later_turns']} "
+                                        f"({_pct(lv['reuse_share'])})",
+    "TTFT p50 on/off (ms)": lambda v, lv: f"{_ms(lv['ttft_on_p50_ms'])} / {_ms(lv['ttft_off_p50_ms'])}",
+    "TTFT p90 on/off (ms)": lambda v, lv: f"{_ms(lv['ttft_on_p90_ms'])} / {_ms(lv['ttft_off_p90_ms'])}",
+    "identical": lambda v, lv: f"{lv['answers_identical']}/{lv['answers_compared']}",
+    "errors on/off": lambda v, lv: f"{lv['errors_on']}/{lv['errors_off']}",
+    "evicted / refused": lambda v, lv: f"{lv['evictions']:g} / {lv['refusals']:g}",
+    "retained peak (MiB)": lambda v, lv: _mib(lv),
+    "decode RSS peak (MiB)": lambda v, lv: f"{lv['decode_rss_mib']['peak']:,.0f}" if lv["decode_rss_mib"] else "-",
+}
+
+
+def rows(result: dict[str, Any]) -> list[list[str]]:
+    return [[cell(v, lv) for cell in COLUMNS.values()] for v in result["variants"] for lv in v["levels"]]
+
+
+def fit_line(variant: dict[str, Any]) -> str:
+    f = variant["fit"]
+    if not f:
+        return f"{variant['variant']}: no level ran"
+    if f["source"] == "given":
+        return (f"{variant['variant']}: fit {f['conversations']} conversations (given); last turn "
+                f"~{f['last_turn_tokens']} tokens")
+    return (f"{variant['variant']}: fit {f['conversations']} conversations = {f['retained_kv_share']:g} x "
+            f"{f['num_gpu_blocks']} blocks ({f['room_blocks']} blocks of {f['block_size']} tokens) / "
+            f"{f['blocks_per_conversation']} blocks per conversation (last turn ~{f['last_turn_tokens']} tokens)")
+
+
+def table(result: dict[str, Any]):
+    from rich.table import Table
+
+    t = Table(title="Retention pressure: live conversations against decode's retention room")
+    for name in COLUMNS:
+        t.add_column(name, overflow="fold")
+    for row in rows(result):
+        t.add_row(*row)
+    return t
+
+
+def chart(result: dict[str, Any], path: Path) -> Path:
+    """Reuse share and TTFT p90 (on solid, off dashed) against the level, one colour per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (share_ax, ttft_ax) = plt.subplots(1, 2, figsize=(11, 4.4), dpi=120)
+    colours = ["#27ae60", "#2980b9", "#8e44ad", "#d35400", "#7f8c8d"]
+    for i, v in enumerate(result["variants"]):
+        c = colours[i % len(colours)]
+        lv = v["levels"]
+        share = [(x["level"], 100 * x["reuse_share"]) for x in lv if x["reuse_share"] is not None]
+        if share:
+            share_ax.plot(*zip(*share, strict=True), marker="o", color=c, label=v["variant"])
+        for arm, style in (("on", "-"), ("off", "--")):
+            pts = [(x["level"], x[f"ttft_{arm}_p90_ms"]) for x in lv if x[f"ttft_{arm}_p90_ms"] is not None]
+            if pts:
+                ttft_ax.plot(*zip(*pts, strict=True), linestyle=style, marker="o", color=c,
+                             label=f"{v['variant']}, reuse {arm}")
+    levels = sorted({x["level"] for v in result["variants"] for x in v["levels"]})
+    for ax, ylabel in ((share_ax, "later turns reused (%)"), (ttft_ax, "TTFT p90 (ms)")):
+        if levels:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(levels, [f"{x:g}x" for x in levels])
+        ax.set_xlabel("live conversations / conversations that fit")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    share_ax.set_ylim(0, 105)
+    fig.suptitle("Retention pressure")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def write(result: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(result, indent=2))
+    chart(result, out / "pressure.png")
+
+
+def append_results(out: Path, variant: str, level: dict[str, Any], results: list[Result]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "results.jsonl", "a") as f:
+        for r in results:
+            f.write(json.dumps({"variant": variant, "level": level["level"], "conversations": level["conversations"],
+                                **r.to_json()}) + "\n")
+
+
+# -- the whole sweep ---------------------------------------------------------------------------------
+
+
+def run(opts: Options, variants: list[calc.Variant], out: Path, *, url: Target | None = None,
+        state_dir: Path = Path(".turnkv/pressure"), port_base: int = 8700, stack_per: str = "level",
+        on_result: Callable[[Result], None] = lambda r: None,
+        on_level_start: Callable[[str, float, int], None] = lambda v, lv, n: None) -> dict[str, Any]:
+    """Sweep every variant; the report is rewritten after each level, so a run cut short keeps what it did."""
+    if url is not None and len(variants) != 1:
+        raise ValueError("--url runs one variant: name it (and its tunables, for the fit) with one --variant")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.jsonl").unlink(missing_ok=True)
+    meta = {"levels": opts.levels, "turns": opts.turns, "think": dataclasses.asdict(opts.think),
+            "workload": opts.workload.__dict__ if opts.planned is None else "file", "stagger_s": opts.stagger,
+            "url": url.url if url else None, "decode_url": url.decode_url if url else None,
+            "stack_per": None if url else stack_per, "arms": "reuse on, then the same turns with reuse off",
+            "reuse_counted_from": "X-TurnKV-Reused-Tokens > 0 (tokens prefill pulled, as the router reports)",
+            "decode_window": "counters and gauges over the reuse-on phase of each level",
+            "started_at": time.time()}
+    result: dict[str, Any] = {"meta": meta, "variants": []}
+    deadline = time.monotonic() + opts.max_seconds
+    for variant in variants:
+        current = {"variant": variant.name, "tunables": variant.tunables, "fit": None, "levels": []}
+        result["variants"].append(current)
+
+        def on_level(level: dict[str, Any], results: list[Result], current: dict = current,
+                     name: str = variant.name) -> None:
+            current["levels"].append(level)
+            append_results(out, name, level, results)
+            write(result, out)
+
+        done = sweep_variant(variant, opts, url=url, state_dir=state_dir, port_base=port_base, stack_per=stack_per,
+                             on_result=on_result, on_level_start=on_level_start, on_level=on_level, deadline=deadline)
+        current["fit"] = done["fit"]
+        write(result, out)
+    meta["finished_at"] = time.time()
+    write(result, out)
+    return result
+
+
+QUICK = {"levels": [1.0, 2.0], "turns": 3, "think": calc.Think("fixed", 1.0)}
+
+
+def quick(out: Path = Path("results/demo/pressure"), url: str | None = None, decode_url: str | None = None,
+          fit: int | None = None, on_result: Callable[[Result], None] = lambda r: None) -> dict[str, Any]:
+    """The short row for ``make demo``: 1x and 2x of what fits, 3 turns, 1 s think. Without ``url`` it starts
+    its own stack (retained_kv_share 0.02, so a few conversations fill the room); with the demo's running stack
+    pass ``fit`` unless its share is small (at the default 0.5 the fit is dozens of conversations)."""
+    opts = Options(levels=QUICK["levels"], turns=QUICK["turns"], think=QUICK["think"], fit=fit,
+                   workload=WorkloadSpec(turns=3, system_words=100, first_user_words=200, turn_words=100,
+                                         max_tokens=16, seed=7), max_seconds=600)
+    variant = calc.Variant("device only", {} if url else {"retained_kv_share": 0.02})
+    target = Target(url, decode_url) if url else None
+    return run(opts, [variant], out, url=target, on_result=on_result)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--levels", default="0.5,1,2,4,8", help="multiples of the conversations that fit")
+    p.add_argument("--variant", action="append", default=[],
+                   help='NAME=KEY=VALUE,... engine tunables of one stack (repeatable); default: "device only" '
+                        '(retained_kv_share=0.02) and "host tier" (+ host_kv_budget_mib=512)')
+    p.add_argument("--url", help="a router already up instead of stacks of our own (one --variant)")
+    p.add_argument("--decode-url", help="with --url: decode's base URL for /metrics")
+    p.add_argument("--decode-pid", type=int, help="with --url: decode's pid, for its host RSS")
+    p.add_argument("--fit", type=int, help="conversations that fit (default: from decode's /metrics)")
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--think", default="fixed:35", help="fixed:S, exp:MEAN (seeded) or file (with --workload)")
+    p.add_argument("--workload", type=Path, help="a turnkv plan workload file (lengths and think times)")
+    p.add_argument("--system-words", type=int, default=200)
+    p.add_argument("--first-user-words", type=int, default=300)
+    p.add_argument("--turn-words", type=int, default=200)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--stagger", type=float, default=0.2, help="seconds between conversation starts")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--max-minutes", type=float, default=120.0, help="no turn starts after this")
+    p.add_argument("--stack-per", choices=("level", "variant"), default="level",
+                   help="a fresh stack per level (no level inherits the last one's retained turns) or per variant")
+    p.add_argument("--port-base", type=int, default=8700)
+    p.add_argument("--state-dir", type=Path, default=Path(".turnkv/pressure"))
+    p.add_argument("--quick", action="store_true", help="make demo's short mode: levels 1,2, 3 turns, 1 s think")
+    p.add_argument("--out", type=Path, default=Path("results/pressure"))
+    return p
+
+
+def options(args: argparse.Namespace) -> tuple[Options, list[calc.Variant], Target | None]:
+    """Parsed flags -> what ``run`` takes (ValueError with the flag's name when one is wrong)."""
+    if args.quick:
+        args.levels, args.turns, args.think = "1,2", 3, "fixed:1"
+    think = calc.parse_think(args.think)
+    planned = None
+    if args.workload is not None:
+        from turnkv.plan.workload import load
+
+        planned = load(args.workload)
+    elif think.kind == "file":
+        raise ValueError("--think file needs --workload")
+    workload = WorkloadSpec(turns=args.turns, system_words=args.system_words, first_user_words=args.first_user_words,
+                            turn_words=args.turn_words, max_tokens=args.max_tokens, seed=args.seed)
+    opts = Options(levels=calc.parse_levels(args.levels), turns=args.turns, think=think, workload=workload,
+                   planned=planned, fit=args.fit, stagger=args.stagger, timeout=args.timeout,
+                   max_seconds=args.max_minutes * 60)
+    if args.fit is not None and args.fit < 1:
+        raise ValueError("--fit must be at least 1")
+    texts = args.variant or (["reuse on"] if args.url else list(calc.DEFAULT_VARIANTS))
+    variants = [calc.parse_variant(t) for t in texts]
+    if args.url and len(variants) != 1:
+        raise ValueError("--url runs one variant: pass one --variant (its name, and its tunables for the fit)")
+    target = Target(args.url, args.decode_url, args.decode_pid) if args.url else None
+    return opts, variants, target
+
+
+def main(argv: list[str] | None = None, on_result: Callable[[Result], None] = lambda r: None,
+         on_level_start: Callable[[str, float, int], None] = lambda v, lv, n: None) -> dict[str, Any]:
+    from rich.console import Console
+
+    args = parser().parse_args(argv)
+    try:
+        opts, variants, target = options(args)
+    except ValueError as exc:
+        raise SystemExit(f"bench.pressure: {exc}") from None
+    result = run(opts, variants, args.out, url=target, state_dir=args.state_dir, port_base=args.port_base,
+                 stack_per=args.stack_per, on_result=on_result, on_level_start=on_level_start)
+    console = Console()
+    console.print(table(result))
+    for v in result["variants"]:
+        console.print(fit_line(v))
+    console.print(f"wrote {args.out / 'summary.json'}, {args.out / 'results.jsonl'} and {args.out / 'pressure.png'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
