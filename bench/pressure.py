@@ -448,14 +448,15 @@ QUICK = {"levels": [1.0, 2.0], "turns": 3, "think": calc.Think("fixed", 1.0)}
 def quick(out: Path = Path("results/demo/pressure"), url: str | None = None, decode_url: str | None = None,
           fit: int | None = None, on_result: Callable[[Result], None] = lambda r: None) -> dict[str, Any]:
     """The short row for ``make demo``: 1x and 2x of what fits, 3 turns, 1 s think. Without ``url`` it starts
-    its own stack (retained_kv_share 0.02, so a few conversations fill the room); with the demo's running stack
-    pass ``fit`` unless its share is small (at the default 0.5 the fit is dozens of conversations)."""
+    one stack of its own (retained_kv_share 0.02, so a few conversations fill the room; 2x then starts with what
+    1x left retained); with the demo's running stack pass ``fit`` unless its share is small (at the default 0.5
+    the fit is dozens of conversations)."""
     opts = Options(levels=QUICK["levels"], turns=QUICK["turns"], think=QUICK["think"], fit=fit,
                    workload=WorkloadSpec(turns=3, system_words=100, first_user_words=200, turn_words=100,
                                          max_tokens=16, seed=7), max_seconds=600)
     variant = calc.Variant("device only", {} if url else {"retained_kv_share": 0.02})
     target = Target(url, decode_url) if url else None
-    return run(opts, [variant], out, url=target, on_result=on_result)
+    return run(opts, [variant], out, url=target, stack_per="variant", on_result=on_result)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -490,8 +491,8 @@ def parser() -> argparse.ArgumentParser:
 
 def options(args: argparse.Namespace) -> tuple[Options, list[calc.Variant], Target | None]:
     """Parsed flags -> what ``run`` takes (ValueError with the flag's name when one is wrong)."""
-    if args.quick:
-        args.levels, args.turns, args.think = "1,2", 3, "fixed:1"
+    if args.quick:  # one stack for both levels: 2x starts with what 1x left (a demo row, not a measurement)
+        args.levels, args.turns, args.think, args.stack_per = "1,2", 3, "fixed:1", "variant"
     think = calc.parse_think(args.think)
     planned = None
     if args.workload is not None:

@@ -18,6 +18,7 @@ from bench.client import Result
 from bench.fake_engine import FAKE_SECRET, FakeEngine, start
 from bench.workload import Conversation, WorkloadSpec, build
 from tests.conftest import free_port
+from turnkv import params
 
 # -- fit -------------------------------------------------------------------------------------------------
 
@@ -154,6 +155,8 @@ def test_cli_flags_become_options_and_variants():
     opts, variants, target = pressure.options(pressure.parser().parse_args([]))
     assert [v.name for v in variants] == ["device only", "host tier"] and target is None
     assert variants[1].tunables == {"retained_kv_share": 0.02, "host_kv_budget_mib": 512}
+    assert params.validate(variants[1].tunables)  # the default variants' tunables are catalog engine tunables
+    assert pressure.options(pressure.parser().parse_args(["--quick"]))[0].levels == [1.0, 2.0]
     with pytest.raises(ValueError, match="one variant"):
         pressure.options(pressure.parser().parse_args(["--url", "http://x", "--variant", "a", "--variant", "b"]))
 
@@ -262,3 +265,24 @@ def test_sweep_over_fake_engines_reports_reuse_falling_past_the_fit(tmp_path, mo
     assert len(lines) == (2 + 4) * 3 * 2 and {x["arm"] for x in lines} == {"on", "off"}
     assert (tmp_path / "pressure.png").stat().st_size > 10_000
     assert len(pressure.rows(result)) == 2 and pressure.fit_line(variant).startswith("fake: fit 2 conversations")
+
+
+def test_turnkv_bench_pressure_command_over_fake_engines(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from turnkv.cli import app
+
+    monkeypatch.setattr(fake_engine, "token_text", lambda token, *, request_id="", kv_from="":
+                        "" if request_id else f"kv-{kv_from} " if kv_from else f"w{token} ")
+    with fake_stack(retain_limit=0, blocks=1000, block_size=16) as (url, metrics_url):
+        got = CliRunner().invoke(app, ["bench", "pressure", "--url", url, "--decode-url", metrics_url, "--fit", "2",
+                                       "--variant", "fake", "--levels", "0.5,1", "--turns", "2", "--think", "exp:0.2",
+                                       "--system-words", "10", "--first-user-words", "10", "--turn-words", "5",
+                                       "--out", str(tmp_path)])
+    assert got.exit_code == 0, got.output
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    (variant,) = saved["variants"]
+    assert variant["fit"]["source"] == "given" and variant["fit"]["conversations"] == 2
+    assert [lv["conversations"] for lv in variant["levels"]] == [1, 2]
+    assert [lv["reuse_share"] for lv in variant["levels"]] == [1.0, 1.0]
+    assert saved["meta"]["think"] == {"kind": "exp", "seconds": 0.2}
