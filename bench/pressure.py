@@ -24,6 +24,8 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -55,6 +57,8 @@ class Options:
     timeout: float = 300.0
     #: Wall-clock bound on the whole sweep: no turn starts after it (what is left is counted as skipped).
     max_seconds: float = 7200.0
+    #: A level needing more conversations than this is not played (reported as skipped): a bound on requests.
+    max_conversations: int = 256
     sample_every: float = SAMPLE_EVERY_S
     words: list[str] | None = None
 
@@ -219,12 +223,30 @@ async def run_level(target: Target, convs: list[Conversation], opts: Options, ta
 
 
 @contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so a killed sweep still stops the stack it started (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
 def stack_target(variant: calc.Variant, state_dir: Path, port_base: int) -> Iterator[tuple[Target, list[str]]]:
     """A local stack with the variant's engine tunables; stopped on exit, Ctrl-C included (its own ``down``)."""
     from bench.variants import stack_with_env
     from turnkv.local.model import load_words
 
-    with stack_with_env({}, state_dir, port_base=port_base, tunables=dict(variant.tunables)) as state:
+    with sigterm_as_interrupt(), stack_with_env({}, state_dir, port_base=port_base,
+                                                tunables=dict(variant.tunables)) as state:
         decode = state["components"]["decode-0"]
         yield (Target(state["components"]["router"]["url"], decode["url"], decode["pid"]),
                load_words(state["model_dir"]))
@@ -243,6 +265,9 @@ async def _fit_and_level(target: Target, variant: calc.Variant, opts: Options, i
         async with aiohttp.ClientSession() as session:
             fit = await read_fit(session, target, share_of(variant), opts)
     n = calc.conversations_at(level, fit.conversations)
+    if n > opts.max_conversations:
+        return {"level": level, "conversations": n, "skipped": f"over --max-conversations {opts.max_conversations}"},\
+            [], fit
     on_start(n)
     convs = conversations(opts, n, index)
     summary, results = await run_level(target, convs, opts, f"{run_id}-{index}", deadline, on_result)
@@ -302,8 +327,15 @@ def _ms(v: float | None) -> str:
     return f"{v:,.0f}" if v is not None else "-"
 
 
+def short_gauge(key: str) -> str:
+    """``vllm:turnkv_retained_bytes{tier="host"}`` -> ``host``; ``vllm:turnkv_host_pool_bytes`` -> ``host_pool``."""
+    if "{" in key:
+        return key.split('"')[1]
+    return key.removeprefix("vllm:turnkv_").removesuffix("_bytes")
+
+
 def _mib(level: dict[str, Any]) -> str:
-    peaks = [f"{k.removeprefix('vllm:turnkv_')} {v['peak'] / 2**20:.1f}" for k, v in level["tier_bytes"].items()]
+    peaks = [f"{short_gauge(k)} {v['peak'] / 2**20:,.1f}" for k, v in level["tier_bytes"].items()]
     return ", ".join(peaks) or "-"
 
 
@@ -323,8 +355,20 @@ COLUMNS: dict[str, Callable[[dict[str, Any], dict[str, Any]], str]] = {
 }
 
 
+def played(levels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [lv for lv in levels if "skipped" not in lv]
+
+
 def rows(result: dict[str, Any]) -> list[list[str]]:
-    return [[cell(v, lv) for cell in COLUMNS.values()] for v in result["variants"] for lv in v["levels"]]
+    out = []
+    for v in result["variants"]:
+        for lv in v["levels"]:
+            if "skipped" in lv:
+                out.append([v["variant"], f"{lv['level']:g}x", str(lv["conversations"]), f"skipped: {lv['skipped']}",
+                            *[""] * (len(COLUMNS) - 4)])
+            else:
+                out.append([cell(v, lv) for cell in COLUMNS.values()])
+    return out
 
 
 def fit_line(variant: dict[str, Any]) -> str:
@@ -361,7 +405,7 @@ def chart(result: dict[str, Any], path: Path) -> Path:
     colours = ["#27ae60", "#2980b9", "#8e44ad", "#d35400", "#7f8c8d"]
     for i, v in enumerate(result["variants"]):
         c = colours[i % len(colours)]
-        lv = v["levels"]
+        lv = played(v["levels"])
         share = [(x["level"], 100 * x["reuse_share"]) for x in lv if x["reuse_share"] is not None]
         if share:
             share_ax.plot(*zip(*share, strict=True), marker="o", color=c, label=v["variant"])
@@ -370,7 +414,7 @@ def chart(result: dict[str, Any], path: Path) -> Path:
             if pts:
                 ttft_ax.plot(*zip(*pts, strict=True), linestyle=style, marker="o", color=c,
                              label=f"{v['variant']}, reuse {arm}")
-    levels = sorted({x["level"] for v in result["variants"] for x in v["levels"]})
+    levels = sorted({x["level"] for v in result["variants"] for x in played(v["levels"])})
     for ax, ylabel in ((share_ax, "later turns reused (%)"), (ttft_ax, "TTFT p90 (ms)")):
         if levels:
             ax.set_xscale("log", base=2)
@@ -480,6 +524,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stagger", type=float, default=0.2, help="seconds between conversation starts")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--max-minutes", type=float, default=120.0, help="no turn starts after this")
+    p.add_argument("--max-conversations", type=int, default=256, help="levels needing more are skipped")
     p.add_argument("--stack-per", choices=("level", "variant"), default="level",
                    help="a fresh stack per level (no level inherits the last one's retained turns) or per variant")
     p.add_argument("--port-base", type=int, default=8700)
@@ -505,7 +550,7 @@ def options(args: argparse.Namespace) -> tuple[Options, list[calc.Variant], Targ
                             turn_words=args.turn_words, max_tokens=args.max_tokens, seed=args.seed)
     opts = Options(levels=calc.parse_levels(args.levels), turns=args.turns, think=think, workload=workload,
                    planned=planned, fit=args.fit, stagger=args.stagger, timeout=args.timeout,
-                   max_seconds=args.max_minutes * 60)
+                   max_seconds=args.max_minutes * 60, max_conversations=args.max_conversations)
     if args.fit is not None and args.fit < 1:
         raise ValueError("--fit must be at least 1")
     texts = args.variant or (["reuse on"] if args.url else list(calc.DEFAULT_VARIANTS))

@@ -120,6 +120,7 @@ def test_metrics_are_summed_by_tier_and_reason():
     peaks = calc.gauge_peaks([series, calc.turnkv_series(METRICS_AFTER), series])
     assert peaks['vllm:turnkv_retained_bytes{tier="host"}'] == {"peak": 4194304.0, "last": 0.0}
     assert peaks["vllm:turnkv_host_pool_bytes"] == {"peak": 536870912.0, "last": 0.0}
+    assert sorted(pressure.short_gauge(k) for k in peaks) == ["device", "host", "host_pool"]
 
 
 # -- a level's summary -----------------------------------------------------------------------------------
@@ -276,13 +277,16 @@ def test_turnkv_bench_pressure_command_over_fake_engines(tmp_path, monkeypatch):
                         "" if request_id else f"kv-{kv_from} " if kv_from else f"w{token} ")
     with fake_stack(retain_limit=0, blocks=1000, block_size=16) as (url, metrics_url):
         got = CliRunner().invoke(app, ["bench", "pressure", "--url", url, "--decode-url", metrics_url, "--fit", "2",
-                                       "--variant", "fake", "--levels", "0.5,1", "--turns", "2", "--think", "exp:0.2",
+                                       "--variant", "fake", "--levels", "0.5,1,4", "--max-conversations", "4",
+                                       "--turns", "2", "--think", "exp:0.2",
                                        "--system-words", "10", "--first-user-words", "10", "--turn-words", "5",
                                        "--out", str(tmp_path)])
     assert got.exit_code == 0, got.output
     saved = json.loads((tmp_path / "summary.json").read_text())
     (variant,) = saved["variants"]
     assert variant["fit"]["source"] == "given" and variant["fit"]["conversations"] == 2
-    assert [lv["conversations"] for lv in variant["levels"]] == [1, 2]
-    assert [lv["reuse_share"] for lv in variant["levels"]] == [1.0, 1.0]
+    assert [lv["conversations"] for lv in variant["levels"]] == [1, 2, 8]
+    assert [lv["reuse_share"] for lv in variant["levels"][:2]] == [1.0, 1.0]
+    assert variant["levels"][2]["skipped"] == "over --max-conversations 4"  # 8 conversations: not played
+    assert "skip" in got.output  # (the table's row; rich wraps it at the test terminal's width)
     assert saved["meta"]["think"] == {"kind": "exp", "seconds": 0.2}

@@ -274,6 +274,8 @@ def pressure(
     seed: Annotated[int, typer.Option(help="Workload and think-time seed.")] = 7,
     stagger: Annotated[float, typer.Option(min=0, help="Seconds between conversation starts.")] = 0.2,
     max_minutes: Annotated[float, typer.Option(min=1, help="No turn starts after this many minutes.")] = 120,
+    max_conversations: Annotated[int, typer.Option(min=1, help="Levels needing more conversations are skipped.")]
+    = 256,
     stack_per: Annotated[str, typer.Option(help="level (a fresh stack per level) or variant.")] = "level",
     port_base: Annotated[int, typer.Option(help="Router port of our stacks; engines at +10 and +20.")] = 8700,
     quick: Annotated[bool, typer.Option("--quick", help="Short mode: levels 1,2, 3 turns, 1 s think.")] = False,
@@ -288,7 +290,8 @@ def pressure(
     argv = ["--levels", levels, "--turns", str(turns), "--think", think, "--system-words", str(system_words),
             "--first-user-words", str(first_user_words), "--turn-words", str(turn_words), "--max-tokens",
             str(max_tokens), "--seed", str(seed), "--stagger", str(stagger), "--max-minutes", str(max_minutes),
-            "--stack-per", stack_per, "--port-base", str(port_base), "--out", str(out)]
+            "--max-conversations", str(max_conversations), "--stack-per", stack_per, "--port-base", str(port_base),
+            "--out", str(out)]
     for v in variant or ():
         argv += ["--variant", v]
     for flag, value in (("--url", url), ("--decode-url", decode_url), ("--decode-pid", decode_pid), ("--fit", fit),
@@ -328,5 +331,5 @@ def pressure(
         console.print(bench_pressure.fit_line(v), soft_wrap=True)
     console.print(f"wrote {out / 'summary.json'}, {out / 'results.jsonl'} and the chart [bold]{out / 'pressure.png'}"
                   "[/bold]")
-    if any(lv["errors_on"] or lv["errors_off"] for v in result["variants"] for lv in v["levels"]):
+    if any(lv.get("errors_on") or lv.get("errors_off") for v in result["variants"] for lv in v["levels"]):
         raise typer.Exit(1)
