@@ -243,6 +243,12 @@ def level_summary(on: list[Result], off: list[Result]) -> dict[str, Any]:
         "reuse_share": round(reused / len(later), 3) if later else None,
         "reuse_outcomes": dict(sorted(outcomes.items())),
         "reused_tokens": sum(r.reused_tokens for r in later),
+        # turns 2+ (where reuse acts; first turns are alike in both arms and queue together at the level's start)
+        "ttft_on_later_p50_ms": percentile((r.ttft_ms for r in later), 50),
+        "ttft_on_later_p90_ms": percentile((r.ttft_ms for r in later), 90),
+        "ttft_off_later_p50_ms": percentile((r.ttft_ms for r in ok_off if r.turn > 0), 50),
+        "ttft_off_later_p90_ms": percentile((r.ttft_ms for r in ok_off if r.turn > 0), 90),
+        # every turn
         "ttft_on_p50_ms": percentile((r.ttft_ms for r in ok_on), 50),
         "ttft_on_p90_ms": percentile((r.ttft_ms for r in ok_on), 90),
         "ttft_off_p50_ms": percentile((r.ttft_ms for r in ok_off), 50),
@@ -253,9 +259,9 @@ def level_summary(on: list[Result], off: list[Result]) -> dict[str, Any]:
     }
 
 
-def p90_ratio(level: dict[str, Any]) -> float | None:
-    """TTFT p90 reuse off / on (above 1: reuse is faster)."""
-    off, on = level.get("ttft_off_p90_ms"), level.get("ttft_on_p90_ms")
+def p90_ratio(level: dict[str, Any], which: str = "later_") -> float | None:
+    """TTFT p90 reuse off / on, turns 2+ by default (above 1: reuse is faster)."""
+    off, on = level.get(f"ttft_off_{which}p90_ms"), level.get(f"ttft_on_{which}p90_ms")
     return round(off / on, 2) if off and on else None
 
 

@@ -143,7 +143,9 @@ def test_level_summary_counts_reuse_percentiles_and_identical_answers():
     assert (s["answers_compared"], s["answers_identical"]) == (5, 5)  # the failed off turn is not compared
     assert (s["ttft_on_p50_ms"], s["ttft_on_p90_ms"]) == (90, 110)
     assert (s["ttft_off_p50_ms"], s["ttft_off_p90_ms"]) == (120, 130)
-    assert calc.p90_ratio(s) == pytest.approx(1.18)
+    assert (s["ttft_on_later_p50_ms"], s["ttft_on_later_p90_ms"]) == (30, 95)
+    assert (s["ttft_off_later_p50_ms"], s["ttft_off_later_p90_ms"]) == (125, 130)
+    assert calc.p90_ratio(s) == pytest.approx(1.37) and calc.p90_ratio(s, "") == pytest.approx(1.18)
     on[1].reply = "different"
     assert calc.level_summary(on, off)["answers_identical"] == 4
 
@@ -251,7 +253,7 @@ def test_sweep_over_fake_engines_reports_reuse_falling_past_the_fit(tmp_path, mo
         assert level["requests"] == n * 3 * 2 and level["errors_on"] == level["errors_off"] == 0
         assert level["answers_compared"] == level["answers_identical"] == n * 3
         assert level["later_turns"] == n * 2 and level["turns_skipped"] == 0
-        assert level["ttft_on_p90_ms"] is not None and level["ttft_off_p90_ms"] is not None
+        assert level["ttft_on_p90_ms"] is not None and level["ttft_off_later_p90_ms"] is not None
         assert level["decode_metrics"] and level["decode_rss_mib"] is None
         assert 'vllm:turnkv_retained_bytes{tier="device"}' in level["tier_bytes"]
     # everything fits: every later turn reuses. Twice the room: the fake decode evicts oldest first, the router
