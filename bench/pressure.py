@@ -77,17 +77,25 @@ class Target:
 
 
 def conversations(opts: Options, n: int, level_index: int) -> list[Conversation]:
-    """``n`` conversations, with text of their own per level (no level finds another's turns by content)."""
+    """``n`` conversations of at most ``opts.turns`` turns (a workload file's too: the sweep stays bounded), with
+    text of their own per level (no level finds another's turns by content)."""
     seed = opts.workload.seed + 1000 * level_index
-    if opts.planned is not None:
-        return from_workload_file(dataclasses.replace(opts.planned, num_conversations=n), opts.words, seed)
-    return build(dataclasses.replace(opts.workload, conversations=n, turns=opts.turns, seed=seed), opts.words)
+    if opts.planned is None:
+        return build(dataclasses.replace(opts.workload, conversations=n, turns=opts.turns, seed=seed), opts.words)
+    convs = from_workload_file(dataclasses.replace(opts.planned, num_conversations=n), opts.words, seed)
+    t = opts.turns
+    return [dataclasses.replace(c, user_turns=c.user_turns[:t], max_tokens=c.max_tokens[:t], think_s=c.think_s[:t])
+            for c in convs]
+
+
+#: Conversations sampled to find the largest last turn of a workload file (a file may describe thousands).
+FIT_SAMPLE = 64
 
 
 def tokens_per_conversation(opts: Options) -> int:
     """The largest last turn (prompt + reply tokens) of the workload, for the fit."""
-    convs = conversations(opts, opts.planned.num_conversations if opts.planned is not None else 4, 0)
-    return max(calc.last_turn_tokens(c, opts.workload.max_tokens) for c in convs)
+    n = min(opts.planned.num_conversations, FIT_SAMPLE) if opts.planned is not None else 4
+    return max(calc.last_turn_tokens(c, opts.workload.max_tokens) for c in conversations(opts, n, 0))
 
 
 # -- decode's metrics and memory ---------------------------------------------------------------------

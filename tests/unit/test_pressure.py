@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -292,3 +293,40 @@ def test_turnkv_bench_pressure_command_over_fake_engines(tmp_path, monkeypatch):
     assert variant["levels"][2]["skipped"] == "over --max-conversations 4"  # 8 conversations: not played
     assert "skip" in got.output  # (the table's row; rich wraps it at the test terminal's width)
     assert saved["meta"]["think"] == {"kind": "exp", "seconds": 0.2}
+
+
+def test_stack_mode_starts_a_stack_per_level_and_plays_a_workload_file(tmp_path, monkeypatch):
+    """The stack path without vLLM: ``stack_target`` stands in with the fake stack, once per level, given the
+    variant's tunables; conversations, lengths and think times come from a workload file, cut to --turns."""
+    monkeypatch.setattr(fake_engine, "token_text", lambda token, *, request_id="", kv_from="":
+                        "" if request_id else f"kv-{kv_from} " if kv_from else f"w{token} ")
+    workload = tmp_path / "w.json"
+    workload.write_text(json.dumps({
+        "filetype": "generate_conversations", "num_conversations": 500,
+        "prompt_input": {"num_turns": {"distribution": "constant", "value": 5},
+                         "common_prefix_num_tokens": {"distribution": "constant", "value": 20},
+                         "prefix_num_tokens": {"distribution": "constant", "value": 30},
+                         "num_tokens": {"distribution": "constant", "value": 10}},
+        "prompt_output": {"num_tokens": {"distribution": "constant", "value": 6}},
+        "num_clients": 4, "think_time_s": {"distribution": "constant", "value": 0.2}}))
+    started: list[dict] = []
+
+    @contextmanager
+    def fake_target(variant, state_dir, port_base):
+        started.append(dict(variant.tunables))
+        with fake_stack(retain_limit=0, blocks=1000, block_size=16) as (url, metrics_url):
+            yield pressure.Target(url, metrics_url, decode_pid=os.getpid()), None
+
+    monkeypatch.setattr(pressure, "stack_target", fake_target)
+    args = pressure.parser().parse_args(["--levels", "1,2", "--turns", "3", "--think", "file", "--workload",
+                                         str(workload), "--fit", "2", "--variant", "host=host_kv_budget_mib=64"])
+    opts, variants, target = pressure.options(args)
+    assert target is None and opts.planned.num_conversations == 500
+    result = pressure.run(opts, variants, tmp_path / "out")
+    assert started == [{"host_kv_budget_mib": 64}] * 2  # one stack per level
+    one, two = result["variants"][0]["levels"]
+    assert (one["conversations"], two["conversations"]) == (2, 4)
+    assert two["later_turns"] == 4 * 2 and two["reuse_share"] == 1.0  # 3 of the file's 5 turns
+    assert two["answers_identical"] == 4 * 3
+    assert two["reuse_on_phase_s"] >= 0.4  # two think times of 0.2 s from the file
+    assert two["decode_rss_mib"]["peak"] > 10  # this process stands in for decode
