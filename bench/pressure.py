@@ -499,18 +499,20 @@ def run(opts: Options, variants: list[calc.Variant], out: Path, *, url: Target |
 
 
 QUICK = {"levels": [1.0, 2.0], "turns": 3, "think": calc.Think("fixed", 1.0)}
+#: The demo's own stack keeps room for about four of its short conversations (2 GiB of KV on the tiny model).
+QUICK_SHARE = 0.01
 
 
 def quick(out: Path = Path("results/demo/pressure"), url: str | None = None, decode_url: str | None = None,
           fit: int | None = None, on_result: Callable[[Result], None] = lambda r: None) -> dict[str, Any]:
     """The short row for ``make demo``: 1x and 2x of what fits, 3 turns, 1 s think. Without ``url`` it starts
-    one stack of its own (retained_kv_share 0.02, so a few conversations fill the room; 2x then starts with what
+    one stack of its own (retained_kv_share 0.01, so about four conversations fill the room; 2x then starts with what
     1x left retained); with the demo's running stack pass ``fit`` unless its share is small (at the default 0.5
     the fit is dozens of conversations)."""
     opts = Options(levels=QUICK["levels"], turns=QUICK["turns"], think=QUICK["think"], fit=fit,
                    workload=WorkloadSpec(turns=3, system_words=100, first_user_words=200, turn_words=100,
                                          max_tokens=16, seed=7), max_seconds=600)
-    variant = calc.Variant("device only", {} if url else {"retained_kv_share": 0.02})
+    variant = calc.Variant("device only", {} if url else {"retained_kv_share": QUICK_SHARE})
     target = Target(url, decode_url) if url else None
     return run(opts, [variant], out, url=target, stack_per="variant", on_result=on_result)
 

@@ -330,3 +330,14 @@ def test_stack_mode_starts_a_stack_per_level_and_plays_a_workload_file(tmp_path,
     assert two["answers_identical"] == 4 * 3
     assert two["reuse_on_phase_s"] >= 0.4  # two think times of 0.2 s from the file
     assert two["decode_rss_mib"]["peak"] > 10  # this process stands in for decode
+
+
+def test_quick_mode_for_the_demo_against_a_running_router(tmp_path, monkeypatch):
+    monkeypatch.setattr(fake_engine, "token_text", lambda token, *, request_id="", kv_from="":
+                        "" if request_id else f"kv-{kv_from} " if kv_from else f"w{token} ")
+    with fake_stack(retain_limit=0, blocks=1000, block_size=16) as (url, metrics_url):
+        result = pressure.quick(tmp_path, url=url, decode_url=metrics_url, fit=1)
+    levels = result["variants"][0]["levels"]
+    assert [(lv["level"], lv["conversations"], lv["requests"]) for lv in levels] == [(1.0, 1, 6), (2.0, 2, 12)]
+    assert all(lv["answers_identical"] == lv["answers_compared"] for lv in levels)
+    assert (tmp_path / "summary.json").exists() and (tmp_path / "pressure.png").exists()

@@ -326,6 +326,10 @@ def pressure(
             progress.stop()
             console.print(f"[red]pressure benchmark failed:[/red] {exc}", soft_wrap=True)
             raise typer.Exit(1) from None
+        except KeyboardInterrupt:  # the stack it started is already down (bench.pressure.stack_target)
+            progress.stop()
+            console.print(f"interrupted; the levels done so far are in {out / 'summary.json'}")
+            raise typer.Exit(130) from None
     Console().print(bench_pressure.table(result))
     for v in result["variants"]:
         console.print(bench_pressure.fit_line(v), soft_wrap=True)
