@@ -266,6 +266,10 @@ def share_of(variant: calc.Variant) -> float:
     return float(variant.tunables.get("retained_kv_share", params.BY_NAME["retained_kv_share"].default))
 
 
+def skipped(level: float, n: int, opts: Options) -> dict[str, Any]:
+    return {"level": level, "conversations": n, "skipped": f"over --max-conversations {opts.max_conversations}"}
+
+
 async def _fit_and_level(target: Target, variant: calc.Variant, opts: Options, index: int, level: float,
                          run_id: str, deadline: float, on_result: Callable[[Result], None],
                          on_start: Callable[[int], None], fit: calc.Fit | None) -> tuple[dict, list[Result], calc.Fit]:
@@ -274,8 +278,7 @@ async def _fit_and_level(target: Target, variant: calc.Variant, opts: Options, i
             fit = await read_fit(session, target, share_of(variant), opts)
     n = calc.conversations_at(level, fit.conversations)
     if n > opts.max_conversations:
-        return {"level": level, "conversations": n, "skipped": f"over --max-conversations {opts.max_conversations}"},\
-            [], fit
+        return skipped(level, n, opts), [], fit
     on_start(n)
     convs = conversations(opts, n, index)
     summary, results = await run_level(target, convs, opts, f"{run_id}-{index}", deadline, on_result)
@@ -317,6 +320,10 @@ def sweep_variant(variant: calc.Variant, opts: Options, *, url: Target | None = 
         for i, level in enumerate(opts.levels):
             if time.monotonic() > deadline:
                 break
+            if fit is not None and (n := calc.conversations_at(level, fit.conversations)) > opts.max_conversations:
+                levels.append(skipped(level, n, opts))  # known before a stack is started for it
+                on_level(levels[-1], [])
+                continue
             with stack_target(variant, state_dir, port_base) as (target, words):
                 opts.words = opts.words or words
                 fit = one(target, i, level, fit)

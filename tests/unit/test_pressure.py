@@ -318,13 +318,15 @@ def test_stack_mode_starts_a_stack_per_level_and_plays_a_workload_file(tmp_path,
             yield pressure.Target(url, metrics_url, decode_pid=os.getpid()), None
 
     monkeypatch.setattr(pressure, "stack_target", fake_target)
-    args = pressure.parser().parse_args(["--levels", "1,2", "--turns", "3", "--think", "file", "--workload",
+    args = pressure.parser().parse_args(["--levels", "1,2,8", "--max-conversations", "8", "--turns", "3",
+                                         "--think", "file", "--workload",
                                          str(workload), "--fit", "2", "--variant", "host=host_kv_budget_mib=64"])
     opts, variants, target = pressure.options(args)
     assert target is None and opts.planned.num_conversations == 500
     result = pressure.run(opts, variants, tmp_path / "out")
-    assert started == [{"host_kv_budget_mib": 64}] * 2  # one stack per level
-    one, two = result["variants"][0]["levels"]
+    assert started == [{"host_kv_budget_mib": 64}] * 2  # one stack per level; none for the level over the bound
+    one, two, eight = result["variants"][0]["levels"]
+    assert eight == {"level": 8.0, "conversations": 16, "skipped": "over --max-conversations 8"}
     assert (one["conversations"], two["conversations"]) == (2, 4)
     assert two["later_turns"] == 4 * 2 and two["reuse_share"] == 1.0  # 3 of the file's 5 turns
     assert two["answers_identical"] == 4 * 3
