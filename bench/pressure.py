@@ -71,6 +71,8 @@ class Target:
     decode_url: str | None = None
     decode_pid: int | None = None
     model: str | None = None
+    #: prefill's base URL: its pulls by tier (``vllm:turnkv_pulls_total{tier}``) over the reuse-on phase.
+    prefill_url: str | None = None
 
 
 # -- conversations -----------------------------------------------------------------------------------
@@ -131,6 +133,11 @@ async def snapshot(session: aiohttp.ClientSession, target: Target) -> dict[str, 
     series = calc.turnkv_series(text) if text else {}
     rss = rss_bytes(target.decode_pid)
     return {**series, **({"rss_bytes": float(rss)} if rss is not None else {})}
+
+
+async def prefill_series(session: aiohttp.ClientSession, target: Target) -> dict[str, float]:
+    text = await metrics_text(session, target.prefill_url) if target.prefill_url else None
+    return calc.turnkv_series(text) if text else {}
 
 
 async def sample_until(session: aiohttp.ClientSession, target: Target, stop: asyncio.Event, every: float,
@@ -198,6 +205,7 @@ async def run_level(target: Target, convs: list[Conversation], opts: Options, ta
 
             target.model = await discover_model(session, target.url)
         before = await snapshot(session, target)
+        prefill_before = await prefill_series(session, target)
         samples: list[dict[str, float]] = [before]
         stop = asyncio.Event()
         sampler = asyncio.create_task(sample_until(session, target, stop, opts.sample_every, samples))
@@ -207,6 +215,7 @@ async def run_level(target: Target, convs: list[Conversation], opts: Options, ta
         stop.set()
         await sampler
         after = await snapshot(session, target)
+        prefill_after = await prefill_series(session, target)
         samples.append(after)
         off, skipped_off = await play(session, target, convs, opts, "off", tag, deadline, on_result)
     summary = calc.level_summary(on, off)
@@ -221,6 +230,7 @@ async def run_level(target: Target, convs: list[Conversation], opts: Options, ta
         "refusals": calc.sum_by(deltas, "vllm:turnkv_retention_refusals_total")
         + calc.sum_by(deltas, "vllm:turnkv_retention_refused_total"),
         "tier_bytes": calc.gauge_peaks(samples),
+        "prefill_counters": calc.counter_deltas(prefill_before, prefill_after) if target.prefill_url else None,
         "decode_rss_mib": {"peak": round(max(rss) / 2**20, 1), "last": round(rss[-1] / 2**20, 1)} if rss else None,
         "decode_metrics": bool(target.decode_url) and any(k != "rss_bytes" for k in after),
     })
@@ -256,8 +266,12 @@ def stack_target(variant: calc.Variant, state_dir: Path, port_base: int) -> Iter
     with sigterm_as_interrupt(), stack_with_env({}, state_dir, port_base=port_base,
                                                 tunables=dict(variant.tunables)) as state:
         decode = state["components"]["decode-0"]
-        yield (Target(state["components"]["router"]["url"], decode["url"], decode["pid"]),
-               load_words(state["model_dir"]))
+        yield (Target(state["components"]["router"]["url"], decode["url"], decode["pid"],
+                      prefill_url=state["components"]["prefill-0"]["url"]), load_words(state["model_dir"]))
+
+
+def _tunables(variant: calc.Variant) -> str:
+    return ", ".join(f"{k}={v}" for k, v in variant.tunables.items()) or "default tunables"
 
 
 def share_of(variant: calc.Variant) -> float:
@@ -289,7 +303,7 @@ def sweep_variant(variant: calc.Variant, opts: Options, *, url: Target | None = 
         ".turnkv/pressure"), port_base: int = 8700, stack_per: str = "level",
         on_result: Callable[[Result], None] = lambda r: None, on_level_start: Callable[[str, float, int], None]
         = lambda v, lv, n: None, on_level: Callable[[dict[str, Any], list[Result]], None] = lambda lv, rs: None,
-        deadline: float | None = None) -> dict[str, Any]:
+        deadline: float | None = None, say: Callable[[str], None] = lambda text: None) -> dict[str, Any]:
     """Every level for one variant: against ``url``, or on its own stack (one per level or per variant)."""
     run_id = uuid.uuid4().hex[:6]
     deadline = deadline if deadline is not None else time.monotonic() + opts.max_seconds
@@ -310,6 +324,7 @@ def sweep_variant(variant: calc.Variant, opts: Options, *, url: Target | None = 
                 break
             fit = one(url, i, level, fit)
     elif stack_per == "variant":
+        say(f"{variant.name}: starting a local stack ({_tunables(variant)}), about a minute")
         with stack_target(variant, state_dir, port_base) as (target, words):
             opts.words = opts.words or words
             for i, level in enumerate(opts.levels):
@@ -324,6 +339,7 @@ def sweep_variant(variant: calc.Variant, opts: Options, *, url: Target | None = 
                 levels.append(skipped(level, n, opts))  # known before a stack is started for it
                 on_level(levels[-1], [])
                 continue
+            say(f"{variant.name} {level:g}x: starting a local stack ({_tunables(variant)}), about a minute")
             with stack_target(variant, state_dir, port_base) as (target, words):
                 opts.words = opts.words or words
                 fit = one(target, i, level, fit)
@@ -354,6 +370,12 @@ def _mib(level: dict[str, Any]) -> str:
     return ", ".join(peaks) or "-"
 
 
+def _pulls(level: dict[str, Any]) -> str:
+    counters = level.get("prefill_counters") or {}
+    pulls = [f"{short_gauge(k)} {v:g}" for k, v in counters.items() if k.startswith("vllm:turnkv_pulls_total{")]
+    return ", ".join(pulls) or "-"
+
+
 COLUMNS: dict[str, Callable[[dict[str, Any], dict[str, Any]], str]] = {
     "variant": lambda v, lv: v["variant"],
     "level": lambda v, lv: f"{lv['level']:g}x",
@@ -367,6 +389,7 @@ COLUMNS: dict[str, Callable[[dict[str, Any], dict[str, Any]], str]] = {
     "p90 off/on": lambda v, lv: f"{calc.p90_ratio(lv):.2f}x" if calc.p90_ratio(lv) else "-",
     "identical": lambda v, lv: f"{lv['answers_identical']}/{lv['answers_compared']}",
     "errors on/off": lambda v, lv: f"{lv['errors_on']}/{lv['errors_off']}",
+    "prefill pulls by tier": lambda v, lv: _pulls(lv),
     "evicted / refused": lambda v, lv: f"{lv['evictions']:g} / {lv['refusals']:g}",
     "retained peak (MiB)": lambda v, lv: _mib(lv),
     "decode RSS peak (MiB)": lambda v, lv: f"{lv['decode_rss_mib']['peak']:,.0f}" if lv["decode_rss_mib"] else "-",
@@ -471,7 +494,8 @@ def append_results(out: Path, variant: str, level: dict[str, Any], results: list
 def run(opts: Options, variants: list[calc.Variant], out: Path, *, url: Target | None = None,
         state_dir: Path = Path(".turnkv/pressure"), port_base: int = 8700, stack_per: str = "level",
         on_result: Callable[[Result], None] = lambda r: None,
-        on_level_start: Callable[[str, float, int], None] = lambda v, lv, n: None) -> dict[str, Any]:
+        on_level_start: Callable[[str, float, int], None] = lambda v, lv, n: None,
+        say: Callable[[str], None] = lambda text: None) -> dict[str, Any]:
     """Sweep every variant; the report is rewritten after each level, so a run cut short keeps what it did."""
     if url is not None and len(variants) != 1:
         raise ValueError("--url runs one variant: name it (and its tunables, for the fit) with one --variant")
@@ -497,7 +521,8 @@ def run(opts: Options, variants: list[calc.Variant], out: Path, *, url: Target |
             write(result, out)
 
         done = sweep_variant(variant, opts, url=url, state_dir=state_dir, port_base=port_base, stack_per=stack_per,
-                             on_result=on_result, on_level_start=on_level_start, on_level=on_level, deadline=deadline)
+                             on_result=on_result, on_level_start=on_level_start, on_level=on_level, deadline=deadline,
+                             say=say)
         current["fit"] = done["fit"]
         write(result, out)
     meta["finished_at"] = time.time()
@@ -533,6 +558,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help="a router already up instead of stacks of our own (one --variant)")
     p.add_argument("--decode-url", help="with --url: decode's base URL for /metrics")
     p.add_argument("--decode-pid", type=int, help="with --url: decode's pid, for its host RSS")
+    p.add_argument("--prefill-url", help="with --url: prefill's base URL, for its pulls by tier")
     p.add_argument("--fit", type=int, help="conversations that fit (default: from decode's /metrics)")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--think", default="fixed:35", help="fixed:S, exp:MEAN (seeded) or file (with --workload)")
@@ -578,7 +604,7 @@ def options(args: argparse.Namespace) -> tuple[Options, list[calc.Variant], Targ
     variants = [calc.parse_variant(t) for t in texts]
     if args.url and len(variants) != 1:
         raise ValueError("--url runs one variant: pass one --variant (its name, and its tunables for the fit)")
-    target = Target(args.url, args.decode_url, args.decode_pid) if args.url else None
+    target = Target(args.url, args.decode_url, args.decode_pid, prefill_url=args.prefill_url) if args.url else None
     return opts, variants, target
 
 
@@ -591,9 +617,14 @@ def main(argv: list[str] | None = None, on_result: Callable[[Result], None] = la
         opts, variants, target = options(args)
     except ValueError as exc:
         raise SystemExit(f"bench.pressure: {exc}") from None
-    result = run(opts, variants, args.out, url=target, state_dir=args.state_dir, port_base=args.port_base,
-                 stack_per=args.stack_per, on_result=on_result, on_level_start=on_level_start)
     console = Console()
+
+    def level_start(name: str, level: float, n: int) -> None:
+        console.print(f"{name} {level:g}x: {n} conversations, {n * opts.turns * 2} requests at most")
+        on_level_start(name, level, n)
+
+    result = run(opts, variants, args.out, url=target, state_dir=args.state_dir, port_base=args.port_base,
+                 stack_per=args.stack_per, on_result=on_result, on_level_start=level_start, say=console.print)
     console.print(table(result))
     for v in result["variants"]:
         console.print(fit_line(v))

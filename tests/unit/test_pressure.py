@@ -122,6 +122,9 @@ def test_metrics_are_summed_by_tier_and_reason():
     assert peaks['vllm:turnkv_retained_bytes{tier="host"}'] == {"peak": 4194304.0, "last": 0.0}
     assert peaks["vllm:turnkv_host_pool_bytes"] == {"peak": 536870912.0, "last": 0.0}
     assert sorted(pressure.short_gauge(k) for k in peaks) == ["device", "host", "host_pool"]
+    pulls = {'vllm:turnkv_pulls_total{tier="device"}': 3.0, 'vllm:turnkv_pulls_total{tier="host"}': 9.0,
+             "vllm:turnkv_read_bytes_total": 5.0}
+    assert pressure._pulls({"prefill_counters": pulls}) == "device 3, host 9"
 
 
 # -- a level's summary -----------------------------------------------------------------------------------
@@ -255,7 +258,7 @@ def test_sweep_over_fake_engines_reports_reuse_falling_past_the_fit(tmp_path, mo
         assert level["answers_compared"] == level["answers_identical"] == n * 3
         assert level["later_turns"] == n * 2 and level["turns_skipped"] == 0
         assert level["ttft_on_p90_ms"] is not None and level["ttft_off_later_p90_ms"] is not None
-        assert level["decode_metrics"] and level["decode_rss_mib"] is None
+        assert level["decode_metrics"] and level["decode_rss_mib"] is None and level["prefill_counters"] is None
         assert 'vllm:turnkv_retained_bytes{tier="device"}' in level["tier_bytes"]
     # everything fits: every later turn reuses. Twice the room: the fake decode evicts oldest first, the router
     # reads that on decode's feed (every 0.2 s, the think time is 0.5 s) and refuses those turns, which recompute
@@ -315,7 +318,7 @@ def test_stack_mode_starts_a_stack_per_level_and_plays_a_workload_file(tmp_path,
     def fake_target(variant, state_dir, port_base):
         started.append(dict(variant.tunables))
         with fake_stack(retain_limit=0, blocks=1000, block_size=16) as (url, metrics_url):
-            yield pressure.Target(url, metrics_url, decode_pid=os.getpid()), None
+            yield pressure.Target(url, metrics_url, decode_pid=os.getpid(), prefill_url=metrics_url), None
 
     monkeypatch.setattr(pressure, "stack_target", fake_target)
     args = pressure.parser().parse_args(["--levels", "1,2,8", "--max-conversations", "8", "--turns", "3",
@@ -332,6 +335,8 @@ def test_stack_mode_starts_a_stack_per_level_and_plays_a_workload_file(tmp_path,
     assert two["answers_identical"] == 4 * 3
     assert two["reuse_on_phase_s"] >= 0.4  # two think times of 0.2 s from the file
     assert two["decode_rss_mib"]["peak"] > 10  # this process stands in for decode
+    assert two["prefill_counters"] == {'vllm:turnkv_retention_evictions_total{reason="idle"}': 0.0,
+                                       'vllm:turnkv_retention_refusals_total{reason="full"}': 0.0}
 
 
 def test_quick_mode_for_the_demo_against_a_running_router(tmp_path, monkeypatch):

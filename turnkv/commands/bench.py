@@ -262,6 +262,7 @@ def pressure(
     url: Annotated[str | None, typer.Option(help="A router already up instead of local stacks of our own.")] = None,
     decode_url: Annotated[str | None, typer.Option(help="With --url: decode's base URL (/metrics).")] = None,
     decode_pid: Annotated[int | None, typer.Option(help="With --url: decode's pid (host RSS).")] = None,
+    prefill_url: Annotated[str | None, typer.Option(help="With --url: prefill's base URL (pulls by tier).")] = None,
     fit: Annotated[int | None, typer.Option(min=1, help="Conversations that fit (default: from decode's /metrics).")]
     = None,
     turns: Annotated[int, typer.Option(min=2, help="Turns per conversation.")] = 4,
@@ -294,7 +295,8 @@ def pressure(
             "--out", str(out)]
     for v in variant or ():
         argv += ["--variant", v]
-    for flag, value in (("--url", url), ("--decode-url", decode_url), ("--decode-pid", decode_pid), ("--fit", fit),
+    for flag, value in (("--url", url), ("--decode-url", decode_url), ("--decode-pid", decode_pid),
+                        ("--prefill-url", prefill_url), ("--fit", fit),
                         ("--workload", workload_file)):
         if value is not None:
             argv += [flag, str(value)]
@@ -321,7 +323,7 @@ def pressure(
         try:
             result = bench_pressure.run(opts, variants, out, url=target, state_dir=args.state_dir,
                                         port_base=port_base, stack_per=stack_per, on_result=on_result,
-                                        on_level_start=on_level_start)
+                                        on_level_start=on_level_start, say=progress.console.print)
         except (StackError, RuntimeError) as exc:
             progress.stop()
             console.print(f"[red]pressure benchmark failed:[/red] {exc}", soft_wrap=True)
