@@ -424,6 +424,15 @@ def fit_line(variant: dict[str, Any]) -> str:
             f"{f['blocks_per_conversation']} blocks per conversation (last turn ~{f['last_turn_tokens']} tokens)")
 
 
+def table_console():
+    """A console for the table: the terminal's width, or 220 columns into a file or pipe (rich's 80 would fold
+    every cell)."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=220)
+
+
 def table(result: dict[str, Any]):
     from rich.table import Table
 
@@ -610,14 +619,12 @@ def options(args: argparse.Namespace) -> tuple[Options, list[calc.Variant], Targ
 
 def main(argv: list[str] | None = None, on_result: Callable[[Result], None] = lambda r: None,
          on_level_start: Callable[[str, float, int], None] = lambda v, lv, n: None) -> dict[str, Any]:
-    from rich.console import Console
-
     args = parser().parse_args(argv)
     try:
         opts, variants, target = options(args)
     except ValueError as exc:
         raise SystemExit(f"bench.pressure: {exc}") from None
-    console = Console()
+    console = table_console()
 
     def level_start(name: str, level: float, n: int) -> None:
         console.print(f"{name} {level:g}x: {n} conversations, {n * opts.turns * 2} requests at most")

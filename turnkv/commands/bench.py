@@ -332,7 +332,7 @@ def pressure(
             progress.stop()
             console.print(f"interrupted; the levels done so far are in {out / 'summary.json'}")
             raise typer.Exit(130) from None
-    Console().print(bench_pressure.table(result))
+    bench_pressure.table_console().print(bench_pressure.table(result))
     for v in result["variants"]:
         console.print(bench_pressure.fit_line(v), soft_wrap=True)
     console.print(f"wrote {out / 'summary.json'}, {out / 'results.jsonl'} and the chart [bold]{out / 'pressure.png'}"
