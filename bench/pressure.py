@@ -413,15 +413,19 @@ def rows(result: dict[str, Any]) -> list[list[str]]:
 
 
 def fit_line(variant: dict[str, Any]) -> str:
+    """The fit and its inputs, with the largest last-turn prompt the engines reported (a check on the estimate)."""
     f = variant["fit"]
     if not f:
         return f"{variant['variant']}: no level ran"
+    seen = max((lv.get("last_turn_prompt_tokens_max") or 0 for lv in variant["levels"]), default=0)
+    measured = f"; largest prompt measured {seen} tokens (+ reply)" if seen else ""
     if f["source"] == "given":
-        return (f"{variant['variant']}: fit {f['conversations']} conversations (given); last turn "
-                f"~{f['last_turn_tokens']} tokens")
+        return (f"{variant['variant']}: fit {f['conversations']} conversations (given); last turn estimated "
+                f"~{f['last_turn_tokens']} tokens{measured}")
     return (f"{variant['variant']}: fit {f['conversations']} conversations = {f['retained_kv_share']:g} x "
             f"{f['num_gpu_blocks']} blocks ({f['room_blocks']} blocks of {f['block_size']} tokens) / "
-            f"{f['blocks_per_conversation']} blocks per conversation (last turn ~{f['last_turn_tokens']} tokens)")
+            f"{f['blocks_per_conversation']} blocks per conversation (last turn estimated ~{f['last_turn_tokens']} "
+            f"tokens{measured})")
 
 
 def table_console():

@@ -285,6 +285,8 @@ def pressure(
 ) -> None:
     """Retention pressure: live conversations against decode's retention room (0.5x to 8x what fits), reuse share,
     TTFT p50/p90 with reuse on and off, identical answers, evictions and refusals by reason, bytes per tier."""
+    import aiohttp
+
     from bench import pressure as bench_pressure
     from turnkv.local.stack import StackError
 
@@ -324,9 +326,9 @@ def pressure(
             result = bench_pressure.run(opts, variants, out, url=target, state_dir=args.state_dir,
                                         port_base=port_base, stack_per=stack_per, on_result=on_result,
                                         on_level_start=on_level_start, say=progress.console.print)
-        except (StackError, RuntimeError) as exc:
+        except (StackError, RuntimeError, OSError, aiohttp.ClientError) as exc:  # a router down or not a router
             progress.stop()
-            console.print(f"[red]pressure benchmark failed:[/red] {exc}", soft_wrap=True)
+            console.print(f"[red]pressure benchmark failed:[/red] {type(exc).__name__}: {exc}", soft_wrap=True)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:  # the stack it started is already down (bench.pressure.stack_target)
             progress.stop()
