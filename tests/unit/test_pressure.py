@@ -15,6 +15,7 @@ from aiohttp import web
 
 from bench import fake_engine, pressure
 from bench import pressure_calc as calc
+from bench import pressure_report as report
 from bench.client import Result
 from bench.fake_engine import FAKE_SECRET, FakeEngine, start
 from bench.workload import Conversation, WorkloadSpec, build
@@ -121,10 +122,10 @@ def test_metrics_are_summed_by_tier_and_reason():
     peaks = calc.gauge_peaks([series, calc.turnkv_series(METRICS_AFTER), series])
     assert peaks['vllm:turnkv_retained_bytes{tier="host"}'] == {"peak": 4194304.0, "last": 0.0}
     assert peaks["vllm:turnkv_host_pool_bytes"] == {"peak": 536870912.0, "last": 0.0}
-    assert sorted(pressure.short_gauge(k) for k in peaks) == ["device", "host", "host_pool"]
+    assert sorted(report.short_gauge(k) for k in peaks) == ["device", "host", "host_pool"]
     pulls = {'vllm:turnkv_pulls_total{tier="device"}': 3.0, 'vllm:turnkv_pulls_total{tier="host"}': 9.0,
              "vllm:turnkv_read_bytes_total": 5.0}
-    assert pressure._pulls({"prefill_counters": pulls}) == "device 3, host 9"
+    assert report._pulls({"prefill_counters": pulls}) == "device 3, host 9"
 
 
 # -- a level's summary -----------------------------------------------------------------------------------
@@ -271,7 +272,7 @@ def test_sweep_over_fake_engines_reports_reuse_falling_past_the_fit(tmp_path, mo
     lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert len(lines) == (2 + 4) * 3 * 2 and {x["arm"] for x in lines} == {"on", "off"}
     assert (tmp_path / "pressure.png").stat().st_size > 10_000
-    assert len(pressure.rows(result)) == 2 and pressure.fit_line(variant).startswith("fake: fit 2 conversations")
+    assert len(report.rows(result)) == 2 and report.fit_line(variant).startswith("fake: fit 2 conversations")
 
 
 def test_turnkv_bench_pressure_command_over_fake_engines(tmp_path, monkeypatch):

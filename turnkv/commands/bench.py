@@ -288,6 +288,7 @@ def pressure(
     import aiohttp
 
     from bench import pressure as bench_pressure
+    from bench import pressure_report
     from turnkv.local.stack import StackError
 
     argv = ["--levels", levels, "--turns", str(turns), "--think", think, "--system-words", str(system_words),
@@ -334,9 +335,9 @@ def pressure(
             progress.stop()
             console.print(f"interrupted; the levels done so far are in {out / 'summary.json'}")
             raise typer.Exit(130) from None
-    bench_pressure.table_console().print(bench_pressure.table(result))
+    pressure_report.table_console().print(pressure_report.table(result))
     for v in result["variants"]:
-        console.print(bench_pressure.fit_line(v), soft_wrap=True)
+        console.print(pressure_report.fit_line(v), soft_wrap=True)
     console.print(f"wrote {out / 'summary.json'}, {out / 'results.jsonl'} and the chart [bold]{out / 'pressure.png'}"
                   "[/bold]")
     if any(lv.get("errors_on") or lv.get("errors_off") for v in result["variants"] for lv in v["levels"]):
