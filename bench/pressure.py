@@ -389,23 +389,26 @@ def run(opts: Options, variants: list[calc.Variant], out: Path, *, url: Target |
     return result
 
 
-QUICK = {"levels": [1.0, 2.0], "turns": 3, "think": calc.Think("fixed", 1.0)}
-#: The demo's own stack keeps room for about four of its short conversations (2 GiB of KV on the tiny model).
-QUICK_SHARE = 0.01
+#: ``--quick`` (make demo's row): flag -> value. One stack for both levels, so 2x starts with what 1x left
+#: retained: a demo row, not a measurement. retained_kv_share 0.01 keeps room for about four of its short
+#: conversations (2 GiB of KV on the tiny model).
+QUICK = {"levels": "1,2", "turns": 3, "think": "fixed:1", "stack_per": "variant", "system_words": 100,
+         "first_user_words": 200, "turn_words": 100, "max_minutes": 10.0}
+QUICK_VARIANT = "device only=retained_kv_share=0.01"
 
 
 def quick(out: Path = Path("results/demo/pressure"), url: str | None = None, decode_url: str | None = None,
           fit: int | None = None, on_result: Callable[[Result], None] = lambda r: None) -> dict[str, Any]:
-    """The short row for ``make demo``: 1x and 2x of what fits, 3 turns, 1 s think. Without ``url`` it starts
-    one stack of its own (retained_kv_share 0.01, so about four conversations fill the room; 2x then starts with what
-    1x left retained); with the demo's running stack pass ``fit`` unless its share is small (at the default 0.5
-    the fit is dozens of conversations)."""
-    opts = Options(levels=QUICK["levels"], turns=QUICK["turns"], think=QUICK["think"], fit=fit,
-                   workload=WorkloadSpec(turns=3, system_words=100, first_user_words=200, turn_words=100,
-                                         max_tokens=16, seed=7), max_seconds=600)
-    variant = calc.Variant("device only", {} if url else {"retained_kv_share": QUICK_SHARE})
-    target = Target(url, decode_url) if url else None
-    return run(opts, [variant], out, url=target, stack_per="variant", on_result=on_result)
+    """The short row for ``make demo`` (``--quick``): 1x and 2x of what fits, 3 turns, 1 s think. Without ``url``
+    it starts one stack of its own (``QUICK_VARIANT``); with the demo's running stack pass ``fit`` unless its
+    share is small (at the default 0.5 the fit is dozens of conversations)."""
+    argv = ["--quick", "--out", str(out)]
+    argv += ["--url", url, "--variant", "demo stack"] if url else []
+    argv += ["--decode-url", decode_url] if decode_url else []
+    argv += ["--fit", str(fit)] if fit is not None else []
+    args = parser().parse_args(argv)
+    opts, variants, target = options(args)
+    return run(opts, variants, out, url=target, stack_per=args.stack_per, on_result=on_result)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -435,15 +438,17 @@ def parser() -> argparse.ArgumentParser:
                    help="a fresh stack per level (no level inherits the last one's retained turns) or per variant")
     p.add_argument("--port-base", type=int, default=8700)
     p.add_argument("--state-dir", type=Path, default=Path(".turnkv/pressure"))
-    p.add_argument("--quick", action="store_true", help="make demo's short mode: levels 1,2, 3 turns, 1 s think")
+    p.add_argument("--quick", action="store_true", help="make demo's short mode: levels 1,2, 3 short turns, 1 s "
+                   "think, one stack (retained_kv_share 0.01) for both levels; overrides those flags")
     p.add_argument("--out", type=Path, default=Path("results/pressure"))
     return p
 
 
 def options(args: argparse.Namespace) -> tuple[Options, list[calc.Variant], Target | None]:
     """Parsed flags -> what ``run`` takes (ValueError with the flag's name when one is wrong)."""
-    if args.quick:  # one stack for both levels: 2x starts with what 1x left (a demo row, not a measurement)
-        args.levels, args.turns, args.think, args.stack_per = "1,2", 3, "fixed:1", "variant"
+    if args.quick:
+        args.__dict__.update(QUICK)
+        args.variant = args.variant or ([] if args.url else [QUICK_VARIANT])
     think = calc.parse_think(args.think)
     planned = None
     if args.workload is not None:

@@ -164,7 +164,9 @@ def test_cli_flags_become_options_and_variants():
     assert [v.name for v in variants] == ["device only", "host tier"] and target is None
     assert variants[1].tunables == {"retained_kv_share": 0.02, "host_kv_budget_mib": 512}
     assert params.validate(variants[1].tunables)  # the default variants' tunables are catalog engine tunables
-    assert pressure.options(pressure.parser().parse_args(["--quick"]))[0].levels == [1.0, 2.0]
+    opts, variants, _ = pressure.options(pressure.parser().parse_args(["--quick"]))
+    assert (opts.levels, opts.workload.system_words, opts.max_seconds) == ([1.0, 2.0], 100, 600)
+    assert variants == [calc.Variant("device only", {"retained_kv_share": 0.01})]
     with pytest.raises(ValueError, match="one variant"):
         pressure.options(pressure.parser().parse_args(["--url", "http://x", "--variant", "a", "--variant", "b"]))
 
