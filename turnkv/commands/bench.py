@@ -279,9 +279,9 @@ def pressure(
     = 256,
     stack_per: Annotated[str, typer.Option(help="level (a fresh stack per level) or variant.")] = "level",
     port_base: Annotated[int, typer.Option(help="Router port of our stacks; engines at +10 and +20.")] = 8700,
-    quick: Annotated[bool, typer.Option("--quick", help="make demo's short mode: levels 1,2, 3 short turns, 1 s think, one "
-                                                        "stack (retained_kv_share 0.01); overrides those options.")]
-    = False,
+    quick: Annotated[bool, typer.Option("--quick", help="make demo's short mode: levels 1,2, 3 short turns, 1 s "
+                                                        "think, one stack (retained_kv_share 0.01); overrides those "
+                                                        "options.")] = False,
     out: Annotated[Path, typer.Option(help="Folder for summary.json, results.jsonl and pressure.png.")] = Path(
         "results/pressure"),
 ) -> None:
