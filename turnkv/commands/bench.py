@@ -249,3 +249,98 @@ def fault_load(
     report = aio.run(fl.main(args))
     if report["client_errors"] or report["wrong_reuse"]:
         raise typer.Exit(1)
+
+
+@app.command()
+def pressure(
+    levels: Annotated[str, typer.Option(help="Comma list of multiples of the conversations that fit decode's "
+                                             "retention room.")] = "0.5,1,2,4,8",
+    variant: Annotated[list[str] | None, typer.Option(
+        help='NAME=KEY=VALUE,... engine tunables of one stack (repeatable), e.g. "host tier=retained_kv_share=0.02,'
+             'host_kv_budget_mib=512". Default: "device only" (retained_kv_share=0.02) and "host tier" (+ '
+             'host_kv_budget_mib=512). With --url: one, naming the running stack.')] = None,
+    url: Annotated[str | None, typer.Option(help="A router already up instead of local stacks of our own.")] = None,
+    decode_url: Annotated[str | None, typer.Option(help="With --url: decode's base URL (/metrics).")] = None,
+    decode_pid: Annotated[int | None, typer.Option(help="With --url: decode's pid (host RSS).")] = None,
+    prefill_url: Annotated[str | None, typer.Option(help="With --url: prefill's base URL (pulls by tier).")] = None,
+    fit: Annotated[int | None, typer.Option(min=1, help="Conversations that fit (default: from decode's /metrics).")]
+    = None,
+    turns: Annotated[int, typer.Option(min=2, help="Turns per conversation.")] = 4,
+    think: Annotated[str, typer.Option(help="fixed:S, exp:MEAN (seeded) or file (with --workload).")] = "fixed:35",
+    workload_file: Annotated[Path | None, typer.Option("--workload", help="A `turnkv plan` workload file.")] = None,
+    system_words: Annotated[int, typer.Option(min=0, help="Shared system prompt length (words ~ tokens).")] = 200,
+    first_user_words: Annotated[int, typer.Option(min=1, help="First user message length.")] = 300,
+    turn_words: Annotated[int, typer.Option(min=1, help="Words each later turn appends.")] = 200,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Reply length in tokens.")] = 16,
+    seed: Annotated[int, typer.Option(help="Workload and think-time seed.")] = 7,
+    stagger: Annotated[float, typer.Option(min=0, help="Seconds between conversation starts.")] = 0.2,
+    max_minutes: Annotated[float, typer.Option(min=1, help="No turn starts after this many minutes.")] = 120,
+    max_conversations: Annotated[int, typer.Option(min=1, help="Levels needing more conversations are skipped.")]
+    = 256,
+    stack_per: Annotated[str, typer.Option(help="level (a fresh stack per level) or variant.")] = "level",
+    port_base: Annotated[int, typer.Option(help="Router port of our stacks; engines at +10 and +20.")] = 8700,
+    quick: Annotated[bool, typer.Option("--quick", help="make demo's short mode: levels 1,2, 3 short turns, 1 s "
+                                                        "think, one stack (retained_kv_share 0.01); overrides those "
+                                                        "options.")] = False,
+    out: Annotated[Path, typer.Option(help="Folder for summary.json, results.jsonl and pressure.png.")] = Path(
+        "results/pressure"),
+) -> None:
+    """Retention pressure: live conversations against decode's retention room (0.5x to 8x what fits), reuse share,
+    TTFT p50/p90 with reuse on and off, identical answers, evictions and refusals by reason, bytes per tier."""
+    import aiohttp
+
+    from bench import pressure as bench_pressure
+    from bench import pressure_report
+    from turnkv.local.stack import StackError
+
+    argv = ["--levels", levels, "--turns", str(turns), "--think", think, "--system-words", str(system_words),
+            "--first-user-words", str(first_user_words), "--turn-words", str(turn_words), "--max-tokens",
+            str(max_tokens), "--seed", str(seed), "--stagger", str(stagger), "--max-minutes", str(max_minutes),
+            "--max-conversations", str(max_conversations), "--stack-per", stack_per, "--port-base", str(port_base),
+            "--out", str(out)]
+    for v in variant or ():
+        argv += ["--variant", v]
+    for flag, value in (("--url", url), ("--decode-url", decode_url), ("--decode-pid", decode_pid),
+                        ("--prefill-url", prefill_url), ("--fit", fit),
+                        ("--workload", workload_file)):
+        if value is not None:
+            argv += [flag, str(value)]
+    args = bench_pressure.parser().parse_args([*argv, *(["--quick"] if quick else [])])
+    try:
+        opts, variants, target = bench_pressure.options(args)
+    except (ValueError, OSError) as exc:
+        console.print(f"[red]{exc}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[last]}"), TimeElapsedColumn(), console=console) as progress:
+        current: dict[str, Any] = {}
+
+        def on_level_start(name: str, level: float, n: int) -> None:
+            current["task"] = progress.add_task(f"{name} {level:g}x ({n} conversations)", total=n * opts.turns * 2,
+                                                last="")
+
+        def on_result(r) -> None:
+            last = (f"conv {r.conversation} turn {r.turn + 1} {r.arm}: "
+                    + (f"TTFT {r.ttft_ms:.0f} ms" if r.error is None else f"[red]{r.error[:60]}[/red]"))
+            if "task" in current:
+                progress.update(current["task"], advance=1, last=last)
+
+        try:
+            result = bench_pressure.run(opts, variants, out, url=target, state_dir=args.state_dir,
+                                        port_base=port_base, stack_per=stack_per, on_result=on_result,
+                                        on_level_start=on_level_start, say=progress.console.print)
+        except (StackError, RuntimeError, OSError, aiohttp.ClientError) as exc:  # a router down or not a router
+            progress.stop()
+            console.print(f"[red]pressure benchmark failed:[/red] {type(exc).__name__}: {exc}", soft_wrap=True)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:  # the stack it started is already down (bench.pressure.stack_target)
+            progress.stop()
+            console.print(f"interrupted; the levels done so far are in {out / 'summary.json'}")
+            raise typer.Exit(130) from None
+    pressure_report.table_console().print(pressure_report.table(result))
+    for v in result["variants"]:
+        console.print(pressure_report.fit_line(v), soft_wrap=True)
+    console.print(f"wrote {out / 'summary.json'}, {out / 'results.jsonl'} and the chart [bold]{out / 'pressure.png'}"
+                  "[/bold]")
+    if any(lv.get("errors_on") or lv.get("errors_off") for v in result["variants"] for lv in v["levels"]):
+        raise typer.Exit(1)

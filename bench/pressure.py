@@ -1,0 +1,498 @@
+"""Retention pressure: reuse and TTFT as live conversations outnumber what decode can retain.
+
+Levels are multiples of the conversations whose last turn fits in decode's retention room
+(``retained_kv_share`` x decode's KV blocks, from its /metrics, over the blocks of one conversation's last
+turn; ``--fit`` overrides). At each level N conversations are played at once, one client task each, with
+think times between turns. The reuse-on phase comes first and the same turns are then played again with
+``X-TurnKV-Reuse: off``, as a second phase rather than interleaved: interleaved, each arm's requests would
+queue behind the other's on the one prefill engine, and decode's counters and gauges (evictions, refusals,
+bytes per tier, read before and after the reuse-on phase) would mix in the other arm's traffic. Reuse-off
+turns are not retained by decode (the router does not ask), so the second phase does not add pressure.
+
+Per variant (engine tunables such as ``retained_kv_share`` and ``host_kv_budget_mib``) it starts its own
+local stack (``turnkv.local.stack``), by default one per level so that no level starts with the turns of the
+one before it in decode's room; or runs against a router already up (``--url``, one variant).
+
+    python -m bench.pressure --levels 1,3 --variant "device only=retained_kv_share=0.02"
+    python -m bench.pressure --url http://127.0.0.1:8000 --decode-url http://127.0.0.1:8200 --fit 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+
+from bench import pressure_calc as calc
+from bench.client import Result, chat
+from bench.pressure_report import append_results, fit_line, table, table_console, write
+from bench.workload import Conversation, WorkloadSpec, build, from_workload_file
+
+SAMPLE_EVERY_S = 2.0
+
+
+@dataclass
+class Options:
+    levels: list[float] = field(default_factory=lambda: [0.5, 1, 2, 4, 8])
+    turns: int = 4
+    think: calc.Think = field(default_factory=lambda: calc.Think("fixed", 35.0))
+    workload: WorkloadSpec = field(default_factory=lambda: WorkloadSpec(
+        turns=4, system_words=200, first_user_words=300, turn_words=200, max_tokens=16, seed=7))
+    #: A ``turnkv plan`` workload (turnkv.plan.workload.Workload): lengths and think times from its samples.
+    planned: Any = None
+    fit: int | None = None
+    stagger: float = 0.2
+    timeout: float = 300.0
+    #: Wall-clock bound on the whole sweep: no turn starts after it (what is left is counted as skipped).
+    max_seconds: float = 7200.0
+    #: A level needing more conversations than this is not played (reported as skipped): a bound on requests.
+    max_conversations: int = 256
+    sample_every: float = SAMPLE_EVERY_S
+    words: list[str] | None = None
+
+
+@dataclass
+class Target:
+    """What a level is played against: the router, and decode for its /metrics and memory."""
+
+    url: str
+    decode_url: str | None = None
+    decode_pid: int | None = None
+    model: str | None = None
+    #: prefill's base URL: its pulls by tier (``vllm:turnkv_pulls_total{tier}``) over the reuse-on phase.
+    prefill_url: str | None = None
+
+
+# -- conversations -----------------------------------------------------------------------------------
+
+
+def conversations(opts: Options, n: int, level_index: int) -> list[Conversation]:
+    """``n`` conversations of at most ``opts.turns`` turns (a workload file's too: the sweep stays bounded), with
+    text of their own per level (no level finds another's turns by content)."""
+    seed = opts.workload.seed + 1000 * level_index
+    if opts.planned is None:
+        return build(dataclasses.replace(opts.workload, conversations=n, turns=opts.turns, seed=seed), opts.words)
+    convs = from_workload_file(dataclasses.replace(opts.planned, num_conversations=n), opts.words, seed)
+    t = opts.turns
+    return [dataclasses.replace(c, user_turns=c.user_turns[:t], max_tokens=c.max_tokens[:t], think_s=c.think_s[:t])
+            for c in convs]
+
+
+#: Conversations sampled to find the largest last turn of a workload file (a file may describe thousands).
+FIT_SAMPLE = 64
+
+
+def tokens_per_conversation(opts: Options) -> int:
+    """The largest last turn (prompt + reply tokens) of the workload, for the fit."""
+    n = min(opts.planned.num_conversations, FIT_SAMPLE) if opts.planned is not None else 4
+    return max(calc.last_turn_tokens(c, opts.workload.max_tokens) for c in conversations(opts, n, 0))
+
+
+# -- decode's metrics and memory ---------------------------------------------------------------------
+
+
+async def metrics_text(session: aiohttp.ClientSession, decode_url: str) -> str | None:
+    try:
+        async with session.get(decode_url.rstrip("/") + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            return await r.text() if r.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+
+
+def rss_bytes(pid: int | None) -> int | None:
+    """Resident memory of a process and its children (vLLM's engine core is a child of the API server)."""
+    if pid is None:
+        return None
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return None
+    total = 0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss
+    return total
+
+
+async def snapshot(session: aiohttp.ClientSession, target: Target) -> dict[str, float]:
+    """decode's turnkv series (by tier/reason) plus ``rss_bytes`` when the pid is known."""
+    text = await metrics_text(session, target.decode_url) if target.decode_url else None
+    series = calc.turnkv_series(text) if text else {}
+    rss = rss_bytes(target.decode_pid)
+    return {**series, **({"rss_bytes": float(rss)} if rss is not None else {})}
+
+
+async def prefill_series(session: aiohttp.ClientSession, target: Target) -> dict[str, float]:
+    text = await metrics_text(session, target.prefill_url) if target.prefill_url else None
+    return calc.turnkv_series(text) if text else {}
+
+
+async def sample_until(session: aiohttp.ClientSession, target: Target, stop: asyncio.Event, every: float,
+                       into: list[dict[str, float]]) -> None:
+    while not stop.is_set():
+        into.append(await snapshot(session, target))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every)
+
+
+async def read_fit(session: aiohttp.ClientSession, target: Target, share: float, opts: Options) -> calc.Fit:
+    if opts.fit is not None:
+        return calc.Fit(opts.fit, "given", retained_kv_share=share,
+                        last_turn_tokens=tokens_per_conversation(opts))
+    text = await metrics_text(session, target.decode_url) if target.decode_url else None
+    config = calc.cache_config(text) if text else None
+    if config is None:
+        raise RuntimeError(f"no vllm:cache_config_info on {target.decode_url}/metrics: pass --fit N "
+                           "(conversations whose last turn fits in decode's retention room)")
+    return calc.compute_fit(config[0], config[1], share, tokens_per_conversation(opts))
+
+
+# -- playing a level ---------------------------------------------------------------------------------
+
+
+async def play(session: aiohttp.ClientSession, target: Target, convs: list[Conversation], opts: Options,
+               arm: str, tag: str, deadline: float, on_result: Callable[[Result], None]) -> tuple[list[Result], int]:
+    """Every conversation at once, one task each, think times between turns; returns results and turns skipped
+    for the deadline."""
+    results: list[Result] = []
+    skipped = 0
+    headers = {"X-TurnKV-Reuse": "off"} if arm == "off" else {}
+    think_seed = opts.workload.seed
+
+    async def converse(conv: Conversation) -> None:
+        nonlocal skipped
+        await asyncio.sleep(conv.index * opts.stagger)
+        replies: list[str] = []
+        delays = opts.think.delays(conv, think_seed)
+        for turn in range(len(conv.user_turns)):
+            if delays[turn]:
+                await asyncio.sleep(delays[turn])
+            if time.monotonic() > deadline:
+                skipped += len(conv.user_turns) - turn
+                return
+            body = {"model": target.model, "messages": conv.messages_for(turn, replies),
+                    "max_tokens": conv.max_tokens[turn] if conv.max_tokens else opts.workload.max_tokens,
+                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                    "conversation_id": f"pressure-{tag}-{conv.index}-{arm}"}
+            result = await chat(session, target.url, body, headers, Result(conv.index, turn, arm), opts.timeout)
+            replies.append(result.reply)
+            results.append(result)
+            on_result(result)
+
+    await asyncio.gather(*(converse(c) for c in convs))
+    return results, skipped
+
+
+async def run_level(target: Target, convs: list[Conversation], opts: Options, tag: str, deadline: float,
+                    on_result: Callable[[Result], None]) -> tuple[dict[str, Any], list[Result]]:
+    """Reuse on (decode sampled throughout, counters read before and after), then reuse off."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        if target.model is None:
+            from bench.runner import discover_model
+
+            target.model = await discover_model(session, target.url)
+        before = await snapshot(session, target)
+        prefill_before = await prefill_series(session, target)
+        samples: list[dict[str, float]] = [before]
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(sample_until(session, target, stop, opts.sample_every, samples))
+        started = time.monotonic()
+        on, skipped_on = await play(session, target, convs, opts, "on", tag, deadline, on_result)
+        on_seconds = time.monotonic() - started
+        stop.set()
+        await sampler
+        after = await snapshot(session, target)
+        prefill_after = await prefill_series(session, target)
+        samples.append(after)
+        off, skipped_off = await play(session, target, convs, opts, "off", tag, deadline, on_result)
+    summary = calc.level_summary(on, off)
+    deltas = calc.counter_deltas(before, after)
+    rss = [s["rss_bytes"] for s in samples if "rss_bytes" in s]
+    summary.update({
+        "turns_skipped": skipped_on + skipped_off,
+        "reuse_on_phase_s": round(on_seconds, 1),
+        "decode_counters": deltas,
+        "evictions": calc.sum_by(deltas, "vllm:turnkv_retention_evictions_total")
+        + calc.sum_by(deltas, "vllm:turnkv_retention_evicted_total"),
+        "refusals": calc.sum_by(deltas, "vllm:turnkv_retention_refusals_total")
+        + calc.sum_by(deltas, "vllm:turnkv_retention_refused_total"),
+        "tier_bytes": calc.gauge_peaks(samples),
+        "prefill_counters": calc.counter_deltas(prefill_before, prefill_after) if target.prefill_url else None,
+        "decode_rss_mib": {"peak": round(max(rss) / 2**20, 1), "last": round(rss[-1] / 2**20, 1)} if rss else None,
+        "decode_metrics": bool(target.decode_url) and any(k != "rss_bytes" for k in after),
+    })
+    return summary, on + off
+
+
+# -- variants: a stack of their own, or the router given ---------------------------------------------
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so a killed sweep still stops the stack it started (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def stack_target(variant: calc.Variant, state_dir: Path, port_base: int) -> Iterator[tuple[Target, list[str]]]:
+    """A local stack with the variant's engine tunables; stopped on exit, Ctrl-C included (its own ``down``)."""
+    from bench.variants import stack_with_env
+    from turnkv.local.model import load_words
+
+    with sigterm_as_interrupt(), stack_with_env({}, state_dir, port_base=port_base,
+                                                tunables=dict(variant.tunables)) as state:
+        decode = state["components"]["decode-0"]
+        yield (Target(state["components"]["router"]["url"], decode["url"], decode["pid"],
+                      prefill_url=state["components"]["prefill-0"]["url"]), load_words(state["model_dir"]))
+
+
+def _tunables(variant: calc.Variant) -> str:
+    return ", ".join(f"{k}={v}" for k, v in variant.tunables.items()) or "default tunables"
+
+
+def share_of(variant: calc.Variant) -> float:
+    from turnkv import params
+
+    return float(variant.tunables.get("retained_kv_share", params.BY_NAME["retained_kv_share"].default))
+
+
+def skipped(level: float, n: int, opts: Options) -> dict[str, Any]:
+    return {"level": level, "conversations": n, "skipped": f"over --max-conversations {opts.max_conversations}"}
+
+
+async def _fit_and_level(target: Target, variant: calc.Variant, opts: Options, index: int, level: float,
+                         run_id: str, deadline: float, on_result: Callable[[Result], None],
+                         on_start: Callable[[int], None], fit: calc.Fit | None) -> tuple[dict, list[Result], calc.Fit]:
+    if fit is None:
+        async with aiohttp.ClientSession() as session:
+            fit = await read_fit(session, target, share_of(variant), opts)
+    n = calc.conversations_at(level, fit.conversations)
+    if n > opts.max_conversations:
+        return skipped(level, n, opts), [], fit
+    on_start(n)
+    convs = conversations(opts, n, index)
+    summary, results = await run_level(target, convs, opts, f"{run_id}-{index}", deadline, on_result)
+    return {"level": level, "conversations": n, **summary}, results, fit
+
+
+def sweep_variant(variant: calc.Variant, opts: Options, *, url: Target | None = None, state_dir: Path = Path(
+        ".turnkv/pressure"), port_base: int = 8700, stack_per: str = "level",
+        on_result: Callable[[Result], None] = lambda r: None, on_level_start: Callable[[str, float, int], None]
+        = lambda v, lv, n: None, on_level: Callable[[dict[str, Any], list[Result]], None] = lambda lv, rs: None,
+        deadline: float | None = None, say: Callable[[str], None] = lambda text: None) -> dict[str, Any]:
+    """Every level for one variant: against ``url``, or on its own stack (one per level or per variant)."""
+    run_id = uuid.uuid4().hex[:6]
+    deadline = deadline if deadline is not None else time.monotonic() + opts.max_seconds
+    levels: list[dict[str, Any]] = []
+    fit: calc.Fit | None = None
+
+    def one(target: Target, index: int, level: float, fit: calc.Fit | None) -> calc.Fit:
+        summary, results, fit = asyncio.run(_fit_and_level(
+            target, variant, opts, index, level, run_id, deadline, on_result,
+            lambda n: on_level_start(variant.name, level, n), fit))
+        levels.append(summary)
+        on_level(summary, results)
+        return fit
+
+    if url is not None:
+        for i, level in enumerate(opts.levels):
+            if time.monotonic() > deadline:
+                break
+            fit = one(url, i, level, fit)
+    elif stack_per == "variant":
+        say(f"{variant.name}: starting a local stack ({_tunables(variant)}), about a minute")
+        with stack_target(variant, state_dir, port_base) as (target, words):
+            opts.words = opts.words or words
+            for i, level in enumerate(opts.levels):
+                if time.monotonic() > deadline:
+                    break
+                fit = one(target, i, level, fit)
+    else:
+        for i, level in enumerate(opts.levels):
+            if time.monotonic() > deadline:
+                break
+            if fit is not None and (n := calc.conversations_at(level, fit.conversations)) > opts.max_conversations:
+                levels.append(skipped(level, n, opts))  # known before a stack is started for it
+                on_level(levels[-1], [])
+                continue
+            say(f"{variant.name} {level:g}x: starting a local stack ({_tunables(variant)}), about a minute")
+            with stack_target(variant, state_dir, port_base) as (target, words):
+                opts.words = opts.words or words
+                fit = one(target, i, level, fit)
+    return {"variant": variant.name, "tunables": variant.tunables, "fit": fit.as_dict() if fit else None,
+            "levels": levels}
+
+
+# -- the whole sweep ---------------------------------------------------------------------------------
+
+
+def run(opts: Options, variants: list[calc.Variant], out: Path, *, url: Target | None = None,
+        state_dir: Path = Path(".turnkv/pressure"), port_base: int = 8700, stack_per: str = "level",
+        on_result: Callable[[Result], None] = lambda r: None,
+        on_level_start: Callable[[str, float, int], None] = lambda v, lv, n: None,
+        say: Callable[[str], None] = lambda text: None) -> dict[str, Any]:
+    """Sweep every variant; the report is rewritten after each level, so a run cut short keeps what it did."""
+    if url is not None and len(variants) != 1:
+        raise ValueError("--url runs one variant: name it (and its tunables, for the fit) with one --variant")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.jsonl").unlink(missing_ok=True)
+    meta = {"levels": opts.levels, "turns": opts.turns, "think": dataclasses.asdict(opts.think),
+            "workload": opts.workload.__dict__ if opts.planned is None else "file", "stagger_s": opts.stagger,
+            "url": url.url if url else None, "decode_url": url.decode_url if url else None,
+            "stack_per": None if url else stack_per, "arms": "reuse on, then the same turns with reuse off",
+            "reuse_counted_from": "X-TurnKV-Reused-Tokens > 0 (tokens prefill pulled, as the router reports)",
+            "decode_window": "counters and gauges over the reuse-on phase of each level",
+            "started_at": time.time()}
+    result: dict[str, Any] = {"meta": meta, "variants": []}
+    deadline = time.monotonic() + opts.max_seconds
+    for variant in variants:
+        current = {"variant": variant.name, "tunables": variant.tunables, "fit": None, "levels": []}
+        result["variants"].append(current)
+
+        def on_level(level: dict[str, Any], results: list[Result], current: dict = current,
+                     name: str = variant.name) -> None:
+            current["levels"].append(level)
+            append_results(out, name, level, results)
+            write(result, out)
+
+        done = sweep_variant(variant, opts, url=url, state_dir=state_dir, port_base=port_base, stack_per=stack_per,
+                             on_result=on_result, on_level_start=on_level_start, on_level=on_level, deadline=deadline,
+                             say=say)
+        current["fit"] = done["fit"]
+        write(result, out)
+    meta["finished_at"] = time.time()
+    write(result, out)
+    return result
+
+
+#: ``--quick`` (make demo's row): flag -> value. One stack for both levels, so 2x starts with what 1x left
+#: retained: a demo row, not a measurement. retained_kv_share 0.01 keeps room for about four of its short
+#: conversations (2 GiB of KV on the tiny model).
+QUICK = {"levels": "1,2", "turns": 3, "think": "fixed:1", "stack_per": "variant", "system_words": 100,
+         "first_user_words": 200, "turn_words": 100, "max_minutes": 10.0}
+QUICK_VARIANT = "device only=retained_kv_share=0.01"
+
+
+def quick(out: Path = Path("results/demo/pressure"), url: str | None = None, decode_url: str | None = None,
+          fit: int | None = None, on_result: Callable[[Result], None] = lambda r: None) -> dict[str, Any]:
+    """The short row for ``make demo`` (``--quick``): 1x and 2x of what fits, 3 turns, 1 s think. Without ``url``
+    it starts one stack of its own (``QUICK_VARIANT``); with the demo's running stack pass ``fit`` unless its
+    share is small (at the default 0.5 the fit is dozens of conversations)."""
+    argv = ["--quick", "--out", str(out)]
+    argv += ["--url", url, "--variant", "demo stack"] if url else []
+    argv += ["--decode-url", decode_url] if decode_url else []
+    argv += ["--fit", str(fit)] if fit is not None else []
+    args = parser().parse_args(argv)
+    opts, variants, target = options(args)
+    return run(opts, variants, out, url=target, stack_per=args.stack_per, on_result=on_result)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--levels", default="0.5,1,2,4,8", help="multiples of the conversations that fit")
+    p.add_argument("--variant", action="append", default=[],
+                   help='NAME=KEY=VALUE,... engine tunables of one stack (repeatable); default: "device only" '
+                        '(retained_kv_share=0.02) and "host tier" (+ host_kv_budget_mib=512)')
+    p.add_argument("--url", help="a router already up instead of stacks of our own (one --variant)")
+    p.add_argument("--decode-url", help="with --url: decode's base URL for /metrics")
+    p.add_argument("--decode-pid", type=int, help="with --url: decode's pid, for its host RSS")
+    p.add_argument("--prefill-url", help="with --url: prefill's base URL, for its pulls by tier")
+    p.add_argument("--fit", type=int, help="conversations that fit (default: from decode's /metrics)")
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--think", default="fixed:35", help="fixed:S, exp:MEAN (seeded) or file (with --workload)")
+    p.add_argument("--workload", type=Path, help="a turnkv plan workload file (lengths and think times)")
+    p.add_argument("--system-words", type=int, default=200)
+    p.add_argument("--first-user-words", type=int, default=300)
+    p.add_argument("--turn-words", type=int, default=200)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--stagger", type=float, default=0.2, help="seconds between conversation starts")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--max-minutes", type=float, default=120.0, help="no turn starts after this")
+    p.add_argument("--max-conversations", type=int, default=256, help="levels needing more are skipped")
+    p.add_argument("--stack-per", choices=("level", "variant"), default="level",
+                   help="a fresh stack per level (no level inherits the last one's retained turns) or per variant")
+    p.add_argument("--port-base", type=int, default=8700)
+    p.add_argument("--state-dir", type=Path, default=Path(".turnkv/pressure"))
+    p.add_argument("--quick", action="store_true", help="make demo's short mode: levels 1,2, 3 short turns, 1 s "
+                   "think, one stack (retained_kv_share 0.01) for both levels; overrides those flags")
+    p.add_argument("--out", type=Path, default=Path("results/pressure"))
+    return p
+
+
+def options(args: argparse.Namespace) -> tuple[Options, list[calc.Variant], Target | None]:
+    """Parsed flags -> what ``run`` takes (ValueError with the flag's name when one is wrong)."""
+    if args.quick:
+        args.__dict__.update(QUICK)
+        args.variant = args.variant or ([] if args.url else [QUICK_VARIANT])
+    think = calc.parse_think(args.think)
+    planned = None
+    if args.workload is not None:
+        from turnkv.plan.workload import load
+
+        planned = load(args.workload)
+    elif think.kind == "file":
+        raise ValueError("--think file needs --workload")
+    workload = WorkloadSpec(turns=args.turns, system_words=args.system_words, first_user_words=args.first_user_words,
+                            turn_words=args.turn_words, max_tokens=args.max_tokens, seed=args.seed)
+    opts = Options(levels=calc.parse_levels(args.levels), turns=args.turns, think=think, workload=workload,
+                   planned=planned, fit=args.fit, stagger=args.stagger, timeout=args.timeout,
+                   max_seconds=args.max_minutes * 60, max_conversations=args.max_conversations)
+    if args.fit is not None and args.fit < 1:
+        raise ValueError("--fit must be at least 1")
+    texts = args.variant or (["reuse on"] if args.url else list(calc.DEFAULT_VARIANTS))
+    variants = [calc.parse_variant(t) for t in texts]
+    if args.url and len(variants) != 1:
+        raise ValueError("--url runs one variant: pass one --variant (its name, and its tunables for the fit)")
+    target = Target(args.url, args.decode_url, args.decode_pid, prefill_url=args.prefill_url) if args.url else None
+    return opts, variants, target
+
+
+def main(argv: list[str] | None = None, on_result: Callable[[Result], None] = lambda r: None,
+         on_level_start: Callable[[str, float, int], None] = lambda v, lv, n: None) -> dict[str, Any]:
+    args = parser().parse_args(argv)
+    try:
+        opts, variants, target = options(args)
+    except ValueError as exc:
+        raise SystemExit(f"bench.pressure: {exc}") from None
+    console = table_console()
+
+    def level_start(name: str, level: float, n: int) -> None:
+        console.print(f"{name} {level:g}x: {n} conversations, {n * opts.turns * 2} requests at most")
+        on_level_start(name, level, n)
+
+    result = run(opts, variants, args.out, url=target, state_dir=args.state_dir, port_base=args.port_base,
+                 stack_per=args.stack_per, on_result=on_result, on_level_start=level_start, say=console.print)
+    console.print(table(result))
+    for v in result["variants"]:
+        console.print(fit_line(v))
+    console.print(f"wrote {args.out / 'summary.json'}, {args.out / 'results.jsonl'} and {args.out / 'pressure.png'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
