@@ -398,16 +398,21 @@ QUICK_VARIANT = "device only=retained_kv_share=0.01"
 
 
 def quick(out: Path = Path("results/demo/pressure"), url: str | None = None, decode_url: str | None = None,
-          fit: int | None = None, on_result: Callable[[Result], None] = lambda r: None) -> dict[str, Any]:
+          fit: int | None = None, on_result: Callable[[Result], None] = lambda r: None, *,
+          variant: str = "demo stack", levels: str | None = None, prefill_url: str | None = None) -> dict[str, Any]:
     """The short row for ``make demo`` (``--quick``): 1x and 2x of what fits, 3 turns, 1 s think. Without ``url``
     it starts one stack of its own (``QUICK_VARIANT``); with the demo's running stack pass ``fit`` unless its
-    share is small (at the default 0.5 the fit is dozens of conversations)."""
+    share is small (at the default 0.5 the fit is dozens of conversations), or a ``variant`` naming the share the
+    stack runs with (``NAME=retained_kv_share=S``: the fit is computed from it)."""
     argv = ["--quick", "--out", str(out)]
-    argv += ["--url", url, "--variant", "demo stack"] if url else []
+    argv += ["--url", url, "--variant", variant] if url else []
     argv += ["--decode-url", decode_url] if decode_url else []
+    argv += ["--prefill-url", prefill_url] if prefill_url else []
     argv += ["--fit", str(fit)] if fit is not None else []
     args = parser().parse_args(argv)
     opts, variants, target = options(args)
+    if levels is not None:
+        opts.levels = calc.parse_levels(levels)
     return run(opts, variants, out, url=target, stack_per=args.stack_per, on_result=on_result)
 
 

@@ -10,6 +10,11 @@ from rich.console import Console
 
 console = Console(stderr=True)
 
+#: The pressure row: a small device share, so that twice what fits is a handful of conversations, and a host tier
+#: large enough for all of them.
+PRESSURE_SHARE = 0.01
+PRESSURE_HOST_MIB = 256
+
 
 def demo(
     out: Annotated[Path, typer.Option(help="Where the benchmark writes its report.")] = Path("results/demo"),
@@ -19,6 +24,8 @@ def demo(
     state_dir: Annotated[Path, typer.Option(help="State folder of the local stack.")] = Path(".turnkv"),
     load: Annotated[int, typer.Option(min=0, help="Then this many shorter conversations at once, reuse off "
                                                   "and on (0: skip).")] = 8,
+    pressure: Annotated[bool, typer.Option(help="Then twice the conversations decode's retention room holds, "
+                                                "device only and with the host tier (bench.pressure).")] = True,
 ) -> None:
     """Show the gain end to end: ~4,000-token agentic conversations, TTFT with reuse off, on, and best case."""
     from bench.runner import RunSpec
@@ -28,7 +35,9 @@ def demo(
     from turnkv.local.model import load_words
     from turnkv.local.stack import StackConfig, Supervisor
 
-    config = StackConfig(state_dir=state_dir, router_port=port, best_case=True)
+    # A host tier on decode (allocated at start): the pressure row turns it on and off by reload.
+    config = StackConfig(state_dir=state_dir, router_port=port, best_case=True,
+                         tunables={"host_kv_budget_mib": PRESSURE_HOST_MIB})
     console.rule("turnkv demo: starting the local stack (prefill, decode, prefix-cached prefill, 2 routers)")
     state = start_stack(config)
     try:
@@ -41,6 +50,10 @@ def demo(
         if load:
             console.rule(f"under load: {load} conversations at once, reuse off then on")
             load_row(state["components"]["router"]["url"], load, out / "load", load_words(config.model_dir))
+        if pressure:
+            console.rule("retention pressure: twice the conversations decode's room holds (retained_kv_share "
+                         f"{PRESSURE_SHARE}), device only, then with the host tier")
+            pressure_rows(state, config.state_dir, out / "pressure")
     finally:
         console.rule("stopping the local stack")
         Supervisor(state_dir).down()
@@ -65,3 +78,24 @@ def load_row(url: str, conversations: int, out: Path, words: list[str]) -> dict:
     print(capacity.markdown(result, per_turn=False), flush=True)
     console.print(f"wrote {out / 'capacity.md'} and {out / 'capacity.json'} (`turnkv bench capacity` sweeps levels)")
     return result
+
+
+def pressure_rows(state: dict, state_dir: Path, out: Path) -> None:
+    """bench.pressure's quick row at 2x on the demo's running stack: the share lowered and the host tier off, then
+    on (both hot-reloaded through the engines' tunables file), each level's reuse share and TTFT printed."""
+    import json
+    import time
+
+    from bench import pressure
+
+    components = state["components"]
+    tunables = state_dir / "tunables.json"
+    try:
+        for name, host_mib in (("device only", 0), ("host tier", PRESSURE_HOST_MIB)):
+            tunables.write_text(json.dumps({"retained_kv_share": PRESSURE_SHARE, "host_kv_budget_mib": host_mib}))
+            time.sleep(1.5)  # the connector re-reads the file at most once a second
+            pressure.quick(out / name.replace(" ", "-"), url=components["router"]["url"],
+                           decode_url=components["decode-0"]["url"], prefill_url=components["prefill-0"]["url"],
+                           variant=f"{name}=retained_kv_share={PRESSURE_SHARE}", levels="2")
+    finally:
+        tunables.unlink(missing_ok=True)
