@@ -1,0 +1,80 @@
+"""What a request must be before the router does any work for it (pure, no I/O): field types, the message count,
+and the engine cache keys a client may name rewritten per tenant.
+
+Runs before the conversation store is touched, so a refused request consumes nothing stored:
+- sampling and length fields have the types the router (and vLLM) read them as; otherwise 400 naming the field;
+- at most ``max_messages`` messages (each is hashed on the event loop); otherwise 413 naming the limit;
+- a content part's ``uuid`` (vLLM's media cache key) becomes HMAC(tenant, uuid), and ``cache_salt`` becomes
+  HMAC(tenant, client salt): no tenant can name another's cached media or share its prefix cache (timing).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from router.guard import RequestError, keyed_digest
+
+#: Fields read as integers (``None`` means unset); a bool is not one.
+INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "truncate_prompt_tokens", "seed",
+              "top_k", "logprobs", "top_logprobs")
+#: Fields read as finite numbers.
+NUMBER_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
+BOOL_FIELDS = ("stream", "echo", "add_generation_prompt", "continue_final_message", "add_special_tokens")
+STRING_FIELDS = ("model", "cache_salt")
+
+
+class LimitError(Exception):
+    """A request over one of the router's limits: its HTTP status, the limit's name and, for 429, when to retry."""
+
+    def __init__(self, status: int, limit: str, message: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.limit, self.retry_after = status, limit, retry_after
+
+
+def check_types(body: Mapping[str, Any]) -> None:
+    """RequestError (400) naming the first field whose type the engines or the router cannot read."""
+    for name in INT_FIELDS:
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise RequestError(f"'{name}' must be an integer")
+        if isinstance(value, int) and name not in ("seed", "logprobs", "top_k") and value < 0:
+            raise RequestError(f"'{name}' must not be negative")
+    for name in NUMBER_FIELDS:
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value)):
+            raise RequestError(f"'{name}' must be a finite number")
+    for name in BOOL_FIELDS:
+        value = body.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise RequestError(f"'{name}' must be true or false")
+    for name in STRING_FIELDS:
+        value = body.get(name)
+        if value is not None and not isinstance(value, str):
+            raise RequestError(f"'{name}' must be a string")
+
+
+def check_messages(body: Mapping[str, Any], max_messages: int) -> None:
+    """LimitError (413) when a request carries more than ``max_messages`` messages (chat and Anthropic
+    ``messages``, Responses ``input`` items)."""
+    for name in ("messages", "input"):
+        items = body.get(name)
+        if isinstance(items, list) and len(items) > max_messages:
+            raise LimitError(413, "max_messages", f"'{name}' has {len(items)} items; max_messages is {max_messages}")
+
+
+def isolate(body: dict[str, Any], secret: bytes, tenant: str) -> None:
+    """Rewrite, in place, the engine cache keys a client names: content-part ``uuid`` and ``cache_salt``."""
+    body["cache_salt"] = keyed_digest(secret, b"turnkv-cache-salt-v1", tenant, str(body.get("cache_salt") or ""))
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if isinstance(part, dict) and part.get("uuid") is not None:
+                part["uuid"] = keyed_digest(secret, b"turnkv-media-uuid-v1", tenant, str(part["uuid"]))
