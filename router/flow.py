@@ -118,6 +118,7 @@ class Flow:
             body.pop(own, None)
         intake.check_messages(body, int(self.config.max_messages))
         intake.check_types(body)
+        intake.check_media_urls(body)
         intake.isolate(body, self.config.ensure_secret(), tenant)
         turn = guard.parse_turn(kind, body)
         request_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))

@@ -4,6 +4,8 @@ and the engine cache keys a client may name rewritten per tenant.
 Runs before the conversation store is touched, so a refused request consumes nothing stored:
 - sampling and length fields have the types the router (and vLLM) read them as; otherwise 400 naming the field;
 - at most ``max_messages`` messages (each is hashed on the event loop); otherwise 413 naming the limit;
+- media URLs naming a loopback, private, link-local or reserved address (``169.254.169.254``: the instance
+  metadata service) are refused (400): the engines would fetch them from inside the VPC;
 - a content part's ``uuid`` (vLLM's media cache key) becomes HMAC(tenant, uuid), and ``cache_salt`` becomes
   HMAC(tenant, client salt): no tenant can name another's cached media or share its prefix cache (timing).
 """
@@ -13,8 +15,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from router.guard import RequestError, keyed_digest
+from turnkv.media import internal_host
 
 #: Fields read as integers (``None`` means unset); a bool is not one.
 INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "truncate_prompt_tokens", "seed",
@@ -78,3 +82,24 @@ def isolate(body: dict[str, Any], secret: bytes, tenant: str) -> None:
         for part in content:
             if isinstance(part, dict) and part.get("uuid") is not None:
                 part["uuid"] = keyed_digest(secret, b"turnkv-media-uuid-v1", tenant, str(part["uuid"]))
+
+
+def check_media_urls(body: Mapping[str, Any]) -> None:
+    """RequestError (400) for a media URL the engines must not fetch (an internal address)."""
+    messages = body.get("messages")
+    for i, message in enumerate(messages if isinstance(messages, list) else ()):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        for part in content if isinstance(content, list) else ():
+            if not isinstance(part, Mapping):
+                continue
+            for name in ("image_url", "video_url", "audio_url"):
+                value = part.get(name)
+                url = value.get("url") if isinstance(value, Mapping) else value
+                if isinstance(url, str) and not url.startswith("data:"):
+                    try:
+                        host = urlsplit(url).hostname or ""
+                    except ValueError:
+                        raise RequestError(f"messages[{i}]: '{name}' is not a valid URL") from None
+                    if internal_host(host):
+                        raise RequestError(f"messages[{i}]: '{name}' names an internal address ({host}); "
+                                           "media must be on the internet or inline (data: URL)")

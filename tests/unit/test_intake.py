@@ -40,3 +40,22 @@ def test_expiring_bytes_free_what_expired():
     assert e.try_hold("t", 60, 10, 100) and not e.try_hold("t", 60, 10, 100)
     now[0] = 11
     assert e.used("t") == 0 and e.try_hold("t", 60, 20, 100)
+
+
+@pytest.mark.parametrize("url", ["http://169.254.169.254/latest/meta-data", "http://10.0.0.5/a.png",
+                                 "http://[::1]/a.png", "http://localhost:8000/a.png"])
+def test_media_urls_naming_internal_addresses_are_refused(url):
+    body = {"messages": [{"role": "user", "content": [{"image_url": {"url": url}}]}]}
+    with pytest.raises(guard.RequestError, match="internal address"):
+        intake.check_media_urls(body)
+    intake.check_media_urls({"messages": [{"role": "user", "content": [{"image_url": {"url": "https://a.com/x"}}]}]})
+
+
+def test_engines_get_the_media_allow_list_and_never_an_internal_host():
+    from turnkv.engine_args import EngineSpec, serve_args
+
+    spec = dict(role="prefill", engine_id="p", model="m", port=1, side_channel_port=2)
+    args = serve_args(EngineSpec(**spec, allowed_media_domains=("images.example.com",)))
+    assert args[args.index("--allowed-media-domains") + 1] == "images.example.com"
+    with pytest.raises(ValueError, match="internal"):
+        serve_args(EngineSpec(**spec, allowed_media_domains=("169.254.169.254",)))
