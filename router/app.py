@@ -65,6 +65,7 @@ KEYS = web.AppKey("keys", ApiKeys)
 ADMISSION = web.AppKey("admission", limits.Admission)
 BODY_BUDGET = web.AppKey("body_budget", limits.ByteBudget)
 REQUEST_RATE = web.AppKey("request_rate", limits.TokenBucket)
+BODY_RATE = web.AppKey("body_rate", limits.TokenBucket)
 
 
 def _ops(handler):
@@ -128,7 +129,7 @@ def _completion_handler(path: str, kind: str, translation: type[apis.Translation
                 return error_response(429, f"too many requests in flight for {who}; retry shortly",
                                       "rate_limit_exceeded", headers={"Retry-After": "1"})
             try:
-                body, size = await read_json(request, tenant, app[BODY_BUDGET], config)
+                body, size = await read_json(request, tenant, app[BODY_BUDGET], config, app[BODY_RATE])
                 if translation is not None and isinstance(body, dict):
                     intake.check_messages(body, int(config.max_messages))  # before translating them
                 flow = app[FLOW]
@@ -287,7 +288,8 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
     keys = keys if keys is not None else load_keys(config)
     app[CONFIG], app[METRICS], app[POOL], app[KEYS] = config, metrics, pool, keys
     app[ADMISSION] = limits.Admission()
-    app[BODY_BUDGET], app[REQUEST_RATE] = limits.ByteBudget(), limits.TokenBucket()
+    app[BODY_BUDGET] = limits.ByteBudget()
+    app[REQUEST_RATE], app[BODY_RATE] = limits.TokenBucket(), limits.TokenBucket()
     if discover is None and config.discovery == "cloudmap":
         from router.engines.discovery import CloudMapDiscovery
 

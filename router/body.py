@@ -16,17 +16,25 @@ from aiohttp import web
 
 from router.guard import RequestError
 from router.intake import LimitError
-from router.limits import ByteBudget
+from router.limits import ByteBudget, TokenBucket
 
 CHUNK = 64 * 1024
 
 
-async def read_json(request: web.Request, tenant: str, budget: ByteBudget, tunables: Any) -> tuple[Any, int]:
+async def read_json(request: web.Request, tenant: str, budget: ByteBudget, tunables: Any,
+                    byte_rate: TokenBucket | None = None) -> tuple[Any, int]:
     """The parsed JSON body and its size; LimitError (413, 429, 408) naming the limit it would break."""
     max_body = int(tunables.max_body_bytes)
     length = request.content_length
     if length is not None and length > max_body:
         raise LimitError(413, "max_body_bytes", f"the request body is larger than max_body_bytes ({max_body} bytes)")
+    if byte_rate is not None:
+        rate = float(tunables.tenant_body_rate)
+        cost = length if length is not None else max_body  # a body of unknown length is charged as the largest
+        if not byte_rate.allow(tenant, rate, max(float(max_body), 2 * rate), cost):
+            raise LimitError(429, "tenant_body_rate", f"too many request body bytes per second for this API key "
+                                                      f"(tenant_body_rate {rate:g} bytes/s); slow down",
+                             retry_after=max(1, int(cost / rate + 0.999)))
     max_total, max_tenant = int(tunables.max_body_buffer_bytes), int(tunables.tenant_max_body_buffer_bytes)
     reserved = 0
 

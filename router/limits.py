@@ -112,16 +112,17 @@ class TokenBucket:
         self._clock = clock
         self._max_keys = max_keys
 
-    def allow(self, key: str, rate: float, burst: float) -> bool:
+    def allow(self, key: str, rate: float, burst: float, cost: float = 1) -> bool:
+        """Whether an event costing ``cost`` tokens (1 request, or n bytes) may happen now; it is charged if so."""
         now = self._clock()
         tokens, last = self._buckets.get(key, (burst, now))
         tokens = min(burst, tokens + (now - last) * rate)
         if len(self._buckets) >= self._max_keys and key not in self._buckets:
             self._buckets.clear()  # a flood of new keys: forget the old ones rather than grow without bound
-        if tokens < 1:
+        if tokens < min(cost, burst):
             self._buckets[key] = (tokens, now)
             return False
-        self._buckets[key] = (tokens - 1, now)
+        self._buckets[key] = (tokens - cost, now)
         return True
 
     def retry_after(self, rate: float) -> int:

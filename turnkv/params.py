@@ -118,7 +118,11 @@ CATALOG: tuple[Tunable, ...] = (
             Scope.ROUTER,
             "Request body bytes all requests together may be buffering at once (by Content-Length, else as read); "
             "above it 429. Bounds the router's memory against slow or parked bodies."),
-    Tunable("tenant_max_body_buffer_bytes", 64 * 1024 * 1024, 1024, 64 * 1024 * 1024 * 1024, "bytes",
+    Tunable("tenant_body_rate", 16 * 1024 * 1024, 1024, 64 * 1024 * 1024 * 1024, "bytes/s", Scope.ROUTER,
+            "Request body bytes one tenant may send per second (token bucket, burst of max_body_bytes or 2 s, "
+            "whichever is more; charged by Content-Length before reading); above it 429. Bounds the JSON parsing and "
+            "hashing one tenant can make the router do."),
+    Tunable("tenant_max_body_buffer_bytes", 32 * 1024 * 1024, 1024, 64 * 1024 * 1024 * 1024, "bytes",
             Scope.ROUTER,
             "Request body bytes one tenant may be buffering at once; above it that tenant gets 429."),
     Tunable("body_read_timeout", 30, 1, 3600, "s", Scope.ROUTER,

@@ -216,3 +216,17 @@ def test_default_tenant_limits_are_a_small_share_of_the_routers(limit, share):
 
     whole = {"tenant_max_inflight": "max_inflight", "tenant_max_conversations": "max_conversations"}[limit]
     assert params.BY_NAME[limit].default * share <= params.BY_NAME[whole].default
+
+
+async def test_body_bytes_per_second_are_limited_per_tenant():
+    """A message flood costs parsing in proportion to its bytes: bytes per second bound one tenant's CPU."""
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    tunables = {"tenant_body_rate": 4096, "max_body_bytes": 4096}
+    async with router_over(p, d, keys=two_tenants(), tunables=tunables) as (s, app):
+        msgs = [{"role": "user", "content": "y" * 3000}]
+        first = await chat(s, msgs, conversation=None, headers=ACME)
+        second = await chat(s, msgs, conversation=None, headers=ACME)
+        third = await chat(s, msgs, conversation=None, headers=ACME)
+        assert first["status"] == 200 and 429 in (second["status"], third["status"])
+        assert refused(app, "tenant_body_rate") >= 1
+        assert (await chat(s, msgs, conversation=None, headers=GLOBEX))["status"] == 200
