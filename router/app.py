@@ -29,7 +29,7 @@ from router.apis import stored
 from router.apis.messages import MessagesTranslation
 from router.apis.responses import ResponsesTranslation
 from router.auth import ApiKeys, AuthError, parse_keys
-from router.body import limit_response, read_json
+from router.body import charge_messages, limit_response, read_json
 from router.config import RouterConfig
 from router.engines import EnginePool
 from router.engines.evictions import evictions_loop
@@ -66,6 +66,7 @@ ADMISSION = web.AppKey("admission", limits.Admission)
 BODY_BUDGET = web.AppKey("body_budget", limits.ByteBudget)
 REQUEST_RATE = web.AppKey("request_rate", limits.TokenBucket)
 BODY_RATE = web.AppKey("body_rate", limits.TokenBucket)
+MESSAGE_RATE = web.AppKey("message_rate", limits.TokenBucket)
 
 
 def _ops(handler):
@@ -130,8 +131,9 @@ def _completion_handler(path: str, kind: str, translation: type[apis.Translation
                                       "rate_limit_exceeded", headers={"Retry-After": "1"})
             try:
                 body, size = await read_json(request, tenant, app[BODY_BUDGET], config, app[BODY_RATE])
-                if translation is not None and isinstance(body, dict):
-                    intake.check_messages(body, int(config.max_messages))  # before translating them
+                if isinstance(body, dict):
+                    intake.check_messages(body, int(config.max_messages))  # before translating or hashing them
+                charge_messages(body, tenant, app[MESSAGE_RATE], config)
                 flow = app[FLOW]
                 if translation is None:
                     dispatch = flow.prepare(kind, path, request, body, tenant, size)
@@ -289,7 +291,8 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
     app[CONFIG], app[METRICS], app[POOL], app[KEYS] = config, metrics, pool, keys
     app[ADMISSION] = limits.Admission()
     app[BODY_BUDGET] = limits.ByteBudget()
-    app[REQUEST_RATE], app[BODY_RATE] = limits.TokenBucket(), limits.TokenBucket()
+    app[REQUEST_RATE], app[BODY_RATE], app[MESSAGE_RATE] = limits.TokenBucket(), limits.TokenBucket(), \
+        limits.TokenBucket()
     if discover is None and config.discovery == "cloudmap":
         from router.engines.discovery import CloudMapDiscovery
 

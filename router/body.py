@@ -69,6 +69,10 @@ async def read_json(request: web.Request, tenant: str, budget: ByteBudget, tunab
         del parts
         if not raw:
             raise RequestError("the request body is empty; send a JSON object")
+        objects, most = raw.count(b"{"), 16 * int(tunables.max_messages)
+        if objects > most:  # an upper bound of the objects, counted at C speed: a flood is never parsed
+            raise LimitError(413, "max_messages", f"the request body holds up to {objects} JSON objects; at most "
+                                                  f"{most} (16 x max_messages) are parsed")
         try:
             return orjson.loads(raw), len(raw)
         except orjson.JSONDecodeError as exc:
@@ -87,3 +91,17 @@ def limit_response(exc: LimitError) -> web.Response:
     response = error_response(exc.status, str(exc), kind, headers=headers, limit=exc.limit)
     response.force_close()
     return response
+
+
+def charge_messages(body: Any, tenant: str, bucket: TokenBucket, tunables: Any) -> None:
+    """Charge the request's messages to the tenant's ``tenant_message_rate`` (the hashing they will cost);
+    LimitError 429 when over it."""
+    if not isinstance(body, dict):
+        return
+    items = body.get("messages") if isinstance(body.get("messages"), list) else body.get("input")
+    count = len(items) if isinstance(items, list) else 1
+    rate = float(tunables.tenant_message_rate)
+    if not bucket.allow(tenant, rate, max(2 * rate, 2.0 * int(tunables.max_messages)), count):
+        raise LimitError(429, "tenant_message_rate", f"too many messages per second for this API key "
+                                                     f"(tenant_message_rate {rate:g}/s); slow down",
+                         retry_after=max(1, int(count / rate + 0.999)))

@@ -130,7 +130,12 @@ CATALOG: tuple[Tunable, ...] = (
             float),
     Tunable("max_messages", 4096, 1, 1_000_000, "messages", Scope.ROUTER,
             "Most chat messages (or Responses input items) in one request; above it 413. Every message is hashed "
-            "on the router's event loop."),
+            "on the router's event loop; a body with more than 16 x this many JSON objects is refused before it is "
+            "parsed (parsing 240,000 small objects blocks the loop for 0.2 s)."),
+    Tunable("tenant_message_rate", 20_000.0, 1, 100_000_000, "messages/s", Scope.ROUTER,
+            "Chat messages (or Responses input items) one tenant may send per second, over all its requests (token "
+            "bucket, burst of 2 s or 2 x max_messages, whichever is more); above it 429. Each message is hashed on "
+            "the event loop (about 2 us): the default bounds one tenant to a few percent of a core.", float),
     Tunable("tenant_request_rate", 200.0, 0.01, 1_000_000, "requests/s", Scope.ROUTER,
             "Completion requests one tenant may start per second (token bucket, burst of 2x, at least 10); above "
             "it 429.", float),

@@ -230,3 +230,16 @@ async def test_body_bytes_per_second_are_limited_per_tenant():
         assert first["status"] == 200 and 429 in (second["status"], third["status"])
         assert refused(app, "tenant_body_rate") >= 1
         assert (await chat(s, msgs, conversation=None, headers=GLOBEX))["status"] == 200
+
+
+async def test_a_message_flood_is_refused_unparsed_and_messages_per_second_are_limited():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    tunables = {"max_messages": 100, "tenant_message_rate": 100}
+    async with router_over(p, d, keys=two_tenants(), tunables=tunables) as (s, app):
+        flood = await chat(s, [{"role": "user", "content": "x"}] * 5000, conversation=None, headers=ACME)
+        assert flood["status"] == 413 and "16 x max_messages" in flood["error"]["error"]["message"]
+        statuses = [(await chat(s, [{"role": "user", "content": "x"}] * 100, conversation=None,
+                                headers=ACME))["status"] for _ in range(3)]
+        assert statuses[:2] == [200, 200] and statuses[2] == 429  # burst: 2 x max_messages
+        assert refused(app, "tenant_message_rate") == 1
+        assert (await chat(s, conversation=None, headers=GLOBEX))["status"] == 200
