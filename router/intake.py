@@ -22,7 +22,9 @@ from turnkv.media import internal_host
 
 #: Fields read as integers (``None`` means unset); a bool is not one.
 INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "truncate_prompt_tokens", "seed",
-              "top_k", "logprobs", "top_logprobs")
+              "top_k", "top_logprobs")  # ``logprobs``: a bool in chat, an int in completions (the engine checks)
+#: Integer fields where a negative value means something to vLLM (-1: off / no limit; any seed).
+SIGNED_INT_FIELDS = ("seed", "top_k", "truncate_prompt_tokens")
 #: Fields read as finite numbers.
 NUMBER_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 BOOL_FIELDS = ("stream", "echo", "add_generation_prompt", "continue_final_message", "add_special_tokens")
@@ -43,7 +45,7 @@ def check_types(body: Mapping[str, Any]) -> None:
         value = body.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise RequestError(f"'{name}' must be an integer")
-        if isinstance(value, int) and name not in ("seed", "logprobs", "top_k") and value < 0:
+        if isinstance(value, int) and name not in SIGNED_INT_FIELDS and value < 0:
             raise RequestError(f"'{name}' must not be negative")
     for name in NUMBER_FIELDS:
         value = body.get(name)

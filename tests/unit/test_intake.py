@@ -59,3 +59,9 @@ def test_engines_get_the_media_allow_list_and_never_an_internal_host():
     assert args[args.index("--allowed-media-domains") + 1] == "images.example.com"
     with pytest.raises(ValueError, match="internal"):
         serve_args(EngineSpec(**spec, allowed_media_domains=("169.254.169.254",)))
+
+
+def test_fields_vllm_accepts_are_not_refused():
+    intake.check_types({"logprobs": True, "top_logprobs": 2, "top_k": -1, "truncate_prompt_tokens": -1, "seed": -5,
+                        "max_tokens": None, "temperature": 0, "stream": False})
+    intake.check_types({"logprobs": 3, "echo": True})  # completions
