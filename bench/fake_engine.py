@@ -10,7 +10,9 @@ It plays both roles of the NIXL protocol (kv-protocol.md):
 Faults for tests and the fault-and-load script: ``POST /fault`` with ``{"status": 500}`` (answer with that
 status), ``{"hang": true}`` (never answer), ``{"die_after_first": true}`` (decode: close the stream after its
 first token), ``{"delay": 0.05}`` (seconds before the first token), ``{"status": 400, "echo": true}`` (an
-error whose message echoes the request's ``kv_transfer_params``, as vLLM's validation errors do), ``{}`` to clear.
+error whose message echoes the request's ``kv_transfer_params``, as vLLM's validation errors do),
+``{"midstream_error": true}`` (an in-stream error event after the second token), ``{"sse_nospace": true}``
+(the params chunk as ``data:{...}``), ``{"endless_line": N}`` (N bytes of a line that never ends), ``{}`` to clear.
 ``GET /stats`` returns counters, including requests aborted by a client that went away. Several engines can run
 in one process. Run: ``python -m bench.fake_engine --port 28100 --role prefill``.
 
@@ -118,6 +120,7 @@ class FakeEngine:
                                                            "wrong_reuse": 0, "stale_reads": 0, "push_timeouts": 0})
     seen_request_ids: list[str] = field(default_factory=list)
     seen_params: list[Any] = field(default_factory=list)
+    seen_bodies: list[dict[str, Any]] = field(default_factory=list)
     refused_offers: dict[str, int] = field(default_factory=dict)
     #: the client address of every connection a request came on (a keep-alive connection reused is one)
     peers: set[Any] = field(default_factory=set)
@@ -220,7 +223,8 @@ class FakeEngine:
         self.seen_request_ids.append(request_id)
         kv = body.get("kv_transfer_params")
         self.seen_params.append(kv)
-        del self.seen_request_ids[:-1000], self.seen_params[:-1000]
+        self.seen_bodies.append(body)
+        del self.seen_request_ids[:-1000], self.seen_params[:-1000], self.seen_bodies[:-100]
         fault = self.fault
         if fault.get("hang"):
             await asyncio.sleep(3600)
@@ -331,6 +335,12 @@ class FakeEngine:
             if with_ids and i == 0:  # vLLM: top level in chat chunks, per choice in completion chunks
                 (chunk if chat else choice)["prompt_token_ids"] = ids
             parts.append(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            if fault.get("midstream_error") and i == 1:  # vLLM's in-stream error event (names internals here)
+                parts.append(b"data: " + orjson.dumps({"error": {"message": f"remote_host {self.host} failed",
+                                                                  "code": 500}}) + b"\n\n")
+            if fault.get("endless_line") and i == 1:  # a line that never ends
+                await response.write(b"".join(parts) + b"data: " + b"x" * int(fault["endless_line"]))
+                await asyncio.sleep(30)
             if die_after and i == die_after - 1:
                 await response.write(b"".join(parts))
                 await asyncio.sleep(0.01)
@@ -340,9 +350,9 @@ class FakeEngine:
                 await response.write(b"".join(parts))
                 parts.clear()
                 await asyncio.sleep(float(fault.get("token_delay") or 0))
-        if out_params:
-            parts.append(b"data: " + orjson.dumps({**head, "choices": [], "kv_transfer_params": out_params})
-                         + b"\n\n")
+        if out_params:  # ``sse_nospace``: ``data:`` with no space, which the SSE spec allows
+            parts.append((b"data:" if fault.get("sse_nospace") else b"data: ")
+                         + orjson.dumps({**head, "choices": [], "kv_transfer_params": out_params}) + b"\n\n")
         parts.append(b"data: [DONE]\n\n")
         await response.write(b"".join(parts))
         await response.write_eof()

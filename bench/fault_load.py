@@ -83,8 +83,8 @@ async def conversation(session, url, idx, args, stats: Counter, outcomes: Counte
     messages = [{"role": "user", "content": " ".join(rng.choice("abcdefgh") * 3 for _ in range(args.words))}]
     turn = 0
     while time.monotonic() < stop:
-        body = {"model": "tiny", "messages": messages, "max_tokens": args.max_tokens, "temperature": 0,
-                "stream": rng.random() < 0.5, "conversation_id": conv, "return_token_ids": True}
+        body = {**request_settings(args), "messages": messages, "stream": rng.random() < 0.5,
+                "conversation_id": conv, "return_token_ids": True}
         text, error, reused = "", None, 0
         try:
             async with session.post(url + "/v1/chat/completions", json=body) as resp:
@@ -123,7 +123,7 @@ async def conversation(session, url, idx, args, stats: Counter, outcomes: Counte
             if reused <= 0:
                 lost.append((time.monotonic(), outcome))
         if args.engines == "real" and turn and rng.random() < args.check_fraction:
-            checks.append((list(messages), body["stream"], text))
+            checks.append((list(messages), body["stream"], text, replay_body(body)))
         messages = [*messages, {"role": "assistant", "content": text},
                     {"role": "user", "content": " ".join(rng.choice("ijklmnop") * 2 for _ in range(20))}]
         turn += 1
@@ -220,17 +220,28 @@ async def sample_retention(engines: list[EngineProc], found: list, stop: float, 
             await asyncio.sleep(every)
 
 
+def request_settings(args) -> dict:
+    """What every load request asks for besides its messages (reply length, sampling): replays ask the same."""
+    return {"model": "tiny", "max_tokens": args.max_tokens, "temperature": 0}
+
+
+def replay_body(sent: dict) -> dict:
+    """The reuse-off replay of a load request: its own messages and settings, unary, without the load's extras
+    (a replay with another reply length would count every longer answer as wrong reuse)."""
+    return {k: v for k, v in sent.items() if k not in ("stream", "conversation_id", "return_token_ids")} | {
+        "messages": list(sent["messages"])}
+
+
 async def verify(url: str, checks: list, limit: int, budget_s: float = 180.0) -> Counter:
     """Real engines: replay sampled turns with reuse off; a reuse that changed the answer is wrong reuse.
     Bounded by ``budget_s`` in all (a broken stack must not hold the report back for an hour)."""
     result: Counter = Counter()
     deadline = time.monotonic() + budget_s
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
-        for messages, _stream, text in checks[:limit]:
+        for _messages, _stream, text, body in checks[:limit]:
             if time.monotonic() > deadline:
                 result["not_replayed"] += 1
                 continue
-            body = {"model": "tiny", "messages": messages, "max_tokens": 16, "temperature": 0}
             try:
                 async with s.post(url + "/v1/chat/completions", json=body,
                                   headers={"X-TurnKV-Reuse": "off"}) as r:

@@ -24,17 +24,19 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router import apis, guard, limits, telemetry
+from router import apis, guard, intake, limits, telemetry
 from router.apis import stored
 from router.apis.messages import MessagesTranslation
 from router.apis.responses import ResponsesTranslation
 from router.auth import ApiKeys, AuthError, parse_keys
+from router.body import charge_messages, limit_response, read_json
 from router.config import RouterConfig
 from router.engines import EnginePool
 from router.engines.evictions import evictions_loop
 from router.engines.health import discovery_loop, health_loop
 from router.engines.policy import POLICIES
 from router.flow import Flow, error_response
+from router.intake import LimitError
 from router.state import ConversationStore
 from router.state.memory import MemoryStore
 from router.telemetry import Metrics
@@ -61,6 +63,10 @@ METRICS = web.AppKey("metrics", Metrics)
 POOL = web.AppKey("pool", EnginePool)
 KEYS = web.AppKey("keys", ApiKeys)
 ADMISSION = web.AppKey("admission", limits.Admission)
+BODY_BUDGET = web.AppKey("body_budget", limits.ByteBudget)
+REQUEST_RATE = web.AppKey("request_rate", limits.TokenBucket)
+BODY_RATE = web.AppKey("body_rate", limits.TokenBucket)
+MESSAGE_RATE = web.AppKey("message_rate", limits.TokenBucket)
 
 
 def _ops(handler):
@@ -72,16 +78,6 @@ def _ops(handler):
 
     guarded.__name__ = handler.__name__
     return guarded
-
-
-async def _read_json(request: web.Request) -> tuple[Any, int]:
-    raw = await request.read()
-    if not raw:
-        raise guard.RequestError("the request body is empty; send a JSON object")
-    try:
-        return orjson.loads(raw), len(raw)
-    except orjson.JSONDecodeError as exc:
-        raise guard.RequestError(f"the request body is not valid JSON: {exc}") from None
 
 
 def _authorization(request: web.Request, path: str) -> str | None:
@@ -121,6 +117,11 @@ def _completion_handler(path: str, kind: str, translation: type[apis.Translation
                 return error_response(401, str(exc), "authentication_error",
                                       headers={"WWW-Authenticate": 'Bearer realm="turnkv"'})
             config = app[CONFIG]
+            rate = float(config.tenant_request_rate)
+            if not app[REQUEST_RATE].allow(tenant, rate, max(10.0, 2 * rate)):
+                raise LimitError(429, "tenant_request_rate", f"too many requests per second for this API key "
+                                 f"(tenant_request_rate {rate:g}/s); slow down",
+                                 retry_after=app[REQUEST_RATE].retry_after(rate))
             refused = app[ADMISSION].try_enter(tenant, int(config.max_inflight), int(config.tenant_max_inflight))
             if refused is not None:
                 metrics.admission_refused.labels(refused).inc()
@@ -129,7 +130,10 @@ def _completion_handler(path: str, kind: str, translation: type[apis.Translation
                 return error_response(429, f"too many requests in flight for {who}; retry shortly",
                                       "rate_limit_exceeded", headers={"Retry-After": "1"})
             try:
-                body, size = await _read_json(request)
+                body, size = await read_json(request, tenant, app[BODY_BUDGET], config, app[BODY_RATE])
+                if isinstance(body, dict):
+                    intake.check_messages(body, int(config.max_messages))  # before translating or hashing them
+                charge_messages(body, tenant, app[MESSAGE_RATE], config)
                 flow = app[FLOW]
                 if translation is None:
                     dispatch = flow.prepare(kind, path, request, body, tenant, size)
@@ -149,6 +153,10 @@ def _completion_handler(path: str, kind: str, translation: type[apis.Translation
         except guard.RequestError as exc:
             status = 400
             return error_response(400, str(exc))
+        except LimitError as exc:
+            metrics.admission_refused.labels(exc.limit).inc()
+            status = exc.status
+            return limit_response(exc)
         except stored.StoreUnavailable as exc:
             status = 503
             return error_response(503, str(exc), "service_unavailable", headers={"Retry-After": "1"})
@@ -171,8 +179,17 @@ async def lease(request: web.Request) -> web.Response:
 
     try:
         tenant = request.app[KEYS].tenant(request.headers.get("Authorization"))
-        body, _ = await _read_json(request)
-        return await renew(request.app[FLOW], request, body, tenant)
+        flow = request.app[FLOW]
+        rate = float(flow.config.tenant_lease_rate)
+        if not flow.lease_rate.allow(tenant, rate, max(1.0, rate * 10)):  # before any parsing or hashing
+            raise LimitError(429, "tenant_lease_rate", "too many lease renewals for this API key; slow down",
+                             retry_after=flow.lease_rate.retry_after(rate))
+        body, _ = await read_json(request, tenant, request.app[BODY_BUDGET], flow.config)
+        intake.check_messages(body if isinstance(body, dict) else {}, int(flow.config.max_messages))
+        return await renew(flow, request, body, tenant)
+    except LimitError as exc:
+        request.app[METRICS].admission_refused.labels(exc.limit).inc()
+        return limit_response(exc)
     except AuthError as exc:
         return error_response(401, str(exc), "authentication_error",
                               headers={"WWW-Authenticate": 'Bearer realm="turnkv"'})
@@ -273,6 +290,9 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
     keys = keys if keys is not None else load_keys(config)
     app[CONFIG], app[METRICS], app[POOL], app[KEYS] = config, metrics, pool, keys
     app[ADMISSION] = limits.Admission()
+    app[BODY_BUDGET] = limits.ByteBudget()
+    app[REQUEST_RATE], app[BODY_RATE], app[MESSAGE_RATE] = limits.TokenBucket(), limits.TokenBucket(), \
+        limits.TokenBucket()
     if discover is None and config.discovery == "cloudmap":
         from router.engines.discovery import CloudMapDiscovery
 
@@ -297,7 +317,8 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
         emf = telemetry.EmfWriter()
         kept_store = make_response_store(config, store)
         kept = stored.ResponseLog(kept_store, config.ensure_secret,
-                                  lambda: float(config.responses_ttl), lambda: config.store_timeout_ms / 1000 * 2)
+                                  lambda: float(config.responses_ttl), lambda: config.store_timeout_ms / 1000 * 2,
+                                  tenant_bytes=lambda: int(config.tenant_max_response_bytes))
         app[FLOW] = Flow(config, pool, store, metrics, session, forward_auth=keys.open, emf=emf, responses=kept)
         tasks = []
         if discover is not None:

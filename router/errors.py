@@ -40,6 +40,8 @@ def public_message(exc: UpstreamError) -> str:
     if 400 <= exc.status < 500:
         said = engine_message(exc.body)
         return said or f"the model server refused the request (HTTP {exc.status}); check its parameters"
+    if exc.status == 503:
+        return "the router is short of connections right now; retry shortly"
     if exc.status == 504:
         return "the model server did not answer in time"
     return "the model server failed; try again"

@@ -33,7 +33,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router import apis, guard, hints, limits, migrate, retry, telemetry, upstream
+from router import apis, guard, hints, intake, limits, migrate, retry, telemetry, upstream
 from router.apis import stored
 from router.config import RouterConfig
 from router.dispatch import Dispatch
@@ -57,8 +57,11 @@ CONVERSATION_HEADER = "X-Conversation-Id"
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error",
-                   headers: Mapping[str, str] | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "code": status}, "object": "error"}
+                   headers: Mapping[str, str] | None = None, limit: str | None = None) -> web.Response:
+    error: dict[str, Any] = {"message": message, "type": kind, "code": status}
+    if limit is not None:
+        error["limit"] = limit  # the router limit that refused the request (a tunable's name)
+    body = {"error": error, "object": "error"}
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json", headers=headers)
 
 
@@ -113,6 +116,10 @@ class Flow:
             raise guard.RequestError(str(exc)) from None
         for own in hints.OWN_BODY_FIELDS:
             body.pop(own, None)
+        intake.check_messages(body, int(self.config.max_messages))
+        intake.check_types(body)
+        intake.check_media_urls(body)
+        intake.isolate(body, self.config.ensure_secret(), tenant)
         turn = guard.parse_turn(kind, body)
         request_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
         key = None
@@ -302,7 +309,10 @@ class Flow:
         log.warning("%s", exc)
         d.error = str(exc)
         kind = "invalid_request_error" if 400 <= exc.status < 500 else "upstream_error"
-        return error_response(exc.status, public_message(exc), kind, headers=self._reply_headers(d))
+        headers = self._reply_headers(d)
+        if exc.status == 503:  # the router's own shortage (router.upstream.RouterResourceError)
+            kind, headers = "service_unavailable", {**headers, "Retry-After": "1"}
+        return error_response(exc.status, public_message(exc), kind, headers=headers)
 
     async def run(self, d: Dispatch, request: web.Request) -> web.StreamResponse:
         token = telemetry.request_id.set(d.request_id)

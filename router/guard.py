@@ -37,9 +37,9 @@ from turnkv import wire
 CHAT_RENDER_FIELDS = (
     "model", "tools", "chat_template", "chat_template_kwargs", "add_generation_prompt",
     "continue_final_message", "documents", "cache_salt", "mm_processor_kwargs", "reasoning_effort",
-    "add_special_tokens", "truncate_prompt_tokens",
+    "add_special_tokens", "truncate_prompt_tokens", "media_io_kwargs", "truncation_side",
 )
-COMPLETION_RENDER_FIELDS = ("model", "cache_salt", "add_special_tokens", "truncate_prompt_tokens")
+COMPLETION_RENDER_FIELDS = ("model", "cache_salt", "add_special_tokens", "truncate_prompt_tokens", "truncation_side")
 
 #: Message fields that reach the chat template and address a turn. Everything else (client metadata) is
 #: ignored, and so is reasoning (``reasoning_content`` / ``reasoning``): clients commonly drop it when they
@@ -110,7 +110,8 @@ def _tool_call(call: Any) -> Any:
 
 
 def canonical_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    """The part of a chat message the template sees; text content parts are flattened."""
+    """The part of a chat message the template sees; text content parts are flattened as vLLM joins them
+    (with ``"\\n"``: ``["a", "b"]`` and ``"ab"`` render differently, so they are different addresses)."""
     out: dict[str, Any] = {}
     for name in MESSAGE_FIELDS:
         value = message.get(name)
@@ -119,7 +120,7 @@ def canonical_message(message: Mapping[str, Any]) -> dict[str, Any]:
         if name == "content" and isinstance(value, list) and all(
             isinstance(p, Mapping) and p.get("type") == "text" for p in value
         ):
-            value = "".join(str(p.get("text", "")) for p in value)
+            value = "\n".join(str(p.get("text", "")) for p in value)
         elif name == "tool_calls" and isinstance(value, list):
             value = [_tool_call(c) for c in value]
         out[name] = value
@@ -139,9 +140,13 @@ def has_remote_media(message: Mapping[str, Any]) -> bool:
     if not isinstance(content, list):
         return False
     for part in content:
-        if not isinstance(part, Mapping) or part.get("type") in (None, "text"):
+        if not isinstance(part, Mapping):
             continue
         kind = part.get("type")
+        if kind == "text" or (kind is None and set(part) <= {"text"}):
+            continue
+        if kind is None:  # vLLM infers an untyped part's kind from its keys and fetches its URL: not digested
+            return True
         if kind not in _MEDIA_URL_PARTS:
             if kind == "input_audio":  # base64 audio inline: its bytes are in the digest
                 continue

@@ -26,7 +26,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router import guard, hints
+from router import guard, hints, intake
 from router.flow import Flow, error_response
 from turnkv import wire
 
@@ -40,11 +40,7 @@ async def renew(flow: Flow, request: web.Request, body: Any, tenant: str = "") -
     ttl = body.get("ttl", min(max_ttl, float(flow.config.decoder_kv_blocks_ttl)))
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= max_ttl:
         raise guard.RequestError(f"'ttl' must be a number of seconds in (0, {max_ttl:g}]")
-    key = _key(flow, request, body, tenant)
-    rate = float(flow.config.tenant_lease_rate)
-    if not flow.lease_rate.allow(tenant, rate, max(1.0, rate * 10)):
-        return error_response(429, "too many lease renewals for this API key; slow down", "rate_limit_exceeded",
-                              headers={"Retry-After": "1"})
+    key = _key(flow, request, body, tenant)  # the rate limit (tenant_lease_rate) came first (router.app)
     entry = await flow.store.get(key)
     if entry is None:
         return error_response(404, "no live KV for this conversation (expired, consumed, or different settings)",
@@ -87,6 +83,7 @@ async def renew(flow: Flow, request: web.Request, body: Any, tenant: str = "") -
 
 def _key(flow: Flow, request: web.Request, body: dict[str, Any], tenant: str) -> str:
     secret = flow.config.key_secret
+    intake.isolate(body, secret, tenant)  # the settings as the turn was stored (its cache_salt, per tenant)
     if body.get("kind") == "completion":
         try:
             hint = hints.find(flow.hint_sources, request.headers, body)

@@ -24,7 +24,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router import guard, migrate, telemetry, upstream
+from router import guard, migrate, sse, telemetry, upstream
 from router.config import RouterConfig
 from router.dispatch import Dispatch
 from router.engines import Engine, EnginePool, Lease, PushIdentity
@@ -167,6 +167,10 @@ class Legs:
     def _fail(self, leg: str, engine: Engine, exc: BaseException) -> UpstreamError:
         """A network error or timeout of a leg, as the retryable failure it is (counted, and logged by the flow)."""
         kind = type(exc).__name__
+        if isinstance(exc, upstream.RouterResourceError):  # the router's own shortage: the engine is not at fault
+            self.metrics.router_errors.labels(leg).inc()
+            log.error("%s", exc)
+            return UpstreamError(503, str(exc), leg=leg, engine=engine, reason="router_resources")
         self.metrics.engine_errors.labels(leg, kind).inc()
         connect = isinstance(exc, (upstream.EngineConnectError, aiohttp.ClientConnectorError))
         if connect:  # only an engine that cannot be reached is ejected; a slow or failing request proves nothing
@@ -269,9 +273,11 @@ class Legs:
                 if not chunk:
                     raise upstream.EngineDisconnected("decode closed the stream before its first token")
                 first += chunk
-                at = first.find(b"data: ")
+                at = first.find(b"data:")
                 if at >= 0 and first.find(b"\n", at) >= 0:
                     break
+                if len(first) > sse.MAX_LINE:
+                    raise sse.LineTooLong(f"decode sent {len(first)} bytes without a complete first event")
             self._leg["decode"].observe(time.perf_counter() - t0)
             self.pool.report_success(engine)
             handed = True  # released (and counted down) by the relay

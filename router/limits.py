@@ -3,14 +3,18 @@
 - ``Admission``: requests in flight, globally and per tenant (a request over either gets 429).
 - ``RetentionLedger``: the live conversations and retained decode tokens of each tenant, so no tenant can
   pin an unbounded share of decode memory (over its limits, new turns are served but not retained).
-- ``TokenBucket``: lease renewals per tenant per second.
+- ``TokenBucket``: lease renewals and requests per tenant per second.
+- ``ByteBudget``: request body bytes being buffered, globally and per tenant (reserved before reading).
+- ``ExpiringBytes``: bytes of kept responses each tenant holds until they expire.
 
 Counts are per router process; replicas each enforce their share (docs/router.md).
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -108,14 +112,74 @@ class TokenBucket:
         self._clock = clock
         self._max_keys = max_keys
 
-    def allow(self, key: str, rate: float, burst: float) -> bool:
+    def allow(self, key: str, rate: float, burst: float, cost: float = 1) -> bool:
+        """Whether an event costing ``cost`` tokens (1 request, or n bytes) may happen now; it is charged if so."""
         now = self._clock()
         tokens, last = self._buckets.get(key, (burst, now))
         tokens = min(burst, tokens + (now - last) * rate)
         if len(self._buckets) >= self._max_keys and key not in self._buckets:
             self._buckets.clear()  # a flood of new keys: forget the old ones rather than grow without bound
-        if tokens < 1:
+        if tokens < min(cost, burst):
             self._buckets[key] = (tokens, now)
             return False
-        self._buckets[key] = (tokens - 1, now)
+        self._buckets[key] = (tokens - cost, now)
+        return True
+
+    def retry_after(self, rate: float) -> int:
+        """Seconds until one more event is allowed at ``rate`` (what a 429's ``Retry-After`` says)."""
+        return max(1, math.ceil(1 / rate))
+
+
+class ByteBudget:
+    """Bytes reserved globally and per tenant; a reservation over either limit is refused (nothing reserved)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.by_tenant: dict[str, int] = {}
+
+    def try_take(self, tenant: str, size: int, max_total: int, max_tenant: int) -> str | None:
+        """None when ``size`` bytes are reserved (``give`` them back when done), else the limit that refused."""
+        held = self.by_tenant.get(tenant, 0)
+        if held + size > max_tenant:
+            return "tenant_max_body_buffer_bytes"
+        if self.total + size > max_total:
+            return "max_body_buffer_bytes"
+        self.total += size
+        self.by_tenant[tenant] = held + size
+        return None
+
+    def give(self, tenant: str, size: int) -> None:
+        self.total -= size
+        left = self.by_tenant.get(tenant, 0) - size
+        if left > 0:
+            self.by_tenant[tenant] = left
+        else:
+            self.by_tenant.pop(tenant, None)
+
+
+class ExpiringBytes:
+    """Bytes each tenant holds in items that all live the same TTL (so they expire in the order they came)."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._held: dict[str, collections.deque[tuple[float, int]]] = {}
+        self._bytes: dict[str, int] = {}
+        self._clock = clock
+
+    def _purge(self, tenant: str) -> None:
+        items, now = self._held.get(tenant), self._clock()
+        while items and items[0][0] <= now:
+            self._bytes[tenant] -= items.popleft()[1]
+        if items is not None and not items:
+            del self._held[tenant], self._bytes[tenant]
+
+    def used(self, tenant: str) -> int:
+        self._purge(tenant)
+        return self._bytes.get(tenant, 0)
+
+    def try_hold(self, tenant: str, size: int, expires_at: float, limit: int) -> bool:
+        """Count ``size`` bytes against ``tenant`` until ``expires_at``; False (nothing counted) over ``limit``."""
+        if self.used(tenant) + size > limit:
+            return False
+        self._held.setdefault(tenant, collections.deque()).append((expires_at, size))
+        self._bytes[tenant] = self._bytes.get(tenant, 0) + size
         return True

@@ -9,7 +9,16 @@ from typing import Any
 
 import orjson
 
-from router import guard
+from router import guard, sse
+from router.errors import engine_message
+
+
+def redacted(chunk: dict[str, Any]) -> dict[str, Any]:
+    """An in-stream error event as a client may see it: the engine's message only when it names nothing internal."""
+    error = chunk.get("error")
+    code = error.get("code") if isinstance(error, dict) else None
+    message = engine_message(orjson.dumps(chunk)) or "the model server failed mid-stream; the reply is incomplete"
+    return {"message": message, "type": "upstream_error", "code": code if isinstance(code, int) else 500}
 
 
 class ReplyCollector:
@@ -28,16 +37,16 @@ class ReplyCollector:
         self.drop_separator = False  # the blank line after a chunk we removed is dropped too
 
     def feed(self, line: bytes) -> bytes | None:
-        if not line.startswith(b"data: "):
+        payload = sse.data_of(line)  # ``data:`` with or without its space, as the SSE spec allows
+        if payload is None:
             if self.drop_separator and not line.strip():
                 self.drop_separator = False
                 return None  # the blank line that ended a chunk we removed
             return line
-        payload = line[6:].strip()
         if payload == b"[DONE]":
             self.complete = True
             return line
-        if not self.parse and b'"kv_transfer_params"' not in payload:
+        if not self.parse and b'"kv_transfer_params"' not in payload and b'"error"' not in payload:
             self.has_content = self.has_content or b'"choices":[]' not in payload
             return line
         try:
@@ -46,6 +55,9 @@ class ReplyCollector:
             return line
         if not isinstance(chunk, dict):
             return line
+        if "error" in chunk:  # an engine's in-stream error: redacted like every other engine error
+            self.storable = False
+            return b"data: " + orjson.dumps({"error": redacted(chunk)}) + b"\n"
         if "kv_transfer_params" in chunk:
             self.kv_transfer_params = chunk.pop("kv_transfer_params")
             if not chunk.get("choices") and not chunk.get("usage"):

@@ -8,21 +8,36 @@ split their input here; what each does with a line (strip params, count token id
 
 from __future__ import annotations
 
+from router.upstream import EngineHTTPError
+
 DONE = b"[DONE]"
 
 
+#: Longest line an engine may send (a bound on what waits for its line ending): far above any SSE event.
+MAX_LINE = 8 * 1024 * 1024
+
+
+class LineTooLong(EngineHTTPError):
+    """An engine sent more than ``MAX_LINE`` bytes without a line ending: treated as a failed engine leg."""
+
+
 class LineCollector:
-    """Feeds chunks, returns the lines they complete (line endings kept); an unfinished line waits."""
+    """Feeds chunks, returns the lines they complete (line endings kept); an unfinished line waits, up to
+    ``max_line`` bytes (LineTooLong past it)."""
 
-    __slots__ = ("_pending",)
+    __slots__ = ("_pending", "max_line")
 
-    def __init__(self) -> None:
+    def __init__(self, max_line: int | None = None) -> None:
         self._pending = b""
+        self.max_line = MAX_LINE if max_line is None else max_line
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The complete lines ``chunk`` finishes, in order, each with its ending (``\\n``, ``\\r\\n`` or ``\\r``)."""
         pending = self._pending + chunk if self._pending else chunk
         cut = pending.rfind(b"\n") + 1
+        if len(pending) - cut > self.max_line:
+            self._pending = b""
+            raise LineTooLong(f"the engine sent a line longer than {self.max_line} bytes")
         if not cut:
             self._pending = pending
             return []

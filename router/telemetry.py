@@ -91,8 +91,13 @@ class Metrics:
                                          "Conversation turns not retained: the tenant's retention limits.",
                                          registry=r)
         self.admission_refused = Counter("turnkv_router_admission_refused",
-                                         "Requests refused with 429: in-flight limit of the router or the tenant.",
+                                         "Requests refused by a router limit (429, 413, 408), by the limit's name "
+                                         "(router: max_inflight, tenant: tenant_max_inflight, else the tunable).",
                                          ["limit"], registry=r)
+        self.router_errors = Counter("turnkv_router_resource_errors",
+                                     "Legs the router could not open for want of its own resources (EMFILE, ENFILE, "
+                                     "EADDRNOTAVAIL, ENOBUFS): answered 503, the engine not counted as failed.",
+                                     ["leg"], registry=r)
         self.slow_readers = Counter("turnkv_router_slow_readers",
                                     "Streams cut because the client did not read within write_timeout.", registry=r)
         self.migrations = Counter("turnkv_router_stream_migrations",

@@ -7,7 +7,8 @@ a timer context, header multidicts, a stream reader and its own parser per leg. 
 one write and hands body chunks over as the parser yields them.
 
 What the flow relies on is kept: a connection that cannot be made is ``EngineConnectError`` (the one failure
-that ejects an engine); a connection lost before the answer ended is ``EngineDisconnected``; timeouts raise
+that ejects an engine), unless the shortage is the router's own (``RouterResourceError``: EMFILE, ENFILE, ...);
+a connection lost before the answer ended is ``EngineDisconnected``; timeouts raise
 ``TimeoutError``; closing a response closes its connection, which makes vLLM abort the request. All errors are
 ``aiohttp.ClientError`` or ``TimeoutError``, as before.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 from collections.abc import AsyncIterator, Mapping
 from urllib.parse import urlsplit
 
@@ -35,6 +37,15 @@ class EngineHTTPError(aiohttp.ClientError):
 
 class EngineConnectError(EngineHTTPError):
     """No connection could be made: the engine never saw the request."""
+
+
+class RouterResourceError(EngineHTTPError):
+    """The router itself could not open a connection (out of file descriptors, ports or buffers): no fault of
+    the engine's, which must not be ejected for it."""
+
+
+#: ``OSError`` numbers that are the router's own shortage, not the engine's failure.
+ROUTER_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EADDRNOTAVAIL, errno.ENOBUFS, errno.ENOMEM})
 
 
 class EngineDisconnected(EngineHTTPError):
@@ -305,6 +316,9 @@ class LegClient:
             async with asyncio.timeout(timeout):
                 _, conn = await loop.create_connection(lambda: _Connection(loop), key[0], key[1])
         except OSError as exc:
+            if exc.errno in ROUTER_ERRNOS:
+                raise RouterResourceError(f"the router cannot open a connection to {key[0]}:{key[1]}: "
+                                          f"{exc.strerror or exc}") from exc
             raise EngineConnectError(f"cannot connect to {key[0]}:{key[1]}: {exc.strerror or exc}") from exc
         return conn
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from turnkv import params, wire
+from turnkv.media import internal_host
 
 
 class Role(StrEnum):
@@ -59,6 +60,10 @@ class EngineSpec:
     #: Engine tunables (catalog names), defaults from turnkv.params.
     tunables: dict[str, int | float] = field(default_factory=lambda: params.defaults(params.Scope.ENGINE))
     extra_args: tuple[str, ...] = ()
+    #: Hosts the engine may fetch media URLs from (vLLM ``--allowed-media-domains``, exact host names); empty:
+    #: vLLM's default (any), with the router refusing internal addresses (router.intake). Internal addresses
+    #: (loopback, private, link-local such as 169.254.169.254) are refused here.
+    allowed_media_domains: tuple[str, ...] = ()
     #: A connector class other than the mode's (e.g. upstream "NixlPushConnector", no module path).
     connector: str | None = None
     #: File holding the deployment's offer secret (``turnkv.wire``): decode signs its offers with it and prefill
@@ -111,6 +116,12 @@ def serve_args(spec: EngineSpec) -> list[str]:
         args.append("--enforce-eager")
     if spec.load_format:
         args += ["--load-format", spec.load_format]
+    if spec.allowed_media_domains:
+        internal = [d for d in spec.allowed_media_domains if internal_host(d)]
+        if internal:
+            raise ValueError(f"allowed_media_domains: {internal} name internal addresses; engines must not fetch "
+                             "media from inside the network")
+        args += ["--allowed-media-domains", *spec.allowed_media_domains]
     return args + list(spec.extra_args)
 
 

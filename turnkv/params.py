@@ -108,10 +108,40 @@ CATALOG: tuple[Tunable, ...] = (
     Tunable("responses_max_bytes", 256 * 1024 * 1024, 1024 * 1024, 64 * 1024 * 1024 * 1024, "bytes", Scope.ROUTER,
             "Memory bound of the kept responses in an in-memory store (least recently used dropped first); "
             "kept apart from the conversation store so long histories never push out KV metadata."),
-    Tunable("tenant_max_inflight", 1024, 1, 1_000_000, "requests", Scope.ROUTER,
-            "Admission control per tenant (API key): requests in flight; above it that tenant gets 429."),
-    Tunable("tenant_max_conversations", 100_000, 1, 10_000_000, "conversations", Scope.ROUTER,
-            "Live conversations (retained turns) one tenant may hold; above it new turns are not retained."),
+    Tunable("tenant_max_inflight", 256, 1, 1_000_000, "requests", Scope.ROUTER,
+            "Admission control per tenant (API key): requests in flight; above it that tenant gets 429. A sixteenth "
+            "of max_inflight by default, so it takes 16 saturating keys, not 4, to fill the router."),
+    Tunable("tenant_max_conversations", 10_000, 1, 10_000_000, "conversations", Scope.ROUTER,
+            "Live conversations (retained turns) one tenant may hold; above it new turns are not retained. A tenth "
+            "of max_conversations by default, so no one tenant's turns push every other's out of the store."),
+    Tunable("max_body_buffer_bytes", 512 * 1024 * 1024, 1024 * 1024, 64 * 1024 * 1024 * 1024, "bytes",
+            Scope.ROUTER,
+            "Request body bytes all requests together may be buffering at once (by Content-Length, else as read); "
+            "above it 429. Bounds the router's memory against slow or parked bodies."),
+    Tunable("tenant_body_rate", 16 * 1024 * 1024, 1024, 64 * 1024 * 1024 * 1024, "bytes/s", Scope.ROUTER,
+            "Request body bytes one tenant may send per second (token bucket, burst of max_body_bytes or 2 s, "
+            "whichever is more; charged by Content-Length before reading); above it 429. Bounds the JSON parsing and "
+            "hashing one tenant can make the router do."),
+    Tunable("tenant_max_body_buffer_bytes", 32 * 1024 * 1024, 1024, 64 * 1024 * 1024 * 1024, "bytes",
+            Scope.ROUTER,
+            "Request body bytes one tenant may be buffering at once; above it that tenant gets 429."),
+    Tunable("body_read_timeout", 30, 1, 3600, "s", Scope.ROUTER,
+            "A request body must arrive whole within this time of its headers; past it 408 (slow-body deadline).",
+            float),
+    Tunable("max_messages", 4096, 1, 1_000_000, "messages", Scope.ROUTER,
+            "Most chat messages (or Responses input items) in one request; above it 413. Every message is hashed "
+            "on the router's event loop; a body with more than 16 x this many JSON objects is refused before it is "
+            "parsed (parsing 240,000 small objects blocks the loop for 0.2 s)."),
+    Tunable("tenant_message_rate", 20_000.0, 1, 100_000_000, "messages/s", Scope.ROUTER,
+            "Chat messages (or Responses input items) one tenant may send per second, over all its requests (token "
+            "bucket, burst of 2 s or 2 x max_messages, whichever is more); above it 429. Each message is hashed on "
+            "the event loop (about 2 us): the default bounds one tenant to a few percent of a core.", float),
+    Tunable("tenant_request_rate", 200.0, 0.01, 1_000_000, "requests/s", Scope.ROUTER,
+            "Completion requests one tenant may start per second (token bucket, burst of 2x, at least 10); above "
+            "it 429.", float),
+    Tunable("tenant_max_response_bytes", 32 * 1024 * 1024, 1024, 64 * 1024 * 1024 * 1024, "bytes", Scope.ROUTER,
+            "Bytes of kept /v1/responses histories one tenant may hold (memory and Valkey, per router process); "
+            "above it new answers are not kept (previous_response_id then answers not found)."),
     Tunable("tenant_max_retained_tokens", 50_000_000, 1000, 10_000_000_000, "tokens", Scope.ROUTER,
             "Tokens of decode KV one tenant's live conversations may retain; above it new turns are not retained."),
     Tunable("lease_max_ttl", 900, 10, 3600, "s", Scope.ROUTER,

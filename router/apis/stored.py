@@ -8,7 +8,8 @@ same prompt as a client that resent the whole conversation, and finds the previo
 
 As the OpenAI API does, the previous response's ``instructions`` are not carried over: a request sends its own.
 Kept histories live in a store of their own (``responses_max_bytes`` in memory; ``turnkv:resp:`` keys in
-Valkey), so they never push conversation metadata out.
+Valkey), so they never push conversation metadata out; each tenant keeps at most ``tenant_max_response_bytes``
+of them (counted per router process until they expire), so no tenant fills the store or Valkey.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 import orjson
 
 from router.guard import RequestError, keyed_digest
+from router.limits import ExpiringBytes
 
 log = logging.getLogger("turnkv.router")
 VALKEY_PREFIX = "turnkv:resp:"
@@ -39,8 +41,12 @@ class StoreUnavailable(RuntimeError):
 
 class ResponseLog:
     def __init__(self, store: BlobStore, secret: Callable[[], bytes], ttl: Callable[[], float],
-                 timeout: Callable[[], float], clock: Callable[[], float] = time.time) -> None:
+                 timeout: Callable[[], float], clock: Callable[[], float] = time.time,
+                 tenant_bytes: Callable[[], int] = lambda: 1 << 62) -> None:
         self.store, self._secret, self._ttl, self._timeout, self._clock = store, secret, ttl, timeout, clock
+        #: Bytes each tenant keeps (``tenant_max_response_bytes``): memory and Valkey alike, per router process.
+        self._tenant_bytes = tenant_bytes
+        self.held = ExpiringBytes(clock)
 
     def _key(self, tenant: str, response_id: str) -> str:
         return keyed_digest(self._secret(), b"turnkv-response-v1", tenant, response_id)
@@ -64,8 +70,12 @@ class ResponseLog:
         ttl = float(self._ttl())
         if ttl <= 0 or not response_id:
             return False
+        raw = orjson.dumps(messages)
+        if not self.held.try_hold(tenant, len(raw), self._clock() + ttl, int(self._tenant_bytes())):
+            log.info("response %s not kept: over tenant_max_response_bytes", response_id)
+            return False
         try:
-            await asyncio.wait_for(self.store.put_blob(self._key(tenant, response_id), orjson.dumps(messages),
+            await asyncio.wait_for(self.store.put_blob(self._key(tenant, response_id), raw,
                                                        self._clock() + ttl), self._timeout())
             return True
         except Exception as exc:

@@ -199,7 +199,8 @@ async def test_lease_renews_with_decode_and_survives_engine_failures_and_concurr
 
 async def test_lease_ttl_and_renewal_rate_are_bounded_per_tenant():
     p, d = engines(1, "prefill"), engines(1, "decode")
-    async with router_over(p, d, tunables={"lease_max_ttl": 100, "tenant_lease_rate": 0.1}) as (s, _):
+    # burst 2: the refused ttl counts too (the rate is checked before the body is parsed)
+    async with router_over(p, d, tunables={"lease_max_ttl": 100, "tenant_lease_rate": 0.2}) as (s, _):
         first = await chat(s, conversation="R")
         so_far = [*MSGS, {"role": "assistant", "content": first["text"]}]
         status, body = await _lease(s, so_far, ttl=3600)

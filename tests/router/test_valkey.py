@@ -145,3 +145,23 @@ async def test_store_outage_costs_reuse_not_answers(redis_server):
         fifth = await chat(s, next_turn(MSGS, fourth["text"]), conversation="o2")
         assert fifth["headers"]["X-TurnKV-Reuse-Outcome"] == "hit"
         assert app[FLOW].store is store
+
+
+async def test_kept_responses_in_valkey_are_bounded_per_tenant(redis_server):
+    """Issue 31: kept /v1/responses histories had no size bound in Valkey; each tenant now keeps at most
+    tenant_max_response_bytes of them."""
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d, store=ValkeyStore(redis_server.url),
+                           tunables={"tenant_max_response_bytes": 4096}) as (s, app):
+        async def respond(text, previous=None):
+            body = {"model": "tiny", "input": text, "max_output_tokens": 4,
+                    **({"previous_response_id": previous} if previous else {})}
+            async with s.post("/v1/responses", json=body) as resp:
+                return resp.status, await resp.json()
+
+        status, big = await respond("word " * 2000)
+        assert status == 200 and (await respond("more", big["id"]))[0] == 400  # over the bound: not kept
+        status, small = await respond("short")
+        assert (await respond("more", small["id"]))[0] == 200
+        keys = [k async for k in app[FLOW].responses.store.client.scan_iter("turnkv:resp:*")]
+        assert len(keys) == 2  # the small one and its continuation, never the big one

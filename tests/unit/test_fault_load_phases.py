@@ -46,3 +46,16 @@ def test_decode_retention_counters_rise_and_start_over_with_a_restarted_engine()
             'vllm:turnkv_retention_refused_total{engine="0",model_name="tiny"} 2.0\n')
     assert retention_samples(text) == {"evicted": 7.0, "refused": 2.0}
     assert retention_samples("") == {"evicted": 0.0, "refused": 0.0}
+
+
+def test_replays_use_the_loads_own_request_settings():
+    """Issue 31: --max-tokens 48 replayed with 16 counted every longer answer as wrong reuse."""
+    import argparse
+
+    from bench.fault_load import replay_body, request_settings
+
+    sent = {**request_settings(argparse.Namespace(max_tokens=48)), "messages": [{"role": "user", "content": "x"}],
+            "stream": True, "conversation_id": "c", "return_token_ids": True}
+    replay = replay_body(sent)
+    assert replay["max_tokens"] == 48 and replay["temperature"] == 0 and replay["messages"] == sent["messages"]
+    assert "stream" not in replay and "conversation_id" not in replay

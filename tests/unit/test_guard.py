@@ -41,7 +41,8 @@ def test_different_tools_or_model_never_continue():
 def test_text_parts_and_client_metadata_are_canonical():
     parts = {"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}],
              "client_note": "ignored"}
-    assert guard.canonical_message(parts) == {"role": "user", "content": "hello"}
+    # vLLM joins text parts with "\n" (renderers/chat_utils.py): the address is what the template renders
+    assert guard.canonical_message(parts) == {"role": "user", "content": "hel\nlo"}
 
 
 def test_completion_prompt_extension():

@@ -344,3 +344,22 @@ def pressure(
                   "[/bold]")
     if any(lv.get("errors_on") or lv.get("errors_off") for v in result["variants"] for lv in v["levels"]):
         raise typer.Exit(1)
+
+
+@app.command("hostile")
+def hostile(
+    duration: Annotated[float, typer.Option(help="Seconds per phase (quiet, then hostile).")] = 30,
+    conversations: Annotated[int, typer.Option(help="Bystander conversations at once.")] = 8,
+    out: Annotated[Path, typer.Option(help="Folder for hostile_load.json.")] = Path("results/hostile"),
+) -> None:
+    """One tenant attacks the router (fake engines, loopback) while another runs multi-turn streams: router RSS and
+    CPU, the bystander's TTFT against a quiet run and its errors, the attacker's refusals by limit."""
+    import asyncio as aio
+
+    from bench import hostile_load as hl
+
+    args = hl.parser().parse_args(["--duration", str(duration), "--conversations", str(conversations),
+                                   "--out", str(out)])
+    report = aio.run(hl.main(args))
+    if report["bystander"]["hostile"]["errors"] or report["router_rss_mib"]["peak_share_of_task"] > 0.5:
+        raise typer.Exit(1)

@@ -1,0 +1,323 @@
+"""Hostile load: one tenant attacks the router while another runs a normal multi-turn workload (issue 31).
+
+On loopback only, over fake engines (``bench.fake_engine``), bounded in time and requests. The router runs in its
+own process (its RSS and CPU are sampled every 0.5 s); the attacker runs in another process, so its CPU does not
+delay the bystander's measurements in this one. Phases: quiet (the bystander alone), then hostile (the same
+bystander workload while the attacker sends, with several API keys: slow and parked bodies, message floods,
+aborted streams, oversized fields and bad types). Reported: the router's peak RSS against the Fargate task's
+2 GiB, its CPU, the bystander's TTFT p50/p90 in both phases and its errors, the attacker's refusals by limit.
+
+Run: ``python -m bench.hostile_load --duration 30 --out results/hostile`` (or ``turnkv bench hostile``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import psutil
+
+from bench.fake_engine import FAKE_SECRET
+from turnkv import wire
+
+ROOT = Path(__file__).resolve().parent.parent
+TASK_MEMORY_MIB = 2048  # the router's Fargate task (infra)
+BYSTANDER = "bystander-key-0001"
+ATTACKERS = [f"attacker-key-{i:04d}" for i in range(4)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# -- the bystander ------------------------------------------------------------------------------------------------
+
+async def bystander(url: str, duration: float, conversations: int, turns: int) -> dict[str, Any]:
+    """Multi-turn streamed conversations for ``duration`` s: TTFT of every turn, errors by kind."""
+    ttfts: list[float] = []
+    errors: Counter = Counter()
+    stop = time.monotonic() + duration
+    headers = {"Authorization": f"Bearer {BYSTANDER}"}
+
+    async def one(session: aiohttp.ClientSession, idx: int) -> None:
+        while time.monotonic() < stop:
+            messages = [{"role": "user", "content": f"conversation {idx}: " + "tell me more " * 100}]
+            for _ in range(turns):
+                if time.monotonic() >= stop:
+                    return
+                body = {"model": "tiny", "messages": messages, "max_tokens": 16, "stream": True}
+                t0 = time.perf_counter()
+                text, first = "", None
+                try:
+                    async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as resp:
+                        if resp.status != 200:
+                            errors[f"http_{resp.status}"] += 1
+                            await resp.read()
+                            break
+                        async for line in resp.content:
+                            if line.startswith(b"data: {"):
+                                event = orjson.loads(line[6:])
+                                if "error" in event:
+                                    errors["stream_error"] += 1
+                                for c in event.get("choices") or ():
+                                    piece = (c.get("delta") or {}).get("content") or ""
+                                    if piece and first is None:
+                                        first = time.perf_counter() - t0
+                                    text += piece
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    errors[type(exc).__name__] += 1
+                    break
+                if first is not None:
+                    ttfts.append(first)
+                messages = [*messages, {"role": "assistant", "content": text}, {"role": "user", "content": "go on"}]
+                await asyncio.sleep(0.05)  # an agent's think time
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        await asyncio.gather(*(one(session, i) for i in range(conversations)))
+    return {"turns": len(ttfts), "ttft_p50_ms": _ms(percentile(ttfts, 0.5)), "ttft_p90_ms": _ms(percentile(ttfts, 0.9)),
+            "errors": dict(errors)}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
+
+
+# -- the attacker (its own process) ----------------------------------------------------------------------------
+
+async def _raw(port: int, key: str, length: int, payload: bytes, hold: float) -> str:
+    """A request whose body is ``payload`` of a declared ``length`` (short: a parked body), held ``hold`` s."""
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        return "connect_failed"
+    try:
+        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n".encode())
+        try:
+            writer.write(payload)
+            await asyncio.wait_for(writer.drain(), hold)
+        except (TimeoutError, OSError):
+            pass
+        try:
+            head = await asyncio.wait_for(reader.read(4096), hold)
+        except (TimeoutError, OSError):
+            return "no_answer"
+        return _limit_of(head)
+    finally:
+        writer.close()
+
+
+def _limit_of(answer: bytes) -> str:
+    """``<status>:<limit>`` from a refusal (the error body names the router limit), or the status alone."""
+    status = answer[9:12].decode(errors="replace") if answer.startswith(b"HTTP/") else "?"
+    at = answer.find(b'"limit":"')
+    limit = answer[at + 9: answer.find(b'"', at + 9)].decode() if at >= 0 else ""
+    return f"{status}:{limit}" if limit else status
+
+
+async def attack(port: int, duration: float, max_body: int) -> dict[str, int]:
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    counts: Counter = Counter()
+    stop = time.monotonic() + duration
+    flood = orjson.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}] * 240_000})
+    parked = b"{" + b" " * (max_body - 3)  # the declared max_body bytes minus one
+
+    async def slow_bodies(key: str) -> None:  # 8 MiB bodies minus one byte, parked
+        while time.monotonic() < stop:
+            results = await asyncio.gather(*(_raw(port, key, max_body, parked, 3.0) for _ in range(15)))
+            counts.update(f"slow_body {r}" for r in results)
+
+    async def floods(session: aiohttp.ClientSession, key: str) -> None:
+        while time.monotonic() < stop:
+            async with session.post(url, data=flood, headers=_auth(key)) as r:
+                counts[f"flood {r.status}:{(await _err(r)).get('limit', '')}"] += 1
+
+    async def aborted(session: aiohttp.ClientSession, key: str) -> None:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "abort me " * 50}], "max_tokens": 256,
+                "stream": True}
+        while time.monotonic() < stop:
+            async with session.post(url, json=body, headers=_auth(key)) as r:
+                counts[f"aborted_stream {r.status}"] += 1
+                if r.status == 200:
+                    await r.content.readline()
+                r.close()  # go away mid-stream
+
+    async def oversized(session: aiohttp.ClientSession, key: str) -> None:
+        bad = [{"max_tokens": "abc"}, {"max_tokens": [1]}, {"max_tokens": "1e400"}, {"temperature": {}}]
+        i = 0
+        while time.monotonic() < stop:
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **bad[i % len(bad)]}
+            i += 1
+            async with session.post(url, json=body, headers=_auth(key)) as r:
+                counts[f"bad_type {r.status}"] += 1
+            result = await _raw(port, key, max_body + 1, b"{", 2.0)
+            counts[f"oversized {result}"] += 1
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        tasks = [slow_bodies(ATTACKERS[0]), slow_bodies(ATTACKERS[1]), floods(session, ATTACKERS[2]),
+                 floods(session, ATTACKERS[3]), aborted(session, ATTACKERS[2]), oversized(session, ATTACKERS[3])]
+        await asyncio.gather(*(_guarded(t, counts) for t in tasks))
+    return dict(counts)
+
+
+async def _guarded(coro, counts: Counter) -> None:
+    while True:
+        try:
+            await coro
+            return
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            counts[f"client_error {type(exc).__name__}"] += 1
+            return
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def _err(resp: aiohttp.ClientResponse) -> dict[str, Any]:
+    raw = await resp.read()
+    try:
+        return orjson.loads(raw).get("error") or {}
+    except (orjson.JSONDecodeError, AttributeError):
+        return {}
+
+
+# -- the run ------------------------------------------------------------------------------------------------------
+
+class Sampler:
+    """The router's RSS and CPU every ``every`` s."""
+
+    def __init__(self, pid: int, every: float = 0.5) -> None:
+        self.proc = psutil.Process(pid)
+        self.every = every
+        self.rows: list[dict[str, float]] = []
+        self.phase = "start"
+
+    async def run(self, t0: float) -> None:
+        last_cpu = sum(self.proc.cpu_times()[:2])
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(self.every)
+            cpu, now = sum(self.proc.cpu_times()[:2]), time.monotonic()
+            self.rows.append({"t": round(now - t0, 2), "phase": self.phase,  # type: ignore[dict-item]
+                              "rss_mib": round(self.proc.memory_info().rss / 2**20, 1),
+                              "cpu_pct": round(100 * (cpu - last_cpu) / (now - last), 1)})
+            last_cpu, last = cpu, now
+
+
+async def wait_ready(url: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.get(url + "/ready") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} did not become ready")
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    p_port, d_port, r_port = free_port(), free_port(), free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), wire.OFFER_SECRET_ENV: FAKE_SECRET.decode(),
+           "TURNKV_API_KEYS": json.dumps({"tenants": {"bystander": BYSTANDER,
+                                                      **{f"attacker{i}": k for i, k in enumerate(ATTACKERS)}}})}
+    py = sys.executable
+    procs = [subprocess.Popen([py, "-m", "bench.fake_engine", "--port", str(p_port), "--port", str(d_port)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    with open(out / "router.log", "wb") as log:
+        router = subprocess.Popen([py, "-m", "turnkv.cli", "router", "serve", "--prefill",
+                                   f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}", "--port",
+                                   str(r_port), "--no-emf", *(x for kv in args.set for x in ("--set", kv))],
+                                  env=env, stdout=log, stderr=subprocess.STDOUT)
+    procs.append(router)
+    url = f"http://127.0.0.1:{r_port}"
+    try:
+        await wait_ready(url)
+        sampler = Sampler(router.pid)
+        sampling = asyncio.create_task(sampler.run(time.monotonic()))
+        sampler.phase = "quiet"
+        quiet = await bystander(url, args.duration, args.conversations, args.turns)
+        sampler.phase = "hostile"
+        attacker = subprocess.Popen([py, "-m", "bench.hostile_load", "--attack", str(r_port), "--duration",
+                                     str(args.duration), "--out", str(out)], env=env)
+        procs.append(attacker)
+        await asyncio.sleep(1.0)  # the attack under way
+        hostile = await bystander(url, args.duration, args.conversations, args.turns)
+        await asyncio.get_running_loop().run_in_executor(None, attacker.wait, args.duration + 60)
+        sampler.phase = "after"
+        await asyncio.sleep(2.0)
+        sampling.cancel()
+        refusals = json.loads((out / "attacker.json").read_text())
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    rows = sampler.rows
+    peak = max((r["rss_mib"] for r in rows), default=0.0)
+    report = {
+        "duration_s_per_phase": args.duration, "bystander_conversations": args.conversations,
+        "router_rss_mib": {"start": rows[0]["rss_mib"] if rows else None, "peak": peak,
+                           "end": rows[-1]["rss_mib"] if rows else None, "task_mib": TASK_MEMORY_MIB,
+                           "peak_share_of_task": round(peak / TASK_MEMORY_MIB, 3)},
+        "router_cpu_pct": {ph: percentile([r["cpu_pct"] for r in rows if r["phase"] == ph], 0.5)
+                           for ph in ("quiet", "hostile")},
+        "router_cpu_pct_peak": max((r["cpu_pct"] for r in rows), default=0.0),
+        "bystander": {"quiet": quiet, "hostile": hostile},
+        "ttft_p90_ratio": (round(hostile["ttft_p90_ms"] / quiet["ttft_p90_ms"], 2)
+                           if quiet["ttft_p90_ms"] and hostile["ttft_p90_ms"] else None),
+        "attacker": refusals,
+        "samples": rows,
+    }
+    (out / "hostile_load.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=1))
+    return report
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--duration", type=float, default=30, help="Seconds per phase (quiet, hostile).")
+    p.add_argument("--conversations", type=int, default=8, help="Bystander conversations at once.")
+    p.add_argument("--turns", type=int, default=6, help="Turns per bystander conversation.")
+    p.add_argument("--set", action="append", default=[], help="Router tunable NAME=VALUE (repeatable).")
+    p.add_argument("--out", default="results/hostile")
+    p.add_argument("--attack", type=int, default=0, help=argparse.SUPPRESS)  # the attacker process: router port
+    return p
+
+
+if __name__ == "__main__":
+    a = parser().parse_args()
+    if a.attack:
+        counts = asyncio.run(attack(a.attack, a.duration, 8 * 1024 * 1024))
+        Path(a.out, "attacker.json").write_text(json.dumps(counts, indent=1, sort_keys=True))
+    else:
+        asyncio.run(main(a))

@@ -1,0 +1,107 @@
+"""Reading a request body within the router's budgets: its size, its buffered bytes (per tenant and globally) and
+its arrival deadline.
+
+A body is reserved before it is read (its Content-Length, or chunk by chunk when it has none), so a tenant
+holding many slow or parked bodies runs out of its own budget (429) long before the router runs out of memory,
+and a body that does not arrive within ``body_read_timeout`` is answered 408 and its connection closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from router.guard import RequestError
+from router.intake import LimitError
+from router.limits import ByteBudget, TokenBucket
+
+CHUNK = 64 * 1024
+
+
+async def read_json(request: web.Request, tenant: str, budget: ByteBudget, tunables: Any,
+                    byte_rate: TokenBucket | None = None) -> tuple[Any, int]:
+    """The parsed JSON body and its size; LimitError (413, 429, 408) naming the limit it would break."""
+    max_body = int(tunables.max_body_bytes)
+    length = request.content_length
+    if length is not None and length > max_body:
+        raise LimitError(413, "max_body_bytes", f"the request body is larger than max_body_bytes ({max_body} bytes)")
+    if byte_rate is not None:
+        rate = float(tunables.tenant_body_rate)
+        cost = length if length is not None else max_body  # a body of unknown length is charged as the largest
+        if not byte_rate.allow(tenant, rate, max(float(max_body), 2 * rate), cost):
+            raise LimitError(429, "tenant_body_rate", f"too many request body bytes per second for this API key "
+                                                      f"(tenant_body_rate {rate:g} bytes/s); slow down",
+                             retry_after=max(1, int(cost / rate + 0.999)))
+    max_total, max_tenant = int(tunables.max_body_buffer_bytes), int(tunables.tenant_max_body_buffer_bytes)
+    reserved = 0
+
+    def reserve(size: int) -> None:
+        nonlocal reserved
+        refused = budget.try_take(tenant, size, max_total, max_tenant)
+        if refused is not None:
+            who = "this API key" if refused.startswith("tenant") else "this router"
+            raise LimitError(429, refused, f"too many request body bytes in flight for {who} ({refused}); retry "
+                                           "shortly", retry_after=1)
+        reserved += size
+
+    try:
+        if length is not None:
+            reserve(length)
+        parts: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(float(tunables.body_read_timeout)):
+                while chunk := await request.content.read(CHUNK):
+                    size += len(chunk)
+                    if size > max_body:
+                        raise LimitError(413, "max_body_bytes",
+                                         f"the request body is larger than max_body_bytes ({max_body} bytes)")
+                    if size > reserved:
+                        reserve(size - reserved)
+                    parts.append(chunk)
+        except TimeoutError:
+            raise LimitError(408, "body_read_timeout", "the request body did not arrive within body_read_timeout "
+                                                       f"({float(tunables.body_read_timeout):g} s)") from None
+        raw = b"".join(parts)
+        del parts
+        if not raw:
+            raise RequestError("the request body is empty; send a JSON object")
+        objects, most = raw.count(b"{"), 16 * int(tunables.max_messages)
+        if objects > most:  # an upper bound of the objects, counted at C speed: a flood is never parsed
+            raise LimitError(413, "max_messages", f"the request body holds up to {objects} JSON objects; at most "
+                                                  f"{most} (16 x max_messages) are parsed")
+        try:
+            return orjson.loads(raw), len(raw)
+        except orjson.JSONDecodeError as exc:
+            raise RequestError(f"the request body is not valid JSON: {exc}") from None
+    finally:
+        if reserved:
+            budget.give(tenant, reserved)
+
+
+def limit_response(exc: LimitError) -> web.Response:
+    """A refusal that names its limit; the connection closes when the body was left unread (413, 408, 429)."""
+    from router.flow import error_response
+
+    kind = "rate_limit_exceeded" if exc.status == 429 else "invalid_request_error"
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+    response = error_response(exc.status, str(exc), kind, headers=headers, limit=exc.limit)
+    response.force_close()
+    return response
+
+
+def charge_messages(body: Any, tenant: str, bucket: TokenBucket, tunables: Any) -> None:
+    """Charge the request's messages to the tenant's ``tenant_message_rate`` (the hashing they will cost);
+    LimitError 429 when over it."""
+    if not isinstance(body, dict):
+        return
+    items = body.get("messages") if isinstance(body.get("messages"), list) else body.get("input")
+    count = len(items) if isinstance(items, list) else 1
+    rate = float(tunables.tenant_message_rate)
+    if not bucket.allow(tenant, rate, max(2 * rate, 2.0 * int(tunables.max_messages)), count):
+        raise LimitError(429, "tenant_message_rate", f"too many messages per second for this API key "
+                                                     f"(tenant_message_rate {rate:g}/s); slow down",
+                         retry_after=max(1, int(count / rate + 0.999)))
