@@ -62,8 +62,9 @@ def test_engine_env_written_by_user_data_follows_the_contract():
     assert node == {"TURNKV_DEPLOYMENT": "prod", "AWS_REGION": "us-east-2"}
     # tunables before the engine, then the units in order
     order = [script.index(s) for s in ("params sync", "amazon-cloudwatch-agent-ctl",
-                                       f"enable --now {node_env.PARAMS_SYNC_TIMER}",
-                                       f"enable --now {node_env.ENGINE_SERVICE}",
+                                       f"systemctl enable {node_env.PARAMS_SYNC_TIMER}",
+                                       f"start {node_env.PARAMS_SYNC_TIMER}",
+                                       f"start {node_env.ENGINE_SERVICE}",
                                        f"start --no-block {node_env.REGISTER_SERVICE}")]
     assert order == sorted(order)
     assert "X-aws-ec2-metadata-token" in script  # IMDSv2
