@@ -9,6 +9,7 @@ Pure: no CDK import, so the tests and ``turnkv`` can validate without jsii.
 
 from __future__ import annotations
 
+import copy
 import ipaddress
 import json
 import re
@@ -158,6 +159,7 @@ Account = Annotated[StrictStr, _pattern(r"^\d{12}$", ": 12 digits, quoted in YAM
 Cidr = Annotated[StrictStr, AfterValidator(_cidr)]
 VpcId = Annotated[StrictStr, _pattern(r"^vpc-[0-9a-f]{8,17}$", " is not a VPC id (vpc-...)")]
 SubnetId = Annotated[StrictStr, _pattern(r"^subnet-[0-9a-f]{8,17}$", " is not a subnet id (subnet-...)")]
+SecurityGroupId = Annotated[StrictStr, _pattern(r"^sg-[0-9a-f]{8,17}$", " is not a security group id (sg-...)")]
 ReservationId = Annotated[StrictStr, _pattern(r"^cr-[0-9a-f]{17}$", " is not a reservation id (cr- and 17 hex)")]
 PlacementGroupName = Annotated[StrictStr, _pattern(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$",
                                                    " is not a placement group name")]
@@ -271,12 +273,22 @@ class RouterConfig(_Model):
 
     @property
     def uses_valkey(self) -> bool:
-        return self.replicas > 1 or self.max_replicas > 1
+        """Shared conversation state whenever more than one replica can exist (autoscaling included): two
+        replicas with their own memory stores would miss each other's turns."""
+        return self.max_replicas > 1
 
 
 class ImageConfig(_Model):
     #: Bring your own engine AMI (built from ami/ or equivalent): the deploy skips the Image Builder bake.
     ami_id: AmiId | None = None
+    #: Build instance types, tried in order. Empty: the recipe's own list (``ami.recipes``).
+    build_instance_types: tuple[Annotated[StrictStr, _pattern(r"^[a-z][a-z0-9-]*\.[a-z0-9]+$",
+                                                              " is not an EC2 instance type (e.g. g6.2xlarge)")],
+                                ...] = ()
+    #: Build in this subnet (with this security group) instead of the account's default VPC. It needs an
+    #: internet path (the bake downloads the EFA installer, NIXL and vLLM).
+    build_subnet_id: SubnetId | None = None
+    build_security_group_id: SecurityGroupId | None = None
 
 
 class DeploymentConfig(_Model):
@@ -399,6 +411,13 @@ def _cross_checks(c: DeploymentConfig) -> list[tuple[str, str]]:
     if rt.public and not rt.allowed_cidrs:
         fail(("router.allowed_cidrs", "an internet-facing router needs the client CIDRs that may reach it (write "
                                       "0.0.0.0/0 explicitly to open it to everyone)"))
+    img = c.image
+    if bool(img.build_subnet_id) != bool(img.build_security_group_id):
+        fail(("image.build_security_group_id" if img.build_subnet_id else "image.build_subnet_id",
+              "give both image.build_subnet_id and image.build_security_group_id (Image Builder needs a security "
+              "group in the subnet's VPC), or neither to build in the default VPC"))
+    if img.ami_id and (img.build_instance_types or img.build_subnet_id):
+        fail(("image.ami_id", "with your own AMI nothing is baked: drop the image.build_* settings, or ami_id"))
     return problems
 
 
@@ -461,34 +480,113 @@ def _without_nulls(data: Any) -> Any:
     return data
 
 
+def _prune(data: Any, loc: tuple[Any, ...]) -> bool:
+    """Drop the value at ``loc`` (so its default applies, or it is reported as missing); False if absent."""
+    *parents, leaf = loc
+    node = data
+    for part in parents:
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError):
+            return False
+    if isinstance(node, dict) and leaf in node:
+        del node[leaf]
+        return True
+    if isinstance(node, list) and isinstance(leaf, int) and leaf < len(node):
+        node[leaf] = None  # keep the indexes of the later elements; dropped below
+        return True
+    return False
+
+
+def _compact(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _compact(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_compact(v) for v in data if v is not None]
+    return data
+
+
+def _overlaps(a: str, b: str) -> bool:
+    """One field is the other or holds it (``pools`` and ``pools[1].instance_type``)."""
+    return a == b or a.startswith((f"{b}.", f"{b}[")) or b.startswith((f"{a}.", f"{a}["))
+
+
+def check(data: Any) -> tuple[DeploymentConfig | None, list[tuple[str, str]]]:
+    """Every problem of a deploy config in one pass: the per-field ones, then the cross-field ones.
+
+    Cross-field rules need a typed config, so after field errors the offending values are dropped (their
+    defaults apply) and the rest is checked again; a cross-field problem about a field already reported is
+    left out. Synth (``from_mapping``) and ``turnkv config validate`` both call this.
+    """
+    if not isinstance(data, Mapping):
+        return None, [("turnkv", f"expected a mapping, got {type(data).__name__}")]
+    data = _without_nulls(data)
+    problems: list[tuple[str, str]] = []
+    for _ in range(4):
+        try:
+            config = DeploymentConfig.model_validate(data)
+        except ValidationError as exc:
+            errors = exc.errors()
+            # A value dropped in an earlier round comes back as "required": its first report stands.
+            reported = {field for field, _ in problems}
+            problems += [p for p in map(_problem, errors) if p[0] not in reported and p not in problems]
+            data = copy.deepcopy(data)
+            if not any([_prune(data, tuple(e["loc"])) for e in errors]):
+                return None, problems
+            data = _compact(data)
+            continue
+        reported = [field for field, _ in problems]
+        problems += [p for p in _cross_checks(config) if not any(_overlaps(p[0], f) for f in reported)]
+        return (None if problems else config), problems
+    return None, problems
+
+
 def from_mapping(data: Mapping[str, Any]) -> DeploymentConfig:
     """Parse and validate; raise ConfigError listing every problem with its fix."""
-    if not isinstance(data, Mapping):
-        raise ConfigError([("turnkv", f"expected a mapping, got {type(data).__name__}")])
-    try:
-        config = DeploymentConfig.model_validate(_without_nulls(data))
-    except ValidationError as exc:
-        raise ConfigError([_problem(e) for e in exc.errors()]) from None
-    problems = _cross_checks(config)
-    if problems:
+    config, problems = check(data)
+    if problems or config is None:
         raise ConfigError(problems)
     return config
 
 
 def load_file(path: str | Path) -> Mapping[str, Any]:
+    """The config file's mapping; malformed YAML or JSON is a ConfigError naming the line, never a traceback."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError([("turnkv:config", f"{path} does not exist; pass -c turnkv:config=PATH to a YAML/JSON file")])
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([(str(path), f"cannot be read ({exc}); pass a UTF-8 YAML or JSON file")]) from None
     if path.suffix in {".yaml", ".yml"}:
         import yaml
 
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError([(str(path), f"malformed YAML{where}: {what}; fix the syntax there (indentation, a "
+                                           "missing ':' or an unclosed quote or bracket)")]) from None
     else:
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError([(str(path), f"malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}; "
+                                           "fix the syntax there, or use a .yaml file")]) from None
     if not isinstance(data, Mapping):
         raise ConfigError([("turnkv:config", f"{path} must hold a mapping at the top")])
     return data
+
+
+def validate_file(path: str | Path) -> tuple[DeploymentConfig | None, list[tuple[str, str]]]:
+    """``turnkv config validate``: the file read and every problem found, without a synth."""
+    try:
+        data = load_file(path)
+    except ConfigError as exc:
+        return None, exc.problems
+    return check(data)
 
 
 def from_context(inline: Any, file: str | None) -> DeploymentConfig:
