@@ -19,6 +19,19 @@ import aiohttp
 
 from router.flow import REUSE_HEADER, REUSE_OUTCOME_HEADER, REUSED_TOKENS_HEADER
 
+#: An agent's standing instructions: long enough that the history a turn reuses is well above the engines'
+#: kv_recompute_threshold (64 tokens by default), as an agent's always is.
+SYSTEM = (
+    "You are a careful travel-planning assistant working for a small outdoor club. Members ask you to plan trips "
+    "step by step over several messages, and they rely on you to remember every earlier answer in the "
+    "conversation. Keep each reply short and concrete: name specific items, times and places rather than general "
+    "advice. When a member changes a constraint, revise only what the change affects and say what you changed. "
+    "Assume the group is six adults of mixed experience, travelling by train, staying in mountain huts that must "
+    "be booked in advance, with a budget of about one hundred euros per person per day. Mention safety only where "
+    "it matters for the plan: weather, altitude, daylight, and the distance to the next hut. Never invent opening "
+    "hours or prices; say when something must be checked locally. Prefer routes with a lower-altitude alternative "
+    "in case of storms, and keep the daily walking time under seven hours including breaks."
+)
 #: The user's side of the conversation: each turn resends the whole history, as an agent does.
 PROMPTS = (
     "You are helping plan a three-day hiking trip in the Alps. List five things to pack.",
@@ -164,7 +177,7 @@ async def run(url: str, api_key: str | None = None, model: str | None = None, tu
     try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             result.model = model or await _model(session, url, api_key)
-            history: list[dict[str, str]] = []
+            history: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
             for index, prompt in enumerate(PROMPTS[:turns], start=1):
                 messages = [*history, {"role": "user", "content": prompt}]
                 # Reuse off first: the reuse-on request then holds the conversation's latest entry for the next turn.
