@@ -507,14 +507,18 @@ def _without_nulls(data: Any) -> Any:
 _STAND_INS: dict[tuple[Any, ...], str] = {("name",): "invalid", ("model", "id"): "invalid"}
 
 
-def _set_aside(data: Any, loc: tuple[Any, ...], required: bool) -> bool:
+def _set_aside(data: Any, loc: tuple[Any, ...], required: bool, left_out: list[str]) -> bool:
     """Take the bad value at ``loc`` out of the way of a second validation round: drop it (its default applies),
-    put a stand-in in for a required one, or drop the list element holding it (a pool). False: nothing to do."""
+    put a stand-in in for a required one, or leave out the list element holding it (a pool; its path goes to
+    ``left_out``). False: nothing to do."""
     if required:
         if loc in _STAND_INS:
             return _put(data, loc, _STAND_INS[loc])
         index = max((i for i, part in enumerate(loc) if isinstance(part, int)), default=None)
-        return index is not None and _put(data, loc[:index + 1], None)
+        if index is None or not _put(data, loc[:index + 1], None):
+            return False
+        left_out.append(_where(loc[:index + 1]))
+        return True
     return _put(data, loc, _DROP)
 
 
@@ -549,9 +553,9 @@ def _compact(data: Any) -> Any:
     return data
 
 
-def _overlaps(a: str, b: str) -> bool:
-    """One field is the other or holds it (``pools`` and ``pools[1].instance_type``)."""
-    return a == b or a.startswith((f"{b}.", f"{b}[")) or b.startswith((f"{a}.", f"{a}["))
+def _within(field: str, path: str) -> bool:
+    """``field`` is ``path`` or inside it (``pools[1].instance_type`` is within ``pools[1]``)."""
+    return field == path or field.startswith((f"{path}.", f"{path}["))
 
 
 def check(data: Any) -> tuple[DeploymentConfig | None, list[tuple[str, str]]]:
@@ -559,14 +563,15 @@ def check(data: Any) -> tuple[DeploymentConfig | None, list[tuple[str, str]]]:
 
     Cross-field rules need a typed config, so after field errors the bad values are set aside (dropped, so their
     defaults apply; a wrong name or model id stood in for; a pool with a wrong required value left out) and the
-    rest is validated again. A cross-field problem about a field already reported is left out. A wrong region or
-    AZ (which the cross-field rules read) stops at the per-field problems. Synth (``from_mapping``) and
-    ``turnkv config validate`` both call this.
+    rest is validated again. A cross-field problem about a field already reported, or about a list that lost an
+    element, is left out. A wrong region (which the cross-field rules read) stops at the per-field problems.
+    Synth (``from_mapping``) and ``turnkv config validate`` both call this.
     """
     if not isinstance(data, Mapping):
         return None, [("turnkv", f"expected a mapping, got {type(data).__name__}")]
     data = _without_nulls(data)
     problems: list[tuple[str, str]] = []
+    left_out: list[str] = []
     for round_ in range(5):
         try:
             config = DeploymentConfig.model_validate(data)
@@ -576,14 +581,18 @@ def check(data: Any) -> tuple[DeploymentConfig | None, list[tuple[str, str]]]:
             problems += [p for p in map(_problem, errors) if p[0] not in reported and p not in problems]
             data = copy.deepcopy(data)
             # A value set aside in an earlier round comes back as "required": its first report stands.
-            moved = [_set_aside(data, tuple(e["loc"]), e["type"] == "missing" and round_ > 0) for e in errors
-                     if e["type"] != "missing" or round_ > 0]
+            moved = [_set_aside(data, tuple(e["loc"]), e["type"] == "missing" and round_ > 0, left_out)
+                     for e in errors if e["type"] != "missing" or round_ > 0]
             if not any(moved):
                 return None, problems
             data = _compact(data)
             continue
+        # Left out: a problem about a reported value (its default stood in), or about a list that lost an element
+        # (``pools`` without the pool that was left out).
         reported = [field for field, _ in problems]
-        problems += [p for p in _cross_checks(config) if not any(_overlaps(p[0], f) for f in reported)]
+        problems += [p for p in _cross_checks(config)
+                     if not any(_within(p[0], f) for f in reported)
+                     and not any(_within(p[0], path) or _within(path, p[0]) for path in left_out)]
         return (None if problems else config), problems
     return None, problems
 

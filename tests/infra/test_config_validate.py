@@ -82,3 +82,10 @@ def test_json_configs_validate_too(tmp_path):
     path = tmp_path / "gpu.json"
     path.write_text(json.dumps(configs.GPU))
     assert _validate(path).exit_code == 0
+
+
+def test_a_bad_value_in_a_pool_does_not_hide_a_missing_role():
+    """pools[0].count is reported and its default stands in; the cross-field rule still sees no prefill pool."""
+    raw = configs.variant(configs.GPU, pools=[{"role": "decode", "instance_type": "p5en.48xlarge", "count": 80}])
+    fields = dict(check(raw)[1])
+    assert "0 .. 64" in fields["pools[0].count"] and "no prefill pool" in fields["pools"]
