@@ -87,6 +87,12 @@ class ImageSpec:
     components: tuple[ComponentSpec, ...]
     build_instance_type: str
     volume_size_gib: int
+    #: Image Builder tries these in order when the first has no capacity or quota (G/VT On-Demand for gpu).
+    fallback_build_instance_types: tuple[str, ...] = ()
+
+    @property
+    def build_instance_types(self) -> tuple[str, ...]:
+        return (self.build_instance_type, *self.fallback_build_instance_types)
 
 
 def _pins(flavor: str) -> dict[str, dict[str, str]]:
@@ -132,6 +138,8 @@ _BUILD = {
     "gpu": ("g6.2xlarge", 200, GPU_PARENT_SSM),
     "neuron": ("trn1.2xlarge", 200, NEURON_PARENT_SSM),
 }
+#: Fallbacks after the first build type: same family of quota (G/VT for gpu), NVIDIA GPUs the DLAMI drives.
+_BUILD_FALLBACKS = {"gpu": ("g6.4xlarge", "g5.2xlarge", "g6e.2xlarge"), "neuron": ()}
 
 
 def _lock() -> dict[str, dict[str, str]]:
@@ -158,7 +166,8 @@ def build_images() -> dict[str, ImageSpec]:
         images[flavor] = ImageSpec(
             flavor=flavor, parent_image_ssm_parameter=parent,
             components=tuple(_component(name, flavor, lock) for name in names),
-            build_instance_type=instance_type, volume_size_gib=volume)
+            build_instance_type=instance_type, volume_size_gib=volume,
+            fallback_build_instance_types=_BUILD_FALLBACKS[flavor])
     return images
 
 

@@ -112,6 +112,9 @@ class FakeEngine:
     #: False: prefill reads valid offers no router cleared (``TURNKV_REQUIRE_CLEARED_OFFERS=0``).
     require_cleared: bool = True
     fault: dict[str, Any] = field(default_factory=dict)
+    #: False: a fresh reply starts with a word of the prompt's digest instead of the request id, so the same prompt
+    #: always gets the same answer (greedy decoding, as a real engine at temperature 0: what `turnkv smoke` checks).
+    request_marker: bool = True
     #: one write per SSE event with a yield between them, as a real engine emits one event per step; otherwise a
     #: whole stream goes out in one write (the cheapest case for whoever relays it)
     event_writes: bool = False
@@ -295,7 +298,8 @@ class FakeEngine:
         fresh = not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt))
         for i in range(max(1, n)):
             if fresh and i == 0:
-                token, word = _id("rid"), token_text(0, request_id=request_id)
+                token, word = _id("rid"), token_text(0, request_id=request_id if self.request_marker else "",
+                                                     kv_from="" if self.request_marker else kv_from)
             elif fresh and i == 1:
                 token, word = _id("kv" + kv_from), token_text(0, kv_from=kv_from)
             else:

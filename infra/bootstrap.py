@@ -26,6 +26,21 @@ LOG_DIR = "/var/log/turnkv"
 #: ships as its own stream (``<instance id>/<file>``). journald alone is not read by the agent.
 LOGGED_UNITS = {node_env.ENGINE_SERVICE: "engine", node_env.REGISTER_SERVICE: "register",
                 METRICS_SERVICE: "metrics", node_env.PARAMS_SYNC_SERVICE: "params-sync"}
+#: Units enabled together before any starts: a failed start cannot leave a later one un-enabled (systemd brings
+#: each back at the next boot), and the register unit waits for the engine on its own.
+UNITS = (node_env.PARAMS_SYNC_TIMER, node_env.ENGINE_SERVICE, node_env.REGISTER_SERVICE, METRICS_SERVICE)
+
+
+def mark_unhealthy_function(region: str) -> str:
+    """Shell function: tell Auto Scaling this instance is unhealthy, now (grace period ignored), so the group
+    replaces it. The group's EC2 health check alone never sees an engine that does not serve."""
+    return f"""mark_unhealthy() {{
+  echo "marking $INSTANCE_ID unhealthy: $1" >&2
+  aws autoscaling set-instance-health --region '{region}' --instance-id "$INSTANCE_ID" \\
+    --health-status Unhealthy --no-should-respect-grace-period || true
+}}"""
+
+
 #: Where the engine keeps synced weights (turnkv.commands.engine.MODELS_DIR): on instance NVMe when there is some.
 MODELS_DIR = engine_command.MODELS_DIR
 
@@ -145,7 +160,8 @@ REGION='{b.region}'
 TOKEN=$(curl -sS -X PUT http://169.254.169.254/latest/api/token -H 'X-aws-ec2-metadata-token-ttl-seconds: 300')
 INSTANCE_ID=$(curl -sS -H "X-aws-ec2-metadata-token: $TOKEN" http://169.254.169.254/latest/meta-data/instance-id)
 IP="$TURNKV_SIDE_CHANNEL_HOST"
-ENGINE_ID="$TURNKV_ENGINE_ID"{signal}
+ENGINE_ID="$TURNKV_ENGINE_ID"
+{mark_unhealthy_function(b.region)}{signal}
 case "${{1:-register}}" in
   register)
     # Loading weights and compiling can take a long time on first boot.
@@ -159,6 +175,7 @@ case "${{1:-register}}" in
       sleep 10
     done
     echo "engine never became healthy; not registering" >&2{fail_signal}
+    mark_unhealthy "the engine never became healthy; not registered in Cloud Map"
     exit 1
     ;;
   deregister)
@@ -172,7 +189,7 @@ esac
 REGISTER_UNIT = f"""[Unit]
 Description=turnkv: register this engine in Cloud Map when healthy, deregister on stop
 After={node_env.ENGINE_SERVICE} network-online.target
-Requires={node_env.ENGINE_SERVICE}
+Wants={node_env.ENGINE_SERVICE}
 
 [Service]
 Type=oneshot
@@ -279,6 +296,13 @@ INSTANCE_ID=$(imds instance-id)
 # The address of card 0's interface (the only one with an IP): HTTP and the NIXL side channel.
 IP=$(imds local-ipv4)
 ENGINE_ID="{b.deployment}-{b.role.value}-$INSTANCE_ID"
+# Any failure from here on leaves a node that will never serve: have the group replace it.
+{mark_unhealthy_function(b.region)}
+on_exit() {{
+  local rc=$?
+  if ((rc != 0)); then mark_unhealthy "user data failed (exit $rc)"; fi
+}}
+trap on_exit EXIT
 
 cat > {node_env.NODE_ENV_FILE} <<'TURNKV_EOF'
 {node_file}TURNKV_EOF
@@ -321,10 +345,9 @@ cat > /etc/logrotate.d/turnkv <<'TURNKV_EOF'
 {NVME_SCRIPT}
 
 systemctl daemon-reload
-systemctl enable --now {node_env.PARAMS_SYNC_TIMER}
-systemctl enable --now {node_env.ENGINE_SERVICE}
-systemctl enable {node_env.REGISTER_SERVICE}
-systemctl start --no-block {node_env.REGISTER_SERVICE}
-systemctl enable --now {METRICS_SERVICE}
+systemctl enable {" ".join(UNITS)}
+systemctl start {node_env.PARAMS_SYNC_TIMER}
+systemctl start {node_env.ENGINE_SERVICE}
+systemctl start --no-block {node_env.REGISTER_SERVICE} {METRICS_SERVICE}
 echo "turnkv user data done $(date -Is)"
 """

@@ -1,14 +1,16 @@
 """The typed, validated deployment config (pydantic v2 models: each field, its type and its default written once).
 
 Read from ``cdk.json`` context (``turnkv``: an inline mapping) or from a YAML/JSON file
-(``cdk synth -c turnkv:config=deploy/prod.yaml``). Every problem is reported at synth as
-``<field>: <what is wrong>; <how to fix it>``: the models check each field (types, formats, ranges), then
-``_cross_checks`` the rules that tie fields together (AZs and region, VPC size, pools and the model, the ALB).
+(``cdk synth -c turnkv:config=deploy/example.yaml``). Every problem is reported at synth, and by
+``turnkv config validate``, as ``<field>: <what is wrong>; <how to fix it>``, all in one pass (``check``): the
+models check each field (types, formats, ranges), then ``_cross_checks`` the rules that tie fields together (AZs
+and region, VPC size, pools and the model, the ALB, the bake's subnet).
 Pure: no CDK import, so the tests and ``turnkv`` can validate without jsii.
 """
 
 from __future__ import annotations
 
+import copy
 import ipaddress
 import json
 import re
@@ -80,7 +82,7 @@ def _pattern(regex: str, what: str):
 
     def check(value: str) -> str:
         if not compiled.match(value):
-            raise ValueError(f"{value!r}{what}")
+            raise ValueError(f"{value!r} {what}")
         return value
 
     return AfterValidator(check)
@@ -90,14 +92,14 @@ def _cidr(value: str) -> str:
     try:
         ipaddress.ip_network(value)
     except ValueError:
-        raise ValueError(f"{value!r} is not a CIDR block (e.g. 203.0.113.0/24)") from None
+        raise ValueError(f"{value!r} is not a CIDR block; write one such as 203.0.113.0/24") from None
     return value
 
 
 def _range(low: int, high: int, fix: str):
     def check(value: int) -> int:
         if not low <= value <= high:
-            raise ValueError(f"{value}: {fix}")
+            raise ValueError(f"{value} is out of range; {fix}")
         return value
 
     return AfterValidator(check)
@@ -107,20 +109,21 @@ def _model_text(value: str) -> str:
     try:
         check_value("TURNKV_MODEL", value)
     except ValueError:
-        raise ValueError(f"{value!r}: letters, digits and _.,:/@+=- only") from None
+        raise ValueError(f"{value!r} has a character the engine's env file cannot carry; use letters, digits and "
+                         "_.,:/@+=- only") from None
     return value
 
 
 def _power_of_two(value: int) -> int:
     if value < 1 or value & (value - 1):
-        raise ValueError(f"{value}: use a power of two (1, 2, 4, 8, ...)")
+        raise ValueError(f"{value} is not a power of two; use 1, 2, 4, 8, ...")
     return value
 
 
 def _retention(value: int) -> int:
     if value not in LOG_RETENTION_DAYS:
-        raise ValueError(f"{value}: CloudWatch Logs keeps logs for one of {', '.join(map(str, LOG_RETENTION_DAYS))} "
-                         "days")
+        raise ValueError(f"{value} is not a CloudWatch Logs retention; use one of "
+                         f"{', '.join(map(str, LOG_RETENTION_DAYS))} days")
     return value
 
 
@@ -137,7 +140,7 @@ def _instance_type(value: str) -> str:
 
 def _s3_uri(value: str) -> str:
     if not re.match(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[A-Za-z0-9_.,:/@+=-]*)?$", value):
-        raise ValueError(f"{value!r}: expected s3://bucket/prefix/")
+        raise ValueError(f"{value!r} is not an S3 prefix; write s3://bucket/prefix/")
     if _PLACEHOLDER_BUCKETS.match(value[len("s3://"):]):
         raise ValueError(f"{value!r} is a placeholder; upload the weights (aws s3 sync ./<model> "
                          "s3://<your-bucket>/<model>/) and name that prefix, or drop s3_uri and set "
@@ -147,25 +150,44 @@ def _s3_uri(value: str) -> str:
 
 def _fargate_cpu(value: int) -> int:
     if value not in FARGATE_MEMORY:
-        raise ValueError(f"{value}: Fargate takes one of {', '.join(map(str, FARGATE_MEMORY))} (CPU units)")
+        raise ValueError(f"{value} is not a Fargate CPU size; Fargate takes one of "
+                         f"{', '.join(map(str, FARGATE_MEMORY))} (CPU units)")
     return value
 
 
-Name = Annotated[StrictStr, _pattern(r"^[a-z][a-z0-9-]{1,20}$", ": use 2-21 lowercase letters, digits or '-', "
-                                     "starting with a letter (it prefixes resource names)")]
-Region = Annotated[StrictStr, _pattern(r"^[a-z]{2}(-gov)?-[a-z]+-\d$", " is not an AWS region name (e.g. us-east-2)")]
-Account = Annotated[StrictStr, _pattern(r"^\d{12}$", ": 12 digits, quoted in YAML (or leave it out)")]
+Name = Annotated[StrictStr, _pattern(r"^[a-z][a-z0-9-]{1,20}$", "is not a resource-name prefix; use 2-21 lowercase "
+                                     "letters, digits or '-', starting with a letter")]
+Region = Annotated[StrictStr, _pattern(r"^[a-z]{2}(-gov)?-[a-z]+-\d$",
+                                       "is not an AWS region name; "
+                                       "use one such as us-east-2")]
+Account = Annotated[StrictStr, _pattern(r"^\d{12}$",
+                                        "is not an account id; "
+                                        "write its 12 digits, quoted in YAML (or leave it out)")]
 Cidr = Annotated[StrictStr, AfterValidator(_cidr)]
-VpcId = Annotated[StrictStr, _pattern(r"^vpc-[0-9a-f]{8,17}$", " is not a VPC id (vpc-...)")]
-SubnetId = Annotated[StrictStr, _pattern(r"^subnet-[0-9a-f]{8,17}$", " is not a subnet id (subnet-...)")]
-ReservationId = Annotated[StrictStr, _pattern(r"^cr-[0-9a-f]{17}$", " is not a reservation id (cr- and 17 hex)")]
+Ec2InstanceType = Annotated[StrictStr, _pattern(r"^[a-z][a-z0-9-]*\.[a-z0-9]+$",
+                                                "is not an EC2 instance type; write one such as g6.2xlarge")]
+VpcId = Annotated[StrictStr, _pattern(r"^vpc-[0-9a-f]{8,17}$",
+                                      "is not a VPC id; "
+                                      "copy it from the VPC console (vpc-...)")]
+SubnetId = Annotated[StrictStr, _pattern(r"^subnet-[0-9a-f]{8,17}$",
+                                         "is not a subnet id; "
+                                         "copy it from the VPC console (subnet-...)")]
+SecurityGroupId = Annotated[StrictStr, _pattern(r"^sg-[0-9a-f]{8,17}$",
+                                                "is not a security group id; "
+                                                "copy it from the VPC console (sg-...)")]
+ReservationId = Annotated[StrictStr, _pattern(r"^cr-[0-9a-f]{17}$",
+                                              "is not a reservation id; "
+                                              "copy it from the EC2 console (cr- and 17 hex)")]
 PlacementGroupName = Annotated[StrictStr, _pattern(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$",
-                                                   " is not a placement group name")]
+                                                   "is not a placement group name; copy it from the EC2 console")]
 CertificateArn = Annotated[StrictStr, _pattern(
-    r"^arn:aws[a-z-]*:acm:[a-z0-9-]+:\d{12}:certificate/[0-9a-f-]{36}$", " is not an ACM certificate ARN")]
+    r"^arn:aws[a-z-]*:acm:[a-z0-9-]+:\d{12}:certificate/[0-9a-f-]{36}$",
+    "is not an ACM certificate ARN; copy it from the ACM console (arn:aws:acm:<region>:<account>:certificate/...)")]
 AmiId = Annotated[StrictStr, _pattern(r"^ami-[0-9a-f]{8,17}$",
-                                      " is not an AMI id (ami- and 8 or 17 hex); leave it out to bake one")]
-Email = Annotated[StrictStr, _pattern(r"^[^@\s]+@[^@\s]+\.[^@\s]+$", " is not an e-mail address")]
+                                      "is not an AMI id (ami- and 8 or 17 hex); fix it, or leave it out to bake one")]
+Email = Annotated[StrictStr, _pattern(r"^[^@\s]+@[^@\s]+\.[^@\s]+$",
+                                      "is not an e-mail address; "
+                                      "write one such as oncall@example.com")]
 ModelText = Annotated[StrictStr, AfterValidator(_model_text)]
 
 
@@ -204,7 +226,9 @@ class PoolConfig(_Model):
     role: Role
     instance_type: Annotated[StrictStr, AfterValidator(_instance_type)]
     #: Default: the role's name.
-    name: Annotated[StrictStr, _pattern(r"^[a-z][a-z0-9-]{0,15}$", ": 1-16 lowercase letters, digits or '-'")] = ""
+    name: Annotated[StrictStr, _pattern(r"^[a-z][a-z0-9-]{0,15}$",
+                                        "is not a pool name; "
+                                        "use 1-16 lowercase letters, digits or '-'")] = ""
     count: Annotated[StrictInt, _range(0, 64, "use 0 .. 64")] = 1
     #: On-Demand Capacity Reservation or Capacity Block id (``cr-...``).
     capacity_reservation_id: ReservationId | None = None
@@ -271,12 +295,20 @@ class RouterConfig(_Model):
 
     @property
     def uses_valkey(self) -> bool:
-        return self.replicas > 1 or self.max_replicas > 1
+        """Shared conversation state whenever more than one replica can exist (autoscaling included): two
+        replicas with their own memory stores would miss each other's turns."""
+        return self.max_replicas > 1
 
 
 class ImageConfig(_Model):
     #: Bring your own engine AMI (built from ami/ or equivalent): the deploy skips the Image Builder bake.
     ami_id: AmiId | None = None
+    #: Build instance types, tried in order. Empty: the recipe's own list (``ami.recipes``).
+    build_instance_types: tuple[Ec2InstanceType, ...] = ()
+    #: Build in this subnet (with this security group) instead of the account's default VPC. It needs an
+    #: internet path (the bake downloads the EFA installer, NIXL and vLLM).
+    build_subnet_id: SubnetId | None = None
+    build_security_group_id: SecurityGroupId | None = None
 
 
 class DeploymentConfig(_Model):
@@ -330,14 +362,15 @@ def _cross_checks(c: DeploymentConfig) -> list[tuple[str, str]]:
     if not (az.startswith(region) and len(az) == len(region) + 1):
         fail(("availability_zone", f"{az!r} is not in region {region!r}; use e.g. {region}a"))
     if len(set(azs)) < 2:
-        fail(("network.availability_zones", "give at least two distinct AZs (the ALB needs two)"))
+        fail(("network.availability_zones", "fewer than two distinct AZs; give at least two (the ALB needs two)"))
     if az not in azs:
-        fail(("network.availability_zones", f"must include availability_zone {az!r}"))
+        fail(("network.availability_zones", f"does not include availability_zone {az!r}; add it"))
     for i, zone in enumerate(azs):
         if not zone.startswith(region):
-            fail((f"network.availability_zones[{i}]", f"{zone!r} is not in region {region!r}"))
+            fail((f"network.availability_zones[{i}]", f"{zone!r} is not in region {region!r}; use an AZ of {region}"))
     if not 0 <= net.nat_gateways <= len(azs):
-        fail(("network.nat_gateways", f"{net.nat_gateways}: use 0 (no internet path) up to one per AZ ({len(azs)})"))
+        fail(("network.nat_gateways", f"{net.nat_gateways} is out of range; use 0 (no internet path) up to one per AZ "
+                                         f"({len(azs)})"))
     need = subnet_addresses(len(azs))
     size = ipaddress.ip_network(net.cidr).num_addresses
     if net.existing is None and need > size:
@@ -350,7 +383,7 @@ def _cross_checks(c: DeploymentConfig) -> list[tuple[str, str]]:
             ids = getattr(net.existing, key)
             if ids and len(ids) != len(azs):
                 fail((f"network.existing.{key}",
-                      f"give one subnet per network.availability_zones entry ({len(azs)}), in the same order"))
+                      f"not one subnet per network.availability_zones entry; give {len(azs)}, in the same order"))
     if net.nat_gateways == 0 and net.existing is None and not c.model.s3_uri:
         fail(("model.s3_uri", "required when network.nat_gateways is 0 (engines have no internet path to download "
                               "weights); upload the weights to S3 or set network.nat_gateways: 1"))
@@ -359,10 +392,11 @@ def _cross_checks(c: DeploymentConfig) -> list[tuple[str, str]]:
     for i, pool in enumerate(c.pools):
         path = f"pools[{i}]"
         if pool.capacity_block and not pool.capacity_reservation_id:
-            fail((f"{path}.capacity_block", "a Capacity Block needs its id in capacity_reservation_id"))
+            fail((f"{path}.capacity_block", "set without a reservation; put the Capacity Block's id in "
+                                            "capacity_reservation_id"))
         if pool.placement_group and (not pool.capacity_reservation_id or pool.capacity_block):
             fail((f"{path}.placement_group", "only for an On-Demand Capacity Reservation created in a cluster "
-                                             "placement group: set capacity_reservation_id too (a Capacity Block "
+                                             "placement group; set capacity_reservation_id too (a Capacity Block "
                                              "places its instances itself; a pool without a reservation joins the "
                                              "deployment's own placement group)"))
         accelerators = INSTANCE_TYPES[pool.instance_type].accelerators
@@ -378,17 +412,17 @@ def _cross_checks(c: DeploymentConfig) -> list[tuple[str, str]]:
     for dup in sorted({x for x in names if names.count(x) > 1}):
         fail(("pools", f"pool name {dup!r} is used twice; give each pool its own name"))
     if len({p.flavor for p in c.pools}) > 1:
-        fail(("pools", "prefill and decode must run on the same accelerator family (GPU or Neuron): KV blocks move "
-                       "between them as is"))
+        fail(("pools", "prefill and decode are on different accelerator families (KV blocks move between them as "
+                       "is); put every pool on GPU instances or every pool on Neuron"))
 
     rt = c.router
     if rt.max_replicas < rt.replicas:
         fail(("router.max_replicas", f"{rt.max_replicas} is below router.replicas ({rt.replicas}); raise it"))
     low, high = FARGATE_MEMORY[rt.cpu]
     if not low <= rt.memory_mib <= high:
-        fail(("router.memory_mib", f"{rt.memory_mib}: with cpu {rt.cpu} Fargate takes {low} .. {high}"))
+        fail(("router.memory_mib", f"{rt.memory_mib} does not fit cpu {rt.cpu}; Fargate takes {low} .. {high}"))
     if rt.certificate_arn and f":acm:{region}:" not in rt.certificate_arn:
-        fail(("router.certificate_arn", f"the certificate must be in {region} (the ALB's region)"))
+        fail(("router.certificate_arn", f"the certificate is not in {region} (the ALB's region); use one issued there"))
     if rt.public and net.existing is not None and not net.existing.public_subnet_ids:
         fail(("router.public", "an internet-facing ALB needs network.existing.public_subnet_ids; add them or set "
                                "router.public: false"))
@@ -397,8 +431,15 @@ def _cross_checks(c: DeploymentConfig) -> list[tuple[str, str]]:
                                         "their API keys as Bearer tokens; add an ACM certificate ARN, or set "
                                         "router.allow_http: true to serve plain HTTP knowingly"))
     if rt.public and not rt.allowed_cidrs:
-        fail(("router.allowed_cidrs", "an internet-facing router needs the client CIDRs that may reach it (write "
-                                      "0.0.0.0/0 explicitly to open it to everyone)"))
+        fail(("router.allowed_cidrs", "empty for an internet-facing router; list the client CIDRs that may reach it "
+                                      "(write 0.0.0.0/0 explicitly to open it to everyone)"))
+    img = c.image
+    if bool(img.build_subnet_id) != bool(img.build_security_group_id):
+        fail(("image.build_security_group_id" if img.build_subnet_id else "image.build_subnet_id",
+              "given alone; give both image.build_subnet_id and image.build_security_group_id (Image Builder "
+              "needs a security group in the subnet's VPC), or neither to build in the default VPC"))
+    if img.ami_id and (img.build_instance_types or img.build_subnet_id):
+        fail(("image.ami_id", "with your own AMI nothing is baked; drop the image.build_* settings, or ami_id"))
     return problems
 
 
@@ -427,8 +468,9 @@ def _known_fields(loc: tuple[Any, ...]) -> list[str]:
     return sorted(model.model_fields)
 
 
-_EXPECTED = {"int_type": "int", "int_parsing": "int", "bool_type": "bool", "bool_parsing": "bool",
-             "string_type": "str", "model_type": "a mapping", "model_attributes_type": "a mapping",
+_EXPECTED = {"int_type": "an integer", "int_parsing": "an integer", "bool_type": "true or false",
+             "bool_parsing": "true or false", "string_type": "a string", "model_type": "a mapping",
+             "model_attributes_type": "a mapping",
              "dict_type": "a mapping", "tuple_type": "a list", "list_type": "a list"}
 
 
@@ -438,18 +480,18 @@ def _problem(error: Any) -> tuple[str, str]:
     kind = error["type"]
     if kind == "missing":
         fix = _REQUIRED_FIX.get(where)
-        return where, f"required; {fix}" if fix else "required"
+        return where, f"required; give {fix}" if fix else "required; give a value"
     if kind == "extra_forbidden":
         return where, f"unknown field; known fields here: {', '.join(_known_fields(loc[:-1]))}"
     if kind in _EXPECTED:
         got = error.get("input")
-        return where, f"expected {_EXPECTED[kind]}, got {got!r}"
+        return where, f"{got!r} is not {_EXPECTED[kind]}; write {_EXPECTED[kind]} here"
     if kind == "enum":
         enum = {"role": Role, "mode": Mode}.get(str(loc[-1]))
         choices = ", ".join(e.value for e in enum) if enum else error["ctx"]["expected"]
-        return where, f"{error.get('input')!r} is not one of {choices}"
-    message = error["msg"]
-    return where, message.removeprefix("Value error, ")
+        return where, f"{error.get('input')!r} is not allowed; use one of {choices}"
+    message = error["msg"].removeprefix("Value error, ")
+    return where, message if ";" in message else f"{message}; see infra/config.py for what this field takes"
 
 
 def _without_nulls(data: Any) -> Any:
@@ -461,34 +503,146 @@ def _without_nulls(data: Any) -> Any:
     return data
 
 
+#: Stand-ins for required values that were wrong, so the cross-field rules still run (no rule reads them).
+_STAND_INS: dict[tuple[Any, ...], str] = {("name",): "invalid", ("model", "id"): "invalid"}
+
+
+def _set_aside(data: Any, loc: tuple[Any, ...], required: bool, left_out: list[str]) -> bool:
+    """Take the bad value at ``loc`` out of the way of a second validation round: drop it (its default applies),
+    put a stand-in in for a required one, or leave out the list element holding it (a pool; its path goes to
+    ``left_out``). False: nothing to do."""
+    if required:
+        if loc in _STAND_INS:
+            return _put(data, loc, _STAND_INS[loc])
+        index = max((i for i, part in enumerate(loc) if isinstance(part, int)), default=None)
+        if index is None or not _put(data, loc[:index + 1], None):
+            return False
+        left_out.append(_where(loc[:index + 1]))
+        return True
+    return _put(data, loc, _DROP)
+
+
+_DROP = object()
+
+
+def _put(data: Any, loc: tuple[Any, ...], value: Any) -> bool:
+    *parents, leaf = loc
+    node = data
+    for part in parents:
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError):
+            return False
+    if isinstance(node, dict) and (leaf in node or value is not _DROP):
+        if value is _DROP:
+            del node[leaf]
+        else:
+            node[leaf] = value
+        return True
+    if isinstance(node, list) and isinstance(leaf, int) and leaf < len(node):
+        node[leaf] = None  # keeps the later indexes; _compact drops it
+        return True
+    return False
+
+
+def _compact(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _compact(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_compact(v) for v in data if v is not None]
+    return data
+
+
+def _within(field: str, path: str) -> bool:
+    """``field`` is ``path`` or inside it (``pools[1].instance_type`` is within ``pools[1]``)."""
+    return field == path or field.startswith((f"{path}.", f"{path}["))
+
+
+def check(data: Any) -> tuple[DeploymentConfig | None, list[tuple[str, str]]]:
+    """Every problem of a deploy config in one pass: the per-field ones, then the cross-field ones.
+
+    Cross-field rules need a typed config, so after field errors the bad values are set aside (dropped, so their
+    defaults apply; a wrong name or model id stood in for; a pool with a wrong required value left out) and the
+    rest is validated again. A cross-field problem about a field already reported, or about a list that lost an
+    element, is left out. A wrong region (which the cross-field rules read) stops at the per-field problems.
+    Synth (``from_mapping``) and ``turnkv config validate`` both call this.
+    """
+    if not isinstance(data, Mapping):
+        return None, [("turnkv", f"expected a mapping, got {type(data).__name__}")]
+    data = _without_nulls(data)
+    problems: list[tuple[str, str]] = []
+    left_out: list[str] = []
+    for round_ in range(5):
+        try:
+            config = DeploymentConfig.model_validate(data)
+        except ValidationError as exc:
+            errors = exc.errors()
+            reported = {field for field, _ in problems}
+            problems += [p for p in map(_problem, errors) if p[0] not in reported and p not in problems]
+            data = copy.deepcopy(data)
+            # A value set aside in an earlier round comes back as "required": its first report stands.
+            moved = [_set_aside(data, tuple(e["loc"]), e["type"] == "missing" and round_ > 0, left_out)
+                     for e in errors if e["type"] != "missing" or round_ > 0]
+            if not any(moved):
+                return None, problems
+            data = _compact(data)
+            continue
+        # Left out: a problem about a reported value (its default stood in), or about a list that lost an element
+        # (``pools`` without the pool that was left out).
+        reported = [field for field, _ in problems]
+        problems += [p for p in _cross_checks(config)
+                     if not any(_within(p[0], f) for f in reported)
+                     and not any(_within(p[0], path) or _within(path, p[0]) for path in left_out)]
+        return (None if problems else config), problems
+    return None, problems
+
+
 def from_mapping(data: Mapping[str, Any]) -> DeploymentConfig:
     """Parse and validate; raise ConfigError listing every problem with its fix."""
-    if not isinstance(data, Mapping):
-        raise ConfigError([("turnkv", f"expected a mapping, got {type(data).__name__}")])
-    try:
-        config = DeploymentConfig.model_validate(_without_nulls(data))
-    except ValidationError as exc:
-        raise ConfigError([_problem(e) for e in exc.errors()]) from None
-    problems = _cross_checks(config)
-    if problems:
+    config, problems = check(data)
+    if problems or config is None:
         raise ConfigError(problems)
     return config
 
 
 def load_file(path: str | Path) -> Mapping[str, Any]:
+    """The config file's mapping; malformed YAML or JSON is a ConfigError naming the line, never a traceback."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError([("turnkv:config", f"{path} does not exist; pass -c turnkv:config=PATH to a YAML/JSON file")])
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([(str(path), f"cannot be read ({exc}); pass a UTF-8 YAML or JSON file")]) from None
     if path.suffix in {".yaml", ".yml"}:
         import yaml
 
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError([(str(path), f"malformed YAML{where}: {what}; fix the syntax there (indentation, a "
+                                           "missing ':' or an unclosed quote or bracket)")]) from None
     else:
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError([(str(path), f"malformed JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}; "
+                                           "fix the syntax there, or use a .yaml file")]) from None
     if not isinstance(data, Mapping):
         raise ConfigError([("turnkv:config", f"{path} must hold a mapping at the top")])
     return data
+
+
+def validate_file(path: str | Path) -> tuple[DeploymentConfig | None, list[tuple[str, str]]]:
+    """``turnkv config validate``: the file read and every problem found, without a synth."""
+    try:
+        data = load_file(path)
+    except ConfigError as exc:
+        return None, exc.problems
+    return check(data)
 
 
 def from_context(inline: Any, file: str | None) -> DeploymentConfig:

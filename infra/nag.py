@@ -86,6 +86,11 @@ def apply(app: cdk.App, t: TurnkvApp) -> None:
                                       "would split the fleet. Rotate by changing the secret, then replacing the "
                                       "engines (cdk deploy rolls them); offers signed with the old key are "
                                       "recomputed, never read.")
+    ack(engine_role, "IAM5", "autoscaling:SetInstanceHealth on this deployment's engine groups (named "
+                             "<prefix>-<pool>): a node whose engine never serves marks itself unhealthy. A group ARN "
+                             "embeds a generated id.",
+        f"Resource::arn:<AWS::Partition>:autoscaling:{region}:{account}:autoScalingGroup/*:"
+        f"autoScalingGroupName/{config.prefix}-*")
     dereg_role = serving.node.find_child("DeregisterRole")
     for pool in serving.pools.values():
         ack(dereg_role, "IAM5", "An Auto Scaling group ARN embeds a generated id; the group is pinned by name.",
@@ -112,6 +117,11 @@ def apply(app: cdk.App, t: TurnkvApp) -> None:
                                  "ElastiCache user and restarting the router tasks together, which a deploy does "
                                  "(change the secret, then cdk deploy); there is no rotation Lambda for ElastiCache "
                                  "users.")
+    default_credentials = getattr(router, "valkey_default_credentials", None)
+    if default_credentials is not None:
+        ack(default_credentials, "SMG4", "The Valkey default user's password: the user is switched off (off -@all) "
+                                         "and nothing reads the password; it exists because ElastiCache takes only "
+                                         "users with a password or IAM authentication into a user group.")
     ack(router.api_keys, "SMG4", "Router API keys are issued to clients; a rotation Lambda cannot hand new keys to "
                                  "them. Operators rotate by adding a key, moving clients, removing the old one "
                                  "(docs/deploy-aws.md).")

@@ -31,7 +31,7 @@ from router.apis.responses import ResponsesTranslation
 from router.auth import ApiKeys, AuthError, parse_keys
 from router.body import charge_messages, limit_response, read_json
 from router.config import RouterConfig
-from router.engines import EnginePool
+from router.engines import ROLES, EnginePool
 from router.engines.evictions import evictions_loop
 from router.engines.health import discovery_loop, health_loop
 from router.engines.policy import POLICIES
@@ -329,8 +329,14 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
                         pool.replace(role, engines)
             except Exception as exc:
                 log.warning("first discovery failed (%s); retrying in the background", exc)
+            def registered(found: dict) -> None:
+                for record in telemetry.registered_engines_records(
+                        namespace=telemetry.NAMESPACE, deployment=config.deployment,
+                        counts={role: len(found.get(role) or ()) for role in ROLES}):
+                    emf.emit(record)
+
             tasks.append(asyncio.create_task(discovery_loop(pool, discover,
-                                                            lambda: float(config.discovery_interval))))
+                                                            lambda: float(config.discovery_interval), registered)))
 
         def purge() -> None:
             if isinstance(store, MemoryStore):

@@ -193,6 +193,17 @@ def emf_record(*, namespace: str, deployment: str, outcome: str, prompt_tokens: 
     return record
 
 
+def registered_engines_records(*, namespace: str, deployment: str, counts: Mapping[str, int],
+                               timestamp_ms: int | None = None) -> list[dict[str, Any]]:
+    """Engines registered in Cloud Map per role (an EMF object per role): the alarm that sees a pool whose
+    instances run but whose engines never serve (turnkv.metric_names.REGISTERED_ENGINES)."""
+    stamp = timestamp_ms if timestamp_ms is not None else int(time.time() * 1000)
+    directives = [{"Namespace": namespace, "Dimensions": [["Deployment", "Role"]],
+                   "Metrics": [{"Name": "RegisteredEngines", "Unit": "Count"}]}]
+    return [{"Deployment": deployment, "Role": role, "RegisteredEngines": n,
+             "_aws": {"Timestamp": stamp, "CloudWatchMetrics": directives}} for role, n in sorted(counts.items())]
+
+
 class EmfWriter:
     """EMF lines to stdout, batched: one write per ``flush_interval`` (or ``max_lines``), not one per request.
     CloudWatch (awslogs) reads the container's stdout line by line; the batching only saves syscalls."""

@@ -83,6 +83,26 @@ class ParamStore:
     def prefix(self) -> str:
         return f"{params.SSM_PREFIX}/{self.deployment}"
 
+    def exists(self) -> bool:
+        """Whether the deployment has any parameter (its params stack creates every tunable): a typo in the
+        deployment name must not silently create a second, unused set of parameters."""
+        page = self.ssm.get_parameters_by_path(Path=self.prefix, Recursive=True, MaxResults=10)["Parameters"]
+        return any(p["Name"].startswith(f"{self.prefix}/") for p in page)
+
+    def known_deployments(self, limit: int = 50) -> list[str]:
+        """Deployments with parameters in this region (from the parameter names), for the refusal message."""
+        found: set[str] = set()
+        paginator = self.ssm.get_paginator("describe_parameters")
+        filters = [{"Key": "Path", "Option": "Recursive", "Values": [params.SSM_PREFIX]}]
+        for page in paginator.paginate(ParameterFilters=filters, PaginationConfig={"MaxItems": 500}):
+            for p in page["Parameters"]:
+                parts = p["Name"].split("/")
+                if len(parts) > 2:
+                    found.add(parts[2])
+            if len(found) >= limit:
+                break
+        return sorted(found)[:limit]
+
     def entries(self) -> dict[str, Entry]:
         """Every catalog tunable with its stored value; missing ones carry ``raw=None``."""
         by_path = {t.ssm_path(self.deployment): t for t in params.CATALOG}

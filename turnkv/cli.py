@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from turnkv.commands import bench, demo, doctor, engine, local, params, plan, router
+from turnkv.commands import bench, config, demo, doctor, engine, local, params, plan, router, smoke
 
 app = typer.Typer(
     name="turnkv",
@@ -22,8 +22,10 @@ app.add_typer(bench.app, name="bench")
 app.add_typer(params.app, name="params")
 app.add_typer(engine.app, name="engine")
 app.add_typer(plan.app, name="plan")
+app.add_typer(config.app, name="config")
 app.command(name="doctor")(doctor.doctor)
 app.command(name="demo")(demo.demo)
+app.command(name="smoke")(smoke.smoke)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ REUSE_HIT = "ReuseHit"  # [Count] 1 when KV was reused (average = hit rate), dim
 REUSED_TOKENS = "ReusedTokens"  # [Count] dims Deployment
 PREFILL_TIME = "PrefillTime"  # [Milliseconds] the prefill leg (a KV pull included on reuse), dims Deployment
 PREFILL_TIME_SAVED = "PrefillTimeSaved"  # [Milliseconds] estimated, dims Deployment
+#: [Count] engines registered in Cloud Map, per role, as each router replica's discovery sees them (one record
+#: per role and discovery round), dims {Deployment, Role}. An engine registers only once its /health answers.
+REGISTERED_ENGINES = "RegisteredEngines"
 
 #: vLLM Prometheus metric families the bridge reads (names as vLLM 0.32 exports them).
 VLLM_TTFT = "vllm:time_to_first_token_seconds"  # histogram

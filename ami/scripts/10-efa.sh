@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # shellcheck source-path=SCRIPTDIR
 # Step 10: the EFA installer at the pinned version (checksum pinned, GPG signature checked when AWS's key is
-# reachable), and its libfabric checked. A base image that already carries the pinned version or a newer one,
-# with a working `fi_info -p efa`, is kept as it is.
+# reachable), and its libfabric checked. A base image that already carries the pinned version or a newer one
+# (the installer's own record of its version) is kept as it is: never downgraded. `fi_info -p efa` is no test of
+# that: it needs EFA interfaces, which the build instance has none of.
 # Env: TURNKV_EFA_INSTALLER_VERSION, TURNKV_EFA_INSTALLER_SHA256, TURNKV_LIBFABRIC_VERSION, TURNKV_EFA_PREFIX,
 #      TURNKV_EFA_GPG_FINGERPRINT; optional TURNKV_EFA_BASE_URL (download host), TURNKV_REQUIRE_EFA_DEVICE (true
 #      on a node with EFA interfaces; Image Builder instances have none, so the components leave it false).
@@ -26,11 +27,11 @@ installed_version() {
     sed -n 's/^# EFA installer version: *//p' "$file" | head -n 1
 }
 
-# True when the base image's own EFA installation is at least the pin and finds an EFA device.
+# True when the base image's own EFA installation is at least the pin (a newer one is kept, never downgraded).
 base_image_efa_ok() {
     local have
     have="$(installed_version)"
-    [[ -n "$have" ]] && version_ge "$have" "$version" && fi_info -p efa >/dev/null 2>&1
+    [[ -n "$have" ]] && version_ge "$have" "$version"
 }
 
 verify() {
@@ -63,7 +64,7 @@ if [[ "${1:-}" == "--verify" ]]; then verify; exit 0; fi
 if [[ "$(installed_version)" == "$version" ]] && done_with efa-installer "$version"; then
     log "EFA installer $version already installed"
 elif base_image_efa_ok; then
-    log "the base image carries EFA installer $(installed_version) (pin $version) and fi_info -p efa works: keeping it"
+    log "the base image carries EFA installer $(installed_version) (pin $version or newer): keeping it"
     record efa-installer "$(installed_version)"
 else
     [[ "$sha" =~ ^[0-9a-f]{64}$ ]] ||

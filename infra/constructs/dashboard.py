@@ -30,6 +30,12 @@ class RouterMetricFactory:
                          dimensions_map={mn.DEPLOYMENT: self.deployment}, statistic=stat, period=PERIOD,
                          label=label or f"{name} {stat}")
 
+    def registered_engines(self, role: str, stat: str = "Minimum") -> cw.Metric:
+        """Engines of ``role`` registered in Cloud Map, as the routers' discovery sees them."""
+        return cw.Metric(namespace=mn.ROUTER_NAMESPACE, metric_name=mn.REGISTERED_ENGINES,
+                         dimensions_map={mn.DEPLOYMENT: self.deployment, mn.ROLE: role}, statistic=stat,
+                         period=PERIOD, label=f"{role} engines registered")
+
     def ttft_by_outcome(self, stat: str) -> cw.MathExpression:
         return self._search(mn.TTFT, stat, (mn.REUSE_OUTCOME,), f"TTFT {stat}")
 

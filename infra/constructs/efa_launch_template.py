@@ -2,7 +2,8 @@
 
 The L2 ``LaunchTemplate`` has no network interfaces (aws-cdk#14494): it is given the security group (so
 ``connections`` works), then ``SecurityGroupIds`` is removed and ``NetworkInterfaces`` is set by override,
-each interface carrying the group.
+each interface carrying the group. No ``AssociatePublicIpAddress``: the subnets are private, and EC2 refuses the
+key on a template with several network interfaces.
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ class EfaLaunchTemplate(Construct):
                 "InterfaceType": slot.interface_type,
                 "Groups": [props.security_group.security_group_id],
                 "DeleteOnTermination": True,
-                "AssociatePublicIpAddress": False,
             }
             for slot in self.layout
         ])

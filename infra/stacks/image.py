@@ -44,7 +44,7 @@ class ImageLike(Protocol):
     flavor: str
     parent_image_ssm_parameter: str
     components: tuple[ComponentLike, ...]
-    build_instance_type: str
+    build_instance_types: tuple[str, ...]
     volume_size_gib: int
 
 
@@ -73,12 +73,13 @@ class ImageStack(Stack):
         logs_bucket = s3.Bucket(
             self, "BuildLogs", encryption=s3.BucketEncryption.S3_MANAGED, enforce_ssl=True,
             block_public_access=s3.BlockPublicAccess.BLOCK_ALL, removal_policy=RemovalPolicy.DESTROY,
-            lifecycle_rules=[s3.LifecycleRule(expiration=Duration.days(90))])
+            auto_delete_objects=True, lifecycle_rules=[s3.LifecycleRule(expiration=Duration.days(90))])
         artifacts = s3.Bucket(
             self, "Artifacts", encryption=s3.BucketEncryption.S3_MANAGED, enforce_ssl=True,
             block_public_access=s3.BlockPublicAccess.BLOCK_ALL, removal_policy=RemovalPolicy.DESTROY,
-            object_ownership=s3.ObjectOwnership.BUCKET_OWNER_ENFORCED, versioned=True,
+            object_ownership=s3.ObjectOwnership.BUCKET_OWNER_ENFORCED, versioned=True, auto_delete_objects=True,
             server_access_logs_bucket=logs_bucket, server_access_logs_prefix="artifacts-access/")
+        # Both buckets fill during a bake: emptied on delete (every version), or `cdk destroy` fails on them.
         self.logs_bucket = logs_bucket
 
         scripts = s3_assets.Asset(self, "Scripts", path=str(sources.scripts_dir))
@@ -140,10 +141,13 @@ class ImageStack(Stack):
             infra_config = imagebuilder.CfnInfrastructureConfiguration(
                 self, f"Infrastructure-{flavor}", name=f"{config.prefix}-{flavor}",
                 instance_profile_name=profile.instance_profile_name,
-                instance_types=[spec.build_instance_type],
+                instance_types=list(config.image.build_instance_types or spec.build_instance_types),
                 terminate_instance_on_failure=True,
                 # No subnet: the build runs in the account's default VPC (it downloads the EFA installer,
-                # NIXL and vLLM), away from the engines' endpoint-only VPC.
+                # NIXL and vLLM), away from the engines' endpoint-only VPC; image.build_subnet_id names another.
+                subnet_id=config.image.build_subnet_id,
+                security_group_ids=[config.image.build_security_group_id] if config.image.build_security_group_id
+                else None,
                 instance_metadata_options=imagebuilder.CfnInfrastructureConfiguration.InstanceMetadataOptionsProperty(
                     http_tokens="required", http_put_response_hop_limit=2),
                 logging=imagebuilder.CfnInfrastructureConfiguration.LoggingProperty(

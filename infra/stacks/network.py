@@ -29,6 +29,8 @@ INTERFACE_ENDPOINTS = {
     "Ec2": ec2.InterfaceVpcEndpointAwsService.EC2,
     # Engines signal CloudFormation when they serve (rolling replacement of a pool waits for it).
     "CloudFormation": ec2.InterfaceVpcEndpointAwsService.CLOUDFORMATION,
+    # A node whose engine never serves marks itself unhealthy (autoscaling:SetInstanceHealth) to be replaced.
+    "AutoScaling": ec2.InterfaceVpcEndpointAwsService.AUTOSCALING,
 }
 
 

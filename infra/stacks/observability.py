@@ -91,6 +91,14 @@ class ObservabilityStack(Stack):
             alarm(f"EfaUnresponsive-{role}", ef.agent(mn.EFA_UNRESPONSIVE, role, "Sum"), 0,
                   f"{role} engines report unresponsive EFA peers (security group, placement or a failing node)",
                   periods=3)
+        for role in roles:
+            # What the group's EC2 health check cannot see: instances that run but whose engines never serve
+            # (an engine registers in Cloud Map only once its /health answers). Missing data: no router reports.
+            want = sum(p.count for p in config.pools if p.role.value == role)
+            alarm(f"EnginesNotRegistered-{role}", rf.registered_engines(role), want,
+                  f"Fewer {role} engines registered in Cloud Map than the {want} its pools hold (an engine that "
+                  "does not serve; the node marks itself unhealthy and is replaced)",
+                  periods=6, comparison=cw.ComparisonOperator.LESS_THAN_THRESHOLD)
         for name, pool in serving.pools.items():
             alarm(f"PoolBelowDesired-{name}", cw.Metric(
                 namespace="AWS/AutoScaling", metric_name="GroupInServiceInstances", statistic="Minimum",

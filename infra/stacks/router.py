@@ -1,6 +1,7 @@
 """Router: the KV-cache-aware proxy on ECS Fargate (image from ``router/Dockerfile``) behind an ALB (HTTPS
 with a certificate, HTTP otherwise; long idle timeout; /health checks), autoscaling, ElastiCache Serverless
-(Valkey) for shared conversation state when there is more than one replica, API keys in Secrets Manager."""
+(Valkey) for shared conversation state whenever more than one replica can exist (``router.max_replicas`` > 1),
+API keys in Secrets Manager."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from turnkv import node_env, wire
 ROUTER_PORT = 8000
 VALKEY_PORT = 6379
 VALKEY_USER = "turnkv-router"
+#: The default user's access string: switched off, no command allowed.
+VALKEY_DEFAULT_ACCESS = "off -@all"
 #: The router reads its store credentials from these (router.state.valkey; a test ties the names).
 STORE_USERNAME_ENV = "TURNKV_STORE_USERNAME"
 STORE_PASSWORD_ENV = "TURNKV_STORE_PASSWORD"
@@ -105,9 +108,18 @@ class RouterStack(Stack):
                 access_string="on ~* +@all -@dangerous",
                 authentication_mode={"Type": "password", "Passwords": [
                     self.valkey_credentials.secret_value_from_json("password").unsafe_unwrap()]})
+            # ElastiCache takes only users with a password or IAM authentication into a Valkey user group; the
+            # default user must be in it, so it gets a generated password nobody reads, and stays switched off.
+            self.valkey_default_credentials = secretsmanager.Secret(
+                self, "ValkeyDefaultCredentials", secret_name=f"{config.prefix}/valkey-default",
+                description="turnkv Valkey default user's password (the user is switched off: off -@all)",
+                generate_secret_string=secretsmanager.SecretStringGenerator(
+                    exclude_punctuation=True, password_length=64),
+                removal_policy=RemovalPolicy.DESTROY)
             default_user = elasticache.CfnUser(
                 self, "ValkeyDefaultUser", engine="valkey", user_id=f"{config.prefix}-default", user_name="default",
-                access_string="off -@all", authentication_mode={"Type": "no-password-required"})
+                access_string=VALKEY_DEFAULT_ACCESS, authentication_mode={"Type": "password", "Passwords": [
+                    self.valkey_default_credentials.secret_value.unsafe_unwrap()]})
             users = elasticache.CfnUserGroup(
                 self, "ValkeyUsers", engine="valkey", user_group_id=f"{config.prefix}-state",
                 user_ids=[default_user.ref, router_user.ref])
@@ -177,6 +189,9 @@ class RouterStack(Stack):
         access_logs = s3.Bucket(
             self, "AlbAccessLogs", encryption=s3.BucketEncryption.S3_MANAGED, enforce_ssl=True,
             block_public_access=s3.BlockPublicAccess.BLOCK_ALL, removal_policy=RemovalPolicy.DESTROY,
+            # The ALB writes logs into it: without emptying it first, `cdk destroy` fails on this stack and the
+            # serving stack behind it (the GPU instances) keeps running.
+            auto_delete_objects=True,
             object_ownership=s3.ObjectOwnership.BUCKET_OWNER_ENFORCED,
             lifecycle_rules=[s3.LifecycleRule(expiration=Duration.days(90))])
         self.alb = elbv2.ApplicationLoadBalancer(

@@ -80,7 +80,7 @@ class ServingStack(Stack):
         # before the engine starts; without it offers are unsigned and every turn is recomputed.
         self.offer_secret = secretsmanager.Secret(
             self, "OfferSecret", secret_name=f"{config.prefix}/engine-offer-secret",
-            description="turnkv engines' KV offer signing key (HMAC); engines only, never the router",
+            description="turnkv KV offer signing key (HMAC): engines sign and verify, the router clears replays",
             generate_secret_string=secretsmanager.SecretStringGenerator(
                 exclude_punctuation=True, password_length=64),
             removal_policy=RemovalPolicy.DESTROY)
@@ -120,6 +120,10 @@ class ServingStack(Stack):
             sid="SignalRollingUpdate", actions=["cloudformation:SignalResource"],
             resources=[self.format_arn(service="cloudformation", resource="stack",
                                        resource_name=f"{self.stack_name}/*")]))
+        role.add_to_policy(iam.PolicyStatement(
+            sid="MarkUnhealthy", actions=["autoscaling:SetInstanceHealth"],
+            resources=[self.format_arn(service="autoscaling", resource="autoScalingGroup",
+                                       resource_name=f"*:autoScalingGroupName/{config.prefix}-*")]))
         role.add_to_policy(iam.PolicyStatement(
             sid="ReadOfferSecret", actions=["secretsmanager:GetSecretValue"],
             resources=[self.offer_secret.secret_arn]))

@@ -45,10 +45,13 @@ async def health_loop(pool: EnginePool, session: aiohttp.ClientSession, interval
 
 
 async def discovery_loop(pool: EnginePool, discover: Callable[[], Awaitable[dict[str, list[Engine]]]],
-                         interval: Callable[[], float]) -> None:
+                         interval: Callable[[], float],
+                         observe: Callable[[dict[str, list[Engine]]], None] = lambda found: None) -> None:
+    """``observe`` sees every answer as is (empty roles included): what Cloud Map holds, not what is kept."""
     while True:
         try:
             found = await discover()
+            observe(found)
             for role in ROLES:
                 before = {e.url for e in pool.by_role(role)}
                 if not found.get(role):

@@ -62,8 +62,9 @@ def test_engine_env_written_by_user_data_follows_the_contract():
     assert node == {"TURNKV_DEPLOYMENT": "prod", "AWS_REGION": "us-east-2"}
     # tunables before the engine, then the units in order
     order = [script.index(s) for s in ("params sync", "amazon-cloudwatch-agent-ctl",
-                                       f"enable --now {node_env.PARAMS_SYNC_TIMER}",
-                                       f"enable --now {node_env.ENGINE_SERVICE}",
+                                       f"systemctl enable {node_env.PARAMS_SYNC_TIMER}",
+                                       f"start {node_env.PARAMS_SYNC_TIMER}",
+                                       f"start {node_env.ENGINE_SERVICE}",
                                        f"start --no-block {node_env.REGISTER_SERVICE}")]
     assert order == sorted(order)
     assert "X-aws-ec2-metadata-token" in script  # IMDSv2
@@ -156,3 +157,27 @@ def test_weights_go_to_the_instance_nvme_when_there_is_some(tmp_path):
     assert not any(c.startswith("mdadm") for c in calls) and "mkfs.ext4 -q -F -E nodiscard /dev/nvme1n1" in calls
     assert _nvme(tmp_path, dlami=False, disks=0) == []  # no instance store: the root volume, nothing mounted
     assert models == __import__("turnkv.commands.engine", fromlist=["MODELS_DIR"]).MODELS_DIR
+
+
+def test_a_failing_user_data_marks_the_instance_unhealthy(tmp_path):
+    """The exit trap runs on any failure after it is set: the group replaces a node that will never serve."""
+    script = bootstrap.user_data(_node())
+    start = script.index("mark_unhealthy() {")
+    end = script.index("trap on_exit EXIT") + len("trap on_exit EXIT")
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    calls = tmp_path / "aws-calls"
+    (fake_bin / "aws").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (fake_bin / "aws").chmod(0o755)
+    env = {"PATH": f"{fake_bin}:/usr/bin:/bin", "INSTANCE_ID": "i-0abc"}
+    for tail, fails in (("false", True), ("true", False)):
+        calls.unlink(missing_ok=True)
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", f"{script[start:end]}\n{tail}\n"], env=env,
+                              capture_output=True, text=True)
+        assert (done.returncode != 0) == fails
+        if fails:
+            assert calls.read_text().split() == ["autoscaling", "set-instance-health", "--region", "us-east-2",
+                                                 "--instance-id", "i-0abc", "--health-status", "Unhealthy",
+                                                 "--no-should-respect-grace-period"]
+        else:
+            assert not calls.exists()

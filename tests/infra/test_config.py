@@ -89,12 +89,14 @@ def _problems(raw) -> dict[str, str]:
     ({"network.cidr": "10.0.0.0/24"}, "network.cidr", "/18 or larger"),
     ({"alarm_email": "nobody"}, "alarm_email", "e-mail"),
     ({"network.flow_log_retention_days": 100}, "network.flow_log_retention_days", "one of 1, 3, 5"),
-    ({"router.replicas": "two"}, "router.replicas", "expected int"),
+    ({"router.replicas": "two"}, "router.replicas", "is not an integer"),
 ])
 def test_bad_values_name_the_field_and_the_fix(changes, field, fix):
     problems = _problems(configs.variant(configs.GPU, **changes))
     assert field in problems, problems
     assert fix in problems[field], problems[field]
+    # every problem reads "what is wrong; how to fix it"
+    assert all("; " in message for message in problems.values()), problems
 
 
 def test_unknown_fields_are_named_with_the_known_ones():
@@ -162,7 +164,7 @@ def test_app_main_reports_config_errors_without_a_traceback(capsys):
     bad = cdk.App(context={"turnkv": configs.variant(configs.GPU, **{"router.cpu": 3})})
     assert app.main(bad) == 1
     err = capsys.readouterr().err
-    assert "router.cpu: 3: Fargate takes one of" in err
+    assert "router.cpu: 3 is not a Fargate CPU size; Fargate takes one of" in err
 
 
 def test_neuron_pools_are_refused_with_what_to_use_instead():

@@ -177,7 +177,12 @@ def emitted(gpu) -> set[Identity]:
     assert {r[mn.REUSE_OUTCOME] for r in router} >= {"miss", "hit"}, [r[mn.REUSE_OUTCOME] for r in router]
     engine = engine_documents(deployment, "prefill")
     assert engine and all(d[mn.DEPLOYMENT] == deployment for d in engine)
-    out = set().union(*(identities(r) for r in router), *(identities(d) for d in engine))
+    # Once per discovery round each router replica counts the engines Cloud Map lists (router.app wires it).
+    from router import telemetry
+
+    registered = telemetry.registered_engines_records(namespace=mn.ROUTER_NAMESPACE, deployment=deployment,
+                                                      counts={r.value: 1 for r in Role})
+    out = set().union(*(identities(r) for r in [*router, *registered]), *(identities(d) for d in engine))
     return out | agent_identities(deployment)
 
 

@@ -285,6 +285,31 @@ async def test_an_empty_discovery_answer_keeps_the_last_pool():
     assert [e.url for e in pool.decode] == ["http://10.0.0.3:8000"]
 
 
+async def test_discovery_reports_what_cloud_map_lists_per_role_even_when_it_keeps_the_last_pool():
+    """The EnginesNotRegistered alarm counts what Cloud Map lists (an empty role is 0), not the kept pool."""
+    from router import telemetry
+    from router.engines import Engine, EnginePool
+    from router.engines.health import discovery_loop
+
+    pool = EnginePool(["http://10.0.0.1:8000"], ["http://10.0.0.2:8000"])
+    seen: list[dict] = []
+
+    async def discover():
+        return {"prefill": [], "decode": [Engine("http://10.0.0.3:8000", "decode")]}
+
+    def observe(found):
+        seen.extend(telemetry.registered_engines_records(
+            namespace="turnkv/Router", deployment="prod",
+            counts={role: len(found.get(role) or ()) for role in ("prefill", "decode")}))
+
+    task = asyncio.create_task(discovery_loop(pool, discover, lambda: 60, observe))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    assert {(r["Role"], r["RegisteredEngines"]) for r in seen} == {("prefill", 0), ("decode", 1)}
+    assert [e.url for e in pool.prefill] == ["http://10.0.0.1:8000"]
+    assert all(r["_aws"]["CloudWatchMetrics"][0]["Dimensions"] == [["Deployment", "Role"]] for r in seen)
+
+
 async def test_stored_entries_keep_decodes_signed_offer_verbatim():
     """Replaces a test that asserted a dataclass field: the store must round-trip every offer key prefill checks."""
     store = MemoryStore(100)

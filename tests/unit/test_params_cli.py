@@ -28,7 +28,10 @@ def aws(moto_url, monkeypatch):
     import urllib.request
 
     urllib.request.urlopen(urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST")).read()
-    return boto3.client("ssm", region_name=REGION, endpoint_url=moto_url)
+    ssm = boto3.client("ssm", region_name=REGION, endpoint_url=moto_url)
+    # The deployment exists (its params stack would have created the parameters): one non-tunable parameter.
+    ssm.put_parameter(Name=f"/turnkv/{DEPLOYMENT}/ami/gpu", Value="ami-0123456789abcdef0", Type="String")
+    return ssm
 
 
 def run(*args: str):
@@ -89,7 +92,7 @@ def test_wrong_values_are_refused_with_reason_and_exit_2(aws, args, reason):
     assert result.exit_code == 2, result.output
     assert reason in " ".join(result.output.split())
     names = [p["Name"] for p in aws.get_parameters_by_path(Path=f"/turnkv/{DEPLOYMENT}", Recursive=True)["Parameters"]]
-    assert names == []
+    assert names == [f"/turnkv/{DEPLOYMENT}/ami/gpu"]  # only the seed: nothing written
 
 
 def test_cross_check_uses_stored_values_of_other_tunables(aws):
@@ -103,7 +106,8 @@ def test_cross_check_uses_stored_values_of_other_tunables(aws):
 def test_dry_run_writes_nothing(aws):
     result = run("set", "kv_lease_duration", "60", "--dry-run")
     assert result.exit_code == 0 and "30 -> 60" in result.output
-    assert aws.get_parameters_by_path(Path=f"/turnkv/{DEPLOYMENT}", Recursive=True)["Parameters"] == []
+    names = [p["Name"] for p in aws.get_parameters_by_path(Path=f"/turnkv/{DEPLOYMENT}", Recursive=True)["Parameters"]]
+    assert names == [f"/turnkv/{DEPLOYMENT}/ami/gpu"]  # only the seed
 
 
 def test_allowed_pattern_accepts_every_default_and_refuses_junk():
@@ -146,3 +150,26 @@ def test_change_label_is_valid_for_ssm():
 
     label = change_label("arn:aws:sts::1:assumed-role/Admin/bob smith", datetime(2026, 11, 29, 20, 0, tzinfo=UTC))
     assert label == "by-arn-aws-sts-1-assumed-role-Admin-bob-smith-20261129T200000Z"
+
+
+@pytest.mark.parametrize("command", [["list"], ["get", "decoder_kv_blocks_ttl"],
+                                     ["set", "kv_recompute_threshold", "128"], ["history", "decoder_kv_blocks_ttl"],
+                                     ["sync", "--out", "/dev/null"]])
+def test_a_deployment_without_parameters_is_refused_and_named(aws, command):
+    """A typo in -d must not silently create (or read defaults for) a deployment that does not exist."""
+    result = CliRunner().invoke(app, ["params", *command, "--deployment", "unti"])
+    assert result.exit_code == 2, result.output
+    out = " ".join(result.output.split())
+    assert "deployment 'unti' has no parameters under /turnkv/unti/" in out
+    assert f"deployments with parameters there: {DEPLOYMENT}" in out and "--create" in out
+    names = [p["Name"] for p in aws.describe_parameters()["Parameters"]]
+    assert not any(n.startswith("/turnkv/unti/") for n in names), names
+
+
+def test_set_create_makes_a_new_deployments_parameters(aws):
+    result = CliRunner().invoke(app, ["params", "set", "kv_recompute_threshold", "128", "--deployment", "fresh",
+                                      "--who", "alice", "--create"])
+    assert result.exit_code == 0, result.output
+    path = params.get("kv_recompute_threshold").ssm_path("fresh")
+    assert aws.get_parameter(Name=path)["Parameter"]["Value"] == "128"
+    assert CliRunner().invoke(app, ["params", "get", "kv_recompute_threshold", "-d", "fresh"]).output.strip() == "128"

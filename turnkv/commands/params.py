@@ -1,6 +1,7 @@
 """`turnkv params`: list, get, set, history and sync the tunables in SSM Parameter Store.
 
-Exit codes: 0 done, 1 AWS error, 2 a value or name the catalog refuses (the reason is printed).
+Exit codes: 0 done, 1 AWS error, 2 a value or name the catalog refuses, or a deployment without parameters
+(a typo in ``--deployment`` must not create a second set; ``set --create`` does on purpose). The reason is printed.
 boto3 honours ``AWS_ENDPOINT_URL`` (tests point it at moto).
 """
 
@@ -29,16 +30,29 @@ def _console(stderr: bool = False):
     return Console(stderr=stderr, highlight=False)
 
 
-def _store(deployment: str, region: str | None):
+def _store(deployment: str, region: str | None, create: bool = False):
+    """The deployment's store; refused (exit 2) when the deployment has no parameters, unless ``create``."""
     import boto3
 
     from turnkv.aws_params import ParamStore
 
     session = boto3.session.Session(region_name=region)
     try:
-        return ParamStore(session.client("ssm"), deployment), session
+        store = ParamStore(session.client("ssm"), deployment)
     except catalog.ParamError as exc:
         _refuse(str(exc))
+    if not create:
+        try:
+            exists = store.exists()
+            known = [] if exists else store.known_deployments()
+        except _aws_errors() as exc:
+            _aws_error(exc)
+        if not exists:
+            where = session.region_name or "the default region"
+            others = f"deployments with parameters there: {', '.join(known)}" if known else "no deployment has any"
+            _refuse(f"deployment {deployment!r} has no parameters under {store.prefix}/ in {where} ({others}); "
+                    "check --deployment and --region, or pass --create to create its parameters")
+    return store, session
 
 
 def _store_for(name: str, deployment: str, region: str | None):
@@ -139,7 +153,10 @@ def _who(session, who: str | None) -> str:
 def set_(assignments: Annotated[list[str], typer.Argument(help="NAME VALUE, or NAME=VALUE ...")],
          deployment: Deployment, region: Region = None,
          who: Annotated[str | None, typer.Option(help="Recorded as the author (default: caller identity).")] = None,
-         dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate only.")] = False) -> None:
+         dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate only.")] = False,
+         create: Annotated[bool, typer.Option(
+             "--create", help="Create the parameters of a deployment that has none yet (normally its params stack "
+                              "does).")] = False) -> None:
     """Change tunables: validated against the catalog and its cross-checks, recorded as a labelled version."""
     from rich.table import Table
 
@@ -149,7 +166,7 @@ def set_(assignments: Annotated[list[str], typer.Argument(help="NAME VALUE, or N
         changes = parse_assignments(assignments)
     except catalog.ParamError as exc:
         _refuse(str(exc))
-    store, session = _store(deployment, region)
+    store, session = _store(deployment, region, create=create)
     try:
         if dry_run:
             entries, merged = store.plan(changes)

@@ -1,0 +1,37 @@
+"""`turnkv config validate FILE`: every problem of a deploy config in one pass, without a synth.
+
+The rules are the CDK app's own (``infra.config.check``, which synth calls too). Exit 0 valid, 2 invalid: one
+line per problem, ``field: what is wrong; how to fix it``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(help="Check a deployment config (the file `cdk deploy -c turnkv:config=FILE` reads).",
+                  no_args_is_help=True)
+
+
+@app.command()
+def validate(file: Annotated[Path, typer.Argument(help="The deploy config, YAML or JSON.")]) -> None:
+    """Report every per-field and cross-field problem of FILE at once; exit 2 if there is any."""
+    from rich.console import Console
+
+    from infra.config import validate_file
+
+    config, problems = validate_file(file)
+    if problems or config is None:
+        err = Console(stderr=True, highlight=False, soft_wrap=True)
+        err.print(f"[red]{file}: {len(problems)} problem{'s' if len(problems) != 1 else ''}[/red]")
+        for field, message in problems:
+            err.print(f"{field}: {message}", markup=False)
+        raise typer.Exit(2)
+    pools = ", ".join(f"{p.name} ({p.role.value}, {p.count} x {p.instance_type})" for p in config.pools)
+    Console(highlight=False, soft_wrap=True).print(
+        f"{file}: valid. Deployment {config.name!r} in {config.availability_zone}; pools {pools}; router "
+        f"{config.router.replicas}..{config.router.max_replicas} replicas, Valkey "
+        f"{'yes' if config.router.uses_valkey else 'no'}; AMI "
+        f"{config.image.ami_id or 'baked by the deploy'}.", markup=False)
