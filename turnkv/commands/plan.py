@@ -93,6 +93,10 @@ def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, convers
         if hit.any() else 0.0,
         "retained_gib_per_decode": round(plan.retention.retained_gib_per_decode, 3),
         "retained_share_of_kv_cache": round(plan.retention.share_of_kv_cache, 4),
+        "retained_tiers_gib_per_decode": {"device": round(plan.retention.device_gib_per_decode, 3),
+                                          "host": round(plan.retention.host_gib_per_decode, 3),
+                                          "host_budget": sized.host_kv_gib,
+                                          "fits": round(plan.retention.fits, 4)},
         "kv_cache_gib_per_decode": round(m.kv_cache_gib(sized), 1),
         "reuse_share": round(plan.retention.reuse_share, 4),
         "prefill_utilization": {"off": round(plan_off.load_off.prefill_util, 4),
@@ -201,7 +205,11 @@ def print_tables(result: dict[str, Any]) -> None:
         f"{result['prefill_utilization']['off']:.0%}"
         f" / on {result['prefill_utilization']['on']:.0%}\n"
         f"retained KV per decode node: {result['retained_gib_per_decode']:.1f} GiB "
-        f"({result['retained_share_of_kv_cache']:.0%} of its {result['kv_cache_gib_per_decode']:.0f} GiB KV cache); "
+        f"({result['retained_share_of_kv_cache']:.0%} of its {result['kv_cache_gib_per_decode']:.0f} GiB KV cache"
+        + (f"; {result['retained_tiers_gib_per_decode']['host']:.1f} GiB of it in the "
+           f"{result['retained_tiers_gib_per_decode']['host_budget']:.0f} GiB host tier"
+           if result['retained_tiers_gib_per_decode']['host_budget'] else "")
+        + f"; {result['retained_tiers_gib_per_decode']['fits']:.0%} fits); "
         f"turns that find their KV: {result['reuse_share']:.1%}\n"
         f"recommended: decoder_kv_blocks_ttl={rec['decoder_kv_blocks_ttl']} s, kv_recompute_threshold="
         f"{rec['kv_recompute_threshold']} tokens (pulling beats recomputing above it)\n  {rec['params_set']}")
@@ -236,6 +244,8 @@ def plan(
     prefill_prefix_caching: Annotated[bool, typer.Option(help="Prefill keeps a prefix cache (off, as in the "
                                                               "seeds' benchmark).")] = False,
     ttft_target: Annotated[float | None, typer.Option(min=1, help="p90 TTFT target with reuse on (ms).")] = None,
+    host_kv_gib: Annotated[float, typer.Option(min=0, help="Each decode engine's host tier of retained turns (GiB; "
+                                                          "host_kv_budget_mib / 1024; 0: device only).")] = 0.0,
     simulate: Annotated[bool, typer.Option("--simulate", help="Also run the fleet simulation.")] = False,
     conversations: Annotated[int, typer.Option(min=1, help="Conversations to simulate.")] = 100_000,
     price: Annotated[float | None, typer.Option(min=0, help="On-demand $/hour per node instead of the table's.")]
@@ -260,6 +270,7 @@ def plan(
         _fail(f"--workload: {exc}")
     fleet = build_fleet(model, instance, tp, tp_prefill, tp_decode, dtype, kv_dtype, block_size, mode, ttl, threshold,
                         prefill_prefix_caching, state_dir, price)
+    fleet = replace(fleet, host_kv_gib=float(host_kv_gib))
     with console.status("planning" + (" and simulating" if simulate else "")):
         result = run_plan(fleet, wl, ttft_target, simulate, conversations, deployment)
     out.mkdir(parents=True, exist_ok=True)

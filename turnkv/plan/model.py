@@ -47,6 +47,9 @@ class Fleet:
     prefill_prefix_caching: bool = False
     prefill_nodes: int = 1
     decode_nodes: int = 1
+    #: Each decode engine's host tier of retained turns (``host_kv_budget_mib`` / 1024): turns that do not fit the
+    #: device KV cache are held there and read with the same NIXL READ (connector.host_tier). 0: device only.
+    host_kv_gib: float = 0.0
 
     @property
     def effective_ttl_s(self) -> float:
@@ -207,6 +210,22 @@ class Retention:
     share_of_kv_cache: float
     reuse_share: float  # of turns with history: their KV still held (and pulled)
     in_use_gib_per_decode: float
+    #: Of the retained KV: what the device cache holds (what is left of 90% of it after in-use KV) and what
+    #: goes to the host tier; ``fits`` is the share of retained KV the two tiers hold together. Beyond that,
+    #: turns are not retained, and (no cliff: connector.retention keeps a stable subset) reuse falls to that
+    #: share rather than to 0.
+    device_gib_per_decode: float = 0.0
+    host_gib_per_decode: float = 0.0
+    fits: float = 1.0
+
+
+def tiers(retained_gib: float, in_use_gib: float, kv_cache: float, host_gib: float) -> tuple[float, float, float]:
+    """(device GiB, host GiB, share that fits) of one decode engine's retained KV (pure)."""
+    device_room = max(0.0, 0.9 * kv_cache - in_use_gib)
+    device = min(retained_gib, device_room)
+    host = min(max(0.0, retained_gib - device), max(0.0, host_gib))
+    fits = 1.0 if retained_gib <= 0 else min(1.0, (device + host) / retained_gib)
+    return device, host, fits
 
 
 def kv_cache_gib(fleet: Fleet) -> float:
@@ -234,8 +253,10 @@ def retention(fleet: Fleet, workload: Workload, turns: Turns, lam_turns: float, 
     share = float(hits.sum() / max(with_history.sum(), 1))
     per_node = retained_bytes / fleet.decode_nodes / GIB
     capacity = kv_cache_gib(fleet)
-    return Retention(per_node, per_node / capacity if capacity else math.inf, share,
-                     in_use / fleet.decode_nodes / GIB)
+    in_use_node = in_use / fleet.decode_nodes / GIB
+    device, host, fits = tiers(per_node, in_use_node, capacity, fleet.host_kv_gib)
+    return Retention(per_node, per_node / capacity if capacity else math.inf, share * fits, in_use_node,
+                     device, host, fits)
 
 
 def _ms(seconds: float) -> float | None:
@@ -335,7 +356,8 @@ def size_fleet(fleet: Fleet, workload: Workload, ttft_target_ms: float | None = 
     def decode_ok(plan: Plan) -> bool:
         r = plan.retention
         kept = r.retained_gib_per_decode if arm == "on" else 0.0
-        return kept + r.in_use_gib_per_decode <= 0.9 * kv_cache_gib(plan.fleet)
+        # The host tier holds what the device cache cannot (read at the same link rate: assumed, see docs).
+        return kept + r.in_use_gib_per_decode <= 0.9 * kv_cache_gib(plan.fleet) + plan.fleet.host_kv_gib
 
     prefill = decode = 1
     for _ in range(6):
