@@ -154,7 +154,10 @@ def simulate(fleet: Fleet, workload: Workload, conversations: int | None = None,
     tpot = float(closed.decode_step_s(fleet, ctx.mean(), max(1.0, clients / fleet.decode_nodes)))
     decode_s = turns.output_tokens * tpot
     order, starts = _client_timeline(turns, clients)
-    capacity = closed.kv_cache_gib(fleet) * GIB
+    # Both retention tiers (the host tier holds what the device cache cannot). Not modelled: the connector's idle
+    # eviction (a turn unread for ~2 think-time p90s gives its room to a newer one), so turns of conversations that
+    # ended hold room until the TTL here: under pressure this undercounts reuse.
+    capacity = (closed.kv_cache_gib(fleet) + fleet.host_kv_gib) * GIB
     eligible = costs.pull if arm == "on" else np.zeros(n, dtype=bool)
     hit = eligible.copy()
     wait = np.zeros(n)
