@@ -41,6 +41,12 @@ def demo(
     console.rule("turnkv demo: starting the local stack (prefill, decode, prefix-cached prefill, 2 routers)")
     state = start_stack(config)
     try:
+        if pressure:
+            # First, while decode holds no one's turns: the row's device room must start empty (an evicted turn
+            # keeps its room for retention_eviction_grace, longer than the row takes).
+            console.rule("retention pressure: twice the conversations decode's room holds (retained_kv_share "
+                         f"{PRESSURE_SHARE}), device only, then with the host tier")
+            pressure_rows(state, config.state_dir, out / "pressure")
         workload = WorkloadSpec(conversations=conversations, turns=turns)
         console.rule(f"multi-turn A/B: {conversations} conversations x {turns} turns, "
                      f"~{workload.approx_last_prompt()} prompt tokens by the last turn")
@@ -50,10 +56,6 @@ def demo(
         if load:
             console.rule(f"under load: {load} conversations at once, reuse off then on")
             load_row(state["components"]["router"]["url"], load, out / "load", load_words(config.model_dir))
-        if pressure:
-            console.rule("retention pressure: twice the conversations decode's room holds (retained_kv_share "
-                         f"{PRESSURE_SHARE}), device only, then with the host tier")
-            pressure_rows(state, config.state_dir, out / "pressure")
     finally:
         console.rule("stopping the local stack")
         Supervisor(state_dir).down()
@@ -82,11 +84,13 @@ def load_row(url: str, conversations: int, out: Path, words: list[str]) -> dict:
 
 def pressure_rows(state: dict, state_dir: Path, out: Path) -> None:
     """bench.pressure's quick row at 2x on the demo's running stack: the share lowered and the host tier off, then
-    on (both hot-reloaded through the engines' tunables file), each level's reuse share and TTFT printed."""
+    on (both hot-reloaded through the engines' tunables file), each level's reuse share and TTFT printed; then the
+    catalog's share again for the rest of the demo."""
     import json
     import time
 
-    from bench import pressure
+    from bench import pressure, pressure_report
+    from turnkv import params
 
     components = state["components"]
     tunables = state_dir / "tunables.json"
@@ -94,8 +98,12 @@ def pressure_rows(state: dict, state_dir: Path, out: Path) -> None:
         for name, host_mib in (("device only", 0), ("host tier", PRESSURE_HOST_MIB)):
             tunables.write_text(json.dumps({"retained_kv_share": PRESSURE_SHARE, "host_kv_budget_mib": host_mib}))
             time.sleep(1.5)  # the connector re-reads the file at most once a second
-            pressure.quick(out / name.replace(" ", "-"), url=components["router"]["url"],
-                           decode_url=components["decode-0"]["url"], prefill_url=components["prefill-0"]["url"],
-                           variant=f"{name}=retained_kv_share={PRESSURE_SHARE}", levels="2")
+            result = pressure.quick(out / name.replace(" ", "-"), url=components["router"]["url"],
+                                    decode_url=components["decode-0"]["url"],
+                                    prefill_url=components["prefill-0"]["url"],
+                                    variant=f"{name}=retained_kv_share={PRESSURE_SHARE}", levels="2")
+            pressure_report.table_console().print(pressure_report.table(result))
     finally:
-        tunables.unlink(missing_ok=True)
+        share = params.get("retained_kv_share").default
+        tunables.write_text(json.dumps({"retained_kv_share": share, "host_kv_budget_mib": PRESSURE_HOST_MIB}))
+        time.sleep(1.5)
