@@ -177,21 +177,17 @@ class RetentionLedger:
                           if h.tier is tier and now - h.since >= idle_after)
             if sum(self.live[rid].blocks for _, rid in idle) < over:
                 continue
-            for _, rid in idle:
-                if over <= 0:
-                    break
-                held = self.live.pop(rid)
-                self.evicting[rid] = held
-                evicted.append((rid, held))
-                over -= held.blocks
-            return evicted
+            return self._announce_until([rid for _, rid in idle], over)
         return evicted
 
     def shrink(self, tier: Tier, room: float) -> list[tuple[str, Held]]:
         """Evict a tier's oldest live turns until what it holds fits ``room`` again (its bound was lowered)."""
+        return self._announce_until([r for r, h in self.live.items() if h.tier is tier], self.used(tier) - room)
+
+    def _announce_until(self, candidates: list[str], over: float) -> list[tuple[str, Held]]:
+        """Announce ``candidates`` in order until ``over`` blocks are gone."""
         evicted = []
-        over = self.used(tier) - room
-        for rid in [r for r, h in self.live.items() if h.tier is tier]:
+        for rid in candidates:
             if over <= 0:
                 break
             held = self.live.pop(rid)
