@@ -115,7 +115,7 @@ GAUGES: dict[str, tuple[str, str]] = {
     "turnkv_host_retained_bytes": (
         "vllm:turnkv_host_retained_bytes", "KV bytes decode holds in its host tier."),
     "turnkv_host_pool_bytes": (
-        "vllm:turnkv_host_pool_bytes", "Size of decode's host-tier pool (0: no host tier)."),
+        "vllm:turnkv_host_pool_bytes", "Size of decode's host-tier pool (0: no host tier, or no step run since start)."),
 }
 
 

@@ -60,7 +60,7 @@ def stack(request, shared_stack):
     return {**shared_stack, "router": shared_stack[getattr(request.module, "ROUTER", "router")]}
 
 
-#: Modules that run before every other module of the package (pytest's order is by file name otherwise).
+#: Modules that run before every other module of the package, in this order (pytest's is by file name otherwise).
 FIRST = ("test_retention_eviction.py", "test_host_tier.py")
 
 
@@ -69,7 +69,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     The retention test needs a decode engine that holds no other module's turns: with a 1% share, turns other
     modules left would take the room its own turns are tested in until their eviction grace is over."""
     here = Path(__file__).parent
-    first = [item for item in items if item.path.parent == here and item.path.name in FIRST]
+    first = sorted((item for item in items if item.path.parent == here and item.path.name in FIRST),
+                   key=lambda item: FIRST.index(item.path.name))  # FIRST's order, not the file names'
     rest = [item for item in items if item not in first]
     ours = [i for i, item in enumerate(rest) if item.path.parent == here]
     if first and ours:
