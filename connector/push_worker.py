@@ -5,7 +5,12 @@
 - prefill reading the previous turn back from a decode engine (remote block ids given): posted as NIXL
   READs by the pull worker's code, on the engine thread, as in pull mode.
 The writer thread keeps owning NIXL notifications; READ-completion notifications from a prefill that read
-this engine's retained blocks reach ``_get_new_notifs`` like any other and release the blocks. The UCX
+this engine's retained blocks reach ``_get_new_notifs`` like any other and release the blocks once every
+reading rank has sent one. The reader (the pull worker's code) sends ``"{request}:{readers}"``, the number of its
+ranks reading each of this engine's ranks (2 for prefill TP 8 reading decode TP 4), but upstream push counts a
+tracked request's ``"{request}:{n}"`` as ``n // world_size`` readers when ``n > world_size``, else one: decode
+freed the blocks after the first READ while the second rank was still reading. :class:`RetainedReadNotifs`
+restates the count in push's terms (``readers x world_size``) as the engine thread takes it. The UCX
 worker is shared by both threads: with bi-directional on, the agent is created with NIXL's strict thread sync
 on every platform (``connector.nixl_agent``).
 
@@ -23,8 +28,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import queue
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
@@ -48,6 +54,37 @@ def releasable(stale: Iterable[str], handshaken: Iterable[str], reading: Iterabl
     return (set(stale) & set(handshaken)) - set(reading) - set(handshaking)
 
 
+def push_read_notif(msg: bytes, world_size: int, retained: Callable[[str], bool]) -> bytes:
+    """A READ-completion notification for a retained request, restated so upstream push counts its readers (pure).
+
+    Pull readers send ``"{request}:{readers}"``; push's counter expects ``readers x world_size`` there (it waits for
+    ``n // world_size`` notifications when ``n > world_size``, else for one). Heartbeats, WRITE completions (requests
+    this engine does not retain) and anything unparsable pass unchanged."""
+    try:
+        text = msg.decode("utf-8")
+    except UnicodeDecodeError:
+        return msg
+    req_id, sep, count = text.rpartition(":")
+    if not sep or text.startswith("HB:") or not count.isdigit() or not retained(req_id):
+        return msg
+    return f"{req_id}:{max(1, int(count)) * max(1, world_size)}".encode()
+
+
+class RetainedReadNotifs(queue.Queue):
+    """The writer thread's hand-over queue of notifications, read by upstream's ``_get_new_notifs``: a retained
+    request's READ-completion notification is restated (:func:`push_read_notif`) when the engine thread takes it,
+    where the retained set is that thread's own state (no race with the writer)."""
+
+    def __init__(self, worker: Any) -> None:
+        super().__init__()
+        self._worker = worker
+
+    def _get(self) -> bytes:
+        w = self._worker
+        return push_read_notif(super()._get(), int(getattr(w, "world_size", 1) or 1),
+                               lambda rid: rid in w._reqs_to_send or rid in w._reqs_to_process)
+
+
 def is_read_back(meta: Any) -> bool:
     """A receive that READs decode's blocks (prefill side), not one that waits for a WRITE (decode side)."""
     remote = getattr(meta, "remote", None)
@@ -68,6 +105,8 @@ class PushBidiWorker(TurnkvWorkerMixin, NixlPushConnectorWorker, NixlPullConnect
                 super().__init__(vllm_config, engine_id, *args, **kwargs)
         else:
             super().__init__(vllm_config, engine_id, *args, **kwargs)
+        # Before the writer thread starts (register_kv_caches): it puts every non-registration notification here.
+        self._pending_completion_notifs = RetainedReadNotifs(self)
 
     # restarted peers (see the module docstring) ----------------------------------------------------
 

@@ -1,0 +1,77 @@
+"""Deployment shapes the CPU engine suites never run (issue #26): tensor-parallel pairs, unequal block sizes,
+speculative decoding, Neuron, metrics over TP ranks. Each test drives the connector code such a shape reaches,
+without an engine (docs/connector.md, "Shapes")."""
+
+from __future__ import annotations
+
+import queue
+import types
+from collections import defaultdict
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
+
+from connector.push_worker import PushBidiWorker
+
+
+def topology(tp_size: int, tp_rank: int = 0) -> TransferTopology:
+    return TransferTopology(tp_rank=tp_rank, tp_size=tp_size, block_size=16, engine_id=f"engine-tp{tp_size}",
+                            is_mla=False, is_mamba=False, total_num_kv_heads=8, attn_backends=[])
+
+
+def push_decode_worker(monkeypatch, tp_size: int) -> PushBidiWorker:
+    """A push + bi-directional decode rank built through PushBidiWorker's constructor, upstream's reduced to the
+    notification state its ``_get_new_notifs`` reads (no agent, no writer thread)."""
+
+    def upstream_init(self, vllm_config, engine_id, kv_cache_config):
+        self.world_size, self.tp_rank, self.transfer_topo = tp_size, 0, topology(tp_size)
+        self._pending_completion_notifs = queue.Queue()
+        self._reqs_to_send, self._reqs_to_process, self._recving_metadata = {}, set(), {}
+        self.consumer_notification_counts_by_req = defaultdict(int)
+        self.xfer_stats = types.SimpleNamespace(record_notification_after_expiry=lambda: None)
+
+    monkeypatch.setattr(NixlPushConnectorWorker, "__init__", upstream_init)
+    transfer = types.SimpleNamespace(kv_connector="TurnkvPushConnector",
+                                     kv_connector_extra_config={"bidirectional_kv_xfer": False})
+    w = PushBidiWorker(types.SimpleNamespace(kv_transfer_config=transfer), "decode-0", None)
+    w._turnkv_hosted, w._turnkv_notified = {}, set()
+    return w
+
+
+# --- item 1: push + bi-directional, prefill TP > decode TP ------------------------------------------------
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(8, 4), (4, 4), (2, 4)])
+def test_push_decode_frees_retained_blocks_only_after_every_reading_rank(monkeypatch, prefill_tp, decode_tp):
+    """Prefill TP 8 reading decode TP 4: two prefill ranks read each decode rank and each sends "{req}:2" (pull's
+    count). Upstream push counted one reader and freed the blocks while the second rank was still reading."""
+    readers = topology(prefill_tp).dcp_consumer_count(decode_tp, 1)  # what each prefill rank sends
+    assert readers == max(1, prefill_tp // decode_tp)
+    w = push_decode_worker(monkeypatch, decode_tp)
+    w._reqs_to_send["turn-1"] = 1e18
+    w._reqs_to_process.add("turn-1")
+    for n in range(readers):
+        assert "turn-1" in w._reqs_to_send  # still held while a rank reads
+        w._pending_completion_notifs.put(f"turn-1:{readers}".encode())
+        freed = w._get_new_notifs()
+        assert freed == ({"turn-1"} if n == readers - 1 else set())
+    assert "turn-1" not in w._reqs_to_send and "turn-1" not in w._reqs_to_process
+
+
+def test_push_decode_write_completions_are_counted_as_upstream_does(monkeypatch):
+    """Not a retained request: prefill's WRITE-completion ("{req}:{prefill TP}") is push's own count, unchanged."""
+    from connector.push_worker import push_read_notif
+
+    assert push_read_notif(b"w-1:8", 4, lambda rid: False) == b"w-1:8"
+    assert push_read_notif(b"HB:a,b", 4, lambda rid: True) == b"HB:a,b"
+    assert push_read_notif(b"r-1:2", 4, lambda rid: rid == "r-1") == b"r-1:8"
+    assert push_read_notif(b"r:1:1", 4, lambda rid: rid == "r:1") == b"r:1:4"  # ids may hold ":"
+    w = push_decode_worker(monkeypatch, 4)
+    w._recving_metadata["w-1"] = types.SimpleNamespace(pp_size=1)
+    w._pending_completion_notifs.put(b"w-1:8")  # prefill TP 8 WRITEs into decode TP 4: 2 producers per rank
+    w._get_new_notifs()
+    assert w.consumer_notification_counts_by_req["w-1"] == 1  # one of the two producer ranks' WRITEs
