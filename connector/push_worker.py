@@ -19,9 +19,9 @@ A peer that restarted under the same engine id and address is handshaken again, 
 process of a restarted decode (and a push decode kept sending registrations to a restarted prefill): every
 decode leg paired with it waited for KV that never came, until the router's ``first_token_timeout`` (13 legs
 of 30 s each in a 150 s fault run). A failed WRITE or registration marks the peer stale (writer thread); the
-engine thread releases its handshake once no READ from it and no handshake with it is in flight, holding the
-lock the writer holds while it WRITEs or registers, so neither thread sees the peer half released. The next
-WRITE or registration handshakes with the process serving there now.
+engine thread releases its handshake once no READ from it, no WRITE into it and no handshake with it is in
+flight, holding the lock the writer holds while it WRITEs or registers, so neither thread sees the peer half
+released. The next WRITE or registration handshakes with the process serving there now.
 """
 
 from __future__ import annotations
@@ -48,10 +48,11 @@ STALE_PEER_FAILURES = ("transfer_setup_failed", "push_reg_notif_failed")
 
 
 def releasable(stale: Iterable[str], handshaken: Iterable[str], reading: Iterable[str],
-               handshaking: Iterable[str]) -> set[str]:
-    """Stale peers whose handshake can be released now: still handshaken, no READ from them and no new
-    handshake with them in flight (pure)."""
-    return (set(stale) & set(handshaken)) - set(reading) - set(handshaking)
+               handshaking: Iterable[str], writing: Iterable[str] = ()) -> set[str]:
+    """Stale peers whose handshake can be released now: still handshaken, no READ from them, no WRITE into them
+    and no new handshake with them in flight (pure). A WRITE posted before the peer went stale still uses its
+    descriptors until NIXL reports it done or failed."""
+    return (set(stale) & set(handshaken)) - set(reading) - set(writing) - set(handshaking)
 
 
 def push_read_notif(msg: bytes, world_size: int, retained: Callable[[str], bool]) -> bytes:
@@ -99,6 +100,8 @@ class PushBidiWorker(TurnkvWorkerMixin, NixlPushConnectorWorker, NixlPullConnect
         self._turnkv_peer_lock = threading.RLock()
         self._turnkv_stale_peers: set[str] = set()
         self._turnkv_sending_to: str | None = None
+        # Writer thread: the decode engine each pushing request WRITEs into (pruned once its WRITEs are done).
+        self._turnkv_writing_to: dict[str, str] = {}
         transfer = vllm_config.kv_transfer_config
         if nixl_agent.needs_strict_sync(transfer.kv_connector, transfer.kv_connector_extra_config):
             with nixl_agent.strict_thread_sync(base_worker):
@@ -122,6 +125,20 @@ class PushBidiWorker(TurnkvWorkerMixin, NixlPushConnectorWorker, NixlPullConnect
         with self._turnkv_peer_lock:
             return super()._do_start_push_kv(*args, **kwargs)  # type: ignore[misc]
 
+    def _xfer_blocks_for_req(self, req_id: str, meta: Any) -> Any:
+        """Writer thread, under the peer lock: note the engine this request's WRITEs go to."""
+        with self._sending_transfers_lock:
+            for done in [r for r in self._turnkv_writing_to if r not in self._sending_transfers]:
+                del self._turnkv_writing_to[done]
+            self._turnkv_writing_to[req_id] = str(meta.remote.engine_id)
+        return super()._xfer_blocks_for_req(req_id, meta)  # type: ignore[misc]
+
+    def _engines_with_inflight_writes(self) -> set[str]:
+        """Decode engines a WRITE of this engine is still in flight to (upstream tracks READs only)."""
+        with self._sending_transfers_lock:
+            return {engine for req_id, engine in self._turnkv_writing_to.items()
+                    if self._sending_transfers.get(req_id)}
+
     def _do_send_reg_notif(self, req_id: str, reg_data: dict[str, Any]) -> Any:
         with self._turnkv_peer_lock:
             self._turnkv_sending_to = reg_data.get("remote_engine_id")
@@ -143,7 +160,8 @@ class PushBidiWorker(TurnkvWorkerMixin, NixlPushConnectorWorker, NixlPullConnect
         with self._handshake_lock:
             handshaken, handshaking = set(self._remote_agents), set(self._handshake_futures)
         released = set()
-        for engine_id in releasable(stale, handshaken, self._engines_with_inflight_transfers(), handshaking):
+        for engine_id in releasable(stale, handshaken, self._engines_with_inflight_transfers(), handshaking,
+                                    self._engines_with_inflight_writes()):
             logger.warning("turnkv: traffic to %s failed: handshaking with it again", engine_id)
             try:
                 self._cleanup_remote_engine(engine_id, log_eviction=False)

@@ -255,6 +255,7 @@ def _push_worker_without_engines() -> PushBidiWorker:
     w._remote_agents = {"decode-0": {(0, 0): "old-agent"}, "decode-1": {(0, 0): "agent"}}
     w._handshake_futures, w._invalid_remote_engines = {}, set()
     w._recving_metadata, w._recving_transfers = {}, {}
+    w._sending_transfers_lock, w._sending_transfers, w._turnkv_writing_to = threading.Lock(), {}, {}
     w.engine_id = "prefill-0"
     w.released = []
     w._cleanup_remote_engine = lambda eid, log_eviction=True: (w.released.append(eid), w._remote_agents.pop(eid))

@@ -75,3 +75,44 @@ def test_push_decode_write_completions_are_counted_as_upstream_does(monkeypatch)
     w._pending_completion_notifs.put(b"w-1:8")  # prefill TP 8 WRITEs into decode TP 4: 2 producers per rank
     w._get_new_notifs()
     assert w.consumer_notification_counts_by_req["w-1"] == 1  # one of the two producer ranks' WRITEs
+
+
+# --- item 4: a stale push peer with WRITEs in flight ------------------------------------------------------
+
+
+def test_a_stale_push_peer_is_not_released_while_a_write_into_it_is_in_flight(monkeypatch):
+    """Push prefill: decode-0 failed a WRITE (restarted), but another request's WRITE into it is still posted.
+    Releasing the handshake then would free descriptors that WRITE still uses: wait until NIXL reports it."""
+    import threading
+
+    def upstream_xfer(self, req_id, meta):  # the writer thread posts the request's WRITE handles
+        self._sending_transfers[req_id].append(f"handle-{req_id}")
+
+    monkeypatch.setattr(NixlPushConnectorWorker, "_xfer_blocks_for_req", upstream_xfer)
+    monkeypatch.setattr(NixlPushConnectorWorker, "_cleanup_remote_engines", lambda self: None)
+    w = object.__new__(PushBidiWorker)
+    w._turnkv_peer_lock, w._handshake_lock, w._sending_transfers_lock = threading.RLock(), threading.Lock(), \
+        threading.Lock()
+    w._turnkv_stale_peers, w._turnkv_sending_to, w._turnkv_writing_to = set(), None, {}
+    w._remote_agents = {"decode-0": {(0, 0): "agent"}}
+    w._handshake_futures, w._invalid_remote_engines = {}, set()
+    w._recving_metadata, w._recving_transfers, w._sending_transfers = {}, {}, defaultdict(list)
+    w.engine_id = "prefill-0"
+    w.released = []
+    w._cleanup_remote_engine = lambda eid, log_eviction=True: (w.released.append(eid), w._remote_agents.pop(eid))
+
+    meta = types.SimpleNamespace(remote=types.SimpleNamespace(engine_id="decode-0"))
+    w._xfer_blocks_for_req("p-2", meta)  # posted, not done
+    w._log_failure("transfer_setup_failed", "p-1", msg="Push WRITE submission failed", dst_engine_id="decode-0")
+    w._cleanup_remote_engines()
+    assert w.released == [] and w._turnkv_stale_peers == {"decode-0"}
+    w._sending_transfers.pop("p-2")  # NIXL reported it (done or failed)
+    w._cleanup_remote_engines()
+    assert w.released == ["decode-0"] and not w._turnkv_stale_peers
+
+
+def test_releasable_leaves_peers_with_writes_in_flight():
+    from connector.push_worker import releasable
+
+    assert releasable({"d"}, {"d"}, (), (), writing={"d"}) == set()
+    assert releasable({"d", "e"}, {"d", "e"}, (), (), writing={"d"}) == {"e"}
