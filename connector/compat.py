@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -98,10 +99,15 @@ def start_read(worker: Any, req_id: str, meta: Any) -> None:
     worker._read_blocks_for_req(req_id, meta)
 
 
+def current_platform_name() -> str:
+    """The running vLLM platform in ``turnkv.platforms`` terms ("neuron" on vllm-neuron, whose device type is "cpu")."""
+    from vllm.platforms import current_platform
+
+    return platforms.platform_name(current_platform, sys.modules)
+
+
 def check_platform(device_type: str | None = None, env: Mapping[str, str] | None = None) -> None:
     """Refuse to build the connector where it is unverified (``turnkv.platforms``), e.g. on Neuron."""
     if device_type is None:
-        from vllm.platforms import current_platform
-
-        device_type = str(current_platform.device_type)
+        device_type = current_platform_name()
     platforms.check(device_type, os.environ if env is None else env)

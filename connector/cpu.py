@@ -20,9 +20,10 @@ logger = logging.getLogger("vllm.turnkv.cpu")
 
 
 def _is_cpu_platform() -> bool:
-    from vllm.platforms import current_platform
+    """vLLM's CPU platform, not vllm-neuron's (which also declares device type "cpu")."""
+    from connector.compat import current_platform_name
 
-    return current_platform.device_type == "cpu"
+    return current_platform_name() == "cpu"
 
 
 class _NoPinOs(types.ModuleType):

@@ -9,7 +9,7 @@ crash-looping; ``TURNKV_ALLOW_UNVERIFIED=neuron`` starts it anyway, for whoever 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 
 ALLOW_ENV = "TURNKV_ALLOW_UNVERIFIED"
 
@@ -20,6 +20,24 @@ UNVERIFIED: dict[str, tuple[str, ...]] = {
         "bi-directional KV transfer (prefill reading decode's retained KV back)",
     ),
 }
+
+
+#: The module vllm-neuron's platform plugin lives in (``vllm_neuron.platform.NeuronPlatform``).
+NEURON_MODULE = "vllm_neuron"
+
+
+def platform_name(platform: object, loaded_modules: Container[str] = ()) -> str:
+    """The platform a vLLM ``current_platform`` runs on, in this module's terms.
+
+    vllm-neuron's ``NeuronPlatform`` declares ``device_type = "cpu"`` (it reuses vLLM's CPU paths), so the device
+    type alone takes a Neuron node for a CPU one and no refusal fires. Neuron is told by the platform's class
+    (module or name), its ``device_name``, or ``vllm_neuron`` being loaded (``loaded_modules``, e.g. ``sys.modules``).
+    """
+    cls = type(platform)
+    names = f"{cls.__module__}.{cls.__qualname__} {getattr(platform, 'device_name', '')}".lower()
+    if "neuron" in names or NEURON_MODULE in loaded_modules:
+        return "neuron"
+    return str(getattr(platform, "device_type", "") or "")
 
 
 class UnverifiedPlatformError(RuntimeError):

@@ -116,3 +116,68 @@ def test_releasable_leaves_peers_with_writes_in_flight():
 
     assert releasable({"d"}, {"d"}, (), (), writing={"d"}) == set()
     assert releasable({"d", "e"}, {"d", "e"}, (), (), writing={"d"}) == {"e"}
+
+
+# --- item 2: Neuron, whose platform declares device_type "cpu" --------------------------------------------
+
+
+class NeuronPlatform:
+    """Stand-in for vllm-neuron's ``NeuronPlatform``: it reports vLLM's CPU device type."""
+
+    device_type = "cpu"
+
+
+class OotPlatform:
+    device_type = "cpu"
+
+
+OotPlatform.__module__ = "vllm_neuron.platform"  # another class name, vllm-neuron's module
+
+
+@pytest.fixture
+def running_on(monkeypatch):
+    """Make ``vllm.platforms.current_platform`` the given platform object (restored after the test)."""
+    import vllm.platforms
+
+    def use(platform: object) -> None:
+        monkeypatch.setattr(vllm.platforms, "_current_platform", platform)
+
+    monkeypatch.delenv("TURNKV_ALLOW_UNVERIFIED", raising=False)
+    return use
+
+
+@pytest.mark.parametrize("platform", [NeuronPlatform(), OotPlatform()], ids=["class-name", "module"])
+def test_the_connector_refuses_a_neuron_platform_that_reports_cpu(running_on, platform):
+    from connector import compat, cpu
+    from turnkv import platforms
+
+    running_on(platform)
+    with pytest.raises(platforms.UnverifiedPlatformError) as refused:
+        compat.check_platform()
+    assert str(refused.value) == platforms.refusal("neuron", {})  # the message is the one Neuron always had
+    assert not cpu._is_cpu_platform()  # nor are the CPU-only patches applied there
+    compat.check_platform(env={"TURNKV_ALLOW_UNVERIFIED": "neuron"})  # the override still works
+
+
+def test_a_loaded_vllm_neuron_module_means_neuron(monkeypatch, running_on):
+    import sys
+
+    from connector import compat, cpu
+    from turnkv import platforms
+
+    running_on(type("CpuLike", (), {"device_type": "cpu"})())
+    assert cpu._is_cpu_platform()
+    compat.check_platform()  # vLLM's CPU platform: nothing refused
+    monkeypatch.setitem(sys.modules, "vllm_neuron", types.ModuleType("vllm_neuron"))
+    assert compat.current_platform_name() == "neuron" and not cpu._is_cpu_platform()
+    with pytest.raises(platforms.UnverifiedPlatformError):
+        compat.check_platform()
+
+
+def test_vllms_own_platforms_keep_their_device_type():
+    from vllm.platforms.cpu import CpuPlatform
+
+    from turnkv import platforms
+
+    assert platforms.platform_name(CpuPlatform(), {"vllm"}) == "cpu"
+    assert platforms.platform_name(types.SimpleNamespace(device_type="cuda"), ()) == "cuda"
