@@ -84,6 +84,30 @@ def _wall_expiry(params: dict[str, Any], ttl: float) -> float:
     return time.time() + float(ttl)
 
 
+def remote_block_size(params: dict[str, Any]) -> int | None:
+    """Decode's KV block size for an offer: upstream's ``remote_block_size`` param where one is given, and the block
+    size decode made its (signed) token proof with; None when neither is known or they disagree (pure)."""
+    sizes = set()
+    proof = params.get(token_proof.PARAMS_KEY)
+    for size in (params.get("remote_block_size"), proof.get("block_size") if isinstance(proof, dict) else None):
+        if size is None:
+            continue
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            return None
+        sizes.add(size)
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def kept_remote_blocks(offered_blocks: int, verified: int, remote_size: int | None, local_size: int) -> int | None:
+    """How many of decode's blocks hold the first ``verified`` tokens, counted in decode's block size; None when that
+    cannot be told safely: decode's block size unknown, or one upstream cannot pair with this engine's (it reads
+    only when this block size is a multiple of decode's), or more tokens than the offer's blocks hold (pure)."""
+    if remote_size is None or local_size <= 0 or local_size % remote_size:
+        return None
+    keep = -(-verified // remote_size)
+    return keep if keep <= offered_blocks else None
+
+
 class TurnkvSchedulerMixin:
     """turnkv's scheduler-side behaviour, mixed in before an upstream NIXL scheduler (pull or push)."""
 
@@ -467,15 +491,19 @@ class TurnkvSchedulerMixin:
             self._limit_offer(params, verdict.verified)
 
     def _limit_offer(self, params: dict[str, Any], verified: int) -> None:
-        """Make decode's offer cover only the verified prefix (upstream then pulls just that)."""
+        """Make decode's offer cover only the verified prefix (upstream then pulls just that). Decode's block ids are
+        cut in decode's block size, which may differ from this engine's; when it is unknown or incompatible the
+        offer is recomputed rather than cut by a guess."""
         params["remote_num_tokens"] = verified
         groups = params.get("remote_block_ids") or []
-        if verified == 0 or len(groups) != 1:
-            # Nothing (or, with several KV cache groups, nothing safely) pulled. The block ids stay, so
-            # decode is still notified and frees its blocks.
+        keep = None
+        if verified > 0 and len(groups) == 1:
+            keep = kept_remote_blocks(len(groups[0]), verified, remote_block_size(params), int(self.block_size))
+        if keep is None:
+            # Nothing (or, with several KV cache groups or an unknown block size, nothing safely) pulled. The block
+            # ids stay, so decode is still notified and frees its blocks.
             params["remote_num_tokens"] = 0
             return
-        keep = -(-verified // self.block_size)
         params["remote_block_ids"] = [list(groups[0][:keep])]
 
     # both sides ----------------------------------------------------------------------------------

@@ -181,3 +181,60 @@ def test_vllms_own_platforms_keep_their_device_type():
 
     assert platforms.platform_name(CpuPlatform(), {"vllm"}) == "cpu"
     assert platforms.platform_name(types.SimpleNamespace(device_type="cuda"), ()) == "cuda"
+
+
+# --- item 3: unequal block sizes, a partly matching proof --------------------------------------------------
+
+
+def offer_checker(block_size: int):
+    """Prefill's scheduler with the state ``_check_offer`` reads (proof required)."""
+    from connector.pull import TurnkvPullScheduler
+    from connector.stats import TurnkvKVConnectorStats
+
+    s = TurnkvPullScheduler.__new__(TurnkvPullScheduler)
+    s.__dict__.update(block_size=block_size, turnkv_stats=TurnkvKVConnectorStats(), _verdicts={}, _require_proof=True)
+    return s
+
+
+def partly_matching_offer(decode_block: int, held: int = 64, matching: int = 40, **extra):
+    """Decode held ``held`` tokens in blocks of ``decode_block``; the prompt changes at token ``matching``."""
+    from connector import token_proof
+
+    tokens = list(range(1000, 1000 + held))
+    prompt = tokens[:matching] + [7] * (held - matching) + list(range(50))
+    blocks = list(range(10, 10 + -(-held // decode_block)))
+    params = {"do_remote_decode": True, "remote_block_ids": [blocks], "remote_num_tokens": held,
+              token_proof.PARAMS_KEY: token_proof.make_proof(tokens, decode_block), **extra}
+    return types.SimpleNamespace(request_id="p-1", prompt_token_ids=prompt), params
+
+
+def test_a_partial_offer_keeps_decodes_blocks_in_decodes_block_size():
+    """Prefill blocks of 32, decode blocks of 16, 32 tokens verified: two of decode's blocks hold them (the old cut,
+    in prefill's block size, kept one: half the verified KV, with remote_num_tokens still 32)."""
+    s = offer_checker(block_size=32)
+    req, params = partly_matching_offer(decode_block=16)
+    s._check_offer(req, params)
+    assert params["remote_num_tokens"] == 32 and params["remote_block_ids"] == [[10, 11]]
+
+
+@pytest.mark.parametrize(("prefill_block", "decode_block", "extra"), [
+    (16, 32, {}),  # upstream reads only when prefill's block size is a multiple of decode's
+    (32, 16, {"remote_block_size": 32}),  # the offer's remote_block_size and its proof disagree
+    (48, 32, {}),
+])
+def test_a_partial_offer_with_an_unusable_block_size_is_recomputed(prefill_block, decode_block, extra):
+    s = offer_checker(block_size=prefill_block)
+    req, params = partly_matching_offer(decode_block=decode_block, **extra)
+    blocks = list(params["remote_block_ids"][0])
+    s._check_offer(req, params)
+    assert params["remote_num_tokens"] == 0 and params["remote_block_ids"] == [blocks]  # decode still notified
+
+
+def test_remote_block_size_comes_from_the_offer_or_its_proof():
+    from connector.scheduler import kept_remote_blocks, remote_block_size
+
+    assert remote_block_size({"remote_block_size": 16}) == 16
+    assert remote_block_size({"turnkv_token_proof": {"block_size": 16}, "remote_block_size": 16}) == 16
+    assert remote_block_size({}) is None and remote_block_size({"remote_block_size": "16"}) is None
+    assert kept_remote_blocks(4, 33, 16, 32) == 3 and kept_remote_blocks(2, 33, 16, 32) is None
+    assert kept_remote_blocks(4, 32, None, 32) is None
