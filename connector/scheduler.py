@@ -108,6 +108,12 @@ def kept_remote_blocks(offered_blocks: int, verified: int, remote_size: int | No
     return keep if keep <= offered_blocks else None
 
 
+def held_tokens(computed: int, token_ids: int) -> int:
+    """Tokens a finished decode request holds KV for: its computed tokens, at most its token ids (pure; draft
+    tokens of speculative decoding may be counted as computed past the last token id)."""
+    return max(0, min(computed, token_ids))
+
+
 class TurnkvSchedulerMixin:
     """turnkv's scheduler-side behaviour, mixed in before an upstream NIXL scheduler (pull or push)."""
 
@@ -538,7 +544,10 @@ class TurnkvSchedulerMixin:
             # What 0.32's scheduler adds to prefill's answer (the router counts reuse from it).
             out.setdefault("remote_prefill_cached_tokens", cached)
         if out.get("do_remote_decode") and delay and out.get("remote_num_tokens"):
-            # Decode: prove which tokens the retained blocks hold.
+            # Decode: prove which tokens the retained blocks hold. Upstream offers num_computed_tokens, which with
+            # speculative decoding can count draft slots past the request's token ids: only tokens that exist are
+            # held (and offered), else the proof covers fewer tokens than claimed and every offer is refused.
+            out["remote_num_tokens"] = held_tokens(int(out["remote_num_tokens"]), len(request.all_token_ids))
             held = list(request.all_token_ids[: out["remote_num_tokens"]])
             out[token_proof.PARAMS_KEY] = token_proof.make_proof(held, self.block_size)
             if self._boot:

@@ -238,3 +238,44 @@ def test_remote_block_size_comes_from_the_offer_or_its_proof():
     assert remote_block_size({}) is None and remote_block_size({"remote_block_size": "16"}) is None
     assert kept_remote_blocks(4, 33, 16, 32) == 3 and kept_remote_blocks(2, 33, 16, 32) is None
     assert kept_remote_blocks(4, 32, None, 32) is None
+
+
+# --- item 5: speculative decoding ---------------------------------------------------------------------------
+
+
+def decode_scheduler():
+    """Decode's pull scheduler with turnkv's mixin and the state a finished turn's ``request_finished`` reads."""
+    from connector.policy import CostModel, StepClock
+    from connector.pull import TurnkvPullScheduler
+    from connector.retention import ReadDelays, RetentionLedger
+    from connector.stats import TurnkvKVConnectorStats
+    from tests.unit.test_push_scheduler import scheduler
+
+    s = TurnkvPullScheduler.__new__(TurnkvPullScheduler)
+    s.__dict__.update(scheduler().__dict__)
+    s.__dict__.update(block_size=16, cost=CostModel(), _steps=StepClock(), _pending={}, _pulls_started={},
+                      _verdicts={}, _expected_boots={}, _prefill_cached={}, _retain_on_demand=True, _boot=None,
+                      _offer_secret=None, _model=None, turnkv_stats=TurnkvKVConnectorStats(), _bytes_per_block=4096,
+                      _retained=RetentionLedger(), _read_delays=ReadDelays(), _idle_evict=0.0, _retained_share=0.5,
+                      kv_cache_config=types.SimpleNamespace(num_blocks=1000), _host_pool_blocks=0, _host_bases={},
+                      _host_started_mib=0, _host_budget_mib=0, _tp_size=1, _evictions={}, _to_host={})
+    return s
+
+
+def test_a_spec_decode_turn_offers_only_the_tokens_it_holds_and_its_proof_verifies():
+    """With draft tokens, num_computed_tokens (upstream's remote_num_tokens) can run past the request's token ids:
+    the proof then covered fewer tokens than the offer claimed and prefill refused every offer (bad-proof)."""
+    from vllm.v1.request import RequestStatus
+
+    from connector import token_proof
+    from connector.scheduler import RETAIN_KEY
+
+    tokens = list(range(500, 620))  # 100 prompt tokens + 20 generated
+    req = types.SimpleNamespace(request_id="d-1", status=RequestStatus.FINISHED_STOPPED, all_token_ids=tokens,
+                                num_computed_tokens=len(tokens) + 3,  # 3 draft tokens' slots counted
+                                kv_transfer_params={"do_remote_prefill": False, "do_remote_decode": False,
+                                                    RETAIN_KEY: True})
+    delay, out = decode_scheduler().request_finished(req, ([1, 2, 3, 4, 5, 6, 7, 8],))
+    assert delay and out["remote_num_tokens"] == len(tokens)
+    verdict = token_proof.verify(out[token_proof.PARAMS_KEY], [*tokens, 9, 9, 9], out["remote_num_tokens"])
+    assert verdict.reason == "ok" and verdict.verified == len(tokens)
