@@ -1,4 +1,15 @@
-"""turnkv's connector counters, carried on vLLM's KV-connector stats path to the engine's /metrics."""
+"""turnkv's connector counters, carried on vLLM's KV-connector stats path to the engine's /metrics.
+
+Worker-side stats are per tensor-parallel rank, and vLLM sums every rank's into the engine's (its output
+aggregator concatenates the increments). So, on the worker side (``connector.worker``):
+
+- a count per request (``turnkv_stale_offers``, ``turnkv_host_moves``), which every rank sees, is recorded by rank 0
+  only (:func:`counts_on_rank`): once per request, not TP times;
+- bytes (``turnkv_{read,write}_bytes``, ``turnkv_host_move_bytes``) are each rank's share, summed: the engine's total;
+- transfer seconds (``turnkv_{read,write}_seconds``): the ranks transfer at the same time, so each records its own
+  seconds over the TP size (:func:`rank_seconds`) and the sum is the mean over ranks of their transfer time.
+  ``turnkv_read_bytes / turnkv_read_seconds`` is then the engine's bandwidth (all ranks together), not TP times less.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +19,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnec
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from connector.policy import REASONS
+
+
+def counts_on_rank(tp_rank: int) -> bool:
+    """Whether this rank records per-request counts (rank 0: vLLM sums the ranks' stats)."""
+    return int(tp_rank) == 0
+
+
+def rank_seconds(seconds: float, tp_size: int) -> float:
+    """This rank's part of the engine's transfer seconds: summed over ranks, the mean rank's transfer time."""
+    return float(seconds) / max(1, int(tp_size))
+
 
 #: stats key -> (Prometheus counter name, help). Every value is a list of increments (vLLM's convention).
 COUNTERS: dict[str, tuple[str, str]] = {
@@ -48,11 +70,13 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "turnkv_read_bytes": (
         "vllm:turnkv_read_bytes", "KV bytes this engine READ from a peer (NIXL READs it posted: pulls)."),
     "turnkv_read_seconds": (
-        "vllm:turnkv_read_seconds", "Time spent in the NIXL READs this engine posted (sum over transfers)."),
+        "vllm:turnkv_read_seconds", "Time spent in the NIXL READs this engine posted (sum over transfers; mean over "
+                                    "tensor-parallel ranks, which read at the same time)."),
     "turnkv_write_bytes": (
         "vllm:turnkv_write_bytes", "KV bytes this engine WROTE into a peer (NIXL WRITEs it posted: pushes)."),
     "turnkv_write_seconds": (
-        "vllm:turnkv_write_seconds", "Time spent in the NIXL WRITEs this engine posted (sum over transfers)."),
+        "vllm:turnkv_write_seconds", "Time spent in the NIXL WRITEs this engine posted (sum over transfers; mean "
+                                     "over tensor-parallel ranks, which write at the same time)."),
     "turnkv_host_moves": (
         "vllm:turnkv_host_moves", "Finished turns decode copied from its device cache into its host tier."),
     "turnkv_host_move_bytes": (
@@ -115,7 +139,8 @@ GAUGES: dict[str, tuple[str, str]] = {
     "turnkv_host_retained_bytes": (
         "vllm:turnkv_host_retained_bytes", "KV bytes decode holds in its host tier."),
     "turnkv_host_pool_bytes": (
-        "vllm:turnkv_host_pool_bytes", "Size of decode's host-tier pool (0: no host tier, or no step run since start)."),
+        "vllm:turnkv_host_pool_bytes",
+        "Size of decode's host-tier pool (0: no host tier, or no step run since start)."),
 }
 
 

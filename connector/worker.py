@@ -33,7 +33,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
 from connector import boot, compat, host_tier
-from connector.stats import TurnkvKVConnectorStats
+from connector.stats import TurnkvKVConnectorStats, counts_on_rank, rank_seconds
 from turnkv import wire
 
 logger = logging.getLogger("vllm.turnkv.connector")
@@ -115,10 +115,18 @@ class TurnkvWorkerMixin:
             op = "write" if transfers is getattr(self, "_sending_transfers", None) else "read"
             seconds = data["transfer_duration"][before:]
             self.xfer_stats.record(f"turnkv_{op}_bytes", sum(moved))
-            self.xfer_stats.record(f"turnkv_{op}_seconds", sum(seconds))
+            self.xfer_stats.record(f"turnkv_{op}_seconds", rank_seconds(sum(seconds), self._turnkv_tp_size()))
             if op == "read":
                 self._turnkv_reads.extend(zip(moved, seconds, strict=False))
         return done
+
+    def _turnkv_tp_size(self) -> int:
+        return max(1, int(getattr(self, "world_size", 1) or 1))
+
+    def _turnkv_count(self, key: str) -> None:
+        """One per-request count, recorded once per engine (``connector.stats``: vLLM sums the ranks' stats)."""
+        if counts_on_rank(int(getattr(self, "tp_rank", 0) or 0)):
+            self.xfer_stats.record(key, 1)
 
     # cost model samples ---------------------------------------------------------------------------
 
@@ -200,7 +208,7 @@ class TurnkvWorkerMixin:
                 self._turnkv_host_released.append((request_id, False))
                 continue
             self._turnkv_hosted[request_id] = until
-            self.xfer_stats.record("turnkv_host_moves", 1)
+            self._turnkv_count("turnkv_host_moves")
             self.xfer_stats.record("turnkv_host_move_bytes", len(slots) * sum(self._turnkv_pool.block_lens))
 
     def _get_new_notifs(self) -> set[str]:
@@ -388,7 +396,7 @@ class TurnkvWorkerMixin:
             if not boot.same_boot(expected, current):
                 logger.warning("turnkv: request %s: decode engine %s has restarted since it offered its KV "
                                "(boot %s, now %s); recomputing", req_id, engine_id, expected, current)
-                self.xfer_stats.record("turnkv_stale_offers", 1)
+                self._turnkv_count("turnkv_stale_offers")
                 self._turnkv_drop_handshake(engine_id, current or {}, expected)
                 compat.fail_read(self, req_id)
                 return

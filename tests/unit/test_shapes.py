@@ -279,3 +279,54 @@ def test_a_spec_decode_turn_offers_only_the_tokens_it_holds_and_its_proof_verifi
     assert delay and out["remote_num_tokens"] == len(tokens)
     verdict = token_proof.verify(out[token_proof.PARAMS_KEY], [*tokens, 9, 9, 9], out["remote_num_tokens"])
     assert verdict.reason == "ok" and verdict.verified == len(tokens)
+
+
+# --- item 8: worker metrics over tensor-parallel ranks ------------------------------------------------------
+
+
+def test_worker_metrics_count_a_request_once_and_read_bandwidth_is_the_engines_over_tp_ranks():
+    """TP 2: both ranks refuse one stale offer and each READs 1 MB in 0.5 s, at the same time. vLLM sums the ranks'
+    stats: the stale offer was counted twice and read seconds were 1.0 s (bandwidth 2 MB/s, half the engine's)."""
+    from connector import boot
+    from connector.worker import TurnkvWorkerMixin
+
+    class Upstream:
+        def __init__(self, rank: int) -> None:
+            self.tp_rank, self.world_size = rank, 2
+            self._remote_agents = {"decode-0": {(0, rank): "agent"}}
+            self._recv_failures: set[str] = set()
+
+        def add_remote_agent(self, meta, remote_tp_rank=0, *args, **kwargs):
+            return "agent"
+
+        def start_load_kv(self, metadata):
+            pass
+
+        def _read_blocks_for_req(self, req_id, meta):
+            pass
+
+        def _handle_failed_transfer(self, req_id, handle, failed, record_failed_transfer=True):
+            failed.add(req_id)
+            return True
+
+        def _pop_done_transfers(self, transfers):
+            self.xfer_stats.data["bytes_transferred"].append(1_000_000)
+            self.xfer_stats.data["transfer_duration"].append(0.5)
+            return set(transfers), set()
+
+    class Rank(TurnkvWorkerMixin, Upstream):
+        pass
+
+    ranks = [Rank(0), Rank(1)]
+    meta = types.SimpleNamespace(remote=types.SimpleNamespace(engine_id="decode-0"))
+    for r, w in enumerate(ranks):
+        w.add_remote_agent(types.SimpleNamespace(engine_id="decode-0", agent_metadata=f"r{r}-boot2".encode()), r)
+        w.start_load_kv(types.SimpleNamespace(turnkv_boots={"old": boot.stamp([boot.fingerprint(b"r0-boot1"),
+                                                                                 boot.fingerprint(b"r1-boot1")])}))
+        w._read_blocks_for_req("old", meta)  # every rank refuses the stale offer
+        w._pop_done_transfers({"t": [1]})  # and finishes a READ of its 1 MB shard in 0.5 s
+    engine = ranks[0].xfer_stats.aggregate(ranks[1].xfer_stats)  # what vLLM's output aggregator does
+    data = engine.data
+    assert sum(data["turnkv_stale_offers"]) == 1
+    assert sum(data["turnkv_read_bytes"]) == 2_000_000
+    assert sum(data["turnkv_read_bytes"]) / sum(data["turnkv_read_seconds"]) == pytest.approx(4_000_000)
