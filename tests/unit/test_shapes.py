@@ -330,3 +330,27 @@ def test_worker_metrics_count_a_request_once_and_read_bandwidth_is_the_engines_o
     assert sum(data["turnkv_stale_offers"]) == 1
     assert sum(data["turnkv_read_bytes"]) == 2_000_000
     assert sum(data["turnkv_read_bytes"]) / sum(data["turnkv_read_seconds"]) == pytest.approx(4_000_000)
+
+
+# --- FP8 KV cache: no fix needed, the model fingerprint carries the KV dtype -------------------------------
+
+
+def test_an_offer_from_an_fp8_kv_cache_is_refused_by_a_prefill_with_another_kv_dtype():
+    """KV of another dtype (fp8 on decode, the model's dtype on prefill) is not interchangeable: the offer's model
+    fingerprint includes the KV cache dtype, so such an offer is "forged" and recomputed; equal dtypes read."""
+    import time
+
+    from connector.offers import model_fields
+    from turnkv import wire
+
+    def fingerprint(cache_dtype: str) -> str:
+        config = types.SimpleNamespace(model_config=types.SimpleNamespace(model="m", dtype="bfloat16"),
+                                       cache_config=types.SimpleNamespace(cache_dtype=cache_dtype))
+        return wire.model_fingerprint(model_fields(config), env={})
+
+    fp8, auto = fingerprint("fp8"), fingerprint("auto")
+    assert fp8 != auto
+    offer = wire.sign_offer(b"secret", {"remote_engine_id": "decode-0", "remote_block_ids": [[1]],
+                                        "remote_num_tokens": 16}, time.time() + 100, fp8)
+    assert wire.check_offer(b"secret", offer, auto, time.time(), 5) == "forged"
+    assert wire.check_offer(b"secret", offer, fp8, time.time(), 5) == "ok"
