@@ -285,19 +285,25 @@ def print_tables(result: dict[str, Any]) -> None:
 @app.callback()
 def plan(
     ctx: typer.Context,
-    model: Annotated[str, typer.Option(help="Catalog name (Qwen3-32B, GLM-5-FP8, Llama-3.3-70B-Instruct, "
-                                            "tiny-local) or a Hugging Face config.json path.")] = "Qwen3-32B",
-    instance: Annotated[str, typer.Option(help="p5en.48xlarge, p5.48xlarge, trn2.48xlarge, trn1.32xlarge or "
-                                               "local-cpu.")] = "p5en.48xlarge",
+    model: Annotated[str, typer.Option(help="Catalog name (Qwen3-32B, Qwen3-8B, GLM-5-FP8, "
+                                            "Llama-3.3-70B-Instruct, tiny-local) or a Hugging Face config.json "
+                                            "path.")] = "Qwen3-32B",
+    instance: Annotated[str, typer.Option(help="p5en.48xlarge, p5.48xlarge or local-cpu; trn2.48xlarge and "
+                                               "trn1.32xlarge as a what-if (not deployable yet).")] = "p5en.48xlarge",
     workload: Annotated[Path, typer.Option(help="vLLM multi-turn generator JSON (+ num_clients, think_time_s).")]
     = DEFAULT_WORKLOAD,
-    tp: Annotated[int | None, typer.Option(min=1, help="Tensor parallel size of both roles.")] = None,
+    tp: Annotated[int | None, typer.Option(min=1, help="Tensor parallel size of both roles: a power of two up to the "
+                                                         "instance's devices; a node runs devices // TP engines.")]
+    = None,
     tp_prefill: Annotated[int | None, typer.Option(min=1, help="Prefill TP (default --tp).")] = None,
     tp_decode: Annotated[int | None, typer.Option(min=1, help="Decode TP (default --tp).")] = None,
-    dtype: Annotated[str | None, typer.Option(help="Weights/GEMM precision (bf16, fp8); default the model's.")]
+    dtype: Annotated[str | None, typer.Option(help="Weights/GEMM precision (bf16, fp16, fp32, fp8); default the "
+                                                      "model's.")]
     = None,
-    kv_dtype: Annotated[str | None, typer.Option(help="KV cache precision (bf16, fp8).")] = None,
-    block_size: Annotated[int | None, typer.Option(min=1, help="KV block size in tokens (vLLM GPU default 16).")]
+    kv_dtype: Annotated[str | None, typer.Option(help="KV cache precision (bf16, fp16, fp32, fp8, fp8_e4m3, "
+                                                         "fp8_e5m2, fp8_ds_mla for MLA); default the model's.")] = None,
+    block_size: Annotated[int | None, typer.Option(min=1, help="KV block size in tokens (default 128, what turnkv's "
+                                                               "engines run: turnkv.engine_args).")]
     = None,
     ttl: Annotated[float, typer.Option(min=10, max=3600, help="decoder_kv_blocks_ttl (s).")] = 480,
     threshold: Annotated[int, typer.Option(min=0, help="kv_recompute_threshold (tokens).")] = 64,
