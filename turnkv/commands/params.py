@@ -37,6 +37,9 @@ def _store(deployment: str, region: str | None, create: bool = False):
     from turnkv.aws_params import ParamStore
 
     session = boto3.session.Session(region_name=region)
+    if not session.region_name:
+        _refuse("no AWS region: pass --region REGION (the deployment's, e.g. us-east-2), or set AWS_REGION, or "
+                "`aws configure set region REGION`")
     try:
         store = ParamStore(session.client("ssm"), deployment)
     except catalog.ParamError as exc:
