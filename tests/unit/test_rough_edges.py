@@ -60,3 +60,14 @@ def test_malformed_deploy_yaml_is_one_line_naming_the_place(tmp_path):
         res = runner.invoke(app, ["config", "validate", str(f)])
         assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
         assert words in flat(res.output)
+
+
+def test_params_without_credentials_names_the_fix(monkeypatch, tmp_path):
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    res = runner.invoke(app, ["params", "list", "-d", "demo", "--region", "us-east-2"])
+    assert res.exit_code == 1, res.output
+    assert "Unable to locate credentials" in flat(res.output) and "aws configure" in flat(res.output)

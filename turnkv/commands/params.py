@@ -73,7 +73,11 @@ def _refuse(reason: str) -> None:
 
 
 def _aws_error(exc: Exception) -> None:
-    _console(stderr=True).print(f"[red]AWS error:[/red] {exc}")
+    from botocore.exceptions import NoCredentialsError
+
+    hint = ("; give credentials: `aws configure`, AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+            if isinstance(exc, NoCredentialsError) else "")
+    _console(stderr=True).print(f"[red]AWS error:[/red] {exc}{hint}")
     raise typer.Exit(1)
 
 
