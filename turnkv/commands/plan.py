@@ -82,7 +82,7 @@ def _precision(flag: str, value: str | None, allowed: dict[str, str | None]) -> 
     if value is None:
         return None
     if value.lower() not in allowed:
-        _fail(f"{flag} {value!r} is not a precision the planner models (nor vLLM serves as given): use "
+        _fail(f"{flag} {value!r} is not a precision the planner models (vLLM names, or their short forms): use "
               f"{', '.join(allowed)}")
     return allowed[value.lower()]
 
