@@ -126,8 +126,15 @@ class RouterConfig:
 def load_file(path: str | Path) -> dict[str, Any]:
     """A config file as a mapping of RouterConfig field names (``set`` / ``tunables``: catalog names)."""
     p = Path(path)
+    if p.suffix in (".yaml", ".yml"):
+        raise ValueError(f"{p}: router settings are JSON or TOML; a YAML file is a deploy config (check it with "
+                         "`turnkv config validate`, deploy it with `cdk deploy -c turnkv:config=FILE`)")
     raw = p.read_bytes()
-    data = tomllib.loads(raw.decode()) if p.suffix == ".toml" else orjson.loads(raw)
+    try:
+        data = tomllib.loads(raw.decode()) if p.suffix == ".toml" else orjson.loads(raw)
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError, orjson.JSONDecodeError) as exc:
+        kind = "TOML" if p.suffix == ".toml" else "JSON (name the file .toml for TOML)"
+        raise ValueError(f"{p}: malformed {kind}: {exc}; fix the syntax there") from None
     if not isinstance(data, dict):
         raise ValueError(f"{p}: expected a mapping of settings")
     data = {k.replace("-", "_"): v for k, v in data.items()}

@@ -6,6 +6,8 @@ lazily, so ``turnkv --help`` stays fast.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from turnkv.commands import bench, config, demo, doctor, engine, local, params, plan, router, smoke
@@ -16,6 +18,36 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
 )
+
+
+def _version() -> str:
+    """turnkv's installed version (the package metadata), with the vLLM and NIXL it is pinned to."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from turnkv import versions
+
+    try:
+        mine = version("turnkv")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        mine = "unknown (not installed)"
+    return f"turnkv {mine} (vLLM {versions.VLLM_GPU}, NIXL {versions.NIXL})"
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(_version())
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[bool, typer.Option("--version", "-V", callback=_show_version, is_eager=True,
+                                          help="Print turnkv's version (and the vLLM and NIXL it pins) and exit.")]
+    = False,
+) -> None:
+    """Multi-turn KV reuse for P/D-disaggregated vLLM: local stack, router, benchmark, AWS tuning."""
+
+
 app.add_typer(local.app, name="local")
 app.add_typer(router.app, name="router")
 app.add_typer(bench.app, name="bench")

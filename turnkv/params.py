@@ -206,6 +206,17 @@ def defaults(scope: Scope | None = None) -> dict[str, int | float]:
     return {t.name: t.default for t in CATALOG if scope is None or t.scope is scope}
 
 
+#: The rules ``cross_check`` enforces, in words (docs/parameters.md is generated from them and the catalog).
+CROSS_CHECKS: tuple[str, ...] = (
+    "conversation_ttl + expiry_margin must stay at or below decoder_kv_blocks_ttl, else the router would replay "
+    "offers for blocks decode has already freed. `turnkv params set decoder_kv_blocks_ttl=N` alone lowers "
+    "conversation_ttl to fit (N - expiry_margin).",
+    "retention_eviction_grace must be at least replay_window + 2 x evictions_interval + max(1 s, evictions_interval) "
+    "+ expiry_skew_margin, else decode would free an evicted turn's "
+    "blocks while a router may still replay its offer or a prefill still read it.",
+)
+
+
 def cross_check(values: Mapping[str, int | float]) -> None:
     """Rules that span tunables. ``values`` holds a full set (defaults filled in)."""
     ttl = values["conversation_ttl"]

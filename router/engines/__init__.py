@@ -86,7 +86,9 @@ def parse_engine(spec: str, role: str) -> Engine:
     ``http://10.0.0.5:8000?engine_id=prefill-0&side_channel_port=5600&side_channel_host=10.0.0.5&tp_size=1``."""
     parts = urlsplit(spec)
     if parts.scheme != "http" or not parts.hostname:
-        raise ValueError(f"engine {spec!r}: give http://host:port (the legs speak plain HTTP/1.1, router.upstream)")
+        bare = spec.split("://", 1)[-1]
+        raise ValueError(f"engine {spec!r}: give http://host:port, e.g. http://{bare or '127.0.0.1:8100'} (the legs "
+                         "speak plain HTTP/1.1, router.upstream)")
     attrs = dict(parse_qsl(parts.query))
     unknown = set(attrs) - {"engine_id", "side_channel_host", "side_channel_port", "tp_size"}
     if unknown:

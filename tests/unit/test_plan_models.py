@@ -16,6 +16,7 @@ QWEN3_32B_CONFIG = {  # Qwen/Qwen3-32B config.json (fields the planner reads)
 
 @pytest.mark.parametrize("name,total,active", [
     ("Qwen3-32B", 32.8e9, 32.8e9),  # "Number of Parameters: 32.8B"
+    ("Qwen3-8B", 8.2e9, 8.2e9),  # "Number of Parameters: 8.2B"
     ("Llama-3.3-70B-Instruct", 70.6e9, 70.6e9),
     ("GLM-5-FP8", 744e9, 40e9),  # "744B parameters (40B active)"
 ])

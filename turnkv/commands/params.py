@@ -37,6 +37,9 @@ def _store(deployment: str, region: str | None, create: bool = False):
     from turnkv.aws_params import ParamStore
 
     session = boto3.session.Session(region_name=region)
+    if not session.region_name:
+        _refuse("no AWS region: pass --region REGION (the deployment's, e.g. us-east-2), or set AWS_REGION, or "
+                "`aws configure set region REGION`")
     try:
         store = ParamStore(session.client("ssm"), deployment)
     except catalog.ParamError as exc:
@@ -70,7 +73,11 @@ def _refuse(reason: str) -> None:
 
 
 def _aws_error(exc: Exception) -> None:
-    _console(stderr=True).print(f"[red]AWS error:[/red] {exc}")
+    from botocore.exceptions import NoCredentialsError
+
+    hint = ("; give credentials: `aws configure`, AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+            if isinstance(exc, NoCredentialsError) else "")
+    _console(stderr=True).print(f"[red]AWS error:[/red] {exc}{hint}")
     raise typer.Exit(1)
 
 

@@ -30,18 +30,31 @@ def build_fleet(model: str, instance: str, tp: int | None, tp_prefill: int | Non
     from turnkv.plan import hardware, models
     from turnkv.plan.model import Fleet
 
+    dtype, kv_dtype = _precision("--dtype", dtype, WEIGHT_DTYPES), _precision("--kv-dtype", kv_dtype, KV_DTYPES)
     try:
         arch = models.load(model).with_dtypes(dtype, kv_dtype)
         inst = hardware.load(instance, state_dir)
     except (ValueError, OSError) as exc:
         _fail(str(exc))
+    if arch.kv_dtype == "fp8_ds_mla" and not arch.mla:
+        _fail(f"--kv-dtype 'fp8_ds_mla' is vLLM's layout for MLA models; {arch.name} has none: use "
+              f"{', '.join(sorted(set(KV_DTYPES) - {'fp8_ds_mla', 'auto'}))}")
     if price is not None:
         inst = replace(inst, price_per_hour=price)
     default_tp = 1 if instance == "local-cpu" else inst.devices if inst.devices <= 8 else 16
+    given = {"--tp-prefill": tp_prefill, "--tp-decode": tp_decode} if tp is None else {
+        "--tp": tp, "--tp-prefill": tp_prefill, "--tp-decode": tp_decode}
+    allowed = [str(2**k) for k in range(inst.devices.bit_length()) if 2**k <= inst.devices]
+    for name, value in given.items():
+        # infra/config.py (model.tensor_parallel_size) accepts powers of two only, at most the accelerators
+        if value is not None and value & (value - 1):
+            _fail(f"{name} {value} is not a power of two, which a deployment's model.tensor_parallel_size must be "
+                  f"(infra/config.py): use {', '.join(allowed)} on {inst.name}")
     tp_p, tp_d = tp_prefill or tp or default_tp, tp_decode or tp or default_tp
     for name, value in (("--tp-prefill", tp_p), ("--tp-decode", tp_d)):
         if value > inst.devices:
-            _fail(f"{name} {value} exceeds the {inst.devices} devices of one {inst.name}")
+            _fail(f"{name} {value} exceeds the {inst.devices} devices of one {inst.name}: use "
+                  f"{', '.join(allowed)}")
     if mode not in ("pull", "push"):
         _fail(f"--mode {mode!r}: use pull or push")
     weights = arch.total_params() * arch.weight_bytes_per_param
@@ -51,9 +64,27 @@ def build_fleet(model: str, instance: str, tp: int | None, tp_prefill: int | Non
                   f"of {inst.name} ({value * inst.hbm_bytes * inst.memory_utilization / 1e9:.0f} GB usable): "
                   + (f"raise {name}" if value < inst.devices else "pick an instance with more memory")
                   + ("" if arch.dtype == "fp8" else " or use --dtype fp8"))
-    local_block = EngineSpec.block_size  # the local stack's engines (turnkv.engine_args)
-    return Fleet(arch, inst, inst, tp_p, tp_d, block_size or (local_block if instance == "local-cpu" else 16), mode,
+    # The block size turnkv's engines run with, locally and on AWS (turnkv.engine_args: `--block-size`).
+    return Fleet(arch, inst, inst, tp_p, tp_d, block_size or EngineSpec.block_size, mode,
                  float(ttl), int(threshold), prefill_prefix_caching=prefill_prefix_caching)
+
+
+#: Precisions the planner models, as vLLM names them (``--dtype``, ``--quantization fp8``, ``--kv-cache-dtype``)
+#: and their short forms; "auto" keeps the model's own. Anything else (int4, fp4, ...) is refused, not guessed.
+WEIGHT_DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+                 "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32", "fp8": "fp8"}
+KV_DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+             "fp32": "float32", "float32": "float32", "fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2",
+             "fp8_ds_mla": "fp8_ds_mla"}
+
+
+def _precision(flag: str, value: str | None, allowed: dict[str, str | None]) -> str | None:
+    if value is None:
+        return None
+    if value.lower() not in allowed:
+        _fail(f"{flag} {value!r} is not a precision the planner models (vLLM names, or their short forms): use "
+              f"{', '.join(allowed)}")
+    return allowed[value.lower()]
 
 
 def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, conversations: int,
@@ -65,8 +96,9 @@ def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, convers
 
     turns = sample(workload, 5000, 0)
     sized, target_met = m.size_fleet(fleet, workload, ttft_target, turns=turns)
-    no_reuse, target_met_off = m.size_fleet(fleet, workload, ttft_target, turns=turns, arm="off",
-                                            decode_nodes=sized.decode_nodes)
+    # Reuse off sized on its own, by the same function, for the same target and workload: prefill for the full
+    # recompute, decode for the turns in flight only (nothing retained between turns).
+    no_reuse, target_met_off = m.size_fleet(fleet, workload, ttft_target, turns=turns, arm="off")
     plan = m.evaluate(sized, workload, turns=turns)
     # Reuse off is shown on the fleet sized for it: what running without reuse would take and give.
     plan_off = m.evaluate(no_reuse, workload, turns=turns)
@@ -77,15 +109,24 @@ def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, convers
     later = turns.history_tokens > 0
     new = float((turns.prompt_tokens - turns.history_tokens)[later].mean()) if later.any() else 0.0
     threshold = m.break_even_tokens(sized, new)
-    price = sized.prefill.price_per_hour * sized.prefill_nodes + sized.decode.price_per_hour * sized.decode_nodes
+    price = sized.cost_per_hour()
     hit = plan.hit > 0
+    per_node = {role: sized.engines_per_node(role) for role in ("prefill", "decode")}
     out: dict[str, Any] = {
         "inputs": {"model": sized.model.name, "dtype": sized.model.dtype, "kv_dtype": sized.model.kv_dtype,
                    "instance": sized.prefill.name, "tp": {"prefill": sized.tp_prefill, "decode": sized.tp_decode},
                    "block_size": sized.block_size, "mode": sized.mode, "ttl_s": sized.ttl_s,
                    "threshold": sized.threshold, "prefill_prefix_caching": sized.prefill_prefix_caching,
                    "ttft_target_ms": ttft_target, "num_clients": workload.num_clients,
-                   "mean_user_turns": round(workload.mean_user_turns(), 2)},
+                   "mean_user_turns": round(workload.mean_user_turns(), 2),
+                   "deployable": sized.prefill.deployable, "deployable_note": sized.prefill.deployable_note},
+        "assumptions": {"num_clients": workload.num_clients,
+                        "think_time_s_mean": round(float(workload.think_time_s.mean()), 1),
+                        "turns_per_s": round(plan.load_on.turns_per_s, 2),
+                        "max_prefill_utilization": m.MAX_UTIL, "block_size": sized.block_size,
+                        "prefill_prefix_caching": sized.prefill_prefix_caching,
+                        "decode_prefix_caching": True, "engines_per_node": per_node,
+                        "price_per_node_hour": sized.prefill.price_per_hour},
         "ttft_ms": {"off": m.summarize(plan_off)["ttft_ms"]["off"], "on": m.summarize(plan)["ttft_ms"]["on"]},
         "per_turn": per_turn,
         "transfer_ms": round(float(plan.costs.transfer_on[hit].mean() * 1000), 1) if hit.any() else 0.0,
@@ -101,12 +142,14 @@ def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, convers
         "reuse_share": round(plan.retention.reuse_share, 4),
         "prefill_utilization": {"off": round(plan_off.load_off.prefill_util, 4),
                                 "on": round(plan.load_on.prefill_util, 4)},
-        "nodes": {"prefill": sized.prefill_nodes, "decode": sized.decode_nodes},
+        "nodes": {"prefill": sized.instances("prefill"), "decode": sized.instances("decode")},
+        "engines": {"prefill": sized.prefill_nodes, "decode": sized.decode_nodes},
+        "engines_per_node": per_node,
         "ttft_target_met": target_met,
-        "nodes_without_reuse": {"prefill": no_reuse.prefill_nodes, "decode": no_reuse.decode_nodes,
+        "nodes_without_reuse": {"prefill": no_reuse.instances("prefill"), "decode": no_reuse.instances("decode"),
+                                "engines": {"prefill": no_reuse.prefill_nodes, "decode": no_reuse.decode_nodes},
                                 "ttft_target_met": target_met_off,
-                                "cost_per_hour": round(no_reuse.prefill.price_per_hour * no_reuse.prefill_nodes
-                                                       + no_reuse.decode.price_per_hour * no_reuse.decode_nodes, 2)},
+                                "cost_per_hour": round(no_reuse.cost_per_hour(), 2)},
         "cost_per_hour": round(price, 2),
         "ttl_curve": curve,
         "recommend": {"decoder_kv_blocks_ttl": ttl, "conversation_ttl": m.conversation_ttl(ttl),
@@ -194,17 +237,35 @@ def print_tables(result: dict[str, Any]) -> None:
             s.add_row(f"simulated {arm} (ms)", f"{v['mean']:.0f}", f"{v['p50']:.0f}", f"{v['p90']:.0f}")
     out.print(s)
     rec = result["recommend"]
+    a = result["assumptions"]
+    per = a["engines_per_node"]
+    out.print(
+        f"assumptions: {a['num_clients']:,} clients, think time {a['think_time_s_mean']:.0f} s mean, "
+        f"{a['turns_per_s']:.2f} turns/s with reuse; prefill utilization capped at {a['max_prefill_utilization']:.0%}; "
+        f"block size {a['block_size']}; prefill prefix caching {'on' if a['prefill_prefix_caching'] else 'off'}, "
+        f"decode's on; {per['prefill']} prefill / {per['decode']} decode engine(s) per node; "
+        f"${a['price_per_node_hour']:.2f}/hour per node on demand", soft_wrap=True)
+    if not inp["deployable"]:
+        out.print(f"[yellow]{inp['instance']} is {inp['deployable_note']}[/yellow]", soft_wrap=True)
+    if max(per.values()) > 1:
+        out.print(f"[yellow]{per['prefill']}/{per['decode']} engines share a node here; the CDK stack runs one "
+                  "engine per instance today, so deploy one instance per engine or fill the nodes yourself[/yellow]",
+                  soft_wrap=True)
     if not result["ttft_target_met"]:
         out.print(f"[yellow]the p90 TTFT target of {inp['ttft_target_ms']:.0f} ms is below what this model and "
                   "instance reach with no queueing at all: sized for the load only[/yellow]")
+    engines = "" if max(per.values()) == 1 else (f" ({result['engines']['prefill']} prefill + "
+                                                  f"{result['engines']['decode']} decode engines)")
+    off = result["nodes_without_reuse"]
     out.print(
-        f"nodes: [bold]{result['nodes']['prefill']}P{result['nodes']['decode']}D[/bold] "
-        f"(without reuse {result['nodes_without_reuse']['prefill']}P{result['nodes_without_reuse']['decode']}D, "
-        f"${result['nodes_without_reuse']['cost_per_hour']:.2f}/hour), "
+        f"nodes: [bold]{result['nodes']['prefill']}P{result['nodes']['decode']}D[/bold]{engines} "
+        f"(without reuse, sized on its own: {off['prefill']}P{off['decode']}D, ${off['cost_per_hour']:.2f}/hour"
+        + ("" if off["ttft_target_met"] or inp["ttft_target_ms"] is None else ", misses the target") + "), "
         f"${result['cost_per_hour']:.2f}/hour on demand; prefill utilization off "
         f"{result['prefill_utilization']['off']:.0%}"
         f" / on {result['prefill_utilization']['on']:.0%}\n"
-        f"retained KV per decode node: {result['retained_gib_per_decode']:.1f} GiB "
+        f"retained KV per decode {'node' if per['decode'] == 1 else 'engine'}: "
+        f"{result['retained_gib_per_decode']:.1f} GiB "
         f"({result['retained_share_of_kv_cache']:.0%} of its {result['kv_cache_gib_per_decode']:.0f} GiB KV cache"
         + (f"; {result['retained_tiers_gib_per_decode']['host']:.1f} GiB of it in the "
            f"{result['retained_tiers_gib_per_decode']['host_budget']:.0f} GiB host tier"
@@ -224,19 +285,25 @@ def print_tables(result: dict[str, Any]) -> None:
 @app.callback()
 def plan(
     ctx: typer.Context,
-    model: Annotated[str, typer.Option(help="Catalog name (Qwen3-32B, GLM-5-FP8, Llama-3.3-70B-Instruct, "
-                                            "tiny-local) or a Hugging Face config.json path.")] = "Qwen3-32B",
-    instance: Annotated[str, typer.Option(help="p5en.48xlarge, p5.48xlarge, trn2.48xlarge, trn1.32xlarge or "
-                                               "local-cpu.")] = "p5en.48xlarge",
+    model: Annotated[str, typer.Option(help="Catalog name (Qwen3-32B, Qwen3-8B, GLM-5-FP8, "
+                                            "Llama-3.3-70B-Instruct, tiny-local) or a Hugging Face config.json "
+                                            "path.")] = "Qwen3-32B",
+    instance: Annotated[str, typer.Option(help="p5en.48xlarge, p5.48xlarge or local-cpu; trn2.48xlarge and "
+                                               "trn1.32xlarge as a what-if (not deployable yet).")] = "p5en.48xlarge",
     workload: Annotated[Path, typer.Option(help="vLLM multi-turn generator JSON (+ num_clients, think_time_s).")]
     = DEFAULT_WORKLOAD,
-    tp: Annotated[int | None, typer.Option(min=1, help="Tensor parallel size of both roles.")] = None,
+    tp: Annotated[int | None, typer.Option(min=1, help="Tensor parallel size of both roles: a power of two up to the "
+                                                         "instance's devices; a node runs devices // TP engines.")]
+    = None,
     tp_prefill: Annotated[int | None, typer.Option(min=1, help="Prefill TP (default --tp).")] = None,
     tp_decode: Annotated[int | None, typer.Option(min=1, help="Decode TP (default --tp).")] = None,
-    dtype: Annotated[str | None, typer.Option(help="Weights/GEMM precision (bf16, fp8); default the model's.")]
+    dtype: Annotated[str | None, typer.Option(help="Weights/GEMM precision (bf16, fp16, fp32, fp8); default the "
+                                                      "model's.")]
     = None,
-    kv_dtype: Annotated[str | None, typer.Option(help="KV cache precision (bf16, fp8).")] = None,
-    block_size: Annotated[int | None, typer.Option(min=1, help="KV block size in tokens (vLLM GPU default 16).")]
+    kv_dtype: Annotated[str | None, typer.Option(help="KV cache precision (bf16, fp16, fp32, fp8, fp8_e4m3, "
+                                                         "fp8_e5m2, fp8_ds_mla for MLA); default the model's.")] = None,
+    block_size: Annotated[int | None, typer.Option(min=1, help="KV block size in tokens (default 128, what turnkv's "
+                                                               "engines run: turnkv.engine_args).")]
     = None,
     ttl: Annotated[float, typer.Option(min=10, max=3600, help="decoder_kv_blocks_ttl (s).")] = 480,
     threshold: Annotated[int, typer.Option(min=0, help="kv_recompute_threshold (tokens).")] = 64,

@@ -61,6 +61,7 @@ def serve(
     from router import config as router_config
     from router.app import check_open_mode, load_keys
     from router.app import serve as run
+    from router.engines import parse_engine
 
     changes: dict[str, str] = {}
     for item in tunable or []:
@@ -87,6 +88,9 @@ def serve(
         if flags["ssm"] is None and "ssm" not in file_values and merged_discovery == "cloudmap":
             flags["ssm"] = True
         config = router_config.build(file_values, flags, changes)
+        for role, specs in (("prefill", config.prefill), ("decode", config.decode)):
+            for spec in specs:  # refused here, not as a traceback from the app's start
+                parse_engine(spec, role)
         check_open_mode(config, load_keys(config))
     except (ValueError, OSError) as exc:
         typer.echo(f"turnkv router: {exc}", err=True)

@@ -94,6 +94,10 @@ class Instance:
     #: in chunks, each attending over the ones before. vLLM's API-server default (engine/arg_utils.py,
     #: get_batch_defaults): 8,192 on GPUs of 70-160 GB (H100, H200), 2,048 on CPUs.
     prefill_chunk_tokens: int = 8192
+    #: Whether turnkv's stack deploys it today (infra/config.py refuses Neuron instance types: no NIXL and no
+    #: vLLM the connector supports there yet); the plan still runs for it, flagged. ``deployable_note`` says why.
+    deployable: bool = True
+    deployable_note: str = ""
 
     def peak(self, dtype: str) -> float:
         key = {"bfloat16": "bf16", "float16": "bf16", "float32": "fp32", "fp8": "fp8"}.get(dtype, dtype)
@@ -113,6 +117,10 @@ H200_SRC = "NVIDIA H200 Tensor Core GPU datasheet (SXM: 989 TFLOPS BF16, 1,979 T
 PRICE_SRC = ("aws.amazon.com/ec2/pricing/on-demand (us-east-1, Linux; P5 prices after AWS's June 2025 cut); "
              "prices change: pass --price to override")
 
+NEURON_NOT_DEPLOYABLE = ("not deployable yet: the Neuron image has no NIXL and no vLLM that turnkv's KV connector "
+                         "supports, so infra/config.py refuses Trainium pools; figures are a what-if on GPU "
+                         "efficiency factors")
+
 INSTANCES: dict[str, Instance] = {
     "p5en.48xlarge": Instance(
         "p5en.48xlarge", "8 x NVIDIA H200", 8, {"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12}, 141 * GB, 4.8e12,
@@ -129,13 +137,15 @@ INSTANCES: dict[str, Instance] = {
         96 * GIB, 2.9e12, 3200e9, 44.70,
         {"accelerator": "awsdocs-neuron trn2-arch: 16 chips, 10.7 PFLOPS BF16 / 20.8 PFLOPS FP8 dense, "
          "1.5 TiB HBM, 46 TB/s", "network": "3.2 Tbps EFAv3, 16 interfaces", "price": PRICE_SRC,
-         "efficiency": "no public vLLM-neuron prefill MFU: the GPU factors are used; calibrate on the cluster"}),
+         "efficiency": "no public vLLM-neuron prefill MFU: the GPU factors are used; calibrate on the cluster"},
+        deployable=False, deployable_note=NEURON_NOT_DEPLOYABLE),
     "trn1.32xlarge": Instance(
         "trn1.32xlarge", "16 x AWS Trainium", 16, {"bf16": 190e12, "fp8": 190e12, "fp32": 47.5e12}, 32 * GIB,
         0.82e12, 800e9, 21.50,
         {"accelerator": "awsdocs-neuron trn1-arch: 16 chips, 3.04 PFLOPS BF16, 512 GiB HBM, 13.1 TB/s",
          "network": "800 Gbps EFA, 8 interfaces", "price": PRICE_SRC,
-         "efficiency": "no public vLLM-neuron prefill MFU: the GPU factors are used; calibrate on the cluster"}),
+         "efficiency": "no public vLLM-neuron prefill MFU: the GPU factors are used; calibrate on the cluster"},
+        deployable=False, deployable_note=NEURON_NOT_DEPLOYABLE),
     # This machine: AVX2 EPYC, 2 cores at ~2.45 GHz, 2 FMA units x 8 fp32 lanes x 2 = 32 FLOP/cycle/core.
     # The achieved factors below are placeholders until `turnkv plan calibrate` measures them.
     "local-cpu": Instance(

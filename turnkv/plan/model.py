@@ -30,6 +30,8 @@ from turnkv.plan.models import ModelArch
 from turnkv.plan.workload import Turns, Workload, sample
 
 GIB = 1024**3
+#: Prefill utilization the sizing stays under (queueing grows without bound as it nears 1).
+MAX_UTIL = 0.85
 
 
 @dataclass(frozen=True)
@@ -39,17 +41,40 @@ class Fleet:
     decode: Instance
     tp_prefill: int = 8
     tp_decode: int = 8
-    block_size: int = 16  # vLLM's GPU default; the local stack runs 128
+    #: KV block size in tokens: what turnkv's engines run everywhere (turnkv.engine_args.EngineSpec.block_size,
+    #: passed as ``--block-size`` by `turnkv engine run` and the local stack); vLLM's own GPU default is 16.
+    block_size: int = 128
     mode: str = "pull"  # push overlaps the P->D set-up with prefill
     ttl_s: float = float(tunables.get("decoder_kv_blocks_ttl").default)
     threshold: int = int(tunables.get("kv_recompute_threshold").default)
     expiry_margin_s: float = float(tunables.get("expiry_margin").default)
     prefill_prefix_caching: bool = False
+    #: Engines of each role (not instances: an instance runs ``devices // tp`` engines, see ``engines_per_node``).
     prefill_nodes: int = 1
     decode_nodes: int = 1
     #: Each decode engine's host tier of retained turns (``host_kv_budget_mib`` / 1024): turns that do not fit the
     #: device KV cache are held there and read with the same NIXL READ (connector.host_tier). 0: device only.
     host_kv_gib: float = 0.0
+
+    def engines_per_node(self, role: str) -> int:
+        """Engines one instance of ``role`` runs: its devices over the engine's tensor-parallel size."""
+        inst, tp = (self.prefill, self.tp_prefill) if role == "prefill" else (self.decode, self.tp_decode)
+        return max(1, inst.devices // max(1, tp))
+
+    def instances(self, role: str) -> int:
+        """Instances the ``role`` engines take (a partly used instance is paid for whole)."""
+        engines = self.prefill_nodes if role == "prefill" else self.decode_nodes
+        return -(-engines // self.engines_per_node(role))
+
+    def cost_per_hour(self) -> float:
+        """On-demand $/hour of the instances both roles take."""
+        return (self.prefill.price_per_hour * self.instances("prefill")
+                + self.decode.price_per_hour * self.instances("decode"))
+
+    def filled(self) -> Fleet:
+        """The fleet with every instance it pays for running all the engines it holds."""
+        return replace(self, prefill_nodes=self.instances("prefill") * self.engines_per_node("prefill"),
+                       decode_nodes=self.instances("decode") * self.engines_per_node("decode"))
 
     @property
     def effective_ttl_s(self) -> float:
@@ -331,11 +356,12 @@ def evaluate(fleet: Fleet, workload: Workload, conversations: int = 5000, seed: 
 
 
 def size_fleet(fleet: Fleet, workload: Workload, ttft_target_ms: float | None = None, max_nodes: int = 256,
-               turns: Turns | None = None, max_util: float = 0.85, arm: str = "on",
+               turns: Turns | None = None, max_util: float = MAX_UTIL, arm: str = "on",
                decode_nodes: int | None = None) -> tuple[Fleet, bool]:
     """Fewest prefill engines that keep utilization under ``max_util`` and p90 TTFT under the target, and
-    fewest decode engines whose KV cache holds in-use plus retained KV. Decode speed sets how fast clients
-    come back, so the two counts are solved together. The flag says whether the target is met: below
+    fewest decode engines whose KV cache holds in-use plus retained KV, each rounded up to whole instances
+    (an instance runs ``devices // tp`` engines, all of them: it is paid for whole). Decode speed sets how
+    fast clients come back, so the two counts are solved together. The flag says whether the target is met: below
     the unloaded p90, no number of engines meets it (then sized for the load only). ``decode_nodes``
     fixes the decode count (to compare prefill needs at the same decode speed)."""
     turns = turns or sample(workload, 5000, 0)
@@ -359,12 +385,18 @@ def size_fleet(fleet: Fleet, workload: Workload, ttft_target_ms: float | None = 
         # The host tier holds what the device cache cannot (read at the same link rate: assumed, see docs).
         return kept + r.in_use_gib_per_decode <= 0.9 * kv_cache_gib(plan.fleet) + plan.fleet.host_kv_gib
 
+    per_p, per_d = fleet.engines_per_node("prefill"), fleet.engines_per_node("decode")
+
+    def whole(engines: int, per_node: int) -> int:  # an instance runs all the engines it holds
+        return -(-engines // per_node) * per_node
+
     prefill = decode = 1
     for _ in range(6):
         before = (prefill, decode)
-        decode = decode_nodes or next((d for d in range(1, max_nodes + 1) if decode_ok(plan_for(prefill, d))),
-                                      max_nodes)
-        prefill = next((p for p in range(1, max_nodes + 1) if prefill_ok(plan_for(p, decode))), max_nodes)
+        decode = decode_nodes or whole(next((d for d in range(1, max_nodes + 1) if decode_ok(plan_for(prefill, d))),
+                                            max_nodes), per_d)
+        prefill = whole(next((p for p in range(1, max_nodes + 1) if prefill_ok(plan_for(p, decode))), max_nodes),
+                        per_p)
         if (prefill, decode) == before:
             break
     return replace(fleet, prefill_nodes=prefill, decode_nodes=decode), met

@@ -194,6 +194,9 @@ CATALOG: dict[str, ModelArch] = {
     # Qwen/Qwen3-32B: 64 layers, 5120 hidden, 64 heads / 8 KV heads of 128, MLP 25600
     "Qwen3-32B": ModelArch("Qwen3-32B", layers=64, hidden=5120, heads=64, kv_heads=8, head_dim=128,
                            v_head_dim=128, intermediate=25600, vocab=151936),
+    # Qwen/Qwen3-8B: 36 layers, 4096 hidden, 32 heads / 8 KV heads of 128, MLP 12288, untied embeddings
+    "Qwen3-8B": ModelArch("Qwen3-8B", layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128, v_head_dim=128,
+                          intermediate=12288, vocab=151936),
     # zai-org/GLM-5-FP8 (GlmMoeDsaForCausalLM, 744B total / 40B active): 78 layers (+1 MTP, not served
     # here), 6144 hidden, 64 heads, MLA (q_lora 2048, kv_lora 512, nope 192 + rope 64, v 256), 256
     # routed experts (8 active) + 1 shared of 2048, first 3 layers dense (12288), DSA indexer 32 x 128,
