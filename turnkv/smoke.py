@@ -89,8 +89,10 @@ def check_turn(turn: Turn) -> str | None:
     if turn.index > 1 and (turn.on.outcome != HIT or turn.on.reused_tokens <= 0):
         return (f"turn {turn.index}: no KV reuse (router outcome {turn.on.outcome!r}, {turn.on.reused_tokens} "
                 "reused tokens); the next turn's prefill recomputed the history. Check that decode returns "
-                "kv_transfer_params (connector bidirectional), the offer secret is the same on engines and router, "
-                "and the router's conversation_ttl")
+                "kv_transfer_params (connector bidirectional), that decode has room to retain a turn "
+                "(retained_kv_share, host_kv_budget_mib; vllm:turnkv_retention_refusals_total on decode counts "
+                "turns it refused), the offer secret is the same on engines and router, and the router's "
+                "conversation_ttl")
     if not turn.matches:
         at = next((i for i, (a, b) in enumerate(zip(turn.on.text, turn.off.text, strict=False)) if a != b),
                   min(len(turn.on.text), len(turn.off.text)))

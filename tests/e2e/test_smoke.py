@@ -4,10 +4,14 @@ what a deploy's last step runs against the ALB. Written for the lead engineer's 
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 
 import pytest
 from typer.testing import CliRunner
 
+from tests.e2e import TUNABLES
+from tests.e2e.client import metric
 from turnkv import smoke
 from turnkv.cli import app
 
@@ -27,3 +31,26 @@ def test_the_smoke_command_prints_ttft_per_turn_and_exits_0(stack):
                              env={"COLUMNS": "200"})  # rich wraps the table's headers at 80 columns
     assert done.exit_code == 0, done.output
     assert "TTFT reuse on (ms)" in done.output and "smoke test passed" in done.output
+
+
+def test_the_smoke_command_fails_naming_decodes_room_when_decode_retains_nothing(stack):
+    """A stack that cannot reuse (decode retains no turn: no device share, no host budget, hot-reloaded) fails
+    the smoke test at turn 2 with exit 1 and a reason that names where to look, and decode counts its refusals."""
+    tunables = stack["state_dir"] / "tunables.json"
+    kept = tunables.read_text() if tunables.exists() else None
+    refused = metric(stack["decode-0"], "vllm:turnkv_retention_refusals_total")
+    tunables.write_text(json.dumps({"retained_kv_share": 0.0, "host_kv_budget_mib": 0,
+                                    "decoder_kv_blocks_ttl": TUNABLES["decoder_kv_blocks_ttl"]}))
+    time.sleep(1.2)  # the connector re-reads the file at most once a second
+    try:
+        done = CliRunner().invoke(app, ["smoke", "--url", stack["router"], "--turns", "2", "--timeout", "600"],
+                                  env={"COLUMNS": "200"})
+    finally:
+        if kept is None:
+            tunables.unlink()
+        else:
+            tunables.write_text(kept)
+        time.sleep(1.2)
+    assert done.exit_code == 1, done.output
+    assert "turn 2: no KV reuse" in done.output and "retained_kv_share" in done.output, done.output
+    assert metric(stack["decode-0"], "vllm:turnkv_retention_refusals_total") > refused
