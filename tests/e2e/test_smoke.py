@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from tests.e2e import TUNABLES
 from tests.e2e.client import metric
-from turnkv import smoke
+from turnkv import params, smoke
 from turnkv.cli import app
 
 pytestmark = pytest.mark.engines
@@ -37,7 +37,6 @@ def test_the_smoke_command_fails_naming_decodes_room_when_decode_retains_nothing
     """A stack that cannot reuse (decode retains no turn: no device share, no host budget, hot-reloaded) fails
     the smoke test at turn 2 with exit 1 and a reason that names where to look, and decode counts its refusals."""
     tunables = stack["state_dir"] / "tunables.json"
-    kept = tunables.read_text() if tunables.exists() else None
     refused = metric(stack["decode-0"], "vllm:turnkv_retention_refusals_total")
     tunables.write_text(json.dumps({"retained_kv_share": 0.0, "host_kv_budget_mib": 0,
                                     "decoder_kv_blocks_ttl": TUNABLES["decoder_kv_blocks_ttl"]}))
@@ -45,11 +44,10 @@ def test_the_smoke_command_fails_naming_decodes_room_when_decode_retains_nothing
     try:
         done = CliRunner().invoke(app, ["smoke", "--url", stack["router"], "--turns", "2", "--timeout", "600"],
                                   env={"COLUMNS": "200"})
-    finally:
-        if kept is None:
-            tunables.unlink()
-        else:
-            tunables.write_text(kept)
+    finally:  # the stack's values again (a removed file would leave the engines at the last values they read)
+        tunables.write_text(json.dumps({"retained_kv_share": params.BY_NAME["retained_kv_share"].default,
+                                        "host_kv_budget_mib": TUNABLES["host_kv_budget_mib"],
+                                        "decoder_kv_blocks_ttl": TUNABLES["decoder_kv_blocks_ttl"]}))
         time.sleep(1.2)
     assert done.exit_code == 1, done.output
     assert "turn 2: no KV reuse" in done.output and "retained_kv_share" in done.output, done.output
