@@ -177,3 +177,26 @@ def test_every_engine_tunable_set_on_local_up_reaches_the_engines_start_values(t
         if name in RELOADABLE:
             config = types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config=extra))
             assert start_values(config)[name] == expected
+
+
+def test_rank_cores_gives_each_tensor_parallel_rank_a_core_wrapping_on_small_machines():
+    assert stack.rank_cores([0, 1], 0, 1) == [0]
+    assert stack.rank_cores([0, 1], 1, 2) == [1, 0]
+    assert stack.rank_cores([2, 3, 4, 5], 3, 2) == [3, 4]
+
+
+def test_plan_runs_each_role_at_its_own_tensor_parallelism_and_block_size(tmp_path, monkeypatch):
+    monkeypatch.setattr(stack, "_cores", lambda: [0, 1])
+    monkeypatch.setattr(stack.shutil, "which", lambda name: f"/usr/bin/{name}")
+    config = StackConfig(state_dir=tmp_path, prefill_tp=2, decode_block_size=32, prefill_block_size=128)
+    procs = {p.name: p for p in stack.plan(config)}
+    prefill, decode = procs["prefill-0"], procs["decode-0"]
+
+    def flag(proc, name):
+        return proc.argv[proc.argv.index(name) + 1]
+
+    assert flag(prefill, "--tensor-parallel-size") == "2" and flag(decode, "--tensor-parallel-size") == "1"
+    assert flag(prefill, "--block-size") == "128" and flag(decode, "--block-size") == "32"
+    # one core per rank: the CPU backend binds each rank's threads to its own list
+    assert prefill.argv[:3] == ["taskset", "-c", "0,1"] and prefill.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert decode.argv[:3] == ["taskset", "-c", "1"] and decode.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"

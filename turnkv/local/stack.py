@@ -75,6 +75,12 @@ class StackConfig:
     router_identity: bool = False
     extra_routers: tuple[ExtraRouter, ...] = ()
     model_spec: model_maker.ModelSpec = field(default_factory=model_maker.ModelSpec)
+    #: Per-role shape (the target's unequal shapes, run here: bench.shapes): tensor parallelism (vLLM's CPU
+    #: backend runs one rank per core) and KV block size; None: the engine default.
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    prefill_block_size: int | None = None
+    decode_block_size: int | None = None
 
     @property
     def best_router_port(self) -> int:
@@ -128,11 +134,19 @@ def _cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
+def rank_cores(cores: list[int], first: int, ranks: int) -> list[int]:
+    """The cores an engine's tensor-parallel ranks run on, one each from ``first`` on (wrapping: on a 2-core
+    machine a TP-2 engine shares a core with the other role's engine)."""
+    start = cores.index(first) if first in cores else 0
+    return [cores[(start + i) % len(cores)] for i in range(ranks)]
+
+
 def _engine_process(config: StackConfig, spec: EngineSpec, core: int | None) -> ProcessSpec:
     vllm = Path(sys.executable).with_name("vllm")
     argv = [str(vllm), *engine_args.serve_args(spec)]
-    if core is not None and shutil.which("taskset"):
-        argv = ["taskset", "-c", str(core), *argv]
+    ranks = rank_cores(_cores(), core, spec.tensor_parallel_size) if core is not None else []
+    if ranks and shutil.which("taskset"):
+        argv = ["taskset", "-c", ",".join(str(c) for c in sorted(set(ranks))), *argv]
     state = config.state_dir.resolve()
     env = {
         **engine_args.serve_env(spec),
@@ -140,7 +154,8 @@ def _engine_process(config: StackConfig, spec: EngineSpec, core: int | None) -> 
         "UCX_TLS": "tcp,self,shm",
         "UCX_NET_DEVICES": "lo",
         "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_gib),
-        "VLLM_CPU_OMP_THREADS_BIND": str(core) if core is not None else "auto",
+        # One core per rank ("0|1" for TP 2): vLLM's CPU backend binds each rank's OpenMP threads to its list.
+        "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(c) for c in ranks) if ranks else "auto",
         "VLLM_CACHE_ROOT": str(state / "cache" / "vllm"),
         "TMPDIR": str(state / "tmp"),
         "HF_HOME": str(state / "cache" / "hf"),
@@ -187,13 +202,17 @@ def plan(config: StackConfig) -> list[ProcessSpec]:
     if config.connector:
         common["connector"] = config.connector
         common["bidirectional"] = False
+    def shape(tp: int, block_size: int | None) -> dict[str, int]:
+        return {"tensor_parallel_size": tp, **({"block_size": block_size} if block_size else {})}
+
     prefills = [EngineSpec(role=Role.PREFILL, engine_id=f"prefill-{i}", port=config.prefill_port + i,
                            side_channel_port=config.side_channel_base + (0 if i == 0 else 2 + 2 * i),
-                           prefix_caching=config.prefill_prefix_caching, **common)
+                           prefix_caching=config.prefill_prefix_caching,
+                           **shape(config.prefill_tp, config.prefill_block_size), **common)
                 for i in range(config.prefill_engines)]
     decodes = [EngineSpec(role=Role.DECODE, engine_id=f"decode-{i}", port=config.decode_port + i,
                           side_channel_port=config.side_channel_base + (1 if i == 0 else 3 + 2 * i),
-                          prefix_caching=True, **common)
+                          prefix_caching=True, **shape(config.decode_tp, config.decode_block_size), **common)
                for i in range(config.decode_engines)]
     procs = [_engine_process(config, spec, prefill_core) for spec in prefills]
     procs += [_engine_process(config, spec, decode_core) for spec in decodes]

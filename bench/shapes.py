@@ -1,0 +1,143 @@
+"""The target's unequal shapes on real vLLM CPU engines: prefill and decode at different tensor parallelism or KV
+block sizes, in pull and push mode (both bi-directional), each played as ``turnkv smoke`` plays a deploy: four
+turns, each sent with reuse off and on, answers compared, the router's reuse outcome per turn.
+
+Each shape gets its own local stack (``turnkv.local.stack``); a shape whose engines do not start, or whose turns
+hang, is reported with the reason (the engine log's last lines) and the next shape runs. Prints a table and writes
+JSON + Markdown.
+
+    python -m bench.shapes                       # every shape, pull and push
+    python -m bench.shapes --shape p2d1 --mode pull
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from turnkv import smoke
+from turnkv.engine_args import Mode
+from turnkv.local.stack import StackConfig, StackError, Supervisor, tail
+
+#: Prompt tokens prefill took over the connector (vLLM's prefix-cache query counter by source).
+PULLED = "vllm:prompt_tokens_by_source_total"
+
+
+@dataclass(frozen=True)
+class Shape:
+    key: str
+    label: str
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    prefill_block_size: int | None = None
+    decode_block_size: int | None = None
+
+
+SHAPES = (
+    Shape("equal", "P TP1 / D TP1, blocks 128/128 (the suites' shape)"),
+    Shape("p1d2", "P TP1 / D TP2", decode_tp=2),
+    Shape("p2d1", "P TP2 / D TP1", prefill_tp=2),
+    Shape("b32-128", "P blocks 32 / D blocks 128", prefill_block_size=32, decode_block_size=128),
+    Shape("b128-32", "P blocks 128 / D blocks 32", prefill_block_size=128, decode_block_size=32),
+)
+
+
+@dataclass
+class Row:
+    shape: str
+    label: str
+    mode: str
+    started: bool = False
+    turns: list[dict] = field(default_factory=list)
+    pulled_tokens: float = 0.0
+    passed: bool = False
+    failure: str = ""
+    seconds: float = 0.0
+
+
+def _pulled(url: str) -> float:
+    try:
+        text = requests.get(f"{url}/metrics", timeout=10).text
+    except requests.RequestException:
+        return float("nan")
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == PULLED and s.labels.get("source") == "external_kv_transfer")
+
+
+def run_shape(shape: Shape, mode: Mode, state_dir: Path, timeout_s: float) -> Row:
+    row = Row(shape.key, shape.label, mode.value)
+    started = time.monotonic()
+    config = StackConfig(state_dir=state_dir, router_port=8600, prefill_port=8610, decode_port=8620,
+                         side_channel_base=5700, mode=mode, kv_cache_gib=1, startup_timeout=300.0,
+                         prefill_tp=shape.prefill_tp, decode_tp=shape.decode_tp,
+                         prefill_block_size=shape.prefill_block_size, decode_block_size=shape.decode_block_size)
+    supervisor = Supervisor(state_dir)
+    supervisor.down()
+    try:
+        try:
+            state = supervisor.up(config)
+        except StackError as exc:
+            logs = sorted((state_dir / "logs").glob("*-0.log"))
+            row.failure = f"did not start: {exc}; " + " | ".join(
+                f"{log.name}: {tail(log, 3)}" for log in logs)
+            return row
+        row.started = True
+        urls = {name: c["url"] for name, c in state["components"].items()}
+        result = asyncio.run(smoke.run(urls["router"], timeout_s=timeout_s))
+        row.turns = smoke.summary_rows(result)
+        row.pulled_tokens = _pulled(urls["prefill-0"])
+        row.passed, row.failure = result.ok, result.failure or ""
+        return row
+    finally:
+        supervisor.down()
+        row.seconds = round(time.monotonic() - started, 1)
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = ["| shape | mode | engines up | turns reused (of later) | reused tokens by turn | answers equal | "
+             "prefill pulled tokens | result |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        later = r.turns[1:]
+        reused = sum(1 for t in later if t["outcome"] == smoke.HIT)
+        tokens = ", ".join(str(t["reused_tokens"]) for t in later) or "-"
+        equal = f"{sum(1 for t in r.turns if t['same_answer'])}/{len(r.turns)}" if r.turns else "-"
+        result = "passed" if r.passed else (r.failure.replace("|", "/").replace("\n", " ")[:300] or "failed")
+        lines.append(f"| {r.label} | {r.mode} | {'yes' if r.started else 'no'} | {reused}/{len(later)} | {tokens} | "
+                     f"{equal} | {r.pulled_tokens:,.0f} | {result} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", action="append", choices=[s.key for s in SHAPES],
+                        help="shape(s) to run (default: all)")
+    parser.add_argument("--mode", action="append", choices=[m.value for m in Mode], help="default: pull and push")
+    parser.add_argument("--out", type=Path, default=Path("results/shapes"))
+    parser.add_argument("--state-dir", type=Path, default=Path(".turnkv/shapes"))
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds for one shape's turns")
+    args = parser.parse_args(argv)
+    shapes = [s for s in SHAPES if not args.shape or s.key in args.shape]
+    modes = [Mode(m) for m in (args.mode or [m.value for m in Mode])]
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[Row] = []
+    for shape in shapes:
+        for mode in modes:
+            print(f"shape {shape.label}, {mode.value} ...", flush=True)
+            rows.append(run_shape(shape, mode, args.state_dir, args.timeout))
+            print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+            (args.out / "shapes.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    text = markdown(rows)
+    (args.out / "shapes.md").write_text(text + "\n")
+    print(text)
+    return 0 if all(r.passed for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
