@@ -31,9 +31,9 @@ def demo(
     from bench.runner import RunSpec
     from bench.workload import WorkloadSpec
     from turnkv.commands.bench import run_benchmark
-    from turnkv.commands.local import start_stack
     from turnkv.local.model import load_words
     from turnkv.local.stack import StackConfig, Supervisor
+    from turnkv.local.start import start_stack
 
     # A host tier on decode (allocated at start): the pressure row turns it on and off by reload.
     config = StackConfig(state_dir=state_dir, router_port=port, best_case=True,
