@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from turnkv import router_env
 from turnkv.engine_args import Mode
 from turnkv.local.start import start_stack
 
@@ -32,9 +33,11 @@ def parse_sets(items: list[str] | None) -> dict[str, str]:
 
 @app.command()
 def up(
-    port: Annotated[int, typer.Option(help="Router port.")] = 8000,
-    engine_port_base: Annotated[int, typer.Option(help="Prefill engine port; decode gets +100.")] = 8100,
-    side_channel_base: Annotated[int, typer.Option(help="First NIXL side-channel port.")] = 5600,
+    port: Annotated[int, typer.Option(help="Router port.")] = router_env.PORT,
+    engine_port_base: Annotated[int, typer.Option(
+        help=f"Prefill engine port; decode gets +{router_env.DECODE_PORT_OFFSET}.")] = router_env.LOCAL_PREFILL_PORT,
+    side_channel_base: Annotated[int, typer.Option(
+        help="First NIXL side-channel port.")] = router_env.LOCAL_SIDE_CHANNEL_BASE,
     mode: Annotated[Mode, typer.Option(help="Connector mode of every engine, both bi-directional: pull (decode "
                                             "READs prefill's KV) or push (prefill WRITEs into decode).")] = Mode.PULL,
     prefill_prefix_caching: Annotated[bool, typer.Option(
@@ -56,7 +59,8 @@ def up(
     except params.ParamError as exc:
         raise typer.BadParameter(str(exc), param_hint="--set") from None
     config = StackConfig(state_dir=state_dir, router_port=port, prefill_port=engine_port_base,
-                         decode_port=engine_port_base + 100, side_channel_base=side_channel_base, mode=mode,
+                         decode_port=engine_port_base + router_env.DECODE_PORT_OFFSET,
+                         side_channel_base=side_channel_base, mode=mode,
                          prefill_prefix_caching=prefill_prefix_caching, best_case=best_case, tunables=tunables)
     state = start_stack(config, console)
     router = state["components"]["router"]["url"]
