@@ -25,6 +25,7 @@ from typing import Any
 from bench import report, runner
 from bench.client import Result
 from bench.workload import WorkloadSpec
+from turnkv import router_env
 
 ARMS = ("off", "on")
 LABELS = {"off": "reuse off (recompute)", "on": "reuse on (pull from decode)"}
@@ -181,7 +182,7 @@ def workload(args: argparse.Namespace) -> WorkloadSpec:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--url", default=router_env.LOCAL_URL)
     p.add_argument("--levels", default="1,2,4,8,16")
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--system-words", type=int, default=200)

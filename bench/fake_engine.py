@@ -46,6 +46,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from turnkv import params as catalog
 from turnkv import wire
 
 #: The offer secret fake engines sign and verify with unless told otherwise (turnkv local up generates one).
@@ -96,13 +97,13 @@ class FakeEngine:
     side_channel_port: int = 0
     mode: str = "pull"
     bidirectional: bool = True
-    expiry_ttl: float = 480.0
+    expiry_ttl: float = float(catalog.get("decoder_kv_blocks_ttl").default)
     offer_secret: bytes | None = FAKE_SECRET
     expiry_skew: float = 1.0
     #: Decode: most turns retained at once (0: no bound); above it the oldest is evicted as turnkv's connector
     #: does (connector.retention): announced on the evictions feed, its blocks freed ``eviction_grace`` later.
     retain_limit: int = 0
-    eviction_grace: float = 30.0
+    eviction_grace: float = float(catalog.get("retention_eviction_grace").default)
     #: Decode: offer every retained turn from a host tier (connector.host_tier), its copy done this long after the
     #: turn ends (a real decode copies at its next step); listed on the feed as hosted from then. None: device.
     host_copy_delay: float | None = None

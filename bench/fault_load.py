@@ -29,7 +29,7 @@ from pathlib import Path
 
 import aiohttp
 
-from turnkv import wire
+from turnkv import params, wire
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -396,7 +396,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--check-fraction", type=float, default=0.1, help="real engines: turns re-run with reuse off")
     p.add_argument("--check-limit", type=int, default=50)
     p.add_argument("--engine-ttl", type=int, default=60,
-                   help="real engines: decoder_kv_blocks_ttl in s (the catalog's default is 480; 60 keeps retained "
+                   help="real engines: decoder_kv_blocks_ttl in s (the catalog's default is "
+                        f"{params.get('decoder_kv_blocks_ttl').default}; 60 keeps retained "
                         "blocks from filling the 1 GiB caches in short runs)")
     p.add_argument("--port-base", type=int, default=28300)
     p.add_argument("--out", default="results/fault-load")

@@ -29,7 +29,7 @@ import orjson
 import psutil
 
 from bench.fake_engine import FAKE_SECRET
-from turnkv import wire
+from turnkv import router_env, wire
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK_MEMORY_MIB = 2048  # the router's Fargate task (infra)
@@ -244,7 +244,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     p_port, d_port, r_port = free_port(), free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), wire.OFFER_SECRET_ENV: FAKE_SECRET.decode(),
-           "TURNKV_API_KEYS": json.dumps({"tenants": {"bystander": BYSTANDER,
+           router_env.API_KEYS: json.dumps({"tenants": {"bystander": BYSTANDER,
                                                       **{f"attacker{i}": k for i, k in enumerate(ATTACKERS)}}})}
     py = sys.executable
     procs = [subprocess.Popen([py, "-m", "bench.fake_engine", "--port", str(p_port), "--port", str(d_port)],

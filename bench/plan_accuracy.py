@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench import report, runner
     from bench.workload import WorkloadSpec, build
-    from turnkv.commands.local import start_stack
     from turnkv.local.model import load_words
     from turnkv.local.stack import StackConfig, Supervisor
+    from turnkv.local.start import start_stack
 
     config = StackConfig(state_dir=args.state_dir)
     state = start_stack(config)

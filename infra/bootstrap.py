@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from turnkv import metric_names as mn
 from turnkv import node_env
-from turnkv.commands import engine as engine_command
 from turnkv.engine_args import Mode, Role
 
 AGENT_CONFIG_PATH = "/opt/aws/amazon-cloudwatch-agent/etc/turnkv-agent.json"
@@ -41,8 +40,8 @@ def mark_unhealthy_function(region: str) -> str:
 }}"""
 
 
-#: Where the engine keeps synced weights (turnkv.commands.engine.MODELS_DIR): on instance NVMe when there is some.
-MODELS_DIR = engine_command.MODELS_DIR
+#: Where the engine keeps synced weights (turnkv.node_env.MODELS_DIR): on instance NVMe when there is some.
+MODELS_DIR = node_env.MODELS_DIR
 
 
 @dataclass(frozen=True)

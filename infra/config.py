@@ -31,7 +31,7 @@ from pydantic import (
 )
 
 from turnkv.engine_args import Mode, Role
-from turnkv.node_env import check_value
+from turnkv.node_env import MODEL, check_value
 
 from .instances import INSTANCE_TYPES, Flavor
 
@@ -107,7 +107,7 @@ def _range(low: int, high: int, fix: str):
 
 def _model_text(value: str) -> str:
     try:
-        check_value("TURNKV_MODEL", value)
+        check_value(MODEL, value)
     except ValueError:
         raise ValueError(f"{value!r} has a character the engine's env file cannot carry; use letters, digits and "
                          "_.,:/@+=- only") from None

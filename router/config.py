@@ -17,11 +17,11 @@ from typing import Any
 import orjson
 
 from router import hints
-from turnkv import params, wire
+from turnkv import params, router_env, wire
 
-KEY_SECRET_ENV = "TURNKV_KEY_SECRET"
-API_KEYS_ENV = "TURNKV_API_KEYS"
-DEPLOYMENT_ENV = "TURNKV_DEPLOYMENT"
+KEY_SECRET_ENV = router_env.KEY_SECRET
+API_KEYS_ENV = router_env.API_KEYS
+DEPLOYMENT_ENV = router_env.DEPLOYMENT
 
 
 @dataclass
@@ -29,7 +29,7 @@ class RouterConfig:
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = router_env.PORT
     #: Router and engine tunables (catalog names). The engine TTL bounds how long an entry may live.
     tunables: dict[str, int | float] = field(default_factory=params.defaults)
     #: HMAC secret for conversation keys; replicas sharing a store must share it. Empty: from the

@@ -16,6 +16,8 @@ from typing import Any
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from turnkv import router_env
+
 #: Why a request did or did not reuse the previous turn's KV.
 #: hit: replayed; miss: nothing stored; mismatch: the prompt does not extend the stored history;
 #: expired: the entry's blocks are (nearly) freed; refused: stored params name an unknown engine;
@@ -124,7 +126,7 @@ class Metrics:
 
 # -- CloudWatch embedded metric format ---------------------------------------------------------------
 
-NAMESPACE = os.environ.get("TURNKV_METRICS_NAMESPACE", "turnkv/Router")
+NAMESPACE = os.environ.get(router_env.METRICS_NAMESPACE, "turnkv/Router")
 
 
 def prompt_bucket(tokens: int) -> str:

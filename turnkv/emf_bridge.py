@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from turnkv import metric_names as mn
+from turnkv import node_env
 
 DEFAULT_EMF_ADDRESS = ("127.0.0.1", 25888)
 
@@ -221,7 +222,7 @@ def run(metrics_url: str, dimensions: Mapping[str, str], log_group: str, interva
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m turnkv.emf_bridge", description=__doc__.splitlines()[0])
-    parser.add_argument("--metrics-url", default="http://127.0.0.1:8000/metrics")
+    parser.add_argument("--metrics-url", default=f"http://127.0.0.1:{node_env.DEFAULT_PORT}/metrics")
     parser.add_argument("--deployment", required=True)
     parser.add_argument("--role", required=True, choices=["prefill", "decode"])
     parser.add_argument("--pool", required=True)

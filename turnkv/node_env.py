@@ -27,6 +27,10 @@ NODE_ENV_FILE = f"{ETC_DIR}/node.env"
 TUNABLES_FILE = params.DEFAULT_TUNABLES_FILE
 VENV_BIN = "/opt/turnkv/venv/bin"
 TURNKV_BIN = f"{VENV_BIN}/turnkv"
+#: Where the engine keeps weights synced from TURNKV_MODEL_S3_URI (infra mounts instance NVMe here when there is some).
+MODELS_DIR = "/opt/turnkv/models"
+#: The AMI records its flavor here (gpu or neuron); what is unverified on a flavor stops the engine at start.
+FLAVOR_FILE = "/var/lib/turnkv/ami/flavor"
 
 #: systemd units the AMI installs (and the one the user data adds for Cloud Map registration).
 ENGINE_SERVICE = "turnkv-engine.service"

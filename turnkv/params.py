@@ -206,6 +206,11 @@ def defaults(scope: Scope | None = None) -> dict[str, int | float]:
     return {t.name: t.default for t in CATALOG if scope is None or t.scope is scope}
 
 
+def value(values: Mapping[str, int | float], name: str) -> int | float:
+    """``name``'s value in ``values``, else its catalog default (never a default retyped at the call site)."""
+    return values.get(name, get(name).default)
+
+
 #: The rules ``cross_check`` enforces, in words (docs/parameters.md is generated from them and the catalog).
 CROSS_CHECKS: tuple[str, ...] = (
     "conversation_ttl + expiry_margin must stay at or below decoder_kv_blocks_ttl, else the router would replay "

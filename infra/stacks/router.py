@@ -24,16 +24,16 @@ from infra.stacks.params import parameter_arn
 from infra.stacks.serving import CLOUDMAP_SERVICE, ServingStack
 from infra.wheel import REPO_ROOT
 from turnkv import metric_names as mn
-from turnkv import node_env, wire
+from turnkv import node_env, router_env
 
-ROUTER_PORT = 8000
+ROUTER_PORT = router_env.PORT
 VALKEY_PORT = 6379
 VALKEY_USER = "turnkv-router"
 #: The default user's access string: switched off, no command allowed.
 VALKEY_DEFAULT_ACCESS = "off -@all"
-#: The router reads its store credentials from these (router.state.valkey; a test ties the names).
-STORE_USERNAME_ENV = "TURNKV_STORE_USERNAME"
-STORE_PASSWORD_ENV = "TURNKV_STORE_PASSWORD"
+#: The router reads its store credentials from these (turnkv.router_env, as router.state.valkey does).
+STORE_USERNAME_ENV = router_env.STORE_USERNAME
+STORE_PASSWORD_ENV = router_env.STORE_PASSWORD
 #: Router keep-alive beyond the ALB idle timeout (AWS: a target's keep-alive shorter than the load balancer's
 #: idle timeout causes sporadic 502s).
 KEEPALIVE_MARGIN_S = 60
@@ -155,13 +155,13 @@ class RouterStack(Stack):
                    # Outlast the ALB's idle timeout: a connection the ALB still reuses is never closed under it.
                    "--keepalive-timeout", str(rc.idle_timeout_s + KEEPALIVE_MARGIN_S)]
         container_secrets = {
-            "TURNKV_API_KEYS": ecs.Secret.from_secrets_manager(self.api_keys),
+            router_env.API_KEYS: ecs.Secret.from_secrets_manager(self.api_keys),
             # The engines' offer secret: the router clears each offer it replays, and prefill reads only cleared
             # offers (turnkv.wire), so an offer that bypassed the evictions feed is never read.
-            wire.OFFER_SECRET_ENV: ecs.Secret.from_secrets_manager(serving.offer_secret),
+            router_env.OFFER_SECRET: ecs.Secret.from_secrets_manager(serving.offer_secret),
         }
-        environment = {"TURNKV_DEPLOYMENT": config.name, "AWS_REGION": config.region,
-                       "TURNKV_METRICS_NAMESPACE": mn.ROUTER_NAMESPACE}
+        environment = {router_env.DEPLOYMENT: config.name, router_env.REGION: config.region,
+                       router_env.METRICS_NAMESPACE: mn.ROUTER_NAMESPACE}
         if self.valkey is not None:
             container_secrets[STORE_PASSWORD_ENV] = ecs.Secret.from_secrets_manager(
                 self.valkey_credentials, "password")

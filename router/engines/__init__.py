@@ -15,6 +15,7 @@ from urllib.parse import parse_qsl, urlsplit
 from router.engines.evictions import EvictionFeed
 from router.engines.policy import ChoicePolicy, LeastLoad
 from router.guard import normalize_host
+from turnkv import params
 
 ROLES = ("prefill", "decode")
 
@@ -146,8 +147,8 @@ class EnginePool:
         self.on_change: Callable[[Engine], None] = lambda engine: None
         self.extra_hosts: set[str] = set()
 
-    def _t(self, name: str, default: float) -> float:
-        return float(self.tunables.get(name, default))
+    def _t(self, name: str) -> float:
+        return float(params.value(self.tunables, name))
 
     @property
     def all(self) -> list[Engine]:
@@ -216,7 +217,7 @@ class EnginePool:
         """Count a failure; eject the engine at ``eject_failures`` in a row. True when it was ejected now."""
         engine.failures += 1
         engine.successes = 0
-        if engine.healthy and engine.failures >= self._t("eject_failures", 1):
+        if engine.healthy and engine.failures >= self._t("eject_failures"):
             engine.healthy = False
             engine.down_at_wall = time.time()
             self.on_change(engine)
@@ -237,7 +238,7 @@ class EnginePool:
         if engine.healthy or not probe:
             return False
         engine.successes += 1
-        if engine.successes >= self._t("return_successes", 2):
+        if engine.successes >= self._t("return_successes"):
             engine.healthy = True
             engine.successes = 0
             engine.returned_at = self.clock()

@@ -12,6 +12,8 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from turnkv import params
+
 if TYPE_CHECKING:
     from router.engines import Engine
 
@@ -22,9 +24,9 @@ class ChoicePolicy(Protocol):
 
 
 def load(engine: Engine, now: float, tunables: Mapping[str, float]) -> float:
-    per_request = float(tunables.get("tokens_per_request", 2048)) or 1.0
+    per_request = float(params.value(tunables, "tokens_per_request")) or 1.0
     busy = engine.outstanding + engine.outstanding_tokens / per_request
-    return (busy + 1.0) / engine.weight(now, float(tunables.get("slow_start", 30)))
+    return (busy + 1.0) / engine.weight(now, float(params.value(tunables, "slow_start")))
 
 
 class LeastLoad:
@@ -41,7 +43,7 @@ class LeastLoad:
         tick = self._ticks.setdefault(candidates[0].role, itertools.count())
         scores = [load(e, now, tunables) for e in candidates]
         best = min(scores)
-        slack = float(tunables.get("affinity_slack", 4))
+        slack = float(params.value(tunables, "affinity_slack"))
         if preferred is not None and preferred in candidates and load(preferred, now, tunables) - best <= slack:
             return preferred
         ties = [e for e, s in zip(candidates, scores, strict=True) if s - best < 1e-9]

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from router.state import Entry
+from turnkv import params
 
 #: Bytes an entry costs besides its serialized value: the dict slot, the tuple, the float and the key object.
 PER_ENTRY_OVERHEAD = 200
@@ -31,7 +32,7 @@ class MemoryStore:
     does_io = False  # every operation finishes without yielding (no timeout needed)
 
     def __init__(self, max_entries: int, clock: Callable[[], float] = time.time,
-                 max_bytes: int = 256 * 1024 * 1024) -> None:
+                 max_bytes: int = int(params.get("max_store_bytes").default)) -> None:
         self._entries: OrderedDict[bytes | str, tuple[float, bytes]] = OrderedDict()
         self._max = max_entries
         self.max_bytes = max_bytes

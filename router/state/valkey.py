@@ -17,11 +17,12 @@ from collections.abc import Callable
 from typing import Any
 
 from router.state import Entry
+from turnkv import router_env
 
 KEY_PREFIX = "turnkv:conv:"
 #: RBAC credentials (an ElastiCache user group's user): from the environment, never on a command line.
-USERNAME_ENV = "TURNKV_STORE_USERNAME"
-PASSWORD_ENV = "TURNKV_STORE_PASSWORD"
+USERNAME_ENV = router_env.STORE_USERNAME
+PASSWORD_ENV = router_env.STORE_PASSWORD
 SECRET_KEY = "turnkv:key-secret"
 #: Compare-and-set of one entry (KEYS[1]; ARGV: expected value, new value or "" to delete, TTL in ms).
 SWAP_SCRIPT = """

@@ -156,7 +156,7 @@ def test_weights_go_to_the_instance_nvme_when_there_is_some(tmp_path):
     calls = _nvme(tmp_path, dlami=False, disks=1)
     assert not any(c.startswith("mdadm") for c in calls) and "mkfs.ext4 -q -F -E nodiscard /dev/nvme1n1" in calls
     assert _nvme(tmp_path, dlami=False, disks=0) == []  # no instance store: the root volume, nothing mounted
-    assert models == __import__("turnkv.commands.engine", fromlist=["MODELS_DIR"]).MODELS_DIR
+    assert models == __import__("turnkv.engine_run", fromlist=["MODELS_DIR"]).MODELS_DIR
 
 
 def test_a_failing_user_data_marks_the_instance_unhealthy(tmp_path):

@@ -1,4 +1,5 @@
-"""`turnkv engine run`: engine.env -> EngineSpec -> `vllm serve` argv/env, without starting vLLM."""
+"""`turnkv engine run` (turnkv.engine_run and its CLI): engine.env -> EngineSpec -> `vllm serve` argv/env, without
+starting vLLM."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from turnkv import engine_run as engine
 from turnkv import params
-from turnkv.commands import engine
+from turnkv.commands import engine as engine_cli
 from turnkv.engine_args import EngineSpec, Mode, Role, serve_args, serve_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,7 +160,7 @@ def test_cli_execs_vllm_with_env_and_flags(clean_env, monkeypatch):
         clean_env.setenv(name, value)
     clean_env.setenv("TURNKV_TUNABLES_FILE", "/nonexistent/tunables.json")
     execs = []
-    monkeypatch.setattr(engine.os, "execvpe", lambda file, argv, env: execs.append((file, argv, env)))
+    monkeypatch.setattr(engine_cli.os, "execvpe", lambda file, argv, env: execs.append((file, argv, env)))
     result = CliRunner().invoke(app, ["engine", "run", "--tp-size", "4", "--role", "prefill"])
     assert result.exit_code == 0, result.output
     ((file, argv, env),) = execs
@@ -192,9 +194,10 @@ def test_cli_names_the_bad_variable_and_exits_2(clean_env):
 
 
 def test_template_and_unit_speak_the_same_variables():
-    names = {getattr(engine, n) for n in ("ROLE", "ENGINE_ID", "MODEL", "SERVED_MODEL_NAME", "MODE", "BIDIRECTIONAL",
-                                           "TP_SIZE", "MAX_MODEL_LEN", "PORT", "SIDE_CHANNEL_HOST", "SIDE_CHANNEL_PORT",
-                                           "BACKENDS", "TUNABLES_FILE", "MODEL_S3_URI")}
+    names = {getattr(engine_cli, n) for n in ("ROLE", "ENGINE_ID", "MODEL", "SERVED_MODEL_NAME", "MODE",
+                                               "BIDIRECTIONAL", "TP_SIZE", "MAX_MODEL_LEN", "PORT",
+                                               "SIDE_CHANNEL_HOST", "SIDE_CHANNEL_PORT", "BACKENDS", "TUNABLES_FILE",
+                                               "MODEL_S3_URI")}
     template = (REPO / "ami/scripts/files/engine.env.template").read_text()
     in_template = {line.split("=", 1)[0] for line in template.splitlines() if line and not line.startswith("#")}
     assert in_template == names
@@ -217,8 +220,9 @@ def test_names_and_spec_agree_with_node_env():
     node_env = pytest.importorskip("turnkv.node_env", reason="turnkv/node_env.py arrives with branch infra")
     for name in ("ROLE", "ENGINE_ID", "MODEL", "SERVED_MODEL_NAME", "MODE", "BIDIRECTIONAL", "TP_SIZE",
                  "MAX_MODEL_LEN", "PORT", "SIDE_CHANNEL_HOST", "SIDE_CHANNEL_PORT", "BACKENDS", "MODEL_S3_URI"):
-        assert getattr(engine, name) == getattr(node_env, name), name
-    assert engine.TUNABLES_FILE == node_env.TUNABLES_FILE_VAR and engine.ENGINE_ENV_FILE == node_env.ENGINE_ENV_FILE
+        assert getattr(engine_cli, name) == getattr(node_env, name), name
+    assert engine_cli.TUNABLES_FILE == engine.TUNABLES_FILE == node_env.TUNABLES_FILE_VAR
+    assert engine_cli.ENGINE_ENV_FILE == node_env.ENGINE_ENV_FILE
     assert engine.spec_from_env(FULL) == node_env.engine_spec(FULL)
 
 

@@ -10,6 +10,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from turnkv import router_env
+
 app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
 console = Console(stderr=True)
 
@@ -54,7 +56,7 @@ def run_benchmark(spec, out: Path, meta: dict[str, Any] | None = None) -> dict[s
 
 @app.command()
 def multiturn(
-    url: Annotated[str, typer.Option(help="Router (or any OpenAI-compatible) base URL.")] = "http://127.0.0.1:8000",
+    url: Annotated[str, typer.Option(help="Router (or any OpenAI-compatible) base URL.")] = router_env.LOCAL_URL,
     out: Annotated[Path, typer.Option(help="Folder for results.jsonl, summary.md/json and ttft.png.")] = Path(
         "results/bench"),
     ab: Annotated[bool, typer.Option("--ab", help="Play every conversation with reuse off and on (interleaved turn "
@@ -110,7 +112,7 @@ def multiturn(
 
 @app.command()
 def capacity(
-    url: Annotated[str, typer.Option(help="Router (or any OpenAI-compatible) base URL.")] = "http://127.0.0.1:8000",
+    url: Annotated[str, typer.Option(help="Router (or any OpenAI-compatible) base URL.")] = router_env.LOCAL_URL,
     levels: Annotated[str, typer.Option(help="Comma list of conversations at once (closed loop).")] = "1,2,4,8,16",
     turns: Annotated[int, typer.Option(min=2, help="Turns per conversation.")] = 6,
     system_words: Annotated[int, typer.Option(min=0, help="Shared system prompt length (words ~ tokens).")] = 200,

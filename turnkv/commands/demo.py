@@ -8,6 +8,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from turnkv import router_env
+
 console = Console(stderr=True)
 
 #: The pressure row: a small device share, so that twice what fits is a handful of conversations, and a host tier
@@ -18,7 +20,7 @@ PRESSURE_HOST_MIB = 256
 
 def demo(
     out: Annotated[Path, typer.Option(help="Where the benchmark writes its report.")] = Path("results/demo"),
-    port: Annotated[int, typer.Option(help="Router port (the best-case router uses port+1).")] = 8000,
+    port: Annotated[int, typer.Option(help="Router port (the best-case router uses port+1).")] = router_env.PORT,
     conversations: Annotated[int, typer.Option(min=1)] = 3,
     turns: Annotated[int, typer.Option(min=2)] = 8,
     state_dir: Annotated[Path, typer.Option(help="State folder of the local stack.")] = Path(".turnkv"),
@@ -31,9 +33,9 @@ def demo(
     from bench.runner import RunSpec
     from bench.workload import WorkloadSpec
     from turnkv.commands.bench import run_benchmark
-    from turnkv.commands.local import start_stack
     from turnkv.local.model import load_words
     from turnkv.local.stack import StackConfig, Supervisor
+    from turnkv.local.start import start_stack
 
     # A host tier on decode (allocated at start): the pressure row turns it on and off by reload.
     config = StackConfig(state_dir=state_dir, router_port=port, best_case=True,

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from turnkv import router_env
 from turnkv.engine_args import Mode
+from turnkv.local.start import start_stack
 
 app = typer.Typer(help="Run prefill + decode vLLM engines and the router on 127.0.0.1.", no_args_is_help=True)
 console = Console(stderr=True)
@@ -31,39 +31,13 @@ def parse_sets(items: list[str] | None) -> dict[str, str]:
     return out
 
 
-def start_stack(config, console: Console = console) -> dict:
-    """Start the stack with a progress display; raise typer.Exit(1) with the reason on failure."""
-    from turnkv.local.stack import StackError, Supervisor
-
-    supervisor = Supervisor(config.state_dir)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
-                  transient=False) as progress:
-        tasks: dict[str, int] = {}
-        started: dict[str, float] = {}
-
-        def on_event(name: str, event: str) -> None:
-            if name not in tasks:
-                tasks[name] = progress.add_task(f"{name}: {event}", total=1)
-                started[name] = time.monotonic()
-            elif event in ("healthy", "ready"):
-                took = time.monotonic() - started[name]
-                progress.update(tasks[name], description=f"{name}: {event} ({took:.0f} s)", completed=1)
-            else:
-                progress.update(tasks[name], description=f"{name}: {event}")
-
-        try:
-            return supervisor.up(config, on_event)
-        except StackError as exc:
-            progress.stop()
-            console.print(f"[red]turnkv local up failed:[/red] {exc}")
-            raise typer.Exit(1) from None
-
-
 @app.command()
 def up(
-    port: Annotated[int, typer.Option(help="Router port.")] = 8000,
-    engine_port_base: Annotated[int, typer.Option(help="Prefill engine port; decode gets +100.")] = 8100,
-    side_channel_base: Annotated[int, typer.Option(help="First NIXL side-channel port.")] = 5600,
+    port: Annotated[int, typer.Option(help="Router port.")] = router_env.PORT,
+    engine_port_base: Annotated[int, typer.Option(
+        help=f"Prefill engine port; decode gets +{router_env.DECODE_PORT_OFFSET}.")] = router_env.LOCAL_PREFILL_PORT,
+    side_channel_base: Annotated[int, typer.Option(
+        help="First NIXL side-channel port.")] = router_env.LOCAL_SIDE_CHANNEL_BASE,
     mode: Annotated[Mode, typer.Option(help="Connector mode of every engine, both bi-directional: pull (decode "
                                             "READs prefill's KV) or push (prefill WRITEs into decode).")] = Mode.PULL,
     prefill_prefix_caching: Annotated[bool, typer.Option(
@@ -85,9 +59,10 @@ def up(
     except params.ParamError as exc:
         raise typer.BadParameter(str(exc), param_hint="--set") from None
     config = StackConfig(state_dir=state_dir, router_port=port, prefill_port=engine_port_base,
-                         decode_port=engine_port_base + 100, side_channel_base=side_channel_base, mode=mode,
+                         decode_port=engine_port_base + router_env.DECODE_PORT_OFFSET,
+                         side_channel_base=side_channel_base, mode=mode,
                          prefill_prefix_caching=prefill_prefix_caching, best_case=best_case, tunables=tunables)
-    state = start_stack(config)
+    state = start_stack(config, console)
     router = state["components"]["router"]["url"]
     console.print(f"[green]local stack up[/green]: router {router} (OpenAI API: {router}/v1), "
                   f"logs in {state_dir / 'logs'}; stop with `turnkv local down`")

@@ -14,13 +14,14 @@ from typing import Annotated
 
 import typer
 
+from turnkv import node_env
 from turnkv import params as catalog
 
 app = typer.Typer(help="Read and change the tunables in SSM Parameter Store.", no_args_is_help=True)
 
-Deployment = Annotated[str, typer.Option("--deployment", "-d", envvar="TURNKV_DEPLOYMENT",
+Deployment = Annotated[str, typer.Option("--deployment", "-d", envvar=node_env.DEPLOYMENT,
                                          help="Deployment name (the CDK config's name).")]
-Region = Annotated[str | None, typer.Option("--region", envvar="AWS_REGION", help="AWS region.")]
+Region = Annotated[str | None, typer.Option("--region", envvar=node_env.REGION, help="AWS region.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 
 

@@ -10,8 +10,12 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from turnkv import params
+
 console = Console(stderr=True)
 
+#: The catalog's tunables the planner sizes for (defaults and bounds of --ttl and --threshold).
+_TTL, _THRESHOLD = params.get("decoder_kv_blocks_ttl"), params.get("kv_recompute_threshold")
 DEFAULT_WORKLOAD = Path(__file__).resolve().parents[2] / "bench" / "workloads" / "agentic-p5en.json"
 
 app = typer.Typer(help="Capacity planner: TTFT with reuse off/on, retained KV, hit share, nodes, cost.",
@@ -305,8 +309,10 @@ def plan(
     block_size: Annotated[int | None, typer.Option(min=1, help="KV block size in tokens (default 128, what turnkv's "
                                                                "engines run: turnkv.engine_args).")]
     = None,
-    ttl: Annotated[float, typer.Option(min=10, max=3600, help="decoder_kv_blocks_ttl (s).")] = 480,
-    threshold: Annotated[int, typer.Option(min=0, help="kv_recompute_threshold (tokens).")] = 64,
+    ttl: Annotated[float, typer.Option(min=_TTL.minimum, max=_TTL.maximum, help="decoder_kv_blocks_ttl (s).")]
+    = _TTL.default,
+    threshold: Annotated[int, typer.Option(min=_THRESHOLD.minimum, help="kv_recompute_threshold (tokens).")]
+    = _THRESHOLD.default,
     mode: Annotated[str, typer.Option(help="pull or push.")] = "pull",
     prefill_prefix_caching: Annotated[bool, typer.Option(help="Prefill keeps a prefix cache (off, as in the "
                                                               "seeds' benchmark).")] = False,

@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from turnkv import router_env
+
 app = typer.Typer(help="The KV-cache-aware P/D router.", no_args_is_help=True)
 
 
@@ -17,14 +19,14 @@ def serve(
                           "http://H:P?engine_id=ID&side_channel_port=N[&side_channel_host=H&tp_size=N].")] = None,
     decode: Annotated[list[str] | None, typer.Option("--decode", help="Decode engine URL (repeatable).")] = None,
     host: Annotated[str | None, typer.Option(help="Address to listen on [127.0.0.1].")] = None,
-    port: Annotated[int | None, typer.Option(help="Port to listen on [8000].")] = None,
+    port: Annotated[int | None, typer.Option(help=f"Port to listen on [{router_env.PORT}].")] = None,
     config_file: Annotated[Path | None, typer.Option(
         "--config", help="Settings file (JSON or TOML): the flags' names with _, and 'set' for tunables.")] = None,
     mode: Annotated[str | None, typer.Option(help="KV transfer mode: pull, or push (concurrent P and D).")] = None,
     discovery: Annotated[str | None, typer.Option(help="Engines from 'static' flags or 'cloudmap'.")] = None,
     namespace: Annotated[str | None, typer.Option(help="Cloud Map namespace (with --discovery cloudmap).")] = None,
     service: Annotated[str | None, typer.Option(help="Cloud Map service [engines].")] = None,
-    region: Annotated[str | None, typer.Option(help="AWS region (Cloud Map, SSM).", envvar="AWS_REGION")] = None,
+    region: Annotated[str | None, typer.Option(help="AWS region (Cloud Map, SSM).", envvar=router_env.REGION)] = None,
     aws_endpoint_url: Annotated[str | None, typer.Option(help="AWS endpoint override (tests).")] = None,
     store: Annotated[str | None, typer.Option(
         help="Conversation store: 'memory' (one replica) or redis://HOST:PORT (rediss:// for TLS).")] = None,
@@ -37,7 +39,7 @@ def serve(
         help="File with the engines' offer secret, to clear the offers the router replays (else "
              "TURNKV_OFFER_SECRET / TURNKV_OFFER_SECRET_FILE; without it prefill recomputes every turn).")] = None,
     deployment: Annotated[str | None, typer.Option(
-        help="Deployment name (SSM paths, EMF dimension).", envvar="TURNKV_DEPLOYMENT")] = None,
+        help="Deployment name (SSM paths, EMF dimension).", envvar=router_env.DEPLOYMENT)] = None,
     ssm: Annotated[bool | None, typer.Option(
         "--ssm/--no-ssm", help="Re-read tunables from SSM every params_refresh s [on with --discovery cloudmap].")
     ] = None,

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from turnkv import engine_args, params, wire
+from turnkv import engine_args, params, router_env, wire
 from turnkv.engine_args import EngineSpec, Mode, Role
 from turnkv.local import model as model_maker
 
@@ -50,10 +50,10 @@ class ExtraRouter:
 @dataclass
 class StackConfig:
     state_dir: Path = DEFAULT_STATE_DIR
-    router_port: int = 8000
-    prefill_port: int = 8100
-    decode_port: int = 8200
-    side_channel_base: int = 5600
+    router_port: int = router_env.PORT
+    prefill_port: int = router_env.LOCAL_PREFILL_PORT
+    decode_port: int = router_env.LOCAL_DECODE_PORT
+    side_channel_base: int = router_env.LOCAL_SIDE_CHANNEL_BASE
     mode: Mode = Mode.PULL
     prefill_prefix_caching: bool = False
     #: Also start a prefill engine with prefix caching and a second router over it (the benchmark's best case).

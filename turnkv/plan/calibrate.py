@@ -264,9 +264,9 @@ def refit(state_dir: Path) -> dict[str, Any]:
 
 def run(state_dir: Path, say: Callable[[str], None] = print) -> dict[str, Any]:
     """Start the local stack, measure, stop it; write and return the calibration."""
-    from turnkv.commands.local import start_stack
     from turnkv.local.model import load_words
     from turnkv.local.stack import StackConfig, Supervisor
+    from turnkv.local.start import start_stack
 
     config = StackConfig(state_dir=state_dir)
     state = start_stack(config)

@@ -1,0 +1,108 @@
+"""What `turnkv engine run` does short of exec: engine.env -> EngineSpec -> `vllm serve` argv and environment.
+
+The variables become an :class:`turnkv.engine_args.EngineSpec` (through :mod:`turnkv.node_env`, the one reader of
+engine.env); :func:`prepare` loads the synced tunables, syncs the model from S3 when asked, refuses what is
+unverified on this AMI's flavor and returns the argv and environment of :func:`turnkv.engine_args.serve_args` /
+:func:`~turnkv.engine_args.serve_env`. Every missing or invalid variable is named in the error.
+``turnkv/commands/engine.py`` is the CLI over it (flags, printing, exec); infra reads the paths from node_env.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from turnkv import node_env, params, platforms
+from turnkv.engine_args import EngineSpec, serve_args, serve_env
+from turnkv.node_env import FLAVOR_FILE, MODEL, MODEL_S3_URI, MODELS_DIR, SERVED_MODEL_NAME
+from turnkv.node_env import TUNABLES_FILE_VAR as TUNABLES_FILE
+
+REQUIRED = node_env.REQUIRED
+DEFAULTS = node_env.ENGINE_DEFAULTS
+KNOWN_BACKENDS = node_env.KNOWN_BACKENDS
+#: One error type and one parser for engine.env (turnkv.node_env).
+EngineEnvError = node_env.NodeEnvError
+parse_env_file = node_env.parse
+
+
+def load_tunables(path: str, read_text: Callable[[str], str | None]) -> tuple[dict[str, int | float], str]:
+    """Engine tunables: catalog defaults, overlaid with the synced file when it exists (values bound-checked)."""
+    values = params.defaults(params.Scope.ENGINE)
+    text = read_text(path)
+    if text is None:
+        return values, f"{path} not found (turnkv-params-sync has not run yet): catalog defaults"
+    try:
+        stored = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise EngineEnvError(f"{TUNABLES_FILE}={path}: not JSON ({exc})") from None
+    if not isinstance(stored, dict):
+        raise EngineEnvError(f"{TUNABLES_FILE}={path}: expected a JSON object of tunables")
+    for name, raw in stored.items():
+        try:
+            tunable = params.get(name)
+            if tunable.scope is params.Scope.ENGINE:
+                values[name] = tunable.parse(raw)
+        except params.ParamError as exc:
+            raise EngineEnvError(f"{TUNABLES_FILE}={path}: {exc}") from None
+    return values, f"tunables from {path}"
+
+
+def spec_from_env(env: Mapping[str, str], tunables: Mapping[str, int | float] | None = None,
+                  model_path: str | None = None) -> EngineSpec:
+    """The EngineSpec for engine.env variables (defaults filled in); raises EngineEnvError naming every problem."""
+    return node_env.EngineEnv.from_variables(env).spec(tunables, model_path)
+
+
+def model_dir(env: Mapping[str, str]) -> str:
+    """Where TURNKV_MODEL_S3_URI is synced: /opt/turnkv/models/<served name, made path-safe>."""
+    name = env.get(SERVED_MODEL_NAME) or env.get(MODEL) or "model"
+    return f"{MODELS_DIR}/{re.sub(r'[^A-Za-z0-9._-]+', '--', name).strip('.-') or 'model'}"
+
+
+def sync_model(uri: str, dest: str, run: Callable[[Sequence[str]], int]) -> None:
+    if not uri.startswith("s3://"):
+        raise EngineEnvError(f"{MODEL_S3_URI}={uri!r} must be an s3:// URL")
+    code = run(["aws", "s3", "sync", "--only-show-errors", uri, dest])
+    if code != 0:
+        raise EngineEnvError(f"{MODEL_S3_URI}: 'aws s3 sync {uri} {dest}' failed with exit code {code}")
+
+
+def vllm_executable() -> str:
+    beside = Path(sys.executable).with_name("vllm")
+    return str(beside) if beside.exists() else "vllm"
+
+
+def read_text(path: str) -> str | None:
+    """The file's text, or None when it does not exist (the reader :func:`prepare` takes on a node)."""
+    try:
+        return Path(path).read_text()
+    except FileNotFoundError:
+        return None
+
+
+def prepare(variables: Mapping[str, str], read_text: Callable[[str], str | None],
+            run: Callable[[Sequence[str]], int], sync: bool = True) -> tuple[list[str], dict[str, str], list[str]]:
+    """Everything `run` does short of exec: argv, the environment added to the node's, and notes for the log."""
+    notes = []
+    tunables, note = load_tunables(variables.get(TUNABLES_FILE) or DEFAULTS[TUNABLES_FILE], read_text)
+    notes.append(note)
+    model_path = None
+    uri = variables.get(MODEL_S3_URI)
+    if uri:
+        model_path = model_dir(variables)
+        if sync:
+            sync_model(uri, model_path, run)
+        notes.append(f"model from {uri} in {model_path}")
+    spec = spec_from_env(variables, tunables, model_path)
+    flavor = (read_text(FLAVOR_FILE) or "").strip()
+    refusal = platforms.refusal(flavor, variables) if flavor else None
+    if refusal:
+        # Exit status 2 (the unit's RestartPreventExitStatus): a configuration error, not a crash to retry.
+        raise EngineEnvError(refusal)
+    argv = [vllm_executable(), *serve_args(spec)]
+    env = serve_env(spec)
+    notes.append(f"{spec.role.value} engine {spec.engine_id}: {spec.mode.value}, backends {','.join(spec.backends)}")
+    return argv, env, notes
