@@ -108,6 +108,7 @@ def _completion_handler(path: str, kind: str, translation: type[apis.Translation
         app = request.app
         metrics = app[METRICS]
         status = 500
+        started = time.perf_counter()
         try:
             try:
                 tenant = app[KEYS].tenant(_authorization(request, path))
@@ -169,6 +170,8 @@ def _completion_handler(path: str, kind: str, translation: type[apis.Translation
             raise
         finally:
             metrics.requests.labels(path, str(status)).inc()
+            metrics.request_duration.labels(path, telemetry.duration_outcome(status)).observe(
+                time.perf_counter() - started)
 
     return handler
 
