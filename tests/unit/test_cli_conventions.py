@@ -32,3 +32,42 @@ def test_local_status_json_lists_every_component(monkeypatch, tmp_path):
     monkeypatch.setattr(stack.Supervisor, "status", lambda self: iter(()))
     result = CliRunner().invoke(app, ["local", "status", "--json", "--state-dir", str(tmp_path)])
     assert result.exit_code == 1 and json.loads(result.stdout) == []
+
+
+def _commands():
+    """Every command of the CLI, with its path (``turnkv router serve``)."""
+    import typer
+
+    def walk(cmd, path):
+        yield path, cmd
+        for name, sub in (getattr(cmd, "commands", None) or {}).items():
+            yield from walk(sub, f"{path} {name}")
+
+    return list(walk(typer.main.get_command(app), "turnkv"))
+
+
+def test_no_help_text_holds_what_rich_would_take_for_markup():
+    """`[engines]` in a help string is a rich tag: the help printed "Cloud Map service ." without it."""
+    import re
+
+    tag = re.compile(r"(?<!\\)\[[a-zA-Z#/@][^\]]*\]")
+    found = [(path, getattr(p, "name", "help"), m.group(0))
+             for path, cmd in _commands() for p in [cmd, *cmd.params]
+             for m in tag.finditer(getattr(p, "help", None) or "")]
+    assert not found
+
+
+def test_router_serve_help_names_every_route_the_router_serves():
+    from router.app import build_app
+    from router.config import RouterConfig
+
+    routes = build_app(RouterConfig(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"],
+                                    key_secret=b"k")).router.routes()
+    paths = {r.resource.canonical for r in routes if r.method != "HEAD" and "{" not in r.resource.canonical}
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/metrics"} <= paths
+    serve = dict(_commands())["turnkv router serve"]
+    words = set(serve.help.replace(",", " ").replace(")", " ").split())
+    assert not paths - words, f"routes missing from `turnkv router serve --help`: {sorted(paths - words)}"
+    result = CliRunner().invoke(app, ["router", "serve", "--help"], env={"COLUMNS": "300"})
+    assert "Cloud Map service (default engines)." in result.stdout
+    assert "every params_refresh seconds (default: on with --discovery cloudmap)" in result.stdout
