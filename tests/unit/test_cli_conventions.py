@@ -71,3 +71,55 @@ def test_router_serve_help_names_every_route_the_router_serves():
     result = CliRunner().invoke(app, ["router", "serve", "--help"], env={"COLUMNS": "300"})
     assert "Cloud Map service (default engines)." in result.stdout
     assert "every params_refresh seconds (default: on with --discovery cloudmap)" in result.stdout
+
+
+def _capture_capacity(monkeypatch) -> dict:
+    from bench import capacity
+
+    seen: dict = {}
+
+    async def sweep(url, workload, levels, stagger, on_result, **kw):
+        seen.update(url=url, levels=levels, **kw)
+        return []
+
+    monkeypatch.setattr(capacity, "sweep", sweep)
+    monkeypatch.setattr(capacity, "write", lambda levels, out, target, meta: {"levels": levels})
+    monkeypatch.setattr(capacity, "markdown", lambda result: "")
+    return seen
+
+
+def test_bench_capacity_reaches_a_keyed_endpoint_with_api_key_and_model(monkeypatch, tmp_path):
+    seen = _capture_capacity(monkeypatch)
+    result = CliRunner().invoke(app, ["bench", "capacity", "--api-key", "sk-test", "--model", "qwen3",
+                                      "--concurrency-levels", "1,2", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert seen["api_key"] == "sk-test" and seen["model"] == "qwen3" and seen["levels"] == [1, 2]
+    monkeypatch.setenv("TURNKV_API_KEY", "sk-env")
+    assert CliRunner().invoke(app, ["bench", "capacity", "--out", str(tmp_path)]).exit_code == 0
+    assert seen["api_key"] == "sk-env" and seen["model"] is None and seen["levels"] == [1, 2, 4, 8, 16]
+
+
+def test_bench_capacity_levels_is_a_hidden_alias_of_concurrency_levels(monkeypatch, tmp_path):
+    seen = _capture_capacity(monkeypatch)
+    assert CliRunner().invoke(app, ["bench", "capacity", "--levels", "2,4", "--out", str(tmp_path)]).exit_code == 0
+    assert seen["levels"] == [2, 4]
+    both = CliRunner().invoke(app, ["bench", "capacity", "--levels", "2,4", "--concurrency-levels", "1",
+                                    "--out", str(tmp_path)])
+    assert both.exit_code == 2 and "former name of --concurrency-levels" in both.output
+    shown = CliRunner().invoke(app, ["bench", "capacity", "--help"], env={"COLUMNS": "300"}).stdout
+    assert "--concurrency-levels" in shown and "--levels" not in shown.replace("--concurrency-levels", "")
+    assert "--api-key" in shown and "--model" in shown
+
+
+def test_bench_router_takes_its_list_as_concurrency_levels(monkeypatch):
+    from bench import router_peers
+
+    seen: list = []
+    monkeypatch.setattr(router_peers, "run", lambda args: seen.append(args.concurrency))
+    assert CliRunner().invoke(app, ["bench", "router", "--concurrency-levels", "1,8"]).exit_code == 0
+    assert CliRunner().invoke(app, ["bench", "router", "--concurrency", "4,16"]).exit_code == 0  # the old name
+    assert seen == ["1,8", "4,16"]
+    # one flag, one meaning: --concurrency is an int wherever it shows (bench multiturn), a list is *-levels
+    shown = CliRunner().invoke(app, ["bench", "router", "--help"], env={"COLUMNS": "300"}).stdout
+    assert "--concurrency-levels" in shown and "--concurrency " not in shown
+
