@@ -123,3 +123,46 @@ def test_bench_router_takes_its_list_as_concurrency_levels(monkeypatch):
     shown = CliRunner().invoke(app, ["bench", "router", "--help"], env={"COLUMNS": "300"}).stdout
     assert "--concurrency-levels" in shown and "--concurrency " not in shown
 
+
+def _plan(tmp_path, *args: str) -> dict:
+    result = CliRunner().invoke(app, ["plan", "--model", "Qwen3-8B", "--json", "--out", str(tmp_path), *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_plan_tensor_parallel_and_ttft_flags_keep_their_former_names(tmp_path):
+    new = _plan(tmp_path, "--tensor-parallel-size", "2", "--prefill-tensor-parallel-size", "1",
+                "--ttft-target-ms", "300")
+    assert new["inputs"]["tp"] == {"prefill": 1, "decode": 2} and new["inputs"]["ttft_target_ms"] == 300
+    old = _plan(tmp_path, "--tp", "2", "--tp-prefill", "1", "--ttft-target", "300")
+    assert old["inputs"] == new["inputs"]
+    assert _plan(tmp_path, "--tp", "2", "--tp-decode", "1")["inputs"]["tp"] == {"prefill": 2, "decode": 1}
+    both = CliRunner().invoke(app, ["plan", "--ttft-target", "300", "--ttft-target-ms", "200", "--out",
+                                    str(tmp_path)])
+    assert both.exit_code == 2 and "former name of --ttft-target-ms" in both.output
+
+
+def test_help_shows_one_name_per_concept():
+    shown = {path: CliRunner().invoke(app, [*path.split()[1:], "--help"], env={"COLUMNS": "300"}).stdout
+             for path in ("turnkv plan", "turnkv engine run", "turnkv bench capacity")}
+    assert "--tensor-parallel-size" in shown["turnkv plan"] and "--ttft-target-ms" in shown["turnkv plan"]
+    assert "--tp-prefill" not in shown["turnkv plan"] and "--ttft-target " not in shown["turnkv plan"]
+    assert "--tensor-parallel-size" in shown["turnkv engine run"] and "--tp-size" not in shown["turnkv engine run"]
+    assert "--ttft-target-ms" in shown["turnkv bench capacity"]
+
+
+def test_engine_run_tensor_parallel_size_and_its_former_name(monkeypatch):
+    from turnkv.commands import engine
+
+    seen: list[dict] = []
+
+    def prepare(variables, read_text, run, sync=True):
+        seen.append(dict(variables))
+        return ["vllm"], {}, []
+
+    monkeypatch.setattr(engine, "prepare", prepare)
+    monkeypatch.setattr(engine.os, "execvpe", lambda *a: None)
+    for flag in ("--tensor-parallel-size", "--tp", "--tp-size"):
+        result = CliRunner().invoke(app, ["engine", "run", flag, "4"])
+        assert result.exit_code == 0, result.output
+    assert [v["TURNKV_TP_SIZE"] for v in seen] == ["4", "4", "4"]
