@@ -52,6 +52,22 @@ async def test_metrics_have_duration_itl_and_build_info_and_no_created_series():
     assert count("turnkv_router_requests_total", route="/v1/completions", status="200") == 1
 
 
+async def test_a_client_that_leaves_mid_stream_is_timed_as_disconnected():
+    import asyncio
+
+    decode = engines(1, "decode")
+    async with router_over(engines(1, "prefill"), decode) as (s, _):
+        decode[0].fault = {"token_delay": 0.2}
+        body = {"model": "tiny", "messages": MSGS, "max_tokens": 50, "stream": True}
+        async with s.post("/v1/chat/completions", json=body) as r:
+            await r.content.readline()
+        await asyncio.sleep(0.5)
+        async with s.get("/metrics") as r:
+            samples = _samples(await r.text())
+    counts = {x.labels["outcome"]: x.value for x in samples["turnkv_router_request_duration_seconds_count"]}
+    assert counts == {"disconnected": 1}
+
+
 def test_duration_outcome_reads_the_status():
     from router.telemetry import duration_outcome
 
