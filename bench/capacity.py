@@ -8,7 +8,7 @@ and overall, the share of later turns that reused KV, errors. The highest level 
 the last one, going up, whose TTFT p90 stays within the target; by default the target is twice the
 reuse-off p90 of the lowest level (an unloaded engine recomputing every turn).
 
-    python -m bench.capacity --url http://127.0.0.1:8000 --out results/capacity
+    python -m bench.capacity --url http://127.0.0.1:8000 --concurrency-levels 1,2,4,8,16 --out results/capacity
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -169,9 +170,10 @@ def parse_levels(text: str) -> list[int]:
     try:
         levels = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--levels {text!r}: expected a comma list of whole numbers such as 1,2,4,8,16") from None
+        raise ValueError(f"--concurrency-levels {text!r}: expected a comma list of whole numbers such as "
+                         "1,2,4,8,16") from None
     if not levels or any(c < 1 for c in levels) or levels != sorted(set(levels)):
-        raise ValueError(f"--levels {text!r}: expected increasing positive numbers such as 1,2,4,8,16")
+        raise ValueError(f"--concurrency-levels {text!r}: expected increasing positive numbers such as 1,2,4,8,16")
     return levels
 
 
@@ -183,7 +185,7 @@ def workload(args: argparse.Namespace) -> WorkloadSpec:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default=router_env.LOCAL_URL)
-    p.add_argument("--levels", default="1,2,4,8,16")
+    p.add_argument("--concurrency-levels", "--levels", dest="levels", default="1,2,4,8,16")
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--system-words", type=int, default=200)
     p.add_argument("--first-user-words", type=int, default=300)
@@ -192,6 +194,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--stagger", type=float, default=0.2)
     p.add_argument("--ttft-target-ms", type=float, default=None)
+    p.add_argument("--model", default=None)
+    p.add_argument("--api-key", default=os.environ.get("TURNKV_API_KEY"))
     p.add_argument("--out", type=Path, default=Path("results/capacity"))
     return p
 
@@ -199,7 +203,7 @@ def parser() -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> dict[str, Any]:
     levels = parse_levels(args.levels)
     spec = workload(args)
-    swept = asyncio.run(sweep(args.url, spec, levels, args.stagger))
+    swept = asyncio.run(sweep(args.url, spec, levels, args.stagger, model=args.model, api_key=args.api_key))
     result = write(swept, args.out, args.ttft_target_ms, {"url": args.url, "workload": spec.__dict__,
                                                          "stagger_s": args.stagger})
     print(markdown(result))

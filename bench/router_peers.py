@@ -517,7 +517,8 @@ def _rates(text: str) -> list[float]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--targets", default="direct,turnkv,vllm-router,fastapi")
-    p.add_argument("--concurrency", default="1,32,128")
+    p.add_argument("--concurrency-levels", "--concurrency", dest="concurrency", default="1,32,128",
+                   help="concurrency levels (requests in flight), comma-separated")
     p.add_argument("--reply-tokens", default="16", help="reply lengths, comma-separated (e.g. 16,64,256,1024)")
     p.add_argument("--event-writes", action="store_true", help="the fake engine writes one event at a time")
     p.add_argument("--requests", type=int, default=3000, help="requests per concurrency level (32, 128)")

@@ -237,7 +237,7 @@ class TurnkvSchedulerMixin:
                            or not self._offer_admitted(request, params)):
             # Refused before any READ: the request is an ordinary prefill now (nothing read, no peer contacted).
             self._host_reads.pop(request.request_id, None)
-            self.turnkv_stats.record("turnkv_decisions_recompute", 1)
+            self.turnkv_stats.record_label("turnkv_decisions", "recompute")
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
         if first_look:
             self._check_offer(request, params)
@@ -253,7 +253,7 @@ class TurnkvSchedulerMixin:
                                         new_engine=engine not in self._handshaken)
         if count > 0 and decision is not None and not decision.pull:
             count, asynchronous = 0, False
-        self.turnkv_stats.record("turnkv_decisions_pull" if count > 0 else "turnkv_decisions_recompute", 1)
+        self.turnkv_stats.record_label("turnkv_decisions", "pull" if count > 0 else "recompute")
         if count > 0:
             self.turnkv_stats.record_label("turnkv_pulls", Tier.HOST if request.request_id in self._host_reads
                                            else Tier.DEVICE)

@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnec
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from connector.policy import REASONS
+from turnkv import metric_names as mn
 
 
 def counts_on_rank(tp_rank: int) -> bool:
@@ -43,11 +44,6 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:turnkv_proof_mismatches", "Pulls cut short by a token-id digest mismatch."),
     "turnkv_proof_missing": (
         "vllm:turnkv_proof_missing", "Offers without a valid token proof (nothing pulled)."),
-    "turnkv_decisions_pull": (
-        "vllm:turnkv_decisions_pull", "Offers pulled (see vllm:turnkv_decision_reasons for why)."),
-    "turnkv_decisions_recompute": (
-        "vllm:turnkv_decisions_recompute", "Offers recomputed (below the floor, or slower to pull even counting "
-                                           "the queue)."),
     "turnkv_stale_offers": (
         "vllm:turnkv_stale_offers", "Offers from a decode engine that restarted since (not read; recomputed)."),
     "turnkv_offers_unsigned": (
@@ -84,19 +80,23 @@ COUNTERS: dict[str, tuple[str, str]] = {
 }
 
 #: stats key -> (Prometheus counter name, help, label, label values). Each entry records a label value's index.
+#: Names and label values from turnkv.metric_names, which the EMF bridge and the dashboards read too.
 LABELLED: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     "turnkv_retention_placed": (
-        "vllm:turnkv_retention_placed", "Finished turns decode retained for the next turn, by tier.", "tier",
-        ("device", "host")),
+        mn.VLLM_RETENTION_PLACED, "Finished turns decode retained for the next turn, by tier.", "tier", mn.TIERS),
     "turnkv_retention_refusals": (
-        "vllm:turnkv_retention_refusals", "Finished turns decode did not retain, by reason: too_large (larger than "
-        "any tier), full (every tier full of turns still likely to be read).", "reason", ("too_large", "full")),
+        mn.VLLM_RETENTION_REFUSALS, "Finished turns decode did not retain, by reason: too_large (larger than "
+        "any tier), full (every tier full of turns still likely to be read).", "reason", mn.REFUSAL_REASONS),
     "turnkv_retention_evictions": (
-        "vllm:turnkv_retention_evictions", "Retained turns decode evicted, by reason: idle (unread past "
+        mn.VLLM_RETENTION_EVICTIONS, "Retained turns decode evicted, by reason: idle (unread past "
         "retention_idle_evict, for a newer turn), shrunk (share or host budget lowered).", "reason",
-        ("idle", "shrunk")),
+        mn.EVICTION_REASONS),
     "turnkv_pulls": (
-        "vllm:turnkv_pulls", "Offers prefill pulled, by the tier decode held them in.", "tier", ("device", "host")),
+        mn.VLLM_PULLS, "Offers prefill pulled, by the tier decode held them in.", "tier", mn.TIERS),
+    "turnkv_decisions": (
+        mn.VLLM_DECISIONS, "Offers prefill decided on, by decision: pull, or recompute (refused before any READ, "
+        "below the floor, or slower to pull even counting the queue; see vllm:turnkv_decision_reasons for why).",
+        "decision", mn.DECISIONS),
 }
 
 #: stats key -> (Prometheus gauge name, help). The last value of an interval is exported.

@@ -108,6 +108,8 @@ def _completion_handler(path: str, kind: str, translation: type[apis.Translation
         app = request.app
         metrics = app[METRICS]
         status = 500
+        timed: int | None = None  # the status the duration's outcome reads, when not the one sent
+        started = time.perf_counter()
         try:
             try:
                 tenant = app[KEYS].tenant(_authorization(request, path))
@@ -149,6 +151,8 @@ def _completion_handler(path: str, kind: str, translation: type[apis.Translation
             finally:
                 app[ADMISSION].leave(tenant)
             status = response.status
+            # a stream the client stopped reading (or left) mid-way went out as 200: timed as a disconnect
+            timed = 499 if dispatch.status == 499 else status
             return response
         except guard.RequestError as exc:
             status = 400
@@ -169,6 +173,8 @@ def _completion_handler(path: str, kind: str, translation: type[apis.Translation
             raise
         finally:
             metrics.requests.labels(path, str(status)).inc()
+            metrics.request_duration.labels(path, telemetry.duration_outcome(status if timed is None else timed)
+                                            ).observe(time.perf_counter() - started)
 
     return handler
 

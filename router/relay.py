@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
@@ -64,6 +65,7 @@ class Relay:
         self._dispatch = dispatch
         self._store_reply = store_reply
         self._first_token = first_token
+        self._itl = metrics.inter_token_latency
 
     async def stream(self, d: Dispatch, response: web.StreamResponse, opened: Opened, early: bool,
                      request: web.Request | None = None) -> web.StreamResponse:
@@ -84,11 +86,13 @@ class Relay:
         state = migrate.StreamState(d.kind, bool(d.body.get("return_token_ids"))) if d.migrate else None
         remembered = False
         first = True
+        last_sent: float | None = None  # when the previous chunk carrying events went out (inter-token latency)
         tail: list[bytes] = []
         lines = sse.LineCollector()
         try:
             async for chunk in _chunks(opened.first, opened.resp):
                 out = []  # one write per chunk received, not per line
+                events = False  # whether this chunk carries an event (not only separators or comments)
                 for line in lines.feed(chunk):
                     if line == b"\n" and api is None and not reply.drop_separator:
                         out.append(line)  # the blank line ending each event: nothing to read in it
@@ -105,10 +109,16 @@ class Relay:
                             out.append(f": turnkv reuse_outcome={d.outcome} "
                                        f"reused_tokens={d.reused_tokens}\n\n".encode())
                     if fed is not None:
+                        events = events or fed.startswith(b"data")
                         out.append(fed if api is None else api.stream_line(fed))
                 if first and (reply.has_content or reply.complete):
                     first = False
                     self._first_token(d)
+                    last_sent = time.perf_counter()
+                elif events and last_sent is not None and not reply.complete:
+                    now = time.perf_counter()
+                    self._itl.observe(now - last_sent)
+                    last_sent = now
                 if reply.complete:  # [DONE] seen: the rest goes out with the end of the stream
                     tail.extend(out)
                 elif out:

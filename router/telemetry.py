@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import orjson
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
-from turnkv import router_env
+from turnkv import router_env, versions
 
 #: Why a request did or did not reuse the previous turn's KV.
 #: hit: replayed; miss: nothing stored; mismatch: the prompt does not extend the stored history;
@@ -29,6 +29,22 @@ OUTCOMES = ("hit", "miss", "mismatch", "expired", "refused", "recompute", "token
             "none")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60)
+#: Whole requests: a long stream runs for minutes.
+_DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+#: Gaps between streamed chunks (vLLM's inter-token latency buckets, up to 80 s).
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+#: ``turnkv_router_request_duration_seconds{outcome}``: how a request ended, from its HTTP status.
+DURATION_OUTCOMES = ("ok", "client_error", "disconnected", "server_error")
+
+
+def duration_outcome(status: int) -> str:
+    """The ``outcome`` label of a request that ended with ``status`` (499: the client went away)."""
+    if status == 499:
+        return "disconnected"
+    if status >= 500 or status == 0:
+        return "server_error"
+    return "client_error" if status >= 400 else "ok"
 
 #: The request being served (set by the handler); every log record carries it.
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
@@ -51,10 +67,26 @@ def setup_logging(level: int = logging.INFO) -> None:
 
 class Metrics:
     def __init__(self) -> None:
+        # No ``*_created`` series beside every counter and histogram child (a second series per child that nothing
+        # reads). prometheus_client's switch is process-wide; this registry is the only one in the router's process.
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("turnkv_router_requests", "Requests by route and HTTP status.",
                                 ["route", "status"], registry=r)
+        self.request_duration = Histogram("turnkv_router_request_duration_seconds",
+                                          "Time from a request's arrival to the end of its reply (a stream's last "
+                                          "byte), by route and outcome (ok, client_error, disconnected, "
+                                          "server_error).", ["route", "outcome"], buckets=_DURATION_BUCKETS,
+                                          registry=r)
+        self.inter_token_latency = Histogram("turnkv_router_inter_token_latency_seconds",
+                                             "Streamed replies: the gap between successive chunks relayed to the "
+                                             "client after the first token (a chunk carries the tokens of one or "
+                                             "more engine steps).", buckets=_ITL_BUCKETS, registry=r)
+        self.build_info = Gauge("turnkv_router_build_info",
+                                "1, labelled with the turnkv release and the vLLM and NIXL releases it ships with.",
+                                ["version", "vllm", "nixl"], registry=r)
+        self.build_info.labels(versions.TURNKV, versions.VLLM_GPU, versions.NIXL).set(1)
         self.ttft = Histogram("turnkv_router_time_to_first_token_seconds",
                               "Router-side time to first token, by reuse outcome.", ["reuse"],
                               buckets=_LATENCY_BUCKETS, registry=r)

@@ -49,9 +49,11 @@ VLLM_HOST_MOVES = "vllm:turnkv_host_moves"  # counter (decode)
 VLLM_RETAINED_BYTES = "vllm:turnkv_retained_bytes"  # gauge, both tiers (decode)
 VLLM_HOST_RETAINED_BYTES = "vllm:turnkv_host_retained_bytes"  # gauge (decode)
 VLLM_HOST_POOL_BYTES = "vllm:turnkv_host_pool_bytes"  # gauge (decode)
+VLLM_DECISIONS = "vllm:turnkv_decisions"  # counter, label decision (prefill): offers pulled or recomputed
 TIERS = ("device", "host")
 REFUSAL_REASONS = ("too_large", "full")
 EVICTION_REASONS = ("idle", "shrunk")
+DECISIONS = ("pull", "recompute")
 
 #: What the bridge publishes per interval (dims Deployment, Role), units in brackets.
 ENGINE_TTFT = "EngineTTFT"  # [Milliseconds] mean over the interval

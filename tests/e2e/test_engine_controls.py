@@ -62,8 +62,8 @@ def test_tiny_reuse_is_recomputed_and_large_reuse_pulled(stack):
     prefill = stack["prefill-0"]
 
     def decisions():
-        return (metric(prefill, "vllm:turnkv_decisions_pull_total"),
-                metric(prefill, "vllm:turnkv_decisions_recompute_total"))
+        return (metric(prefill, "vllm:turnkv_decisions_total", decision="pull"),
+                metric(prefill, "vllm:turnkv_decisions_total", decision="recompute"))
 
     short = [{"role": "user", "content": "hello you"}]
     first = chat(router, short, conversation="tiny", max_tokens=8)

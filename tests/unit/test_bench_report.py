@@ -131,7 +131,7 @@ def test_capacity_levels_are_checked():
 
     assert capacity.parse_levels("1,2,4") == [1, 2, 4]
     for bad in ("", "1,x", "4,2", "0,1"):
-        with pytest.raises(ValueError, match="--levels"):
+        with pytest.raises(ValueError, match="--concurrency-levels"):
             capacity.parse_levels(bad)
 
 

@@ -111,3 +111,43 @@ def test_decision_reasons_reach_prometheus_as_one_labelled_counter():
     assert value("vllm:turnkv_decision_reasons_total", {"engine": "0", "reason": "slower"}) == 1
     assert value("vllm:turnkv_decision_reasons_total", {"engine": "0", "reason": "probe"}) == 0
     assert value("vllm:turnkv_decision_queue_requests", {"engine": "0"}) == 3
+
+
+def test_pull_and_recompute_decisions_reach_prometheus_as_one_counter_with_a_decision_label():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from connector.stats import TurnkvKVConnectorStats, TurnkvPromMetrics
+    from turnkv import metric_names as mn
+
+    registry = CollectorRegistry()
+
+    def bind(cls):
+        return lambda *a, **kw: cls(*a, registry=registry, **{k: v for k, v in kw.items()
+                                                                if k != "multiprocess_mode"})
+
+    types_ = {Counter: bind(Counter), Gauge: bind(Gauge), Histogram: bind(Histogram)}
+    metrics = TurnkvPromMetrics(types.SimpleNamespace(kv_transfer_config=None), types_, ["engine"], {0: ["0"]})
+    stats = TurnkvKVConnectorStats()
+    for decision in ("pull", "recompute", "recompute"):
+        stats.record_label("turnkv_decisions", decision)
+    metrics.observe(json.loads(json.dumps(stats.data)), 0)
+    value = registry.get_sample_value
+    assert mn.VLLM_DECISIONS == "vllm:turnkv_decisions"
+    assert value("vllm:turnkv_decisions_total", {"engine": "0", "decision": "pull"}) == 1
+    assert value("vllm:turnkv_decisions_total", {"engine": "0", "decision": "recompute"}) == 2
+    names = {s.name for family in registry.collect() for s in family.samples}
+    assert not {"vllm:turnkv_decisions_pull_total", "vllm:turnkv_decisions_recompute_total"} & names
+
+
+def test_docs_name_every_connector_counter_with_total():
+    import re
+    from pathlib import Path
+
+    from connector.stats import COUNTERS, LABELLED, REASONS_METRIC
+
+    root = Path(__file__).resolve().parents[2]
+    names = [*(c[0] for c in COUNTERS.values()), *(c[0] for c in LABELLED.values()), REASONS_METRIC[0]]
+    for doc in [*(root / "docs").glob("*.md"), root / "README.md"]:
+        text = doc.read_text()
+        for name in names:
+            assert not re.search(re.escape(name) + r"(?![a-z_<])", text), f"{doc.name} names {name} without _total"

@@ -17,6 +17,7 @@ from connector import scheduler as scheduler_mod
 from connector import token_proof
 from connector.scheduler import TurnkvSchedulerMixin
 from connector.worker import TurnkvWorkerMeta, TurnkvWorkerMixin
+from turnkv import metric_names as mn
 
 BLOCK = 128
 BYTES_PER_BLOCK = 128 * 4096  # 4 KiB of KV per token
@@ -164,7 +165,8 @@ def test_an_idle_engine_recomputes_when_the_link_is_slower(clock):
     s = busy_scheduler(clock)
     assert s.get_num_new_matched_tokens(request("alone", prompt=2100, offer=2000), 0) == (0, False)
     data = s.turnkv_stats.data
-    assert data["turnkv_decisions_recompute"] == [1] and data["turnkv_decision_queue_requests"] == [0]
+    assert data["turnkv_decisions"] == [mn.DECISIONS.index("recompute")]
+    assert data["turnkv_decision_queue_requests"] == [0]
     assert data["turnkv_decision_reasons"] == [4]  # REASONS.index("slower")
 
 
@@ -174,7 +176,7 @@ def test_a_busy_engine_pulls_to_spare_the_queue(clock):
         s.get_num_new_matched_tokens(request(f"q{i}", prompt=1500), 0)
     assert s.get_num_new_matched_tokens(request("turn", prompt=2100, offer=2000), 0) == (2000, True)
     data = s.turnkv_stats.data
-    assert data["turnkv_decisions_pull"] == [1] and data["turnkv_decision_reasons"] == [3]  # "load"
+    assert data["turnkv_decisions"] == [mn.DECISIONS.index("pull")] and data["turnkv_decision_reasons"] == [3]  # load
     assert data["turnkv_decision_queue_requests"] == [3] and data["turnkv_decision_queue_tokens"] == [4500]
     assert abs(data["turnkv_decision_queue_delay_seconds"][0] - 2.4) < 1e-3
     # once they finish the engine is idle again: the same offer is recomputed

@@ -69,6 +69,12 @@ def test_set_writes_ssm_records_who_and_when_and_list_shows_it(aws):
 
     hist = run("history", "kv_recompute_threshold")
     assert hist.exit_code == 0 and "alice" in hist.output
+    as_json = run("history", "kv_recompute_threshold", "--json")
+    assert as_json.exit_code == 0, as_json.output
+    [version] = json.loads(as_json.output)
+    assert version["value"] == "128" and version["version"] == stored["Version"]
+    assert version["labels"][0].startswith("by-alice-example.com-") and "alice" in version["description"]
+    assert version["modified"][:4].isdigit()  # ISO 8601
 
 
 def test_set_records_previous_value_in_second_version(aws):

@@ -15,7 +15,7 @@ runner = CliRunner()
 
 
 def test_plan_json_has_the_issue_schema(tmp_path):
-    res = runner.invoke(app, ["plan", "--model", "GLM-5-FP8", "--json", "--out", str(tmp_path), "--ttft-target",
+    res = runner.invoke(app, ["plan", "--model", "GLM-5-FP8", "--json", "--out", str(tmp_path), "--ttft-target-ms",
                               "900"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
@@ -50,10 +50,10 @@ def test_a_tighter_ttft_target_needs_more_prefill_nodes(tmp_path):
     wl.write_text(json.dumps(conf))
     base = ["plan", "--json", "--out", str(tmp_path), "--workload", str(wl)]
     loose = json.loads(runner.invoke(app, base).stdout)
-    tight = json.loads(runner.invoke(app, [*base, "--ttft-target", "150"]).stdout)
+    tight = json.loads(runner.invoke(app, [*base, "--ttft-target-ms", "150"]).stdout)
     assert tight["nodes"]["prefill"] > loose["nodes"]["prefill"] >= 1 and tight["ttft_target_met"]
     assert tight["prefill_utilization"]["on"] < loose["prefill_utilization"]["on"]
-    impossible = json.loads(runner.invoke(app, [*base, "--ttft-target", "5"]).stdout)
+    impossible = json.loads(runner.invoke(app, [*base, "--ttft-target-ms", "5"]).stdout)
     assert not impossible["ttft_target_met"] and impossible["nodes"] == loose["nodes"]
     # reuse off needs more prefill engines for the same load
     assert loose["nodes_without_reuse"]["prefill"] > loose["nodes"]["prefill"]

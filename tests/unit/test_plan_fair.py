@@ -25,7 +25,7 @@ def plan_json(tmp_path, *args):
 
 
 def test_the_no_reuse_arm_is_sized_on_its_own_by_the_same_function(tmp_path):
-    data = plan_json(tmp_path, "--model", "Qwen3-32B", "--workload", str(WORKLOAD), "--ttft-target", "300")
+    data = plan_json(tmp_path, "--model", "Qwen3-32B", "--workload", str(WORKLOAD), "--ttft-target-ms", "300")
     inst = hardware.load("p5en.48xlarge")
     fleet = plan_model.Fleet(models.load("Qwen3-32B"), inst, inst)
     wl = load(WORKLOAD)
@@ -66,8 +66,9 @@ def test_the_default_block_size_is_the_deployed_engines(tmp_path):
     (["--kv-dtype", "banana"], ["--kv-dtype 'banana'", "fp8"]),
     (["--kv-dtype", "fp4"], ["--kv-dtype 'fp4'", "bf16"]),
     (["--dtype", "int4"], ["--dtype 'int4'", "fp8"]),
-    (["--tp", "3"], ["--tp 3", "power of two", "1, 2, 4, 8"]),
-    (["--tp-decode", "6"], ["--tp-decode 6", "power of two"]),
+    (["--tp", "3"], ["--tensor-parallel-size 3", "power of two", "1, 2, 4, 8"]),
+    (["--decode-tensor-parallel-size", "6"], ["--decode-tensor-parallel-size 6", "power of two"]),
+    (["--tp-decode", "6"], ["--decode-tensor-parallel-size 6", "power of two"]),  # the former name, hidden
     (["--mode", "both"], ["--mode 'both'", "pull or push"]),
 ])
 def test_inputs_the_deployment_or_vllm_refuse_are_refused(tmp_path, args, words):

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from turnkv import router_env
+from turnkv.commands import renamed
 
 app = typer.Typer(help="Benchmarks.", no_args_is_help=True)
 console = Console(stderr=True)
@@ -112,8 +113,11 @@ def multiturn(
 
 @app.command()
 def capacity(
+    ctx: typer.Context,
     url: Annotated[str, typer.Option(help="Router (or any OpenAI-compatible) base URL.")] = router_env.LOCAL_URL,
-    levels: Annotated[str, typer.Option(help="Comma list of conversations at once (closed loop).")] = "1,2,4,8,16",
+    concurrency_levels: Annotated[str, typer.Option(
+        help="Comma list of concurrency levels: conversations at once (closed loop).")] = "1,2,4,8,16",
+    levels: Annotated[str | None, typer.Option("--levels", hidden=True)] = None,
     turns: Annotated[int, typer.Option(min=2, help="Turns per conversation.")] = 6,
     system_words: Annotated[int, typer.Option(min=0, help="Shared system prompt length (words ~ tokens).")] = 200,
     first_user_words: Annotated[int, typer.Option(min=1, help="First user message length.")] = 300,
@@ -122,7 +126,10 @@ def capacity(
     seed: Annotated[int, typer.Option(help="Workload seed.")] = 11,
     stagger: Annotated[float, typer.Option(min=0, help="Seconds between conversation starts.")] = 0.2,
     ttft_target_ms: Annotated[float | None, typer.Option(
-        help="TTFT p90 target (default: twice the reuse-off p90 of the lowest level).")] = None,
+        help="TTFT p90 target in ms (default: twice the reuse-off p90 of the lowest level).")] = None,
+    model: Annotated[str | None, typer.Option(help="Model name (default: the first of /v1/models).")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="TURNKV_API_KEY", help="Bearer token for the router.")]
+    = None,
     out: Annotated[Path, typer.Option(help="Folder for capacity.md/json and capacity.png.")] = Path(
         "results/capacity"),
 ) -> None:
@@ -131,7 +138,7 @@ def capacity(
     from bench import capacity as cap
 
     try:
-        level_list = cap.parse_levels(levels)
+        level_list = cap.parse_levels(renamed(ctx, "concurrency_levels", "levels"))
     except ValueError as exc:
         console.print(f"[red]{exc}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
@@ -143,7 +150,8 @@ def capacity(
     with request_progress("capacity") as progress:
         on_result = result_callback(progress, cap.total_requests(level_list, turns))
         try:
-            swept = asyncio.run(cap.sweep(url, workload, level_list, stagger, on_result,
+            swept = asyncio.run(cap.sweep(url, workload, level_list, stagger, on_result, model=model,
+                                          api_key=api_key,
                                           on_level=lambda done: cap.write(done, out, ttft_target_ms, meta)))
         except Exception as exc:  # connection refused, no models, ...
             progress.stop()
@@ -195,11 +203,14 @@ def modes(
 
 @app.command()
 def router(
+    ctx: typer.Context,
     targets: Annotated[str, typer.Option(help="Comma list: direct,turnkv,vllm-router,vllm-router-rr (round_robin: "
                                                "no render and tokenize calls),fastapi,turnkv-valkey (one replica on "
                                                "a Valkey store),turnkv-2x (two replicas on it).")]
     = "direct,turnkv,vllm-router,fastapi",
-    concurrency: Annotated[str, typer.Option(help="Comma list of concurrency levels.")] = "1,32,128",
+    concurrency_levels: Annotated[str, typer.Option(help="Comma list of concurrency levels (requests in flight).")]
+    = "1,32,128",
+    concurrency: Annotated[str | None, typer.Option("--concurrency", hidden=True)] = None,
     reply_tokens: Annotated[str, typer.Option(help="Comma list of reply lengths; two or more split CPU per request "
                                                    "into a fixed cost and a cost per relayed event.")] = "16",
     event_writes: Annotated[bool, typer.Option(help="The fake engine writes one event at a time, as vLLM does.")]
@@ -209,7 +220,7 @@ def router(
     rounds: Annotated[int, typer.Option(help="Interleaved rounds (median requests/s).")] = 3,
     memory: Annotated[int, typer.Option(help="Also measure a MemoryStore holding this many conversations.")] = 0,
     rate: Annotated[str, typer.Option(help="Open loop: comma list of requests/s offered to every target alike "
-                                           "(--concurrency caps requests in flight); CPU per request compares "
+                                           "(--concurrency-levels caps requests in flight); CPU per request compares "
                                            "fairly only at equal load. Empty: closed loop.")] = "",
     router_cpus: Annotated[str, typer.Option(help="Pin every router to these CPUs (comma list) and the client and "
                                                   "fake engines to the others, e.g. 1: a 1-vCPU task's share. "
@@ -220,9 +231,10 @@ def router(
     """The router against direct access, vllm-router and a FastAPI+httpx proxy, on a fake instant engine."""
     from bench import router_peers
 
+    levels = renamed(ctx, "concurrency_levels", "concurrency")
     try:
         args = router_peers.parser().parse_args([
-            "--targets", targets, "--concurrency", concurrency, "--reply-tokens", reply_tokens, "--requests",
+            "--targets", targets, "--concurrency-levels", levels, "--reply-tokens", reply_tokens, "--requests",
             str(requests), "--requests-c1", str(requests_c1), "--rounds", str(rounds), "--memory", str(memory),
             "--port-base", str(port_base), "--out", str(out), *(["--event-writes"] if event_writes else []),
             *(["--rate", rate] if rate else []), *(["--router-cpus", router_cpus] if router_cpus else [])])

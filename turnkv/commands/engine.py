@@ -18,6 +18,7 @@ from typing import Annotated
 
 import typer
 
+from turnkv.commands import renamed
 from turnkv.engine_run import EngineEnvError, parse_env_file, prepare, read_text
 
 # engine.env variable names and paths: defined once in turnkv/node_env.py.
@@ -49,6 +50,7 @@ def _engine() -> None:
 
 @app.command("run")
 def run(
+    ctx: typer.Context,
     env_file: Annotated[Path | None, typer.Option(
         "--env-file", help=f"Read the variables from this file (systemd already loads {ENGINE_ENV_FILE}).")] = None,
     role: Annotated[str | None, typer.Option(help=f"prefill|decode ({ROLE})")] = None,
@@ -58,7 +60,9 @@ def run(
     mode: Annotated[str | None, typer.Option(help=f"pull|push ({MODE})")] = None,
     bidirectional: Annotated[bool | None, typer.Option(
         "--bidirectional/--no-bidirectional", help=f"({BIDIRECTIONAL})")] = None,
-    tp_size: Annotated[int | None, typer.Option(help=f"({TP_SIZE})")] = None,
+    tensor_parallel_size: Annotated[int | None, typer.Option(
+        "--tensor-parallel-size", "--tp", help=f"tensor parallel size ({TP_SIZE})")] = None,
+    tp_size: Annotated[int | None, typer.Option("--tp-size", hidden=True)] = None,
     max_model_len: Annotated[int | None, typer.Option(help=f"({MAX_MODEL_LEN})")] = None,
     port: Annotated[int | None, typer.Option(help=f"({PORT})")] = None,
     side_channel_host: Annotated[str | None, typer.Option(help=f"routable address ({SIDE_CHANNEL_HOST})")] = None,
@@ -73,7 +77,8 @@ def run(
     """Build the engine spec from engine.env (or flags) and exec `vllm serve`."""
     flags = {ROLE: role, ENGINE_ID: engine_id, MODEL: model, SERVED_MODEL_NAME: served_model_name, MODE: mode,
              BIDIRECTIONAL: None if bidirectional is None else str(bidirectional).lower(),
-             TP_SIZE: tp_size, MAX_MODEL_LEN: max_model_len, PORT: port, SIDE_CHANNEL_HOST: side_channel_host,
+             TP_SIZE: renamed(ctx, "tensor_parallel_size", "tp_size"), MAX_MODEL_LEN: max_model_len, PORT: port,
+             SIDE_CHANNEL_HOST: side_channel_host,
              SIDE_CHANNEL_PORT: side_channel_port, BACKENDS: backends, TUNABLES_FILE: tunables_file,
              MODEL_S3_URI: model_s3_uri}
     try:

@@ -79,11 +79,22 @@ def down(state_dir: StateDir = DEFAULT_DIR) -> None:
 
 
 @app.command()
-def status(state_dir: StateDir = DEFAULT_DIR) -> None:
-    """Show each component: process, health, URL and log file."""
+def status(state_dir: StateDir = DEFAULT_DIR,
+           as_json: Annotated[bool, typer.Option("--json", help="Print the components as a JSON list.")] = False,
+           ) -> None:
+    """Show each component: process, health, URL and log file (exit 1 when one is unhealthy or none runs)."""
+    import json
+
     from turnkv.local.stack import Supervisor
 
     rows = list(Supervisor(state_dir).status())
+    if as_json:
+        typer.echo(json.dumps([{"name": r["name"], "pid": r["pid"], "alive": bool(r["alive"]),
+                                "healthy": bool(r["healthy"]), "url": r["url"], "log": str(r["log"])}
+                               for r in rows], indent=2))
+        if not rows or not all(r["healthy"] for r in rows):
+            raise typer.Exit(1)
+        return
     if not rows:
         console.print("no local stack (start one with `turnkv local up`)")
         raise typer.Exit(1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import getpass
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -196,7 +196,7 @@ def set_(assignments: Annotated[list[str], typer.Argument(help="NAME VALUE, or N
 
 
 @app.command("history")
-def history(name: str, deployment: Deployment, region: Region = None) -> None:
+def history(name: str, deployment: Deployment, region: Region = None, as_json: AsJson = False) -> None:
     """Who changed a tunable, when, and to what (SSM parameter versions)."""
     from rich.table import Table
 
@@ -205,6 +205,9 @@ def history(name: str, deployment: Deployment, region: Region = None) -> None:
         versions = store.history(name)
     except _aws_errors() as exc:
         _aws_error(exc)
+    if as_json:
+        typer.echo(json.dumps([_version_json(v) for v in versions], indent=2))
+        return
     table = Table(title=f"{name} — {deployment}")
     for column in ("version", "value", "modified", "labels", "by"):
         table.add_column(column)
@@ -212,6 +215,15 @@ def history(name: str, deployment: Deployment, region: Region = None) -> None:
         table.add_row(str(v.get("Version")), v.get("Value", ""), str(v.get("LastModifiedDate", "")),
                       ",".join(v.get("Labels", [])), v.get("LastModifiedUser", ""))
     _console().print(table)
+
+
+def _version_json(version: dict[str, Any]) -> dict[str, Any]:
+    """One SSM parameter version as `history --json` prints it (the time in ISO 8601)."""
+    modified = version.get("LastModifiedDate")
+    return {"version": version.get("Version"), "value": version.get("Value", ""),
+            "modified": modified.isoformat() if hasattr(modified, "isoformat") else modified,
+            "labels": list(version.get("Labels", [])), "by": version.get("LastModifiedUser", ""),
+            "description": version.get("Description", "")}
 
 
 @app.command("sync")

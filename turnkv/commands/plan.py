@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from turnkv import params
+from turnkv.commands import renamed
 
 console = Console(stderr=True)
 
@@ -25,6 +26,11 @@ app = typer.Typer(help="Capacity planner: TTFT with reuse off/on, retained KV, h
 def _fail(message: str) -> None:
     console.print(f"[red]{message}[/red]", soft_wrap=True)
     raise typer.Exit(2)
+
+
+#: The tensor-parallel flags, named as `vllm serve --tensor-parallel-size` (the former --tp-prefill and --tp-decode
+#: still answer, hidden).
+TP, PREFILL_TP, DECODE_TP = "--tensor-parallel-size", "--prefill-tensor-parallel-size", "--decode-tensor-parallel-size"
 
 
 def build_fleet(model: str, instance: str, tp: int | None, tp_prefill: int | None, tp_decode: int | None,
@@ -46,8 +52,8 @@ def build_fleet(model: str, instance: str, tp: int | None, tp_prefill: int | Non
     if price is not None:
         inst = replace(inst, price_per_hour=price)
     default_tp = 1 if instance == "local-cpu" else inst.devices if inst.devices <= 8 else 16
-    given = {"--tp-prefill": tp_prefill, "--tp-decode": tp_decode} if tp is None else {
-        "--tp": tp, "--tp-prefill": tp_prefill, "--tp-decode": tp_decode}
+    given = {PREFILL_TP: tp_prefill, DECODE_TP: tp_decode} if tp is None else {
+        TP: tp, PREFILL_TP: tp_prefill, DECODE_TP: tp_decode}
     allowed = [str(2**k) for k in range(inst.devices.bit_length()) if 2**k <= inst.devices]
     for name, value in given.items():
         # infra/config.py (model.tensor_parallel_size) accepts powers of two only, at most the accelerators
@@ -55,14 +61,14 @@ def build_fleet(model: str, instance: str, tp: int | None, tp_prefill: int | Non
             _fail(f"{name} {value} is not a power of two, which a deployment's model.tensor_parallel_size must be "
                   f"(infra/config.py): use {', '.join(allowed)} on {inst.name}")
     tp_p, tp_d = tp_prefill or tp or default_tp, tp_decode or tp or default_tp
-    for name, value in (("--tp-prefill", tp_p), ("--tp-decode", tp_d)):
+    for name, value in ((PREFILL_TP, tp_p), (DECODE_TP, tp_d)):
         if value > inst.devices:
             _fail(f"{name} {value} exceeds the {inst.devices} devices of one {inst.name}: use "
                   f"{', '.join(allowed)}")
     if mode not in ("pull", "push"):
         _fail(f"--mode {mode!r}: use pull or push")
     weights = arch.total_params() * arch.weight_bytes_per_param
-    for name, value in (("--tp-prefill", tp_p), ("--tp-decode", tp_d)):
+    for name, value in ((PREFILL_TP, tp_p), (DECODE_TP, tp_d)):
         if inst.kv_cache_bytes(value, weights) <= 0.05 * value * inst.hbm_bytes:
             _fail(f"{arch.name}'s weights ({weights / 1e9:.0f} GB) leave no room for a KV cache on {value} device(s) "
                   f"of {inst.name} ({value * inst.hbm_bytes * inst.memory_utilization / 1e9:.0f} GB usable): "
@@ -296,11 +302,13 @@ def plan(
                                                "trn1.32xlarge as a what-if (not deployable yet).")] = "p5en.48xlarge",
     workload: Annotated[Path, typer.Option(help="vLLM multi-turn generator JSON (+ num_clients, think_time_s).")]
     = DEFAULT_WORKLOAD,
-    tp: Annotated[int | None, typer.Option(min=1, help="Tensor parallel size of both roles: a power of two up to the "
-                                                         "instance's devices; a node runs devices // TP engines.")]
-    = None,
-    tp_prefill: Annotated[int | None, typer.Option(min=1, help="Prefill TP (default --tp).")] = None,
-    tp_decode: Annotated[int | None, typer.Option(min=1, help="Decode TP (default --tp).")] = None,
+    tp: Annotated[int | None, typer.Option(TP, "--tp", min=1, help="Tensor parallel size of both roles: a power of "
+                                                                "two up to the instance's devices; a node runs "
+                                                                "devices // TP engines.")] = None,
+    prefill_tp: Annotated[int | None, typer.Option(PREFILL_TP, min=1, help=f"Prefill TP (default {TP}).")] = None,
+    decode_tp: Annotated[int | None, typer.Option(DECODE_TP, min=1, help=f"Decode TP (default {TP}).")] = None,
+    tp_prefill: Annotated[int | None, typer.Option("--tp-prefill", min=1, hidden=True)] = None,
+    tp_decode: Annotated[int | None, typer.Option("--tp-decode", min=1, hidden=True)] = None,
     dtype: Annotated[str | None, typer.Option(help="Weights/GEMM precision (bf16, fp16, fp32, fp8); default the "
                                                       "model's.")]
     = None,
@@ -316,7 +324,9 @@ def plan(
     mode: Annotated[str, typer.Option(help="pull or push.")] = "pull",
     prefill_prefix_caching: Annotated[bool, typer.Option(help="Prefill keeps a prefix cache (off, as in the "
                                                               "seeds' benchmark).")] = False,
-    ttft_target: Annotated[float | None, typer.Option(min=1, help="p90 TTFT target with reuse on (ms).")] = None,
+    ttft_target_ms: Annotated[float | None, typer.Option(
+        min=1, help="p90 TTFT target in ms: each arm (reuse on, and reuse off) is sized to meet it.")] = None,
+    ttft_target: Annotated[float | None, typer.Option("--ttft-target", min=1, hidden=True)] = None,
     host_kv_gib: Annotated[float, typer.Option(min=0, help="Each decode engine's host tier of retained turns (GiB; "
                                                           "host_kv_budget_mib / 1024; 0: device only).")] = 0.0,
     simulate: Annotated[bool, typer.Option("--simulate", help="Also run the fleet simulation.")] = False,
@@ -341,11 +351,13 @@ def plan(
         wl = load_workload(workload)
     except WorkloadError as exc:
         _fail(f"--workload: {exc}")
-    fleet = build_fleet(model, instance, tp, tp_prefill, tp_decode, dtype, kv_dtype, block_size, mode, ttl, threshold,
+    fleet = build_fleet(model, instance, tp, renamed(ctx, "prefill_tp", "tp_prefill"),
+                        renamed(ctx, "decode_tp", "tp_decode"), dtype, kv_dtype, block_size, mode, ttl, threshold,
                         prefill_prefix_caching, state_dir, price)
     fleet = replace(fleet, host_kv_gib=float(host_kv_gib))
     with console.status("planning" + (" and simulating" if simulate else "")):
-        result = run_plan(fleet, wl, ttft_target, simulate, conversations, deployment)
+        result = run_plan(fleet, wl, renamed(ctx, "ttft_target_ms", "ttft_target"), simulate, conversations,
+                          deployment)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(result, indent=2, default=str))
     chart(result, out / "plan.png")

@@ -18,14 +18,14 @@ def serve(
         "--prefill", help="Prefill engine URL (repeatable); identity for push mode as a query: "
                           "http://H:P?engine_id=ID&side_channel_port=N[&side_channel_host=H&tp_size=N].")] = None,
     decode: Annotated[list[str] | None, typer.Option("--decode", help="Decode engine URL (repeatable).")] = None,
-    host: Annotated[str | None, typer.Option(help="Address to listen on [127.0.0.1].")] = None,
-    port: Annotated[int | None, typer.Option(help=f"Port to listen on [{router_env.PORT}].")] = None,
+    host: Annotated[str | None, typer.Option(help="Address to listen on (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help=f"Port to listen on (default {router_env.PORT}).")] = None,
     config_file: Annotated[Path | None, typer.Option(
         "--config", help="Settings file (JSON or TOML): the flags' names with _, and 'set' for tunables.")] = None,
     mode: Annotated[str | None, typer.Option(help="KV transfer mode: pull, or push (concurrent P and D).")] = None,
     discovery: Annotated[str | None, typer.Option(help="Engines from 'static' flags or 'cloudmap'.")] = None,
     namespace: Annotated[str | None, typer.Option(help="Cloud Map namespace (with --discovery cloudmap).")] = None,
-    service: Annotated[str | None, typer.Option(help="Cloud Map service [engines].")] = None,
+    service: Annotated[str | None, typer.Option(help="Cloud Map service (default engines).")] = None,
     region: Annotated[str | None, typer.Option(help="AWS region (Cloud Map, SSM).", envvar=router_env.REGION)] = None,
     aws_endpoint_url: Annotated[str | None, typer.Option(help="AWS endpoint override (tests).")] = None,
     store: Annotated[str | None, typer.Option(
@@ -41,7 +41,8 @@ def serve(
     deployment: Annotated[str | None, typer.Option(
         help="Deployment name (SSM paths, EMF dimension).", envvar=router_env.DEPLOYMENT)] = None,
     ssm: Annotated[bool | None, typer.Option(
-        "--ssm/--no-ssm", help="Re-read tunables from SSM every params_refresh s [on with --discovery cloudmap].")
+        "--ssm/--no-ssm", help="Re-read tunables from SSM every params_refresh seconds (default: on with "
+                               "--discovery cloudmap).")
     ] = None,
     side_channel_host: Annotated[list[str] | None, typer.Option(
         help="Extra NIXL side-channel address a replayed remote_host may name (repeatable).")] = None,
@@ -49,9 +50,10 @@ def serve(
     session_hint: Annotated[list[str] | None, typer.Option(
         help="Where clients send session ids, header:NAME or body:FIELD (repeatable; replaces the default "
              "list). Hints steer decode affinity and label metrics; reuse never depends on them.")] = None,
-    emf: Annotated[bool | None, typer.Option("--emf/--no-emf", help="One EMF log line per request [on].")] = None,
+    emf: Annotated[bool | None, typer.Option("--emf/--no-emf", help="One EMF log line per request (default on).")
+                   ] = None,
     keepalive_timeout: Annotated[float | None, typer.Option(
-        help="Seconds an idle client connection stays open [75]; behind a load balancer, longer than its idle "
+        help="Seconds an idle client connection stays open (default 75); behind a load balancer, longer than its idle "
              "timeout.")] = None,
     tunable: Annotated[list[str] | None, typer.Option(
         "--set", help="Override a tunable, NAME=VALUE (see `turnkv params list`); repeatable.")] = None,
@@ -59,7 +61,10 @@ def serve(
         "--allow-open", help="Serve without API keys on a non-loopback address (anyone reaching it is served).")
     ] = False,
 ) -> None:
-    """Serve OpenAI-compatible /v1/chat/completions and /v1/completions over prefill + decode engines."""
+    """Serve the OpenAI-compatible POST /v1/chat/completions and /v1/completions, POST /v1/responses (OpenAI
+    Responses) and /v1/messages (Anthropic Messages), translated to chat completions, over prefill + decode engines;
+    with POST /v1/conversations/lease (extend a conversation's retained KV), GET /v1/models (decode's), and the ops
+    routes GET /health, /ready and /metrics (Prometheus)."""
     from router import config as router_config
     from router.app import check_open_mode, load_keys
     from router.app import serve as run
