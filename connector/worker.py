@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 
 from connector import boot, compat, host_tier
 from connector.stats import TurnkvKVConnectorStats, counts_on_rank, rank_seconds
-from turnkv import wire
+from turnkv import platforms, wire
 
 logger = logging.getLogger("vllm.turnkv.connector")
 
@@ -288,6 +289,13 @@ class TurnkvWorkerMixin:
     # decode boot check ---------------------------------------------------------------------------
 
     def add_remote_agent(self, nixl_agent_meta: Any, remote_tp_rank: int = 0, *args: Any, **kwargs: Any) -> str:
+        # Before upstream's handshake bookkeeping: a refused peer fails the handshake, its requests recompute.
+        why = platforms.block_size_refusal(getattr(self, "block_size", None),
+                                           getattr(nixl_agent_meta, "block_size", None),
+                                           str(nixl_agent_meta.engine_id), os.environ)
+        if why:
+            logger.error(why)
+            raise RuntimeError(why)
         name = super().add_remote_agent(nixl_agent_meta, remote_tp_rank, *args, **kwargs)  # type: ignore[misc]
         self._turnkv_remote_meta[(nixl_agent_meta.engine_id, int(remote_tp_rank))] = nixl_agent_meta
         for key in [k for k in self._turnkv_host_handles if k[:2] == (nixl_agent_meta.engine_id, remote_tp_rank)]:

@@ -64,3 +64,23 @@ def check(platform: str, env: Mapping[str, str]) -> None:
     message = refusal(platform, env)
     if message:
         raise UnverifiedPlatformError(message)
+
+
+#: What TURNKV_ALLOW_UNVERIFIED names to let engines of unequal KV block sizes exchange KV.
+BLOCK_SIZES = "block-size"
+
+
+def block_size_refusal(local: int | None, remote: int | None, remote_engine: str, env: Mapping[str, str]) -> str | None:
+    """Why this engine must not exchange KV with ``remote_engine`` (None: it may). Unequal block sizes take
+    upstream's block-size-ratio path, which on vLLM's CPU build gave a different answer to the same prompt with no
+    reuse at all (bench.shapes: prefill 32 against decode 128), and turnkv's proofs, offers and host tier are
+    verified with equal sizes only. Unknown sizes (an older peer) are not refused."""
+    if not local or not remote or int(local) == int(remote):
+        return None
+    allowed = {p.strip().lower() for p in env.get(ALLOW_ENV, "").split(",") if p.strip()}
+    if BLOCK_SIZES in allowed:
+        return None
+    return (f"turnkv: engine {remote_engine} has KV block size {remote}, this engine {local}. Unequal block sizes "
+            f"between prefill and decode are unverified (on vLLM's CPU build they changed answers), so no KV is "
+            f"exchanged with it: give every engine the same --block-size (turnkv's default: 128), or set "
+            f"{ALLOW_ENV}={BLOCK_SIZES} to try it on a test deployment.")

@@ -195,10 +195,11 @@ async def run(url: str, api_key: str | None = None, model: str | None = None, tu
                 history = [*messages, {"role": "assistant", "content": on.text}]
     except SmokeFailure as exc:
         result.failure = str(exc)
+    except TimeoutError:  # an OSError too: not "cannot reach", the endpoint answered too slowly or not at all
+        result.failure = (f"turn {len(result.turns) + 1}: no complete answer from {url} within the test's "
+                          f"{timeout_s:g} s; check the engines' health and logs, or give --timeout more time")
     except (aiohttp.ClientConnectionError, OSError) as exc:
         result.failure = f"cannot reach {url}: {exc} (is the ALB reachable from here: router.allowed_cidrs?)"
-    except TimeoutError:
-        result.failure = f"{url} did not answer within {timeout_s:.0f} s"
     except (aiohttp.ClientError, ValueError, KeyError) as exc:
         result.failure = f"{url} did not answer as an OpenAI-compatible endpoint: {exc!r}"
     return result

@@ -63,3 +63,20 @@ async def test_smoke_fails_when_the_endpoint_is_not_greedy():
 def test_the_command_exits_1_with_the_reason():
     done = CliRunner().invoke(app, ["smoke", "--url", "not-a-url"])
     assert done.exit_code == 1 and "is not an http(s) URL" in done.output
+
+
+async def test_an_endpoint_that_never_answers_is_reported_as_slow_not_unreachable():
+    """A timeout is an OSError too: it used to read 'cannot reach' (bench.shapes hit it on a hung engine pair)."""
+    import asyncio
+
+    async def hold(reader, writer):
+        await asyncio.sleep(30)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        result = await smoke.run(f"http://127.0.0.1:{port}", model="tiny", timeout_s=1)
+    finally:
+        server.close()
+    assert result.failure.startswith("turn 1: no complete answer from"), result.failure
+    assert "within the test's 1 s" in result.failure and "--timeout" in result.failure

@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPu
 from connector import cpu, plugin, scheduler
 from connector.push_worker import PushBidiWorker
 from connector.worker import TurnkvWorkerMixin
+from turnkv import platforms
 
 
 class FakeBindings(types.ModuleType):
@@ -298,3 +299,20 @@ def test_a_failed_registration_marks_the_prefill_it_was_for():
     assert w._turnkv_stale_peers == {"prefill-1"} and w._turnkv_sending_to is None
     w._log_failure("push_handshake_failed", "req-3", error=RuntimeError("timeout"))  # not a stale handshake
     assert w._turnkv_stale_peers == {"prefill-1"}
+
+
+def test_a_peer_of_another_block_size_is_refused_at_the_handshake(monkeypatch):
+    """Prefill 32 against decode 128 changed answers on the CPU build (bench.shapes): the handshake fails with a
+    message naming both sizes and the fix, before upstream records the peer; equal sizes, unknown sizes and the
+    explicit opt-in pass."""
+    monkeypatch.delenv(platforms.ALLOW_ENV, raising=False)
+    worker = Worker()
+    worker.block_size = 128
+    with pytest.raises(RuntimeError, match=r"prefill-0 has KV block size 32, this engine 128.*--block-size"):
+        worker.add_remote_agent(types.SimpleNamespace(engine_id="prefill-0", agent_metadata=b"p", block_size=32), 0)
+    assert ("prefill-0", 0) not in worker._turnkv_remote_meta
+    worker.add_remote_agent(types.SimpleNamespace(engine_id="prefill-1", agent_metadata=b"q", block_size=128), 0)
+    worker.add_remote_agent(types.SimpleNamespace(engine_id="prefill-2", agent_metadata=b"r"), 0)  # an older peer
+    monkeypatch.setenv(platforms.ALLOW_ENV, "neuron, block-size")
+    worker.add_remote_agent(types.SimpleNamespace(engine_id="prefill-0", agent_metadata=b"p", block_size=32), 0)
+    assert {k[0] for k in worker._turnkv_remote_meta} == {"prefill-0", "prefill-1", "prefill-2"}
