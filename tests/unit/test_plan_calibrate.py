@@ -81,7 +81,7 @@ def test_stored_constants_drive_local_cpu_predictions(tmp_path):
     assert float(plan_model.compute_s(f, [400], [3600])[0]) == pytest.approx(expected, rel=1e-6)
     assert float(plan_model.transfer_s(f, [1000])[0]) == pytest.approx(0.003 + 1000 * 8192 / 4e9, rel=1e-6)
     # another instance's file is ignored
-    assert hardware.load("p5en.48xlarge", tmp_path) == hardware.INSTANCES["p5en.48xlarge"]
+    assert hardware.load("p5en.48xlarge", tmp_path) == hardware.load("p5en.48xlarge")
 
 
 def test_metrics_parsing_sums_every_label_set(monkeypatch):

@@ -1,10 +1,11 @@
 """The one table of hardware constants, each with its public source.
 
 Peak FLOPs are dense (no sparsity). "Achieved" factors say what fraction of a peak real serving
-software reaches; they come from published measurements named next to each value, never from the
-seeds' TTFT table (that table is the planner's check, see tests/unit/test_plan_seeds.py). ``local-cpu``
-starts from the CPU's nominal peak; ``turnkv plan calibrate`` replaces its achieved factors with ones
-measured on the local engines (stored in the state folder, read by ``load``).
+software reaches. ``INSTANCES`` holds priors, each from the published figure named next to it; ``load``
+replaces the GPU ones the published TTFT measurements determine (dense and MoE factors, the per-hop and
+per-pull fixed costs) with the fit of turnkv/plan/data/gpu_measurements.json (turnkv.plan.gpu_calibration).
+``local-cpu`` starts from the CPU's nominal peak; ``turnkv plan calibrate`` replaces its achieved factors
+with ones measured on the local engines (stored in the state folder, read by ``load``).
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ class Efficiency:
     #: per token in vLLM's bi-directional PR benchmark (vllm-project/vllm#32553) where reading the BF16
     #: weights once takes 141 GB / 8 / 4.8 TB/s = 3.7 ms: 0.17 (launches, all-reduces, sampling).
     decode_bandwidth: float = 0.17
+    #: Fixed cost of a reuse-on turn's pull on the critical path (the first-token handover of a pulled turn:
+    #: metadata through the router, the D->P read's set-up and completion notice), beyond the transfer's bytes.
+    #: 0 in the priors; GPU instances get it from the seeds' TTFT table (turnkv.plan.gpu_calibration).
+    pull_overhead_s: float = 0.0
     #: Per-transfer set-up: "avg post duration 6.7 ms" of NIXL transfers in vLLM's P/D RFC #50913.
     transfer_setup_s: float = 0.0067
     #: KV bytes moved per second per rank as a fraction of the rank's link rate, by message size (a
@@ -177,10 +182,13 @@ def transfer_efficiency(eff: Efficiency, message_bytes: float) -> float:
 
 
 def load(name: str, state_dir: Path | None = None) -> Instance:
-    """An instance by name, with local-cpu's achieved factors from a calibration file when present."""
+    """An instance by name: GPU factors fitted to the published measurements (turnkv.plan.gpu_calibration),
+    local-cpu's from a calibration file when present. ``INSTANCES`` holds the priors."""
+    from turnkv.plan import gpu_calibration
+
     if name not in INSTANCES:
         raise ValueError(f"unknown instance {name!r}: use one of {', '.join(INSTANCES)}")
-    inst = INSTANCES[name]
+    inst = gpu_calibration.calibrated(INSTANCES[name])
     if state_dir is not None and (state_dir / CALIBRATION_FILE).is_file():
         data = json.loads((state_dir / CALIBRATION_FILE).read_text())
         if data.get("instance") == name:

@@ -1,0 +1,97 @@
+"""The GPU constants come from the published measurements file through the fit, and the fit is a fit."""
+
+import json
+import tomllib
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from turnkv.plan import gpu_calibration as gc
+from turnkv.plan import hardware
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_row_cites_a_source_with_its_conditions():
+    data = gc.load_data()
+    rows = data["ttft"] + data["transfer_ranges"] + data["kernel_bounds"]
+    assert {r["split"] for r in rows} <= {"calibration", "held_out", "constraint"}
+    assert len({r["id"] for r in rows}) == len(rows)
+    for r in rows:
+        src = data["sources"][r["source"]]
+        assert src["title"] and src["what"] and src["conditions"] and "url" in src and "date" in src
+        assert r["what"]
+    assert any(r["split"] == "held_out" for r in rows) and data["left_out"]
+
+
+def test_the_data_file_ships_with_the_package():
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "plan/data/*.json" in conf["tool"]["setuptools"]["package-data"]["turnkv"]
+
+
+def test_load_gives_the_constants_the_fit_derives_from_the_data_file():
+    data = gc.load_data()
+    coef = gc.fit(gc.calibration_rows(data), hardware.INSTANCES["p5en.48xlarge"], gc.settings(data))
+    for name in ("p5en.48xlarge", "p5.48xlarge"):
+        eff = hardware.load(name).efficiency
+        assert eff.dense == pytest.approx(1 / coef["dense_compute"])
+        assert eff.moe == pytest.approx(1 / coef["moe_compute"])
+        assert eff.request_overhead_s == pytest.approx(coef["hops"])
+        assert eff.pull_overhead_s == pytest.approx(coef["pull"])
+        assert "gpu_measurements.json" in eff.source
+    assert hardware.load("local-cpu") == hardware.INSTANCES["local-cpu"]  # the GPU fit leaves the CPU alone
+
+
+def test_other_measurements_give_other_constants(monkeypatch):
+    data = gc.load_data()
+    slower = json.loads(json.dumps(data))
+    for r in slower["ttft"]:
+        r["measured_ms"] *= 1.5
+    before = gc.fit(gc.calibration_rows(data), hardware.INSTANCES["p5en.48xlarge"], gc.settings(data))
+    after = gc.fit(gc.calibration_rows(slower), hardware.INSTANCES["p5en.48xlarge"], gc.settings(slower))
+    assert after != before and after["moe_compute"] > before["moe_compute"]
+
+
+def test_the_fit_recovers_constants_it_generated():
+    data = gc.load_data()
+    inst, settings = hardware.INSTANCES["p5en.48xlarge"], gc.settings(data)
+    truth = {"dense_compute": 1 / 0.5, "moe_compute": 1 / 0.2, "hops": 0.03, "pull": 0.2}
+    rows = [r | {"measured_ms": gc.linear_prediction(r, truth, inst, settings) * 1000} for r in data["ttft"]]
+    assert gc.fit(rows, inst, settings) == pytest.approx(truth, rel=1e-6)
+
+
+def test_achieved_factors_stay_under_the_published_kernel_bound():
+    data = gc.load_data()
+    bound = gc.settings(data)["max_fraction_of_peak"]
+    eff = hardware.load("p5en.48xlarge").efficiency
+    assert 0 < eff.moe <= eff.dense <= bound + 1e-12
+    # without the bound the least squares would put the dense factor above the peak itself
+    free = gc.fit(gc.calibration_rows(data), hardware.INSTANCES["p5en.48xlarge"],
+                  gc.settings(data) | {"max_fraction_of_peak": float("inf")})
+    assert 1 / free["dense_compute"] > 1
+
+
+def test_report_has_errors_held_out_checks_ablation_and_band():
+    rep = gc.report()
+    assert {r["split"] for r in rep["ttft"]} == {"calibration"}
+    assert all(r["split"] == "held_out" for r in rep["transfers"])
+    assert {a["term"] for a in rep["ablation"]} == {"none (full fit)", *gc.COLUMNS, *gc.KNOWN}
+    full = rep["ablation"][0]["rms_error"]
+    assert all(a["rms_error"] is None or a["rms_error"] >= full - 1e-9 for a in rep["ablation"])
+    assert 0 < rep["band"] < 1
+
+
+def test_a_pull_pays_the_fitted_handover_and_recompute_does_not():
+    from turnkv.plan import model as plan_model
+    from turnkv.plan import models
+
+    inst = hardware.load("p5en.48xlarge")
+    none = replace(inst, efficiency=replace(inst.efficiency, pull_overhead_s=0.0))
+    fleet = plan_model.Fleet(models.load("Qwen3-32B"), inst, inst)
+    bare = plan_model.Fleet(models.load("Qwen3-32B"), none, none)
+    a, b = plan_model.turn_costs(fleet, [8000], [7800]), plan_model.turn_costs(bare, [8000], [7800])
+    assert float(a.ttft_on[0] - b.ttft_on[0]) == pytest.approx(inst.efficiency.pull_overhead_s)
+    assert float(a.ttft_off[0]) == pytest.approx(float(b.ttft_off[0]))
+    # and the threshold that makes a pull pay rises with it
+    assert plan_model.break_even_tokens(fleet, 140) > plan_model.break_even_tokens(bare, 140)
