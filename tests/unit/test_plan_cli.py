@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 from typer.testing import CliRunner
 
 from bench.workload import from_workload_file
@@ -85,3 +86,16 @@ def test_bench_plays_the_same_load_the_plan_describes():
         assert words[0] + len(c.system.split()) + w.template_tokens_per_message == turns.new_tokens[sel][0]
         assert np.array_equal(np.array(words[1:]) + w.template_tokens_per_message, turns.new_tokens[sel][1:])
         assert list(c.max_tokens) == turns.output_tokens[sel].tolist()
+
+
+def test_every_ttft_carries_the_calibration_band(tmp_path):
+    from turnkv.plan import gpu_calibration
+
+    res = runner.invoke(app, ["plan", "--out", str(tmp_path)])
+    band = gpu_calibration.band()
+    assert res.exit_code == 0 and f"TTFT band: ±{band:.0%}" in res.output and " ±" in res.output
+    out = json.loads((tmp_path / "plan.json").read_text())
+    assert out["ttft_band"]["relative"] == band and "gpu_measurements.json" in out["ttft_band"]["source"]
+    p90 = out["ttft_ms"]["on"]["p90"]
+    assert out["ttft_ms_band"]["on"]["p90"] == pytest.approx([p90 * (1 - band), p90 * (1 + band)], abs=0.1)
+    assert all(r["ttft_ms_on_band"][0] < r["ttft_ms_on"] < r["ttft_ms_on_band"][1] for r in out["per_turn"])

@@ -171,7 +171,8 @@ def calibrated(inst: hardware.Instance) -> hardware.Instance:
         return inst
     fitted = calibrated_efficiency()
     eff = replace(inst.efficiency, dense=fitted.dense, moe=fitted.moe, request_overhead_s=fitted.request_overhead_s,
-                  pull_overhead_s=fitted.pull_overhead_s, source=fitted.source)
+                  pull_overhead_s=fitted.pull_overhead_s, source=fitted.source, ttft_band=band(),
+                  ttft_band_source=band_details()["source"])
     return replace(inst, efficiency=eff)
 
 
@@ -270,20 +271,31 @@ def ablation(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 @functools.cache
-def band() -> float:
+def band_details() -> dict[str, Any]:
     """The relative uncertainty the planner states on every GPU TTFT: the larger of the calibration's RMS
     relative residual (over rows minus fitted non-zero terms, the residual degrees of freedom) and the RMS of
     the leave-one-out errors that the data determines."""
     data = load_data()
     rows = calibration_rows(data)
-    inst = calibrated(hardware.INSTANCES["p5en.48xlarge"])
+    base = hardware.INSTANCES["p5en.48xlarge"]
+    inst = replace(base, efficiency=calibrated_efficiency())
     errors = [e["error"] for e in ttft_errors(inst, data) if e["split"] == "calibration"]
-    coef = fit(rows, hardware.INSTANCES["p5en.48xlarge"], settings(data))
+    coef = fit(rows, base, settings(data))
     dof = max(1, len(rows) - sum(1 for v in coef.values() if v > 0))
     residual = math.sqrt(sum(e**2 for e in errors) / dof)
     loo = [e["error"] for e in leave_one_out(data) if e["error"] is not None]
     loo_rms = math.sqrt(sum(e**2 for e in loo) / len(loo)) if loo else 0.0
-    return round(max(residual, loo_rms), 2)
+    value = round(max(residual, loo_rms), 2)
+    source = (f"±{value:.0%}: the larger of the GPU fit's RMS relative residual ({residual:.0%}, {len(rows)} "
+              f"published TTFT cells, {dof} residual degree(s) of freedom) and the RMS of its {len(loo)} "
+              f"leave-one-out errors ({loo_rms:.0%}); turnkv/plan/data/gpu_measurements.json")
+    return {"band": value, "residual_rms": round(residual, 4), "dof": dof, "loo_rms": round(loo_rms, 4),
+            "source": source}
+
+
+def band() -> float:
+    """See ``band_details``."""
+    return float(band_details()["band"])
 
 
 def report() -> dict[str, Any]:
@@ -296,7 +308,7 @@ def report() -> dict[str, Any]:
                                                  "pull_overhead_s": inst.efficiency.pull_overhead_s},
             "ttft": ttft_errors(inst, data), "transfers": transfer_checks(inst, data),
             "kernels": kernel_checks(inst.efficiency, data), "leave_one_out": leave_one_out(data),
-            "ablation": ablation(data), "band": band(), "sources": data["sources"]}
+            "ablation": ablation(data), "band": band(), "band_details": band_details(), "sources": data["sources"]}
 
 
 if __name__ == "__main__":

@@ -75,6 +75,10 @@ class Efficiency:
     #: KV bytes moved per second per rank as a fraction of the rank's link rate, by message size (a
     #: table as EFA_MESSAGE_EFFICIENCY); None uses the EFA table.
     transfer_efficiency: tuple[tuple[int, float], ...] | None = None
+    #: Relative uncertainty (±) stated on every TTFT the planner prints for this stack, from its calibration's
+    #: errors; None where nothing was calibrated. ``ttft_band_source`` says how it was derived.
+    ttft_band: float | None = None
+    ttft_band_source: str = "no band: uncalibrated priors"
     #: Where these values came from (shown by ``turnkv plan --json``).
     source: str = "published measurements (see turnkv/plan/hardware.py)"
 
@@ -203,4 +207,11 @@ def apply_calibration(inst: Instance, data: dict[str, Any]) -> Instance:
                   request_overhead_s=e["request_overhead_s"], transfer_setup_s=e["transfer_setup_s"],
                   transfer_efficiency=((1, e["transfer_efficiency"]),),
                   source=f"calibrated {data.get('measured_at', '')} on {data.get('host', 'this machine')}")
+    from turnkv.plan import calibrate
+
+    band = calibrate.prefill_band(data)
+    if band is not None:
+        when = data.get("measured_at", "")
+        eff = replace(eff, ttft_band=band, ttft_band_source=f"±{band:.0%}: RMS relative residual of the {when} "
+                      "prefill fit (turnkv plan calibrate), over points minus fitted terms")
     return replace(inst, efficiency=eff, network_bits_s=data.get("network_bits_s", inst.network_bits_s))
