@@ -8,8 +8,9 @@ Each TTFT row is split into what the fit solves for and what the priors in ``har
 so 1 / c_dense and 1 / c_moe are the achieved fractions of peak (``Efficiency.dense``, ``.moe``), c_hop is
 ``request_overhead_s`` and c_pull ``pull_overhead_s``. The fit is non-negative least squares on relative
 error over the rows marked ``calibration`` (every subset of the columns, the best fit with no negative
-coefficient, the fewest columns on a tie); a column no calibration row uses keeps its prior. Rows marked
-``held_out`` are only compared. Pure apart from reading the packaged data file.
+coefficient), with every achieved factor capped by the kernel bounds marked ``constraint``. A term the rows
+do not determine (fitting it lowers the RMS relative error by under ``IDENTIFIED``) keeps its prior from
+hardware.py (``select``). Rows marked ``held_out`` are only compared. Pure apart from reading the data file.
 """
 
 from __future__ import annotations
@@ -107,20 +108,63 @@ def nnls_relative(design: np.ndarray, target: np.ndarray, scale: np.ndarray) -> 
 
 
 def fit(rows: list[dict[str, Any]], inst: hardware.Instance, assumptions: dict[str, Any],
-        columns: tuple[str, ...] = COLUMNS, known: tuple[str, ...] = KNOWN) -> dict[str, float]:
-    """Coefficients of ``columns`` (others 0) fitted to ``rows``, their ``known`` prior terms subtracted."""
+        columns: tuple[str, ...] = COLUMNS, known: tuple[str, ...] = KNOWN,
+        fixed: dict[str, float] | None = None) -> dict[str, float]:
+    """Coefficients of ``columns`` fitted to ``rows`` (the ``known`` prior terms subtracted); a column in ``fixed``
+    takes that value instead of being fitted, any other column not in ``columns`` is 0 (left out of the model)."""
+    fixed = fixed or {}
     split = [terms(r, inst, assumptions) for r in rows]
-    design = np.array([[t.columns[c] for c in columns] for t in split])
+    free = tuple(c for c in columns if c not in fixed)
+    design = np.array([[t.columns[c] for c in free] for t in split]).reshape(len(rows), len(free))
     target = np.array([r["measured_ms"] / 1000 - sum(t.known[k] for k in known) for r, t in zip(rows, split,
                                                                                                   strict=True)])
     if (target <= 0).any():
         raise ValueError("a measurement is below the prior terms alone: the priors are wrong for it")
+    target -= np.array([sum(v * t.columns[c] for c, v in fixed.items()) for t in split])
+    out = {c: fixed.get(c, 0.0) for c in COLUMNS}
+    if not free:
+        return out
     # Achieved factors at most the bound: a compute coefficient (1 / factor) at least 1 / bound, fitted as that
     # floor (moved into the known part) plus a non-negative excess.
-    floor = np.array([1 / max_fraction(assumptions) if c in COMPUTE else 0.0 for c in columns])
+    floor = np.array([1 / max_fraction(assumptions) if c in COMPUTE else 0.0 for c in free])
     measured = np.array([r["measured_ms"] / 1000 for r in rows])
     coef = floor + nnls_relative(design, target - design @ floor, measured)
-    return {c: float(coef[columns.index(c)]) if c in columns else 0.0 for c in COLUMNS}
+    return out | {c: float(coef[i]) for i, c in enumerate(free)}
+
+
+def rms_error(rows: list[dict[str, Any]], coef: dict[str, float], inst: hardware.Instance,
+              assumptions: dict[str, Any], known: tuple[str, ...] = KNOWN) -> float:
+    """RMS relative error of the fit's linear form over ``rows``."""
+    return math.sqrt(sum((linear_prediction(r, coef, inst, assumptions, known) * 1000 / r["measured_ms"] - 1) ** 2
+                         for r in rows) / len(rows))
+
+
+def prior_coefficients(prior: hardware.Efficiency) -> dict[str, float]:
+    """The columns' values the priors in hardware.py give."""
+    return {"dense_compute": 1 / prior.dense, "moe_compute": 1 / prior.moe, "hops": prior.request_overhead_s,
+            "pull": prior.pull_overhead_s}
+
+
+#: A term whose own fitted value lowers the calibration's RMS relative error by less than this keeps its prior:
+#: the data does not determine it (another term absorbs it).
+IDENTIFIED = 0.001
+
+
+def select(rows: list[dict[str, Any]], inst: hardware.Instance,
+           assumptions: dict[str, Any]) -> tuple[dict[str, float], tuple[str, ...]]:
+    """The fit with every term the rows do not determine held at its prior (greedily, the least useful first),
+    and the terms left at their priors."""
+    priors = prior_coefficients(inst.efficiency)
+    at_prior: dict[str, float] = {}
+    while True:
+        best = fit(rows, inst, assumptions, fixed=at_prior)
+        base = rms_error(rows, best, inst, assumptions)
+        gains = {c: rms_error(rows, fit(rows, inst, assumptions, fixed=at_prior | {c: priors[c]}), inst, assumptions)
+                 - base for c in COLUMNS if c not in at_prior and len(at_prior) < len(COLUMNS) - 1}
+        weakest = min(gains, key=gains.__getitem__, default=None)
+        if weakest is None or gains[weakest] >= IDENTIFIED:
+            return best, tuple(at_prior)
+        at_prior[weakest] = priors[weakest]
 
 
 def max_fraction(assumptions: dict[str, Any]) -> float:
@@ -136,13 +180,14 @@ def linear_prediction(row: dict[str, Any], coef: dict[str, float], inst: hardwar
     return sum(coef[c] * t.columns[c] for c in COLUMNS) + sum(t.known[k] for k in known)
 
 
-def efficiency(coef: dict[str, float], prior: hardware.Efficiency, rows: int) -> hardware.Efficiency:
-    """The Efficiency the coefficients make; a compute factor the data does not see keeps its prior."""
-    return replace(prior, dense=1 / coef["dense_compute"] if coef["dense_compute"] > 0 else prior.dense,
-                   moe=1 / coef["moe_compute"] if coef["moe_compute"] > 0 else prior.moe,
+def efficiency(coef: dict[str, float], prior: hardware.Efficiency, rows: int,
+               at_prior: tuple[str, ...] = ()) -> hardware.Efficiency:
+    """The Efficiency the coefficients make (1 / compute coefficient is the achieved factor)."""
+    kept = f"; kept at their priors (not determined by the rows): {', '.join(at_prior)}" if at_prior else ""
+    return replace(prior, dense=1 / coef["dense_compute"], moe=1 / coef["moe_compute"],
                    request_overhead_s=coef["hops"], pull_overhead_s=coef["pull"],
-                   source=f"fitted to {rows} published TTFT measurements (turnkv/plan/data/gpu_measurements.json); "
-                          "transfers, decode and all-reduce from the priors in turnkv/plan/hardware.py")
+                   source=f"fitted to {rows} published TTFT measurements (turnkv/plan/data/gpu_measurements.json)"
+                          f"{kept}; transfers, decode and all-reduce from the priors in turnkv/plan/hardware.py")
 
 
 def settings(data: dict[str, Any]) -> dict[str, Any]:
@@ -161,8 +206,8 @@ def calibrated_efficiency() -> hardware.Efficiency:
     data = load_data()
     rows = calibration_rows(data)
     base = hardware.INSTANCES["p5en.48xlarge"]
-    coef = fit(rows, base, settings(data))
-    return efficiency(coef, base.efficiency, len(rows))
+    coef, at_prior = select(rows, base, settings(data))
+    return efficiency(coef, base.efficiency, len(rows), at_prior)
 
 
 def calibrated(inst: hardware.Instance) -> hardware.Instance:
@@ -237,8 +282,8 @@ def leave_one_out(data: dict[str, Any]) -> list[dict[str, Any]]:
             entry |= {"predicted_ms": None, "error": None,
                       "why": "the other rows do not determine it (its model's compute factor rests on it alone)"}
         else:
-            coef = fit(rest, base, assumptions)
-            inst = replace(base, efficiency=efficiency(coef, base.efficiency, len(rest)))
+            coef, at_prior = select(rest, base, assumptions)
+            inst = replace(base, efficiency=efficiency(coef, base.efficiency, len(rest), at_prior))
             costs = predict(row, inst, assumptions)
             ms = float((costs.ttft_on if row["reuse"] else costs.ttft_off)[0]) * 1000
             entry |= {"predicted_ms": round(ms, 1), "error": round(ms / row["measured_ms"] - 1, 4)}
@@ -247,26 +292,30 @@ def leave_one_out(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def ablation(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """Calibration error with each term removed (the fit redone without it): RMS relative error, and the share
-    of that error the term removes (1 - SSE with it / SSE without it)."""
+    """Calibration error with each term removed (set to 0, the rest refitted as ``select`` left them): RMS relative
+    error, and the share of that error the term removes (1 - SSE with it / SSE without it)."""
     rows, assumptions = calibration_rows(data), settings(data)
     base = hardware.INSTANCES["p5en.48xlarge"]
+    coef, at_prior = select(rows, base, assumptions)
+    priors = prior_coefficients(base.efficiency)
 
-    def sse(columns: tuple[str, ...], known: tuple[str, ...]) -> float:
+    def rms(term: str | None) -> float:
+        columns, known = tuple(c for c in COLUMNS if c != term), tuple(k for k in KNOWN if k != term)
         try:
-            coef = fit(rows, base, assumptions, columns, known)
+            fitted = fit(rows, base, assumptions, columns, known, {c: priors[c] for c in at_prior if c != term})
         except ValueError:
             return math.inf
-        return sum((linear_prediction(r, coef, base, assumptions, known) * 1000 / r["measured_ms"] - 1) ** 2
-                   for r in rows)
+        return rms_error(rows, fitted, base, assumptions, known)
 
-    full = sse(COLUMNS, KNOWN)
-    out = [{"term": "none (full fit)", "rms_error": round(math.sqrt(full / len(rows)), 4), "explains": None}]
+    full = rms(None)
+    out: list[dict[str, Any]] = [{"term": "none (the calibrated model)", "rms_error": round(full, 4),
+                                  "explains": None, "value": None}]
     for term in COLUMNS + KNOWN:
-        without = sse(tuple(c for c in COLUMNS if c != term), tuple(k for k in KNOWN if k != term))
-        explains = None if not math.isfinite(without) or without == 0 else round(1 - full / without, 4)
-        out.append({"term": term, "rms_error": round(math.sqrt(without / len(rows)), 4)
-                    if math.isfinite(without) else None, "explains": explains})
+        without = rms(term)
+        explains = None if not math.isfinite(without) or without == 0 else round(1 - (full / without) ** 2, 4)
+        value = (f"{coef[term]:.4g}" + (" (prior)" if term in at_prior else "")) if term in COLUMNS else "prior"
+        out.append({"term": term, "rms_error": round(without, 4) if math.isfinite(without) else None,
+                    "explains": explains, "value": value})
     return out
 
 
@@ -280,8 +329,8 @@ def band_details() -> dict[str, Any]:
     base = hardware.INSTANCES["p5en.48xlarge"]
     inst = replace(base, efficiency=calibrated_efficiency())
     errors = [e["error"] for e in ttft_errors(inst, data) if e["split"] == "calibration"]
-    coef = fit(rows, base, settings(data))
-    dof = max(1, len(rows) - sum(1 for v in coef.values() if v > 0))
+    coef, at_prior = select(rows, base, settings(data))
+    dof = max(1, len(rows) - sum(1 for c, v in coef.items() if v > 0 and c not in at_prior))
     residual = math.sqrt(sum(e**2 for e in errors) / dof)
     loo = [e["error"] for e in leave_one_out(data) if e["error"] is not None]
     loo_rms = math.sqrt(sum(e**2 for e in loo) / len(loo)) if loo else 0.0
@@ -302,10 +351,11 @@ def report() -> dict[str, Any]:
     """Everything docs/planning.md's calibration section shows."""
     data = load_data()
     inst = calibrated(hardware.INSTANCES["p5en.48xlarge"])
-    coef = fit(calibration_rows(data), hardware.INSTANCES["p5en.48xlarge"], settings(data))
-    return {"coefficients": coef, "efficiency": {"dense": inst.efficiency.dense, "moe": inst.efficiency.moe,
-                                                 "request_overhead_s": inst.efficiency.request_overhead_s,
-                                                 "pull_overhead_s": inst.efficiency.pull_overhead_s},
+    coef, at_prior = select(calibration_rows(data), hardware.INSTANCES["p5en.48xlarge"], settings(data))
+    eff = inst.efficiency
+    return {"coefficients": coef, "at_prior": at_prior,
+            "efficiency": {"dense": eff.dense, "moe": eff.moe, "request_overhead_s": eff.request_overhead_s,
+                           "pull_overhead_s": eff.pull_overhead_s},
             "ttft": ttft_errors(inst, data), "transfers": transfer_checks(inst, data),
             "kernels": kernel_checks(inst.efficiency, data), "leave_one_out": leave_one_out(data),
             "ablation": ablation(data), "band": band(), "band_details": band_details(), "sources": data["sources"]}
