@@ -108,3 +108,9 @@ def test_a_pull_pays_the_fitted_handover_and_recompute_does_not():
     assert float(a.ttft_off[0]) == pytest.approx(float(b.ttft_off[0]))
     # and the threshold that makes a pull pay rises with it
     assert plan_model.break_even_tokens(fleet, 140) > plan_model.break_even_tokens(bare, 140)
+
+
+def test_docs_show_the_tables_the_code_derives():
+    doc = (ROOT / "docs" / "planning.md").read_text()
+    shown = doc.split("<!-- gpu-calibration:begin -->\n")[1].split("<!-- gpu-calibration:end -->")[0]
+    assert shown == gc.markdown(), "regenerate with: python -m turnkv.plan.gpu_calibration --markdown"

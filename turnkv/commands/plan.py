@@ -344,7 +344,8 @@ def plan(
     = Path(".turnkv"),
 ) -> None:
     """Predict TTFT with reuse off and on, retained KV and hit share by TTL, nodes and cost; recommend a TTL and
-    a threshold. First principles (FLOPs, bytes, published hardware figures), no fitting to results."""
+    a threshold. First principles (FLOPs, bytes, published hardware figures); the GPU factors and fixed costs are
+    fitted to published TTFT measurements (turnkv/plan/data/gpu_measurements.json), and every TTFT carries a band."""
     if ctx.invoked_subcommand:
         return
     from turnkv.plan.workload import WorkloadError

@@ -291,6 +291,13 @@ def leave_one_out(data: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def describe(term: str, value: float) -> str:
+    """A fitted column's value in the units of its constant."""
+    if term in COMPUTE:
+        return f"{1 / value:.2f} of peak"
+    return f"{value * 1000:.0f} ms per {'hop' if term == 'hops' else 'pull'}"
+
+
 def ablation(data: dict[str, Any]) -> list[dict[str, Any]]:
     """Calibration error with each term removed (set to 0, the rest refitted as ``select`` left them): RMS relative
     error, and the share of that error the term removes (1 - SSE with it / SSE without it)."""
@@ -313,7 +320,7 @@ def ablation(data: dict[str, Any]) -> list[dict[str, Any]]:
     for term in COLUMNS + KNOWN:
         without = rms(term)
         explains = None if not math.isfinite(without) or without == 0 else round(1 - (full / without) ** 2, 4)
-        value = (f"{coef[term]:.4g}" + (" (prior)" if term in at_prior else "")) if term in COLUMNS else "prior"
+        value = (describe(term, coef[term]) + (" (prior)" if term in at_prior else "")) if term in COLUMNS else "prior"
         out.append({"term": term, "rms_error": round(without, 4) if math.isfinite(without) else None,
                     "explains": explains, "value": value})
     return out
@@ -361,5 +368,42 @@ def report() -> dict[str, Any]:
             "ablation": ablation(data), "band": band(), "band_details": band_details(), "sources": data["sources"]}
 
 
+def markdown(rep: dict[str, Any] | None = None) -> str:
+    """The tables docs/planning.md shows (``python -m turnkv.plan.gpu_calibration --markdown`` prints them)."""
+    rep = rep or report()
+    lines = ["| measurement | source | measured | predicted | error | split |", "|---|---|---:|---:|---:|---|"]
+    for r in rep["ttft"]:
+        lines.append(f"| {r['id']} TTFT | {r['source']} | {r['measured_ms']:,.0f} ms | "
+                     f"{r['predicted_ms']:,.0f} ms | {r['error']:+.0%} | {r['split']} |")
+    for r in rep["transfers"]:
+        where = "inside the range" if r["error"] == 0 else f"{r['error']:+.0%} outside the range"
+        lines.append(f"| {r['id']} (D->P, longest prompt) | {r['source']} | {r['low_ms']}-{r['high_ms']} ms | "
+                     f"{r['predicted_ms']:,.0f} ms | {where} | {r['split']} |")
+    for r in rep["leave_one_out"]:
+        measured = f"{r['measured_ms']:,.0f} ms"
+        if r["error"] is None:
+            lines.append(f"| {r['id']} TTFT, fitted without it | seeds-bidir-kv | {measured} | not determined | - | "
+                         "held out (leave-one-out) |")
+        else:
+            lines.append(f"| {r['id']} TTFT, fitted without it | seeds-bidir-kv | {measured} | "
+                         f"{r['predicted_ms']:,.0f} ms | {r['error']:+.0%} | held out (leave-one-out) |")
+    for k in rep["kernels"]:
+        lines.append(f"| {k['id']}: achieved fraction of peak | {k['source']} | at most {k['bound']:.2f} | "
+                     f"dense {k['dense']:.2f}, MoE {k['moe']:.2f} | {'ok' if k['ok'] else 'EXCEEDED'} | {k['split']} |")
+    lines += ["", "| term removed | RMS error of the calibration rows | share of that error the term removes | value |",
+              "|---|---:|---:|---|"]
+    for a in rep["ablation"]:
+        rms = "-" if a["rms_error"] is None else f"{a['rms_error']:.1%}"
+        explains = "-" if a["explains"] is None else f"{a['explains']:.0%}"
+        lines.append(f"| {a['term']} | {rms} | {explains} | {a['value'] or ''} |")
+    lines += ["", "Sources:", ""]
+    for key, v in rep["sources"].items():
+        where = v["url"] or v.get("url_note", "")
+        lines.append(f"- `{key}`: {v['title']} ({where}; {v['date'] or 'date not in the copy'}): {v['what']}.")
+    return "\n".join(lines) + "\n"
+
+
 if __name__ == "__main__":
-    print(json.dumps(report(), indent=2))
+    import sys
+
+    print(markdown() if "--markdown" in sys.argv else json.dumps(report(), indent=2), end="")

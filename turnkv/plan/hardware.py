@@ -60,7 +60,9 @@ class Efficiency:
     allreduce_bus_bytes_s: float = 360e9
     #: Fixed cost of one engine hop (HTTP, tokenization, scheduling): vLLM's multi-turn benchmark README
     #: reports TTFT p50 62 ms for Llama-3.1-8B on one GPU with 1.5-6k token prompts, of which about 45 ms
-    #: is prefill compute at the dense factor above: about 15 ms per hop.
+    #: is prefill compute at the dense factor above: about 15 ms per hop. A prior: GPU instances get the value fitted
+    #: to the published TTFT measurements (turnkv.plan.gpu_calibration), as for ``moe`` (and ``dense`` when the
+    #: measurements determine it).
     request_overhead_s: float = 0.015
     #: Decode steps reach this fraction of HBM bandwidth: Llama-3.3-70B at TP 8 on p5en decodes at 21.9 ms
     #: per token in vLLM's bi-directional PR benchmark (vllm-project/vllm#32553) where reading the BF16
