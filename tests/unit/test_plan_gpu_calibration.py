@@ -114,3 +114,11 @@ def test_docs_show_the_tables_the_code_derives():
     doc = (ROOT / "docs" / "planning.md").read_text()
     shown = doc.split("<!-- gpu-calibration:begin -->\n")[1].split("<!-- gpu-calibration:end -->")[0]
     assert shown == gc.markdown(), "regenerate with: python -m turnkv.plan.gpu_calibration --markdown"
+
+
+def test_the_ridge_fits_equally_well_and_differs_where_the_docs_say():
+    ends = gc.ridge(gc.load_data())
+    assert [e["fit"] for e in ends] == ["dense at the kernel cap", "calibrated", "no per-request cost"]
+    assert max(e["rms_error"] for e in ends) - min(e["rms_error"] for e in ends) < gc.IDENTIFIED
+    assert ends[0]["ttft_off_ms_4567"] > ends[1]["ttft_off_ms_4567"] > ends[2]["ttft_off_ms_4567"]
+    assert ends[0]["break_even_tokens"] < ends[1]["break_even_tokens"] < ends[2]["break_even_tokens"]

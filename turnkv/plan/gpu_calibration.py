@@ -291,6 +291,29 @@ def leave_one_out(data: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def ridge(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Fits as good as the calibrated one along the dense / per-request trade-off the rows cannot resolve: the dense
+    factor at the kernel cap, the calibrated fit, no per-request cost. For each, its constants, RMS error, and two
+    consequences for Qwen3-32B on p5en: the break-even threshold for 140-token turns and reuse-off TTFT at 4,567
+    prompt tokens (the worked example's first turn)."""
+    rows, assumptions = calibration_rows(data), settings(data)
+    base = hardware.INSTANCES["p5en.48xlarge"]
+    selected, at_prior = select(rows, base, assumptions)
+    ends = {"dense at the kernel cap": {"dense_compute": 1 / max_fraction(assumptions)},
+            "calibrated": {c: selected[c] for c in at_prior}, "no per-request cost": {"hops": 0.0}}
+    out = []
+    for name, fixed in ends.items():
+        coef = fit(rows, base, assumptions, fixed=fixed)
+        inst = replace(base, efficiency=efficiency(coef, base.efficiency, len(rows)))
+        fleet = plan_model.Fleet(models.load("Qwen3-32B"), inst, inst)
+        out.append({"fit": name, "dense": round(1 / coef["dense_compute"], 3), "moe": round(1 / coef["moe_compute"], 3),
+                    "hop_ms": round(coef["hops"] * 1000, 1), "pull_ms": round(coef["pull"] * 1000, 1),
+                    "rms_error": round(rms_error(rows, coef, base, assumptions), 4),
+                    "break_even_tokens": plan_model.break_even_tokens(fleet, 140),
+                    "ttft_off_ms_4567": round(float(plan_model.turn_costs(fleet, [4567], [0]).ttft_off[0]) * 1000)})
+    return out
+
+
 def describe(term: str, value: float) -> str:
     """A fitted column's value in the units of its constant."""
     if term in COMPUTE:
@@ -365,7 +388,8 @@ def report() -> dict[str, Any]:
                            "pull_overhead_s": eff.pull_overhead_s},
             "ttft": ttft_errors(inst, data), "transfers": transfer_checks(inst, data),
             "kernels": kernel_checks(inst.efficiency, data), "leave_one_out": leave_one_out(data),
-            "ablation": ablation(data), "band": band(), "band_details": band_details(), "sources": data["sources"]}
+            "ablation": ablation(data), "ridge": ridge(data), "band": band(), "band_details": band_details(),
+            "sources": data["sources"]}
 
 
 def markdown(rep: dict[str, Any] | None = None) -> str:
@@ -396,6 +420,12 @@ def markdown(rep: dict[str, Any] | None = None) -> str:
         rms = "-" if a["rms_error"] is None else f"{a['rms_error']:.1%}"
         explains = "-" if a["explains"] is None else f"{a['explains']:.0%}"
         lines.append(f"| {a['term']} | {rms} | {explains} | {a['value'] or ''} |")
+    lines += ["", "| equally good fit | dense | MoE | per hop | per pull | RMS error | Qwen3-32B break-even | "
+              "Qwen3-32B TTFT off, 4,567 tokens |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rep["ridge"]:
+        lines.append(f"| {r['fit']} | {r['dense']:.2f} | {r['moe']:.2f} | {r['hop_ms']:.0f} ms | "
+                     f"{r['pull_ms']:.0f} ms | {r['rms_error']:.1%} | {r['break_even_tokens']:,} tokens | "
+                     f"{r['ttft_off_ms_4567']} ms |")
     lines += ["", "Sources:", ""]
     for key, v in rep["sources"].items():
         where = v["url"] or v.get("url_note", "")
