@@ -199,6 +199,12 @@ def chart(result: dict[str, Any], path: Path) -> Path:
     left.plot(x, [r["ttft_ms_off"] for r in rows], "o-", color="#c0392b", label="reuse off (recompute)")
     left.plot(x, [r["ttft_ms_on"] for r in rows], "s-", color="#27ae60", label="reuse on (pull from decode)")
     left.plot(x, [r["transfer_ms"] for r in rows], "^--", color="#7f8c8d", label="KV transfer (D->P)")
+    band = result["ttft_band"]["relative"]
+    for arm, color in (("off", "#c0392b"), ("on", "#27ae60")):
+        spans = [r[f"ttft_ms_{arm}_band"] for r in rows]
+        if band is not None and all(spans):
+            left.fill_between(x, [lo for lo, _ in spans], [hi for _, hi in spans], color=color, alpha=0.12, lw=0,
+                              label=f"±{band:.0%} band" if arm == "off" else None)
     left.set_xlabel("prompt tokens")
     left.set_ylabel("TTFT, mean (ms)")
     left.set_title(f"{result['inputs']['model']} on {result['inputs']['instance']}: predicted TTFT")
