@@ -55,8 +55,9 @@ class Terms:
 def row_fleet(row: dict[str, Any], inst: hardware.Instance, assumptions: dict[str, Any]) -> plan_model.Fleet:
     """The fleet a measurement ran on, as the data file's assumptions describe it."""
     return plan_model.Fleet(models.load(row["model"]), inst, inst, tp_prefill=row["tp"], tp_decode=row["tp"],
-                            block_size=int(assumptions["block_size"]), mode=assumptions["mode"], ttl_s=480,
-                            threshold=64, prefill_prefix_caching=False)
+                            block_size=int(assumptions["block_size"]), mode=assumptions["mode"],
+                            ttl_s=float(assumptions["ttl_s"]), threshold=int(assumptions["threshold"]),
+                            prefill_prefix_caching=False)
 
 
 def unit_instance(inst: hardware.Instance) -> hardware.Instance:
