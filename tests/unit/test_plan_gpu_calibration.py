@@ -89,7 +89,7 @@ def test_report_has_errors_held_out_checks_ablation_and_band():
     rep = gc.report()
     assert {r["split"] for r in rep["ttft"]} == {"calibration"}
     assert all(r["split"] == "held_out" for r in rep["transfers"])
-    assert {a["term"] for a in rep["ablation"]} == {"none (the calibrated model)", *gc.COLUMNS, *gc.KNOWN}
+    assert {a["term"] for a in rep["ablation"]} == {"none (the calibrated model)", *gc.COLUMNS, "attention", *gc.KNOWN}
     full = rep["ablation"][0]["rms_error"]
     assert all(a["rms_error"] is None or a["rms_error"] >= full - 1e-9 for a in rep["ablation"])
     assert 0 < rep["band"] < 1

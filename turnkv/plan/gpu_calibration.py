@@ -74,6 +74,8 @@ def terms(row: dict[str, Any], inst: hardware.Instance, assumptions: dict[str, A
     history = prompt - new
     computed, context = (new, history) if row["reuse"] else (prompt, 0.0)
     flops_s, _, allreduce = plan_model.compute_parts(fleet, [computed], [context])
+    if not assumptions.get("attention", True):  # the ablation's "attention" term: GEMMs only
+        flops_s = plan_model.linear_compute_s(fleet, [computed])
     pd = plan_model.transfer_s(fleet, [new], setup=fleet.mode != "push")
     transfers = float(pd[0]) + (float(plan_model.transfer_s(fleet, [history])[0]) if row["reuse"] else 0.0)
     moe = fleet.model.moe
@@ -323,8 +325,9 @@ def describe(term: str, value: float) -> str:
 
 
 def ablation(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """Calibration error with each term removed (set to 0, the rest refitted as ``select`` left them): RMS relative
-    error, and the share of that error the term removes (1 - SSE with it / SSE without it)."""
+    """Calibration error with each term removed (set to 0, the rest refitted as ``select`` left them; "attention":
+    the compute columns count GEMM FLOPs only): RMS relative error, and the share of that error the term removes
+    (1 - SSE with it / SSE without it)."""
     rows, assumptions = calibration_rows(data), settings(data)
     base = hardware.INSTANCES["p5en.48xlarge"]
     coef, at_prior = select(rows, base, assumptions)
@@ -332,19 +335,21 @@ def ablation(data: dict[str, Any]) -> list[dict[str, Any]]:
 
     def rms(term: str | None) -> float:
         columns, known = tuple(c for c in COLUMNS if c != term), tuple(k for k in KNOWN if k != term)
+        settings_ = assumptions | {"attention": term != "attention"}
         try:
-            fitted = fit(rows, base, assumptions, columns, known, {c: priors[c] for c in at_prior if c != term})
+            fitted = fit(rows, base, settings_, columns, known, {c: priors[c] for c in at_prior if c != term})
         except ValueError:
             return math.inf
-        return rms_error(rows, fitted, base, assumptions, known)
+        return rms_error(rows, fitted, base, settings_, known)
 
     full = rms(None)
     out: list[dict[str, Any]] = [{"term": "none (the calibrated model)", "rms_error": round(full, 4),
                                   "explains": None, "value": None}]
-    for term in COLUMNS + KNOWN:
+    for term in (*COLUMNS, "attention", *KNOWN):
         without = rms(term)
         explains = None if not math.isfinite(without) or without == 0 else round(1 - (full / without) ** 2, 4)
-        value = (describe(term, coef[term]) + (" (prior)" if term in at_prior else "")) if term in COLUMNS else "prior"
+        value = ((describe(term, coef[term]) + (" (prior)" if term in at_prior else "")) if term in COLUMNS
+                 else "at the compute factors" if term == "attention" else "prior")
         out.append({"term": term, "rms_error": round(without, 4) if math.isfinite(without) else None,
                     "explains": explains, "value": value})
     return out

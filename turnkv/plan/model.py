@@ -138,6 +138,11 @@ def compute_parts(fleet: Fleet, new: Any, context: Any) -> tuple[np.ndarray, np.
     return compute, memory, allreduce
 
 
+def linear_compute_s(fleet: Fleet, new: Any) -> np.ndarray:
+    """Seconds the linear layers (GEMMs) of a ``new``-token prefill take, attention left out."""
+    return fleet.model.linear_flops_per_token() * np.asarray(new, dtype=float) / _prefill_flops_s(fleet)
+
+
 def compute_s(fleet: Fleet, new: Any, context: Any) -> np.ndarray:
     """Prefill of ``new`` tokens after ``context`` cached tokens on one prefill engine (seconds), in the
     engine's chunks (the first chunk's step is in the hop's fixed cost)."""
