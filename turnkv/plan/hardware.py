@@ -80,7 +80,7 @@ class Efficiency:
     #: Relative uncertainty (±) stated on every TTFT the planner prints for this stack, from its calibration's
     #: errors; None where nothing was calibrated. ``ttft_band_source`` says how it was derived.
     ttft_band: float | None = None
-    ttft_band_source: str = "no band: uncalibrated priors"
+    ttft_band_source: str = "none: uncalibrated priors (`turnkv plan calibrate` measures local-cpu's and its band)"
     #: Where these values came from (shown by ``turnkv plan --json``).
     source: str = "published measurements (see turnkv/plan/hardware.py)"
 
