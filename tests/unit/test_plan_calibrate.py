@@ -81,7 +81,7 @@ def test_stored_constants_drive_local_cpu_predictions(tmp_path):
     assert float(plan_model.compute_s(f, [400], [3600])[0]) == pytest.approx(expected, rel=1e-6)
     assert float(plan_model.transfer_s(f, [1000])[0]) == pytest.approx(0.003 + 1000 * 8192 / 4e9, rel=1e-6)
     # another instance's file is ignored
-    assert hardware.load("p5en.48xlarge", tmp_path) == hardware.INSTANCES["p5en.48xlarge"]
+    assert hardware.load("p5en.48xlarge", tmp_path) == hardware.load("p5en.48xlarge")
 
 
 def test_metrics_parsing_sums_every_label_set(monkeypatch):
@@ -118,3 +118,20 @@ def test_fit_prefill_never_returns_a_negative_cost():
     assert got["hop_s"] >= 0 and got["linear_flops_s"] == 156e9
     assert got["attention_flops_s"] == pytest.approx(8e9, rel=0.05)
     assert got["context_attention_flops_s"] == got["attention_flops_s"]  # no context in the data
+
+
+def test_local_cpu_band_is_the_prefill_fit_residual(tmp_path):
+    arch, inst = tiny_local(), hardware.INSTANCES["local-cpu"]
+    fit = {"hop_s": 0.02, "linear_flops_s": 30e9, "attention_flops_s": 10e9, "context_attention_flops_s": 5e9,
+           "step_s": 0.0}
+    coef = np.array([0.02, 1 / 30e9, 1 / 10e9, 1 / 5e9, 0.0])
+    shapes = [(16, 0), (256, 0), (1024, 0), (2048, 0), (4096, 0), (6144, 0), (256, 1024), (512, 3072)]
+    noise = [1.1, 0.9, 1.1, 0.9, 1.1, 0.9, 1.1, 0.9]
+    pts = [(n, h, float(calibrate.design(arch, inst.prefill_chunk_tokens, n, h)[0] @ coef) * k)
+           for (n, h), k in zip(shapes, noise, strict=True)]
+    data = calibrate.constants(arch, inst, fit, (0.003, 4e9), {"prefills": pts[:6], "context_prefills": pts[6:]})
+    band = calibrate.prefill_band(data)
+    assert band == pytest.approx(np.sqrt(sum((1 / k - 1) ** 2 for k in noise) / (8 - 4)), abs=1e-3)
+    (tmp_path / hardware.CALIBRATION_FILE).write_text(json.dumps(data))
+    assert hardware.load("local-cpu", tmp_path).efficiency.ttft_band == band
+    assert hardware.load("local-cpu").efficiency.ttft_band is None  # uncalibrated: no band claimed

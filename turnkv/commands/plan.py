@@ -122,6 +122,10 @@ def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, convers
     price = sized.cost_per_hour()
     hit = plan.hit > 0
     per_node = {role: sized.engines_per_node(role) for role in ("prefill", "decode")}
+    band = sized.prefill.efficiency.ttft_band
+    for row in per_turn:
+        for arm in ("off", "on"):
+            row[f"ttft_ms_{arm}_band"] = band_ms(row[f"ttft_ms_{arm}"], band)
     out: dict[str, Any] = {
         "inputs": {"model": sized.model.name, "dtype": sized.model.dtype, "kv_dtype": sized.model.kv_dtype,
                    "instance": sized.prefill.name, "tp": {"prefill": sized.tp_prefill, "decode": sized.tp_decode},
@@ -138,6 +142,7 @@ def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, convers
                         "decode_prefix_caching": True, "engines_per_node": per_node,
                         "price_per_node_hour": sized.prefill.price_per_hour},
         "ttft_ms": {"off": m.summarize(plan_off)["ttft_ms"]["off"], "on": m.summarize(plan)["ttft_ms"]["on"]},
+        "ttft_ms_band": {},
         "per_turn": per_turn,
         "transfer_ms": round(float(plan.costs.transfer_on[hit].mean() * 1000), 1) if hit.any() else 0.0,
         "compute_saved_ms": round(float((plan.costs.compute_off - plan.costs.compute_on)[hit].mean() * 1000), 1)
@@ -164,9 +169,11 @@ def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, convers
         "ttl_curve": curve,
         "recommend": {"decoder_kv_blocks_ttl": ttl, "conversation_ttl": m.conversation_ttl(ttl),
                       "kv_recompute_threshold": threshold, "params_set": m.params_line(ttl, threshold, deployment)},
+        "ttft_band": {"relative": band, "source": sized.prefill.efficiency.ttft_band_source},
         "constants": {"efficiency": sized.prefill.efficiency.__dict__ | {"transfer_efficiency": None},
                       "sources": sized.prefill.sources},
     }
+    out["ttft_ms_band"] = {arm: {k: band_ms(v, band) for k, v in out["ttft_ms"][arm].items()} for arm in ("off", "on")}
     if simulate:
         results = {arm: sim.simulate(fl, workload, conversations, arm=arm) for arm, fl in (("off", no_reuse),
                                                                                           ("on", sized))}
@@ -178,7 +185,16 @@ def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, convers
             "retained_gib_peak": round(results["on"].retained_gib_peak, 3),
             "seconds": round(sum(r.seconds for r in results.values()), 2),
         }
+        out["simulation"]["ttft_ms_band"] = {arm: {k: band_ms(v, band) for k, v in summ.items()}
+                                             for arm, summ in out["simulation"]["ttft_ms"].items()}
     return out
+
+
+def band_ms(value: float | None, band: float | None) -> list[float] | None:
+    """[low, high] of a TTFT in ms under a relative band (None without a value or a band)."""
+    if value is None or band is None:
+        return None
+    return [round(value * (1 - band), 1), round(value * (1 + band), 1)]
 
 
 def chart(result: dict[str, Any], path: Path) -> Path:
@@ -193,6 +209,12 @@ def chart(result: dict[str, Any], path: Path) -> Path:
     left.plot(x, [r["ttft_ms_off"] for r in rows], "o-", color="#c0392b", label="reuse off (recompute)")
     left.plot(x, [r["ttft_ms_on"] for r in rows], "s-", color="#27ae60", label="reuse on (pull from decode)")
     left.plot(x, [r["transfer_ms"] for r in rows], "^--", color="#7f8c8d", label="KV transfer (D->P)")
+    band = result["ttft_band"]["relative"]
+    for arm, color in (("off", "#c0392b"), ("on", "#27ae60")):
+        spans = [r[f"ttft_ms_{arm}_band"] for r in rows]
+        if band is not None and all(spans):
+            left.fill_between(x, [lo for lo, _ in spans], [hi for _, hi in spans], color=color, alpha=0.12, lw=0,
+                              label=f"±{band:.0%} band" if arm == "off" else None)
     left.set_xlabel("prompt tokens")
     left.set_ylabel("TTFT, mean (ms)")
     left.set_title(f"{result['inputs']['model']} on {result['inputs']['instance']}: predicted TTFT")
@@ -217,8 +239,10 @@ def chart(result: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def _ms(value: float | None) -> str:
-    return "overloaded" if value is None else f"{value:.0f}"
+def _ms(value: float | None, band: float | None = None) -> str:
+    if value is None:
+        return "overloaded"
+    return f"{value:.0f}" if band is None else f"{value:.0f} ±{value * band:.0f}"
 
 
 def print_tables(result: dict[str, Any]) -> None:
@@ -230,8 +254,9 @@ def print_tables(result: dict[str, Any]) -> None:
                     f"TP {inp['tp']['prefill']}/{inp['tp']['decode']}, {inp['mode']}; reuse off on its own fleet")
     for col in ("turn", "prompt tokens", "TTFT off (ms)", "TTFT on (ms)", "transfer (ms)", "compute saved (ms)"):
         t.add_column(col, justify="right")
+    band = result["ttft_band"]["relative"]
     for r in result["per_turn"]:
-        t.add_row(str(r["turn"]), str(r["prompt_tokens"]), _ms(r["ttft_ms_off"]), _ms(r["ttft_ms_on"]),
+        t.add_row(str(r["turn"]), str(r["prompt_tokens"]), _ms(r["ttft_ms_off"], band), _ms(r["ttft_ms_on"], band),
                   f"{r['transfer_ms']:.0f}", f"{r['compute_saved_ms']:.0f}")
     out.print(t)
     s = Table(title="summary (all turns)")
@@ -239,13 +264,13 @@ def print_tables(result: dict[str, Any]) -> None:
         s.add_column(col, justify="right")
     for arm in ("off", "on"):
         v = result["ttft_ms"][arm]
-        s.add_row(f"TTFT reuse {arm} (ms)", *(f"{v[k]:.0f}" if v[k] is not None else "overloaded"
-                                              for k in ("mean", "p50", "p90")))
+        s.add_row(f"TTFT reuse {arm} (ms)", *(_ms(v[k], band) for k in ("mean", "p50", "p90")))
     if "simulation" in result:
         for arm in ("off", "on"):
             v = result["simulation"]["ttft_ms"][arm]
-            s.add_row(f"simulated {arm} (ms)", f"{v['mean']:.0f}", f"{v['p50']:.0f}", f"{v['p90']:.0f}")
+            s.add_row(f"simulated {arm} (ms)", *(_ms(v[k], band) for k in ("mean", "p50", "p90")))
     out.print(s)
+    out.print(f"TTFT band: {result['ttft_band']['source']}", soft_wrap=True)
     rec = result["recommend"]
     a = result["assumptions"]
     per = a["engines_per_node"]
@@ -341,7 +366,8 @@ def plan(
     = Path(".turnkv"),
 ) -> None:
     """Predict TTFT with reuse off and on, retained KV and hit share by TTL, nodes and cost; recommend a TTL and
-    a threshold. First principles (FLOPs, bytes, published hardware figures), no fitting to results."""
+    a threshold. First principles (FLOPs, bytes, published hardware figures); the GPU factors and fixed costs are
+    fitted to published TTFT measurements (turnkv/plan/data/gpu_measurements.json), and every TTFT carries a band."""
     if ctx.invoked_subcommand:
         return
     from turnkv.plan.workload import WorkloadError

@@ -84,6 +84,25 @@ def fit_prefill(arch: ModelArch, points: Sequence[Sequence[float]], chunk: int,
             "context_attention_flops_s": rate_ctx, "step_s": step}
 
 
+def prefill_band(data: dict[str, Any]) -> float | None:
+    """The relative uncertainty of a calibration file's prefill fit: the RMS relative residual of its raw points
+    over points minus fitted terms (None without raw points, or with no residual degree of freedom)."""
+    from turnkv.plan.models import tiny_local
+
+    raw = data.get("raw") or {}
+    pts = [p for p in raw.get("prefills", []) + raw.get("context_prefills", []) if len(p) == 3]
+    if not pts or data.get("model", "tiny-local") != "tiny-local":
+        return None
+    e = data["efficiency"]
+    coef = np.array([e["request_overhead_s"], 1 / data["achieved_flops_s"], 1 / data["achieved_attention_flops_s"],
+                     1 / data["achieved_context_attention_flops_s"], e.get("step_overhead_s", 0.0)])
+    new, ctx, secs = (np.array(col, dtype=float) for col in zip(*pts, strict=True))
+    inst = hardware.INSTANCES["local-cpu"]
+    rel = design(tiny_local(), inst.prefill_chunk_tokens, new, ctx) @ coef / secs - 1
+    dof = len(pts) - int((coef > 0).sum())
+    return round(float(np.sqrt((rel**2).sum() / dof)), 3) if dof > 0 else None
+
+
 def fit_transfers(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """(set-up seconds, bytes/s) from (bytes, seconds) of single NIXL transfers."""
     pts = [(b, s) for b, s in points if b > 0 and s > 0]

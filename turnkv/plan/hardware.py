@@ -1,10 +1,11 @@
 """The one table of hardware constants, each with its public source.
 
 Peak FLOPs are dense (no sparsity). "Achieved" factors say what fraction of a peak real serving
-software reaches; they come from published measurements named next to each value, never from the
-seeds' TTFT table (that table is the planner's check, see tests/unit/test_plan_seeds.py). ``local-cpu``
-starts from the CPU's nominal peak; ``turnkv plan calibrate`` replaces its achieved factors with ones
-measured on the local engines (stored in the state folder, read by ``load``).
+software reaches. ``INSTANCES`` holds priors, each from the published figure named next to it; ``load``
+replaces the GPU ones the published TTFT measurements determine (dense and MoE factors, the per-hop and
+per-pull fixed costs) with the fit of turnkv/plan/data/gpu_measurements.json (turnkv.plan.gpu_calibration).
+``local-cpu`` starts from the CPU's nominal peak; ``turnkv plan calibrate`` replaces its achieved factors
+with ones measured on the local engines (stored in the state folder, read by ``load``).
 """
 
 from __future__ import annotations
@@ -59,17 +60,27 @@ class Efficiency:
     allreduce_bus_bytes_s: float = 360e9
     #: Fixed cost of one engine hop (HTTP, tokenization, scheduling): vLLM's multi-turn benchmark README
     #: reports TTFT p50 62 ms for Llama-3.1-8B on one GPU with 1.5-6k token prompts, of which about 45 ms
-    #: is prefill compute at the dense factor above: about 15 ms per hop.
+    #: is prefill compute at the dense factor above: about 15 ms per hop. A prior: GPU instances get the value fitted
+    #: to the published TTFT measurements (turnkv.plan.gpu_calibration), as for ``moe`` (and ``dense`` when the
+    #: measurements determine it).
     request_overhead_s: float = 0.015
     #: Decode steps reach this fraction of HBM bandwidth: Llama-3.3-70B at TP 8 on p5en decodes at 21.9 ms
     #: per token in vLLM's bi-directional PR benchmark (vllm-project/vllm#32553) where reading the BF16
     #: weights once takes 141 GB / 8 / 4.8 TB/s = 3.7 ms: 0.17 (launches, all-reduces, sampling).
     decode_bandwidth: float = 0.17
+    #: Fixed cost of a reuse-on turn's pull on the critical path (the first-token handover of a pulled turn:
+    #: metadata through the router, the D->P read's set-up and completion notice), beyond the transfer's bytes.
+    #: 0 in the priors; GPU instances get it from the seeds' TTFT table (turnkv.plan.gpu_calibration).
+    pull_overhead_s: float = 0.0
     #: Per-transfer set-up: "avg post duration 6.7 ms" of NIXL transfers in vLLM's P/D RFC #50913.
     transfer_setup_s: float = 0.0067
     #: KV bytes moved per second per rank as a fraction of the rank's link rate, by message size (a
     #: table as EFA_MESSAGE_EFFICIENCY); None uses the EFA table.
     transfer_efficiency: tuple[tuple[int, float], ...] | None = None
+    #: Relative uncertainty (±) stated on every TTFT the planner prints for this stack, from its calibration's
+    #: errors; None where nothing was calibrated. ``ttft_band_source`` says how it was derived.
+    ttft_band: float | None = None
+    ttft_band_source: str = "none: uncalibrated priors (`turnkv plan calibrate` measures local-cpu's and its band)"
     #: Where these values came from (shown by ``turnkv plan --json``).
     source: str = "published measurements (see turnkv/plan/hardware.py)"
 
@@ -177,10 +188,13 @@ def transfer_efficiency(eff: Efficiency, message_bytes: float) -> float:
 
 
 def load(name: str, state_dir: Path | None = None) -> Instance:
-    """An instance by name, with local-cpu's achieved factors from a calibration file when present."""
+    """An instance by name: GPU factors fitted to the published measurements (turnkv.plan.gpu_calibration),
+    local-cpu's from a calibration file when present. ``INSTANCES`` holds the priors."""
+    from turnkv.plan import gpu_calibration
+
     if name not in INSTANCES:
         raise ValueError(f"unknown instance {name!r}: use one of {', '.join(INSTANCES)}")
-    inst = INSTANCES[name]
+    inst = gpu_calibration.calibrated(INSTANCES[name])
     if state_dir is not None and (state_dir / CALIBRATION_FILE).is_file():
         data = json.loads((state_dir / CALIBRATION_FILE).read_text())
         if data.get("instance") == name:
@@ -195,4 +209,11 @@ def apply_calibration(inst: Instance, data: dict[str, Any]) -> Instance:
                   request_overhead_s=e["request_overhead_s"], transfer_setup_s=e["transfer_setup_s"],
                   transfer_efficiency=((1, e["transfer_efficiency"]),),
                   source=f"calibrated {data.get('measured_at', '')} on {data.get('host', 'this machine')}")
+    from turnkv.plan import calibrate
+
+    band = calibrate.prefill_band(data)
+    if band is not None:
+        when = data.get("measured_at", "")
+        eff = replace(eff, ttft_band=band, ttft_band_source=f"±{band:.0%}: RMS relative residual of the {when} "
+                      "prefill fit (turnkv plan calibrate), over points minus fitted terms")
     return replace(inst, efficiency=eff, network_bits_s=data.get("network_bits_s", inst.network_bits_s))

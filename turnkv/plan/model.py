@@ -122,9 +122,9 @@ def prefill_chunks(fleet: Fleet, new: Any) -> np.ndarray:
     return np.ceil(np.asarray(new, dtype=float) / fleet.prefill.prefill_chunk_tokens)
 
 
-def compute_s(fleet: Fleet, new: Any, context: Any) -> np.ndarray:
-    """Prefill of ``new`` tokens after ``context`` cached tokens on one prefill engine (seconds), in the
-    engine's chunks (the first chunk's step is in the hop's fixed cost)."""
+def compute_parts(fleet: Fleet, new: Any, context: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(compute, weight-read floor, all-reduce) seconds of prefilling ``new`` tokens after ``context`` cached
+    ones on one prefill engine, in the engine's chunks."""
     m, inst, tp = fleet.model, fleet.prefill, fleet.tp_prefill
     new = np.asarray(new, dtype=float)
     fresh, ctx = chunked_attention_flops(m, new, context, inst.prefill_chunk_tokens)
@@ -132,10 +132,22 @@ def compute_s(fleet: Fleet, new: Any, context: Any) -> np.ndarray:
                + fresh / _prefill_flops_s(fleet, "fresh") + ctx / _prefill_flops_s(fleet, "context")
                + np.maximum(prefill_chunks(fleet, new) - 1, 0) * inst.efficiency.step_overhead_s)
     memory = weight_bytes_read(m, new) / (tp * inst.hbm_bytes_s)
-    allreduce = 0.0
+    allreduce = np.zeros_like(new)
     if tp > 1:  # two all-reduces of the activations per layer (attention out, MLP out), bf16
         allreduce = 2 * m.layers * 2 * (tp - 1) / tp * new * m.hidden * 2 / inst.efficiency.allreduce_bus_bytes_s
-    return np.where(new > 0, np.maximum(compute, memory) + allreduce, 0.0)
+    return compute, memory, allreduce
+
+
+def linear_compute_s(fleet: Fleet, new: Any) -> np.ndarray:
+    """Seconds the linear layers (GEMMs) of a ``new``-token prefill take, attention left out."""
+    return fleet.model.linear_flops_per_token() * np.asarray(new, dtype=float) / _prefill_flops_s(fleet)
+
+
+def compute_s(fleet: Fleet, new: Any, context: Any) -> np.ndarray:
+    """Prefill of ``new`` tokens after ``context`` cached tokens on one prefill engine (seconds), in the
+    engine's chunks (the first chunk's step is in the hop's fixed cost)."""
+    compute, memory, allreduce = compute_parts(fleet, new, context)
+    return np.where(np.asarray(new, dtype=float) > 0, np.maximum(compute, memory) + allreduce, 0.0)
 
 
 def transfer_s(fleet: Fleet, tokens: Any, inst: Instance | None = None, tp: int | None = None,
@@ -161,6 +173,11 @@ def decode_step_s(fleet: Fleet, context: Any, batch: float = 1.0) -> np.ndarray:
 
 def hops_s(fleet: Fleet) -> float:
     return fleet.prefill.efficiency.request_overhead_s + fleet.decode.efficiency.request_overhead_s
+
+
+def pull_overhead_s(fleet: Fleet) -> float:
+    """Fixed cost a pulled (reuse-on) turn adds beyond its transfer's set-up and bytes."""
+    return fleet.prefill.efficiency.pull_overhead_s
 
 
 @dataclass
@@ -189,7 +206,7 @@ def turn_costs(fleet: Fleet, prompt: Any, history: Any) -> TurnCosts:
     pull = (history > 0) & (history >= max(fleet.threshold, 1))
     transfer_on = np.where(pull, transfer_s(fleet, history), 0.0)
     compute_on = np.where(pull, compute_s(fleet, new, history), compute_off)
-    ttft_on = np.where(pull, hops_s(fleet) + transfer_on + compute_on + pd + first, ttft_off)
+    ttft_on = np.where(pull, hops_s(fleet) + pull_overhead_s(fleet) + transfer_on + compute_on + pd + first, ttft_off)
     return TurnCosts(ttft_off, ttft_on, transfer_on, compute_off, compute_on, pull)
 
 
@@ -405,7 +422,7 @@ def size_fleet(fleet: Fleet, workload: Workload, ttft_target_ms: float | None = 
 def break_even_tokens(fleet: Fleet, new: float, limit: int = 1_000_000) -> int:
     """Fewest history tokens for which pulling beats recomputing them (the threshold to set)."""
     grid = np.unique(np.round(np.geomspace(1, limit, 400)))
-    pull = transfer_s(fleet, grid) + compute_s(fleet, new, grid)
+    pull = transfer_s(fleet, grid) + pull_overhead_s(fleet) + compute_s(fleet, new, grid)
     recompute = compute_s(fleet, grid + new, 0)
     wins = np.nonzero(pull < recompute)[0]
     return int(grid[wins[0]]) if len(wins) else limit

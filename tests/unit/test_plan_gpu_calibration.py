@@ -1,0 +1,124 @@
+"""The GPU constants come from the published measurements file through the fit, and the fit is a fit."""
+
+import json
+import tomllib
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from turnkv.plan import gpu_calibration as gc
+from turnkv.plan import hardware
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_row_cites_a_source_with_its_conditions():
+    data = gc.load_data()
+    rows = data["ttft"] + data["transfer_ranges"] + data["kernel_bounds"]
+    assert {r["split"] for r in rows} <= {"calibration", "held_out", "constraint"}
+    assert len({r["id"] for r in rows}) == len(rows)
+    for r in rows:
+        src = data["sources"][r["source"]]
+        assert src["title"] and src["what"] and src["conditions"] and "url" in src and "date" in src
+        assert r["what"]
+    assert any(r["split"] == "held_out" for r in rows) and data["left_out"]
+
+
+def test_the_data_file_ships_with_the_package():
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "plan/data/*.json" in conf["tool"]["setuptools"]["package-data"]["turnkv"]
+
+
+def test_load_gives_the_constants_the_fit_derives_from_the_data_file():
+    data = gc.load_data()
+    coef, at_prior = gc.select(gc.calibration_rows(data), hardware.INSTANCES["p5en.48xlarge"], gc.settings(data))
+    for name in ("p5en.48xlarge", "p5.48xlarge"):
+        eff = hardware.load(name).efficiency
+        assert eff.dense == pytest.approx(1 / coef["dense_compute"])
+        assert eff.moe == pytest.approx(1 / coef["moe_compute"])
+        assert eff.request_overhead_s == pytest.approx(coef["hops"])
+        assert eff.pull_overhead_s == pytest.approx(coef["pull"])
+        assert "gpu_measurements.json" in eff.source and all(c in eff.source for c in at_prior)
+    assert hardware.load("local-cpu") == hardware.INSTANCES["local-cpu"]  # the GPU fit leaves the CPU alone
+
+
+def test_other_measurements_give_other_constants(monkeypatch):
+    data = gc.load_data()
+    slower = json.loads(json.dumps(data))
+    for r in slower["ttft"]:
+        r["measured_ms"] *= 1.5
+    before = gc.fit(gc.calibration_rows(data), hardware.INSTANCES["p5en.48xlarge"], gc.settings(data))
+    after = gc.fit(gc.calibration_rows(slower), hardware.INSTANCES["p5en.48xlarge"], gc.settings(slower))
+    assert after != before and after["moe_compute"] > before["moe_compute"]
+
+
+def test_the_fit_recovers_constants_it_generated():
+    data = gc.load_data()
+    inst, settings = hardware.INSTANCES["p5en.48xlarge"], gc.settings(data)
+    truth = gc.prior_coefficients(inst.efficiency) | {"moe_compute": 1 / 0.2, "pull": 0.2}
+    rows = [r | {"measured_ms": gc.linear_prediction(r, truth, inst, settings) * 1000} for r in data["ttft"]]
+    coef, _ = gc.select(rows, inst, settings)
+    assert coef == pytest.approx(truth, rel=1e-6)
+
+
+def test_a_term_the_rows_cannot_separate_keeps_its_prior():
+    # the seeds' rows see a per-request cost and the dense factor only together (one reuse-off dense row): data made
+    # with another per-request cost is fitted exactly with one of the two at its prior
+    data = gc.load_data()
+    inst, settings = hardware.INSTANCES["p5en.48xlarge"], gc.settings(data)
+    truth = gc.prior_coefficients(inst.efficiency) | {"moe_compute": 1 / 0.2, "hops": 0.05, "pull": 0.2}
+    rows = [r | {"measured_ms": gc.linear_prediction(r, truth, inst, settings) * 1000} for r in data["ttft"]]
+    coef, at_prior = gc.select(rows, inst, settings)
+    assert len(at_prior) == 1 and at_prior[0] in ("dense_compute", "hops")
+    assert gc.rms_error(rows, coef, inst, settings) < 1e-3
+    assert coef["pull"] == pytest.approx(0.2, rel=0.05) and coef["moe_compute"] == pytest.approx(5, rel=0.05)
+
+
+def test_achieved_factors_stay_under_the_published_kernel_bound():
+    data = gc.load_data()
+    bound = gc.settings(data)["max_fraction_of_peak"]
+    eff = hardware.load("p5en.48xlarge").efficiency
+    assert 0 < eff.moe <= eff.dense <= bound + 1e-12
+    tight = gc.fit(gc.calibration_rows(data), hardware.INSTANCES["p5en.48xlarge"],
+                   gc.settings(data) | {"max_fraction_of_peak": 0.1})
+    assert 1 / tight["dense_compute"] <= 0.1 + 1e-12 and 1 / tight["moe_compute"] <= 0.1 + 1e-12
+
+
+def test_report_has_errors_held_out_checks_ablation_and_band():
+    rep = gc.report()
+    assert {r["split"] for r in rep["ttft"]} == {"calibration"}
+    assert all(r["split"] == "held_out" for r in rep["transfers"])
+    assert {a["term"] for a in rep["ablation"]} == {"none (the calibrated model)", *gc.COLUMNS, "attention", *gc.KNOWN}
+    full = rep["ablation"][0]["rms_error"]
+    assert all(a["rms_error"] is None or a["rms_error"] >= full - 1e-9 for a in rep["ablation"])
+    assert 0 < rep["band"] < 1
+
+
+def test_a_pull_pays_the_fitted_handover_and_recompute_does_not():
+    from turnkv.plan import model as plan_model
+    from turnkv.plan import models
+
+    inst = hardware.load("p5en.48xlarge")
+    none = replace(inst, efficiency=replace(inst.efficiency, pull_overhead_s=0.0))
+    fleet = plan_model.Fleet(models.load("Qwen3-32B"), inst, inst)
+    bare = plan_model.Fleet(models.load("Qwen3-32B"), none, none)
+    a, b = plan_model.turn_costs(fleet, [8000], [7800]), plan_model.turn_costs(bare, [8000], [7800])
+    assert float(a.ttft_on[0] - b.ttft_on[0]) == pytest.approx(inst.efficiency.pull_overhead_s)
+    assert float(a.ttft_off[0]) == pytest.approx(float(b.ttft_off[0]))
+    # and the threshold that makes a pull pay rises with it
+    assert plan_model.break_even_tokens(fleet, 140) > plan_model.break_even_tokens(bare, 140)
+
+
+def test_docs_show_the_tables_the_code_derives():
+    doc = (ROOT / "docs" / "planning.md").read_text()
+    shown = doc.split("<!-- gpu-calibration:begin -->\n")[1].split("<!-- gpu-calibration:end -->")[0]
+    assert shown == gc.markdown(), "regenerate with: python -m turnkv.plan.gpu_calibration --markdown"
+
+
+def test_the_ridge_fits_equally_well_and_differs_where_the_docs_say():
+    ends = gc.ridge(gc.load_data())
+    assert [e["fit"] for e in ends] == ["dense at the kernel cap", "calibrated", "no per-request cost"]
+    assert max(e["rms_error"] for e in ends) - min(e["rms_error"] for e in ends) < gc.IDENTIFIED
+    assert ends[0]["ttft_off_ms_4567"] > ends[1]["ttft_off_ms_4567"] > ends[2]["ttft_off_ms_4567"]
+    assert ends[0]["break_even_tokens"] < ends[1]["break_even_tokens"] < ends[2]["break_even_tokens"]
