@@ -182,6 +182,9 @@ class TurnkvWorkerMixin:
                     self._turnkv_pool.tensor.nbytes / host_tier.MIB, self._turnkv_pool.base)
 
     def _turnkv_host_tier_unsupported(self) -> str | None:
+        if not hasattr(self, "region_num_blocks"):
+            return ("this vLLM's NIXL worker has no per-region KV layout (vLLM 0.29, the Neuron image's); the host "
+                    "tier needs vLLM 0.32 (the GPU image's)")
         if getattr(self, "_has_mamba", False) or getattr(self, "_mixed_mem_types", False):
             return "hybrid (Mamba) or mixed-memory KV caches are not supported by the host tier"
         if getattr(self, "_physical_blocks_per_logical_kv_block", 1) != 1:

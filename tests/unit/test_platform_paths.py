@@ -316,3 +316,17 @@ def test_a_peer_of_another_block_size_is_refused_at_the_handshake(monkeypatch):
     monkeypatch.setenv(platforms.ALLOW_ENV, "neuron, block-size")
     worker.add_remote_agent(types.SimpleNamespace(engine_id="prefill-0", agent_metadata=b"p", block_size=32), 0)
     assert {k[0] for k in worker._turnkv_remote_meta} == {"prefill-0", "prefill-1", "prefill-2"}
+
+
+def test_the_host_tier_is_declined_on_a_nixl_worker_without_per_region_layout():
+    """vLLM 0.29's worker (the Neuron image's) has no ``region_num_blocks``: the host pool used to crash the engine
+    at start (AttributeError in register_kv_caches, caught by `make test`'s vLLM 0.29 run); now the budget is
+    declined with a reason, and the engine starts without a host tier."""
+    old = Worker()
+    assert not hasattr(old, "region_num_blocks")
+    assert "vLLM 0.29" in old._turnkv_host_tier_unsupported()
+    new = Worker()
+    new.region_num_blocks = [1024, 1024]
+    assert new._turnkv_host_tier_unsupported() is None
+    new.region_num_blocks = [1024, 512]
+    assert "different block counts" in new._turnkv_host_tier_unsupported()
