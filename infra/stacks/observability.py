@@ -59,6 +59,13 @@ class ObservabilityStack(Stack):
             cw.GraphWidget(title="Router CPU / memory", width=8, height=6,
                            left=[router.service.metric_cpu_utilization(), router.service.metric_memory_utilization()]),
         ])
+        # Engines that serve, next to what the pools hold: what EnginesNotRegistered-<role> alarms on.
+        wanted = {role: sum(p.count for p in config.pools if p.role.value == role) for role in roles}
+        rows.append([cw.GraphWidget(
+            title="Engines registered in Cloud Map (lines: what the pools hold)", width=24, height=6,
+            left=[rf.registered_engines(role) for role in roles],
+            left_annotations=[cw.HorizontalAnnotation(value=want, label=f"{role} pools: {want}")
+                              for role, want in wanted.items()])])
         self.dashboard = cw.Dashboard(self, "Dashboard", dashboard_name=config.prefix, widgets=rows,
                                       default_interval=Duration.hours(3))
 
@@ -94,7 +101,7 @@ class ObservabilityStack(Stack):
         for role in roles:
             # What the group's EC2 health check cannot see: instances that run but whose engines never serve
             # (an engine registers in Cloud Map only once its /health answers). Missing data: no router reports.
-            want = sum(p.count for p in config.pools if p.role.value == role)
+            want = wanted[role]
             alarm(f"EnginesNotRegistered-{role}", rf.registered_engines(role), want,
                   f"Fewer {role} engines registered in Cloud Map than the {want} its pools hold (an engine that "
                   "does not serve; the node marks itself unhealthy and is replaced)",

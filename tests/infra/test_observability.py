@@ -262,3 +262,21 @@ def test_the_ttft_alarm_watches_what_the_router_emits(gpu, emitted):
     reads = [(ident, values) for where, ident, values in watched(gpu.template("observability"))
              if where.startswith("alarm RouterTtft")]
     assert reads and all(ident[:2] == (mn.ROUTER_NAMESPACE, mn.TTFT) and ident in emitted for ident, _ in reads)
+
+
+def test_the_dashboard_shows_engines_registered_per_role_against_what_the_pools_hold(gpu):
+    """What the EnginesNotRegistered alarms watch is on the dashboard too, with each role's pool count as a line."""
+    widgets = [w["properties"] for w in _dashboard_body(gpu.template("observability"))["widgets"]
+               if "Engines registered" in w.get("properties", {}).get("title", "")]
+    assert len(widgets) == 1, "no engines-registered widget"
+    shown = set()
+    for row in widgets[0]["metrics"]:
+        _, name, *pairs = [x for x in row if not isinstance(x, dict)]
+        if name == mn.REGISTERED_ENGINES:
+            shown.add(dict(zip(pairs[::2], pairs[1::2], strict=True))[mn.ROLE])
+    roles = {p.role.value for p in gpu.app.config.pools}
+    assert shown == roles
+    lines = {a["label"]: a["value"] for a in widgets[0]["annotations"]["horizontal"]}
+    for role in roles:
+        want = sum(p.count for p in gpu.app.config.pools if p.role.value == role)
+        assert lines[f"{role} pools: {want}"] == want
