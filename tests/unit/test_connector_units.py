@@ -88,10 +88,11 @@ def test_stats_carry_turnkv_counters_through_aggregation():
     assert rebuilt.data["turnkv_proof_mismatches"] == [1]
 
 
-def test_decision_reasons_reach_prometheus_as_one_labelled_counter():
+def _prom_metrics():
+    """The connector's Prometheus metrics on a registry of their own (vLLM's ``multiprocess_mode`` dropped)."""
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-    from connector.stats import TurnkvKVConnectorStats, TurnkvPromMetrics
+    from connector.stats import TurnkvPromMetrics
 
     registry = CollectorRegistry()
 
@@ -100,7 +101,14 @@ def test_decision_reasons_reach_prometheus_as_one_labelled_counter():
                                                                 if k != "multiprocess_mode"})
 
     types_ = {Counter: bind(Counter), Gauge: bind(Gauge), Histogram: bind(Histogram)}
-    metrics = TurnkvPromMetrics(types.SimpleNamespace(kv_transfer_config=None), types_, ["engine"], {0: ["0"]})
+    return registry, TurnkvPromMetrics(types.SimpleNamespace(kv_transfer_config=None), types_, ["engine"],
+                                       {0: ["0"]})
+
+
+def test_decision_reasons_reach_prometheus_as_one_labelled_counter():
+    from connector.stats import TurnkvKVConnectorStats
+
+    registry, metrics = _prom_metrics()
     stats = TurnkvKVConnectorStats()
     for reason in ("load", "load", "slower", "faster"):
         stats.record_reason(reason)
@@ -114,19 +122,10 @@ def test_decision_reasons_reach_prometheus_as_one_labelled_counter():
 
 
 def test_pull_and_recompute_decisions_reach_prometheus_as_one_counter_with_a_decision_label():
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-    from connector.stats import TurnkvKVConnectorStats, TurnkvPromMetrics
+    from connector.stats import TurnkvKVConnectorStats
     from turnkv import metric_names as mn
 
-    registry = CollectorRegistry()
-
-    def bind(cls):
-        return lambda *a, **kw: cls(*a, registry=registry, **{k: v for k, v in kw.items()
-                                                                if k != "multiprocess_mode"})
-
-    types_ = {Counter: bind(Counter), Gauge: bind(Gauge), Histogram: bind(Histogram)}
-    metrics = TurnkvPromMetrics(types.SimpleNamespace(kv_transfer_config=None), types_, ["engine"], {0: ["0"]})
+    registry, metrics = _prom_metrics()
     stats = TurnkvKVConnectorStats()
     for decision in ("pull", "recompute", "recompute"):
         stats.record_label("turnkv_decisions", decision)
