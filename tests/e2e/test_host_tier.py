@@ -14,9 +14,8 @@ from importlib.metadata import version
 import pytest
 from packaging.version import Version
 
-from tests.e2e import TUNABLES
+from tests.e2e import STACK_RETENTION, TUNABLES
 from tests.e2e.client import chat, metric, words
-from turnkv import params
 
 # vLLM 0.29 (the Neuron image's, `make test`'s second engine run) has no per-region KV layout: decode ignores the
 # budget with a warning (connector.worker), which tests/unit/test_platform_paths.py checks.
@@ -34,9 +33,7 @@ def host_only(stack):
     try:
         yield
     finally:
-        tunables.write_text(json.dumps({"retained_kv_share": params.BY_NAME["retained_kv_share"].default,
-                                        "host_kv_budget_mib": TUNABLES["host_kv_budget_mib"],
-                                        "decoder_kv_blocks_ttl": TUNABLES["decoder_kv_blocks_ttl"]}))
+        tunables.write_text(json.dumps(STACK_RETENTION))
         time.sleep(1.2)
 
 

@@ -10,9 +10,9 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from tests.e2e import TUNABLES
+from tests.e2e import STACK_RETENTION, TUNABLES
 from tests.e2e.client import metric
-from turnkv import params, smoke
+from turnkv import smoke
 from turnkv.cli import app
 
 pytestmark = pytest.mark.engines
@@ -45,9 +45,7 @@ def test_the_smoke_command_fails_naming_decodes_room_when_decode_retains_nothing
         done = CliRunner().invoke(app, ["smoke", "--url", stack["router"], "--turns", "2", "--timeout", "600"],
                                   env={"COLUMNS": "200"})
     finally:  # the stack's values again (a removed file would leave the engines at the last values they read)
-        tunables.write_text(json.dumps({"retained_kv_share": params.BY_NAME["retained_kv_share"].default,
-                                        "host_kv_budget_mib": TUNABLES["host_kv_budget_mib"],
-                                        "decoder_kv_blocks_ttl": TUNABLES["decoder_kv_blocks_ttl"]}))
+        tunables.write_text(json.dumps(STACK_RETENTION))
         time.sleep(1.2)
     assert done.exit_code == 1, done.output
     assert "turn 2: no KV reuse" in done.output and "retained_kv_share" in done.output, done.output
