@@ -48,10 +48,15 @@ def unverified(platform: str) -> tuple[str, ...]:
     return UNVERIFIED.get(platform, ())
 
 
+def _allowed(env: Mapping[str, str]) -> set[str]:
+    """What ``TURNKV_ALLOW_UNVERIFIED`` (a comma list) lets run although unverified."""
+    return {p.strip().lower() for p in env.get(ALLOW_ENV, "").split(",") if p.strip()}
+
+
 def refusal(platform: str, env: Mapping[str, str]) -> str | None:
     """The message an engine start on ``platform`` must stop with, or None when it may start."""
     gaps = unverified(platform)
-    allowed = {p.strip().lower() for p in env.get(ALLOW_ENV, "").split(",") if p.strip()}
+    allowed = _allowed(env)
     if not gaps or platform in allowed:
         return None
     return (f"turnkv's connector is unverified on {platform}: " + "; ".join(gaps) + ". "
@@ -77,7 +82,7 @@ def block_size_refusal(local: int | None, remote: int | None, remote_engine: str
     verified with equal sizes only. Unknown sizes (an older peer) are not refused."""
     if not local or not remote or int(local) == int(remote):
         return None
-    allowed = {p.strip().lower() for p in env.get(ALLOW_ENV, "").split(",") if p.strip()}
+    allowed = _allowed(env)
     if BLOCK_SIZES in allowed:
         return None
     return (f"turnkv: engine {remote_engine} has KV block size {remote}, this engine {local}. Unequal block sizes "
