@@ -57,6 +57,8 @@ RETAINED: dict[tuple[str, int], float] = {}
 #: (engine id, block) -> when decode's host-tier copy of that block is done: a READ before then reads a slot not
 #: yet written (host_copy_delay).
 COPIED_AT: dict[tuple[str, int], float] = {}
+#: (decode engine id, block) -> when a fork-readable turn was first read (its fork window runs from then).
+FORK_READ_AT: dict[tuple[str, int], float] = {}
 LOCAL_ENGINES: set[str] = set()
 #: Push mode, by request id: decode's registrations waiting for prefill's KV, and KV waiting for a registration.
 PUSH_REGISTRATIONS: dict[str, asyncio.Future[str]] = {}
@@ -107,6 +109,10 @@ class FakeEngine:
     #: Decode: offer every retained turn from a host tier (connector.host_tier), its copy done this long after the
     #: turn ends (a real decode copies at its next step); listed on the feed as hosted from then. None: device.
     host_copy_delay: float | None = None
+    #: Decode keeps a read turn readable for forks this long (the connector's ``fork_window``; 0: single use, the
+    #: first read frees the blocks). Its offers then say so (``wire.FORK_WINDOW``) and each reader's clearance is
+    #: read once.
+    fork_window: float = 0.0
     push_wait: float = 2.0
     #: False: prefill reads any offer, as upstream vLLM does (no signature, wall-clock expiry or replay check).
     verify_offers: bool = True
@@ -165,6 +171,8 @@ class FakeEngine:
             params[wire.HOST_TIER] = {"tier": "host", "bases": [0x1000], "blocks": 1 << 20}
             self._hosted[request_id] = (time.time() + self.host_copy_delay, time.time() + self.expiry_ttl)
             COPIED_AT[(self.engine_id, block)] = time.time() + self.host_copy_delay
+        elif self.fork_window > 0:
+            params[wire.FORK_WINDOW] = self.fork_window
         if self.offer_secret is not None:
             wire.sign_offer(self.offer_secret, params, time.time() + self.expiry_ttl, FAKE_MODEL)
         if self.retain_limit:
@@ -188,12 +196,12 @@ class FakeEngine:
             return "ok"
         reason = wire.offer_verdict(self.offer_secret, kv, FAKE_MODEL, time.time(), self.expiry_skew,
                                     require_cleared=self.require_cleared)
-        if reason == "ok" and kv[wire.SIGNATURE] in self._read:
+        if reason == "ok" and wire.replay_key(kv) in self._read:
             reason = "replayed"
         if reason != "ok":
             self.refused_offers[reason] = self.refused_offers.get(reason, 0) + 1
             return reason
-        self._read.add(kv[wire.SIGNATURE])
+        self._read.add(wire.replay_key(kv))
         return "ok"
 
     def _read_blocks(self, kv: dict[str, Any]) -> None:
@@ -201,8 +209,15 @@ class FakeEngine:
         engine = str(kv.get("remote_engine_id"))
         if engine not in LOCAL_ENGINES:
             return
+        window = wire.fork_window(kv)
         for group in kv.get("remote_block_ids") or ():
             for block in group:
+                if window > 0:  # kept for forks: evicted once the window passed, freed after the grace
+                    deadline = RETAINED.get((engine, block))
+                    if deadline is not None and deadline > time.time():
+                        first = FORK_READ_AT.setdefault((engine, block), time.time())
+                        RETAINED[(engine, block)] = min(deadline, first + window + self.eviction_grace)
+                        continue
                 deadline = RETAINED.pop((engine, block), None)
                 copied = COPIED_AT.pop((engine, block), 0.0)
                 if deadline is None or deadline <= time.time() or copied > time.time():

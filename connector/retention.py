@@ -16,6 +16,11 @@ after reuse. So an evicted turn is not freed at once. It is first *announced* (t
 ``connector.leases``; routers refuse to replay an announced offer and its lease can no longer be renewed)
 and its blocks are freed ``retention_eviction_grace`` seconds later. Until then its room still counts (the
 tiers are bounds on memory, not targets), but it is no candidate any more.
+
+**Forks.** A read turn is not freed at once: it stays readable for ``fork_window`` after its first read, so
+forks of one history (parallel samples, subagents, a retry) each pull it. Its conversation has moved on (the
+next turn is retained on its own), so read turns are the first candidates when room is needed, before idle
+ones, and are evicted (announced, freed after the grace) once the window has passed.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class EvictReason(StrEnum):
 
     IDLE = "idle"  # unread past idle_after, to make room for a newer turn
     SHRUNK = "shrunk"  # its tier's bound was lowered below what it holds
+    READ = "read"  # read by its next turn and kept for forks: the fork window passed, or room was needed
 
 
 @dataclass
@@ -51,6 +57,7 @@ class Held:
     tier: Tier = Tier.DEVICE
     since: float = 0.0  # when it was retained or last renewed (wall clock)
     slots: tuple[int, ...] = ()  # host tier: the pool slots that hold it
+    read_at: float | None = None  # first read (wall clock): kept only for forks from then on
 
 
 @dataclass
@@ -140,6 +147,20 @@ class RetentionLedger:
         if request_id in self.live:
             self.live[request_id].since = now
 
+    def mark_read(self, request_id: str, now: float) -> Held | None:
+        """A live turn read for the first time (kept for forks from now): the turn, else None (unknown, or already
+        read)."""
+        held = self.live.get(request_id)
+        if held is None or held.read_at is not None:
+            return None
+        held.read_at = now
+        return held
+
+    def forks_done(self, now: float, window: float) -> list[tuple[str, Held]]:
+        """Announce the read turns whose fork window has passed."""
+        due = [rid for rid, h in self.live.items() if h.read_at is not None and now - h.read_at >= window]
+        return self._announce_until(due, float("inf"))
+
     def release(self, request_id: str) -> Held | None:
         """Freed (read by prefill, expired, or evicted and past the grace): its host slots return to the pool."""
         held = self.live.pop(request_id, None) or self.evicting.pop(request_id, None)
@@ -150,9 +171,10 @@ class RetentionLedger:
     def place(self, adding: int, now: float, device_room: float, host_room: float, idle_after: float,
               host_ok: bool = True) -> Placement:
         """Where a finished turn of ``adding`` blocks goes: the device tier while it has room, then the host tier
-        (``host_ok``: the turn's layout can live there), else nowhere. When neither has room, turns idle for
-        ``idle_after`` are evicted (oldest idle first, device first) until ``adding`` would fit once they are
-        freed; the newcomer itself is not retained then (evicted room frees only after the grace)."""
+        (``host_ok``: the turn's layout can live there), else nowhere. When neither has room, read turns (kept for
+        forks) and turns idle for ``idle_after`` are evicted (read first, then oldest idle first, device first)
+        until ``adding`` would fit once they are freed; the newcomer itself is not retained then (evicted room frees
+        only after the grace)."""
         host_room = host_room if (host_ok and self.host is not None) else 0.0
         if adding > device_room and adding > host_room:
             return Placement(None, Refusal.TOO_LARGE)
@@ -173,11 +195,12 @@ class RetentionLedger:
                 continue
             # What the tier holds once its evicting turns are freed, and how much must go for the newcomer.
             over = sum(h.blocks for h in self.live.values() if h.tier is tier) + adding - room
-            idle = sorted((h.since, rid) for rid, h in self.live.items()
-                          if h.tier is tier and now - h.since >= idle_after)
-            if sum(self.live[rid].blocks for _, rid in idle) < over:
+            # Read turns (kept only for forks) first, oldest read first; then idle turns, oldest idle first.
+            idle = sorted((h.read_at is None, h.read_at or h.since, rid) for rid, h in self.live.items()
+                          if h.tier is tier and (h.read_at is not None or now - h.since >= idle_after))
+            if sum(self.live[rid].blocks for *_, rid in idle) < over:
                 continue
-            return self._announce_until([rid for _, rid in idle], over)
+            return self._announce_until([rid for *_, rid in idle], over)
         return evicted
 
     def shrink(self, tier: Tier, room: float) -> list[tuple[str, Held]]:

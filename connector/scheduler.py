@@ -131,6 +131,10 @@ class TurnkvSchedulerMixin:
         self._eviction_grace = float(catalog.BY_NAME["retention_eviction_grace"].default)
         self._host_budget_mib = int(catalog.BY_NAME["host_kv_budget_mib"].default)
         self._idle_evict = float(catalog.BY_NAME["retention_idle_evict"].default)
+        self._fork_window = float(catalog.BY_NAME["fork_window"].default)
+        # Decode side, forks: turns retained this step whose offer is fork-readable (the workers keep them after a
+        # read, until the scheduler evicts them: connector.retention).
+        self._forkable: set[str] = set()
         # Decode side, retention (connector.retention): blocks held for another engine to read, by tier (until
         # read, expired or evicted), the evictions the workers have not been told yet (request id -> (grace s,
         # offer's wall expiry)), and how long read turns had waited (what "idle" means).
@@ -189,6 +193,9 @@ class TurnkvSchedulerMixin:
         # Prefill side: prompt tokens not computed (local prefix hits + pulled) as of the request's last
         # admission, for releases whose scheduler does not report them itself (compat.prefill_cached_tokens).
         self._prefill_cached: dict[str, int] = {}
+        # Prefill side: prompt tokens found in this engine's own prefix cache as of the request's last admission
+        # (reported apart from the pulled ones: upstream's remote_prefill_cached_tokens counts both).
+        self._prefill_local: dict[str, int] = {}
 
     def set_xfer_handshake_metadata(self, metadata: dict[tuple[int, int], Any]) -> None:
         super().set_xfer_handshake_metadata(metadata)  # type: ignore[misc]
@@ -213,6 +220,8 @@ class TurnkvSchedulerMixin:
                                self._host_started_mib)
         if "retention_idle_evict" in values:
             self._idle_evict = float(values["retention_idle_evict"])
+        if "fork_window" in values:
+            self._fork_window = float(values["fork_window"])
         if "retained_kv_share" in values or "host_kv_budget_mib" in values:
             self._enforce_rooms()
 
@@ -225,6 +234,7 @@ class TurnkvSchedulerMixin:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         self._tunables.poll()
         self._pending[request.request_id] = request
+        self._prefill_local[request.request_id] = int(num_computed_tokens)
         params = request.kv_transfer_params
         if params and params.get("do_remote_decode") and params.get("_remote_blocks_processed"):
             # The one READ of decode's blocks was already tried: it failed (decode died, lease gone) or the
@@ -323,6 +333,8 @@ class TurnkvSchedulerMixin:
                                   if rid in self._host_reads}
         # Finished turns placed on the host tier: the workers copy their device blocks into the slots now.
         meta.turnkv_to_host, self._to_host = self._to_host, {}
+        # Turns retained with a fork-readable offer: the workers keep them after a read (until evicted).
+        meta.turnkv_forkable, self._forkable = self._forkable, set()
         # Retained turns evicted since the last step: the workers announce them and free them after the grace.
         meta.turnkv_evict, self._evictions = self._evictions, {}
         return meta
@@ -359,6 +371,7 @@ class TurnkvSchedulerMixin:
         if not isinstance(meta, TurnkvWorkerMeta):
             return
         self._observe_host(meta)
+        self._observe_forks(meta)
         for step in meta.steps:
             sample = self._steps.finished(step, now)
             if sample is not None:
@@ -406,9 +419,21 @@ class TurnkvSchedulerMixin:
         if changed:
             self._export_retained()
 
+    def _observe_forks(self, meta: TurnkvWorkerMeta) -> None:
+        """Turns read and kept for forks (their first read is the read-delay sample), and those whose fork window
+        has passed (announced now, freed after the grace)."""
+        wall = time.time()
+        for request_id in meta.fork_held:
+            held = self._retained.mark_read(request_id, wall)
+            if held is not None:
+                self._read_delays.observe(wall - held.since)
+                self.turnkv_stats.record("turnkv_fork_holds", 1)
+        for request_id, held in self._retained.forks_done(wall, self._fork_window):
+            self._announce_eviction(request_id, held, EvictReason.READ)
+
     def _release(self, request_id: str, read: bool, wall: float) -> None:
         held = self._retained.release(request_id)
-        if held is not None and read:
+        if held is not None and read and held.read_at is None:  # a fork-held turn was sampled at its first read
             self._read_delays.observe(wall - held.since)
 
     def _host_room(self) -> float:
@@ -442,7 +467,7 @@ class TurnkvSchedulerMixin:
                                     require_cleared=self._require_cleared)
         if reason == "unsigned" and not self._require_signed:
             return True
-        if reason == "ok" and not self._replays.first_use(params[wire.SIGNATURE], float(params[wire.EXPIRES_AT])):
+        if reason == "ok" and not self._replays.first_use(wire.replay_key(params), float(params[wire.EXPIRES_AT])):
             reason = "replayed"
         if reason == "ok":
             return True
@@ -538,8 +563,11 @@ class TurnkvSchedulerMixin:
         self._pulls_started.pop(request.request_id, None)
         self._expected_boots.pop(request.request_id, None)
         cached = self._prefill_cached.pop(request.request_id, None)
+        local = self._prefill_local.pop(request.request_id, 0)
         if out is None:
             return delay, out
+        if out.get("do_remote_prefill") and local > 0:
+            out[wire.PREFILL_LOCAL_TOKENS] = local
         if out.get("do_remote_prefill") and cached is not None and not compat.reports_prefill_cached_tokens():
             # What 0.32's scheduler adds to prefill's answer (the router counts reuse from it).
             out.setdefault("remote_prefill_cached_tokens", cached)
@@ -562,6 +590,10 @@ class TurnkvSchedulerMixin:
                 out["remote_block_ids"] = [list(slots)]
                 out[wire.HOST_TIER] = host_tier.offer_field([self._host_bases[r] for r in range(self._tp_size)],
                                                             self._host_pool_blocks)
+            if tier is Tier.DEVICE and self._fork_window > 0:
+                # Readable by every fork of this history for the window after its first read (connector.retention).
+                out[wire.FORK_WINDOW] = self._fork_window
+                self._forkable.add(request.request_id)
             if self._offer_secret is not None:
                 expires_at = wire.sign_offer(self._offer_secret, out, expires_at, self._model)[wire.EXPIRES_AT]
             if tier is Tier.HOST:

@@ -63,6 +63,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "turnkv_retention_evicted": (
         "vllm:turnkv_retention_evicted", "Retained turns decode evicted, oldest first, to stay under "
                                          "retained_kv_share (announced, freed after retention_eviction_grace)."),
+    "turnkv_fork_holds": (
+        mn.VLLM_FORK_HOLDS, "Retained turns read once and kept readable for forks of the same history "
+                                  "(fork_window; decode side)."),
     "turnkv_read_bytes": (
         "vllm:turnkv_read_bytes", "KV bytes this engine READ from a peer (NIXL READs it posted: pulls)."),
     "turnkv_read_seconds": (
@@ -89,7 +92,8 @@ LABELLED: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "any tier), full (every tier full of turns still likely to be read).", "reason", mn.REFUSAL_REASONS),
     "turnkv_retention_evictions": (
         mn.VLLM_RETENTION_EVICTIONS, "Retained turns decode evicted, by reason: idle (unread past "
-        "retention_idle_evict, for a newer turn), shrunk (share or host budget lowered).", "reason",
+        "retention_idle_evict, for a newer turn), shrunk (share or host budget lowered), read (read once and kept "
+        "for forks: the fork window passed or room was needed).", "reason",
         mn.EVICTION_REASONS),
     "turnkv_pulls": (
         mn.VLLM_PULLS, "Offers prefill pulled, by the tier decode held them in.", "tier", mn.TIERS),

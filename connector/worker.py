@@ -56,6 +56,8 @@ class TurnkvWorkerMeta(KVConnectorWorkerMetadata):
     host_released: list[tuple[str, bool]] = field(default_factory=list)
     #: Retained turns whose lease a router renewed (the scheduler counts them as wanted, not idle).
     renewed: list[str] = field(default_factory=list)
+    #: Fork-readable turns read by prefill and kept for further readers (until the scheduler evicts them).
+    fork_held: list[str] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Tensor-parallel ranks: one step, every rank's reads and handshakes."""
@@ -66,6 +68,7 @@ class TurnkvWorkerMeta(KVConnectorWorkerMetadata):
             self.host_pools = [*self.host_pools, *other.host_pools]
             self.host_released = [*self.host_released, *other.host_released]
             self.renewed = sorted({*self.renewed, *other.renewed})
+            self.fork_held = sorted({*self.fork_held, *other.fork_held})
         return self
 
 
@@ -104,6 +107,10 @@ class TurnkvWorkerMixin:
         self._turnkv_remote_meta: dict[tuple[str, int], Any] = {}
         self._turnkv_host_handles: dict[tuple[str, int, int, int], int] = {}
         self._turnkv_host_reads: dict[str, tuple[list[int], int]] = {}
+        # Forks: retained turns with a fork-readable offer (kept after a read; freed when their lease, cut by the
+        # scheduler's eviction, runs out), and those read since the last step (for the scheduler).
+        self._turnkv_forkable: set[str] = set()
+        self._turnkv_fork_held: list[str] = []
 
     # transfer metrics ---------------------------------------------------------------------------
 
@@ -145,13 +152,16 @@ class TurnkvWorkerMixin:
         handshakes, self._turnkv_handshakes = self._turnkv_handshakes, []
         released, self._turnkv_host_released = self._turnkv_host_released, []
         renewed, self._turnkv_renewed = self._turnkv_renewed, []
+        fork_held, self._turnkv_fork_held = self._turnkv_fork_held, []
         pools = []
         if self._turnkv_pool is not None and not self._turnkv_pool_reported:
             self._turnkv_pool_reported = True
             pools = [(int(getattr(self, "tp_rank", 0)), self._turnkv_pool.base, self._turnkv_pool.blocks)]
-        if step is None and not reads and not handshakes and not released and not renewed and not pools:
+        if step is None and not reads and not handshakes and not released and not renewed and not pools \
+                and not fork_held:
             return None
-        return TurnkvWorkerMeta([step] if step is not None else [], reads, handshakes, pools, released, renewed)
+        return TurnkvWorkerMeta([step] if step is not None else [], reads, handshakes, pools, released, renewed,
+                                fork_held)
 
     # host tier (connector.host_tier) -------------------------------------------------------------
 
@@ -216,8 +226,20 @@ class TurnkvWorkerMixin:
             self.xfer_stats.record("turnkv_host_move_bytes", len(slots) * sum(self._turnkv_pool.block_lens))
 
     def _get_new_notifs(self) -> set[str]:
+        held: dict[str, float] = getattr(self, "_reqs_to_send", {})
+        leases = {rid: held[rid] for rid in self._turnkv_forkable if rid in held}
         notified = super()._get_new_notifs()  # type: ignore[misc]
         self._turnkv_notified.update(r for r in notified if r in self._turnkv_hosted)
+        kept = keep_for_forks(notified, leases)
+        if kept:
+            # Read by one prefill: kept for the others until the lease (cut to the grace by the scheduler's eviction
+            # once the fork window passed) runs out. Evicted turns too: a reader cleared before the announcement
+            # may still be reading within the grace.
+            for request_id in kept:
+                held[request_id] = leases[request_id]
+                self._reqs_to_process.add(request_id)
+            self._turnkv_fork_held.extend(kept)
+            notified = notified - set(kept)
         return notified
 
     def get_transfer_results(self) -> Any:
@@ -235,6 +257,7 @@ class TurnkvWorkerMixin:
         self._turnkv_device_done = set()
         for request_id in results.finished_recving:
             self._turnkv_host_reads.pop(request_id, None)
+        self._turnkv_forkable.difference_update(sending)
         return dataclasses.replace(results, finished_sending=sending)
 
     def _read_blocks(self, read_spec: Any, dst_engine_id: str, request_id: str, *args: Any, **kwargs: Any) -> Any:
@@ -314,6 +337,7 @@ class TurnkvWorkerMixin:
         self._turnkv_host_reads.update(getattr(metadata, "turnkv_host_reads", None) or {})
         self._turnkv_step = getattr(metadata, "turnkv_step", None)
         super().start_load_kv(metadata)  # type: ignore[misc]
+        self._turnkv_forkable.update(getattr(metadata, "turnkv_forkable", None) or ())
         to_host = getattr(metadata, "turnkv_to_host", None)
         if to_host:
             self._turnkv_copy_to_host(to_host)
@@ -412,6 +436,12 @@ class TurnkvWorkerMixin:
                 compat.fail_read(self, req_id)
                 return
         super()._read_blocks_for_req(req_id, meta)  # type: ignore[misc]
+
+
+def keep_for_forks(notified: set[str], leases: dict[str, float]) -> list[str]:
+    """Of the requests whose readers all notified this step, the fork-readable ones still leased (kept for further
+    readers rather than freed), in a stable order (pure)."""
+    return sorted(rid for rid in notified if rid in leases)
 
 
 def _extra_config(worker: Any) -> dict[str, Any]:

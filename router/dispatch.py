@@ -24,6 +24,10 @@ class Dispatch:
     key: str | None  # where this turn's previous turn is looked up (None: nothing to look up)
     outcome: str = "none"
     reused_tokens: int = 0
+    #: Prompt tokens prefill found in its own prefix cache (not computed, not pulled).
+    prefill_cached_tokens: int = 0
+    #: A fork: the stored turn was already read by another request of the same history (``router.flow``).
+    fork: bool = False
     started: float = 0.0
     tenant: str = ""
     tokens: int = 0  # prompt size estimate (load accounting)

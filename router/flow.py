@@ -24,7 +24,9 @@ cancels the handler, which closes both upstream connections: vLLM aborts request
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
@@ -52,6 +54,7 @@ log = logging.getLogger("turnkv.router")
 
 REUSE_HEADER = "X-TurnKV-Reuse"
 REUSED_TOKENS_HEADER = "X-TurnKV-Reused-Tokens"
+PREFILL_CACHED_HEADER = "X-TurnKV-Prefill-Cached-Tokens"
 REUSE_OUTCOME_HEADER = "X-TurnKV-Reuse-Outcome"
 CONVERSATION_HEADER = "X-Conversation-Id"
 
@@ -160,7 +163,7 @@ class Flow:
             return None
         t0 = time.perf_counter()
         try:
-            entry = await self._bounded(self.store.take(d.key))
+            entry = await self._bounded(self._take_entry(d))
         except Exception as exc:  # the store is an optimisation: never fail a request because of it
             log.warning("conversation store unavailable (%s); continuing without reuse",
                         exc or type(exc).__name__)
@@ -191,9 +194,37 @@ class Flow:
             d.affinity = entry.decode_engine
         if d.outcome != "hit":
             return None
+        if d.fork:
+            self.metrics.fork_reads.inc()
         # Prefill starts reading within replay_window of now or not at all (router.engines.evictions).
-        # Cleared with the offer secret: prefill reads only offers a router cleared (turnkv.wire).
-        return wire.clear_offer(self.config.offer_secret, entry.params, time.time() + float(self.config.replay_window))
+        # Cleared with the offer secret: prefill reads only offers a router cleared (turnkv.wire); each replay of a
+        # fork-readable offer names its reader (prefill reads each clearance once).
+        reader = secrets.token_hex(8) if wire.fork_window(entry.params) > 0 else None
+        return wire.clear_offer(self.config.offer_secret, entry.params, time.time() + float(self.config.replay_window),
+                                reader)
+
+    async def _take_entry(self, d: Dispatch) -> Entry | None:
+        """The stored turn for ``d.key``. Single use (taken) unless decode's offer is fork-readable: then the first
+        reader marks it readable by forks of the same history until ``fork_window`` from now (decode keeps the
+        blocks at least that long after the first read completes, which is later), and later readers within that
+        window read it too (``d.fork``); past it, it is dropped."""
+        assert d.key is not None
+        entry = await self.store.get(d.key)
+        window = 0.0 if entry is None else wire.fork_window(entry.params)
+        if entry is None or window <= 0:
+            return None if entry is None else await self.store.take(d.key)
+        now = time.time()
+        if not entry.fork_until:
+            if await self.store.swap(d.key, entry, dataclasses.replace(entry, fork_until=now + window)):
+                return entry
+            entry = await self.store.get(d.key)  # a concurrent fork read it first
+            if entry is None or not entry.fork_until:
+                return None
+        if now >= entry.fork_until:
+            await self.store.swap(d.key, entry, None)
+            return None
+        d.fork = True
+        return entry
 
     async def _evicted(self, entry: Entry) -> str | None:
         """Why decode may have evicted (or be about to free) the entry's blocks, from its evictions feed. A
@@ -303,7 +334,7 @@ class Flow:
 
     def _reply_headers(self, d: Dispatch) -> dict[str, str]:
         return {REQUEST_ID_HEADER: d.request_id, REUSED_TOKENS_HEADER: str(d.reused_tokens),
-                REUSE_OUTCOME_HEADER: d.outcome}
+                PREFILL_CACHED_HEADER: str(d.prefill_cached_tokens), REUSE_OUTCOME_HEADER: d.outcome}
 
     def _upstream_error(self, d: Dispatch, exc: UpstreamError) -> web.Response:
         log.warning("%s", exc)
@@ -333,6 +364,8 @@ class Flow:
         self._reuse[d.outcome].inc()
         if d.reused_tokens:
             self.metrics.reused_tokens.inc(d.reused_tokens)
+        if d.prefill_cached_tokens:
+            self.metrics.prefill_cached_tokens.inc(d.prefill_cached_tokens)
         if not self.config.emf:
             return
         saved = None

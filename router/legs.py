@@ -74,9 +74,17 @@ class _LegIds:
 new_leg_id = _LegIds()
 
 
+def prefill_cached_tokens(kv: Mapping[str, Any]) -> int:
+    """Prompt tokens prefill found in its own prefix cache, from its answer's params (turnkv's connector reports
+    them apart; 0 from an engine that does not)."""
+    value = kv.get(wire.PREFILL_LOCAL_TOKENS)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
 def reused_tokens(kv: Mapping[str, Any]) -> int:
-    """Prompt tokens prefill pulled back from decode (bi-directional mode), from its answer's params."""
-    return int(kv.get("remote_prefill_cached_tokens") or 0)
+    """Prompt tokens prefill pulled back from decode (bi-directional mode), from its answer's params: what it did
+    not compute (``remote_prefill_cached_tokens``) less its own prefix-cache hits."""
+    return max(0, int(kv.get("remote_prefill_cached_tokens") or 0) - prefill_cached_tokens(kv))
 
 
 def push_identity(kv: Mapping[str, Any]) -> PushIdentity | None:
@@ -216,11 +224,13 @@ class Legs:
                                 leg="prefill", engine=engine)
         usage = result.get("usage") or {}
         d.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        d.prefill_cached_tokens = prefill_cached_tokens(kv)
         self.pool.report_success(engine)
         if d.outcome == "hit":
             self._account_reuse(d, kv, engine)
         elif d.outcome in ("miss", "none", "disabled"):
-            self.prefill_rate.observe(d.prefill_ms, d.prompt_tokens)
+            # The rate of prefill's own work: its prefix-cache hits cost nothing.
+            self.prefill_rate.observe(d.prefill_ms, d.prompt_tokens - d.prefill_cached_tokens)
         ident = push_identity(kv)
         if ident is not None:
             engine.learned = ident

@@ -107,7 +107,8 @@ class Relay:
                             await self._store_reply(d, opened.engine, reply.kv_transfer_params, reply.value())
                         if early:  # the headers left before the outcome was known: say it in a comment
                             out.append(f": turnkv reuse_outcome={d.outcome} "
-                                       f"reused_tokens={d.reused_tokens}\n\n".encode())
+                                       f"reused_tokens={d.reused_tokens} "
+                                       f"prefill_cached_tokens={d.prefill_cached_tokens}\n\n".encode())
                     if fed is not None:
                         events = events or fed.startswith(b"data")
                         out.append(fed if api is None else api.stream_line(fed))

@@ -93,6 +93,12 @@ class Metrics:
         self.reuse = Counter("turnkv_router_reuse_decisions", "Reuse decisions by outcome.", ["reuse"], registry=r)
         self.reused_tokens = Counter("turnkv_router_reused_tokens", "Prompt tokens pulled from decode's KV.",
                                      registry=r)
+        self.prefill_cached_tokens = Counter("turnkv_router_prefill_cached_tokens",
+                                             "Prompt tokens prefill found in its own prefix cache (neither computed "
+                                             "nor pulled).", registry=r)
+        self.fork_reads = Counter("turnkv_router_fork_reads",
+                                  "Replays of a stored turn another request of the same history already read (forks, "
+                                  "subagents, retries within decode's fork_window).", registry=r)
         self.leg = Histogram("turnkv_router_leg_seconds", "Latency of the prefill leg and decode's first byte.",
                              ["leg"], buckets=_LATENCY_BUCKETS, registry=r)
         self.token_mismatches = Counter("turnkv_router_token_mismatches",

@@ -46,13 +46,14 @@ VLLM_RETENTION_PLACED = "vllm:turnkv_retention_placed"  # counter, label tier (d
 VLLM_RETENTION_REFUSALS = "vllm:turnkv_retention_refusals"  # counter, label reason (decode)
 VLLM_RETENTION_EVICTIONS = "vllm:turnkv_retention_evictions"  # counter, label reason (decode)
 VLLM_HOST_MOVES = "vllm:turnkv_host_moves"  # counter (decode)
+VLLM_FORK_HOLDS = "vllm:turnkv_fork_holds"  # counter (decode): read turns kept for forks
 VLLM_RETAINED_BYTES = "vllm:turnkv_retained_bytes"  # gauge, both tiers (decode)
 VLLM_HOST_RETAINED_BYTES = "vllm:turnkv_host_retained_bytes"  # gauge (decode)
 VLLM_HOST_POOL_BYTES = "vllm:turnkv_host_pool_bytes"  # gauge (decode)
 VLLM_DECISIONS = "vllm:turnkv_decisions"  # counter, label decision (prefill): offers pulled or recomputed
 TIERS = ("device", "host")
 REFUSAL_REASONS = ("too_large", "full")
-EVICTION_REASONS = ("idle", "shrunk")
+EVICTION_REASONS = ("idle", "shrunk", "read")
 DECISIONS = ("pull", "recompute")
 
 #: What the bridge publishes per interval (dims Deployment, Role), units in brackets.

@@ -43,6 +43,9 @@ MODEL = "turnkv_model"
 SIGNATURE = "turnkv_sig"
 #: Set by the router on a decode request whose KV the next turn will pull (retain on demand).
 RETAIN = "turnkv_retain"
+#: Prompt tokens prefill found in its own prefix cache (added to prefill's answer; upstream's
+#: ``remote_prefill_cached_tokens`` counts them together with the tokens pulled from decode).
+PREFILL_LOCAL_TOKENS = "turnkv_prefill_local_tokens"
 #: Prefill's verdict on the offer it was given (router metrics).
 VERDICT = "turnkv_proof_verdict"
 #: Added by the router when it replays an offer (not stored): the wall-clock instant after which prefill must
@@ -56,6 +59,13 @@ CLEARANCE = "turnkv_clearance"
 #: ``remote_block_ids`` are then slots of that pool. Signed with the rest of the offer. Prefill reads a host-tier
 #: offer only when a router cleared it, and a router clears one only once decode's feed lists its copy as done.
 HOST_TIER = "turnkv_host_tier"
+#: Seconds decode keeps a turn readable after its first read (``fork_window``): forks of one history (parallel
+#: samples, subagents, retries) may each read it until then. Signed with the rest of the offer; absent (or 0): the
+#: offer is single use, as upstream's (decode frees the blocks on the first read).
+FORK_WINDOW = "turnkv_fork_window"
+#: Added by the router to each replay of a fork-readable offer (not stored): a nonce inside the clearance, so each
+#: reader's replay is a distinct single-use clearance (prefill's replay guard is per reader, not per offer).
+READER = "turnkv_reader"
 #: Why prefill refused an offer, as its ``VERDICT`` names it (each one a ``vllm:turnkv_offers_<reason>`` counter).
 OFFER_REFUSALS = ("unsigned", "forged", "expired", "uncleared", "late", "replayed")
 #: Prefill reads only cleared offers unless this is "0" (another proxy in front of the engines, which does not
@@ -63,7 +73,7 @@ OFFER_REFUSALS = ("unsigned", "forged", "expired", "uncleared", "late", "replaye
 REQUIRE_CLEARED_ENV = "TURNKV_REQUIRE_CLEARED_OFFERS"
 
 #: Keys of decode's returned params that a router may store and replay to prefill.
-OFFER_KEYS = (TOKEN_PROOF, BOOT, EXPIRES_AT, MODEL, SIGNATURE, HOST_TIER)
+OFFER_KEYS = (TOKEN_PROOF, BOOT, EXPIRES_AT, MODEL, SIGNATURE, HOST_TIER, FORK_WINDOW)
 
 # -- the engine's lease route ---------------------------------------------------------------------
 
@@ -96,7 +106,7 @@ DEFAULT_OFFER_SECRET_FILE = "/etc/turnkv/offer-secret"
 #: Override of the model fingerprint (e.g. the checkpoint's digest, where the config alone is ambiguous).
 MODEL_FINGERPRINT_ENV = "TURNKV_MODEL_FINGERPRINT"
 
-_VERSION = b"turnkv-offer-v2"  # v2: the host tier is signed too
+_VERSION = b"turnkv-offer-v3"  # v2: the host tier is signed too; v3: the fork window
 _CLEARANCE_VERSION = b"turnkv-clearance-v1"
 
 
@@ -134,6 +144,7 @@ def _signed_part(params: Mapping[str, Any]) -> bytes:
         orjson.dumps(proof, option=orjson.OPT_SORT_KEYS).decode() if proof is not None else None,
         orjson.dumps(host, option=orjson.OPT_SORT_KEYS).decode() if (host := params.get(HOST_TIER)) is not None
         else None,
+        params.get(FORK_WINDOW),
     ])
 
 
@@ -171,22 +182,37 @@ def neutralize(params: dict[str, Any]) -> None:
     params["remote_num_tokens"] = 0
 
 
-def clearance_mac(secret: bytes, signature: str, read_by: float) -> str:
+def fork_window(params: Mapping[str, Any]) -> float:
+    """Seconds after its first read that decode keeps an offer's blocks for further readers (0: single use)."""
+    window = params.get(FORK_WINDOW)
+    if isinstance(window, bool) or not isinstance(window, (int, float)) or window <= 0:
+        return 0.0
+    return float(window)
+
+
+def clearance_mac(secret: bytes, signature: str, read_by: float, reader: str | None = None) -> str:
     # The instant as fixed-point text: 1796177453.0 and 1796177453 (a JSON layer may turn one into the other) agree.
-    message = orjson.dumps([signature, f"{float(read_by):.3f}"])
+    parts = [signature, f"{float(read_by):.3f}"]
+    if reader is not None:  # one reader's replay of a fork-readable offer
+        parts.append(reader)
+    message = orjson.dumps(parts)
     return hmac.new(secret, _CLEARANCE_VERSION + message, hashlib.sha256).hexdigest()
 
 
-def clear_offer(secret: bytes | None, params: Mapping[str, Any], read_by: float) -> dict[str, Any]:
+def clear_offer(secret: bytes | None, params: Mapping[str, Any], read_by: float,
+                reader: str | None = None) -> dict[str, Any]:
     """A copy of a stored offer as a router replays it: prefill may start reading it until ``read_by`` (Unix
     time), and, with the deployment's secret, the clearance that proves a router (which reads the evictions feed)
     set that instant. Without a secret only the read-by instant is added (prefill then recomputes unless it was
-    told not to require clearance)."""
+    told not to require clearance). ``reader``: a nonce naming this replay of a fork-readable offer (``READER``)."""
     out = dict(params)
     out[READ_BY] = round(float(read_by), 3)
+    out.pop(READER, None)
+    if reader is not None:
+        out[READER] = reader
     signature = out.get(SIGNATURE)
     if secret is not None and isinstance(signature, str):
-        out[CLEARANCE] = clearance_mac(secret, signature, out[READ_BY])
+        out[CLEARANCE] = clearance_mac(secret, signature, out[READ_BY], reader)
     else:
         out.pop(CLEARANCE, None)
     return out
@@ -201,12 +227,29 @@ def check_clearance(secret: bytes | None, params: Mapping[str, Any], now: float,
     instant = isinstance(read_by, (int, float)) and not isinstance(read_by, bool)
     cleared = (secret is not None and instant and isinstance(clearance, str)
                and isinstance(params.get(SIGNATURE), str)
-               and hmac.compare_digest(clearance, clearance_mac(secret, params[SIGNATURE], read_by)))
+               and _reader_ok(params.get(READER))
+               and hmac.compare_digest(clearance, clearance_mac(secret, params[SIGNATURE], read_by,
+                                                                params.get(READER))))
     if required and not cleared:
         return "uncleared"
     if read_by is None:
         return "ok"
     return "late" if not instant or now >= float(read_by) else "ok"
+
+
+def _reader_ok(reader: Any) -> bool:
+    return reader is None or (isinstance(reader, str) and 0 < len(reader) <= 64)
+
+
+def replay_key(params: Mapping[str, Any]) -> str:
+    """What prefill's replay guard remembers of a read offer: its signature (single use), or for a fork-readable
+    offer the signature and the router's reader nonce (single use per replay; decode keeps the blocks for the
+    fork window)."""
+    signature = str(params.get(SIGNATURE))
+    reader = params.get(READER)
+    if fork_window(params) > 0 and isinstance(reader, str):
+        return f"{signature}/{reader}"
+    return signature
 
 
 def offer_verdict(secret: bytes | None, params: Mapping[str, Any], model: str, now: float, skew: float, *,

@@ -1,7 +1,8 @@
 """Conversation state: conversation key -> the decode engine's latest ``kv_transfer_params``.
 
-Only metadata is stored (block ids, engine address, expiry), never KV tensors. Entries are
-single-use: the next turn's prefill read frees decode's blocks, so ``take`` removes atomically.
+Only metadata is stored (block ids, engine address, expiry), never KV tensors. An entry is single use (``take``
+removes it atomically) unless decode's offer is fork-readable (``turnkv.wire.FORK_WINDOW``): then the first read
+marks it (``fork_until``) and forks of the same history read it until then (``router.flow``).
 """
 
 from __future__ import annotations
@@ -23,16 +24,20 @@ class Entry:
     decode_engine: str = ""
     #: Router-clock instant the entry was stored (a decode engine that restarted since lost the blocks).
     stored_at: float = 0.0
+    #: Router-clock instant after which forks may no longer read it (set at its first read; 0: not read yet).
+    fork_until: float = 0.0
 
     def to_bytes(self) -> bytes:
         h = self.history
         return orjson.dumps({"p": self.params, "h": [h.kind, h.render_digest, h.digest, h.length],
-                             "e": self.expires_at, "d": self.decode_engine, "s": self.stored_at})
+                             "e": self.expires_at, "d": self.decode_engine, "s": self.stored_at,
+                             "f": self.fork_until})
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> Entry:
         data = orjson.loads(raw)
-        return cls(data["p"], History(*data["h"]), data["e"], data.get("d", ""), data.get("s", 0.0))
+        return cls(data["p"], History(*data["h"]), data["e"], data.get("d", ""), data.get("s", 0.0),
+                   data.get("f", 0.0))
 
 
 class StoreError(RuntimeError):

@@ -20,6 +20,9 @@ class HangingStore(MemoryStore):
     async def take(self, key):
         await asyncio.Event().wait()
 
+    async def get(self, key):
+        await asyncio.Event().wait()
+
     async def put(self, key, entry):
         await asyncio.Event().wait()
 

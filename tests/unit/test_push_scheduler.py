@@ -113,6 +113,7 @@ def test_a_failed_read_back_is_recomputed_not_awaited_again():
     s.__dict__.update(scheduler().__dict__)
     s._tunables = types.SimpleNamespace(poll=lambda: None)
     s._pending = {}
+    s._prefill_local = {}
     req = request("p3", {**DECODE_OFFER, "_remote_blocks_processed": True})
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     assert PushBidiScheduler.get_num_new_matched_tokens(s, req, 0) == (300, True)  # upstream's answer: a hang
@@ -164,13 +165,14 @@ def test_the_first_pull_from_an_engine_pays_the_handshake_and_is_no_cost_sample(
 
     from connector.policy import CostModel, StepClock
     from connector.push import TurnkvPushScheduler
+    from connector.retention import RetentionLedger
     from connector.stats import TurnkvKVConnectorStats
     from connector.worker import TurnkvWorkerMeta
 
     s = TurnkvPushScheduler.__new__(TurnkvPushScheduler)
     s.__dict__.update(scheduler().__dict__)
     s.__dict__.update(cost=CostModel(), _pulls_started={}, _pulled_from=set(), _handshaken=set(), _steps=StepClock(),
-                      _retained={},
+                      _retained=RetentionLedger(), _fork_window=30.0,
                       turnkv_stats=TurnkvKVConnectorStats(), _bytes_per_block=128 * 4096)
     for rid in ("first", "second"):
         s._pulls_started[rid] = (time.perf_counter() - 0.05, 500, "decode-0")
@@ -198,6 +200,7 @@ def turnkv_push_scheduler(monkeypatch, release: tuple[int, int, int]):
     s.__dict__.update(cost=CostModel(), _pulls_started={}, _pulled_from=set(), _handshaken=set(), _steps=StepClock(),
                       _pending={}, _bytes_per_block=128 * 4096, _retained={},
                       turnkv_stats=TurnkvKVConnectorStats(), _verdicts={}, _expected_boots={}, _prefill_cached={},
+                      _prefill_local={},
                       _retain_on_demand=True, _adaptive=False, _require_proof=False, _boot=None,
                       _offer_secret=None, _require_signed=False, _require_cleared=True, _model=None, _expiry_skew=5.0,
                       _replays=None,
