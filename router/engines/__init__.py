@@ -2,7 +2,8 @@
 
 Pure state and decisions (no I/O): discovery (``router.engines.discovery``) feeds the membership,
 the health loop (``router.engines.health``) and the request flow report successes and failures, and
-a choice policy (``router.engines.policy``) picks an engine per leg.
+a choice policy (``router.engines.policy``) picks an engine per leg; a prefill leg whose request has a shared
+prompt prefix goes to that prefix's engine first (``router.engines.prefix``, bounded by load).
 """
 
 from __future__ import annotations
