@@ -34,6 +34,9 @@ class Dispatch:
     stream: bool = False
     leg_request_id: str = ""  # router-generated, sent to both engines; a fresh one per dispatch and retry
     affinity: str = ""  # decode engine holding the conversation's blocks
+    #: Tenant-scoped key of the shared prompt prefix ("": none), set at the first prefill choice (prefill affinity,
+    #: ``router.engines.prefix``); None: not computed yet.
+    prefix_key: str | None = None
     prompt_tokens: int = 0
     prefill_ms: float | None = None
     ttft: float | None = None

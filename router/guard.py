@@ -166,10 +166,12 @@ def _running(kind: str, render: str) -> Any:
     return h
 
 
-def _feed(h: Any, message: Mapping[str, Any]) -> None:
+def _feed(h: Any, message: Mapping[str, Any]) -> int:
+    """Feed one message to a running digest; its canonical size in bytes."""
     part = _canonical(canonical_message(message))
     h.update(len(part).to_bytes(8, "little"))
     h.update(part)
+    return len(part)
 
 
 def history_digest(messages: Sequence[Mapping[str, Any]], render: str = "") -> str:
@@ -194,6 +196,21 @@ class History:
     length: int
 
 
+#: Roles of the messages that open a conversation with the same text for every conversation of an agent (its system
+#: prompt): the shared prefix a prefill engine's prefix cache holds (``router.engines.prefix``).
+LEADING_ROLES = ("system", "developer")
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """The part of a chat prompt that conversations share: the render settings and the leading system/developer
+    messages. Equal digests mean equal leading tokens once rendered (same template, tools and text)."""
+
+    digest: str  # the history digest (seeded with the render settings) after the leading messages
+    size: int  # bytes: the tools' JSON + the leading messages' canonical JSON
+    messages: int  # how many leading messages
+
+
 @dataclass(frozen=True)
 class Turn:
     """What the router needs to know about one request to decide and record reuse."""
@@ -206,6 +223,8 @@ class Turn:
     lookup: History | None = None
     #: Chat: the running digest after all the messages (a hashlib object: extended by the reply, never mutated).
     chain: Any = field(default=None, compare=False, repr=False)
+    #: Chat: the shared prefix (prefill affinity, ``router.engines.prefix``); None for raw prompts.
+    prefix: SharedPrefix | None = field(default=None, compare=False)
 
     def continues(self, history: History) -> bool:
         """True when this request's prompt extends ``history`` exactly."""
@@ -230,21 +249,37 @@ class Turn:
         return History(self.kind, self.render_digest, text_digest(text), len(text))
 
 
-def chat_turn(render: str, messages: Sequence[Mapping[str, Any]]) -> Turn:
-    """One pass over the messages: the lookup prefix (up to the last assistant message) and the full chain."""
+def chat_turn(render: str, messages: Sequence[Mapping[str, Any]], render_size: int = 0) -> Turn:
+    """One pass over the messages: the lookup prefix (up to the last assistant message), the full chain, and the
+    shared prefix (the chain after the leading system/developer messages: one digest read, no extra pass);
+    ``render_size``: bytes of the render settings that become prompt tokens (the tools)."""
     h = _running("chat", render)
-    lookup = None
+    lookup = prefix = None
+    size = render_size
     for i, m in enumerate(messages):
-        _feed(h, m)
+        if prefix is None and m.get("role") not in LEADING_ROLES:
+            prefix = SharedPrefix(h.hexdigest(), size, i)
+        fed = _feed(h, m)
+        if prefix is None:
+            size += fed
         if m.get("role") == "assistant":
             lookup = History("chat", render, h.hexdigest(), i + 1)
-    return Turn("chat", render, messages=tuple(messages), lookup=lookup, chain=h)
+    if prefix is None:  # only leading messages
+        prefix = SharedPrefix(h.hexdigest(), size, len(messages))
+    return Turn("chat", render, messages=tuple(messages), lookup=lookup, chain=h, prefix=prefix)
+
+
+_TOOLS_AT = CHAT_RENDER_FIELDS.index("tools")
+
+
+def _render_parts(kind: str, body: Mapping[str, Any]) -> list[bytes]:
+    fields = CHAT_RENDER_FIELDS if kind == "chat" else COMPLETION_RENDER_FIELDS
+    return [_canonical(body.get(f)) for f in fields]
 
 
 def render_digest(kind: str, body: Mapping[str, Any]) -> str:
     """Digest of the settings that change how a prompt renders (model, tools, template, cache_salt, ...)."""
-    fields = CHAT_RENDER_FIELDS if kind == "chat" else COMPLETION_RENDER_FIELDS
-    return _digest(*(_canonical(body.get(f)) for f in fields))
+    return _digest(*_render_parts(kind, body))
 
 
 def render_only(kind: str, body: Mapping[str, Any]) -> Turn:
@@ -265,10 +300,11 @@ def parse_turn(kind: str, body: Mapping[str, Any]) -> Turn | None:
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise RequestError(f"messages[{i}] must be an object with a string 'role'")
-        render = render_digest("chat", body)
+        parts = _render_parts("chat", body)
+        render = _digest(*parts)
         if (body.get("n") or 1) != 1 or any(has_remote_media(m) for m in messages):
             return None
-        return chat_turn(render, messages)
+        return chat_turn(render, messages, len(parts[_TOOLS_AT]) if body.get("tools") else 0)
     prompt = body.get("prompt")
     if prompt is None or (isinstance(prompt, (str, list)) and len(prompt) == 0):
         raise RequestError("'prompt' is required")

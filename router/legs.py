@@ -27,7 +27,7 @@ from aiohttp import web
 from router import guard, migrate, sse, telemetry, upstream
 from router.config import RouterConfig
 from router.dispatch import Dispatch
-from router.engines import Engine, EnginePool, Lease, PushIdentity
+from router.engines import Engine, EnginePool, Lease, PushIdentity, prefix
 from router.telemetry import Metrics
 from turnkv import wire
 
@@ -161,6 +161,7 @@ class Legs:
         self.prefill_rate = prefill_rate  # prefill's ms per token, from fresh prefills (the EMF's saved time)
         self.forward_auth = forward_auth
         self._leg = {leg: metrics.leg.labels(leg) for leg in ("prefill", "decode")}
+        self._prefill_choices = {r: metrics.prefill_choices.labels(r) for r in prefix.REASONS}
         self._refusals_logged: set[str] = set()  # prefill's offer refusal reasons already logged
 
     def _headers(self, d: Dispatch, request: web.Request) -> dict[str, str]:
@@ -300,10 +301,19 @@ class Legs:
                     resp.close()
                 lease.release()
 
+    def pick_prefill(self, d: Dispatch, tried: dict[str, list[Engine]]) -> Engine:
+        """The prefill engine of an attempt: the home of the request's shared prefix within the load bound
+        (``router.engines.prefix``), else by load; a retry skips the engines it tried."""
+        if d.prefix_key is None:  # once per request: one hash of the tenant and the prefix digest
+            d.prefix_key = prefix.key(d.tenant, d.turn, int(self.config.prefill_affinity_min_bytes))
+        engine, reason = self.pool.pick_prefill(d.prefix_key, exclude=tried["prefill"], tokens=d.tokens)
+        self._prefill_choices[reason].inc()
+        return engine
+
     async def pull(self, d: Dispatch, request: web.Request, params: dict[str, Any] | None,
                    tried: dict[str, list[Engine]]) -> Opened:
         """One attempt in pull mode: prefill, then decode with prefill's params verbatim."""
-        prefill = self.pool.pick("prefill", exclude=tried["prefill"], tokens=d.tokens)
+        prefill = self.pick_prefill(d, tried)
         kv = await self.prefill(d, request, prefill, params or guard.FRESH_PREFILL_PARAMS)
         decode = self.pool.pick("decode", exclude=tried["decode"], prefer="" if tried["decode"] else d.affinity,
                                 tokens=d.tokens)
@@ -313,7 +323,7 @@ class Legs:
     async def push(self, d: Dispatch, request: web.Request, params: dict[str, Any] | None,
                    tried: dict[str, list[Engine]]) -> Opened:
         """One attempt in push mode: both legs at once when prefill's identity is known, serially otherwise."""
-        prefill = self.pool.pick("prefill", exclude=tried["prefill"], tokens=d.tokens)
+        prefill = self.pick_prefill(d, tried)
         decode = self.pool.pick("decode", exclude=tried["decode"], prefer="" if tried["decode"] else d.affinity,
                                 tokens=d.tokens)
         d.decode_engine = decode.name

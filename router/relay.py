@@ -170,7 +170,8 @@ class Relay:
                 break
             c = Dispatch("completion", "/v1/completions", body, d.request_id, None, None, started=d.started,
                          tenant=d.tenant, tokens=d.tokens + len(state.generated), stream=True,
-                         leg_request_id=new_leg_id(), extra={"avoid_decode": list(avoid)})
+                         leg_request_id=new_leg_id(), extra={"avoid_decode": list(avoid)},
+                         prefix_key=d.prefix_key)  # the rendered prompt's ids: the same leading blocks
             try:
                 opened = await self._dispatch(c, request)
             except (UpstreamError, NoEngineError) as exc:

@@ -146,6 +146,11 @@ class Metrics:
         self.session_hints = Counter("turnkv_router_session_hints",
                                      "Requests carrying a client session id (a hint: affinity and labels), "
                                      "by where it was read.", ["source"], registry=r)
+        self.prefill_choices = Counter("turnkv_router_prefill_choices",
+                                       "Prefill engine choices (retries included), by reason: affinity (the request's "
+                                       "shared prefix's engine), load (its prefix's engine was over "
+                                       "prefill_affinity_slack), no_key (no shared prefix, or affinity off).",
+                                       ["reason"], registry=r)
         self.push_dispatch = Counter("turnkv_router_push_dispatches",
                                      "Push-mode dispatches: concurrent (identity known) or serial.", ["kind"],
                                      registry=r)

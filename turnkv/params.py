@@ -190,6 +190,14 @@ CATALOG: tuple[Tunable, ...] = (
     Tunable("affinity_slack", 4, 0, 1000, "requests", Scope.ROUTER,
             "Decode affinity: keep a conversation on the decode engine holding its blocks unless that engine "
             "carries this much more load (in requests) than the least loaded one."),
+    Tunable("prefill_affinity_slack", 4, 0, 1000, "requests", Scope.ROUTER,
+            "Prefill affinity: a request whose shared prefix (render settings + leading system messages) is known "
+            "goes to the prefill engine its tenant and prefix hash to (rendezvous), whose prefix cache likely holds "
+            "it, unless that engine carries this much more load (in requests; tokens_per_request prompt tokens "
+            "count as one) than the least loaded one; then to the least loaded. 0: off (load alone)."),
+    Tunable("prefill_affinity_min_bytes", 1024, 0, 100_000_000, "bytes", Scope.ROUTER,
+            "Prefill affinity applies when the shared prefix (the tools' JSON + the leading system/developer "
+            "messages) is at least this long; shorter prefixes save too little prefill to outweigh load balance."),
     Tunable("discovery_interval", 10, 1, 600, "s", Scope.ROUTER,
             "Interval of Cloud Map discovery refreshes."),
     Tunable("params_refresh", 60, 5, 3600, "s", Scope.ROUTER,

@@ -2,7 +2,8 @@
 
 Pure state and decisions (no I/O): discovery (``router.engines.discovery``) feeds the membership,
 the health loop (``router.engines.health``) and the request flow report successes and failures, and
-a choice policy (``router.engines.policy``) picks an engine per leg.
+a choice policy (``router.engines.policy``) picks an engine per leg; a prefill leg whose request has a shared
+prompt prefix goes to that prefix's engine first (``router.engines.prefix``, bounded by load).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlsplit
 
+from router.engines import prefix
 from router.engines.evictions import EvictionFeed
 from router.engines.policy import ChoicePolicy, LeastLoad
 from router.guard import normalize_host
@@ -196,7 +198,7 @@ class EnginePool:
         else:
             self.decode = merged
 
-    def pick(self, role: str, *, exclude: Sequence[Engine] = (), prefer: str = "", tokens: int = 0) -> Engine:
+    def _candidates(self, role: str, exclude: Sequence[Engine]) -> list[Engine]:
         engines = self.by_role(role)
         candidates = [e for e in engines if e.healthy and e not in exclude]
         if not candidates:  # a retry may go back to an engine it already tried rather than fail
@@ -205,11 +207,25 @@ class EnginePool:
             candidates = [e for e in engines if e not in exclude] or list(engines)
         if not candidates:
             raise NoEngineError(f"no {role} engine known (static flags or discovery)")
+        return candidates
+
+    def pick(self, role: str, *, exclude: Sequence[Engine] = (), prefer: str = "", tokens: int = 0) -> Engine:
+        candidates = self._candidates(role, exclude)
         preferred = None
         if prefer:
             preferred = next((e for e in candidates if e.name == prefer), None)
         return self.policy.choose(candidates, now=self.clock(), preferred=preferred, tunables=self.tunables,
                                   tokens=tokens)
+
+    def pick_prefill(self, prefix_key: str, *, exclude: Sequence[Engine] = (), tokens: int = 0) -> tuple[Engine, str]:
+        """A prefill engine for a request with ``prefix_key`` ("" : none) and why (``prefix.REASONS``): the key's
+        home engine within ``prefill_affinity_slack``, else the policy's choice. A retry excludes the engines it
+        tried, so it goes to the key's next home."""
+        candidates = self._candidates("prefill", exclude)
+        now = self.clock()
+        return prefix.choose(prefix_key, candidates, now=now, tunables=self.tunables,
+                             fallback=lambda: self.policy.choose(candidates, now=now, preferred=None,
+                                                                 tunables=self.tunables, tokens=tokens))
 
     # -- health bookkeeping (the flow reports request outcomes, the probe loop reports probes) -----
 
