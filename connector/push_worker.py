@@ -71,6 +71,11 @@ def push_read_notif(msg: bytes, world_size: int, retained: Callable[[str], bool]
     return f"{req_id}:{max(1, int(count)) * max(1, world_size)}".encode()
 
 
+#: What the engine thread is handed in place of a fork-readable turn's read notification (``connector.worker.ForkReads``
+#: counted it): an empty heartbeat, which renews nothing.
+KEPT_FOR_FORKS = b"HB:"
+
+
 class RetainedReadNotifs(queue.Queue):
     """The writer thread's hand-over queue of notifications, read by upstream's ``_get_new_notifs``: a retained
     request's READ-completion notification is restated (:func:`push_read_notif`) when the engine thread takes it,
@@ -82,7 +87,10 @@ class RetainedReadNotifs(queue.Queue):
 
     def _get(self) -> bytes:
         w = self._worker
-        return push_read_notif(super()._get(), int(getattr(w, "world_size", 1) or 1),
+        msg = super()._get()
+        if w._turnkv_fork_reads.take(msg):
+            return KEPT_FOR_FORKS  # a fork-readable turn's read: counted there, kept from upstream
+        return push_read_notif(msg, int(getattr(w, "world_size", 1) or 1),
                                lambda rid: rid in w._reqs_to_send or rid in w._reqs_to_process)
 
 
@@ -95,6 +103,7 @@ def is_read_back(meta: Any) -> bool:
 # MRO: turnkv's mixin, then push's methods (start_load_kv, notifications, writer thread), then pull's READ
 # helpers.
 class PushBidiWorker(TurnkvWorkerMixin, NixlPushConnectorWorker, NixlPullConnectorWorker):
+    _turnkv_filters_nixl_notifs = False  # the writer thread takes NIXL's notifications: filtered off its queue
     def __init__(self, vllm_config: Any, engine_id: str, *args: Any, **kwargs: Any) -> None:
         # Before upstream's __init__: it starts the writer thread, which may WRITE at once.
         self._turnkv_peer_lock = threading.RLock()

@@ -36,6 +36,12 @@ VERDICT_KEY = wire.VERDICT
 RETAIN_KEY = wire.RETAIN
 
 
+#: Offers are fork-readable only while the device tier, this turn included, is at most this share full: a read
+#: turn kept for forks frees its room only after the eviction grace, so under pressure the room goes to newer turns
+#: (read-once, freed on the read, as upstream) rather than to forks.
+FORK_ROOM_SHARE = 0.5
+
+
 def _flag(name: str, default: bool) -> bool:
     return os.environ.get(name, "1" if default else "0").lower() not in ("0", "false", "no")
 
@@ -590,7 +596,7 @@ class TurnkvSchedulerMixin:
                 out["remote_block_ids"] = [list(slots)]
                 out[wire.HOST_TIER] = host_tier.offer_field([self._host_bases[r] for r in range(self._tp_size)],
                                                             self._host_pool_blocks)
-            if tier is Tier.DEVICE and self._fork_window > 0:
+            if tier is Tier.DEVICE and self._fork_window > 0 and self._fork_room(_count_blocks(block_ids)):
                 # Readable by every fork of this history for the window after its first read (connector.retention).
                 out[wire.FORK_WINDOW] = self._fork_window
                 self._forkable.add(request.request_id)
@@ -607,6 +613,10 @@ class TurnkvSchedulerMixin:
         if verdict is not None:
             out[VERDICT_KEY] = {"offered": verdict.offered, "verified": verdict.verified, "reason": verdict.reason}
         return delay, out
+
+    def _fork_room(self, adding: int) -> bool:
+        """Whether the device tier has room for keeping this turn after its read (``FORK_ROOM_SHARE``)."""
+        return self._retained.used(Tier.DEVICE) + adding <= FORK_ROOM_SHARE * self._retention_capacity()
 
     def _retention_capacity(self) -> float:
         """Device blocks decode may hold for next turns: ``retained_kv_share`` of its KV cache (unbounded when

@@ -28,6 +28,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,10 +108,10 @@ class TurnkvWorkerMixin:
         self._turnkv_remote_meta: dict[tuple[str, int], Any] = {}
         self._turnkv_host_handles: dict[tuple[str, int, int, int], int] = {}
         self._turnkv_host_reads: dict[str, tuple[list[int], int]] = {}
-        # Forks: retained turns with a fork-readable offer (kept after a read; freed when their lease, cut by the
-        # scheduler's eviction, runs out), and those read since the last step (for the scheduler).
-        self._turnkv_forkable: set[str] = set()
-        self._turnkv_fork_held: list[str] = []
+        # Forks: the read notifications of retained turns with a fork-readable offer, taken before upstream sees
+        # them (the blocks stay until their lease, cut by the scheduler's eviction, runs out).
+        self._turnkv_fork_reads = ForkReads()
+        self._turnkv_notifs_filtered = False
 
     # transfer metrics ---------------------------------------------------------------------------
 
@@ -152,7 +153,7 @@ class TurnkvWorkerMixin:
         handshakes, self._turnkv_handshakes = self._turnkv_handshakes, []
         released, self._turnkv_host_released = self._turnkv_host_released, []
         renewed, self._turnkv_renewed = self._turnkv_renewed, []
-        fork_held, self._turnkv_fork_held = self._turnkv_fork_held, []
+        fork_held = self._turnkv_fork_reads.drain()
         pools = []
         if self._turnkv_pool is not None and not self._turnkv_pool_reported:
             self._turnkv_pool_reported = True
@@ -225,21 +226,16 @@ class TurnkvWorkerMixin:
             self._turnkv_count("turnkv_host_moves")
             self.xfer_stats.record("turnkv_host_move_bytes", len(slots) * sum(self._turnkv_pool.block_lens))
 
+    #: Pull: this (the engine) thread is the only one that takes NIXL notifications, so the fork-readable turns'
+    #: are filtered from the agent's; push (``connector.push_worker``) filters them off its writer's hand-over queue.
+    _turnkv_filters_nixl_notifs = True
+
     def _get_new_notifs(self) -> set[str]:
-        held: dict[str, float] = getattr(self, "_reqs_to_send", {})
-        leases = {rid: held[rid] for rid in self._turnkv_forkable if rid in held}
+        if self._turnkv_filters_nixl_notifs and not self._turnkv_notifs_filtered and hasattr(self, "nixl_wrapper"):
+            self._turnkv_notifs_filtered = True
+            self.nixl_wrapper.get_new_notifs = self._turnkv_fork_reads.filtering(self.nixl_wrapper.get_new_notifs)
         notified = super()._get_new_notifs()  # type: ignore[misc]
         self._turnkv_notified.update(r for r in notified if r in self._turnkv_hosted)
-        kept = keep_for_forks(notified, leases)
-        if kept:
-            # Read by one prefill: kept for the others until the lease (cut to the grace by the scheduler's eviction
-            # once the fork window passed) runs out. Evicted turns too: a reader cleared before the announcement
-            # may still be reading within the grace.
-            for request_id in kept:
-                held[request_id] = leases[request_id]
-                self._reqs_to_process.add(request_id)
-            self._turnkv_fork_held.extend(kept)
-            notified = notified - set(kept)
         return notified
 
     def get_transfer_results(self) -> Any:
@@ -257,7 +253,7 @@ class TurnkvWorkerMixin:
         self._turnkv_device_done = set()
         for request_id in results.finished_recving:
             self._turnkv_host_reads.pop(request_id, None)
-        self._turnkv_forkable.difference_update(sending)
+        self._turnkv_fork_reads.forget(sending)
         return dataclasses.replace(results, finished_sending=sending)
 
     def _read_blocks(self, read_spec: Any, dst_engine_id: str, request_id: str, *args: Any, **kwargs: Any) -> Any:
@@ -337,7 +333,7 @@ class TurnkvWorkerMixin:
         self._turnkv_host_reads.update(getattr(metadata, "turnkv_host_reads", None) or {})
         self._turnkv_step = getattr(metadata, "turnkv_step", None)
         super().start_load_kv(metadata)  # type: ignore[misc]
-        self._turnkv_forkable.update(getattr(metadata, "turnkv_forkable", None) or ())
+        self._turnkv_fork_reads.forkable.update(getattr(metadata, "turnkv_forkable", None) or ())
         to_host = getattr(metadata, "turnkv_to_host", None)
         if to_host:
             self._turnkv_copy_to_host(to_host)
@@ -438,10 +434,54 @@ class TurnkvWorkerMixin:
         super()._read_blocks_for_req(req_id, meta)  # type: ignore[misc]
 
 
-def keep_for_forks(notified: set[str], leases: dict[str, float]) -> list[str]:
-    """Of the requests whose readers all notified this step, the fork-readable ones still leased (kept for further
-    readers rather than freed), in a stable order (pure)."""
-    return sorted(rid for rid in notified if rid in leases)
+class ForkReads:
+    """Read-completion notifications (``"{request}:{readers}"``) of fork-readable retained turns, taken before
+    upstream counts them: upstream frees a turn's blocks once its readers have all notified, and a second fork's
+    notification would then name a request it no longer knows. Taken here, the turn stays leased (its blocks kept
+    until the lease, cut to the grace by the scheduler's eviction once the fork window passed, runs out) and each
+    completed read is reported to the scheduler once per ``readers`` notifications (pure)."""
+
+    def __init__(self) -> None:
+        self.forkable: set[str] = set()
+        self._counts: dict[str, int] = {}
+        self._completed: list[str] = []
+
+    def take(self, msg: bytes) -> bool:
+        """True when ``msg`` is a fork-readable turn's read notification (kept from upstream)."""
+        try:
+            text = msg.decode()
+            request_id, readers = text.rsplit(":", 1)
+            expected = max(1, int(readers))
+        except (UnicodeDecodeError, ValueError, AttributeError):
+            return False
+        if text.startswith("HB:") or request_id not in self.forkable:
+            return False
+        count = self._counts.get(request_id, 0) + 1
+        if count >= expected:  # every reading rank of one reader (or of concurrent readers, interleaved)
+            self._counts.pop(request_id, None)
+            self._completed.append(request_id)
+        else:
+            self._counts[request_id] = count
+        return True
+
+    def filtering(self, get_new_notifs: Callable[[], dict[str, list[bytes]]]) -> Callable[[], dict[str, list[bytes]]]:
+        """``nixl_agent.get_new_notifs`` without the notifications :meth:`take` keeps."""
+
+        def filtered() -> dict[str, list[bytes]]:
+            return {agent: [m for m in msgs if not self.take(m)] for agent, msgs in get_new_notifs().items()}
+
+        return filtered
+
+    def drain(self) -> list[str]:
+        """Turns read since the last call, each once."""
+        done, self._completed = sorted(set(self._completed)), []
+        return done
+
+    def forget(self, request_ids: set[str]) -> None:
+        """Freed turns (their lease ran out)."""
+        self.forkable.difference_update(request_ids)
+        for request_id in request_ids:
+            self._counts.pop(request_id, None)
 
 
 def _extra_config(worker: Any) -> dict[str, Any]:

@@ -87,36 +87,66 @@ def test_room_for_a_newcomer_comes_from_read_turns_before_idle_ones():
     assert list(ledger.live) == ["fresh"]
 
 
-def test_the_worker_keeps_a_fork_readable_turn_after_its_readers_notify_and_frees_the_others():
+def test_fork_reads_are_taken_before_upstream_counts_them_one_read_per_readers_notifications():
+    from connector.worker import ForkReads
+
+    reads = ForkReads()
+    reads.forkable = {"fork"}
+    assert not reads.take(b"single:1") and not reads.take(b"HB:fork") and not reads.take(b"\xff")
+    # two prefill engines of TP 2 reading this rank (2 readers each), their notifications interleaved
+    assert all(reads.take(m) for m in (b"fork:2", b"fork:2", b"fork:2"))
+    assert reads.drain() == ["fork"] and reads.drain() == []
+    assert reads.take(b"fork:2") and reads.drain() == ["fork"]
+    reads.forget({"fork"})  # freed (the lease ran out): its notifications go to upstream again
+    assert not reads.take(b"fork:1")
+
+
+def test_the_pull_worker_keeps_a_fork_readable_turn_leased_while_forks_read_and_frees_the_others():
     from connector.worker import TurnkvWorkerMixin
+
+    class Agent:
+        def __init__(self):
+            self.pending = {}
+
+        def get_new_notifs(self):
+            out, self.pending = self.pending, {}
+            return out
 
     class Upstream:
         """Upstream's pull worker on a notification: the request's lease and processing entry are dropped and it
-        is reported sent (vLLM then frees its blocks)."""
+        is reported sent (vLLM then frees its blocks); a request it no longer tracks is an error."""
 
         def __init__(self):
-            self._reqs_to_send = {"fork": 100.0, "single": 100.0, "waiting": 100.0}
-            self._reqs_to_process = {"fork", "single", "waiting"}
-            self.notifs = {"fork", "single"}
+            self.nixl_wrapper = Agent()
+            self._reqs_to_send = {"fork": 100.0, "single": 100.0}
+            self._reqs_to_process = {"fork", "single"}
+            self.unknown = []
 
         def _get_new_notifs(self):
-            for rid in self.notifs:
-                self._reqs_to_process.remove(rid)
-                self._reqs_to_send.pop(rid)
-            return set(self.notifs)
+            done = set()
+            for msgs in self.nixl_wrapper.get_new_notifs().values():
+                for msg in msgs:
+                    rid = msg.decode().rsplit(":", 1)[0]
+                    if rid not in self._reqs_to_send:
+                        self.unknown.append(rid)
+                        continue
+                    self._reqs_to_process.remove(rid)
+                    self._reqs_to_send.pop(rid)
+                    done.add(rid)
+            return done
 
     class Worker(TurnkvWorkerMixin, Upstream):
         pass
 
     w = Worker()
-    w._turnkv_forkable = {"fork", "waiting"}
-    assert w._get_new_notifs() == {"single"}
-    assert w._reqs_to_send == {"fork": 100.0, "waiting": 100.0} and w._reqs_to_process == {"fork", "waiting"}
-    meta = w.build_turnkv_meta()
-    assert meta is not None and meta.fork_held == ["fork"]
-    # the next reader's notification: kept again, until the lease (cut to the grace by an eviction) runs out
-    w.notifs = {"fork"}
-    assert w._get_new_notifs() == set() and w._reqs_to_send["fork"] == 100.0
+    w.start_load_kv = None  # not used here
+    w._turnkv_fork_reads.forkable = {"fork"}
+    w.nixl_wrapper.pending = {"prefill-a": [b"fork:1", b"single:1"], "prefill-b": [b"fork:1"]}  # two forks at once
+    assert w._get_new_notifs() == {"single"} and w.unknown == []
+    assert w._reqs_to_send == {"fork": 100.0} and w._reqs_to_process == {"fork"}
+    assert w.build_turnkv_meta().fork_held == ["fork"]
+    w.nixl_wrapper.pending = {"prefill-c": [b"fork:1"]}  # a retry, later: still leased
+    assert w._get_new_notifs() == set() and w._reqs_to_send == {"fork": 100.0}
 
 
 def test_prefill_reports_its_own_prefix_cache_hits_apart_and_the_router_counts_only_pulled_tokens(
@@ -138,3 +168,26 @@ def test_prefill_reports_its_own_prefix_cache_hits_apart_and_the_router_counts_o
     assert prefill_cached_tokens(out) == 128 and reused_tokens(out) == 172
     assert reused_tokens({"remote_prefill_cached_tokens": 300}) == 300  # an engine without turnkv's connector
     assert prefill_cached_tokens({wire.PREFILL_LOCAL_TOKENS: True}) == 0
+
+
+def test_offers_are_fork_readable_only_while_the_device_tier_is_at_most_half_full(scheduler):  # noqa: F811
+    decode = scheduler()
+    decode._retained_share = 0.12  # 12 of 100 blocks: forks while at most 6 are held
+    offers = [decode.request_finished(_request(f"d{i}", range(300), RETAIN), [[3 * i, 3 * i + 1, 3 * i + 2]])[1]
+              for i in range(3)]
+    assert [wire.FORK_WINDOW in o for o in offers] == [True, True, False]  # 3, 6, then 9 blocks held
+    assert _step(decode).turnkv_forkable == {"d0", "d1"}
+
+
+def test_push_takes_a_fork_readable_turns_read_notifications_off_the_writers_queue():
+    from connector.push_worker import KEPT_FOR_FORKS, RetainedReadNotifs
+    from connector.worker import ForkReads
+
+    worker = types.SimpleNamespace(_turnkv_fork_reads=ForkReads(), world_size=1, _reqs_to_send={"fork": 1.0},
+                                   _reqs_to_process={"fork", "other"})
+    worker._turnkv_fork_reads.forkable = {"fork"}
+    notifs = RetainedReadNotifs(worker)
+    for msg in (b"fork:1", b"other:1"):
+        notifs.put(msg)
+    assert notifs.get_nowait() == KEPT_FOR_FORKS and notifs.get_nowait() == b"other:1"
+    assert worker._turnkv_fork_reads.drain() == ["fork"]
