@@ -134,7 +134,7 @@ class AgentTrace:
                 raise TraceError(f"{name}: expected an object, got {section!r}")
             extra = sorted(set(section) - keys)
             if extra:
-                raise TraceError(f"unknown field {name}.{extra[0]!r} (known: {', '.join(sorted(keys))})")
+                raise TraceError(f"unknown field '{name}.{extra[0]}' (known: {', '.join(sorted(keys))})")
             sections[name] = section
         weights = conf.get("step_weights", {"tool": 1.0})
         if not isinstance(weights, dict) or not weights:
