@@ -21,9 +21,10 @@ the router addresses the turn by. So tool results are ``user`` messages whose te
 ``tool result ( NAME ) :``; the assistant messages are the model's replies, unchanged (the router finds the previous
 turn by the digest of the history plus the exact reply decode generated).
 
-Text is drawn from the tiny model's own vocabulary (``turnkv.local.model``), one token per word; against a real
-model the word counts are approximate tokens. Distributions are those of vLLM's multi-turn generator
-(``turnkv.plan.workload.Distribution``: constant, uniform, lognormal, zipf, poisson).
+Text is drawn from the tiny model's own vocabulary (``turnkv.local.model``), one token per word, and the fixed
+phrases (``task :``, ``tool result ( read ) :``, ``agent task :``, ``step 2 :``) use only its common words, so
+nothing tokenizes to ``<unk>``; against a real model the word counts are approximate tokens. Distributions are those
+of vLLM's multi-turn generator (``turnkv.plan.workload.Distribution``: constant, uniform, lognormal, zipf, poisson).
 """
 
 from __future__ import annotations
@@ -302,7 +303,7 @@ def shared_prefix(trace: AgentTrace, words: list[str]) -> str:
     """The system prompt every session shares: instructions, then one schema line per tool, padded with text to
     ``shared_prefix_words`` words."""
     text = _Text(words, np.random.default_rng([trace.seed, 0xA9E]))
-    head = ["you are an agent . answer the user and call tools when you need them . tools :"]
+    head = ["you are an agent . answer the user and call a tool when you can . tool list :"]
     per_tool = max((trace.shared_prefix_words - 20) // (2 * len(trace.tools)), 1)
     for tool in trace.tools:
         head.append(f"function {tool} ( {text(3)} ) : {text(per_tool)} .")
@@ -326,7 +327,7 @@ def _tool_step(trace: AgentTrace, rng: np.random.Generator, text: _Text) -> Step
 
 
 def _child(trace: AgentTrace, name: str, rng: np.random.Generator, text: _Text) -> Agent:
-    task = {"role": "user", "content": f"subagent task : {text(draw(trace.subagent_task_words, rng, low=1))}"}
+    task = {"role": "user", "content": f"agent task : {text(draw(trace.subagent_task_words, rng, low=1))}"}
     steps = [Step("subagent", 0.0, (task,))]
     for _ in range(int(draw(trace.subagent_steps, rng, low=1)) - 1):
         steps.append(_tool_step(trace, rng, text))
@@ -366,7 +367,7 @@ def expand(trace: AgentTrace, words: list[str] | None = None) -> list[Session]:
                                   ({"role": "user", "content": f"user : {text(draw(trace.user_words, rng, low=1))}"},)))
             else:
                 n = int(draw(trace.fork_branches, rng, low=2))
-                branches = tuple(({"role": "user", "content": f"attempt {b + 1} : "
+                branches = tuple(({"role": "user", "content": f"step {b + 1} : "
                                                               f"{text(draw(trace.fork_words, rng, low=1))}"},)
                                  for b in range(n))
                 steps.append(Step("fork", _think(trace, "fork", rng), branches=branches))
