@@ -1,4 +1,5 @@
-"""`turnkv bench multiturn`: the agentic multi-turn TTFT benchmark (A/B: reuse off vs on)."""
+"""`turnkv bench multiturn`: the agentic multi-turn TTFT benchmark (A/B: reuse off vs on); `turnkv bench agent`: an
+agent trace (forks, subagents, think times) played the same way."""
 
 from __future__ import annotations
 
@@ -108,6 +109,69 @@ def multiturn(
     summary = run_benchmark(spec, out, {**meta, "concurrency": spec.concurrency,
                                         "arms_in_phases": spec.arms_in_phases})
     if summary["errors"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+def agent(
+    ctx: typer.Context,
+    trace: Annotated[str, typer.Option(help="An agent trace file (bench/agent_trace.py's format), or the name of a "
+                                            "shipped one: agent-coding, agent-research.")] = "agent-coding",
+    url: Annotated[str, typer.Option(help="Router base URL (the on and off arms).")] = router_env.LOCAL_URL,
+    router: Annotated[str | None, typer.Option("--router", hidden=True)] = None,
+    best_url: Annotated[str | None, typer.Option(help="Router over a prefix-caching prefill engine (the best arm).")]
+    = None,
+    best_router: Annotated[str | None, typer.Option("--best-router", hidden=True)] = None,
+    arms: Annotated[str | None, typer.Option(help="Comma list of off, on, best, played in that order (default: off,on; "
+                                                  "with --best-url also best).")] = None,
+    time_scale: Annotated[float, typer.Option(min=0, help="Multiply every think time of the trace (0: no pauses).")]
+    = 1.0,
+    model: Annotated[str | None, typer.Option(help="Model name (default: the first of /v1/models).")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="TURNKV_API_KEY", help="Bearer token for the router.")]
+    = None,
+    out: Annotated[Path, typer.Option(help="Folder for results.jsonl and summary.md/json.")] = Path("results/agent"),
+) -> None:
+    """Play an agent trace (shared prefix, parallel tool calls, forks, subagents, think times) with reuse off and on:
+    TTFT p50/p90 per arm and step kind, prompt tokens by source (prefill cache, pulled from decode, recomputed), fork
+    turns that pulled, identical answers."""
+    from bench import agent_bench, agent_report, agent_trace
+
+    url = renamed(ctx, "url", "router")
+    best_url = renamed(ctx, "best_url", "best_router")
+    try:
+        loaded = agent_trace.load(trace)
+        spec = agent_bench.PlaySpec(url=url, arms=agent_bench.parse_arms(arms or agent_bench.default_arms(best_url)),
+                                    best_url=best_url, model=model, api_key=api_key, time_scale=time_scale)
+    except ValueError as exc:  # a bad trace (agent_trace.TraceError) or arms
+        console.print(str(exc), soft_wrap=True, markup=False, style="red")
+        raise typer.Exit(2) from None
+    sessions = agent_trace.expand(loaded)
+    shape = agent_trace.stats(sessions)
+    console.print(f"{loaded.name}: {shape.sessions} sessions, {shape.requests} requests per arm "
+                  f"({', '.join(f'{k} {v}' for k, v in shape.kinds.items())}), arms {','.join(spec.arms)}",
+                  soft_wrap=True, markup=False)
+    with request_progress("agent") as progress:
+        task = progress.add_task("agent", total=agent_bench.total_requests(sessions, spec.arms), last="")
+
+        def on_record(r) -> None:
+            last = (f"{r.arm} session {r.session} {r.agent} step {r.step + 1} {r.kind}: "
+                    + (f"TTFT {r.ttft_ms:.0f} ms" if r.error is None else f"[red]{r.error[:60]}[/red]"))
+            progress.update(task, advance=1, last=last)
+
+        try:
+            records = asyncio.run(agent_bench.play(sessions, spec, on_record))
+        except Exception as exc:  # connection refused, no models, ...
+            progress.stop()
+            where = f"{spec.url}" + (f" and {spec.best_url}" if "best" in spec.arms else "")
+            console.print(f"agent benchmark failed: {type(exc).__name__}: {exc} (is the router at {where} up?)",
+                          soft_wrap=True, markup=False, style="red")
+            raise typer.Exit(1) from None
+    summary = agent_report.write(records, out, {"trace": loaded.name, "trace_file": str(agent_trace.resolve(trace)),
+                                                "url": spec.url, "best_url": spec.best_url, "arms": list(spec.arms),
+                                                "time_scale": time_scale})
+    print(agent_report.markdown(summary), flush=True)  # plain: a table is not wrapped at the terminal's width
+    console.print(f"wrote {out / 'summary.md'}, {out / 'summary.json'} and {out / 'results.jsonl'}")
+    if summary["errors"] or summary["answers"]["mismatch_count"]:
         raise typer.Exit(1)
 
 
