@@ -216,7 +216,8 @@ class FakeEngine:
                     deadline = RETAINED.get((engine, block))
                     if deadline is not None and deadline > time.time():
                         first = FORK_READ_AT.setdefault((engine, block), time.time())
-                        RETAINED[(engine, block)] = min(deadline, first + window + self.eviction_grace)
+                        RETAINED[(engine, block)] = min(deadline, first + window + wire.FORK_READ_SLACK
+                                                        + self.expiry_skew)
                         continue
                 deadline = RETAINED.pop((engine, block), None)
                 copied = COPIED_AT.pop((engine, block), 0.0)

@@ -288,6 +288,7 @@ async def main(args) -> dict:
         from turnkv.local.stack import StackConfig, Supervisor, plan
 
         config = StackConfig(state_dir=out / "stack", router_port=base + 50, prefill_port=base + 100,
+                             prefill_prefix_caching=False,  # the seeds' setting: the A/B measures reuse
                              decode_port=base + 200, side_channel_base=25650, prefill_engines=2, decode_engines=2,
                              kv_cache_gib=1, tunables={"decoder_kv_blocks_ttl": args.engine_ttl,
                                                          "conversation_ttl": args.engine_ttl - 15},

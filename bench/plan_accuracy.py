@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from turnkv.local.stack import StackConfig, Supervisor
     from turnkv.local.start import start_stack
 
-    config = StackConfig(state_dir=args.state_dir)
+    config = StackConfig(prefill_prefix_caching=False, state_dir=args.state_dir)
     state = start_stack(config)
     args.out.mkdir(parents=True, exist_ok=True)
     rounds: list[dict[str, list]] = []

@@ -21,6 +21,7 @@ def stack_with_env(env: dict[str, str], state_dir: Path, port_base: int = 8400, 
     os.environ.update(env)
     supervisor = Supervisor(state_dir)
     stack = StackConfig(state_dir=state_dir, router_port=port_base, prefill_port=port_base + 10,
+                        prefill_prefix_caching=False,  # the seeds' setting: the A/B measures reuse
                         decode_port=port_base + 20, side_channel_base=port_base - 2760, **config)
     try:
         state = supervisor.up(stack)

@@ -58,6 +58,7 @@ class Held:
     since: float = 0.0  # when it was retained or last renewed (wall clock)
     slots: tuple[int, ...] = ()  # host tier: the pool slots that hold it
     read_at: float | None = None  # first read (wall clock): kept only for forks from then on
+    fork_window: float = 0.0  # the window its offer was signed with (0: single use)
 
 
 @dataclass
@@ -156,9 +157,9 @@ class RetentionLedger:
         held.read_at = now
         return held
 
-    def forks_done(self, now: float, window: float) -> list[tuple[str, Held]]:
-        """Announce the read turns whose fork window has passed."""
-        due = [rid for rid, h in self.live.items() if h.read_at is not None and now - h.read_at >= window]
+    def forks_done(self, now: float) -> list[tuple[str, Held]]:
+        """Announce the read turns whose fork window (the one their offer was signed with) has passed."""
+        due = [rid for rid, h in self.live.items() if h.read_at is not None and now - h.read_at >= h.fork_window]
         return self._announce_until(due, float("inf"))
 
     def release(self, request_id: str) -> Held | None:

@@ -434,8 +434,10 @@ class TurnkvSchedulerMixin:
             if held is not None:
                 self._read_delays.observe(wall - held.since)
                 self.turnkv_stats.record("turnkv_fork_holds", 1)
-        for request_id, held in self._retained.forks_done(wall, self._fork_window):
-            self._announce_eviction(request_id, held, EvictReason.READ)
+        for request_id, held in self._retained.forks_done(wall):
+            # No router replays it past its window (plus FORK_READ_SLACK for prefill to start the READ): the short
+            # grace, not the one that waits for routers to read the evictions feed.
+            self._announce_eviction(request_id, held, EvictReason.READ, wire.FORK_READ_SLACK + self._expiry_skew)
 
     def _release(self, request_id: str, read: bool, wall: float) -> None:
         held = self._retained.release(request_id)
@@ -596,16 +598,17 @@ class TurnkvSchedulerMixin:
                 out["remote_block_ids"] = [list(slots)]
                 out[wire.HOST_TIER] = host_tier.offer_field([self._host_bases[r] for r in range(self._tp_size)],
                                                             self._host_pool_blocks)
+            fork_window = 0.0
             if tier is Tier.DEVICE and self._fork_window > 0 and self._fork_room(_count_blocks(block_ids)):
                 # Readable by every fork of this history for the window after its first read (connector.retention).
-                out[wire.FORK_WINDOW] = self._fork_window
+                fork_window = out[wire.FORK_WINDOW] = self._fork_window
                 self._forkable.add(request.request_id)
             if self._offer_secret is not None:
                 expires_at = wire.sign_offer(self._offer_secret, out, expires_at, self._model)[wire.EXPIRES_AT]
             if tier is Tier.HOST:
                 self._to_host[request.request_id] = (device_blocks, list(slots), expires_at)
             self._retained.hold(request.request_id, Held(_count_blocks(out.get("remote_block_ids")), expires_at,
-                                                         tier, time.time(), tuple(slots)))
+                                                         tier, time.time(), tuple(slots), fork_window=fork_window))
             self.turnkv_stats.record_label("turnkv_retention_placed", tier)
             self._export_retained()
         elif placement is not None and placement.slots and self._retained.host is not None:
@@ -637,13 +640,15 @@ class TurnkvSchedulerMixin:
             self.turnkv_stats.record_label("turnkv_retention_refusals", placement.refusal)
         return placement
 
-    def _announce_eviction(self, request_id: str, held: Held, reason: EvictReason) -> None:
+    def _announce_eviction(self, request_id: str, held: Held, reason: EvictReason,
+                           grace: float | None = None) -> None:
         """Announced now, freed after the grace (the workers do both; ``connector.retention``)."""
-        self._evictions[request_id] = (self._eviction_grace, held.expires_at)
+        grace = self._eviction_grace if grace is None else grace
+        self._evictions[request_id] = (grace, held.expires_at)
         self.turnkv_stats.record("turnkv_retention_evicted", 1)
         self.turnkv_stats.record_label("turnkv_retention_evictions", reason)
         logger.info("turnkv: evicting retained request %s (%s tier, %d blocks, %s; freed in %g s)", request_id,
-                    held.tier, held.blocks, reason, self._eviction_grace)
+                    held.tier, held.blocks, reason, grace)
 
     def take_turnkv_stats(self) -> TurnkvKVConnectorStats | None:
         if self.turnkv_stats.is_empty():

@@ -200,8 +200,10 @@ class Flow:
         # Cleared with the offer secret: prefill reads only offers a router cleared (turnkv.wire); each replay of a
         # fork-readable offer names its reader (prefill reads each clearance once).
         reader = secrets.token_hex(8) if wire.fork_window(entry.params) > 0 else None
-        return wire.clear_offer(self.config.offer_secret, entry.params, time.time() + float(self.config.replay_window),
-                                reader)
+        read_by = time.time() + float(self.config.replay_window)
+        if entry.fork_until:  # decode frees a read turn FORK_READ_SLACK after its window (plus the clocks' margin)
+            read_by = min(read_by, entry.fork_until + wire.FORK_READ_SLACK)
+        return wire.clear_offer(self.config.offer_secret, entry.params, read_by, reader)
 
     async def _take_entry(self, d: Dispatch) -> Entry | None:
         """The stored turn for ``d.key``. Single use (taken) unless decode's offer is fork-readable: then the first
@@ -215,8 +217,9 @@ class Flow:
             return None if entry is None else await self.store.take(d.key)
         now = time.time()
         if not entry.fork_until:
-            if await self.store.swap(d.key, entry, dataclasses.replace(entry, fork_until=now + window)):
-                return entry
+            marked = dataclasses.replace(entry, fork_until=now + window)
+            if await self.store.swap(d.key, entry, marked):
+                return marked
             entry = await self.store.get(d.key)  # a concurrent fork read it first
             if entry is None or not entry.fork_until:
                 return None

@@ -83,7 +83,7 @@ CATALOG: tuple[Tunable, ...] = (
             "twice the 90th percentile of how long retained turns waited before being read (the TTL until 8 reads "
             "are seen). Younger turns are kept and the newcomer is not retained, so reuse degrades to the share "
             "that fits instead of collapsing under oldest-first eviction.", float),
-    Tunable("fork_window", 30, 0, 600, "s", Scope.ENGINE,
+    Tunable("fork_window", 10, 0, 600, "s", Scope.ENGINE,
             "Decode keeps a retained turn readable this long after its first read, so forks of one history "
             "(parallel samples, subagents, retries) each pull it instead of recomputing; read turns are the first "
             "evicted when room is needed. 0: single use (the first read frees the blocks).", float),

@@ -63,6 +63,11 @@ HOST_TIER = "turnkv_host_tier"
 #: samples, subagents, retries) may each read it until then. Signed with the rest of the offer; absent (or 0): the
 #: offer is single use, as upstream's (decode frees the blocks on the first read).
 FORK_WINDOW = "turnkv_fork_window"
+#: A fork's replay must be read by ``fork_until`` (the first read + the fork window, router clock) plus this many
+#: seconds: the router clears fork replays with ``read_by`` at most that instant, so decode may free a read turn
+#: this long (plus ``expiry_skew_margin``, the hosts' clocks) after its own fork window ends, instead of after the
+#: full eviction grace (which covers a router that has not read the evictions feed yet).
+FORK_READ_SLACK = 2.0
 #: Added by the router to each replay of a fork-readable offer (not stored): a nonce inside the clearance, so each
 #: reader's replay is a distinct single-use clearance (prefill's replay guard is per reader, not per offer).
 READER = "turnkv_reader"

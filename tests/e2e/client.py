@@ -18,6 +18,7 @@ from turnkv.local.stack import StackConfig, offer_secret_path
 
 OFF = {"X-TurnKV-Reuse": "off"}  # a request's reference arm: computed from scratch, nothing reused
 OUTCOME, REUSED = "X-TurnKV-Reuse-Outcome", "X-TurnKV-Reused-Tokens"  # what the router says it did
+PREFILL_CACHED = "X-TurnKV-Prefill-Cached-Tokens"  # prompt tokens prefill found in its own prefix cache
 PULLED = "vllm:prompt_tokens_by_source_total"  # prefill's prompt tokens by source (vLLM's own metric)
 
 
@@ -41,6 +42,10 @@ class Reply:
     @property
     def reused(self) -> int:
         return int(self.headers.get(REUSED, "0"))
+
+    @property
+    def prefill_cached(self) -> int:
+        return int(self.headers.get(PREFILL_CACHED, "0"))
 
     @property
     def outcome(self) -> str:

@@ -42,6 +42,7 @@ def shared_stack():
     keys.write_text(f"acme:{ACME}\nglobex:{GLOBEX}\n")
     (STATE_DIR / "tunables.json").unlink(missing_ok=True)  # what a test of an earlier run left hot-reloaded
     config = StackConfig(
+        prefill_prefix_caching=False,  # the seeds' setting: reuse is measured against prefill recomputing
         state_dir=STATE_DIR, router_port=18000, prefill_port=18100, decode_port=18200, side_channel_base=15600,
         kv_cache_gib=1,
         tunables=TUNABLES,

@@ -81,7 +81,7 @@ def test_push_turns_read_back_from_one_decode_and_write_into_the_other(push_stac
     stack, router, model_dir = push_stack, push_stack["router"], push_stack["model_dir"]
     messages = [{"role": "system", "content": words(model_dir, 200, 41)},
                 {"role": "user", "content": words(model_dir, 500, 42)}]
-    turns, answered_by, prefilled_by, previous = [], [], [], None
+    turns, answered_by, prefilled_by, previous, sources = [], [], [], None, []
     for turn in range(4):
         before = {name: (external(stack[name]), finished(stack[name])) for name in (*PREFILLS, *DECODES)}
         pulled_before, read_before, written_before = (
@@ -99,16 +99,23 @@ def test_push_turns_read_back_from_one_decode_and_write_into_the_other(push_stac
         if turn == 0:
             assert on.outcome == "none" and on.reused == 0 and prefill_side(stack, external) == pulled_before
         else:
-            # prefill READ everything the previous turn's decode engine held (but the unsent last token)
-            assert on.outcome == "hit" and on.reused == previous - 1, (on.outcome, on.reused, previous)
-            assert prefill_side(stack, external) - pulled_before == on.reused
+            # prefill computed nothing decode held (but the unsent last token): what its own prefix cache lacked
+            # it READ back from the previous turn's decode engine (prefix caching on, as deployed)
+            assert on.outcome == "hit" and on.reused + on.prefill_cached == previous - 1, \
+                (on.outcome, on.reused, on.prefill_cached, previous)
+            assert prefill_side(stack, external) - pulled_before == on.reused > 0
             assert prefill_grew(stack, "vllm:turnkv_read_bytes_total", read_before)
+            sources.append((on.prefill_cached, on.reused))
         previous = prompt_len(stack, messages) + len(on.token_ids)
         turns.append((list(messages), on))
         messages = [*messages, {"role": "assistant", "content": on.text},
                     {"role": "user", "content": words(model_dir, 150, 50 + turn)}]
     # round robin: every turn went to other prefill and decode engines than the previous turn's
     assert all(a != b for a, b in itertools.pairwise(answered_by)), answered_by
+    # from the third turn on, prefill holds the prompt of the turn before last (it prefilled it): a local prefix
+    # hit, and the blocks after it READ from decode
+    assert all(local > 0 for local, _ in sources[1:]), sources
+    print(f"push, prefix caching on: (local hit, pulled) per later turn {sources}")
     assert all(a != b for a, b in itertools.pairwise(prefilled_by)), prefilled_by
     # the last turn's KV is retained (and reported) on the engine that decoded it, for the next turn
     assert wait_for(lambda: metric(stack[answered_by[-1]], "vllm:turnkv_retained_bytes") > 0, 15)

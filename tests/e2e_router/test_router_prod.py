@@ -110,12 +110,44 @@ def test_reuse_through_valkey_with_api_keys(prod):
     second = post(router, messages, conversation=conv)
     off = post(router, messages, reuse=False)
     assert second.headers["X-TurnKV-Reuse-Outcome"] == "hit"
+    # prefix caching on (as deployed): prefill computes neither what its own cache holds nor what it pulled
     reused = int(second.headers["X-TurnKV-Reused-Tokens"])
-    assert reused > 500 and pulled(prod) - before == reused
+    local = int(second.headers["X-TurnKV-Prefill-Cached-Tokens"])
+    assert reused + local > 500 and pulled(prod) - before == reused
     assert second.json()["choices"][0]["token_ids"] == off.json()["choices"][0]["token_ids"]
     assert "kv_transfer_params" not in second.text
     assert post(router, messages, key=None).status_code == 401
     assert post(router, messages, key="wrong-key-123456").status_code == 401
+
+
+def test_a_prefix_cached_prefill_hits_its_own_cache_and_pulls_only_the_rest_from_decode(prod):
+    """Prefix caching on prefill, as deployed (issue 30): two conversations of a tenant open with one system prompt,
+    which the prefill choice keeps on one engine. The second conversation's first turn hits the prompt the first one
+    computed there; each one's next turn hits its own first prompt there and READs only the blocks after it (the
+    reply decode generated) from decode, with token proofs, and answers as reuse off does."""
+    router, model_dir = prod["router"], prod["model_dir"]
+    system = {"role": "system", "content": words(model_dir, 400, 131)}
+    tag = uuid.uuid4().hex[:6]
+    follow = {}
+    for name, seed in (("a", 132), ("b", 133)):
+        messages = [system, {"role": "user", "content": words(model_dir, 200, seed)}]
+        first = post(router, messages, conversation=f"pc-{name}-{tag}", max_tokens=160, ignore_eos=True)
+        assert first.status_code == 200 and first.headers["X-TurnKV-Reuse-Outcome"] == "none"
+        if name == "b":  # the system prompt, computed by a's turn on the same engine
+            assert int(first.headers["X-TurnKV-Prefill-Cached-Tokens"]) >= 350
+        follow[name] = [*messages, {"role": "assistant", "content": text_of(first)},
+                        {"role": "user", "content": words(model_dir, 40, seed + 10)}]
+    for name, messages in follow.items():
+        before = pulled(prod)
+        on = post(router, messages, conversation=f"pc-{name}-{tag}")
+        assert on.headers["X-TurnKV-Reuse-Outcome"] == "hit"
+        local = int(on.headers["X-TurnKV-Prefill-Cached-Tokens"])
+        reused = int(on.headers["X-TurnKV-Reused-Tokens"])
+        # its own first prompt from prefill's cache (full blocks), the reply's blocks pulled from decode
+        assert local >= 560 and reused >= 100 and pulled(prod) - before == reused, (local, reused)
+        off = post(router, messages, reuse=False)
+        assert on.json()["choices"][0]["token_ids"] == off.json()["choices"][0]["token_ids"]
+        print(f"conversation {name}: {local} prompt tokens from prefill's cache, {reused} pulled from decode")
 
 
 def test_two_tenants_with_one_conversation_id_never_share(prod):

@@ -20,6 +20,7 @@ STATE = Path(__file__).resolve().parents[2] / ".turnkv" / "e2e-router-push"
 @pytest.fixture(scope="module")
 def push_stack():
     config = StackConfig(state_dir=STATE, router_port=28010, prefill_port=28110, decode_port=28210,
+                         prefill_prefix_caching=False,  # the seeds' setting: the A/B measures reuse
                          side_channel_base=25620, kv_cache_gib=1, connector="NixlPushConnector",
                          tunables={"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45})
     with engine_stack(config) as stack:

@@ -6,6 +6,7 @@ cleared for its own reader, and drops it after. Over fake engines that keep and 
 from __future__ import annotations
 
 import asyncio
+import time
 
 from bench.fake_engine import FAKE_SECRET
 from router.app import METRICS
@@ -60,7 +61,13 @@ async def test_past_the_window_a_fork_recomputes_and_nothing_stale_is_read():
     p, d = engines(1, "prefill"), engines(1, "decode", fork_window=1.0, eviction_grace=5.0)
     async with router_over(p, d) as (s, _):
         first = await chat(s, conversation=None)
+        taken = time.time()
         assert outcome(await chat(s, branch(first["text"], "a"), conversation=None)) == "hit"
+        assert outcome(await chat(s, branch(first["text"], "c"), conversation=None)) == "hit"
+        # a fork's replay must be read by the end of the window the first read opened plus the slack, not within
+        # the router's replay window (10 s): decode frees the turn then
+        late_fork = [kv for kv in p[0].seen_params if kv and kv.get(wire.READER)][-1]
+        assert late_fork[wire.READ_BY] <= taken + 1.0 + wire.FORK_READ_SLACK + 0.05
         await asyncio.sleep(1.2)
         late = await chat(s, branch(first["text"], "b"), conversation=None)
         assert outcome(late) == "miss" and late["text"]

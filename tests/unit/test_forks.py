@@ -33,7 +33,7 @@ def test_decode_signs_the_fork_window_and_prefill_reads_each_readers_clearance_o
     decode, prefill = scheduler(), scheduler()
     tokens = list(range(300))
     _, out = decode.request_finished(_request("d1", tokens, RETAIN), [[1, 2, 3]])
-    assert out[wire.FORK_WINDOW] == 30.0 and wire.check_offer(SECRET, out, "model-x", time.time(), 5) == "ok"
+    assert out[wire.FORK_WINDOW] == 10.0 and wire.check_offer(SECRET, out, "model-x", time.time(), 5) == "ok"
     assert _step(decode).turnkv_forkable == {"d1"}  # the workers keep it after a read
     prompt = tokens + list(range(1000, 1100))
     for i, reader in enumerate(("a" * 16, "b" * 16)):
@@ -67,7 +67,9 @@ def test_a_read_turn_is_kept_for_the_window_then_evicted_and_its_first_read_is_t
     assert _step(decode).turnkv_evict == {}
     time.sleep(0.25)
     _fork_news(decode)  # any step's output after the window
-    assert _step(decode).turnkv_evict == {"d1": (30.0, out[wire.EXPIRES_AT])}  # announced; freed after the grace
+    # announced; freed once no router replay can still be read: the slack after the window and the clocks' margin,
+    # not the eviction grace (30 s), which waits for routers to read the evictions feed
+    assert _step(decode).turnkv_evict == {"d1": (wire.FORK_READ_SLACK + 5.0, out[wire.EXPIRES_AT])}
     reasons = decode.turnkv_stats.data["turnkv_retention_evictions"]
     assert reasons[-1] == list(EvictReason).index(EvictReason.READ)
     _freed(decode, "d1")

@@ -24,7 +24,10 @@ def test_plan_pins_engines_and_wires_the_router(tmp_path):
     if len(cores) > 1 and stack.shutil.which("taskset"):
         assert prefill.argv[:3] == ["taskset", "-c", str(cores[0])]
         assert decode.argv[:3] == ["taskset", "-c", str(cores[1])]
-    assert "--no-enable-prefix-caching" in prefill.argv and "--enable-prefix-caching" in decode.argv
+    # prefix caching on both roles, as deployed; the seeds' setting (prefill recomputes) is the A/B's
+    assert "--enable-prefix-caching" in prefill.argv and "--enable-prefix-caching" in decode.argv
+    seeds = {p.name: p for p in stack.plan(StackConfig(state_dir=tmp_path, prefill_prefix_caching=False))}
+    assert "--no-enable-prefix-caching" in seeds["prefill-0"].argv
     kv = json.loads(prefill.argv[prefill.argv.index("--kv-transfer-config") + 1])
     assert kv["engine_id"] == "prefill-0" and kv["kv_connector_extra_config"]["bidirectional_kv_xfer"]
     assert prefill.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] != decode.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]

@@ -38,7 +38,7 @@ def demo(
     from turnkv.local.start import start_stack
 
     # A host tier on decode (allocated at start): the pressure row turns it on and off by reload.
-    config = StackConfig(state_dir=state_dir, router_port=port, best_case=True,
+    config = StackConfig(prefill_prefix_caching=False, state_dir=state_dir, router_port=port, best_case=True,
                          tunables={"host_kv_budget_mib": PRESSURE_HOST_MIB})
     console.rule("turnkv demo: starting the local stack (prefill, decode, prefix-cached prefill, 2 routers)")
     state = start_stack(config)

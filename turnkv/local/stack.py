@@ -55,7 +55,9 @@ class StackConfig:
     decode_port: int = router_env.LOCAL_DECODE_PORT
     side_channel_base: int = router_env.LOCAL_SIDE_CHANNEL_BASE
     mode: Mode = Mode.PULL
-    prefill_prefix_caching: bool = False
+    #: Prefix caching on prefill, as deployed (``EngineSpec``'s default). The A/B benchmarks and the engine suites
+    #: that measure reuse run the seeds' setting (off: prefill recomputes what it does not pull).
+    prefill_prefix_caching: bool = EngineSpec.prefix_caching
     #: Also start a prefill engine with prefix caching and a second router over it (the benchmark's best case).
     best_case: bool = False
     #: Engine tunables (catalog names) such as decoder_kv_blocks_ttl.

@@ -287,7 +287,7 @@ def run(state_dir: Path, say: Callable[[str], None] = print) -> dict[str, Any]:
     from turnkv.local.stack import StackConfig, Supervisor
     from turnkv.local.start import start_stack
 
-    config = StackConfig(state_dir=state_dir)
+    config = StackConfig(prefill_prefix_caching=False, state_dir=state_dir)
     state = start_stack(config)
     try:
         raw = measure(state["components"], load_words(config.model_dir), say=say)
