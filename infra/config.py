@@ -311,6 +311,18 @@ class ImageConfig(_Model):
     build_security_group_id: SecurityGroupId | None = None
 
 
+class AlarmsConfig(_Model):
+    """Alarm thresholds of the observability stack (``infra.constructs.alarms``); each alarm notifies the SNS topic
+    (``alarm_email`` subscribes). The defaults are the thresholds the stack has always used."""
+
+    #: RouterTtftP99: router p99 time to first token above this (ms) for 3 of 5 minutes.
+    ttft_p99_ms: Annotated[StrictInt, _range(1, 3_600_000, "use 1 .. 3600000 ms")] = 10_000
+    #: RouterErrors and Alb5xx: more router errors a minute, or more 5xx a minute from the router tasks, than this.
+    errors_per_minute: Annotated[StrictInt, _range(0, 1_000_000, "use 0 .. 1000000 a minute")] = 10
+    #: KvCacheFull-<role>: an engine's KV cache usage above this (percent) for 8 of 10 minutes.
+    kv_cache_usage_percent: Annotated[StrictInt, _range(1, 100, "use 1 .. 100 (%)")] = 95
+
+
 class DeploymentConfig(_Model):
     name: Name
     region: Region
@@ -323,6 +335,7 @@ class DeploymentConfig(_Model):
     image: ImageConfig = Field(default_factory=ImageConfig)
     account: Account | None = None
     alarm_email: Email | None = None
+    alarms: AlarmsConfig = Field(default_factory=AlarmsConfig)
 
     @model_validator(mode="before")
     @classmethod
