@@ -268,7 +268,10 @@ class ConnectorConfig(_Model):
     bidirectional: StrictBool = True
 
 
-class RouterConfig(_Model):
+class RouterDeploymentConfig(_Model):
+    """The deploy config's ``router`` section: how the router is deployed (Fargate, ALB, scaling). The router
+    process's own settings are ``router.config.RouterConfig``."""
+
     replicas: Annotated[StrictInt, _range(1, 100, "use 1 .. 100")] = 2
     #: Default: 8, or ``replicas`` when that is more.
     max_replicas: StrictInt = 8
@@ -331,7 +334,7 @@ class DeploymentConfig(_Model):
     model: ModelConfig
     pools: tuple[PoolConfig, ...]
     connector: ConnectorConfig = Field(default_factory=ConnectorConfig)
-    router: RouterConfig = Field(default_factory=RouterConfig)
+    router: RouterDeploymentConfig = Field(default_factory=RouterDeploymentConfig)
     image: ImageConfig = Field(default_factory=ImageConfig)
     account: Account | None = None
     alarm_email: Email | None = None

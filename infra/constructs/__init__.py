@@ -1,6 +1,6 @@
 """The stacks' building blocks, one job each, each configured by a typed props dataclass.
 
-Two kinds. ``EnginePool``, ``EfaLaunchTemplate`` and ``dashboard`` are ``Construct`` subclasses: child nodes
+Two kinds. ``EngineGroup``, ``EfaLaunchTemplate`` and ``dashboard`` are ``Construct`` subclasses: child nodes
 of their stack. The blocks pulled out of the router, image and observability stacks later (``router_access``,
 ``valkey_store``, ``router_service``, ``router_alb``, ``engine_image``, ``alarms``) are *scope-preserving*:
 plain classes that create their resources directly in the scope they are given (the stack), not in a child

@@ -16,7 +16,7 @@ from aws_cdk import aws_logs as logs
 from aws_cdk import aws_secretsmanager as secretsmanager
 from constructs import Construct
 
-from infra.config import RouterConfig
+from infra.config import RouterDeploymentConfig
 from infra.constructs.valkey_store import VALKEY_USER, ValkeyStore
 from infra.stacks.params import parameter_arn
 from infra.wheel import REPO_ROOT
@@ -46,7 +46,7 @@ class RouterServiceProps:
     deployment: str
     prefix: str
     region: str
-    router: RouterConfig
+    router: RouterDeploymentConfig
     vpc: ec2.IVpc
     subnets: ec2.SubnetSelection
     security_group: ec2.ISecurityGroup

@@ -9,7 +9,7 @@ The serving stack depends on this one, so ``cdk deploy --all`` bakes, then serve
 Why a parameter and not an export: an export in use cannot change value, and a new AMI must change it. With the
 parameter, a changed recipe (its name carries a fingerprint of everything in it) makes a new image, a new
 parameter value, and on the serving stack's next deploy (the CDK CLI always deploys stacks that read SSM
-parameters) a new launch template version and a rolling replacement of the engines (``EnginePool``).
+parameters) a new launch template version and a rolling replacement of the engines (``EngineGroup``).
 A config with ``image.ami_id`` skips this stack (bring your own AMI).
 """
 

@@ -19,7 +19,7 @@ def test_each_default_is_written_once_in_the_models():
     from infra import config
 
     c = from_mapping(configs.PUSH)
-    assert c.router.cpu == config.RouterConfig.model_fields["cpu"].default == 1024
+    assert c.router.cpu == config.RouterDeploymentConfig.model_fields["cpu"].default == 1024
     assert c.network.cidr == config.NetworkConfig.model_fields["cidr"].default
     assert c.router.memory_mib == 2048 and c.model.s3_uri is None and c.pools[0].count == 1
     assert c.network.availability_zones == ("us-east-2a", "us-east-2b", "us-east-2c")
