@@ -1,5 +1,5 @@
 """The router's security groups: clients -> ALB -> router tasks -> engines (Valkey's group is the store's own,
-``infra.constructs.valkey_store``). Scope-preserving (``infra.constructs``)."""
+``infra.constructs.elasticache_store``). Scope-preserving (``infra.constructs``)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from aws_cdk import aws_secretsmanager as secretsmanager
 from constructs import Construct
 
 from infra.config import RouterDeploymentConfig
-from infra.constructs.valkey_store import VALKEY_USER, ValkeyStore
+from infra.constructs.elasticache_store import VALKEY_USER, ElastiCacheStore
 from infra.stacks.params import parameter_arn
 from infra.wheel import REPO_ROOT
 from turnkv import metric_names as mn
@@ -59,7 +59,7 @@ class RouterServiceProps:
     namespace_name: str
     cloudmap_service: str
     #: The shared conversation store; None: each replica keeps its own (one replica only).
-    store: ValkeyStore | None = None
+    store: ElastiCacheStore | None = None
 
 
 class RouterService:

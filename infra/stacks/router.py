@@ -11,6 +11,13 @@ from aws_cdk import aws_secretsmanager as secretsmanager
 from constructs import Construct
 
 from infra.config import DeploymentConfig
+from infra.constructs.elasticache_store import (  # noqa: F401  (re-exported)
+    VALKEY_DEFAULT_ACCESS,
+    VALKEY_PORT,
+    VALKEY_USER,
+    ElastiCacheStore,
+    ElastiCacheStoreProps,
+)
 from infra.constructs.router_access import RouterAccess, RouterAccessProps
 from infra.constructs.router_alb import RouterAlb, RouterAlbProps
 from infra.constructs.router_service import (  # noqa: F401  (re-exported: the router's facts, where tests read them)
@@ -21,13 +28,6 @@ from infra.constructs.router_service import (  # noqa: F401  (re-exported: the r
     STORE_USERNAME_ENV,
     RouterService,
     RouterServiceProps,
-)
-from infra.constructs.valkey_store import (  # noqa: F401  (re-exported)
-    VALKEY_DEFAULT_ACCESS,
-    VALKEY_PORT,
-    VALKEY_USER,
-    ValkeyStore,
-    ValkeyStoreProps,
 )
 from infra.stacks.network import NetworkStack
 from infra.stacks.serving import CLOUDMAP_SERVICE, ServingStack
@@ -59,9 +59,9 @@ class RouterStack(Stack):
                 password_length=48),
             removal_policy=RemovalPolicy.DESTROY)
 
-        self.store: ValkeyStore | None = None
+        self.store: ElastiCacheStore | None = None
         if rc.uses_valkey:
-            self.store = ValkeyStore(self, ValkeyStoreProps(
+            self.store = ElastiCacheStore(self, ElastiCacheStoreProps(
                 prefix=config.prefix, vpc=vpc, subnets=tuple(network.private_subnets), clients=self.router_sg))
             self.valkey_credentials = self.store.credentials
             self.valkey_default_credentials = self.store.default_credentials

@@ -22,7 +22,7 @@ VALKEY_DEFAULT_ACCESS = "off -@all"
 
 
 @dataclass(frozen=True)
-class ValkeyStoreProps:
+class ElastiCacheStoreProps:
     #: Resource-name prefix (DeploymentConfig.prefix).
     prefix: str
     vpc: ec2.IVpc
@@ -31,11 +31,12 @@ class ValkeyStoreProps:
     clients: ec2.SecurityGroup
 
 
-class ValkeyStore:
+class ElastiCacheStore:
     """``security_group``, ``credentials`` (the router's user: ``username``/``password``), ``default_credentials``
-    (the switched-off default user's), ``cache`` and ``url`` (``rediss://host:port``)."""
+    (the switched-off default user's), ``cache`` and ``url`` (``rediss://host:port``). The router's client of
+    this store is ``router.state.valkey.ValkeyStore``."""
 
-    def __init__(self, scope: Construct, props: ValkeyStoreProps) -> None:
+    def __init__(self, scope: Construct, props: ElastiCacheStoreProps) -> None:
         prefix = props.prefix
         self.security_group = ec2.SecurityGroup(scope, "ValkeySecurityGroup", vpc=props.vpc, allow_all_outbound=False,
                                                 description="turnkv conversation store (Valkey): router only")
