@@ -23,9 +23,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from turnkv.plan import calibrate, hardware
-from turnkv.plan import model as plan_model
-from turnkv.plan.models import tiny_local
+from turnkv.plan import calibrate, closed_form, hardware
+from turnkv.plan.architectures import tiny_local
 from turnkv.plan.workload import load as load_workload
 
 DEMO_WORKLOAD = Path(__file__).parent / "workloads" / "demo.json"
@@ -36,8 +35,8 @@ def predict(constants: dict[str, Any], workload_file: Path = DEMO_WORKLOAD) -> l
     from turnkv.engine_args import EngineSpec
 
     inst = hardware.apply_calibration(hardware.INSTANCES["local-cpu"], constants)
-    fleet = plan_model.Fleet(tiny_local(), inst, inst, 1, 1, block_size=EngineSpec.block_size)
-    return plan_model.evaluate(fleet, load_workload(workload_file)).per_turn()
+    fleet = closed_form.Fleet(tiny_local(), inst, inst, 1, 1, block_size=EngineSpec.block_size)
+    return closed_form.evaluate(fleet, load_workload(workload_file)).per_turn()
 
 
 def compare(predicted: list[dict[str, Any]], measured: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -268,7 +268,10 @@ class ConnectorConfig(_Model):
     bidirectional: StrictBool = True
 
 
-class RouterConfig(_Model):
+class RouterDeploymentConfig(_Model):
+    """The deploy config's ``router`` section: how the router is deployed (Fargate, ALB, scaling). The router
+    process's own settings are ``router.config.RouterConfig``."""
+
     replicas: Annotated[StrictInt, _range(1, 100, "use 1 .. 100")] = 2
     #: Default: 8, or ``replicas`` when that is more.
     max_replicas: StrictInt = 8
@@ -311,6 +314,18 @@ class ImageConfig(_Model):
     build_security_group_id: SecurityGroupId | None = None
 
 
+class AlarmsConfig(_Model):
+    """Alarm thresholds of the observability stack (``infra.constructs.alarms``); each alarm notifies the SNS topic
+    (``alarm_email`` subscribes). The defaults are the thresholds the stack has always used."""
+
+    #: RouterTtftP99: router p99 time to first token above this (ms) for 3 of 5 minutes.
+    ttft_p99_ms: Annotated[StrictInt, _range(1, 3_600_000, "use 1 .. 3600000 ms")] = 10_000
+    #: RouterErrors and Alb5xx: more router errors a minute, or more 5xx a minute from the router tasks, than this.
+    errors_per_minute: Annotated[StrictInt, _range(0, 1_000_000, "use 0 .. 1000000 a minute")] = 10
+    #: KvCacheFull-<role>: an engine's KV cache usage above this (percent) for 8 of 10 minutes.
+    kv_cache_usage_percent: Annotated[StrictInt, _range(1, 100, "use 1 .. 100 (%)")] = 95
+
+
 class DeploymentConfig(_Model):
     name: Name
     region: Region
@@ -319,10 +334,11 @@ class DeploymentConfig(_Model):
     model: ModelConfig
     pools: tuple[PoolConfig, ...]
     connector: ConnectorConfig = Field(default_factory=ConnectorConfig)
-    router: RouterConfig = Field(default_factory=RouterConfig)
+    router: RouterDeploymentConfig = Field(default_factory=RouterDeploymentConfig)
     image: ImageConfig = Field(default_factory=ImageConfig)
     account: Account | None = None
     alarm_email: Email | None = None
+    alarms: AlarmsConfig = Field(default_factory=AlarmsConfig)
 
     @model_validator(mode="before")
     @classmethod

@@ -22,18 +22,18 @@ class Failure:
 
 
 @dataclass(frozen=True)
-class Decision:
+class RetryDecision:
     retry: bool
     #: Drop the replayed offer and recompute: a prefill that was reached may have started the pull (its blocks
     #: must not be read twice), and a failed decode may have been the engine that held them.
     drop_reuse: bool = False
 
 
-def decide(failure: Failure, budget_left: int, replaying: bool) -> Decision:
+def decide(failure: Failure, budget_left: int, replaying: bool) -> RetryDecision:
     """Whether to try again on another engine (``budget_left`` retries remain for this leg), and whether the
     next attempt must go without the previous turn's KV."""
     if failure.leg not in LEGS:
         raise ValueError(f"unknown leg {failure.leg!r}")
     if not failure.retryable or not failure.engine_known or budget_left <= 0:
-        return Decision(retry=False)
-    return Decision(retry=True, drop_reuse=replaying and (failure.leg == "decode" or not failure.connect))
+        return RetryDecision(retry=False)
+    return RetryDecision(retry=True, drop_reuse=replaying and (failure.leg == "decode" or not failure.connect))

@@ -46,7 +46,7 @@ def change_label(who: str, when: datetime) -> str:
 
 
 @dataclass(frozen=True)
-class Entry:
+class StoredTunable:
     """One tunable as stored (or not) in SSM."""
 
     tunable: params.Tunable
@@ -103,10 +103,10 @@ class ParamStore:
                 break
         return sorted(found)[:limit]
 
-    def entries(self) -> dict[str, Entry]:
+    def entries(self) -> dict[str, StoredTunable]:
         """Every catalog tunable with its stored value; missing ones carry ``raw=None``."""
         by_path = {t.ssm_path(self.deployment): t for t in params.CATALOG}
-        found: dict[str, Entry] = {}
+        found: dict[str, StoredTunable] = {}
         paginator = self.ssm.get_paginator("get_parameters_by_path")
         for page in paginator.paginate(Path=self.prefix, Recursive=True):
             for p in page["Parameters"]:
@@ -118,10 +118,11 @@ class ParamStore:
                     tunable.parse(p["Value"])
                 except params.ParamError as exc:
                     error = str(exc)
-                found[tunable.name] = Entry(tunable, p["Value"], p.get("Version"), p.get("LastModifiedDate"), error)
-        return {t.name: found.get(t.name, Entry(t, None)) for t in params.CATALOG}
+                found[tunable.name] = StoredTunable(tunable, p["Value"], p.get("Version"), p.get("LastModifiedDate"),
+                                                    error)
+        return {t.name: found.get(t.name, StoredTunable(t, None)) for t in params.CATALOG}
 
-    def values(self, entries: Mapping[str, Entry] | None = None) -> dict[str, int | float]:
+    def values(self, entries: Mapping[str, StoredTunable] | None = None) -> dict[str, int | float]:
         entries = self.entries() if entries is None else entries
         bad = [e.error for e in entries.values() if e.error]
         if bad:
@@ -130,7 +131,7 @@ class ParamStore:
         params.cross_check(merged)
         return merged
 
-    def plan(self, changes: Mapping[str, str]) -> tuple[dict[str, Entry], dict[str, int | float]]:
+    def plan(self, changes: Mapping[str, str]) -> tuple[dict[str, StoredTunable], dict[str, int | float]]:
         """Validate ``changes`` over what is stored; raise ParamError naming the reason. Writes nothing."""
         entries = self.entries()
         current = {name: e.value for name, e in entries.items() if not e.error}

@@ -27,7 +27,7 @@ class EfaLaunchTemplateProps:
     #: Cluster placement group; None with a targeted capacity reservation (the reservation decides placement).
     placement_group: ec2.IPlacementGroup | None = None
     #: Only for a Capacity Block (market type capacity-block + target, here); an On-Demand Capacity
-    #: Reservation is targeted on the Auto Scaling group instead (EnginePool).
+    #: Reservation is targeted on the Auto Scaling group instead (EngineGroup).
     capacity_reservation_id: str | None = None
     capacity_block: bool = False
     root_volume_gib: int | None = None

@@ -14,16 +14,11 @@ from aws_cdk import aws_sns_subscriptions as subscriptions
 from constructs import Construct
 
 from infra.config import DeploymentConfig
+from infra.constructs.alarms import AlarmsProps, DeploymentAlarms, PoolSize
 from infra.constructs.dashboard import EngineMetricFactory, RouterMetricFactory, engine_segment, router_segment
 from infra.instances import INSTANCE_TYPES, Flavor
 from infra.stacks.router import RouterStack
 from infra.stacks.serving import ServingStack
-from turnkv import metric_names as mn
-
-#: Alarm thresholds (router p99 TTFT in ms, 5xx per minute, engine KV cache usage in percent).
-TTFT_P99_MS = 10_000
-ALB_5XX_PER_MIN = 10
-KV_USAGE_MAX_PERCENT = 95
 
 
 class ObservabilityStack(Stack):
@@ -69,47 +64,8 @@ class ObservabilityStack(Stack):
         self.dashboard = cw.Dashboard(self, "Dashboard", dashboard_name=config.prefix, widgets=rows,
                                       default_interval=Duration.hours(3))
 
-        self.alarms: list[cw.Alarm] = []
-
-        def alarm(alarm_id: str, metric: cw.IMetric, threshold: float, description: str, periods: int = 5,
-                  comparison: cw.ComparisonOperator = cw.ComparisonOperator.GREATER_THAN_THRESHOLD) -> None:
-            a = cw.Alarm(self, alarm_id, metric=metric, threshold=threshold, evaluation_periods=periods,
-                         datapoints_to_alarm=max(1, periods - 2), comparison_operator=comparison,
-                         treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
-                         alarm_name=f"{config.prefix}-{alarm_id}", alarm_description=description)
-            a.add_alarm_action(action)
-            a.add_ok_action(action)
-            self.alarms.append(a)
-
-        alarm("RouterTtftP99", rf.metric(mn.TTFT, "p99"), TTFT_P99_MS,
-              f"Router p99 time to first token above {TTFT_P99_MS} ms for 3 of 5 minutes")
-        alarm("RouterErrors", rf.metric(mn.ERRORS, "Sum"), ALB_5XX_PER_MIN,
-              f"More than {ALB_5XX_PER_MIN} router errors a minute")
-        alarm("Alb5xx", tg.http_code_target(
-            code=elbv2.HttpCodeTarget.TARGET_5XX_COUNT,
-            period=Duration.minutes(1), statistic="Sum"), ALB_5XX_PER_MIN,
-            f"More than {ALB_5XX_PER_MIN} 5xx a minute from the router tasks")
-        alarm("RouterUnhealthy", tg.unhealthy_host_count(period=Duration.minutes(1)), 0,
-              "A router task fails its /health check")
-        for role in roles:
-            alarm(f"KvCacheFull-{role}", ef.engine(mn.KV_CACHE_USAGE, role, "Maximum"), KV_USAGE_MAX_PERCENT,
-                  f"{role} engines' KV cache above {KV_USAGE_MAX_PERCENT}%: retained blocks crowd out new requests "
-                  f"(lower decoder_kv_blocks_ttl or add decode capacity)", periods=10)
-            alarm(f"EfaUnresponsive-{role}", ef.agent(mn.EFA_UNRESPONSIVE, role, "Sum"), 0,
-                  f"{role} engines report unresponsive EFA peers (security group, placement or a failing node)",
-                  periods=3)
-        for role in roles:
-            # What the group's EC2 health check cannot see: instances that run but whose engines never serve
-            # (an engine registers in Cloud Map only once its /health answers). Missing data: no router reports.
-            want = wanted[role]
-            alarm(f"EnginesNotRegistered-{role}", rf.registered_engines(role), want,
-                  f"Fewer {role} engines registered in Cloud Map than the {want} its pools hold (an engine that "
-                  "does not serve; the node marks itself unhealthy and is replaced)",
-                  periods=6, comparison=cw.ComparisonOperator.LESS_THAN_THRESHOLD)
-        for name, pool in serving.pools.items():
-            alarm(f"PoolBelowDesired-{name}", cw.Metric(
-                namespace="AWS/AutoScaling", metric_name="GroupInServiceInstances", statistic="Minimum",
-                period=Duration.minutes(5), dimensions_map={"AutoScalingGroupName": pool.group_name}),
-                pool.pool.count, f"Pool {name} has fewer in-service engines than {pool.pool.count} "
-                                 "(capacity, EFA or boot failure)",
-                periods=3, comparison=cw.ComparisonOperator.LESS_THAN_THRESHOLD)
+        # Thresholds: the config's ``alarms`` section (infra.config.AlarmsConfig).
+        self.alarms: list[cw.Alarm] = DeploymentAlarms(self, AlarmsProps(
+            prefix=config.prefix, thresholds=config.alarms, action=action, router_metrics=rf, engine_metrics=ef,
+            targets=tg, wanted=wanted,
+            pools={name: PoolSize(pool.group_name, pool.pool.count) for name, pool in serving.pools.items()})).alarms

@@ -22,7 +22,7 @@ from constructs import Construct
 
 from infra import bootstrap
 from infra.config import DeploymentConfig
-from infra.constructs.engine_pool import EnginePool, EnginePoolProps, group_logical_id
+from infra.constructs.engine_group import EngineGroup, EngineGroupProps, group_logical_id
 from infra.instances import INSTANCE_TYPES, Flavor
 from infra.lambdas import DEREGISTER
 from infra.stacks.network import NetworkStack, https_egress
@@ -86,7 +86,7 @@ class ServingStack(Stack):
             removal_policy=RemovalPolicy.DESTROY)
         self.role = self._instance_role()
 
-        self.pools: dict[str, EnginePool] = {}
+        self.pools: dict[str, EngineGroup] = {}
         for pool in config.pools:
             profile = INSTANCE_TYPES[pool.instance_type]
             script = bootstrap.user_data(bootstrap.NodeBootstrap(
@@ -97,7 +97,7 @@ class ServingStack(Stack):
                 cloudmap_service_id=self.cloudmap_service.service_id, log_group=self.log_group.log_group_name,
                 model_s3_uri=config.model.s3_uri, signal_stack=self.stack_name,
                 signal_resource=group_logical_id(pool.name), offer_secret_id=self.offer_secret.secret_arn))
-            self.pools[pool.name] = EnginePool(self, f"Pool-{pool.name}", EnginePoolProps(
+            self.pools[pool.name] = EngineGroup(self, f"Pool-{pool.name}", EngineGroupProps(
                 pool=pool, deployment_prefix=config.prefix, vpc=vpc, subnet=subnet,
                 machine_image=images[profile.flavor.value], user_data=ec2.UserData.custom(script), role=self.role,
                 security_group=self.security_group, placement_group=self.placement_group,

@@ -7,7 +7,7 @@ from turnkv.engine_args import EngineSpec
 from turnkv.local.model import load_words
 from turnkv.local.stack import SERVED_MODEL_NAME
 from turnkv.plan import calibrate, hardware
-from turnkv.plan.models import tiny_local
+from turnkv.plan.architectures import tiny_local
 
 
 def test_calibration_measures_prefills_context_prefills_and_a_pull(stack):

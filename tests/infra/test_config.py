@@ -19,7 +19,7 @@ def test_each_default_is_written_once_in_the_models():
     from infra import config
 
     c = from_mapping(configs.PUSH)
-    assert c.router.cpu == config.RouterConfig.model_fields["cpu"].default == 1024
+    assert c.router.cpu == config.RouterDeploymentConfig.model_fields["cpu"].default == 1024
     assert c.network.cidr == config.NetworkConfig.model_fields["cidr"].default
     assert c.router.memory_mib == 2048 and c.model.s3_uri is None and c.pools[0].count == 1
     assert c.network.availability_zones == ("us-east-2a", "us-east-2b", "us-east-2c")
@@ -88,6 +88,9 @@ def _problems(raw) -> dict[str, str]:
     ({"network.availability_zones": ["us-east-2a"]}, "network.availability_zones", "at least two"),
     ({"network.cidr": "10.0.0.0/24"}, "network.cidr", "/18 or larger"),
     ({"alarm_email": "nobody"}, "alarm_email", "e-mail"),
+    ({"alarms.kv_cache_usage_percent": 120}, "alarms.kv_cache_usage_percent", "1 .. 100"),
+    ({"alarms.ttft_p99_ms": 0}, "alarms.ttft_p99_ms", "1 .. 3600000"),
+    ({"alarms.errors_per_minute": -1}, "alarms.errors_per_minute", "0 .. 1000000"),
     ({"network.flow_log_retention_days": 100}, "network.flow_log_retention_days", "one of 1, 3, 5"),
     ({"router.replicas": "two"}, "router.replicas", "is not an integer"),
 ])

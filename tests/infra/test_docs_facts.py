@@ -22,7 +22,7 @@ def test_the_interface_endpoint_count():
 
 
 def test_valkeys_condition_is_the_codes():
-    """RouterConfig.uses_valkey: more than one replica can exist (max_replicas > 1)."""
+    """RouterDeploymentConfig.uses_valkey: more than one replica can exist (max_replicas > 1)."""
     assert "router.replicas` > 1" not in DOCS and "when more than one replica)" not in DOCS
     assert DOCS.count("`router.max_replicas` > 1") >= 2
 

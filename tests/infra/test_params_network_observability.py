@@ -10,6 +10,7 @@ import pytest
 from aws_cdk.assertions import Match
 
 from infra.instances import INSTANCE_TYPES
+from tests.infra import configs
 from turnkv import metric_names as mn
 from turnkv import params
 from turnkv.aws_params import allowed_pattern
@@ -112,6 +113,30 @@ def test_alarms_notify_an_encrypted_topic(any_app):
     for a in alarms.values():
         assert a["Properties"]["AlarmActions"] and a["Properties"]["OKActions"], a["Properties"]["AlarmName"]
         assert a["Properties"]["AlarmDescription"]
+
+
+def _thresholds(synth) -> dict[str, float]:
+    prefix = synth.app.config.prefix
+    return {a["Properties"]["AlarmName"].removeprefix(f"{prefix}-"): a["Properties"]["Threshold"]
+            for a in synth.resources("observability", "AWS::CloudWatch::Alarm").values()}
+
+
+def test_alarm_thresholds_come_from_the_config(gpu, tmp_path, image_sources):
+    """The defaults are the thresholds the stack always had; a config's ``alarms`` section moves them."""
+    from infra.config import AlarmsConfig
+    from tests.infra.conftest import synthesize
+
+    assert AlarmsConfig() == AlarmsConfig(ttft_p99_ms=10_000, errors_per_minute=10, kv_cache_usage_percent=95)
+    default = _thresholds(gpu)
+    assert (default["RouterTtftP99"], default["RouterErrors"], default["Alb5xx"],
+            default["KvCacheFull-decode"]) == (10_000, 10, 10, 95)
+    raw = configs.variant(configs.GPU, alarms={"ttft_p99_ms": 4000, "errors_per_minute": 3,
+                                               "kv_cache_usage_percent": 90})
+    moved = _thresholds(synthesize(raw, tmp_path / "out", image_sources))
+    assert (moved["RouterTtftP99"], moved["RouterErrors"], moved["Alb5xx"], moved["KvCacheFull-decode"],
+            moved["KvCacheFull-prefill"]) == (4000, 3, 3, 90, 90)
+    assert {k: v for k, v in moved.items() if not k.startswith(("RouterTtft", "RouterErrors", "Alb5xx", "KvCache"))} \
+        == {k: v for k, v in default.items() if not k.startswith(("RouterTtft", "RouterErrors", "Alb5xx", "KvCache"))}
 
 
 def test_flow_log_retention_table_matches_the_config_choices(gpu):

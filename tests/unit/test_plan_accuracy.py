@@ -4,7 +4,7 @@ import pytest
 
 from bench import plan_accuracy
 from turnkv.plan import calibrate, hardware
-from turnkv.plan.models import tiny_local
+from turnkv.plan.architectures import tiny_local
 
 
 def _constants(hop=0.02, ctx_rate=40e9):

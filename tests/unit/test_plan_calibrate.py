@@ -5,9 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from turnkv.plan import calibrate, hardware
-from turnkv.plan import model as plan_model
-from turnkv.plan.models import tiny_local
+from turnkv.plan import calibrate, closed_form, hardware
+from turnkv.plan.architectures import tiny_local
 
 
 def _secs(arch, chunk, c, new, ctx):
@@ -30,10 +29,10 @@ def test_chunking_splits_attention_without_changing_its_total():
     """A 6,144-token prompt in 2,048-token chunks: the same attention FLOPs as one pass, two thirds of
     them over the earlier chunks' keys."""
     arch = tiny_local()
-    fresh, ctx = plan_model.chunked_attention_flops(arch, 6144.0, 0.0, 2048)
+    fresh, ctx = closed_form.chunked_attention_flops(arch, 6144.0, 0.0, 2048)
     assert fresh + ctx == pytest.approx(arch.attention_flops(6144, 0))
     assert fresh == pytest.approx(3 * arch.attention_flops(2048, 0))
-    fresh, ctx = plan_model.chunked_attention_flops(arch, np.array([390.0]), np.array([3775.0]), 2048)
+    fresh, ctx = closed_form.chunked_attention_flops(arch, np.array([390.0]), np.array([3775.0]), 2048)
     assert ctx[0] == pytest.approx(arch.attention_flops(390, 3775) - arch.attention_flops(390, 0))
 
 
@@ -69,17 +68,17 @@ def test_stored_constants_drive_local_cpu_predictions(tmp_path):
     loaded = hardware.load("local-cpu", tmp_path)
     assert loaded.efficiency.dense == pytest.approx(30e9 / inst.peak("float32"))
     assert loaded.efficiency.request_overhead_s == 0.025 and loaded.prefill_chunk_tokens == 2048
-    f = plan_model.Fleet(arch, loaded, loaded, 1, 1, block_size=128)
+    f = closed_form.Fleet(arch, loaded, loaded, 1, 1, block_size=128)
     n = 3000  # two chunks: 2,048 fresh, then 952 fresh over the first chunk's keys
     fresh = arch.attention_flops(2048, 0) + arch.attention_flops(952, 0)
     expected = (arch.linear_flops_per_token() * n / 30e9 + fresh / 10e9
                 + (arch.attention_flops(n, 0) - fresh) / 5e9 + 0.004)
-    assert float(plan_model.compute_s(f, [n], [0])[0]) == pytest.approx(expected, rel=1e-6)
+    assert float(closed_form.compute_s(f, [n], [0])[0]) == pytest.approx(expected, rel=1e-6)
     # a pulled history: the new tokens' attention over it runs at the context rate
     expected = (arch.linear_flops_per_token() * 400 / 30e9 + arch.attention_flops(400, 0) / 10e9
                 + (arch.attention_flops(400, 3600) - arch.attention_flops(400, 0)) / 5e9)
-    assert float(plan_model.compute_s(f, [400], [3600])[0]) == pytest.approx(expected, rel=1e-6)
-    assert float(plan_model.transfer_s(f, [1000])[0]) == pytest.approx(0.003 + 1000 * 8192 / 4e9, rel=1e-6)
+    assert float(closed_form.compute_s(f, [400], [3600])[0]) == pytest.approx(expected, rel=1e-6)
+    assert float(closed_form.transfer_s(f, [1000])[0]) == pytest.approx(0.003 + 1000 * 8192 / 4e9, rel=1e-6)
     # another instance's file is ignored
     assert hardware.load("p5en.48xlarge", tmp_path) == hardware.load("p5en.48xlarge")
 

@@ -9,8 +9,7 @@ from typer.testing import CliRunner
 
 from turnkv.cli import app
 from turnkv.engine_args import EngineSpec
-from turnkv.plan import hardware, models
-from turnkv.plan import model as plan_model
+from turnkv.plan import architectures, closed_form, hardware
 from turnkv.plan.workload import load, sample
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,9 +26,9 @@ def plan_json(tmp_path, *args):
 def test_the_no_reuse_arm_is_sized_on_its_own_by_the_same_function(tmp_path):
     data = plan_json(tmp_path, "--model", "Qwen3-32B", "--workload", str(WORKLOAD), "--ttft-target-ms", "300")
     inst = hardware.load("p5en.48xlarge")
-    fleet = plan_model.Fleet(models.load("Qwen3-32B"), inst, inst)
+    fleet = closed_form.Fleet(architectures.load("Qwen3-32B"), inst, inst)
     wl = load(WORKLOAD)
-    alone, met = plan_model.size_fleet(fleet, wl, 300, turns=sample(wl, 5000, 0), arm="off")
+    alone, met = closed_form.size_fleet(fleet, wl, 300, turns=sample(wl, 5000, 0), arm="off")
     off = data["nodes_without_reuse"]
     assert (off["prefill"], off["decode"]) == (alone.instances("prefill"), alone.instances("decode"))
     assert off["ttft_target_met"] is met is False  # 584 ms p90 unloaded: no fleet meets 300 ms without reuse
@@ -49,7 +48,7 @@ def test_a_small_tp_packs_engines_on_a_node_and_bills_instances(tmp_path):
 
 def test_engines_per_node_and_instances():
     inst = hardware.load("p5en.48xlarge")
-    fleet = plan_model.Fleet(models.load("Qwen3-8B"), inst, inst, tp_prefill=2, tp_decode=1, prefill_nodes=5,
+    fleet = closed_form.Fleet(architectures.load("Qwen3-8B"), inst, inst, tp_prefill=2, tp_decode=1, prefill_nodes=5,
                              decode_nodes=9)
     assert (fleet.engines_per_node("prefill"), fleet.engines_per_node("decode")) == (4, 8)
     assert (fleet.instances("prefill"), fleet.instances("decode")) == (2, 2)
@@ -58,7 +57,7 @@ def test_engines_per_node_and_instances():
 
 
 def test_the_default_block_size_is_the_deployed_engines(tmp_path):
-    assert plan_model.Fleet.block_size == EngineSpec.block_size == 128
+    assert closed_form.Fleet.block_size == EngineSpec.block_size == 128
     assert plan_json(tmp_path)["inputs"]["block_size"] == EngineSpec.block_size
 
 

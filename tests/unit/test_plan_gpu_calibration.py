@@ -96,18 +96,17 @@ def test_report_has_errors_held_out_checks_ablation_and_band():
 
 
 def test_a_pull_pays_the_fitted_handover_and_recompute_does_not():
-    from turnkv.plan import model as plan_model
-    from turnkv.plan import models
+    from turnkv.plan import architectures, closed_form
 
     inst = hardware.load("p5en.48xlarge")
     none = replace(inst, efficiency=replace(inst.efficiency, pull_overhead_s=0.0))
-    fleet = plan_model.Fleet(models.load("Qwen3-32B"), inst, inst)
-    bare = plan_model.Fleet(models.load("Qwen3-32B"), none, none)
-    a, b = plan_model.turn_costs(fleet, [8000], [7800]), plan_model.turn_costs(bare, [8000], [7800])
+    fleet = closed_form.Fleet(architectures.load("Qwen3-32B"), inst, inst)
+    bare = closed_form.Fleet(architectures.load("Qwen3-32B"), none, none)
+    a, b = closed_form.turn_costs(fleet, [8000], [7800]), closed_form.turn_costs(bare, [8000], [7800])
     assert float(a.ttft_on[0] - b.ttft_on[0]) == pytest.approx(inst.efficiency.pull_overhead_s)
     assert float(a.ttft_off[0]) == pytest.approx(float(b.ttft_off[0]))
     # and the threshold that makes a pull pay rises with it
-    assert plan_model.break_even_tokens(fleet, 140) > plan_model.break_even_tokens(bare, 140)
+    assert closed_form.break_even_tokens(fleet, 140) > closed_form.break_even_tokens(bare, 140)
 
 
 def test_docs_show_the_tables_the_code_derives():

@@ -5,8 +5,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from turnkv.plan import hardware, models
-from turnkv.plan import model as plan_model
+from turnkv.plan import architectures, closed_form, hardware
 from turnkv.plan import simulate as sim
 from turnkv.plan.workload import Workload, sample
 
@@ -24,9 +23,9 @@ WORKLOAD = {
 }
 
 
-def fleet(**kw) -> plan_model.Fleet:
+def fleet(**kw) -> closed_form.Fleet:
     inst = hardware.load("p5en.48xlarge")
-    return plan_model.Fleet(models.load("Qwen3-32B"), inst, inst, **kw)
+    return closed_form.Fleet(architectures.load("Qwen3-32B"), inst, inst, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +40,7 @@ def test_simulation_agrees_with_the_closed_form_within_5_percent(setup, ttl):
     """Light load, ample decode memory: both apply (queueing small, no capacity evictions)."""
     w, turns = setup
     f = fleet(ttl_s=float(ttl))
-    closed = plan_model.evaluate(f, w, turns=turns)
+    closed = closed_form.evaluate(f, w, turns=turns)
     for arm in ("off", "on"):
         result = sim.simulate(f, w, arm=arm, turns=turns)
         assert result.ttft_s.mean() == pytest.approx(closed.ttft(arm).mean(), rel=0.05), arm
@@ -71,7 +70,7 @@ def test_decode_memory_limits_what_the_closed_form_cannot_see(setup):
     share falls; so does the closed form, to the share of retained KV that fits (its two tiers)."""
     w, turns = setup
     f = fleet()
-    closed = plan_model.evaluate(f, w, turns=turns)
+    closed = closed_form.evaluate(f, w, turns=turns)
     roomy = sim.simulate(f, w, arm="on", turns=turns)
     need = closed.retention.retained_gib_per_decode * 2**30
     weights = f.model.total_params() * f.model.weight_bytes_per_param
@@ -79,9 +78,9 @@ def test_decode_memory_limits_what_the_closed_form_cannot_see(setup):
     tight = replace(f, decode=replace(f.decode, hbm_bytes=tight_hbm))
     squeezed = sim.simulate(tight, w, arm="on", turns=turns)
     assert squeezed.reuse_share < roomy.reuse_share - 0.1
-    assert squeezed.retained_gib_peak <= plan_model.kv_cache_gib(tight) * 1.001
+    assert squeezed.retained_gib_peak <= closed_form.kv_cache_gib(tight) * 1.001
     # the closed form now sees the room too: reuse falls to the share of retained KV that fits
-    tight_closed = plan_model.evaluate(tight, w, turns=turns).retention
+    tight_closed = closed_form.evaluate(tight, w, turns=turns).retention
     assert tight_closed.fits < 0.6 and tight_closed.reuse_share < closed.retention.reuse_share - 0.1
     # a host tier as large as what retention needs gives the simulation its reuse back
     hosted = sim.simulate(replace(tight, host_kv_gib=closed.retention.retained_gib_per_decode), w, arm="on",
@@ -105,7 +104,7 @@ def test_queueing_agrees_with_pollaczek_khinchine_at_moderate_load(clients):
     w = Workload.from_dict(WORKLOAD | {"num_clients": clients, "num_conversations": 20000})
     turns = sample(w, seed=1)
     f = fleet(decode_nodes=8)
-    closed = plan_model.evaluate(f, w, turns=turns)
+    closed = closed_form.evaluate(f, w, turns=turns)
     result = sim.simulate(f, w, arm="off", turns=turns)
     assert closed.load_off.wait_s > 0.02  # the queue matters here
     assert result.prefill_util == pytest.approx(closed.load_off.prefill_util, rel=0.05)

@@ -37,12 +37,12 @@ def build_fleet(model: str, instance: str, tp: int | None, tp_prefill: int | Non
                 dtype: str | None, kv_dtype: str | None, block_size: int | None, mode: str, ttl: float,
                 threshold: int, prefill_prefix_caching: bool, state_dir: Path, price: float | None):
     from turnkv.engine_args import EngineSpec
-    from turnkv.plan import hardware, models
-    from turnkv.plan.model import Fleet
+    from turnkv.plan import architectures, hardware
+    from turnkv.plan.closed_form import Fleet
 
     dtype, kv_dtype = _precision("--dtype", dtype, WEIGHT_DTYPES), _precision("--kv-dtype", kv_dtype, KV_DTYPES)
     try:
-        arch = models.load(model).with_dtypes(dtype, kv_dtype)
+        arch = architectures.load(model).with_dtypes(dtype, kv_dtype)
         inst = hardware.load(instance, state_dir)
     except (ValueError, OSError) as exc:
         _fail(str(exc))
@@ -100,7 +100,7 @@ def _precision(flag: str, value: str | None, allowed: dict[str, str | None]) -> 
 def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, conversations: int,
              deployment: str) -> dict[str, Any]:
     """Everything `turnkv plan` prints, as one JSON-ready dict (pure apart from the timing)."""
-    from turnkv.plan import model as m
+    from turnkv.plan import closed_form as m
     from turnkv.plan import simulate as sim
     from turnkv.plan.workload import sample
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from turnkv.metric_names import VLLM_NIXL_BYTES, VLLM_NIXL_XFER_TIME
 from turnkv.plan import hardware
-from turnkv.plan.models import ModelArch
+from turnkv.plan.architectures import ModelArch
 
 #: Plain prefills (prompt tokens): one short enough to be all fixed cost, then single- and multi-chunk ones.
 LENGTHS = (16, 256, 1024, 2048, 4096, 6144)
@@ -36,7 +36,7 @@ CONTEXT_PREFILLS = ((1024, 256), (3072, 128), (3072, 512))
 def design(arch: ModelArch, chunk: int, new: Any, context: Any) -> np.ndarray:
     """The fit's columns for prefills of ``new`` tokens after ``context`` cached ones: fixed cost, linear
     FLOPs, fresh and context attention FLOPs (chunked as the engine does), and chunks after the first."""
-    from turnkv.plan.model import chunked_attention_flops
+    from turnkv.plan.closed_form import chunked_attention_flops
 
     new, context = np.atleast_1d(np.asarray(new, dtype=float)), np.atleast_1d(np.asarray(context, dtype=float))
     fresh, ctx = chunked_attention_flops(arch, new, context, chunk)
@@ -87,7 +87,7 @@ def fit_prefill(arch: ModelArch, points: Sequence[Sequence[float]], chunk: int,
 def prefill_band(data: dict[str, Any]) -> float | None:
     """The relative uncertainty of a calibration file's prefill fit: the RMS relative residual of its raw points
     over points minus fitted terms (None without raw points, or with no residual degree of freedom)."""
-    from turnkv.plan.models import tiny_local
+    from turnkv.plan.architectures import tiny_local
 
     raw = data.get("raw") or {}
     pts = [p for p in raw.get("prefills", []) + raw.get("context_prefills", []) if len(p) == 3]
@@ -263,7 +263,7 @@ def measure(components: dict[str, Any], words: list[str], repeats: int = 3,
 def fit_raw(raw: dict[str, list], transfer: tuple[float, float] | None = None) -> dict[str, Any]:
     """The local-cpu calibration file's content from raw points (``transfer``: set-up and rate to use instead
     of fitting ``raw["transfers"]``)."""
-    from turnkv.plan.models import tiny_local
+    from turnkv.plan.architectures import tiny_local
 
     arch, inst = tiny_local(), hardware.INSTANCES["local-cpu"]
     points = raw["prefills"] + raw.get("context_prefills", [])

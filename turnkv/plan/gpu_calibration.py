@@ -25,8 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from turnkv.plan import hardware, models
-from turnkv.plan import model as plan_model
+from turnkv.plan import architectures, closed_form, hardware
 
 #: The fitted columns, in order.
 COLUMNS = ("dense_compute", "moe_compute", "hops", "pull")
@@ -52,9 +51,9 @@ class Terms:
     known: dict[str, float]
 
 
-def row_fleet(row: dict[str, Any], inst: hardware.Instance, assumptions: dict[str, Any]) -> plan_model.Fleet:
+def row_fleet(row: dict[str, Any], inst: hardware.Instance, assumptions: dict[str, Any]) -> closed_form.Fleet:
     """The fleet a measurement ran on, as the data file's assumptions describe it."""
-    return plan_model.Fleet(models.load(row["model"]), inst, inst, tp_prefill=row["tp"], tp_decode=row["tp"],
+    return closed_form.Fleet(architectures.load(row["model"]), inst, inst, tp_prefill=row["tp"], tp_decode=row["tp"],
                             block_size=int(assumptions["block_size"]), mode=assumptions["mode"],
                             ttl_s=float(assumptions["ttl_s"]), threshold=int(assumptions["threshold"]),
                             prefill_prefix_caching=False)
@@ -73,15 +72,15 @@ def terms(row: dict[str, Any], inst: hardware.Instance, assumptions: dict[str, A
     prompt, new = float(row["prompt_tokens"]), float(row["new_tokens"])
     history = prompt - new
     computed, context = (new, history) if row["reuse"] else (prompt, 0.0)
-    flops_s, _, allreduce = plan_model.compute_parts(fleet, [computed], [context])
+    flops_s, _, allreduce = closed_form.compute_parts(fleet, [computed], [context])
     if not assumptions.get("attention", True):  # the ablation's "attention" term: GEMMs only
-        flops_s = plan_model.linear_compute_s(fleet, [computed])
-    pd = plan_model.transfer_s(fleet, [new], setup=fleet.mode != "push")
-    transfers = float(pd[0]) + (float(plan_model.transfer_s(fleet, [history])[0]) if row["reuse"] else 0.0)
+        flops_s = closed_form.linear_compute_s(fleet, [computed])
+    pd = closed_form.transfer_s(fleet, [new], setup=fleet.mode != "push")
+    transfers = float(pd[0]) + (float(closed_form.transfer_s(fleet, [history])[0]) if row["reuse"] else 0.0)
     moe = fleet.model.moe
     columns = {"dense_compute": 0.0 if moe else float(flops_s[0]), "moe_compute": float(flops_s[0]) if moe else 0.0,
                "hops": 2.0, "pull": 1.0 if row["reuse"] else 0.0}
-    known = {"transfers": transfers, "first_decode_step": float(plan_model.decode_step_s(fleet, [prompt])[0]),
+    known = {"transfers": transfers, "first_decode_step": float(closed_form.decode_step_s(fleet, [prompt])[0]),
              "allreduce": float(allreduce[0])}
     return Terms(columns, known)
 
@@ -227,11 +226,11 @@ def calibrated(inst: hardware.Instance) -> hardware.Instance:
 # -- the report: errors, held-out checks, ablation, band ------------------------------------------
 
 
-def predict(row: dict[str, Any], inst: hardware.Instance, assumptions: dict[str, Any]) -> plan_model.TurnCosts:
+def predict(row: dict[str, Any], inst: hardware.Instance, assumptions: dict[str, Any]) -> closed_form.TurnCosts:
     """The planner's own costs for a row's turn on ``inst``."""
     fleet = row_fleet(row, inst, assumptions)
     prompt = float(row["prompt_tokens"])
-    return plan_model.turn_costs(fleet, [prompt], [prompt - float(row["new_tokens"])])
+    return closed_form.turn_costs(fleet, [prompt], [prompt - float(row["new_tokens"])])
 
 
 def ttft_errors(inst: hardware.Instance, data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -308,12 +307,12 @@ def ridge(data: dict[str, Any]) -> list[dict[str, Any]]:
     for name, fixed in ends.items():
         coef = fit(rows, base, assumptions, fixed=fixed)
         inst = replace(base, efficiency=efficiency(coef, base.efficiency, len(rows)))
-        fleet = plan_model.Fleet(models.load("Qwen3-32B"), inst, inst)
+        fleet = closed_form.Fleet(architectures.load("Qwen3-32B"), inst, inst)
         out.append({"fit": name, "dense": round(1 / coef["dense_compute"], 3), "moe": round(1 / coef["moe_compute"], 3),
                     "hop_ms": round(coef["hops"] * 1000, 1), "pull_ms": round(coef["pull"] * 1000, 1),
                     "rms_error": round(rms_error(rows, coef, base, assumptions), 4),
-                    "break_even_tokens": plan_model.break_even_tokens(fleet, 140),
-                    "ttft_off_ms_4567": round(float(plan_model.turn_costs(fleet, [4567], [0]).ttft_off[0]) * 1000)})
+                    "break_even_tokens": closed_form.break_even_tokens(fleet, 140),
+                    "ttft_off_ms_4567": round(float(closed_form.turn_costs(fleet, [4567], [0]).ttft_off[0]) * 1000)})
     return out
 
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from turnkv.plan import model as closed
-from turnkv.plan.model import GIB, Fleet
+from turnkv.plan import closed_form as closed
+from turnkv.plan.closed_form import GIB, Fleet
 from turnkv.plan.workload import Turns, Workload, sample
 
 

@@ -42,7 +42,7 @@ def rolling_sizes(count: int, reserved: bool) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class EnginePoolProps:
+class EngineGroupProps:
     pool: PoolConfig
     deployment_prefix: str
     vpc: ec2.IVpc
@@ -57,8 +57,11 @@ class EnginePoolProps:
     health_grace_minutes: int = 30
 
 
-class EnginePool(Construct):
-    def __init__(self, scope: Construct, construct_id: str, props: EnginePoolProps) -> None:
+class EngineGroup(Construct):
+    """One pool's Auto Scaling group of engine instances (the router's live view of engines is
+    ``router.engines.EnginePool``)."""
+
+    def __init__(self, scope: Construct, construct_id: str, props: EngineGroupProps) -> None:
         super().__init__(scope, construct_id)
         pool = props.pool
         self.pool = pool

@@ -1,11 +1,11 @@
-"""turnkv.plan.models: parameter counts and KV bytes agree with what the model makers publish."""
+"""turnkv.plan.architectures: parameter counts and KV bytes agree with what the model makers publish."""
 
 from dataclasses import replace
 
 import pytest
 
 from turnkv.local.model import ModelSpec
-from turnkv.plan.models import CATALOG, ModelError, from_config, load, tiny_local
+from turnkv.plan.architectures import CATALOG, ModelError, from_config, load, tiny_local
 
 QWEN3_32B_CONFIG = {  # Qwen/Qwen3-32B config.json (fields the planner reads)
     "architectures": ["Qwen3ForCausalLM"], "hidden_size": 5120, "intermediate_size": 25600,

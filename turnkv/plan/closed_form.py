@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from turnkv import params as tunables
+from turnkv.plan.architectures import ModelArch
 from turnkv.plan.hardware import Instance, transfer_efficiency
-from turnkv.plan.models import ModelArch
 from turnkv.plan.workload import Turns, Workload, sample
 
 GIB = 1024**3
@@ -218,7 +218,9 @@ def hit_probability(fleet: Fleet, think: np.ndarray) -> np.ndarray:
 
 
 @dataclass
-class Load:
+class FleetLoad:
+    """What the workload's closed-loop clients put on a fleet (``connector.policy.Load`` is one engine's live load)."""
+
     turns_per_s: float
     prefill_util: float
     wait_s: float  # mean prefill queueing delay
@@ -226,7 +228,7 @@ class Load:
     tpot_s: float
 
 
-def _load(fleet: Fleet, workload: Workload, turns: Turns, service: np.ndarray, ttft: np.ndarray) -> Load:
+def _load(fleet: Fleet, workload: Workload, turns: Turns, service: np.ndarray, ttft: np.ndarray) -> FleetLoad:
     """Closed-loop clients: each cycles think -> TTFT -> decode; M/G/1 per prefill engine."""
     clients = workload.num_clients
     ctx = turns.prompt_tokens + turns.output_tokens / 2
@@ -237,13 +239,13 @@ def _load(fleet: Fleet, workload: Workload, turns: Turns, service: np.ndarray, t
     es, es2 = float(service.mean()), float((service**2).mean())
     rho = lam * es / fleet.prefill_nodes
     if clients <= 1 or rho <= 0:
-        return Load(lam, rho, 0.0, 0.0, tpot)
+        return FleetLoad(lam, rho, 0.0, 0.0, tpot)
     if rho >= 1:
-        return Load(lam, rho, math.inf, math.inf, tpot)
+        return FleetLoad(lam, rho, math.inf, math.inf, tpot)
     # Finite-source correction: a client never waits behind itself.
     wait = (clients - 1) / clients * rho / (1 - rho) * es2 / (2 * es)
     p90 = (wait / rho) * math.log(10 * rho) if rho > 0.1 else 0.0
-    return Load(lam, rho, wait, max(p90, 0.0), tpot)
+    return FleetLoad(lam, rho, wait, max(p90, 0.0), tpot)
 
 
 @dataclass
@@ -320,11 +322,11 @@ class Plan:
     turns: Turns = field(repr=False)
     costs: TurnCosts = field(repr=False)
     hit: np.ndarray = field(repr=False)
-    load_off: Load
-    load_on: Load
+    load_off: FleetLoad
+    load_on: FleetLoad
     retention: Retention
 
-    def load(self, arm: str) -> Load:
+    def load(self, arm: str) -> FleetLoad:
         return self.load_off if arm == "off" else self.load_on
 
     def unqueued_ttft(self, arm: str) -> np.ndarray:
