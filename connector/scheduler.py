@@ -39,7 +39,7 @@ RETAIN_KEY = wire.RETAIN
 #: Offers are fork-readable only while the device tier, this turn included, is at most this share full: a read
 #: turn kept for forks frees its room only after the eviction grace, so under pressure the room goes to newer turns
 #: (read-once, freed on the read, as upstream) rather than to forks.
-FORK_ROOM_SHARE = 0.5
+FORK_ROOM_SHARE = 0.75
 
 
 def _flag(name: str, default: bool) -> bool:

@@ -172,9 +172,9 @@ def test_prefill_reports_its_own_prefix_cache_hits_apart_and_the_router_counts_o
     assert prefill_cached_tokens({wire.PREFILL_LOCAL_TOKENS: True}) == 0
 
 
-def test_offers_are_fork_readable_only_while_the_device_tier_is_at_most_half_full(scheduler):  # noqa: F811
+def test_offers_are_fork_readable_only_while_the_device_tier_is_at_most_three_quarters_full(scheduler):  # noqa: F811
     decode = scheduler()
-    decode._retained_share = 0.12  # 12 of 100 blocks: forks while at most 6 are held
+    decode._retained_share = 0.09  # 9 of 100 blocks: forks while at most 6.75 are held (FORK_ROOM_SHARE)
     offers = [decode.request_finished(_request(f"d{i}", range(300), RETAIN), [[3 * i, 3 * i + 1, 3 * i + 2]])[1]
               for i in range(3)]
     assert [wire.FORK_WINDOW in o for o in offers] == [True, True, False]  # 3, 6, then 9 blocks held
