@@ -29,7 +29,7 @@ from router.apis import stored
 from router.apis.messages import MessagesTranslation
 from router.apis.responses import ResponsesTranslation
 from router.auth import ApiKeys, AuthError, parse_keys
-from router.body import charge_messages, limit_response, read_json
+from router.body import charge_messages, close_unread, limit_response, read_json
 from router.config import RouterConfig
 from router.engines import ROLES, EnginePool
 from router.engines.evictions import evictions_loop
@@ -102,7 +102,7 @@ def _in_format(response: web.StreamResponse, path: str) -> web.StreamResponse:
 
 def _completion_handler(path: str, kind: str, translation: type[apis.Translation] | None = None):
     async def handler(request: web.Request) -> web.StreamResponse:
-        return _in_format(await _serve(request), path)
+        return await close_unread(request, _in_format(await _serve(request), path))
 
     async def _serve(request: web.Request) -> web.StreamResponse:
         app = request.app
@@ -179,8 +179,12 @@ def _completion_handler(path: str, kind: str, translation: type[apis.Translation
     return handler
 
 
-async def lease(request: web.Request) -> web.Response:
+async def lease(request: web.Request) -> web.StreamResponse:
     """Extend a conversation's retained KV on its decode engine (router/lease.py)."""
+    return await close_unread(request, await _lease(request))
+
+
+async def _lease(request: web.Request) -> web.Response:
     from router.lease import renew
 
     try:

@@ -4,6 +4,7 @@ router eject healthy engines, or get engine internals through a stream. Over fak
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 
 import orjson
@@ -243,3 +244,64 @@ async def test_a_message_flood_is_refused_unparsed_and_messages_per_second_are_l
         assert statuses[:2] == [200, 200] and statuses[2] == 429  # burst: 2 x max_messages
         assert refused(app, "tenant_message_rate") == 1
         assert (await chat(s, conversation=None, headers=GLOBEX))["status"] == 200
+
+
+async def _ends_within(reader: asyncio.StreamReader, seconds: float) -> bool:
+    """Whether the router ends the connection (EOF or reset) within ``seconds``."""
+    try:
+        async with asyncio.timeout(seconds):
+            while await reader.read(65536):
+                pass
+    except TimeoutError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
+async def test_a_refused_large_body_is_not_read_the_connection_closes_at_once():
+    """A refusal of a body left mostly unread must not make the loop read and drop it (aiohttp's lingering close
+    read up to 10 s of a refused 8 MiB flood: ~3 ms of the loop each, more than a served turn)."""
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d, keys=two_tenants()) as (s, app):
+        bad = {"Authorization": "Bearer not-a-key"}
+        reader, writer = await _park_body(_port(s), bad, 8 * 1024 * 1024, b"{" + b" " * 65536)
+
+        async def trickle() -> None:  # the client keeps sending its body, slowly
+            with contextlib.suppress(OSError):
+                for _ in range(200):
+                    writer.write(b" " * 65536)
+                    await writer.drain()
+                    await asyncio.sleep(0.05)
+
+        sending = asyncio.create_task(trickle())
+        try:
+            assert await _ends_within(reader, 2.0)
+        finally:
+            sending.cancel()
+            writer.close()
+        assert app[METRICS].registry.get_sample_value(
+            "turnkv_router_requests_total", {"route": "/v1/chat/completions", "status": "401"}) == 1
+
+
+async def test_a_small_refused_body_still_gets_its_answer():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    body, bad = b"{" + b" " * 200_000 + b"}", {"Authorization": "Bearer not-a-key"}
+    async with router_over(p, d, keys=two_tenants()) as (s, _), \
+            s.post("/v1/chat/completions", data=body, headers=bad) as resp:
+        assert resp.status == 401
+
+
+async def test_a_flood_is_refused_as_it_arrives_not_once_whole():
+    """The 16 x max_messages bound is counted as the body arrives: a flood whose rest never comes (or comes slowly)
+    is refused at once, not after body_read_timeout."""
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d, keys=two_tenants(), tunables={"max_messages": 10}) as (s, app):
+        head = b'{"model": "tiny", "messages": [' + b'{"role": "user", "content": "x"},' * 200
+        reader, writer = await _park_body(_port(s), ACME, len(head) * 10, head)
+        try:
+            status = await asyncio.wait_for(reader.readline(), 3)
+        finally:
+            writer.close()
+        assert status.startswith(b"HTTP/1.1 413")
+        assert refused(app, "max_messages") == 1
