@@ -67,6 +67,7 @@ BODY_BUDGET = web.AppKey("body_budget", limits.ByteBudget)
 REQUEST_RATE = web.AppKey("request_rate", limits.TokenBucket)
 BODY_RATE = web.AppKey("body_rate", limits.TokenBucket)
 MESSAGE_RATE = web.AppKey("message_rate", limits.TokenBucket)
+LOOP_SHARE = web.AppKey("loop_share", limits.LoopShare)
 
 
 def _ops(handler):
@@ -102,9 +103,11 @@ def _in_format(response: web.StreamResponse, path: str) -> web.StreamResponse:
 
 def _completion_handler(path: str, kind: str, translation: type[apis.Translation] | None = None):
     async def handler(request: web.Request) -> web.StreamResponse:
-        return await close_unread(request, _in_format(await _serve(request), path))
+        # every step of the request is timed and charged to its tenant's share of the loop (tenant_loop_share)
+        meter = limits.Meter(request.app[LOOP_SHARE])
+        return await close_unread(request, _in_format(await limits.Metered(_serve(request, meter), meter), path))
 
-    async def _serve(request: web.Request) -> web.StreamResponse:
+    async def _serve(request: web.Request, meter: limits.Meter) -> web.StreamResponse:
         app = request.app
         metrics = app[METRICS]
         status = 500
@@ -118,7 +121,14 @@ def _completion_handler(path: str, kind: str, translation: type[apis.Translation
                 status = 401
                 return error_response(401, str(exc), "authentication_error",
                                       headers={"WWW-Authenticate": 'Bearer realm="turnkv"'})
+            meter.known(tenant)
             config = app[CONFIG]
+            share = float(config.tenant_loop_share)
+            wait = app[LOOP_SHARE].refuse(tenant, share)
+            if wait is not None:  # before anything is read or parsed: the refusal itself costs the loop ~0.1 ms
+                raise LimitError(429, "tenant_loop_share", f"this API key's requests took more than "
+                                 f"tenant_loop_share ({share:g}) of the router's event loop while others waited; "
+                                 "slow down", retry_after=wait)
             rate = float(config.tenant_request_rate)
             if not app[REQUEST_RATE].allow(tenant, rate, max(10.0, 2 * rate)):
                 raise LimitError(429, "tenant_request_rate", f"too many requests per second for this API key "
@@ -303,6 +313,7 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
     app[BODY_BUDGET] = limits.ByteBudget()
     app[REQUEST_RATE], app[BODY_RATE], app[MESSAGE_RATE] = limits.TokenBucket(), limits.TokenBucket(), \
         limits.TokenBucket()
+    app[LOOP_SHARE] = limits.LoopShare()
     if discover is None and config.discovery == "cloudmap":
         from router.engines.discovery import CloudMapDiscovery
 

@@ -6,6 +6,8 @@
 - ``TokenBucket``: lease renewals and requests per tenant per second.
 - ``ByteBudget``: request body bytes being buffered, globally and per tenant (reserved before reading).
 - ``ExpiringBytes``: bytes of kept responses each tenant holds until they expire.
+- ``LoopShare`` and ``Metered``: the event-loop time each tenant's requests take (the synchronous steps of their
+  handlers, timed as they run), so no tenant's work can crowd the others' off the router's one loop.
 
 Counts are per router process; replicas each enforce their share (docs/router.md).
 """
@@ -16,8 +18,9 @@ import collections
 import heapq
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class Admission:
@@ -183,3 +186,108 @@ class ExpiringBytes:
         self._held.setdefault(tenant, collections.deque()).append((expires_at, size))
         self._bytes[tenant] = self._bytes.get(tenant, 0) + size
         return True
+
+
+#: Seconds over which a tenant's event-loop time is averaged (exponential decay: steps older than this count for
+#: less than 1/e of their time).
+LOOP_WINDOW = 2.0
+
+
+class LoopShare:
+    """Event-loop time charged per tenant (and in all), decaying over ``window`` s: the share of the router's one
+    loop each tenant's requests took lately."""
+
+    def __init__(self, window: float = LOOP_WINDOW, clock: Callable[[], float] = time.monotonic,
+                 max_keys: int = 100_000) -> None:
+        self.window = window
+        self._clock = clock
+        self._used: dict[str, tuple[float, float]] = {}  # tenant -> (seconds, when last decayed)
+        self._total = (0.0, clock())
+        self._max_keys = max_keys
+
+    def _decay(self, seconds: float, at: float, now: float) -> float:
+        return seconds * math.exp((at - now) / self.window) if now > at else seconds
+
+    def charge(self, tenant: str, seconds: float) -> None:
+        now = self._clock()
+        used, at = self._used.get(tenant, (0.0, now))
+        if len(self._used) >= self._max_keys and tenant not in self._used:
+            self._used = {k: v for k, v in self._used.items() if self._decay(*v, now) > 1e-4 * self.window}
+        self._used[tenant] = (self._decay(used, at, now) + seconds, now)
+        total, at = self._total
+        self._total = (self._decay(total, at, now) + seconds, now)
+
+    def share(self, tenant: str | None = None) -> float:
+        """The loop share (0..1, can exceed 1 with bursts) ``tenant`` (None: everyone) took over the window."""
+        now = self._clock()
+        used, at = self._total if tenant is None else self._used.get(tenant, (0.0, now))
+        return self._decay(used, at, now) / self.window
+
+    def refuse(self, tenant: str, share: float) -> int | None:
+        """Seconds until ``tenant`` may start a request again, or None when it may now. A tenant over ``share`` of
+        the loop is held back only while the loop is busy (over twice ``share`` in all) and some other tenant
+        used it too: a tenant alone, or on a loop with room, may take more (work-conserving)."""
+        mine = self.share(tenant)
+        if share >= 1 or mine <= share:
+            return None
+        total = self.share()
+        if total <= 2 * share or total - mine <= 1e-6:
+            return None
+        return max(1, math.ceil(self.window * math.log(mine / share)))
+
+
+class Meter:
+    """The loop time of one request's steps, charged to its tenant once it is known (before: held)."""
+
+    __slots__ = ("held", "ledger", "tenant")
+
+    def __init__(self, ledger: LoopShare) -> None:
+        self.ledger, self.tenant, self.held = ledger, None, 0.0
+
+    def add(self, seconds: float) -> None:
+        if self.tenant is None:
+            self.held += seconds
+        else:
+            self.ledger.charge(self.tenant, seconds)
+
+    def known(self, tenant: str) -> None:
+        self.tenant = tenant
+        if self.held:
+            self.ledger.charge(tenant, self.held)
+            self.held = 0.0
+
+
+class Metered:
+    """Await ``coro`` timing each of its steps (the code it runs between two awaits that suspend) on ``meter``:
+    the event-loop time it takes, wherever it is spent (parsing, hashing, relaying), for about 0.1 us a step."""
+
+    __slots__ = ("_coro", "_meter")
+
+    def __init__(self, coro: Any, meter: Meter) -> None:
+        self._coro, self._meter = coro, meter
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro, add, clock = self._coro, self._meter.add, time.perf_counter
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            started = clock()
+            try:
+                step = coro.send(value) if error is None else coro.throw(error)
+            except StopIteration as done:
+                add(clock() - started)
+                return done.value
+            except BaseException:
+                add(clock() - started)
+                # drop what this frame holds of the failure: the exception's traceback holds this frame, and a cycle
+                # would keep the request's buffers (a body being read) until a full GC pass
+                value = error = None
+                raise
+            add(clock() - started)
+            try:
+                value, error = (yield step), None
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # cancellation and the like: thrown into the coroutine
+                value, error = None, exc

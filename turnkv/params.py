@@ -140,6 +140,11 @@ CATALOG: tuple[Tunable, ...] = (
             "Chat messages (or Responses input items) one tenant may send per second, over all its requests (token "
             "bucket, burst of 2 s or 2 x max_messages, whichever is more); above it 429. Each message is hashed on "
             "the event loop (about 2 us): the default bounds one tenant to a few percent of a core.", float),
+    Tunable("tenant_loop_share", 0.25, 0.01, 1.0, "share", Scope.ROUTER,
+            "Share of the router's event loop one tenant's requests may take (their handlers' steps, timed as they "
+            "run, averaged over about 2 s) while the loop is busier than twice this in all and another tenant uses "
+            "it too; above it that tenant's new requests get 429 before their bodies are read. 1 switches it off.",
+            float),
     Tunable("tenant_request_rate", 200.0, 0.01, 1_000_000, "requests/s", Scope.ROUTER,
             "Completion requests one tenant may start per second (token bucket, burst of 2x, at least 10); above "
             "it 429.", float),

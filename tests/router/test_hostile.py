@@ -305,3 +305,34 @@ async def test_a_flood_is_refused_as_it_arrives_not_once_whole():
             writer.close()
         assert status.startswith(b"HTTP/1.1 413")
         assert refused(app, "max_messages") == 1
+
+
+async def test_a_tenant_over_its_loop_share_is_refused_while_another_waits():
+    """Per-tenant fairness on the router's one event loop: a tenant whose requests took more than
+    tenant_loop_share of it (here: thousands of messages hashed a request) gets 429 naming the limit, with
+    Retry-After, before its body is read; the other tenant is still served."""
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    tunables = {"tenant_loop_share": 0.01, "tenant_message_rate": 1e7}
+    async with router_over(p, d, keys=two_tenants(), tunables=tunables) as (s, app):
+        assert (await chat(s, conversation=None, headers=GLOBEX))["status"] == 200
+        heavy = [{"role": "user", "content": f"m{i}"} for i in range(4000)]
+        answers = []
+        for _ in range(30):
+            answers.append(await chat(s, heavy, conversation=None, headers=ACME))
+            if answers[-1]["status"] != 200:
+                break
+        last = answers[-1]
+        assert last["status"] == 429 and last["error"]["error"]["limit"] == "tenant_loop_share", last["status"]
+        assert int(last["headers"]["Retry-After"]) >= 1
+        assert refused(app, "tenant_loop_share") == 1
+        assert (await chat(s, conversation=None, headers=GLOBEX))["status"] == 200
+
+
+async def test_a_tenant_alone_may_use_the_whole_loop():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    tunables = {"tenant_loop_share": 0.01, "tenant_message_rate": 1e7}
+    async with router_over(p, d, keys=two_tenants(), tunables=tunables) as (s, app):
+        heavy = [{"role": "user", "content": f"m{i}"} for i in range(4000)]
+        for _ in range(10):
+            assert (await chat(s, heavy, conversation=None, headers=ACME))["status"] == 200
+        assert refused(app, "tenant_loop_share") == 0
