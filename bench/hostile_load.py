@@ -157,9 +157,11 @@ async def attack(port: int, duration: float, max_body: int) -> dict[str, int]:
                 "stream": True}
         while time.monotonic() < stop:
             async with session.post(url, json=body, headers=_auth(key)) as r:
-                counts[f"aborted_stream {r.status}"] += 1
                 if r.status == 200:
+                    counts["aborted_stream 200"] += 1
                     await r.content.readline()
+                else:
+                    counts[f"aborted_stream {r.status}:{(await _err(r)).get('limit', '')}"] += 1
                 r.close()  # go away mid-stream
 
     async def oversized(session: aiohttp.ClientSession, key: str) -> None:
@@ -169,7 +171,7 @@ async def attack(port: int, duration: float, max_body: int) -> dict[str, int]:
             body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **bad[i % len(bad)]}
             i += 1
             async with session.post(url, json=body, headers=_auth(key)) as r:
-                counts[f"bad_type {r.status}"] += 1
+                counts[f"bad_type {r.status}:{(await _err(r)).get('limit', '')}".rstrip(":")] += 1
             result = await _raw(port, key, max_body + 1, b"{", 2.0)
             counts[f"oversized {result}"] += 1
 
@@ -239,6 +241,19 @@ async def wait_ready(url: str, timeout: float = 30) -> None:
     raise RuntimeError(f"{url} did not become ready")
 
 
+async def refused_by_limit(url: str) -> dict[str, int]:
+    """The router's own count of refusals by limit (``turnkv_router_admission_refused_total``): it includes the
+    refusals the attacker never read (a refused body left mostly unread is answered, then its connection closed)."""
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("turnkv_router_admission_refused_total{"):
+            limit = line.split('limit="', 1)[1].split('"', 1)[0]
+            out[limit] = int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -273,6 +288,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(2.0)
         sampling.cancel()
         refusals = json.loads((out / "attacker.json").read_text())
+        router_refusals = await refused_by_limit(url)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -296,6 +312,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "ttft_p90_ratio": (round(hostile["ttft_p90_ms"] / quiet["ttft_p90_ms"], 2)
                            if quiet["ttft_p90_ms"] and hostile["ttft_p90_ms"] else None),
         "attacker": refusals,
+        "router_refusals": router_refusals,
         "samples": rows,
     }
     (out / "hostile_load.json").write_text(json.dumps(report, indent=1))
