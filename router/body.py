@@ -89,13 +89,16 @@ async def read_json(request: web.Request, tenant: str, budget: ByteBudget, tunab
 
 
 def limit_response(exc: LimitError) -> web.Response:
-    """A refusal that names its limit; the connection closes when the body was left unread (413, 408, 429)."""
+    """A refusal that names its limit. The connection closes after a 408 (a body still arriving); after the others it
+    is kept when the body left is small (read and dropped), and closed by ``close_unread`` when it is not: a client
+    refused for its rate need not connect again (a new connection costs the router more than the refusal)."""
     from router.flow import error_response
 
     kind = "rate_limit_exceeded" if exc.status == 429 else "invalid_request_error"
     headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
     response = error_response(exc.status, str(exc), kind, headers=headers, limit=exc.limit)
-    response.force_close()
+    if exc.status == 408:
+        response.force_close()
     return response
 
 
