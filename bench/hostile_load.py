@@ -271,6 +271,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                                   env=env, stdout=log, stderr=subprocess.STDOUT)
     procs.append(router)
     url = f"http://127.0.0.1:{r_port}"
+    if args.isolate:  # the router on its own core, as on its own task; the rest on the others
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) > 1:
+            os.sched_setaffinity(router.pid, {cores[0]})
+            for proc in (procs[0], None):
+                os.sched_setaffinity(proc.pid if proc else 0, set(cores[1:]))
     try:
         await wait_ready(url)
         sampler = Sampler(router.pid)
@@ -279,7 +285,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         quiet = await bystander(url, args.duration, args.conversations, args.turns)
         sampler.phase = "hostile"
         attacker = subprocess.Popen([py, "-m", "bench.hostile_load", "--attack", str(r_port), "--duration",
-                                     str(args.duration), "--out", str(out)], env=env)
+                                     str(args.duration), "--out", str(out)], env=env,
+                                    preexec_fn=(lambda: os.nice(19)) if args.isolate else None)
         procs.append(attacker)
         await asyncio.sleep(1.0)  # the attack under way
         hostile = await bystander(url, args.duration, args.conversations, args.turns)
@@ -302,6 +309,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     peak = max((r["rss_mib"] for r in rows), default=0.0)
     report = {
         "duration_s_per_phase": args.duration, "bystander_conversations": args.conversations,
+        "isolate": args.isolate,
         "router_rss_mib": {"start": rows[0]["rss_mib"] if rows else None, "peak": peak,
                            "end": rows[-1]["rss_mib"] if rows else None, "task_mib": TASK_MEMORY_MIB,
                            "peak_share_of_task": round(peak / TASK_MEMORY_MIB, 3)},
@@ -326,6 +334,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--conversations", type=int, default=8, help="Bystander conversations at once.")
     p.add_argument("--turns", type=int, default=6, help="Turns per bystander conversation.")
     p.add_argument("--set", action="append", default=[], help="Router tunable NAME=VALUE (repeatable).")
+    p.add_argument("--isolate", action="store_true",
+                   help="Model the deployment on one host: the router pinned to its own core, the engines and both "
+                        "clients on the others, the attacker process at nice 19 (its own CPU is another host's).")
     p.add_argument("--out", default="results/hostile")
     p.add_argument("--attack", type=int, default=0, help=argparse.SUPPRESS)  # the attacker process: router port
     return p
