@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 
 from router.flow import REUSE_HEADER, REUSE_OUTCOME_HEADER, REUSED_TOKENS_HEADER
+from router.outcomes import ReuseOutcome
 
 #: An agent's standing instructions: long enough that the history a turn reuses is well above the engines'
 #: kv_recompute_threshold (64 tokens by default), as an agent's always is.
@@ -40,8 +41,8 @@ PROMPTS = (
     "Summarise the whole plan in one short paragraph.",
 )
 #: The outcomes the router reports when the previous turn's KV was pulled, and when reuse was switched off.
-HIT = "hit"
-DISABLED = "disabled"
+HIT = ReuseOutcome.HIT
+DISABLED = ReuseOutcome.DISABLED
 _TRAILER = re.compile(rb"^: turnkv reuse_outcome=(\S+) reused_tokens=(\d+)")
 
 
