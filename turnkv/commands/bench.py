@@ -53,6 +53,9 @@ def run_benchmark(spec, out: Path, meta: dict[str, Any] | None = None) -> dict[s
     Console().print(report.markdown(summary))
     console.print(f"wrote {out / 'summary.md'}, {out / 'summary.json'}, {out / 'results.jsonl'} and the chart "
                   f"[bold]{out / 'ttft.png'}[/bold]")
+    shared = report.shared_prefill_cache(results)
+    if shared:
+        console.print(f"[yellow]warning[/yellow]: {shared}", soft_wrap=True)
     return summary
 
 
