@@ -141,6 +141,9 @@ class RpcBatcher(Generic[T, R]):
             self.items += len(items)
             try:
                 result = await self._run(items)
+            except asyncio.CancelledError:  # the server is stopping: so are its callers
+                shared.cancel()
+                raise
             except Exception as exc:  # every caller of this run gets the error, as it would have alone
                 shared.set_exception(exc)
             else:
