@@ -60,7 +60,11 @@ class EvictionFeed:
             if isinstance(event, list) and len(event) == 2 and isinstance(event[0], str) \
                     and isinstance(event[1], (int, float)):
                 self.evicted[event[0]] = float(event[1])
-        self.epoch, self.seq, self.read_at, self.supported = epoch, seq, sent_at, True
+        # A decode engine may answer from a read it made up to ``age`` seconds before this one arrived (the
+        # engine shares its collective_rpc between routers: connector.leases): the feed is that much older.
+        age = answer.get("age")
+        age = float(age) if isinstance(age, (int, float)) and not isinstance(age, bool) and age > 0 else 0.0
+        self.epoch, self.seq, self.read_at, self.supported = epoch, seq, sent_at - age, True
         hosted = answer.get("hosted")
         self.hosted = {e[0] for e in hosted if isinstance(e, list) and e and isinstance(e[0], str)} \
             if isinstance(hosted, list) else set()
