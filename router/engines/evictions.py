@@ -46,16 +46,21 @@ class EvictionFeed:
     supported: bool | None = None  # None: not read yet; False: the engine has no feed (it never evicts)
     hosted: set[str] = field(default_factory=set)  # turns whose host-tier copy is done (the last read's list)
 
-    def apply(self, answer: Mapping[str, Any], sent_at: float) -> None:
-        """A feed answer to a read sent at ``sent_at``; an answer that is not a feed leaves the feed stale."""
+    def apply(self, answer: Mapping[str, Any], sent_at: float, since: int = 0) -> bool:
+        """A feed answer to a read sent at ``sent_at`` from cursor ``since``; an answer that is not a feed leaves the
+        feed stale. True when it must be read again at once: a new process answered a read from the old process's
+        cursor, so its own first announcements (numbered from 1 again) were skipped."""
         epoch, seq, events = answer.get("epoch"), answer.get("seq"), answer.get("evicted")
         if not isinstance(epoch, str) or isinstance(seq, bool) or not isinstance(seq, int) \
                 or not isinstance(events, list):
-            return
+            return False
         if epoch != self.epoch:
             # A new process: its numbers start over, and whatever the old one announced was held by blocks a
             # restarted engine no longer has (the pool refuses those entries anyway).
             self.evicted.clear()
+            if since > 0 and self.epoch:
+                self.epoch, self.seq = epoch, 0  # read_at stays: not read since, until the read from 0
+                return True
         for event in events:
             if isinstance(event, list) and len(event) == 2 and isinstance(event[0], str) \
                     and isinstance(event[1], (int, float)):
@@ -71,6 +76,7 @@ class EvictionFeed:
         for request_id, until in list(self.evicted.items()):
             if until < sent_at:
                 del self.evicted[request_id]  # the offer has expired: prefill refuses it anyway
+        return False
 
     def unsupported(self) -> None:
         self.supported = False
@@ -93,20 +99,21 @@ class EvictionFeed:
 
 async def read_feed(session: aiohttp.ClientSession, url: str, feed: EvictionFeed, timeout: float,
                     clock: Callable[[], float]) -> None:
-    sent_at = clock()
-    try:
-        async with session.get(f"{url}{wire.EVICTIONS_ROUTE}?since={feed.seq}",
-                               timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            if resp.status == 404:
-                feed.unsupported()
-                return
-            if resp.status != 200:
-                return
-            answer = await resp.json(content_type=None)
-    except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
-        return
-    if isinstance(answer, Mapping):
-        feed.apply(answer, sent_at)
+    for _ in range(2):  # a second read only after a restart seen mid-cursor (EvictionFeed.apply)
+        sent_at, since = clock(), feed.seq
+        try:
+            async with session.get(f"{url}{wire.EVICTIONS_ROUTE}?since={since}",
+                                   timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                if resp.status == 404:
+                    feed.unsupported()
+                    return
+                if resp.status != 200:
+                    return
+                answer = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            return
+        if not isinstance(answer, Mapping) or not feed.apply(answer, sent_at, since):
+            return
 
 
 async def evictions_loop(decode: Callable[[], list[Any]], session: aiohttp.ClientSession,
