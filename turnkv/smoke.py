@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,7 +181,10 @@ async def run(url: str, api_key: str | None = None, model: str | None = None, tu
     try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             result.model = model or await _model(session, url, api_key)
-            history: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+            # A conversation of this run only: another run's identical turn, still readable by forks of its history
+            # (decode's fork_window), would otherwise be pulled and prove nothing about this endpoint's retention.
+            system = f"{SYSTEM} Conversation reference {secrets.token_hex(4)}."
+            history: list[dict[str, str]] = [{"role": "system", "content": system}]
             for index, prompt in enumerate(PROMPTS[:turns], start=1):
                 messages = [*history, {"role": "user", "content": prompt}]
                 # Reuse off first: the reuse-on request then holds the conversation's latest entry for the next turn.
