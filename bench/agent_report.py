@@ -106,6 +106,21 @@ def summarize(records: list[Record]) -> dict[str, Any]:
     }
 
 
+def shared_prefill_cache(summary: dict[str, Any], threshold: float = 0.05) -> str | None:
+    """Why the A/B is not one, when the ``on`` arm found prompts in prefill's own cache after the ``off`` arm played the
+    same prompts through the same router: a prefix-caching prefill engine served both (None otherwise)."""
+    per_arm = summary.get("per_arm", {})
+    arms = summary.get("arms", [])
+    if "off" not in arms or "on" not in arms or arms.index("off") > arms.index("on"):
+        return None
+    share = (per_arm.get("on", {}).get("tokens") or {}).get("share_prefill_cache") or 0.0
+    if share <= threshold:
+        return None
+    return (f"the on arm found {100 * share:.0f}% of its prompt tokens in prefill's own cache: the off arm played "
+            "the same prompts just before through a prefix-caching prefill engine, so this is no A/B of reuse. "
+            "Start the stack with `turnkv local up --no-prefill-prefix-caching` for the A/B (docs/benchmarks.md).")
+
+
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:,.0f}"
 

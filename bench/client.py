@@ -21,6 +21,8 @@ class Result:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     reused_tokens: int = 0
+    #: Prompt tokens prefill found in its own prefix cache (the router's X-TurnKV-Prefill-Cached-Tokens).
+    prefill_cached_tokens: int = 0
     reuse_outcome: str = ""
     reply: str = ""
     reply_sha: str = ""
@@ -42,6 +44,7 @@ async def chat(session: aiohttp.ClientSession, url: str, body: dict[str, Any], h
                                 headers={"Content-Type": "application/json", **headers},
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             result.reused_tokens = int(resp.headers.get("X-TurnKV-Reused-Tokens", 0) or 0)
+            result.prefill_cached_tokens = int(resp.headers.get("X-TurnKV-Prefill-Cached-Tokens", 0) or 0)
             result.reuse_outcome = resp.headers.get("X-TurnKV-Reuse-Outcome", "")
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"

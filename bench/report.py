@@ -17,6 +17,22 @@ def _median(values: Iterable[float | None]) -> float | None:
     return round(statistics.median(vals), 1) if vals else None
 
 
+def shared_prefill_cache(results: Iterable[Result], threshold: float = 0.05) -> str | None:
+    """Why an A/B is not one: the ``on`` arm found its prompts in prefill's own cache (a prefix-caching prefill engine
+    served the ``off`` arm's identical prompts too). None when it did not, or without both arms."""
+    arms = {r.arm for r in results}
+    if not {"off", "on"} <= arms:
+        return None
+    on = [r for r in results if r.arm == "on" and r.error is None and r.prompt_tokens]
+    prompt = sum(r.prompt_tokens or 0 for r in on)
+    cached = sum(r.prefill_cached_tokens for r in on)
+    if not prompt or cached / prompt <= threshold:
+        return None
+    return (f"with reuse on, prefill found {100 * cached / prompt:.0f}% of the prompt tokens in its own prefix cache "
+            "(the off arm computed the same prompts on it): this is no A/B of reuse. Start the stack with "
+            "`turnkv local up --no-prefill-prefix-caching` (the seeds' setting) for the A/B.")
+
+
 def summarize(results: list[Result]) -> dict[str, Any]:
     by_turn: dict[int, dict[str, list[Result]]] = defaultdict(lambda: defaultdict(list))
     for r in results:

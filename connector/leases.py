@@ -17,11 +17,23 @@ vLLM loads the route as the endpoint plugin ``turnkv-leases`` (endpoint plugins 
 in ``VLLM_PLUGINS``; ``turnkv.engine_args.serve_env`` does). The general plugin installs the worker
 method ``turnkv_renew_leases`` that the route reaches through ``collective_rpc`` by name; it runs
 between engine steps, on the worker's own thread.
+
+Each ``collective_rpc`` reaches every TP worker and, with async scheduling, waits behind the running batch, so
+the routes share them (:class:`RpcBatcher`): at most one call per method is in flight, and the HTTP calls that
+arrive meanwhile share the next one; a lease call that finds none in flight waits ``TURNKV_LEASE_BATCH_MS``
+(default 200) for others. A call is answered only from a ``collective_rpc`` that started after it arrived, so a
+renewal has reached every rank before it is acknowledged. The evictions feed is also kept for
+``TURNKV_EVICTIONS_CACHE_MS`` (default 500, 0 = off) and served to callers whose cursor it covers, with its
+``age`` (seconds between the cached read and this call), which the router subtracts from when it sent the read.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route's annotations at runtime.
+import asyncio
+import os
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -36,8 +48,9 @@ WORKER_METHOD = "turnkv_renew_leases"
 FEED_METHOD = "turnkv_evictions"
 
 
-def renew_on_worker(worker: Any, request_ids: list[str], ttl: float) -> dict[str, float]:
-    """Runs in each worker process: extend the expiry of retained requests.
+def renew_on_worker(worker: Any, request_ids: list[str], ttl: float | Mapping[str, float]) -> dict[str, float]:
+    """Runs in each worker process: extend the expiry of retained requests by ``ttl`` (one for all, or by id:
+    several lease calls share one ``collective_rpc``).
 
     Returns each renewed request's new expiry on this host's monotonic clock (``time.perf_counter``,
     the clock ``remote_blocks_expiry_time`` is stamped with), so prefill's expiry check agrees.
@@ -51,7 +64,7 @@ def renew_on_worker(worker: Any, request_ids: list[str], ttl: float) -> dict[str
     renewed = {}
     for request_id in request_ids:
         if request_id in held and not evicted(request_id):  # an evicted turn's blocks are about to be freed
-            held[request_id] = max(held[request_id], now + ttl)
+            held[request_id] = max(held[request_id], now + float(ttl[request_id] if isinstance(ttl, Mapping) else ttl))
             renewed[request_id] = held[request_id]
     if renewed and hasattr(holder, "turnkv_renewed"):
         holder.turnkv_renewed(list(renewed))  # wanted again: not idle (connector.retention)
@@ -84,6 +97,130 @@ def merge_feeds(per_worker: list[dict[str, Any]]) -> dict[str, Any]:
             "seq": min((int(f.get("seq", 0)) for f in per_worker), default=0),
             "evicted": [[rid, until] for rid, until in evicted.items()],
             "hosted": [[rid, until] for rid, until in (hosted or {}).items() if rid not in evicted]}
+
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class RpcBatcher(Generic[T, R]):
+    """At most one ``run`` in flight; the items submitted meanwhile go together into the next one.
+
+    ``submit`` returns the result of a ``run`` that started after the item was submitted and includes it (never
+    one already in flight when it arrived). An item that finds nothing in flight waits ``window`` seconds for
+    others to join it (0: runs at once); under concurrent calls one ``run`` per in-flight duration serves them
+    all. Counted in ``runs`` and ``items``.
+    """
+
+    def __init__(self, run: Callable[[list[T]], Awaitable[R]], window: float = 0.0) -> None:
+        self._run = run
+        self.window = window
+        self._pending: list[T] = []
+        self._next: asyncio.Future[R] | None = None
+        self._drainer: asyncio.Task[None] | None = None
+        self.runs = 0
+        self.items = 0
+
+    async def submit(self, item: T) -> R:
+        self._pending.append(item)
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+            self._next.add_done_callback(_retrieve)
+        shared = self._next
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.ensure_future(self._drain())
+        return await asyncio.shield(shared)  # a caller that goes away leaves the shared call to the others
+
+    async def _drain(self) -> None:
+        if self.window > 0:
+            await asyncio.sleep(self.window)
+        while self._next is not None:
+            items, shared = self._pending, self._next
+            self._pending, self._next = [], None
+            self.runs += 1
+            self.items += len(items)
+            try:
+                result = await self._run(items)
+            except asyncio.CancelledError:  # the server is stopping: so are its callers
+                shared.cancel()
+                raise
+            except Exception as exc:  # every caller of this run gets the error, as it would have alone
+                shared.set_exception(exc)
+            else:
+                shared.set_result(result)
+
+
+def _retrieve(future: "asyncio.Future[Any]") -> None:
+    if not future.cancelled():
+        future.exception()  # seen here: no "never retrieved" warning when every caller went away
+
+
+def _ms_setting(name: str, default_ms: float) -> float:
+    try:
+        return max(0.0, float(os.environ.get(name, str(default_ms))) / 1000)
+    except ValueError:
+        return default_ms / 1000
+
+
+def feed_cache_seconds() -> float:
+    """How long a read of the evictions feed serves other callers (``TURNKV_EVICTIONS_CACHE_MS``, default 500)."""
+    return _ms_setting("TURNKV_EVICTIONS_CACHE_MS", 500)
+
+
+def lease_batch_seconds() -> float:
+    """How long a lease call waits for others to share its collective_rpc (``TURNKV_LEASE_BATCH_MS``, default
+    200; a call arriving while one is in flight waits for that one to end instead)."""
+    return _ms_setting("TURNKV_LEASE_BATCH_MS", 200)
+
+
+@dataclass(frozen=True)
+class _FeedRead:
+    since: int
+    started: float  # monotonic, when its collective_rpc was sent
+    feed: dict[str, Any]
+
+
+class EngineRpcs:
+    """The lease and evictions routes' ``collective_rpc`` calls to one engine, shared (see the module's doc)."""
+
+    def __init__(self, client: Any, cache_seconds: float | None = None, batch_seconds: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._client = client
+        self._clock = clock
+        self.cache_seconds = feed_cache_seconds() if cache_seconds is None else cache_seconds
+        self._last: _FeedRead | None = None
+        self.renewals: RpcBatcher[tuple[list[str], float], list[dict[str, float]]] = RpcBatcher(
+            self._renew, lease_batch_seconds() if batch_seconds is None else batch_seconds)
+        self.feeds: RpcBatcher[int, _FeedRead] = RpcBatcher(self._read_feed)
+
+    async def renew(self, request_ids: list[str], ttl: float) -> list[dict[str, float]]:
+        """Every rank's renewed expiries (each rank's answer covers at least ``request_ids``)."""
+        return await self.renewals.submit((request_ids, ttl))
+
+    async def evictions(self, since: int) -> dict[str, Any]:
+        """The merged feed after ``since``, with ``age``: 0 when read after this call arrived, else how long
+        before it the cached read was sent. It may hold announcements at or before ``since`` (repeated, harmless);
+        it misses none after it: a cached read is used only when its cursor is at most ``since``."""
+        now = self._clock()
+        last = self._last
+        if last is not None and last.since <= since and now - last.started <= self.cache_seconds:
+            return {**last.feed, "age": round(now - last.started, 6)}
+        read = await self.feeds.submit(since)
+        return {**read.feed, "age": 0.0}
+
+    async def _renew(self, items: list[tuple[list[str], float]]) -> list[dict[str, float]]:
+        ttls: dict[str, float] = {}
+        for request_ids, ttl in items:
+            for request_id in request_ids:
+                ttls[request_id] = max(ttl, ttls.get(request_id, 0.0))  # a lease is never shortened anyway
+        return await self._client.collective_rpc(WORKER_METHOD, args=(list(ttls), ttls))
+
+    async def _read_feed(self, cursors: list[int]) -> _FeedRead:
+        since, started = min(cursors), self._clock()
+        read = _FeedRead(since, started, merge_feeds(await self._client.collective_rpc(FEED_METHOD, args=(since,))))
+        if self._last is None or started >= self._last.started:
+            self._last = read
+        return read
 
 
 def apply() -> list[str]:
@@ -120,6 +257,13 @@ def renewed_offer(secret: bytes, offer: dict[str, Any], mono_expiry: float, mode
     return wire.sign_offer(secret, out, wall_now + (mono_expiry - mono_now), model)
 
 
+def _rpcs(state: Any, client: Any) -> EngineRpcs:
+    rpcs = getattr(state, "turnkv_rpcs", None)
+    if rpcs is None or rpcs._client is not client:
+        rpcs = state.turnkv_rpcs = EngineRpcs(client)
+    return rpcs
+
+
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
 
@@ -148,7 +292,7 @@ class LeaseEndpoints:
             if not valid:
                 return _error(403, "no live offer signed by this engine")
             ids = list(valid)
-            per_worker = await client.collective_rpc(WORKER_METHOD, args=(ids, ttl))
+            per_worker = await _rpcs(state, client).renew(ids, ttl)
             mono_now, wall_now = time.perf_counter(), time.time()
             # Every rank holds the request; the earliest expiry is the truthful one.
             expiry = {rid: min(w[rid] for w in per_worker) for rid in ids if all(rid in w for w in per_worker)}
@@ -166,7 +310,7 @@ class LeaseEndpoints:
                 since = int(request.query_params.get("since", "0"))
             except ValueError:
                 return _error(400, "'since' must be an integer")
-            return JSONResponse(merge_feeds(await client.collective_rpc(FEED_METHOD, args=(since,))))
+            return JSONResponse(await _rpcs(request.app.state, client).evictions(since))
 
         app.add_api_route(ROUTE, renew, methods=["POST"])
         app.add_api_route(wire.EVICTIONS_ROUTE, evictions, methods=["GET"])
@@ -175,5 +319,6 @@ class LeaseEndpoints:
         from connector.offers import model_fields
 
         state.turnkv_engine_client = engine_client
+        state.turnkv_rpcs = EngineRpcs(engine_client)
         state.turnkv_offer_secret = wire.offer_secret()
         state.turnkv_model = wire.model_fingerprint(model_fields(getattr(engine_client, "vllm_config", None)))

@@ -1,9 +1,16 @@
 """How turnkv's engines create their NIXL agents, on every platform (GPU, Neuron, CPU).
 
 1. **Progress thread.** NIXL's Python API starts the agent's progress thread with zero delay: every engine
-   busy-polls a core (the GPU engine's host core included). Agents get a progress thread that sleeps
-   ``TURNKV_NIXL_PROGRESS_US`` (default 1000 µs) between polls, or none when that is 0. Over TCP a peer's
-   READ needs this engine's progress: the thread serves it even while the engine loop is idle.
+   busy-polls a core (the GPU engine's host core included). What an agent gets depends on the backends it is
+   created with (:func:`progress_setting`, the one place that decides):
+
+   - ``TURNKV_NIXL_PROGRESS_US`` set: that delay for every agent, whatever its backends (0: no thread);
+   - unset, UCX only (vLLM's default; TCP on CPU hosts): a thread that sleeps 1000 µs between polls. Over
+     TCP a peer's READ needs this engine's progress: the thread serves it even while the engine loop is idle;
+   - unset, any other backend (LIBFABRIC over EFA): upstream's thread with no delay. The 1 ms was measured
+     for idle CPU over TCP; with TP 8 and many descriptors per READ it could cap EFA bandwidth.
+
+   Each agent's setting is logged at creation (``vllm.turnkv.nixl``).
 2. **Thread sync.** Push + bi-directional (``TurnkvPushConnector`` with ``bidirectional_kv_xfer``) uses one
    agent from two threads: prefill posts its READs of decode's retained KV from the engine thread while the
    ``nixl-push-writer`` thread WRITEs and polls notifications. Those agents are created with the strict
@@ -15,21 +22,71 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
+import threading
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger("vllm.turnkv.nixl")
 
 #: The connector classes that run upstream's push writer thread beside the engine thread.
 PUSH_CONNECTORS = frozenset({"TurnkvPushConnector"})
 _BIDI_KEY = "bidirectional_kv_xfer"
 
 
-def progress_delay_us() -> int:
-    try:
-        return max(0, int(os.environ.get("TURNKV_NIXL_PROGRESS_US", "1000")))
-    except ValueError:
-        return 1000
+#: The one setting of the progress thread; unset, the delay follows the agent's backends.
+PROGRESS_ENV = "TURNKV_NIXL_PROGRESS_US"
+#: The delay measured for UCX over TCP on CPU hosts (``bench.idle_cpu``: an idle engine at ~6 % of a core).
+UCX_DELAY_US = 1000
+#: Backends the default delay is for. Any other backend in an agent keeps upstream's zero-delay thread.
+DELAYED_BACKENDS = frozenset({"UCX"})
+#: What ``nixl_agent_config`` creates when no backends are named (NIXL's default).
+DEFAULT_BACKENDS = ("UCX",)
+
+
+@dataclass(frozen=True)
+class ProgressSetting:
+    """The progress thread an agent gets: whether it runs, its delay between polls, and why."""
+
+    thread: bool
+    delay_us: int
+    source: str
+
+    def describe(self) -> str:
+        if not self.thread:
+            return f"no progress thread ({self.source})"
+        return f"progress thread polling every {self.delay_us} us ({self.source})"
+
+
+def progress_setting(backends: Iterable[str] | None, env: Mapping[str, str] | None = None) -> ProgressSetting:
+    """The progress thread for an agent created with ``backends`` (None: NIXL's default, UCX), pure.
+
+    ``TURNKV_NIXL_PROGRESS_US`` in ``env``, when set to an integer, applies to every backend; unset (or not an
+    integer), UCX-only agents get :data:`UCX_DELAY_US` and any other backend upstream's thread with no delay.
+    """
+    env = os.environ if env is None else env
+    names = sorted({str(b) for b in (DEFAULT_BACKENDS if backends is None else backends)}) or list(DEFAULT_BACKENDS)
+    raw = env.get(PROGRESS_ENV)
+    note = ""
+    if raw is not None and raw.strip():
+        try:
+            delay = max(0, int(raw))
+        except ValueError:
+            note = f"; {PROGRESS_ENV}={raw!r} is not an integer, ignored"
+        else:
+            return ProgressSetting(delay > 0, delay, f"{PROGRESS_ENV}={delay}, backends {','.join(names)}")
+    if set(names) <= DELAYED_BACKENDS:
+        return ProgressSetting(True, UCX_DELAY_US, f"turnkv's default for {','.join(names)}{note}")
+    return ProgressSetting(True, 0, f"upstream's for {','.join(names)}: no added delay{note}")
+
+
+def progress_delay_us(backends: Iterable[str] | None = None) -> int:
+    """The delay an agent with ``backends`` gets (0 also when it gets no thread)."""
+    return progress_setting(backends).delay_us
 
 
 def needs_strict_sync(kv_connector: str | None, extra_config: Mapping[str, Any] | None) -> bool:
@@ -44,13 +101,13 @@ def _strict_mode() -> Any:
 
 
 def quiet_agent_config(original: Any) -> Any:
-    """Wrap ``nixl_agent_config``: a progress thread with a delay (or none when the delay is 0)."""
+    """Wrap ``nixl_agent_config``: a progress thread or none, as :func:`progress_setting` decides for the
+    backends the config names (the delay itself is set when the agent is created: :func:`delayed_agent_init`)."""
     if original is None or getattr(original, "_turnkv_wrapped", False):
         return original
-    delay = progress_delay_us()
 
     def make(*args: Any, **kwargs: Any) -> Any:
-        kwargs["enable_prog_thread"] = delay > 0
+        kwargs["enable_prog_thread"] = progress_setting(kwargs.get("backends")).thread
         return original(*args, **kwargs)
 
     make._turnkv_wrapped = True  # type: ignore[attr-defined]
@@ -81,25 +138,58 @@ def strict_thread_sync(module: Any) -> Iterator[None]:
         module.nixl_agent_config = original
 
 
+#: The setting of the agent being constructed on this thread (set by :func:`delayed_agent_init`).
+_constructing = threading.local()
+
+
 class DelayedProgressBindings(types.ModuleType):
-    """nixl's bindings as nixl._api sees them, except that agents get a non-zero progress delay.
+    """nixl's bindings as nixl._api sees them, except that agents get the progress delay turnkv decided.
 
     nixl._api hard-codes ``pthrDelay = 0`` (a busy loop); the agent constructor is the last point
-    where the value can be changed before the C++ agent starts its thread.
+    where the value can be changed before the C++ agent starts its thread. The setting is the one
+    :func:`delayed_agent_init` decided for the agent under construction on this thread; a call from
+    elsewhere gets the setting of NIXL's default backends.
     """
 
-    def __init__(self, bindings: Any, delay_us: int) -> None:
+    def __init__(self, bindings: Any) -> None:
         super().__init__(bindings.__name__)
         self._bindings = bindings
-        self._delay_us = delay_us
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._bindings, name)
 
     def nixlAgent(self, name: str, config: Any) -> Any:
-        if config.useProgThread:
-            config.pthrDelay = self._delay_us
+        setting = getattr(_constructing, "setting", None) or progress_setting(None)
+        if config.useProgThread and setting.delay_us > 0:
+            config.pthrDelay = setting.delay_us
         return self._bindings.nixlAgent(name, config)
+
+
+def delayed_agent_init(init: Any) -> Any:
+    """Wrap ``nixl_agent.__init__``: decide the agent's progress setting from the backends its config names,
+    log it, and hand it to :class:`DelayedProgressBindings` for the C++ agent this constructor creates."""
+    if getattr(init, "_turnkv_wrapped", False):
+        return init
+
+    @functools.wraps(init)
+    def __init__(self: Any, agent_name: str, nixl_conf: Any = None, instantiate_all: bool = False) -> None:
+        if nixl_conf is not None:
+            backends = getattr(nixl_conf, "backends", None)
+        else:  # every plugin NIXL finds when instantiate_all, else its default (UCX)
+            backends = ["ALL"] if instantiate_all else None
+        setting = progress_setting(backends)
+        thread = nixl_conf is None or getattr(nixl_conf, "enable_pthread", True)
+        logger.info("turnkv: NIXL agent %s: %s", agent_name,
+                    setting.describe() if thread else "no progress thread (its config)")
+        previous = getattr(_constructing, "setting", None)
+        _constructing.setting = setting
+        try:
+            init(self, agent_name, nixl_conf, instantiate_all)
+        finally:
+            _constructing.setting = previous
+
+    __init__._turnkv_wrapped = True  # type: ignore[attr-defined]
+    return __init__
 
 
 def apply() -> list[str]:
@@ -114,10 +204,13 @@ def apply() -> list[str]:
         return []  # applied already
     nixl_utils.nixl_agent_config = wrapped  # type: ignore[attr-defined]
     base_worker.nixl_agent_config = wrapped
-    delay = progress_delay_us()
-    if delay > 0:
-        import nixl._api as nixl_api
+    import nixl._api as nixl_api
 
-        if not isinstance(nixl_api.nixlBind, DelayedProgressBindings):
-            nixl_api.nixlBind = DelayedProgressBindings(nixl_api.nixlBind, delay)
-    return [f"nixl-progress-thread({delay}us)" if delay else "nixl-no-progress-thread"]
+    if not isinstance(nixl_api.nixlBind, DelayedProgressBindings):
+        nixl_api.nixlBind = DelayedProgressBindings(nixl_api.nixlBind)
+    nixl_api.nixl_agent.__init__ = delayed_agent_init(nixl_api.nixl_agent.__init__)
+    ucx, libfabric = progress_setting(["UCX"]), progress_setting(["LIBFABRIC"])
+    logger.info("turnkv: NIXL progress thread for UCX agents: %s; for LIBFABRIC agents: %s",
+                ucx.describe(), libfabric.describe())
+    return [f"nixl-progress-thread(UCX {ucx.delay_us if ucx.thread else 'off'}, "
+            f"LIBFABRIC {libfabric.delay_us if libfabric.thread else 'off'})"]

@@ -36,6 +36,13 @@ VERDICT_KEY = wire.VERDICT
 RETAIN_KEY = wire.RETAIN
 
 
+#: Where each reloadable tunable (``turnkv.params``, ``reloadable``) lives on the scheduler: upstream's own attribute
+#: for the two upstream reads, turnkv's for the rest.
+RELOADED_INTO = {"decoder_kv_blocks_ttl": "decoder_kv_blocks_ttl", "kv_recompute_threshold": "kv_recompute_threshold",
+                 "expiry_skew_margin": "_expiry_skew", "retained_kv_share": "_retained_share",
+                 "retention_eviction_grace": "_eviction_grace", "host_kv_budget_mib": "_host_budget_mib",
+                 "retention_idle_evict": "_idle_evict", "fork_window": "_fork_window"}
+
 #: Offers are fork-readable only while the device tier, this turn included, is at most this share full: a read
 #: turn kept for forks frees its room only after the eviction grace, so under pressure the room goes to newer turns
 #: (read-once, freed on the read, as upstream) rather than to forks.
@@ -132,12 +139,10 @@ class TurnkvSchedulerMixin:
         # Decode retains a finished request's blocks only when the request asks (TURNKV_RETAIN_ON_DEMAND=0:
         # upstream's retain-everything behaviour).
         self._retain_on_demand = _flag("TURNKV_RETAIN_ON_DEMAND", True)
-        self._expiry_skew = float(catalog.BY_NAME["expiry_skew_margin"].default)
-        self._retained_share = float(catalog.BY_NAME["retained_kv_share"].default)
-        self._eviction_grace = float(catalog.BY_NAME["retention_eviction_grace"].default)
-        self._host_budget_mib = int(catalog.BY_NAME["host_kv_budget_mib"].default)
-        self._idle_evict = float(catalog.BY_NAME["retention_idle_evict"].default)
-        self._fork_window = float(catalog.BY_NAME["fork_window"].default)
+        # turnkv's reloadable tunables at the catalog's defaults until the start-up values and the file are read
+        for name, attr in RELOADED_INTO.items():
+            if attr.startswith("_"):
+                setattr(self, attr, catalog.BY_NAME[name].kind(catalog.BY_NAME[name].default))
         # Decode side, forks: turns retained this step whose offer is fork-readable (the workers keep them after a
         # read, until the scheduler evicts them: connector.retention).
         self._forkable: set[str] = set()
@@ -208,26 +213,13 @@ class TurnkvSchedulerMixin:
         self._boot = _boot_of(metadata)
 
     def _apply_tunables(self, values: dict[str, int | float]) -> None:
-        if "decoder_kv_blocks_ttl" in values:
-            self.decoder_kv_blocks_ttl = int(values["decoder_kv_blocks_ttl"])
-        if "kv_recompute_threshold" in values:
-            self.kv_recompute_threshold = int(values["kv_recompute_threshold"])
-        if "expiry_skew_margin" in values:
-            self._expiry_skew = float(values["expiry_skew_margin"])
-        if "retained_kv_share" in values:
-            self._retained_share = float(values["retained_kv_share"])
-        if "retention_eviction_grace" in values:
-            self._eviction_grace = float(values["retention_eviction_grace"])
-        if "host_kv_budget_mib" in values:
-            self._host_budget_mib = int(values["host_kv_budget_mib"])
-            if self._host_started_mib and self._host_budget_mib > self._host_started_mib:
-                logger.warning("turnkv: host_kv_budget_mib %d is above the %d MiB this engine started with: the host "
-                               "tier stays at %d MiB until a restart", self._host_budget_mib, self._host_started_mib,
-                               self._host_started_mib)
-        if "retention_idle_evict" in values:
-            self._idle_evict = float(values["retention_idle_evict"])
-        if "fork_window" in values:
-            self._fork_window = float(values["fork_window"])
+        for name, value in values.items():
+            if name in RELOADED_INTO:  # parsed by the catalog: int or float as it declares
+                setattr(self, RELOADED_INTO[name], value)
+        if "host_kv_budget_mib" in values and self._host_started_mib and self._host_budget_mib > self._host_started_mib:
+            logger.warning("turnkv: host_kv_budget_mib %d is above the %d MiB this engine started with: the host "
+                           "tier stays at %d MiB until a restart", self._host_budget_mib, self._host_started_mib,
+                           self._host_started_mib)
         if "retained_kv_share" in values or "host_kv_budget_mib" in values:
             self._enforce_rooms()
 

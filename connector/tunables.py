@@ -20,8 +20,8 @@ from turnkv import params
 
 logger = logging.getLogger("vllm.turnkv.tunables")
 
-RELOADABLE = ("decoder_kv_blocks_ttl", "kv_recompute_threshold", "expiry_skew_margin", "retained_kv_share",
-              "retention_eviction_grace", "host_kv_budget_mib", "retention_idle_evict", "fork_window")
+#: The catalog's reloadable tunables (``turnkv.params``: one source).
+RELOADABLE = tuple(t.name for t in params.CATALOG if t.reloadable)
 
 
 def start_values(vllm_config: Any) -> dict[str, int | float]:

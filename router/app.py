@@ -37,6 +37,7 @@ from router.engines.health import discovery_loop, health_loop
 from router.engines.policy import POLICIES
 from router.flow import Flow, error_response
 from router.intake import LimitError
+from router.outcomes import RequestKind
 from router.state import ConversationStore
 from router.state.memory import MemoryStore
 from router.telemetry import Metrics
@@ -44,7 +45,7 @@ from turnkv import wire
 
 log = logging.getLogger("turnkv.router")
 
-ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+ROUTES = {"/v1/chat/completions": RequestKind.CHAT, "/v1/completions": RequestKind.COMPLETION}
 #: Other APIs, translated to chat completions at the router (``router.apis``, docs/router.md "Other APIs").
 TRANSLATED = {"/v1/responses": ResponsesTranslation, "/v1/messages": MessagesTranslation}
 CHAT_PATH = "/v1/chat/completions"
@@ -101,7 +102,7 @@ def _in_format(response: web.StreamResponse, path: str) -> web.StreamResponse:
     return response
 
 
-def _completion_handler(path: str, kind: str, translation: type[apis.Translation] | None = None):
+def _completion_handler(path: str, kind: RequestKind, translation: type[apis.Translation] | None = None):
     async def handler(request: web.Request) -> web.StreamResponse:
         # every step of the request is timed and charged to its tenant's share of the loop (tenant_loop_share)
         meter = limits.Meter(request.app[LOOP_SHARE])
@@ -156,7 +157,7 @@ def _completion_handler(path: str, kind: str, translation: type[apis.Translation
                         api: apis.Translation = ResponsesTranslation(body, prior)
                     else:
                         api = translation(body)
-                    dispatch = flow.prepare("chat", CHAT_PATH, request, api.chat_body, tenant, size, api=api)
+                    dispatch = flow.prepare(RequestKind.CHAT, CHAT_PATH, request, api.chat_body, tenant, size, api=api)
                 response = await flow.run(dispatch, request)
             finally:
                 app[ADMISSION].leave(tenant)
@@ -395,7 +396,7 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
     for path, kind in ROUTES.items():
         app.router.add_post(path, _completion_handler(path, kind))
     for path, translation in TRANSLATED.items():
-        app.router.add_post(path, _completion_handler(path, "chat", translation))
+        app.router.add_post(path, _completion_handler(path, RequestKind.CHAT, translation))
     for path, name in NOT_ROUTED.items():
         app.router.add_route("*", path, _not_routed(path, name))
     app.router.add_post("/v1/conversations/lease", lease)

@@ -10,19 +10,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router import apis, guard, hints
+from router.engines import Engine
+from router.outcomes import RequestKind, ReuseOutcome
 
 
 @dataclass
 class Dispatch:
     """One client request on its way through the two legs."""
 
-    kind: str  # "chat" | "completion"
+    kind: RequestKind
     path: str
     body: dict[str, Any]
     request_id: str  # the client's (or ours): echoed in the reply header and logged, never sent to an engine
     turn: guard.Turn | None
     key: str | None  # where this turn's previous turn is looked up (None: nothing to look up)
-    outcome: str = "none"
+    outcome: ReuseOutcome = ReuseOutcome.NONE
     reused_tokens: int = 0
     #: Prompt tokens prefill found in its own prefix cache (not computed, not pulled).
     prefill_cached_tokens: int = 0
@@ -51,7 +53,9 @@ class Dispatch:
     hint: hints.Hint | None = None
     #: Reuse applies: decode retains its KV for the next turn and the reply is stored.
     storable: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    #: Decode engines this dispatch must not use: a stream migration's dead engines (``router.relay``), tried
+    #: already as far as the flow's retries are concerned.
+    avoid_decode: list[Engine] = field(default_factory=list)
     #: Another API translated to chat completions (``router.apis``): its answers are translated back.
     api: apis.Translation | None = None
     route: str = ""  # the client's route when it differs from ``path`` (translated APIs)

@@ -43,6 +43,7 @@ from router.engines import Engine, EnginePool, NoEngineError, evictions
 from router.errors import public_message
 from router.keepalive import Keepalive
 from router.legs import REQUEST_ID_HEADER, Legs, Opened, UpstreamError, new_leg_id
+from router.outcomes import RequestKind, ReuseOutcome
 from router.relay import Relay, SseResponse, error_event
 from router.state import ConversationStore, Entry
 from router.telemetry import Metrics
@@ -108,7 +109,7 @@ class Flow:
 
     # -- request intake -------------------------------------------------------------------------
 
-    def prepare(self, kind: str, path: str, request: web.Request, body: Any, tenant: str = "",
+    def prepare(self, kind: RequestKind, path: str, request: web.Request, body: Any, tenant: str = "",
                 size: int = 0, api: apis.Translation | None = None) -> Dispatch:
         if not isinstance(body, dict):
             raise guard.RequestError("the request body must be a JSON object")
@@ -127,7 +128,7 @@ class Flow:
         request_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
         key = None
         storable = turn is not None
-        if turn is not None and turn.kind == "chat":
+        if turn is not None and turn.kind == RequestKind.CHAT:
             if turn.lookup is not None:
                 key = guard.content_key(self.config.key_secret, tenant, turn.lookup)
         elif turn is not None:
@@ -144,9 +145,9 @@ class Flow:
             self._hint_counts[hint.source].inc()
             d.affinity = hints.rendezvous(tenant, hint.value, [e.name for e in self.pool.decode])
         if request.headers.get(REUSE_HEADER, "").lower() in ("off", "0", "false", "no"):
-            d.outcome, d.storable = "disabled", False
+            d.outcome, d.storable = ReuseOutcome.DISABLED, False
         elif key is None:
-            d.outcome = "none"
+            d.outcome = ReuseOutcome.NONE
         return d
 
     def _bounded(self, op: Awaitable[T]) -> Awaitable[T]:
@@ -159,7 +160,7 @@ class Flow:
 
     async def _take(self, d: Dispatch) -> dict[str, Any] | None:
         """The stored params to replay for this request, or None (and why, in d.outcome)."""
-        if d.key is None or d.outcome == "disabled":
+        if d.key is None or d.outcome == ReuseOutcome.DISABLED:
             return None
         t0 = time.perf_counter()
         try:
@@ -168,31 +169,31 @@ class Flow:
             log.warning("conversation store unavailable (%s); continuing without reuse",
                         exc or type(exc).__name__)
             self.metrics.store_errors.labels("take").inc()
-            d.outcome = "store_error"
+            d.outcome = ReuseOutcome.STORE_ERROR
             return None
         finally:
             self._store_seconds["take"].observe(time.perf_counter() - t0)
         assert d.turn is not None
         self.release_retention(d.key)  # single use: the taken turn no longer counts against the tenant
         if entry is None:
-            d.outcome = "miss"
+            d.outcome = ReuseOutcome.MISS
             return None
         d.outcome = guard.reuse_outcome(entry.params, entry.history, entry.expires_at, d.turn, time.time(),
                                         self.pool.known_hosts())
-        if d.outcome == "hit" and entry.decode_engine and not self.pool.holds_blocks_since(entry.decode_engine,
-                                                                                          entry.stored_at):
-            d.outcome = "refused"
+        if d.outcome == ReuseOutcome.HIT and entry.decode_engine and not self.pool.holds_blocks_since(
+                entry.decode_engine, entry.stored_at):
+            d.outcome = ReuseOutcome.REFUSED
             log.warning("decode engine %s was ejected or is unknown since this turn was stored: not replayed",
                         entry.decode_engine)
-        elif d.outcome == "hit" and (why := await self._evicted(entry)):
-            d.outcome = "refused"
+        elif d.outcome == ReuseOutcome.HIT and (why := await self._evicted(entry)):
+            d.outcome = ReuseOutcome.REFUSED
             log.info("decode engine %s: stored turn not replayed (%s)", entry.decode_engine, why)
-        elif d.outcome == "refused":
+        elif d.outcome == ReuseOutcome.REFUSED:
             log.warning("stored params name %r, which is no engine of this router: not replayed",
                         entry.params.get("remote_host"))
         if entry.decode_engine:
             d.affinity = entry.decode_engine
-        if d.outcome != "hit":
+        if d.outcome != ReuseOutcome.HIT:
             return None
         if d.fork:
             self.metrics.fork_reads.inc()
@@ -254,7 +255,7 @@ class Flow:
         if expires <= now:
             return
         history = d.turn.extended_by(reply)
-        key = guard.content_key(self.config.key_secret, d.tenant, history) if d.kind == "chat" else d.key
+        key = guard.content_key(self.config.key_secret, d.tenant, history) if d.kind == RequestKind.CHAT else d.key
         if key is None:
             return
         entry = Entry(replay, history, expires, decode.name, now)
@@ -309,14 +310,15 @@ class Flow:
         """Both legs, with the retry budgets; returns the opened decode leg or raises UpstreamError."""
         params = await self._take(d)
         d.retain = self._may_retain(d)
-        tried: dict[str, list[Engine]] = {"prefill": [], "decode": list(d.extra.get("avoid_decode", ()))}
+        tried: dict[str, list[Engine]] = {"prefill": [], "decode": list(d.avoid_decode)}
         budget = {"prefill": int(self.config.prefill_retries), "decode": int(self.config.decode_retries)}
         attempt = self.legs.push if self.config.mode == "push" else self.legs.pull
         while True:
             try:
                 opened = await attempt(d, request, params, tried)
-                if d.outcome == "hit" and not d.reused_tokens:
-                    d.outcome = "recompute"  # replayed, but prefill pulled nothing (failed or below threshold)
+                if d.outcome == ReuseOutcome.HIT and not d.reused_tokens:
+                    # replayed, but prefill pulled nothing (failed or below threshold)
+                    d.outcome = ReuseOutcome.RECOMPUTE
                 return opened
             except UpstreamError as exc:
                 failure = retry.Failure(exc.leg, exc.retryable, exc.connect, exc.engine is not None)
@@ -330,7 +332,7 @@ class Flow:
                 self.metrics.retries.labels(exc.leg, exc.reason).inc()
                 if decision.drop_reuse:
                     params = None
-                    d.outcome, d.reused_tokens = "recompute", 0
+                    d.outcome, d.reused_tokens = ReuseOutcome.RECOMPUTE, 0
                 log.warning("%s; retrying (%s retries left for %s)", exc, budget[exc.leg], exc.leg)
 
     # -- responses ------------------------------------------------------------------------------
@@ -402,7 +404,7 @@ class Flow:
         kv = result.pop("kv_transfer_params", None)
         self._first_token(d)
         choices = result.get("choices") or [{}]
-        reply = guard.reply_message(choices[0]) if d.kind == "chat" else str(choices[0].get("text") or "")
+        reply = guard.reply_message(choices[0]) if d.kind == RequestKind.CHAT else str(choices[0].get("text") or "")
         await self._remember(d, opened.engine, kv, reply)
         if d.api is not None:
             result = d.api.unary(result)

@@ -28,6 +28,7 @@ from typing import Any
 
 import orjson
 
+from router.outcomes import RequestKind, ReuseOutcome
 from turnkv import wire
 
 #: Settings that change how a chat prompt renders (part of the conversation key). ``tool_choice`` is not one:
@@ -159,7 +160,7 @@ def has_remote_media(message: Mapping[str, Any]) -> bool:
     return False
 
 
-def _running(kind: str, render: str) -> Any:
+def _running(kind: RequestKind, render: str) -> Any:
     """A running digest of a history: seeded with the render settings, then fed message by message."""
     h = hashlib.blake2b(digest_size=20)
     h.update(f"turnkv-history-v2\0{kind}\0{render}\0".encode())
@@ -176,7 +177,7 @@ def _feed(h: Any, message: Mapping[str, Any]) -> int:
 
 def history_digest(messages: Sequence[Mapping[str, Any]], render: str = "") -> str:
     """Digest of ``messages`` (what ``chat_turn`` computes in its one pass)."""
-    h = _running("chat", render)
+    h = _running(RequestKind.CHAT, render)
     for m in messages:
         _feed(h, m)
     return h.hexdigest()
@@ -188,9 +189,10 @@ def text_digest(text: str) -> str:
 
 @dataclass(frozen=True)
 class History:
-    """A sequence decode holds (or a request's prefix): its digest and length (messages or characters)."""
+    """A sequence decode holds (or a request's prefix): its digest and length (messages or characters). Read back
+    from the store (``router.state.Entry``), ``kind`` is the plain string, equal to its member."""
 
-    kind: str
+    kind: RequestKind
     render_digest: str
     digest: str
     length: int
@@ -215,7 +217,7 @@ class SharedPrefix:
 class Turn:
     """What the router needs to know about one request to decide and record reuse."""
 
-    kind: str  # "chat" or "completion"
+    kind: RequestKind
     render_digest: str  # settings that change rendering
     messages: tuple[Mapping[str, Any], ...] = ()
     prompt: str | None = None
@@ -230,7 +232,7 @@ class Turn:
         """True when this request's prompt extends ``history`` exactly."""
         if history.kind != self.kind or history.render_digest != self.render_digest:
             return False
-        if self.kind == "chat":
+        if self.kind == RequestKind.CHAT:
             # the digest covers every message up to the reply: equal digests, equal histories (the token
             # proof still checks every pulled token)
             return self.lookup is not None and self.lookup == history
@@ -239,7 +241,7 @@ class Turn:
 
     def extended_by(self, reply: Mapping[str, Any] | str) -> History:
         """The history the decode engine holds after answering this request with ``reply``."""
-        if self.kind == "chat":
+        if self.kind == RequestKind.CHAT:
             assert isinstance(reply, Mapping)
             h = self.chain.copy()
             _feed(h, reply)
@@ -253,7 +255,7 @@ def chat_turn(render: str, messages: Sequence[Mapping[str, Any]], render_size: i
     """One pass over the messages: the lookup prefix (up to the last assistant message), the full chain, and the
     shared prefix (the chain after the leading system/developer messages: one digest read, no extra pass);
     ``render_size``: bytes of the render settings that become prompt tokens (the tools)."""
-    h = _running("chat", render)
+    h = _running(RequestKind.CHAT, render)
     lookup = prefix = None
     size = render_size
     for i, m in enumerate(messages):
@@ -263,44 +265,44 @@ def chat_turn(render: str, messages: Sequence[Mapping[str, Any]], render_size: i
         if prefix is None:
             size += fed
         if m.get("role") == "assistant":
-            lookup = History("chat", render, h.hexdigest(), i + 1)
+            lookup = History(RequestKind.CHAT, render, h.hexdigest(), i + 1)
     if prefix is None:  # only leading messages
         prefix = SharedPrefix(h.hexdigest(), size, len(messages))
-    return Turn("chat", render, messages=tuple(messages), lookup=lookup, chain=h, prefix=prefix)
+    return Turn(RequestKind.CHAT, render, messages=tuple(messages), lookup=lookup, chain=h, prefix=prefix)
 
 
 _TOOLS_AT = CHAT_RENDER_FIELDS.index("tools")
 
 
-def _render_parts(kind: str, body: Mapping[str, Any]) -> list[bytes]:
-    fields = CHAT_RENDER_FIELDS if kind == "chat" else COMPLETION_RENDER_FIELDS
+def _render_parts(kind: RequestKind, body: Mapping[str, Any]) -> list[bytes]:
+    fields = CHAT_RENDER_FIELDS if kind == RequestKind.CHAT else COMPLETION_RENDER_FIELDS
     return [_canonical(body.get(f)) for f in fields]
 
 
-def render_digest(kind: str, body: Mapping[str, Any]) -> str:
+def render_digest(kind: RequestKind, body: Mapping[str, Any]) -> str:
     """Digest of the settings that change how a prompt renders (model, tools, template, cache_salt, ...)."""
     return _digest(*_render_parts(kind, body))
 
 
-def render_only(kind: str, body: Mapping[str, Any]) -> Turn:
+def render_only(kind: RequestKind, body: Mapping[str, Any]) -> Turn:
     """The rendering settings of a request without its prompt (to address a stored conversation)."""
     return Turn(kind, render_digest(kind, body))
 
 
-def parse_turn(kind: str, body: Mapping[str, Any]) -> Turn | None:
+def parse_turn(kind: RequestKind, body: Mapping[str, Any]) -> Turn | None:
     """Validate the fields the router relies on; return None when the request cannot be reused.
 
     Raises RequestError for a malformed request (the engines would refuse it anyway, but a clear
     400 from the router is cheaper and never reaches an engine).
     """
-    if kind == "chat":
+    if kind == RequestKind.CHAT:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise RequestError("'messages' must be a non-empty list of chat messages")
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise RequestError(f"messages[{i}] must be an object with a string 'role'")
-        parts = _render_parts("chat", body)
+        parts = _render_parts(RequestKind.CHAT, body)
         render = _digest(*parts)
         if (body.get("n") or 1) != 1 or any(has_remote_media(m) for m in messages):
             return None
@@ -310,10 +312,10 @@ def parse_turn(kind: str, body: Mapping[str, Any]) -> Turn | None:
         raise RequestError("'prompt' is required")
     if not isinstance(prompt, (str, list)):
         raise RequestError("'prompt' must be a string or a list")
-    render = render_digest("completion", body)
+    render = render_digest(RequestKind.COMPLETION, body)
     if not isinstance(prompt, str) or (body.get("n") or 1) != 1 or body.get("echo"):
         return None
-    return Turn("completion", render, prompt=prompt)
+    return Turn(RequestKind.COMPLETION, render, prompt=prompt)
 
 
 def content_key(secret: bytes, tenant: str, history: History) -> str:
@@ -365,20 +367,20 @@ def normalize_host(host: str) -> str:
 
 
 def reuse_outcome(entry_params: Mapping[str, Any] | None, history: History | None, expires_at: float, turn: Turn,
-                  now: float, known_hosts: set[str]) -> str:
-    """Whether a taken entry may be replayed for ``turn``: "hit", or why not ("expired", "mismatch",
-    "refused": the stored params name an address that is no engine of this router)."""
+                  now: float, known_hosts: set[str]) -> ReuseOutcome:
+    """Whether a taken entry may be replayed for ``turn``: HIT, or why not (MISS, EXPIRED, MISMATCH,
+    REFUSED: the stored params name an address that is no engine of this router)."""
     if entry_params is None or history is None:
-        return "miss"
+        return ReuseOutcome.MISS
     if expires_at <= now:
-        return "expired"
+        return ReuseOutcome.EXPIRED
     if not turn.continues(history):
-        return "mismatch"
+        return ReuseOutcome.MISMATCH
     if normalize_host(str(entry_params.get("remote_host") or "")) not in known_hosts:
-        return "refused"
+        return ReuseOutcome.REFUSED
     if any(entry_params.get(k) in (None, "", []) for k in REQUIRED_REPLAY_KEYS):
-        return "refused"
-    return "hit"
+        return ReuseOutcome.REFUSED
+    return ReuseOutcome.HIT
 
 
 def entry_expiry(now: float, lifetime: float, params: Mapping[str, Any], margin: float) -> float:

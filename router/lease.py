@@ -28,6 +28,7 @@ from aiohttp import web
 
 from router import guard, hints, intake
 from router.flow import Flow, error_response
+from router.outcomes import RequestKind
 from turnkv import wire
 
 ENGINE_ROUTE = wire.LEASE_ROUTE
@@ -84,16 +85,16 @@ async def renew(flow: Flow, request: web.Request, body: Any, tenant: str = "") -
 def _key(flow: Flow, request: web.Request, body: dict[str, Any], tenant: str) -> str:
     secret = flow.config.key_secret
     intake.isolate(body, secret, tenant)  # the settings as the turn was stored (its cache_salt, per tenant)
-    if body.get("kind") == "completion":
+    if body.get("kind") == RequestKind.COMPLETION:
         try:
             hint = hints.find(flow.hint_sources, request.headers, body)
         except ValueError as exc:
             raise guard.RequestError(str(exc)) from None
         if hint is None:
             raise guard.RequestError("a completion session is named by 'conversation_id' (or a session header)")
-        return guard.hint_key(secret, tenant, hint.value, guard.render_only("completion", body))
+        return guard.hint_key(secret, tenant, hint.value, guard.render_only(RequestKind.COMPLETION, body))
     messages = body.get("messages")
-    turn = guard.parse_turn("chat", body) if messages else None
+    turn = guard.parse_turn(RequestKind.CHAT, body) if messages else None
     if turn is None or turn.lookup is None or turn.lookup.length != len(messages):
         raise guard.RequestError("'messages' is required: the conversation so far, ending with the assistant's "
                                  "last reply (the turn whose KV to keep)")

@@ -28,6 +28,7 @@ from router import guard, migrate, sse, telemetry, upstream
 from router.config import RouterConfig
 from router.dispatch import Dispatch
 from router.engines import Engine, EnginePool, Lease, PushIdentity, prefix
+from router.outcomes import ReuseOutcome
 from router.telemetry import Metrics
 from turnkv import wire
 
@@ -227,9 +228,9 @@ class Legs:
         d.prompt_tokens = int(usage.get("prompt_tokens") or 0)
         d.prefill_cached_tokens = prefill_cached_tokens(kv)
         self.pool.report_success(engine)
-        if d.outcome == "hit":
+        if d.outcome == ReuseOutcome.HIT:
             self._account_reuse(d, kv, engine)
-        elif d.outcome in ("miss", "none", "disabled"):
+        elif d.outcome in (ReuseOutcome.MISS, ReuseOutcome.NONE, ReuseOutcome.DISABLED):
             # The rate of prefill's own work: its prefix-cache hits cost nothing.
             self.prefill_rate.observe(d.prefill_ms, d.prompt_tokens - d.prefill_cached_tokens)
         ident = push_identity(kv)
@@ -258,7 +259,7 @@ class Legs:
             self.metrics.token_mismatches.labels(cause).inc()
             log.info("token proof verified %s of %s offered tokens (%s)", verdict.get("verified"),
                      verdict.get("offered"), reason)
-            d.outcome = "token_mismatch"
+            d.outcome = ReuseOutcome.TOKEN_MISMATCH
 
     async def open_decode(self, d: Dispatch, request: web.Request, engine: Engine,
                           params: Mapping[str, Any]) -> Opened:

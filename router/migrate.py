@@ -19,6 +19,8 @@ from typing import Any
 
 import orjson
 
+from router.outcomes import RequestKind
+
 #: Request fields that change sampling and carry over to the continuation unchanged.
 SAMPLING_FIELDS = (
     "model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
@@ -34,7 +36,7 @@ _TOKEN_IDS = b'"token_ids":['
 _PROMPT_IDS = b'"prompt_token_ids":['
 
 
-def migratable(kind: str, body: Mapping[str, Any]) -> bool:
+def migratable(kind: RequestKind, body: Mapping[str, Any]) -> bool:
     """Whether a streamed request can be continued on another engine if its decode dies."""
     if not body.get("stream") or (body.get("n") or 1) != 1:
         return False
@@ -43,7 +45,7 @@ def migratable(kind: str, body: Mapping[str, Any]) -> bool:
     chat_kwargs = body.get("chat_template_kwargs") or {}
     if isinstance(chat_kwargs, Mapping) and chat_kwargs.get("enable_thinking"):
         return False
-    return kind == "chat" or isinstance(body.get("prompt"), str)
+    return kind == RequestKind.CHAT or isinstance(body.get("prompt"), str)
 
 
 def _cut(line: bytes, marker: bytes) -> tuple[bytes, bytes | None]:
@@ -117,7 +119,7 @@ def continuation_body(body: Mapping[str, Any], sequence: list[int], generated: i
 class StreamState:
     """What the relay knows of the client's stream: its identity (first event) and the ids relayed so far."""
 
-    kind: str
+    kind: RequestKind
     client_ids: bool  # the client asked for token ids: keep them in what it sees
     head: dict[str, Any] = field(default_factory=dict)  # id, object, created, model of the client's chunks
     prompt_tokens: int = 0
@@ -164,7 +166,7 @@ class StreamState:
             ids = choice.get("token_ids") or []
             self.generated.extend(ids)
             text = choice.get("text") or ""
-            if self.kind == "chat":
+            if self.kind == RequestKind.CHAT:
                 c: dict[str, Any] = {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
                                      "finish_reason": choice.get("finish_reason")}
             else:

@@ -25,6 +25,7 @@ from router.deadline import WriteDeadline
 from router.dispatch import Dispatch
 from router.engines import Engine, NoEngineError
 from router.legs import Opened, UpstreamError, new_leg_id
+from router.outcomes import RequestKind
 from router.reply import ReplyCollector
 from router.telemetry import Metrics
 
@@ -168,9 +169,9 @@ class Relay:
             body = migrate.continuation_body(d.body, prompt + state.generated, len(state.generated))
             if body is None:
                 break
-            c = Dispatch("completion", "/v1/completions", body, d.request_id, None, None, started=d.started,
+            c = Dispatch(RequestKind.COMPLETION, "/v1/completions", body, d.request_id, None, None, started=d.started,
                          tenant=d.tenant, tokens=d.tokens + len(state.generated), stream=True,
-                         leg_request_id=new_leg_id(), extra={"avoid_decode": list(avoid)},
+                         leg_request_id=new_leg_id(), avoid_decode=list(avoid),
                          prefix_key=d.prefix_key)  # the rendered prompt's ids: the same leading blocks
             try:
                 opened = await self._dispatch(c, request)

@@ -11,6 +11,7 @@ import orjson
 
 from router import guard, sse
 from router.errors import engine_message
+from router.outcomes import RequestKind
 
 
 def redacted(chunk: dict[str, Any]) -> dict[str, Any]:
@@ -25,7 +26,7 @@ class ReplyCollector:
     """Reads decode's SSE lines: forwards them, strips ``kv_transfer_params``, rebuilds the reply (text and
     tool calls, as a client assembles them to send back; reasoning is not part of a turn's address)."""
 
-    def __init__(self, kind: str, parse: bool = True) -> None:
+    def __init__(self, kind: RequestKind, parse: bool = True) -> None:
         self.kind = kind
         self.parse = parse  # False: nothing will be stored, only strip params and spot the first token
         self.content: list[str] = []
@@ -68,7 +69,7 @@ class ReplyCollector:
             if choice.get("index", 0) != 0:
                 self.storable = False
                 continue
-            if self.kind == "chat":
+            if self.kind == RequestKind.CHAT:
                 delta = choice.get("delta") or {}
                 for call in delta.get("tool_calls") or ():
                     self._tool_call_delta(call)
@@ -94,7 +95,7 @@ class ReplyCollector:
 
     def value(self) -> dict[str, Any] | str:
         text = "".join(self.content)
-        if self.kind != "chat":
+        if self.kind != RequestKind.CHAT:
             return text
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.tool_calls:

@@ -16,17 +16,12 @@ from typing import Any
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from router.outcomes import ReuseOutcome
 from turnkv import router_env, versions
 
-#: Why a request did or did not reuse the previous turn's KV.
-#: hit: replayed; miss: nothing stored; mismatch: the prompt does not extend the stored history;
-#: expired: the entry's blocks are (nearly) freed; refused: stored params name an unknown engine;
-#: recompute: replayed but prefill recomputed (pull failed or below kv_recompute_threshold);
-#: token_mismatch: the text matched but prefill's token proof pulled less (re-tokenization, templates);
-#: disabled: the client turned reuse off; store_error: the store was down or slow; none: nothing to look up
-#: (a first turn: no assistant message yet; n > 1; a token prompt; a raw-prompt completion without a session hint).
-OUTCOMES = ("hit", "miss", "mismatch", "expired", "refused", "recompute", "token_mismatch", "disabled", "store_error",
-            "none")
+#: Why a request did or did not reuse the previous turn's KV: the ``reuse`` label values of the TTFT histogram and
+#: the reuse counter, and the EMF ``ReuseOutcome`` dimension (``router.outcomes.ReuseOutcome`` says what each means).
+OUTCOMES = tuple(ReuseOutcome)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60)
 #: Whole requests: a long stream runs for minutes.
@@ -216,13 +211,13 @@ def _directives(namespace: str, ttft: bool, prefill: bool, saved: bool) -> list[
             {"Namespace": namespace, "Dimensions": [["Deployment"]], "Metrics": deployment_metrics}]
 
 
-def emf_record(*, namespace: str, deployment: str, outcome: str, prompt_tokens: int, ttft_ms: float | None,
+def emf_record(*, namespace: str, deployment: str, outcome: ReuseOutcome, prompt_tokens: int, ttft_ms: float | None,
                error: bool, reused_tokens: int, prefill_ms: float | None, saved_ms: float | None,
                fields: Mapping[str, Any], timestamp_ms: int | None = None) -> dict[str, Any]:
     """One request as a CloudWatch EMF object (names match turnkv.metric_names on the infra side)."""
     record: dict[str, Any] = {
         "Deployment": deployment, "ReuseOutcome": outcome, "PromptBucket": prompt_bucket(prompt_tokens),
-        "Requests": 1, "Errors": 1 if error else 0, "ReuseHit": 1 if outcome == "hit" else 0,
+        "Requests": 1, "Errors": 1 if error else 0, "ReuseHit": 1 if outcome == ReuseOutcome.HIT else 0,
         "ReusedTokens": reused_tokens,
     }
     if ttft_ms is not None:

@@ -76,6 +76,8 @@ class Options:
     #: How long to wait for a late EFA device (p5en brings them up after boot).
     retry_seconds: float = 60.0
     retry_interval: float = 5.0
+    #: CUDA memory the gpu-memory-registration check registers with LIBFABRIC (the issue asks for >= 1 GiB).
+    vram_mib: int = 1024
 
 
 # --- the real machine --------------------------------------------------------------------------------------
@@ -187,6 +189,9 @@ def check_efa_device(node: Node, opts: Options) -> CheckResult:
     while True:
         attempts += 1
         out = node.run([fi_info, "-p", "efa"], None, 30)
+        if out.returncode == 127:  # not installed: no device will appear by waiting
+            return CheckResult(name, Status.FAIL, f"{fi_info} is not installed: {_tail(out.stderr or out.stdout)}",
+                               f"install the EFA installer {versions.EFA_INSTALLER} (the AMI's turnkv-efa component)")
         if out.returncode == 0 and "provider: efa" in out.stdout:
             devices = sorted(set(re.findall(r"domain:\s*(\S+)", out.stdout)))
             return CheckResult(name, Status.PASS,
@@ -247,23 +252,106 @@ def check_gdr(node: Node, opts: Options) -> CheckResult:
     name = "gpudirect-rdma"
     if opts.flavor == "neuron":
         return CheckResult(name, Status.SKIP, "Neuron image: no NVIDIA GPU")
+    ok, state = gdr_state(node)
+    if ok:
+        return CheckResult(name, Status.PASS, state)
+    return CheckResult(name, Status.FAIL, state, GDR_FIX)
+
+
+GDR_FIX = ("use the OSS NVIDIA driver base AMI (kernel >= 5.12), or modprobe efa_nv_peermem "
+           "(EFA installer package efa-nv-peermem)")
+
+
+def gdr_state(node: Node) -> tuple[bool, str]:
+    """Whether the node offers GPUDirect RDMA to libfabric (dma-buf or efa_nv_peermem), and what was seen."""
     modules = node.read_text("/proc/modules") or ""
     if re.search(r"^efa_nv_peermem\s", modules, re.M):
-        return CheckResult(name, Status.PASS, "efa_nv_peermem module loaded")
+        return True, "efa_nv_peermem module loaded"
     release = node.kernel_release()
     kernel_ok = _version_tuple(release)[:2] >= (5, 12)
     driver = node.read_text("/proc/driver/nvidia/version") or ""
     open_module = "Open Kernel Module" in driver
     if kernel_ok and open_module:
-        return CheckResult(name, Status.PASS, f"dma-buf: kernel {release} and the open NVIDIA kernel module")
+        return True, f"dma-buf: kernel {release} and the open NVIDIA kernel module"
     missing = []
     if not kernel_ok:
         missing.append(f"kernel {release} < 5.12")
     if not open_module:
         missing.append("the NVIDIA kernel module is not the open one" if driver else "no NVIDIA driver loaded")
-    return CheckResult(name, Status.FAIL, f"no dma-buf ({'; '.join(missing)}) and efa_nv_peermem is not loaded",
-                       "use the OSS NVIDIA driver base AMI (kernel >= 5.12), or modprobe efa_nv_peermem "
-                       "(EFA installer package efa-nv-peermem)")
+    return False, f"no dma-buf ({'; '.join(missing)}) and efa_nv_peermem is not loaded"
+
+
+VRAM_PROBE = r"""
+import json, sys, time
+size = int(sys.argv[1])
+try:
+    import torch
+except Exception as exc:
+    print(json.dumps({"cuda": False, "reason": f"torch does not import ({type(exc).__name__}: {exc})"}))
+    sys.exit(0)
+if not torch.cuda.is_available():
+    print(json.dumps({"cuda": False, "reason": "torch.cuda.is_available() is False"}))
+    sys.exit(0)
+out = {"cuda": True, "gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count()}
+from nixl._api import nixl_agent, nixl_agent_config
+try:
+    agent = nixl_agent("turnkv-doctor-vram", nixl_agent_config(enable_prog_thread=False, backends=["LIBFABRIC"]))
+except Exception as exc:
+    out.update(backends=[], backend_error=f"{type(exc).__name__}: {exc}")
+    print(json.dumps(out))
+    sys.exit(0)
+out.update(plugins=sorted(agent.plugin_list), backends=sorted(agent.backends))
+if "LIBFABRIC" not in agent.backends:
+    print(json.dumps(out))
+    sys.exit(0)
+tensor = torch.zeros(size, dtype=torch.uint8, device="cuda:0")
+started = time.monotonic()
+try:  # as vLLM's NIXL worker registers its KV caches: (address, bytes, device, "") descriptors of VRAM
+    descs = agent.get_reg_descs([(tensor.data_ptr(), size, 0, "")], "VRAM")
+    agent.register_memory(descs, backends=["LIBFABRIC"])
+    out.update(registered=True, seconds=round(time.monotonic() - started, 3))
+    agent.deregister_memory(descs, backends=["LIBFABRIC"])
+except Exception as exc:
+    out.update(registered=False, error=f"{type(exc).__name__}: {exc}")
+print(json.dumps(out))
+"""
+
+
+def check_gpu_memory(node: Node, opts: Options) -> CheckResult:
+    """A LIBFABRIC nixl agent registers CUDA memory, as vLLM's register_kv_caches will (dma-buf or peer memory)."""
+    name = "gpu-memory-registration"
+    if opts.flavor == "neuron":
+        return CheckResult(name, Status.SKIP, "Neuron image: no NVIDIA GPU")
+    if opts.image:
+        return CheckResult(name, Status.SKIP, "image build: no EFA interface, so no LIBFABRIC backend to register "
+                           "with; run turnkv doctor on a node")
+    env = parse_env_file(node.read_text(NIXL_ENV_FILE))
+    if not env.get("NIXL_PLUGIN_DIR"):
+        return CheckResult(name, Status.SKIP, f"no LIBFABRIC: {NIXL_ENV_FILE} names no NIXL_PLUGIN_DIR "
+                           "(see nixl-libfabric)")
+    size = max(1, opts.vram_mib) << 20
+    probe = node.run([node.python, "-c", VRAM_PROBE, str(size)], env, 180)
+    result = _last_json(probe.stdout)
+    if probe.returncode != 0 or result is None:
+        return CheckResult(name, Status.FAIL, f"the registration probe failed: {_tail(probe.stderr or probe.stdout)}",
+                           "run the probe by hand: it allocates CUDA memory and creates a LIBFABRIC nixl agent")
+    if not result.get("cuda"):
+        return CheckResult(name, Status.SKIP, f"no CUDA device: {result.get('reason', 'unknown')} (see driver-cuda)")
+    if "LIBFABRIC" not in result.get("backends", []):
+        why = result.get("backend_error") or f"plugins: {', '.join(result.get('plugins', [])) or 'none'}"
+        return CheckResult(name, Status.SKIP, f"no LIBFABRIC backend to register with ({why}; see nixl-libfabric)")
+    gdr_ok, gdr = gdr_state(node)
+    where = f"{opts.vram_mib} MiB of CUDA memory on {result.get('gpu', 'GPU 0')}"
+    if result.get("registered"):
+        return CheckResult(name, Status.PASS,
+                           f"LIBFABRIC registered {where} in {float(result.get('seconds', 0)):.2f}s; {gdr}")
+    fix = ("GPUDirect RDMA for EFA: dma-buf needs kernel >= 5.12 and the open NVIDIA kernel module (the OSS "
+           "NVIDIA driver base AMI); otherwise load the peer-memory module: modprobe efa_nv_peermem (EFA "
+           "installer package efa-nv-peermem; nvidia-peermem on InfiniBand)")
+    if gdr_ok:
+        fix += "; dma-buf or peer memory looks present, so check the EFA installer version and dmesg"
+    return CheckResult(name, Status.FAIL, f"LIBFABRIC could not register {where}: {result.get('error', 'unknown')}; "
+                       f"{gdr}", fix)
 
 
 TORCH_PROBE = "import torch; print(torch.version.cuda or '')"
@@ -397,8 +485,8 @@ def check_engine_env(node: Node, opts: Options) -> CheckResult:
 
 
 CHECKS: tuple[Callable[[Node, Options], CheckResult], ...] = (
-    check_libfabric, check_efa_device, check_nixl, check_gdr, check_driver, check_versions, check_connector_code,
-    check_engine_env,
+    check_libfabric, check_efa_device, check_nixl, check_gdr, check_driver, check_gpu_memory, check_versions,
+    check_connector_code, check_engine_env,
 )
 
 

@@ -14,7 +14,7 @@ AGENT_NAMESPACE = "CWAgent"
 
 #: Dimensions.
 DEPLOYMENT = "Deployment"
-REUSE_OUTCOME = "ReuseOutcome"  # e.g. hit | miss | recompute | expired | mismatch (the router defines the set)
+REUSE_OUTCOME = "ReuseOutcome"  # hit | miss | recompute | ...: the values of router.outcomes.ReuseOutcome
 PROMPT_BUCKET = "PromptBucket"  # e.g. lt1k | 1k-8k | 8k-32k | ge32k
 ROLE = "Role"  # prefill | decode
 POOL = "Pool"

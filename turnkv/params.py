@@ -35,6 +35,9 @@ class Tunable:
     scope: Scope
     help: str
     kind: type = int
+    #: Engine scope: the connector applies a new value from the tunables file without a restart
+    #: (``connector.tunables``).
+    reloadable: bool = False
 
     def ssm_path(self, deployment: str) -> str:
         return f"{SSM_PREFIX}/{deployment}/{self.scope.value}/{self.name}"
@@ -62,36 +65,38 @@ class Tunable:
 
 CATALOG: tuple[Tunable, ...] = (
     Tunable("decoder_kv_blocks_ttl", 480, 10, 3600, "s", Scope.ENGINE,
-            "How long a decode engine keeps a finished turn's KV blocks for the next turn's prefill to pull."),
+            "How long a decode engine keeps a finished turn's KV blocks for the next turn's prefill to pull.",
+            reloadable=True),
     Tunable("kv_recompute_threshold", 64, 0, 1_000_000, "tokens", Scope.ENGINE,
-            "Prefill recomputes instead of pulling when fewer tokens than this would be reused."),
+            "Prefill recomputes instead of pulling when fewer tokens than this would be reused.", reloadable=True),
     Tunable("kv_lease_duration", 30, 5, 600, "s", Scope.ENGINE,
             "How long prefill holds blocks for decode to read (extended by decode heartbeats)."),
     Tunable("expiry_skew_margin", 5, 0, 120, "s", Scope.ENGINE,
             "Prefill refuses to read a decode offer this long before the offer's wall-clock expiry (measured on "
-            "prefill's own clock), covering clock skew between hosts and the time the read takes."),
+            "prefill's own clock), covering clock skew between hosts and the time the read takes.", reloadable=True),
     Tunable("retained_kv_share", 0.5, 0.0, 1.0, "share", Scope.ENGINE,
             "Share of decode's KV cache that may hold finished turns for next turns; a turn that does not fit goes "
-            "to the host tier (host_kv_budget_mib) or, with no room there either, is not retained.", float),
+            "to the host tier (host_kv_budget_mib) or, with no room there either, is not retained.", float,
+            reloadable=True),
     Tunable("host_kv_budget_mib", 0, 0, 4 * 1024 * 1024, "MiB", Scope.ENGINE,
             "Host memory per decode engine for retained turns that do not fit in retained_kv_share of the device "
             "cache (the host tier; prefill reads them there with the same NIXL READ). Allocated and registered at "
             "engine start; a reload can lower it or raise it back up to the size the engine started with; 0: no "
-            "host tier."),
+            "host tier.", reloadable=True),
     Tunable("retention_idle_evict", 0, 0, 3600, "s", Scope.ENGINE,
             "A retained turn unread and unrenewed for this long may be evicted to make room for a newer one; 0: "
             "twice the 90th percentile of how long retained turns waited before being read (the TTL until 8 reads "
             "are seen). Younger turns are kept and the newcomer is not retained, so reuse degrades to the share "
-            "that fits instead of collapsing under oldest-first eviction.", float),
+            "that fits instead of collapsing under oldest-first eviction.", float, reloadable=True),
     Tunable("fork_window", 10, 0, 600, "s", Scope.ENGINE,
             "Decode keeps a retained turn readable this long after its first read, so forks of one history "
             "(parallel samples, subagents, retries) each pull it instead of recomputing; read turns are the first "
-            "evicted when room is needed. 0: single use (the first read frees the blocks).", float),
+            "evicted when room is needed. 0: single use (the first read frees the blocks).", float, reloadable=True),
     Tunable("retention_eviction_grace", 30, 5, 600, "s", Scope.ENGINE,
             "Decode frees an evicted turn's blocks this long after announcing the eviction on its evictions feed; "
             "must exceed replay_window + 2 x evictions_interval + max(1 s, evictions_interval) + "
             "expiry_skew_margin, "
-            "so no router still replays, and no prefill still reads, the evicted offer.", float),
+            "so no router still replays, and no prefill still reads, the evicted offer.", float, reloadable=True),
     Tunable("conversation_ttl", 450, 5, 3600, "s", Scope.ROUTER,
             "How long the router keeps a conversation's decode kv_transfer_params; must stay below "
             "decoder_kv_blocks_ttl."),

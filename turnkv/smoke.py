@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import aiohttp
 
 from router.flow import REUSE_HEADER, REUSE_OUTCOME_HEADER, REUSED_TOKENS_HEADER
+from router.outcomes import ReuseOutcome
 
 #: An agent's standing instructions: long enough that the history a turn reuses is well above the engines'
 #: kv_recompute_threshold (64 tokens by default), as an agent's always is.
@@ -40,8 +42,8 @@ PROMPTS = (
     "Summarise the whole plan in one short paragraph.",
 )
 #: The outcomes the router reports when the previous turn's KV was pulled, and when reuse was switched off.
-HIT = "hit"
-DISABLED = "disabled"
+HIT = ReuseOutcome.HIT
+DISABLED = ReuseOutcome.DISABLED
 _TRAILER = re.compile(rb"^: turnkv reuse_outcome=(\S+) reused_tokens=(\d+)")
 
 
@@ -179,7 +181,10 @@ async def run(url: str, api_key: str | None = None, model: str | None = None, tu
     try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             result.model = model or await _model(session, url, api_key)
-            history: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+            # A conversation of this run only: another run's identical turn, still readable by forks of its history
+            # (decode's fork_window), would otherwise be pulled and prove nothing about this endpoint's retention.
+            system = f"{SYSTEM} Conversation reference {secrets.token_hex(4)}."
+            history: list[dict[str, str]] = [{"role": "system", "content": system}]
             for index, prompt in enumerate(PROMPTS[:turns], start=1):
                 messages = [*history, {"role": "user", "content": prompt}]
                 # Reuse off first: the reuse-on request then holds the conversation's latest entry for the next turn.

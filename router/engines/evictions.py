@@ -46,27 +46,37 @@ class EvictionFeed:
     supported: bool | None = None  # None: not read yet; False: the engine has no feed (it never evicts)
     hosted: set[str] = field(default_factory=set)  # turns whose host-tier copy is done (the last read's list)
 
-    def apply(self, answer: Mapping[str, Any], sent_at: float) -> None:
-        """A feed answer to a read sent at ``sent_at``; an answer that is not a feed leaves the feed stale."""
+    def apply(self, answer: Mapping[str, Any], sent_at: float, since: int = 0) -> bool:
+        """A feed answer to a read sent at ``sent_at`` from cursor ``since``; an answer that is not a feed leaves the
+        feed stale. True when it must be read again at once: a new process answered a read from the old process's
+        cursor, so its own first announcements (numbered from 1 again) were skipped."""
         epoch, seq, events = answer.get("epoch"), answer.get("seq"), answer.get("evicted")
         if not isinstance(epoch, str) or isinstance(seq, bool) or not isinstance(seq, int) \
                 or not isinstance(events, list):
-            return
+            return False
         if epoch != self.epoch:
             # A new process: its numbers start over, and whatever the old one announced was held by blocks a
             # restarted engine no longer has (the pool refuses those entries anyway).
             self.evicted.clear()
+            if since > 0 and self.epoch:
+                self.epoch, self.seq = epoch, 0  # read_at stays: not read since, until the read from 0
+                return True
         for event in events:
             if isinstance(event, list) and len(event) == 2 and isinstance(event[0], str) \
                     and isinstance(event[1], (int, float)):
                 self.evicted[event[0]] = float(event[1])
-        self.epoch, self.seq, self.read_at, self.supported = epoch, seq, sent_at, True
+        # A decode engine may answer from a read it made up to ``age`` seconds before this one arrived (the
+        # engine shares its collective_rpc between routers: connector.leases): the feed is that much older.
+        age = answer.get("age")
+        age = float(age) if isinstance(age, (int, float)) and not isinstance(age, bool) and age > 0 else 0.0
+        self.epoch, self.seq, self.read_at, self.supported = epoch, seq, sent_at - age, True
         hosted = answer.get("hosted")
         self.hosted = {e[0] for e in hosted if isinstance(e, list) and e and isinstance(e[0], str)} \
             if isinstance(hosted, list) else set()
         for request_id, until in list(self.evicted.items()):
             if until < sent_at:
                 del self.evicted[request_id]  # the offer has expired: prefill refuses it anyway
+        return False
 
     def unsupported(self) -> None:
         self.supported = False
@@ -89,20 +99,21 @@ class EvictionFeed:
 
 async def read_feed(session: aiohttp.ClientSession, url: str, feed: EvictionFeed, timeout: float,
                     clock: Callable[[], float]) -> None:
-    sent_at = clock()
-    try:
-        async with session.get(f"{url}{wire.EVICTIONS_ROUTE}?since={feed.seq}",
-                               timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            if resp.status == 404:
-                feed.unsupported()
-                return
-            if resp.status != 200:
-                return
-            answer = await resp.json(content_type=None)
-    except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
-        return
-    if isinstance(answer, Mapping):
-        feed.apply(answer, sent_at)
+    for _ in range(2):  # a second read only after a restart seen mid-cursor (EvictionFeed.apply)
+        sent_at, since = clock(), feed.seq
+        try:
+            async with session.get(f"{url}{wire.EVICTIONS_ROUTE}?since={since}",
+                                   timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                if resp.status == 404:
+                    feed.unsupported()
+                    return
+                if resp.status != 200:
+                    return
+                answer = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            return
+        if not isinstance(answer, Mapping) or not feed.apply(answer, sent_at, since):
+            return
 
 
 async def evictions_loop(decode: Callable[[], list[Any]], session: aiohttp.ClientSession,

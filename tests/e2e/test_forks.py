@@ -13,6 +13,7 @@ import pytest
 
 from tests.e2e import STACK_RETENTION
 from tests.e2e.client import chat, metric, pulled_tokens, words
+from turnkv import params
 
 pytestmark = pytest.mark.engines
 WINDOW = 4
@@ -25,8 +26,8 @@ def short_fork_window(stack):
     time.sleep(1.2)  # the connector re-reads the file at most once a second
     try:
         yield
-    finally:
-        tunables.write_text(json.dumps(STACK_RETENTION))
+    finally:  # the stack's values again, the catalog's window included (a file without it keeps the last one read)
+        tunables.write_text(json.dumps({**STACK_RETENTION, "fork_window": params.BY_NAME["fork_window"].default}))
         time.sleep(1.2)
 
 

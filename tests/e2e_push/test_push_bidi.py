@@ -98,9 +98,14 @@ def test_push_turns_read_back_from_one_decode_and_write_into_the_other(push_stac
         assert prefill_grew(stack, "vllm:turnkv_write_bytes_total", written_before)
         if turn == 0:
             assert on.outcome == "none" and on.reused == 0 and prefill_side(stack, external) == pulled_before
+        elif on.outcome == "recompute":
+            # prefill's own prefix cache (prefix caching on, as deployed) held most of what decode held: too little
+            # left to pull (below kv_recompute_threshold, or slower than computing it), so prefill computed it
+            assert on.reused == 0 and 0 < on.prefill_cached < previous, (on.reused, on.prefill_cached, previous)
+            sources.append((on.prefill_cached, 0))
         else:
             # prefill computed nothing decode held (but the unsent last token): what its own prefix cache lacked
-            # it READ back from the previous turn's decode engine (prefix caching on, as deployed)
+            # it READ back from the previous turn's decode engine
             assert on.outcome == "hit" and on.reused + on.prefill_cached == previous - 1, \
                 (on.outcome, on.reused, on.prefill_cached, previous)
             assert prefill_side(stack, external) - pulled_before == on.reused > 0
@@ -110,13 +115,15 @@ def test_push_turns_read_back_from_one_decode_and_write_into_the_other(push_stac
         turns.append((list(messages), on))
         messages = [*messages, {"role": "assistant", "content": on.text},
                     {"role": "user", "content": words(model_dir, 150, 50 + turn)}]
-    # round robin: every turn went to other prefill and decode engines than the previous turn's
+    # round robin: every turn went to the other decode engine than the previous turn's; prefill stays on the home
+    # engine of the conversation's system prompt (the cache-aware prefill choice, router/engines/prefix.py)
     assert all(a != b for a, b in itertools.pairwise(answered_by)), answered_by
-    # from the third turn on, prefill holds the prompt of the turn before last (it prefilled it): a local prefix
-    # hit, and the blocks after it READ from decode
-    assert all(local > 0 for local, _ in sources[1:]), sources
+    assert len(set(prefilled_by)) == 1, prefilled_by
+    # from the second turn on, prefill holds the previous turn's prompt (it prefilled it): a local prefix hit, and
+    # (at least once) the blocks after it READ from decode
+    assert all(local > 0 for local, _ in sources), sources
+    assert any(local > 0 and pulled > 0 for local, pulled in sources), sources
     print(f"push, prefix caching on: (local hit, pulled) per later turn {sources}")
-    assert all(a != b for a, b in itertools.pairwise(prefilled_by)), prefilled_by
     # the last turn's KV is retained (and reported) on the engine that decoded it, for the next turn
     assert wait_for(lambda: metric(stack[answered_by[-1]], "vllm:turnkv_retained_bytes") > 0, 15)
     # greedy answers with reuse equal the answers without it (replayed afterwards: the alternation above
@@ -156,7 +163,10 @@ def test_a_turn_decoded_by_the_engine_that_holds_it_reads_and_writes_back_into_i
     before = {name: (finished(stack[name]), external(stack[name])) for name in DECODES}
     second = chat(router, history, conversation="push-same")
     assert finished(stack[holder]) > before[holder][0], "round robin did not come back to the holder"
-    assert second.outcome == "hit" and second.reused == prompt_len(stack, messages) + len(first.token_ids) - 1
+    # prefill computed nothing decode held (but the unsent last token): its own prefix cache (prefix caching on, as
+    # deployed) and the READ from decode together
+    assert second.outcome == "hit" and second.reused > 0
+    assert second.reused + second.prefill_cached == prompt_len(stack, messages) + len(first.token_ids) - 1
     # its prefix cache still holds the previous turn's full blocks: only the rest is written into it
     pushed = external(stack[holder]) - before[holder][1]
     assert 0 < pushed < prompt_len(stack, history) - 128, pushed

@@ -143,8 +143,10 @@ def test_a_prefix_cached_prefill_hits_its_own_cache_and_pulls_only_the_rest_from
         assert on.headers["X-TurnKV-Reuse-Outcome"] == "hit"
         local = int(on.headers["X-TurnKV-Prefill-Cached-Tokens"])
         reused = int(on.headers["X-TurnKV-Reused-Tokens"])
-        # its own first prompt from prefill's cache (full blocks), the reply's blocks pulled from decode
-        assert local >= 560 and reused >= 100 and pulled(prod) - before == reused, (local, reused)
+        # its own first prompt (~610 tokens) from prefill's cache in full blocks (128 tokens on the CPU backend), the
+        # rest of what decode held (the 160-token reply and the partial block before it) pulled from decode
+        assert local >= 384 and reused >= 100 and local + reused >= 700, (local, reused)
+        assert pulled(prod) - before == reused
         off = post(router, messages, reuse=False)
         assert on.json()["choices"][0]["token_ids"] == off.json()["choices"][0]["token_ids"]
         print(f"conversation {name}: {local} prompt tokens from prefill's cache, {reused} pulled from decode")

@@ -126,3 +126,14 @@ def test_cli_says_when_the_router_is_unreachable(tmp_path):
         assert "Traceback" not in result.output and not (tmp_path / "summary.json").exists()
     shown = CliRunner().invoke(app, ["bench", "agent", "--help"], env={"COLUMNS": "300"}).stdout
     assert "--best-url" in shown and "--time-scale" in shown and "--router" not in shown
+
+
+def test_an_ab_whose_on_arm_found_the_off_arms_prompts_in_prefills_cache_is_flagged():
+    from bench.agent_report import shared_prefill_cache
+
+    def summary(share, arms=("off", "on")):
+        return {"arms": list(arms), "per_arm": {"on": {"tokens": {"share_prefill_cache": share}}}}
+
+    assert "no-prefill-prefix-caching" in shared_prefill_cache(summary(0.8))
+    assert shared_prefill_cache(summary(0.0)) is None
+    assert shared_prefill_cache(summary(0.8, arms=("on", "best"))) is None  # no off arm played before

@@ -163,3 +163,13 @@ def test_ab_under_concurrency_runs_the_arms_in_phases(monkeypatch):
     interleaved = arms_sent(concurrency=3, phased=False)
     assert interleaved != ["off"] * 6 + ["on"] * 6 and interleaved.count("on") == 6
     assert arms_sent(concurrency=1) == ["off", "on"] * 6  # one at a time: interleaved turn by turn, as before
+
+
+def test_an_ab_whose_on_arm_hit_prefills_own_cache_is_flagged():
+    clean = results()
+    assert report.shared_prefill_cache(clean) is None
+    for r in clean:
+        if r.arm == "on" and r.prompt_tokens:
+            r.prefill_cached_tokens = r.prompt_tokens // 2  # the off arm's identical prompt, cached by prefill
+    assert "--no-prefill-prefix-caching" in report.shared_prefill_cache(clean)
+    assert report.shared_prefill_cache([r for r in clean if r.arm != "off"]) is None

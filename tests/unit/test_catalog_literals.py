@@ -129,3 +129,14 @@ def test_the_rule_sees_each_spelling(source):
 ])
 def test_the_rule_passes_other_code(source):
     assert not retyped_defaults(source, "x.py"), source
+
+
+def test_every_reloadable_tunable_has_one_place_on_the_scheduler_and_nothing_else_is_reloaded():
+    """The catalog's ``reloadable`` flag drives the connector's reload: the tunables file reads exactly those, and the
+    scheduler applies each to one attribute (a new reloadable tunable without a home fails here)."""
+    pytest.importorskip("vllm")
+    from connector import tunables
+    from connector.scheduler import RELOADED_INTO
+
+    assert set(tunables.RELOADABLE) == set(RELOADED_INTO)
+    assert all(params.BY_NAME[name].scope is params.Scope.ENGINE for name in tunables.RELOADABLE)

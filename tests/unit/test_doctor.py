@@ -17,6 +17,7 @@ FI_EFA = "provider: efa\n    fabric: efa\n    domain: rdmap79s0-rdm\nprovider: e
 LDCONFIG = (f"\tlibfabric.so.1 (libc6,x86-64) => {EFA}/lib/libfabric.so.1\n"
             "\tlibfabric.so.1 (libc6,x86-64) => /lib/x86_64-linux-gnu/libfabric.so.1\n")
 SMI_HEADER = "| NVIDIA-SMI 580.95.05   Driver Version: 580.95.05   CUDA Version: 13.0 |\n"
+VRAM_PROBE = "python -c \nimport json, sys, time"
 
 
 class FakeNode:
@@ -38,6 +39,9 @@ class FakeNode:
                 "versions": {"vllm": versions.VLLM_GPU, "nixl": versions.NIXL, "turnkv": versions.TURNKV,
                              "vllm-neuron": versions.VLLM_NEURON}, "errors": {}}) + "\n"),
             "neuron-ls --json-output": Completed(0, json.dumps([{"neuron_device": 0}, {"neuron_device": 1}])),
+            VRAM_PROBE: Completed(0, json.dumps({"cuda": True, "gpu": "NVIDIA H200", "gpus": 8,
+                                                 "plugins": ["LIBFABRIC", "UCX"], "backends": ["LIBFABRIC"],
+                                                 "registered": True, "seconds": 0.42}) + "\n"),
             "python -m turnkv.vllm_files": Completed(0, "vLLM 0.32.0 at /opt/turnkv/venv: 20 connector files "
                                                         "identical to the recorded wheel\n"),
             **(responses or {}),
@@ -126,6 +130,13 @@ def test_efa_device_fails_after_the_retry_window():
     assert result.status is Status.FAIL
     assert "after 12s (4 tries)" in result.detail and "No data available" in result.detail
     assert "efa-only" in result.fix and sum(fake.sleeps) == 12
+
+
+def test_efa_device_fails_at_once_when_fi_info_is_not_installed():
+    missing = Completed(127, "", f"{EFA}/bin/fi_info: No such file or directory")
+    result, fake = run(doctor.check_efa_device, FakeNode({f"{EFA}/bin/fi_info -p efa": missing}), retry_seconds=60)
+    assert result.status is Status.FAIL and "is not installed" in result.detail and versions.EFA_INSTALLER in result.fix
+    assert fake.sleeps == [] and len(fake.calls) == 1  # no 60 s of retries for a program that is not there
 
 
 def test_efa_device_is_skipped_on_an_image_build():
@@ -252,6 +263,80 @@ def test_neuron_devices_pass_and_fail():
     assert bad.status is Status.FAIL and "aws-neuronx-dkms" in bad.fix
 
 
+# --- CUDA memory registered with LIBFABRIC ------------------------------------------------------------------
+
+
+def vram(answer: dict | None = None, returncode: int = 0, stderr: str = "") -> FakeNode:
+    return FakeNode({VRAM_PROBE: Completed(returncode, json.dumps(answer) + "\n" if answer else "", stderr)})
+
+
+def test_gpu_memory_registration_passes_and_registers_a_gibibyte_with_the_plugin_env():
+    result, fake = run(doctor.check_gpu_memory)
+    assert result.status is Status.PASS and result.name == "gpu-memory-registration"
+    assert "LIBFABRIC registered 1024 MiB of CUDA memory on NVIDIA H200" in result.detail
+    assert "dma-buf: kernel 6.8.0-1015-aws" in result.detail
+    line, env = next((line, env) for line, env in fake.calls if line.startswith(VRAM_PROBE))
+    assert line.endswith(f" {1024 << 20}") and env["NIXL_PLUGIN_DIR"] == PLUGIN_DIR
+    assert "backends=[\"LIBFABRIC\"]" in line and "\"VRAM\"" in line and "register_memory" in line
+
+
+def test_gpu_memory_registration_size_is_an_option():
+    _, fake = run(doctor.check_gpu_memory, vram_mib=64)
+    assert any(line.startswith(VRAM_PROBE) and line.endswith(f" {64 << 20}") for line, _ in fake.calls)
+
+
+def test_gpu_memory_registration_fails_with_the_dma_buf_and_peer_memory_fix():
+    refused = {"cuda": True, "gpu": "NVIDIA H200", "backends": ["LIBFABRIC"], "registered": False,
+               "error": "nixlBackendError: NIXL_ERR_BACKEND"}
+    fake = vram(refused)
+    fake.kernel = "5.10.220-209.869.amzn2.x86_64"
+    result, _ = run(doctor.check_gpu_memory, fake)
+    assert result.status is Status.FAIL and "could not register 1024 MiB" in result.detail
+    assert "NIXL_ERR_BACKEND" in result.detail and "kernel 5.10.220-209.869.amzn2.x86_64 < 5.12" in result.detail
+    assert "kernel >= 5.12" in result.fix and "efa_nv_peermem" in result.fix and "nvidia-peermem" in result.fix
+    # with dma-buf seemingly present the fix points further
+    result, _ = run(doctor.check_gpu_memory, vram(refused))
+    assert result.status is Status.FAIL and "looks present" in result.fix
+
+
+def test_gpu_memory_registration_fails_when_the_probe_crashes():
+    result, _ = run(doctor.check_gpu_memory, vram(returncode=1, stderr="Traceback\nRuntimeError: CUDA error: OOM"))
+    assert result.status is Status.FAIL and "CUDA error: OOM" in result.detail
+
+
+@pytest.mark.parametrize("answer, reason", [
+    ({"cuda": False, "reason": "torch.cuda.is_available() is False"}, "no CUDA device: torch.cuda.is_available()"),
+    ({"cuda": True, "gpu": "H200", "plugins": ["UCX"], "backends": []}, "no LIBFABRIC backend to register with "
+                                                                         "(plugins: UCX"),
+    ({"cuda": True, "gpu": "H200", "backends": [], "backend_error": "RuntimeError: fi_getinfo -61"},
+     "no LIBFABRIC backend to register with (RuntimeError: fi_getinfo -61"),
+])
+def test_gpu_memory_registration_is_skipped_without_a_gpu_or_libfabric(answer, reason):
+    result, _ = run(doctor.check_gpu_memory, vram(answer))
+    assert result.status is Status.SKIP and reason in result.detail
+
+
+def test_gpu_memory_registration_is_skipped_without_the_plugin_env_on_neuron_and_in_image_builds():
+    for fake, opts in ((FakeNode(files={doctor.NIXL_ENV_FILE: None}), {}), (None, {"flavor": "neuron"}),
+                       (None, {"image": True})):
+        result, fake = run(doctor.check_gpu_memory, fake, **opts)
+        assert result.status is Status.SKIP and not any(line.startswith(VRAM_PROBE) for line, _ in fake.calls)
+
+
+def test_the_registration_probe_skips_on_this_machine():
+    """The probe itself, run here (no CUDA device, or no torch): it says why, quickly, and exits 0."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", doctor.VRAM_PROBE, str(1 << 20)], capture_output=True, text=True,
+                         timeout=120)
+    answer = doctor._last_json(out.stdout)
+    assert out.returncode == 0, out.stderr
+    if answer.get("cuda"):
+        pytest.skip("a CUDA device is present here: the probe ran for real")
+    assert answer["reason"]
+
+
 # --- pinned versions --------------------------------------------------------------------------------------
 
 
@@ -339,7 +424,8 @@ def test_a_crashing_check_is_a_failure_not_a_crash():
 def test_all_checks_pass_on_a_healthy_node():
     results = doctor.run_checks(FakeNode().node(), Options())
     assert [r.name for r in results] == ["efa-libfabric", "efa-device", "nixl-libfabric", "gpudirect-rdma",
-                                         "driver-cuda", "pinned-versions", "connector-code", "engine-env"]
+                                         "driver-cuda", "gpu-memory-registration", "pinned-versions",
+                                         "connector-code", "engine-env"]
     assert all(r.status is not Status.FAIL for r in results) and not doctor.failed(results)
 
 
@@ -357,7 +443,7 @@ def test_cli_json_and_exit_code(cli):
     ok = CliRunner().invoke(app, ["doctor", "--json", "--flavor", "gpu"])
     assert ok.exit_code == 0, ok.output
     body = json.loads(ok.output)
-    assert body["ok"] is True and len(body["checks"]) == 8
+    assert body["ok"] is True and len(body["checks"]) == 9
 
     state["fake"] = FakeNode({f"{EFA}/bin/fi_info -p efa": Completed(61, "", "fi_getinfo: -61")})
     bad = CliRunner().invoke(app, ["doctor", "--json", "--retry-seconds", "0"])

@@ -60,6 +60,7 @@ def gpu_platform(monkeypatch):
     monkeypatch.setattr(base_worker, "nixl_agent_config", config)
     bindings = FakeBindings()
     monkeypatch.setattr(nixl_api, "nixlBind", bindings)
+    monkeypatch.setattr(nixl_api.nixl_agent, "__init__", nixl_api.nixl_agent.__init__)  # the plugin wraps it
     return types.SimpleNamespace(calls=calls, bindings=bindings, nixl_api=nixl_api)
 
 

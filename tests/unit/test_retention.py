@@ -191,3 +191,18 @@ def test_the_eviction_grace_must_outlast_the_routers_view_and_the_read_window():
     with pytest.raises(params.ParamError, match="retention_eviction_grace"):
         params.validate({"replay_window": 30})
     params.validate({"replay_window": 30, "retention_eviction_grace": 40})
+
+
+def test_a_restart_seen_from_the_old_processes_cursor_is_read_again_from_the_start():
+    """A router that read the old process up to announcement 500 asks the new one from 500: the new process's
+    own first announcements (numbered from 1 again) were not in that answer, so the feed is read again from 0
+    before it counts as read (a missed eviction would be replayed after its blocks are freed)."""
+    feed = EvictionFeed()
+    feed.apply({"epoch": "old", "seq": 500, "evicted": []}, sent_at=100.0)
+    again = feed.apply({"epoch": "new", "seq": 3, "evicted": []}, sent_at=101.0, since=500)
+    assert again and feed.seq == 0 and feed.read_at == 100.0  # not counted as read
+    assert not feed.apply({"epoch": "new", "seq": 3, "evicted": [["x", 900.0]]}, sent_at=101.1, since=0)
+    assert feed.refuses("x", 101.2, 1.0) == "evicted" and feed.seq == 3 and feed.read_at == 101.1
+    # a first read ever (no old epoch) from 0 needs no second read
+    fresh = EvictionFeed()
+    assert not fresh.apply({"epoch": "e", "seq": 2, "evicted": []}, sent_at=5.0, since=0)

@@ -53,6 +53,9 @@ def run_benchmark(spec, out: Path, meta: dict[str, Any] | None = None) -> dict[s
     Console().print(report.markdown(summary))
     console.print(f"wrote {out / 'summary.md'}, {out / 'summary.json'}, {out / 'results.jsonl'} and the chart "
                   f"[bold]{out / 'ttft.png'}[/bold]")
+    shared = report.shared_prefill_cache(results)
+    if shared:
+        console.print(f"[yellow]warning[/yellow]: {shared}", soft_wrap=True)
     return summary
 
 
@@ -171,6 +174,9 @@ def agent(
                                                 "time_scale": time_scale})
     print(agent_report.markdown(summary), flush=True)  # plain: a table is not wrapped at the terminal's width
     console.print(f"wrote {out / 'summary.md'}, {out / 'summary.json'} and {out / 'results.jsonl'}")
+    shared = agent_report.shared_prefill_cache(summary)
+    if shared:
+        console.print(f"[yellow]warning[/yellow]: {shared}", soft_wrap=True)
     if summary["errors"] or summary["answers"]["mismatch_count"]:
         raise typer.Exit(1)
 

@@ -19,16 +19,19 @@ def doctor(
         "--image", help="Image Builder instance: no EFA interface, so no EFA device is required.")] = False,
     retry_seconds: Annotated[float, typer.Option(
         "--retry-seconds", min=0, help="How long to wait for late EFA devices.")] = 60.0,
+    vram_mib: Annotated[int, typer.Option(
+        "--vram-mib", min=1, help="CUDA memory to register with LIBFABRIC (gpu-memory-registration).")] = 1024,
     python: Annotated[str | None, typer.Option(
         "--python", help="Interpreter whose vLLM / NIXL / torch to check (default /opt/turnkv/venv).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
 ) -> None:
-    """Check EFA, NIXL (LIBFABRIC), GPUDirect RDMA, driver/CUDA and the pinned versions on this node."""
+    """Check EFA, NIXL (LIBFABRIC), GPUDirect RDMA, driver/CUDA, CUDA memory registration with LIBFABRIC and the
+    pinned versions on this node."""
     node = checks.real_node(python)
     chosen = flavor or checks.detect_flavor(node)
     if chosen not in checks.FLAVORS:
         raise typer.BadParameter(f"{chosen!r} is not one of {', '.join(checks.FLAVORS)}", param_hint="--flavor")
-    opts = checks.Options(flavor=chosen, image=image, retry_seconds=retry_seconds)
+    opts = checks.Options(flavor=chosen, image=image, retry_seconds=retry_seconds, vram_mib=vram_mib)
     results = checks.run_checks(node, opts)
     bad = checks.failed(results)
     if as_json:
