@@ -70,13 +70,13 @@ def test_metered_times_each_step_and_charges_the_tenant_once_known():
     async def work() -> str:
         time.sleep(0.02)  # before the tenant is known: held
         meter.known("a")
-        await asyncio.sleep(0.05)  # suspended: not charged
+        await asyncio.sleep(0.5)  # suspended: not charged
         time.sleep(0.02)
         return "done"
 
     assert asyncio.run(_metered(work(), meter)) == "done"
     used = ledger.share("a") * ledger.window
-    assert 0.035 < used < 0.06
+    assert 0.035 < used < 0.3  # both sleeps (with room for a loaded host), not the suspension
 
 
 def test_metered_passes_exceptions_and_cancellation_through():
