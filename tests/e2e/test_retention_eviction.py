@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from tests.e2e import TUNABLES
-from tests.e2e.client import chat, metric, words
+from tests.e2e.client import chat, metric, wait_for, words
 from turnkv import params, wire
 
 pytestmark = pytest.mark.engines
@@ -66,8 +66,11 @@ def test_decode_keeps_turns_likely_to_be_read_evicts_an_idle_one_and_the_router_
     assert metric(decode, "vllm:turnkv_retention_evictions_total", reason="idle") - idle_before == 1
     assert metric(decode, "vllm:turnkv_retention_evicted_total") - evicted_before == 1
     assert metric(decode, "vllm:turnkv_retention_refusals_total", reason="full") - full_before == 1
-    feed = requests.get(decode + wire.EVICTIONS_ROUTE, timeout=10).json()
-    assert feed["seq"] >= 1 and len(feed["evicted"]) >= 1, feed
+    # the engine answers feed reads from one shared read for up to TURNKV_EVICTIONS_CACHE_MS (500 ms; its "age"
+    # says how old): the announcement shows within that
+    feeds = []
+    assert wait_for(lambda: feeds.append(requests.get(decode + wire.EVICTIONS_ROUTE, timeout=10).json())
+                    or (feeds[-1]["seq"] >= 1 and len(feeds[-1]["evicted"]) >= 1), 3), feeds[-1]
     time.sleep(1.0)  # the router reads the feed every 0.2 s
     # B was kept: it reuses, with the answer reuse-off gives
     b = chat(router, firsts[802], conversation="evict-802")
