@@ -148,7 +148,9 @@ CATALOG: tuple[Tunable, ...] = (
     Tunable("tenant_loop_share", 0.25, 0.01, 1.0, "share", Scope.ROUTER,
             "Share of the router's event loop one tenant's requests may take (their handlers' steps, timed as they "
             "run, averaged over about 2 s) while the loop is busier than twice this in all and another tenant uses "
-            "it too; above it that tenant's new requests get 429 before their bodies are read. 1 switches it off.",
+            "it too; above it that tenant's new requests get 429 before their bodies are read. Keep it above the "
+            "share the heaviest legitimate tenant takes (at 0.1 the hostile bench's bystander was refused). 1 switches "
+            "it off.",
             float),
     Tunable("tenant_request_rate", 200.0, 0.01, 1_000_000, "requests/s", Scope.ROUTER,
             "Completion requests one tenant may start per second (token bucket, burst of 2x, at least 10); above "
