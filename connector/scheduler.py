@@ -47,6 +47,10 @@ RELOADED_INTO = {"decoder_kv_blocks_ttl": "decoder_kv_blocks_ttl", "kv_recompute
 #: turn kept for forks frees its room only after the eviction grace, so under pressure the room goes to newer turns
 #: (read-once, freed on the read, as upstream) rather than to forks.
 FORK_ROOM_SHARE = 0.75
+#: After decode refused a finished turn for lack of room, offers are single use for this long: under sustained
+#: retention pressure a read turn kept for forks would take room the next conversation's turn needs (the pressure
+#: benchmark at twice what fits: 7/16 later turns reused with forks kept, against 12/16 single use).
+FORK_PRESSURE_COOLDOWN = 60.0
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -610,7 +614,10 @@ class TurnkvSchedulerMixin:
         return delay, out
 
     def _fork_room(self, adding: int) -> bool:
-        """Whether the device tier has room for keeping this turn after its read (``FORK_ROOM_SHARE``)."""
+        """Whether the device tier has room for keeping this turn after its read: no turn refused for lack of room
+        lately (``FORK_PRESSURE_COOLDOWN``) and the tier at most ``FORK_ROOM_SHARE`` full with this turn."""
+        if time.time() - getattr(self, "_refused_at", float("-inf")) < FORK_PRESSURE_COOLDOWN:
+            return False
         return self._retained.used(Tier.DEVICE) + adding <= FORK_ROOM_SHARE * self._retention_capacity()
 
     def _retention_capacity(self) -> float:
@@ -626,8 +633,10 @@ class TurnkvSchedulerMixin:
         placement = self._retained.place(adding, time.time(), self._retention_capacity(), self._host_room(),
                                          idle_after, host_ok=host_ok)
         for request_id, held in placement.evicted:
-            self._announce_eviction(request_id, held, EvictReason.IDLE)
+            reason = EvictReason.READ if held.read_at is not None else EvictReason.IDLE
+            self._announce_eviction(request_id, held, reason)
         if placement.refusal is not None:
+            self._refused_at = time.time()  # retention pressure: no fork-readable offers for a while
             self.turnkv_stats.record("turnkv_retention_refused", 1)
             self.turnkv_stats.record_label("turnkv_retention_refusals", placement.refusal)
         return placement

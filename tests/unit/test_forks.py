@@ -193,3 +193,22 @@ def test_push_takes_a_fork_readable_turns_read_notifications_off_the_writers_que
         notifs.put(msg)
     assert notifs.get_nowait() == KEPT_FOR_FORKS and notifs.get_nowait() == b"other:1"
     assert worker._turnkv_fork_reads.drain() == ["fork"]
+
+
+def test_after_a_turn_was_refused_for_room_offers_are_single_use_for_the_cooldown(scheduler, monkeypatch):  # noqa: F811
+    """Sustained retention pressure: a read turn kept for forks would take the room the next conversation's turn
+    needs, so once decode refused a turn for lack of room it signs offers single use for FORK_PRESSURE_COOLDOWN."""
+    from connector import scheduler as sched
+
+    decode = scheduler()
+    decode._retained_share = 0.06  # 6 of 100 blocks
+    offers = [decode.request_finished(_request(f"d{i}", range(300), RETAIN), [[3 * i, 3 * i + 1, 3 * i + 2]])[1]
+              for i in range(3)]
+    assert wire.FORK_WINDOW in offers[0] and offers[2] is None  # the third did not fit: refused
+    _freed(decode, "d0", "d1")  # room again
+    _, after = decode.request_finished(_request("d3", range(300), RETAIN), [[9, 10, 11]])
+    assert after is not None and wire.FORK_WINDOW not in after  # single use: decode was under pressure lately
+    monkeypatch.setattr(sched, "FORK_PRESSURE_COOLDOWN", 0.0)  # the cooldown is over
+    _freed(decode, "d3")
+    _, later = decode.request_finished(_request("d4", range(300), RETAIN), [[12, 13, 14]])
+    assert wire.FORK_WINDOW in later
