@@ -88,10 +88,13 @@ CATALOG: tuple[Tunable, ...] = (
             "twice the 90th percentile of how long retained turns waited before being read (the TTL until 8 reads "
             "are seen). Younger turns are kept and the newcomer is not retained, so reuse degrades to the share "
             "that fits instead of collapsing under oldest-first eviction.", float, reloadable=True),
-    Tunable("fork_window", 10, 0, 600, "s", Scope.ENGINE,
+    Tunable("fork_window", 0, 0, 600, "s", Scope.ENGINE,
             "Decode keeps a retained turn readable this long after its first read, so forks of one history "
             "(parallel samples, subagents, retries) each pull it instead of recomputing; read turns are the first "
-            "evicted when room is needed. 0: single use (the first read frees the blocks).", float, reloadable=True),
+            "evicted when room is needed. 0 (the default): single use, the first read frees the blocks. Read turns "
+            "hold their room fork_window + 7 s longer: under retention pressure that room is the next turn's (make "
+            "demo's pressure row at 2x what fits: 7/16 later turns reused at 10 s, 12/16 at 0); set it (10 s) for "
+            "agents that fork and have room to spare.", float, reloadable=True),
     Tunable("retention_eviction_grace", 30, 5, 600, "s", Scope.ENGINE,
             "Decode frees an evicted turn's blocks this long after announcing the eviction on its evictions feed; "
             "must exceed replay_window + 2 x evictions_interval + max(1 s, evictions_interval) + "

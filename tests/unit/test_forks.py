@@ -31,6 +31,7 @@ def test_a_clearance_names_its_reader_and_the_replay_key_is_per_reader_only_for_
 
 def test_decode_signs_the_fork_window_and_prefill_reads_each_readers_clearance_once(scheduler):  # noqa: F811
     decode, prefill = scheduler(), scheduler()
+    decode._fork_window = 10.0  # fork_window set (the catalog's default is 0: single use)
     tokens = list(range(300))
     _, out = decode.request_finished(_request("d1", tokens, RETAIN), [[1, 2, 3]])
     assert out[wire.FORK_WINDOW] == 10.0 and wire.check_offer(SECRET, out, "model-x", time.time(), 5) == "ok"
@@ -174,6 +175,7 @@ def test_prefill_reports_its_own_prefix_cache_hits_apart_and_the_router_counts_o
 
 def test_offers_are_fork_readable_only_while_the_device_tier_is_at_most_three_quarters_full(scheduler):  # noqa: F811
     decode = scheduler()
+    decode._fork_window = 10.0
     decode._retained_share = 0.09  # 9 of 100 blocks: forks while at most 6.75 are held (FORK_ROOM_SHARE)
     offers = [decode.request_finished(_request(f"d{i}", range(300), RETAIN), [[3 * i, 3 * i + 1, 3 * i + 2]])[1]
               for i in range(3)]
@@ -201,6 +203,7 @@ def test_after_a_turn_was_refused_for_room_offers_are_single_use_for_the_cooldow
     from connector import scheduler as sched
 
     decode = scheduler()
+    decode._fork_window = 10.0
     decode._retained_share = 0.06  # 6 of 100 blocks
     offers = [decode.request_finished(_request(f"d{i}", range(300), RETAIN), [[3 * i, 3 * i + 1, 3 * i + 2]])[1]
               for i in range(3)]
