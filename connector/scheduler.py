@@ -224,6 +224,8 @@ class TurnkvSchedulerMixin:
             logger.warning("turnkv: host_kv_budget_mib %d is above the %d MiB this engine started with: the host "
                            "tier stays at %d MiB until a restart", self._host_budget_mib, self._host_started_mib,
                            self._host_started_mib)
+        if "retained_kv_share" in values or "host_kv_budget_mib" in values or "fork_window" in values:
+            self._refused_at = float("-inf")  # retention reconfigured: the pressure seen before is no guide
         if "retained_kv_share" in values or "host_kv_budget_mib" in values:
             self._enforce_rooms()
 

@@ -215,3 +215,10 @@ def test_after_a_turn_was_refused_for_room_offers_are_single_use_for_the_cooldow
     _freed(decode, "d3")
     _, later = decode.request_finished(_request("d4", range(300), RETAIN), [[12, 13, 14]])
     assert wire.FORK_WINDOW in later
+
+
+def test_a_reload_of_the_retention_room_or_the_window_ends_the_pressure_cooldown(scheduler):  # noqa: F811
+    decode = scheduler()
+    decode._refused_at = time.time()
+    decode._apply_tunables({"fork_window": 10.0})
+    assert decode._fork_room(1)  # an operator set the window (or the room) again: pressure is measured afresh
