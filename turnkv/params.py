@@ -93,7 +93,7 @@ CATALOG: tuple[Tunable, ...] = (
             "(parallel samples, subagents, retries) each pull it instead of recomputing; read turns are the first "
             "evicted when room is needed. 0 (the default): single use, the first read frees the blocks. Read turns "
             "hold their room fork_window + 7 s longer: under retention pressure that room is the next turn's (make "
-            "demo's pressure row at 2x what fits: 7/16 later turns reused at 10 s, 12/16 at 0); set it (10 s) for "
+            "demo's pressure row at 2x what fits: 7/16 later turns reused at 10 s, 11/16 at 0); set it (10 s) for "
             "agents that fork and have room to spare.", float, reloadable=True),
     Tunable("retention_eviction_grace", 30, 5, 600, "s", Scope.ENGINE,
             "Decode frees an evicted turn's blocks this long after announcing the eviction on its evictions feed; "
