@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import time
 import uuid
 from collections.abc import Callable
@@ -27,19 +26,15 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import orjson
 
-from bench import agent_trace
+from bench import agent_trace, client
 from bench.agent_trace import Agent, Session
+from bench.client import PREFILL_CACHED_HEADER, REUSE_OUTCOME_HEADER, REUSED_TOKENS_HEADER  # noqa: F401
 from bench.runner import discover_model
 from turnkv import router_env
 
 ARMS = ("off", "on", "best")
 REUSE_HEADER = "X-TurnKV-Reuse"
-REUSED_TOKENS_HEADER = "X-TurnKV-Reused-Tokens"
-REUSE_OUTCOME_HEADER = "X-TurnKV-Reuse-Outcome"
-#: Prompt tokens prefill's own prefix cache held (a router that does not send it: 0).
-PREFILL_CACHED_HEADER = "X-TurnKV-Prefill-Cached-Tokens"
 
 
 @dataclass
@@ -72,58 +67,16 @@ class Record:
         return asdict(self)
 
 
-def _int_header(headers: Any, name: str) -> int:
-    try:
-        return int(headers.get(name, 0) or 0)
-    except ValueError:
-        return 0
-
-
 async def post_chat(session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str],
                     record: Record, timeout: float, origin: float) -> Record:
-    """POST a streaming chat completion and fill ``record`` (errors are recorded, not raised)."""
+    """POST a streaming chat completion and fill ``record`` (``bench.client.chat``), with when it started and ended
+    on the run's clock (``origin``)."""
     started = time.perf_counter()
     record.started_s = round(started - origin, 4)
-    parts: list[str] = []
-    try:
-        async with session.post(url.rstrip("/") + "/v1/chat/completions", data=orjson.dumps(body),
-                                headers={"Content-Type": "application/json", **headers},
-                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            record.reused_tokens = _int_header(resp.headers, REUSED_TOKENS_HEADER)
-            record.prefill_cached_tokens = _int_header(resp.headers, PREFILL_CACHED_HEADER)
-            record.reuse_outcome = resp.headers.get(REUSE_OUTCOME_HEADER, "")
-            if resp.status != 200:
-                record.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
-            else:
-                async for line in resp.content:
-                    if not line.startswith(b"data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
-                        break
-                    chunk = orjson.loads(payload)
-                    if "error" in chunk:
-                        record.error = str(chunk["error"])[:300]
-                        break
-                    for choice in chunk.get("choices") or ():
-                        text = (choice.get("delta") or {}).get("content")
-                        if text:
-                            if record.ttft_ms is None:
-                                record.ttft_ms = round((time.perf_counter() - started) * 1000, 2)
-                            parts.append(text)
-                    usage = chunk.get("usage")
-                    if usage:
-                        record.prompt_tokens = usage.get("prompt_tokens")
-                        record.completion_tokens = usage.get("completion_tokens")
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        record.error = f"{type(exc).__name__}: {exc}"[:300]
-    ended = time.perf_counter()
-    record.latency_ms = round((ended - started) * 1000, 2)
-    record.ended_s = round(ended - origin, 4)
-    record.reply = "".join(parts)
-    record.reply_sha = hashlib.sha256(record.reply.encode()).hexdigest()[:16]
-    if record.error is None and record.ttft_ms is None:
-        record.error = "no content token in the stream"
+    await client.chat(session, url, body, headers, record, timeout)
+    record.ended_s = round(started + (record.latency_ms or 0.0) / 1000 - origin, 4)
+    record.latency_ms = None if record.latency_ms is None else round(record.latency_ms, 2)
+    record.ttft_ms = None if record.ttft_ms is None else round(record.ttft_ms, 2)
     return record
 
 

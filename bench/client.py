@@ -34,25 +34,40 @@ class Result:
         return data
 
 
+REUSED_TOKENS_HEADER = "X-TurnKV-Reused-Tokens"
+REUSE_OUTCOME_HEADER = "X-TurnKV-Reuse-Outcome"
+#: Prompt tokens prefill's own prefix cache held (a router that does not send it: 0).
+PREFILL_CACHED_HEADER = "X-TurnKV-Prefill-Cached-Tokens"
+
+
+def int_header(headers: Any, name: str) -> int:
+    """A router's count header as an int (0 when absent or not a number)."""
+    try:
+        return int(headers.get(name, 0) or 0)
+    except ValueError:
+        return 0
+
+
 async def chat(session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str],
-               result: Result, timeout: float) -> Result:
-    """POST a streaming chat completion and fill ``result`` (errors are recorded, not raised)."""
+               result: Any, timeout: float) -> Any:
+    """POST a streaming chat completion and fill ``result`` (a :class:`Result`, or any record with its fields;
+    errors are recorded, not raised)."""
     started = time.perf_counter()
     parts: list[str] = []
     try:
         async with session.post(url.rstrip("/") + "/v1/chat/completions", data=orjson.dumps(body),
                                 headers={"Content-Type": "application/json", **headers},
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            result.reused_tokens = int(resp.headers.get("X-TurnKV-Reused-Tokens", 0) or 0)
-            result.prefill_cached_tokens = int(resp.headers.get("X-TurnKV-Prefill-Cached-Tokens", 0) or 0)
-            result.reuse_outcome = resp.headers.get("X-TurnKV-Reuse-Outcome", "")
+            result.reused_tokens = int_header(resp.headers, REUSED_TOKENS_HEADER)
+            result.prefill_cached_tokens = int_header(resp.headers, PREFILL_CACHED_HEADER)
+            result.reuse_outcome = resp.headers.get(REUSE_OUTCOME_HEADER, "")
             if resp.status != 200:
                 result.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 return result
             async for line in resp.content:
-                if not line.startswith(b"data: "):
+                if not line.startswith(b"data:"):
                     continue
-                payload = line[6:].strip()
+                payload = line[5:].strip()
                 if payload == b"[DONE]":
                     break
                 chunk = orjson.loads(payload)
