@@ -10,7 +10,7 @@ DEPS := pyproject.toml turnkv/versions.py $(wildcard requirements/*.txt)
 EXTRAS ?= engines,infra,dev,peers
 PYTEST_ARGS ?=
 
-.PHONY: setup prepare demo test lint unit e2e infra-test clean down tools synth aiperf vllm029 e2e-vllm029 gpu-check
+.PHONY: setup prepare demo test lint unit e2e infra-test clean down tools synth aiperf vllm029 e2e-vllm029 gpu-check gpu-smoke
 
 setup: $(READY)
 
@@ -117,7 +117,8 @@ VENV_GPU ?= .venv-gpu-check
 GPU_CHECK_OUT ?= results/gpu-check
 GPU_UNIT_TESTS := tests/unit/test_platform_paths.py tests/unit/test_push_scheduler.py \
   tests/unit/test_connector_units.py tests/unit/test_policy.py tests/unit/test_token_proof.py \
-  tests/unit/test_tunables_file.py tests/unit/test_versions.py
+  tests/unit/test_tunables_file.py tests/unit/test_versions.py \
+  tests/unit/test_shapes.py
 gpu-check: setup
 	@mkdir -p $(GPU_CHECK_OUT)
 	@test -x $(VENV_GPU)/bin/python || $(PYTHON) -m venv $(VENV_GPU)
@@ -137,6 +138,21 @@ gpu-check: setup
 	  --ignore-installed --report $(GPU_CHECK_OUT)/gpu-requirements.json \
 	  -r requirements/engines-gpu.txt "$$($(PYTHON) -m turnkv.versions --get NIXL_CUDA_PACKAGE)==$$($(PYTHON) -m turnkv.versions --get NIXL)" .
 	$(BIN)/python -m turnkv.gpu_report $(GPU_CHECK_OUT)/gpu-requirements.json
+
+# On a CUDA machine (not in CI; none here): bench.gpu_smoke's 1P1D pair on one GPU, pull and push, from a venv of
+# the GPU image's pins (vLLM's CUDA wheel, NIXL and its CUDA variant) and this checkout. Without a GPU it stops
+# before any download, saying so.
+VENV_GPU_SMOKE ?= .venv-gpu
+GPU_SMOKE_ARGS ?=
+gpu-smoke:
+	@nvidia-smi -L >/dev/null 2>&1 || { echo "make gpu-smoke: no NVIDIA GPU (nvidia-smi -L failed); run it on a CUDA machine"; \
+	  exit 2; }
+	@test -x $(VENV_GPU_SMOKE)/bin/python || $(PYTHON) -m venv $(VENV_GPU_SMOKE)
+	$(VENV_GPU_SMOKE)/bin/python -m pip install -q --disable-pip-version-check -U pip
+	$(VENV_GPU_SMOKE)/bin/python -m pip install -q --disable-pip-version-check -r requirements/engines-gpu.txt \
+	  "$$($(PYTHON) -m turnkv.versions --get NIXL_CUDA_PACKAGE)==$$($(PYTHON) -m turnkv.versions --get NIXL)"
+	$(EGG_LOCK) $(VENV_GPU_SMOKE)/bin/python -m pip install -q --disable-pip-version-check -e .
+	PYTHONPATH=$(CURDIR) $(VENV_GPU_SMOKE)/bin/python -m bench.gpu_smoke $(GPU_SMOKE_ARGS)
 
 infra-test: setup $(CDK)
 	$(BIN)/python -m pytest tests/infra $(PYTEST_ARGS)

@@ -71,14 +71,16 @@ def _pulled(url: str) -> float:
                if s.name == PULLED and s.labels.get("source") == "external_kv_transfer")
 
 
-def run_shape(shape: Shape, mode: Mode, state_dir: Path, timeout_s: float) -> Row:
+def run_shape(shape: Shape, mode: Mode, state_dir: Path, timeout_s: float, **stack: object) -> Row:
+    """One shape's stack, played and stopped; ``stack`` overrides :class:`StackConfig` fields (bench.gpu_smoke)."""
     row = Row(shape.key, shape.label, mode.value)
     started = time.monotonic()
-    config = StackConfig(state_dir=state_dir, router_port=8600, prefill_port=8610, decode_port=8620,
-                         prefill_prefix_caching=False,  # the seeds' setting: the A/B measures reuse
-                         side_channel_base=5700, mode=mode, kv_cache_gib=1, startup_timeout=300.0,
-                         prefill_tp=shape.prefill_tp, decode_tp=shape.decode_tp,
-                         prefill_block_size=shape.prefill_block_size, decode_block_size=shape.decode_block_size)
+    config = StackConfig(**{**dict(state_dir=state_dir, router_port=8600, prefill_port=8610, decode_port=8620,
+                                   prefill_prefix_caching=False,  # the seeds' setting: the A/B measures reuse
+                                   side_channel_base=5700, mode=mode, kv_cache_gib=1, startup_timeout=300.0,
+                                   prefill_tp=shape.prefill_tp, decode_tp=shape.decode_tp,
+                                   prefill_block_size=shape.prefill_block_size,
+                                   decode_block_size=shape.decode_block_size), **stack})
     supervisor = Supervisor(state_dir)
     supervisor.down()
     try:

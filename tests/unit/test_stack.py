@@ -203,3 +203,29 @@ def test_plan_runs_each_role_at_its_own_tensor_parallelism_and_block_size(tmp_pa
     # one core per rank: the CPU backend binds each rank's threads to its own list
     assert prefill.argv[:3] == ["taskset", "-c", "0,1"] and prefill.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
     assert decode.argv[:3] == ["taskset", "-c", "1"] and decode.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+
+
+def test_cuda_engines_share_the_gpu_with_no_cpu_settings_and_start_one_after_another(tmp_path):
+    cuda = StackConfig(state_dir=tmp_path, accelerator="cuda", cuda_devices="1", gpu_memory_utilization=0.3)
+    procs = stack.plan(cuda)
+    engines = [p for p in procs if p.kind == "engine"]
+    for engine in engines:
+        assert engine.argv[0].endswith("vllm")  # no taskset: GPU ranks are not pinned to cores
+        assert engine.argv[engine.argv.index("--gpu-memory-utilization") + 1] == "0.3"
+        assert engine.env["CUDA_VISIBLE_DEVICES"] == "1"
+        # UCX keeps its CUDA transports; the CPU build's settings would leave none that reach VRAM
+        cpu_only = {"UCX_TLS", "UCX_NET_DEVICES", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND"}
+        assert not cpu_only & set(engine.env)
+    assert [[p.name for p in b] for b in stack.start_batches(cuda, procs)] == [["prefill-0"], ["decode-0"], ["router"]]
+    cpu = StackConfig(state_dir=tmp_path)
+    cpu_procs = stack.plan(cpu)
+    assert [[p.name for p in b] for b in stack.start_batches(cpu, cpu_procs)] == [["prefill-0", "decode-0"], ["router"]]
+    assert all("--gpu-memory-utilization" not in p.argv and "CUDA_VISIBLE_DEVICES" not in p.env for p in cpu_procs)
+
+
+@pytest.mark.parametrize(("field", "value", "named"), [("accelerator", "tpu", "'tpu' is not one of cpu, cuda"),
+                                                        ("gpu_memory_utilization", 1.5, "1.5 is not in (0, 1]")])
+def test_a_wrong_accelerator_setting_is_refused_by_name(tmp_path, field, value, named):
+    config = StackConfig(state_dir=tmp_path, **{"accelerator": "cuda", field: value})
+    with pytest.raises(StackError, match=named.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        stack.plan(config)

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from turnkv import router_env
 from turnkv.engine_args import Mode
+from turnkv.local.stack import Accelerator
 from turnkv.local.start import start_stack
 
 app = typer.Typer(help="Run prefill + decode vLLM engines and the router on 127.0.0.1.", no_args_is_help=True)
@@ -49,6 +50,9 @@ def up(
     = False,
     tunable: Annotated[list[str] | None, typer.Option(
         "--set", help="Tunable NAME=VALUE, e.g. decoder_kv_blocks_ttl=120 (see `turnkv params list`).")] = None,
+    accelerator: Annotated[Accelerator, typer.Option(
+        help="cpu: vLLM's CPU build (this venv); cuda: both engines on one GPU, from a venv with vLLM's CUDA wheel "
+             "(`make gpu-smoke` builds .venv-gpu).")] = Accelerator.CPU,
     state_dir: StateDir = DEFAULT_DIR,
 ) -> None:
     """Start one prefill and one decode real vLLM engine and the router; wait until all are healthy."""
@@ -63,7 +67,8 @@ def up(
     config = StackConfig(state_dir=state_dir, router_port=port, prefill_port=engine_port_base,
                          decode_port=engine_port_base + router_env.DECODE_PORT_OFFSET,
                          side_channel_base=side_channel_base, mode=mode,
-                         prefill_prefix_caching=prefill_prefix_caching, best_case=best_case, tunables=tunables)
+                         prefill_prefix_caching=prefill_prefix_caching, best_case=best_case, tunables=tunables,
+                         accelerator=accelerator)
     state = start_stack(config, console)
     router = state["components"]["router"]["url"]
     console.print(f"[green]local stack up[/green]: router {router} (OpenAI API: {router}/v1), "

