@@ -166,6 +166,8 @@ class TurnkvSchedulerMixin:
         self._host_started_mib = 0
         self._to_host: dict[str, tuple[list[int], list[int], float]] = {}
         self._host_released: dict[str, int] = {}
+        # When decode last refused a turn for lack of room (forks are single use for FORK_PRESSURE_COOLDOWN after).
+        self._refused_at = float("-inf")
         # Prefill side: host-tier offers admitted, for the workers' READs (request id -> (bases, pool slots)).
         self._host_reads: dict[str, tuple[list[int], int]] = {}
         # Start-up values: every engine tunable the engine was started with (kv_connector_extra_config), then the
@@ -618,7 +620,7 @@ class TurnkvSchedulerMixin:
     def _fork_room(self, adding: int) -> bool:
         """Whether the device tier has room for keeping this turn after its read: no turn refused for lack of room
         lately (``FORK_PRESSURE_COOLDOWN``) and the tier at most ``FORK_ROOM_SHARE`` full with this turn."""
-        if time.time() - getattr(self, "_refused_at", float("-inf")) < FORK_PRESSURE_COOLDOWN:
+        if time.time() - self._refused_at < FORK_PRESSURE_COOLDOWN:
             return False
         return self._retained.used(Tier.DEVICE) + adding <= FORK_ROOM_SHARE * self._retention_capacity()
 
