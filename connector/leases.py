@@ -253,7 +253,7 @@ def renewed_offer(secret: bytes, offer: dict[str, Any], mono_expiry: float, mode
                   mono_now: float, wall_now: float) -> dict[str, Any]:
     """``offer`` with its new expiry on both clocks, signed again (pure)."""
     out = dict(offer)
-    out["remote_blocks_expiry_time"] = mono_expiry
+    out[wire.REMOTE_BLOCKS_EXPIRY_TIME] = mono_expiry
     return wire.sign_offer(secret, out, wall_now + (mono_expiry - mono_now), model)
 
 
@@ -287,8 +287,8 @@ class LeaseEndpoints:
             now = time.time()
             valid = {}
             for offer in offers:
-                if wire.check_offer(secret, offer, model, now, 0.0) == "ok" and offer.get("remote_request_id"):
-                    valid[str(offer["remote_request_id"])] = offer
+                if wire.check_offer(secret, offer, model, now, 0.0) == "ok" and offer.get(wire.REMOTE_REQUEST_ID):
+                    valid[str(offer[wire.REMOTE_REQUEST_ID])] = offer
             if not valid:
                 return _error(403, "no live offer signed by this engine")
             ids = list(valid)

@@ -47,7 +47,7 @@ async def renew(flow: Flow, request: web.Request, body: Any, tenant: str = "") -
         return error_response(404, "no live KV for this conversation (expired, consumed, or different settings)",
                               "not_found")
     engine = next((e for e in flow.pool.decode if e.name == entry.decode_engine), None)
-    request_id = entry.params.get("remote_request_id")
+    request_id = wire.KVParams(entry.params).request_id
     if engine is None or not request_id:
         return error_response(410, "the decode engine holding this conversation is gone", "gone")
     try:
