@@ -25,8 +25,8 @@ from connector.retention import EvictReason, Held, HostSlots, ReadDelays, Retent
 from connector.stats import TurnkvKVConnectorStats
 from connector.tunables import TunablesFile, start_values
 from connector.worker import TurnkvWorkerMeta
+from turnkv import lifetime, wire
 from turnkv import params as catalog
-from turnkv import wire
 
 logger = logging.getLogger("vllm.turnkv.connector")
 
@@ -94,11 +94,8 @@ def _count_blocks(block_ids: Any) -> int:
 
 def _wall_expiry(params: dict[str, Any], ttl: float) -> float:
     """Decode's expiry on the wall clock: upstream stamps its own ``perf_counter`` (meaningless on another
-    host); the same instant converted now, else now + TTL."""
-    mono = params.get(wire.REMOTE_BLOCKS_EXPIRY_TIME)
-    if isinstance(mono, (int, float)):
-        return time.time() + (float(mono) - time.perf_counter())
-    return time.time() + float(ttl)
+    host); the same instant converted now, else now + TTL (``turnkv.lifetime``)."""
+    return lifetime.decode_wall_expiry(params.get(wire.REMOTE_BLOCKS_EXPIRY_TIME), ttl, time.time(), time.perf_counter)
 
 
 def remote_block_size(params: dict[str, Any]) -> int | None:

@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 
 from router.outcomes import RequestKind, ReuseOutcome
+from turnkv import lifetime as turnkv_lifetime
 from turnkv import wire
 
 #: Settings that change how a chat prompt renders (part of the conversation key). ``tool_choice`` is not one:
@@ -388,8 +389,4 @@ def entry_expiry(now: float, lifetime: float, params: Mapping[str, Any], margin:
     of a long stream is long after decode finished and started its TTL. vLLM's own
     ``remote_blocks_expiry_time`` is decode's ``perf_counter`` (no other host can compare it) and is ignored.
     """
-    expiry = now + lifetime
-    engine_expiry = params.get(wire.EXPIRES_AT)
-    if isinstance(engine_expiry, (int, float)) and not isinstance(engine_expiry, bool):
-        expiry = min(expiry, float(engine_expiry) - margin)
-    return expiry
+    return turnkv_lifetime.entry_expiry(now, lifetime, wire.KVParams(params).expires_at, margin)

@@ -29,6 +29,8 @@ from typing import Any
 
 import orjson
 
+from turnkv import lifetime
+
 # -- upstream's kv_transfer_params keys (vLLM 0.32's NIXL connector) ---------------------------------
 # Named here so the router, the connector and the fake engine spell each one once; the strings are upstream's,
 # read and written by ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/`` (pull_scheduler, push_scheduler,
@@ -224,7 +226,7 @@ def check_offer(secret: bytes | None, params: Mapping[str, Any], model: str, now
     if params.get(MODEL) != model or not hmac.compare_digest(signature, offer_mac(secret, params)):
         return "forged"
     expires_at = params.get(EXPIRES_AT)
-    if not isinstance(expires_at, (int, float)) or now >= float(expires_at) - skew:
+    if not isinstance(expires_at, (int, float)) or lifetime.offer_expired(now, float(expires_at), skew):
         return "expired"
     return "ok"
 
