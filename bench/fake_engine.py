@@ -154,19 +154,21 @@ class FakeEngine:
     # -- protocol ---------------------------------------------------------------------------------
 
     def _prefill_params(self, request_id: str, tokens: int) -> dict[str, Any]:
-        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[next(self._ids)]],
-                "remote_engine_id": self.engine_id, "remote_request_id": request_id, "remote_host": self.host,
-                "remote_port": self.side_channel_port, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
-                "remote_num_tokens": tokens, "remote_blocks_expiry_time": None, "transfer_mode": self.mode}
+        return {wire.DO_REMOTE_PREFILL: True, wire.DO_REMOTE_DECODE: False,
+                wire.REMOTE_BLOCK_IDS: [[next(self._ids)]], wire.REMOTE_ENGINE_ID: self.engine_id,
+                wire.REMOTE_REQUEST_ID: request_id, wire.REMOTE_HOST: self.host,
+                wire.REMOTE_PORT: self.side_channel_port, wire.TP_SIZE: 1, wire.DCP_SIZE: 1, wire.PP_SIZE: 1,
+                wire.REMOTE_NUM_TOKENS: tokens, wire.REMOTE_BLOCKS_EXPIRY_TIME: None, wire.TRANSFER_MODE: self.mode}
 
     def _decode_params(self, request_id: str, tokens: int) -> dict[str, Any]:
         block = next(self._ids)
         RETAINED[(self.engine_id, block)] = time.time() + self.expiry_ttl
-        params = {"do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[block]],
-                  "remote_engine_id": self.engine_id, "remote_request_id": request_id, "remote_host": self.host,
-                  "remote_port": self.side_channel_port, "tp_size": 1, "dcp_size": 1, "pp_size": 1,
-                  "remote_num_tokens": tokens, "remote_blocks_expiry_time": self.monotonic() + self.expiry_ttl,
-                  "transfer_mode": "pull", wire.BOOT: f"boot-{self.engine_id}"}
+        params = {wire.DO_REMOTE_PREFILL: False, wire.DO_REMOTE_DECODE: True, wire.REMOTE_BLOCK_IDS: [[block]],
+                  wire.REMOTE_ENGINE_ID: self.engine_id, wire.REMOTE_REQUEST_ID: request_id,
+                  wire.REMOTE_HOST: self.host, wire.REMOTE_PORT: self.side_channel_port,
+                  wire.TP_SIZE: 1, wire.DCP_SIZE: 1, wire.PP_SIZE: 1,
+                  wire.REMOTE_NUM_TOKENS: tokens, wire.REMOTE_BLOCKS_EXPIRY_TIME: self.monotonic() + self.expiry_ttl,
+                  wire.TRANSFER_MODE: "pull", wire.BOOT: f"boot-{self.engine_id}"}
         if self.host_copy_delay is not None:
             params[wire.HOST_TIER] = {"tier": "host", "bases": [0x1000], "blocks": 1 << 20}
             self._hosted[request_id] = (time.time() + self.host_copy_delay, time.time() + self.expiry_ttl)
@@ -206,11 +208,11 @@ class FakeEngine:
 
     def _read_blocks(self, kv: dict[str, Any]) -> None:
         """The READ itself: blocks decode no longer holds give whatever is in them now."""
-        engine = str(kv.get("remote_engine_id"))
+        engine = str(wire.KVParams(kv).engine_id)
         if engine not in LOCAL_ENGINES:
             return
         window = wire.fork_window(kv)
-        for group in kv.get("remote_block_ids") or ():
+        for group in wire.KVParams(kv).block_ids or ():
             for block in group:
                 if window > 0:  # kept for forks: evicted once the window passed, freed after the grace
                     deadline = RETAINED.get((engine, block))
@@ -269,20 +271,20 @@ class FakeEngine:
         prompt_tokens = len(ids)
         with_ids = bool(body.get("return_token_ids"))
         created = int(time.time())
-        if isinstance(kv, dict) and kv.get("do_remote_decode"):  # prefill leg
+        view = wire.KVParams(kv) if isinstance(kv, dict) else wire.KVParams({})
+        if view.do_remote_decode:  # prefill leg
             self.stats["prefill"] += 1
             params = self._prefill_params(request_id, prompt_tokens)
-            verdict = self._admit_offer(kv) if kv.get("remote_block_ids") else None
+            verdict = self._admit_offer(kv) if view.block_ids else None
             if verdict not in (None, "ok"):  # refused before any read: prefill says why, as the connector does
-                params[wire.VERDICT] = {"offered": int(kv.get("remote_num_tokens") or 0), "verified": 0,
-                                        "reason": verdict}
+                params[wire.VERDICT] = {"offered": view.num_tokens, "verified": 0, "reason": verdict}
             if verdict == "ok":  # a pull of the previous turn's KV from decode
                 self._read_blocks(kv)
                 # decode wrote its request id into its reply: the history must contain the reply whose KV is pulled
-                if f"rid-{kv.get('remote_request_id')} " not in orjson.dumps(prompt).decode():
+                if f"rid-{view.request_id} " not in orjson.dumps(prompt).decode():
                     self.stats["wrong_reuse"] += 1
-                cached = max(0, min(int(kv.get("remote_num_tokens") or 0), prompt_tokens) - 1)
-                params["remote_prefill_cached_tokens"] = cached
+                cached = max(0, min(view.num_tokens, prompt_tokens) - 1)
+                params[wire.REMOTE_PREFILL_CACHED_TOKENS] = cached
                 self.stats["pulled"] += cached
             if self.mode == "push":  # hand the KV to decode's registration under this request id
                 waiting = PUSH_REGISTRATIONS.pop(request_id, None)
@@ -307,8 +309,8 @@ class FakeEngine:
         self.stats["decode"] += 1
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         kv_from = prompt_digest(prompt)
-        if isinstance(kv, dict) and kv.get("do_remote_prefill") and kv.get("transfer_id"):  # push: KV comes from P
-            kv_from = await self._push_kv(str(kv.get("remote_request_id")), kv_from)
+        if view.do_remote_prefill and view.transfer_id:  # push: KV comes from P
+            kv_from = await self._push_kv(str(view.request_id), kv_from)
         # a fresh prompt starts with two marker tokens (the request id, the KV decoded from); a token-id prompt
         # (a continuation) goes on from its sequence: greedy output depends only on the sequence
         sequence, tokens, words = list(ids), [], []
@@ -423,15 +425,15 @@ class FakeEngine:
             ttl = float(body["ttl"])
             renewed, missing = {}, []
             for offer in body.get("offers") or ():
-                rid = str(offer.get("remote_request_id"))
-                blocks = [(self.engine_id, b) for g in offer.get("remote_block_ids") or () for b in g]
+                rid = str(wire.KVParams(offer).request_id)
+                blocks = [(self.engine_id, b) for g in offer.get(wire.REMOTE_BLOCK_IDS) or () for b in g]
                 held = all(RETAINED.get(k, 0) > time.time() for k in blocks) and rid not in self._evicted
                 if wire.check_offer(self.offer_secret, offer, FAKE_MODEL, time.time(), 0.0) != "ok" or not held:
                     missing.append(rid)
                     continue
                 for k in blocks:
                     RETAINED[k] = max(RETAINED[k], time.time() + ttl)
-                out = {**offer, "remote_blocks_expiry_time": self.monotonic() + ttl}
+                out = {**offer, wire.REMOTE_BLOCKS_EXPIRY_TIME: self.monotonic() + ttl}
                 renewed[rid] = wire.sign_offer(self.offer_secret, out, time.time() + ttl, FAKE_MODEL)
             self.stats["leases"] = self.stats.get("leases", 0) + 1
             return web.json_response({"renewed": renewed, "missing": missing})

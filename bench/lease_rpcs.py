@@ -84,7 +84,7 @@ async def play(variant: str, routers: int, interval: float, renewals: float, sec
             await asyncio.sleep(interval)
 
     async def renew_one(http: httpx.AsyncClient, request_id: str) -> None:
-        offer = wire.sign_offer(SECRET, {"remote_request_id": request_id, "remote_blocks_expiry_time": 1.0},
+        offer = wire.sign_offer(SECRET, {wire.REMOTE_REQUEST_ID: request_id, wire.REMOTE_BLOCKS_EXPIRY_TIME: 1.0},
                                 time.time() + 100, MODEL)
         sent = time.monotonic()
         answer = await http.post(wire.LEASE_ROUTE, json={"offers": [offer], "ttl": 60})

@@ -38,7 +38,7 @@ from typing import Any, Generic, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from turnkv import wire
+from turnkv import lifetime, wire
 
 ROUTE = wire.LEASE_ROUTE
 MAX_TTL = wire.LEASE_MAX_TTL
@@ -64,7 +64,8 @@ def renew_on_worker(worker: Any, request_ids: list[str], ttl: float | Mapping[st
     renewed = {}
     for request_id in request_ids:
         if request_id in held and not evicted(request_id):  # an evicted turn's blocks are about to be freed
-            held[request_id] = max(held[request_id], now + float(ttl[request_id] if isinstance(ttl, Mapping) else ttl))
+            asked = float(ttl[request_id] if isinstance(ttl, Mapping) else ttl)
+            held[request_id] = lifetime.renewed_until(held[request_id], now, asked)
             renewed[request_id] = held[request_id]
     if renewed and hasattr(holder, "turnkv_renewed"):
         holder.turnkv_renewed(list(renewed))  # wanted again: not idle (connector.retention)
@@ -244,7 +245,7 @@ def parse_request(body: Any) -> tuple[list[dict[str, Any]], float]:
     if len(offers) > wire.LEASE_MAX_OFFERS:
         raise ValueError(f"at most {wire.LEASE_MAX_OFFERS} offers per call")
     ttl = body.get("ttl")
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_TTL:
+    if not lifetime.lease_ttl_ok(ttl, MAX_TTL):
         raise ValueError(f"'ttl' must be seconds in (0, {MAX_TTL}]")
     return offers, float(ttl)
 
@@ -253,8 +254,8 @@ def renewed_offer(secret: bytes, offer: dict[str, Any], mono_expiry: float, mode
                   mono_now: float, wall_now: float) -> dict[str, Any]:
     """``offer`` with its new expiry on both clocks, signed again (pure)."""
     out = dict(offer)
-    out["remote_blocks_expiry_time"] = mono_expiry
-    return wire.sign_offer(secret, out, wall_now + (mono_expiry - mono_now), model)
+    out[wire.REMOTE_BLOCKS_EXPIRY_TIME] = mono_expiry
+    return wire.sign_offer(secret, out, lifetime.wall_from_monotonic(mono_expiry, mono_now, wall_now), model)
 
 
 def _rpcs(state: Any, client: Any) -> EngineRpcs:
@@ -287,8 +288,8 @@ class LeaseEndpoints:
             now = time.time()
             valid = {}
             for offer in offers:
-                if wire.check_offer(secret, offer, model, now, 0.0) == "ok" and offer.get("remote_request_id"):
-                    valid[str(offer["remote_request_id"])] = offer
+                if wire.check_offer(secret, offer, model, now, 0.0) == "ok" and offer.get(wire.REMOTE_REQUEST_ID):
+                    valid[str(offer[wire.REMOTE_REQUEST_ID])] = offer
             if not valid:
                 return _error(403, "no live offer signed by this engine")
             ids = list(valid)

@@ -20,6 +20,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
 
+from turnkv import wire
+
 _BIDI_KEY = "bidirectional_kv_xfer"
 
 
@@ -38,7 +40,7 @@ class PushBidiScheduler(NixlPushConnectorScheduler):
 
     def _reads_back(self, params: dict[str, Any] | None) -> bool:
         """Prefill of a turn that may READ decode's retained KV (pull's bi-directional path applies)."""
-        return bool(self.is_bidirectional_kv_xfer_enabled and params and params.get("do_remote_decode"))
+        return bool(self.is_bidirectional_kv_xfer_enabled and wire.KVParams.from_params(params).do_remote_decode)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         if self._reads_back(request.kv_transfer_params):
@@ -56,7 +58,7 @@ class PushBidiScheduler(NixlPushConnectorScheduler):
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
         decode_done = (self.is_bidirectional_kv_xfer_enabled and params
-                       and not params.get("do_remote_decode") and not params.get("do_remote_prefill"))
+                       and not params.get(wire.DO_REMOTE_DECODE) and not params.get(wire.DO_REMOTE_PREFILL))
         if not decode_done:
             return super().request_finished(request, block_ids)
         # Decode finished a turn it received by push: keep its blocks for the next turn's READ.

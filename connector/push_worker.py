@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPu
 
 from connector import compat, nixl_agent
 from connector.worker import TurnkvWorkerMixin
+from turnkv import wire
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ class PushBidiWorker(TurnkvWorkerMixin, NixlPushConnectorWorker, NixlPullConnect
 
     def _do_send_reg_notif(self, req_id: str, reg_data: dict[str, Any]) -> Any:
         with self._turnkv_peer_lock:
-            self._turnkv_sending_to = reg_data.get("remote_engine_id")
+            self._turnkv_sending_to = reg_data.get(wire.REMOTE_ENGINE_ID)  # upstream's registration copies the key
             try:
                 return super()._do_send_reg_notif(req_id, reg_data)  # type: ignore[misc]
             finally:

@@ -25,8 +25,8 @@ from connector.retention import EvictReason, Held, HostSlots, ReadDelays, Retent
 from connector.stats import TurnkvKVConnectorStats
 from connector.tunables import TunablesFile, start_values
 from connector.worker import TurnkvWorkerMeta
+from turnkv import lifetime, wire
 from turnkv import params as catalog
-from turnkv import wire
 
 logger = logging.getLogger("vllm.turnkv.connector")
 
@@ -94,11 +94,8 @@ def _count_blocks(block_ids: Any) -> int:
 
 def _wall_expiry(params: dict[str, Any], ttl: float) -> float:
     """Decode's expiry on the wall clock: upstream stamps its own ``perf_counter`` (meaningless on another
-    host); the same instant converted now, else now + TTL."""
-    mono = params.get("remote_blocks_expiry_time")
-    if isinstance(mono, (int, float)):
-        return time.time() + (float(mono) - time.perf_counter())
-    return time.time() + float(ttl)
+    host); the same instant converted now, else now + TTL (``turnkv.lifetime``)."""
+    return lifetime.decode_wall_expiry(params.get(wire.REMOTE_BLOCKS_EXPIRY_TIME), ttl, time.time(), time.perf_counter)
 
 
 def remote_block_size(params: dict[str, Any]) -> int | None:
@@ -106,7 +103,7 @@ def remote_block_size(params: dict[str, Any]) -> int | None:
     size decode made its (signed) token proof with; None when neither is known or they disagree (pure)."""
     sizes = set()
     proof = params.get(token_proof.PARAMS_KEY)
-    for size in (params.get("remote_block_size"), proof.get("block_size") if isinstance(proof, dict) else None):
+    for size in (params.get(wire.REMOTE_BLOCK_SIZE), proof.get("block_size") if isinstance(proof, dict) else None):
         if size is None:
             continue
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
@@ -166,6 +163,8 @@ class TurnkvSchedulerMixin:
         self._host_started_mib = 0
         self._to_host: dict[str, tuple[list[int], list[int], float]] = {}
         self._host_released: dict[str, int] = {}
+        # When decode last refused a turn for lack of room (forks are single use for FORK_PRESSURE_COOLDOWN after).
+        self._refused_at = float("-inf")
         # Prefill side: host-tier offers admitted, for the workers' READs (request id -> (bases, pool slots)).
         self._host_reads: dict[str, tuple[list[int], int]] = {}
         # Start-up values: every engine tunable the engine was started with (kv_connector_extra_config), then the
@@ -232,15 +231,15 @@ class TurnkvSchedulerMixin:
     # prefill side ------------------------------------------------------------------------------
 
     def _is_decode_offer(self, params: dict[str, Any] | None) -> bool:
-        return bool(params and params.get("do_remote_decode") and params.get("remote_block_ids")
-                    and not params.get("_remote_blocks_processed"))
+        return bool(params and params.get(wire.DO_REMOTE_DECODE) and params.get(wire.REMOTE_BLOCK_IDS)
+                    and not params.get(wire.REMOTE_BLOCKS_PROCESSED))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         self._tunables.poll()
         self._pending[request.request_id] = request
         self._prefill_local[request.request_id] = int(num_computed_tokens)
         params = request.kv_transfer_params
-        if params and params.get("do_remote_decode") and params.get("_remote_blocks_processed"):
+        if params and params.get(wire.DO_REMOTE_DECODE) and params.get(wire.REMOTE_BLOCKS_PROCESSED):
             # The one READ of decode's blocks was already tried: it failed (decode died, lease gone) or the
             # request was preempted after it. Upstream would report the tokens as loadable again without
             # queueing a transfer, and the request would wait for remote KV forever. Compute them instead.
@@ -262,7 +261,7 @@ class TurnkvSchedulerMixin:
             return count, asynchronous
         decision = None
         if self._adaptive:
-            engine = str(params.get("remote_engine_id"))
+            engine = str(wire.KVParams(params).engine_id)
             decision = self.cost.decide(count, self.kv_recompute_threshold, self._load(request.request_id),
                                         new_engine=engine not in self._handshaken)
         if count > 0 and decision is not None and not decision.pull:
@@ -315,7 +314,7 @@ class TurnkvSchedulerMixin:
         params = request.kv_transfer_params
         if num_external_tokens > 0 and self._is_decode_offer(params):
             self._pulls_started[request.request_id] = (time.perf_counter(), num_external_tokens,
-                                                       str(params.get("remote_engine_id")))
+                                                       str(wire.KVParams(params).engine_id))
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     # cost model inputs: step compute time, transfers, handshakes ---------------------------------------
@@ -477,7 +476,7 @@ class TurnkvSchedulerMixin:
             reason = "replayed"
         if reason == "ok":
             return True
-        offered = int(params.get("remote_num_tokens") or 0)
+        offered = wire.KVParams(params).num_tokens
         self._verdicts[request.request_id] = token_proof.Verdict(offered, 0, reason)
         self.turnkv_stats.record(f"turnkv_offers_{reason}", 1)
         logger.warning("turnkv: request %s: decode's offer is %s; recomputing without reading it",
@@ -498,14 +497,14 @@ class TurnkvSchedulerMixin:
         if reason == "ok":
             self._host_reads[request.request_id] = parsed  # type: ignore[assignment]
             return True
-        self._verdicts[request.request_id] = token_proof.Verdict(int(params.get("remote_num_tokens") or 0), 0, reason)
+        self._verdicts[request.request_id] = token_proof.Verdict(wire.KVParams(params).num_tokens, 0, reason)
         self.turnkv_stats.record(f"turnkv_offers_{reason}", 1)
         logger.warning("turnkv: request %s: decode's host-tier offer is %s; recomputing", request.request_id, reason)
         wire.neutralize(params)
         return False
 
     def _check_offer(self, request: Any, params: dict[str, Any]) -> None:
-        remote = int(params.get("remote_num_tokens") or 0)
+        remote = wire.KVParams(params).num_tokens
         proof = params.get(token_proof.PARAMS_KEY)
         verdict = token_proof.verify(proof, request.prompt_token_ids or [], remote)
         if verdict.reason in ("no-proof", "bad-proof") and not self._require_proof:
@@ -531,23 +530,23 @@ class TurnkvSchedulerMixin:
         """Make decode's offer cover only the verified prefix (upstream then pulls just that). Decode's block ids are
         cut in decode's block size, which may differ from this engine's; when it is unknown or incompatible the
         offer is recomputed rather than cut by a guess."""
-        params["remote_num_tokens"] = verified
-        groups = params.get("remote_block_ids") or []
+        params[wire.REMOTE_NUM_TOKENS] = verified
+        groups = params.get(wire.REMOTE_BLOCK_IDS) or []
         keep = None
         if verified > 0 and len(groups) == 1:
             keep = kept_remote_blocks(len(groups[0]), verified, remote_block_size(params), int(self.block_size))
         if keep is None:
             # Nothing (or, with several KV cache groups or an unknown block size, nothing safely) pulled. The block
             # ids stay, so decode is still notified and frees its blocks.
-            params["remote_num_tokens"] = 0
+            params[wire.REMOTE_NUM_TOKENS] = 0
             return
-        params["remote_block_ids"] = [list(groups[0][:keep])]
+        params[wire.REMOTE_BLOCK_IDS] = [list(groups[0][:keep])]
 
     # both sides ----------------------------------------------------------------------------------
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params or {}
-        is_decode = bool(params) and not params.get("do_remote_decode")
+        is_decode = bool(params) and not params.get(wire.DO_REMOTE_DECODE)
         unwanted = self._retain_on_demand and not params.get(RETAIN_KEY)
         adding = _count_blocks(block_ids)
         placement = None
@@ -572,17 +571,17 @@ class TurnkvSchedulerMixin:
         local = self._prefill_local.pop(request.request_id, 0)
         if out is None:
             return delay, out
-        if out.get("do_remote_prefill") and local > 0:
+        if out.get(wire.DO_REMOTE_PREFILL) and local > 0:
             out[wire.PREFILL_LOCAL_TOKENS] = local
-        if out.get("do_remote_prefill") and cached is not None and not compat.reports_prefill_cached_tokens():
+        if out.get(wire.DO_REMOTE_PREFILL) and cached is not None and not compat.reports_prefill_cached_tokens():
             # What 0.32's scheduler adds to prefill's answer (the router counts reuse from it).
-            out.setdefault("remote_prefill_cached_tokens", cached)
-        if out.get("do_remote_decode") and delay and out.get("remote_num_tokens"):
+            out.setdefault(wire.REMOTE_PREFILL_CACHED_TOKENS, cached)
+        if out.get(wire.DO_REMOTE_DECODE) and delay and out.get(wire.REMOTE_NUM_TOKENS):
             # Decode: prove which tokens the retained blocks hold. Upstream offers num_computed_tokens, which with
             # speculative decoding can count draft slots past the request's token ids: only tokens that exist are
             # held (and offered), else the proof covers fewer tokens than claimed and every offer is refused.
-            out["remote_num_tokens"] = held_tokens(int(out["remote_num_tokens"]), len(request.all_token_ids))
-            held = list(request.all_token_ids[: out["remote_num_tokens"]])
+            out[wire.REMOTE_NUM_TOKENS] = held_tokens(int(out[wire.REMOTE_NUM_TOKENS]), len(request.all_token_ids))
+            held = list(request.all_token_ids[: out[wire.REMOTE_NUM_TOKENS]])
             out[token_proof.PARAMS_KEY] = token_proof.make_proof(held, self.block_size)
             if self._boot:
                 out[boot.PARAMS_KEY] = self._boot
@@ -592,8 +591,8 @@ class TurnkvSchedulerMixin:
             if tier is Tier.HOST:
                 # Offered from the host pool: the slots replace the device blocks, which the workers copy from at
                 # the next step and then free (connector.host_tier).
-                device_blocks = list((out.get("remote_block_ids") or [[]])[0])
-                out["remote_block_ids"] = [list(slots)]
+                device_blocks = list((out.get(wire.REMOTE_BLOCK_IDS) or [[]])[0])
+                out[wire.REMOTE_BLOCK_IDS] = [list(slots)]
                 out[wire.HOST_TIER] = host_tier.offer_field([self._host_bases[r] for r in range(self._tp_size)],
                                                             self._host_pool_blocks)
             fork_window = 0.0
@@ -605,7 +604,7 @@ class TurnkvSchedulerMixin:
                 expires_at = wire.sign_offer(self._offer_secret, out, expires_at, self._model)[wire.EXPIRES_AT]
             if tier is Tier.HOST:
                 self._to_host[request.request_id] = (device_blocks, list(slots), expires_at)
-            self._retained.hold(request.request_id, Held(_count_blocks(out.get("remote_block_ids")), expires_at,
+            self._retained.hold(request.request_id, Held(_count_blocks(out.get(wire.REMOTE_BLOCK_IDS)), expires_at,
                                                          tier, time.time(), tuple(slots), fork_window=fork_window))
             self.turnkv_stats.record_label("turnkv_retention_placed", tier)
             self._export_retained()
@@ -618,7 +617,7 @@ class TurnkvSchedulerMixin:
     def _fork_room(self, adding: int) -> bool:
         """Whether the device tier has room for keeping this turn after its read: no turn refused for lack of room
         lately (``FORK_PRESSURE_COOLDOWN``) and the tier at most ``FORK_ROOM_SHARE`` full with this turn."""
-        if time.time() - getattr(self, "_refused_at", float("-inf")) < FORK_PRESSURE_COOLDOWN:
+        if time.time() - self._refused_at < FORK_PRESSURE_COOLDOWN:
             return False
         return self._retained.used(Tier.DEVICE) + adding <= FORK_ROOM_SHARE * self._retention_capacity()
 

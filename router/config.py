@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from router import hints
-from turnkv import params, router_env, wire
+from turnkv import lifetime, params, router_env, wire
 
 KEY_SECRET_ENV = router_env.KEY_SECRET
 API_KEYS_ENV = router_env.API_KEYS
@@ -105,7 +105,7 @@ class RouterConfig:
     def entry_lifetime(self) -> float:
         """Seconds a stored entry may be replayed: the router TTL, and always before decode frees blocks."""
         t = self.tunables
-        return float(min(t["conversation_ttl"], t["decoder_kv_blocks_ttl"] - t["expiry_margin"]))
+        return lifetime.entry_lifetime(t["conversation_ttl"], t["decoder_kv_blocks_ttl"], t["expiry_margin"])
 
     def api_keys_text(self) -> list[str]:
         texts = []

@@ -190,7 +190,7 @@ class Flow:
             log.info("decode engine %s: stored turn not replayed (%s)", entry.decode_engine, why)
         elif d.outcome == ReuseOutcome.REFUSED:
             log.warning("stored params name %r, which is no engine of this router: not replayed",
-                        entry.params.get("remote_host"))
+                        wire.KVParams(entry.params).host)
         if entry.decode_engine:
             d.affinity = entry.decode_engine
         if d.outcome != ReuseOutcome.HIT:
@@ -237,7 +237,7 @@ class Flow:
         engine = self.pool.find(entry.decode_engine) if entry.decode_engine else None
         if engine is None:
             return None
-        request_id = entry.params.get("remote_request_id")
+        request_id = wire.KVParams(entry.params).request_id
         host = entry.params.get(wire.HOST_TIER) is not None
         interval = float(self.config.evictions_interval)
         why = engine.feed.refuses(request_id, time.time(), interval, host_tier=host)
@@ -285,7 +285,7 @@ class Flow:
     # -- retention limits (per tenant, this process) -----------------------------------------------
 
     def hold_retention(self, tenant: str, key: str, entry: Entry, expires: float) -> None:
-        self.retention.hold(tenant, key, int(entry.params.get("remote_num_tokens") or 0), expires)
+        self.retention.hold(tenant, key, wire.KVParams(entry.params).num_tokens, expires)
 
     def release_retention(self, key: str) -> None:
         self.retention.release(key)

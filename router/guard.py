@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 
 from router.outcomes import RequestKind, ReuseOutcome
+from turnkv import lifetime as turnkv_lifetime
 from turnkv import wire
 
 #: Settings that change how a chat prompt renders (part of the conversation key). ``tool_choice`` is not one:
@@ -49,17 +50,14 @@ COMPLETION_RENDER_FIELDS = ("model", "cache_salt", "add_special_tokens", "trunca
 MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
 #: ``kv_transfer_params`` keys a decode engine returns in bi-directional mode and prefill may be sent:
 #: upstream's, then turnkv's (``turnkv.wire``: token proof, boot, wall-clock expiry, model, signature).
-REPLAY_KEYS = (
-    "do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",
-    "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens",
-    "remote_blocks_expiry_time", "transfer_mode", *wire.OFFER_KEYS,
-)
-REQUIRED_REPLAY_KEYS = ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port", "remote_num_tokens")
+REPLAY_KEYS = (*wire.UPSTREAM_OFFER_KEYS, *wire.OFFER_KEYS)
+REQUIRED_REPLAY_KEYS = (wire.REMOTE_BLOCK_IDS, wire.REMOTE_ENGINE_ID, wire.REMOTE_HOST, wire.REMOTE_PORT,
+                        wire.REMOTE_NUM_TOKENS)
 
 #: What prefill is sent on a turn without reuse (upstream pull protocol, step 1).
 FRESH_PREFILL_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+    wire.DO_REMOTE_DECODE: True, wire.DO_REMOTE_PREFILL: False, wire.REMOTE_ENGINE_ID: None,
+    wire.REMOTE_BLOCK_IDS: None, wire.REMOTE_HOST: None, wire.REMOTE_PORT: None,
 }
 
 
@@ -345,7 +343,7 @@ def hint_key(secret: bytes, tenant: str, hint: str, turn: Turn) -> str:
 
 def replayable(params: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """Allowlisted copy of decode's returned params, or None when they cannot be replayed."""
-    if not isinstance(params, Mapping) or not params.get("do_remote_decode"):
+    if not isinstance(params, Mapping) or not wire.KVParams(params).do_remote_decode:
         return None
     if any(params.get(k) in (None, "", []) for k in REQUIRED_REPLAY_KEYS):
         return None
@@ -376,7 +374,7 @@ def reuse_outcome(entry_params: Mapping[str, Any] | None, history: History | Non
         return ReuseOutcome.EXPIRED
     if not turn.continues(history):
         return ReuseOutcome.MISMATCH
-    if normalize_host(str(entry_params.get("remote_host") or "")) not in known_hosts:
+    if normalize_host(str(wire.KVParams(entry_params).host or "")) not in known_hosts:
         return ReuseOutcome.REFUSED
     if any(entry_params.get(k) in (None, "", []) for k in REQUIRED_REPLAY_KEYS):
         return ReuseOutcome.REFUSED
@@ -391,8 +389,4 @@ def entry_expiry(now: float, lifetime: float, params: Mapping[str, Any], margin:
     of a long stream is long after decode finished and started its TTL. vLLM's own
     ``remote_blocks_expiry_time`` is decode's ``perf_counter`` (no other host can compare it) and is ignored.
     """
-    expiry = now + lifetime
-    engine_expiry = params.get(wire.EXPIRES_AT)
-    if isinstance(engine_expiry, (int, float)) and not isinstance(engine_expiry, bool):
-        expiry = min(expiry, float(engine_expiry) - margin)
-    return expiry
+    return turnkv_lifetime.entry_expiry(now, lifetime, wire.KVParams(params).expires_at, margin)

@@ -29,7 +29,7 @@ from aiohttp import web
 from router import guard, hints, intake
 from router.flow import Flow, error_response
 from router.outcomes import RequestKind
-from turnkv import wire
+from turnkv import lifetime, wire
 
 ENGINE_ROUTE = wire.LEASE_ROUTE
 
@@ -38,8 +38,8 @@ async def renew(flow: Flow, request: web.Request, body: Any, tenant: str = "") -
     if not isinstance(body, dict):
         raise guard.RequestError("the request body must be a JSON object")
     max_ttl = float(flow.config.lease_max_ttl)
-    ttl = body.get("ttl", min(max_ttl, float(flow.config.decoder_kv_blocks_ttl)))
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= max_ttl:
+    ttl = body.get("ttl", lifetime.default_lease_ttl(max_ttl, float(flow.config.decoder_kv_blocks_ttl)))
+    if not lifetime.lease_ttl_ok(ttl, max_ttl):
         raise guard.RequestError(f"'ttl' must be a number of seconds in (0, {max_ttl:g}]")
     key = _key(flow, request, body, tenant)  # the rate limit (tenant_lease_rate) came first (router.app)
     entry = await flow.store.get(key)
@@ -47,7 +47,7 @@ async def renew(flow: Flow, request: web.Request, body: Any, tenant: str = "") -
         return error_response(404, "no live KV for this conversation (expired, consumed, or different settings)",
                               "not_found")
     engine = next((e for e in flow.pool.decode if e.name == entry.decode_engine), None)
-    request_id = entry.params.get("remote_request_id")
+    request_id = wire.KVParams(entry.params).request_id
     if engine is None or not request_id:
         return error_response(410, "the decode engine holding this conversation is gone", "gone")
     try:

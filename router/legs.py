@@ -85,22 +85,22 @@ def prefill_cached_tokens(kv: Mapping[str, Any]) -> int:
 def reused_tokens(kv: Mapping[str, Any]) -> int:
     """Prompt tokens prefill pulled back from decode (bi-directional mode), from its answer's params: what it did
     not compute (``remote_prefill_cached_tokens``) less its own prefix-cache hits."""
-    return max(0, int(kv.get("remote_prefill_cached_tokens") or 0) - prefill_cached_tokens(kv))
+    return max(0, wire.KVParams(kv).prefill_cached_tokens - prefill_cached_tokens(kv))
 
 
 def push_identity(kv: Mapping[str, Any]) -> PushIdentity | None:
     """P's identity from a push-mode prefill answer (to dispatch the next ones concurrently)."""
-    if kv.get("transfer_mode") != "push" or not kv.get("remote_engine_id") or not kv.get("remote_host"):
+    p = wire.KVParams(kv)
+    if p.transfer_mode != "push" or not p.engine_id or not p.host:
         return None
-    return PushIdentity(str(kv["remote_engine_id"]), str(kv["remote_host"]), int(kv.get("remote_port") or 0),
-                        int(kv.get("tp_size") or 1), int(kv.get("pp_size") or 1))
+    return PushIdentity(str(p.engine_id), str(p.host), p.port, p.tp_size, p.pp_size)
 
 
 def push_decode_params(p: PushIdentity, request_id: str, transfer_id: str) -> dict[str, Any]:
     """What decode is sent in push mode: P's identity, not P's output (no block ids)."""
-    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": p.engine_id,
-            "remote_host": p.host, "remote_port": p.port, "tp_size": p.tp_size, "pp_size": p.pp_size,
-            "remote_request_id": request_id, "transfer_id": transfer_id}
+    return {wire.DO_REMOTE_PREFILL: True, wire.DO_REMOTE_DECODE: False, wire.REMOTE_ENGINE_ID: p.engine_id,
+            wire.REMOTE_HOST: p.host, wire.REMOTE_PORT: p.port, wire.TP_SIZE: p.tp_size, wire.PP_SIZE: p.pp_size,
+            wire.REMOTE_REQUEST_ID: request_id, wire.TRANSFER_ID: transfer_id}
 
 
 @dataclass
@@ -329,7 +329,7 @@ class Legs:
                                 tokens=d.tokens)
         d.decode_engine = decode.name
         transfer_id = uuid.uuid4().hex
-        p_params = {**(params or guard.FRESH_PREFILL_PARAMS), "transfer_id": transfer_id}
+        p_params = {**(params or guard.FRESH_PREFILL_PARAMS), wire.TRANSFER_ID: transfer_id}
         ident = prefill.push_identity
         if ident is None:  # identity unknown: serial, and learn it from the answer
             self.metrics.push_dispatch.labels("serial").inc()

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
+from turnkv import lifetime
+
 SSM_PREFIX = "/turnkv"
 
 
@@ -254,7 +256,7 @@ def cross_check(values: Mapping[str, int | float]) -> None:
     ttl = values["conversation_ttl"]
     engine_ttl = values["decoder_kv_blocks_ttl"]
     margin = values["expiry_margin"]
-    if ttl + margin > engine_ttl:
+    if not lifetime.conversation_fits(ttl, engine_ttl, margin):
         raise ParamError(
             f"conversation_ttl ({ttl} s) + expiry_margin ({margin} s) must stay below decoder_kv_blocks_ttl "
             f"({engine_ttl} s): the router would replay params for blocks decode has already freed; "
@@ -285,7 +287,7 @@ def fit_router_ttl(changes: Mapping[str, object]) -> dict[str, object]:
             margin = get("expiry_margin").parse(out.get("expiry_margin", BY_NAME["expiry_margin"].default))  # type: ignore[arg-type]
         except ParamError:
             return out  # validate() reports the bad value
-        out["conversation_ttl"] = max(BY_NAME["conversation_ttl"].minimum, ttl - margin)
+        out["conversation_ttl"] = lifetime.fitted_conversation_ttl(ttl, margin, BY_NAME["conversation_ttl"].minimum)
     return out
 
 

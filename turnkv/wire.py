@@ -29,6 +29,57 @@ from typing import Any
 
 import orjson
 
+from turnkv import lifetime
+
+# -- upstream's kv_transfer_params keys (vLLM 0.32's NIXL connector) ---------------------------------
+# Named here so the router, the connector and the fake engine spell each one once; the strings are upstream's,
+# read and written by ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/`` (pull_scheduler, push_scheduler,
+# base_scheduler, metadata), and must not change.
+
+#: Prefill is asked to keep its blocks for decode to read (step 1 of the pull protocol; decode's offer in
+#: bi-directional mode).
+DO_REMOTE_DECODE = "do_remote_decode"
+#: The engine is to read the KV from the named remote engine (decode in step 2; prefill given a decode offer).
+DO_REMOTE_PREFILL = "do_remote_prefill"
+#: The remote engine's block ids, one list per KV cache group.
+REMOTE_BLOCK_IDS = "remote_block_ids"
+#: The remote engine's id (its NIXL agent's engine id).
+REMOTE_ENGINE_ID = "remote_engine_id"
+#: The request id the remote engine holds the blocks under.
+REMOTE_REQUEST_ID = "remote_request_id"
+#: The remote engine's NIXL side-channel host and port.
+REMOTE_HOST = "remote_host"
+REMOTE_PORT = "remote_port"
+#: The remote engine's tensor-, decode-context- and pipeline-parallel sizes (upstream's defaults: 1).
+TP_SIZE = "tp_size"
+DCP_SIZE = "dcp_size"
+PP_SIZE = "pp_size"
+#: Tokens the remote blocks hold.
+REMOTE_NUM_TOKENS = "remote_num_tokens"
+#: The remote engine's expiry of the blocks on its own ``time.perf_counter`` (meaningless on another host).
+REMOTE_BLOCKS_EXPIRY_TIME = "remote_blocks_expiry_time"
+#: ``"pull"`` or ``"push"``: which NIXL connector answered.
+TRANSFER_MODE = "transfer_mode"
+#: The remote engine's KV block size, where it differs from this engine's (read by upstream's metadata).
+REMOTE_BLOCK_SIZE = "remote_block_size"
+#: Set by upstream's pull scheduler once a request's remote blocks were handled (not sent on the wire).
+REMOTE_BLOCKS_PROCESSED = "_remote_blocks_processed"
+#: Prompt tokens prefill did not compute (its prefix cache plus the pulled ones): vLLM's scheduler adds it to
+#: prefill's answer (``vllm/v1/core/sched/scheduler.py``; turnkv's connector adds it on releases that do not).
+REMOTE_PREFILL_CACHED_TOKENS = "remote_prefill_cached_tokens"
+#: Push mode: the id one dispatch gives both legs (the router sends it, the fake engine matches the legs on it;
+#: vLLM's NIXL connector does not read it, its Mooncake and MoRIIO connectors do).
+TRANSFER_ID = "transfer_id"
+
+#: Upstream's keys of a decode offer (what ``request_finished`` returns in bi-directional mode), in its order.
+UPSTREAM_OFFER_KEYS = (
+    DO_REMOTE_PREFILL, DO_REMOTE_DECODE, REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID, REMOTE_REQUEST_ID, REMOTE_HOST,
+    REMOTE_PORT, TP_SIZE, DCP_SIZE, PP_SIZE, REMOTE_NUM_TOKENS, REMOTE_BLOCKS_EXPIRY_TIME, TRANSFER_MODE,
+)
+#: Every upstream key named above (``tests/unit/test_wire_keys.py`` keeps them out of other modules as literals).
+UPSTREAM_KEYS = (*UPSTREAM_OFFER_KEYS, REMOTE_BLOCK_SIZE, REMOTE_BLOCKS_PROCESSED, REMOTE_PREFILL_CACHED_TOKENS,
+                 TRANSFER_ID)
+
 # -- kv_transfer_params keys turnkv adds -------------------------------------------------------------
 
 #: Decode's per-block token digests (``connector.token_proof``).
@@ -143,9 +194,9 @@ def model_fingerprint(fields: Mapping[str, Any], env: Mapping[str, str] | None =
 def _signed_part(params: Mapping[str, Any]) -> bytes:
     proof = params.get(TOKEN_PROOF)
     return orjson.dumps([
-        params.get("remote_engine_id"), params.get(BOOT), params.get("remote_request_id"),
-        params.get("remote_host"), params.get("remote_port"), params.get("remote_block_ids"),
-        params.get("remote_num_tokens"), params.get(EXPIRES_AT), params.get(MODEL),
+        params.get(REMOTE_ENGINE_ID), params.get(BOOT), params.get(REMOTE_REQUEST_ID),
+        params.get(REMOTE_HOST), params.get(REMOTE_PORT), params.get(REMOTE_BLOCK_IDS),
+        params.get(REMOTE_NUM_TOKENS), params.get(EXPIRES_AT), params.get(MODEL),
         orjson.dumps(proof, option=orjson.OPT_SORT_KEYS).decode() if proof is not None else None,
         orjson.dumps(host, option=orjson.OPT_SORT_KEYS).decode() if (host := params.get(HOST_TIER)) is not None
         else None,
@@ -175,16 +226,16 @@ def check_offer(secret: bytes | None, params: Mapping[str, Any], model: str, now
     if params.get(MODEL) != model or not hmac.compare_digest(signature, offer_mac(secret, params)):
         return "forged"
     expires_at = params.get(EXPIRES_AT)
-    if not isinstance(expires_at, (int, float)) or now >= float(expires_at) - skew:
+    if not isinstance(expires_at, (int, float)) or lifetime.offer_expired(now, float(expires_at), skew):
         return "expired"
     return "ok"
 
 
 def neutralize(params: dict[str, Any]) -> None:
     """Turn a refused offer into a plain prefill request in place: nothing is read, no peer is contacted."""
-    for key in ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port", "remote_request_id"):
+    for key in (REMOTE_BLOCK_IDS, REMOTE_ENGINE_ID, REMOTE_HOST, REMOTE_PORT, REMOTE_REQUEST_ID):
         params[key] = None
-    params["remote_num_tokens"] = 0
+    params[REMOTE_NUM_TOKENS] = 0
 
 
 def fork_window(params: Mapping[str, Any]) -> float:
@@ -265,3 +316,113 @@ def offer_verdict(secret: bytes | None, params: Mapping[str, Any], model: str, n
     if reason != "ok":
         return reason
     return check_clearance(secret, params, now, required=require_cleared)
+
+
+# -- a typed view of one kv_transfer_params dict --------------------------------------------------------
+
+
+def _count(value: Any, default: int) -> int:
+    """``int(value or default)``: how every reader of these params has counted (None, 0 and "" are the default)."""
+    return int(value or default)
+
+
+class KVParams:
+    """Typed, read-only view of one ``kv_transfer_params`` dict (upstream's keys and turnkv's), in the spirit of
+    vLLM's typed connector metadata, for the fields the router, the connector and the fake engine read.
+
+    The dict stays the wire format: the view wraps it without copying or normalizing, unknown keys included, and
+    ``to_params`` gives it back as it came (same keys, same order, same values: the same JSON bytes). Writers
+    (decode stamping its offer, prefill trimming one) still write the dict, through the key constants above.
+    """
+
+    __slots__ = ("_params",)
+
+    def __init__(self, params: Mapping[str, Any]) -> None:
+        self._params = params
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None) -> KVParams:
+        """A view of ``params`` (None, as a request without params carries: an empty view)."""
+        return cls(params if params is not None else {})
+
+    def to_params(self) -> dict[str, Any]:
+        """The params as they came, as a new dict (every key, in order)."""
+        return dict(self._params)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Any key, typed or not (the view never drops one)."""
+        return self._params.get(key, default)
+
+    def __repr__(self) -> str:
+        return f"KVParams({dict(self._params)!r})"
+
+    # -- upstream's fields --
+
+    @property
+    def do_remote_decode(self) -> bool:
+        return bool(self._params.get(DO_REMOTE_DECODE))
+
+    @property
+    def do_remote_prefill(self) -> bool:
+        return bool(self._params.get(DO_REMOTE_PREFILL))
+
+    @property
+    def block_ids(self) -> Any:
+        """``remote_block_ids`` as sent: a list of block-id lists (one per KV cache group), or None."""
+        return self._params.get(REMOTE_BLOCK_IDS)
+
+    @property
+    def engine_id(self) -> Any:
+        """``remote_engine_id`` as sent (a string, or None in a fresh prefill request)."""
+        return self._params.get(REMOTE_ENGINE_ID)
+
+    @property
+    def request_id(self) -> Any:
+        """``remote_request_id`` as sent (a string, or None)."""
+        return self._params.get(REMOTE_REQUEST_ID)
+
+    @property
+    def host(self) -> Any:
+        """``remote_host`` as sent (a string, or None)."""
+        return self._params.get(REMOTE_HOST)
+
+    @property
+    def port(self) -> int:
+        return _count(self._params.get(REMOTE_PORT), 0)
+
+    @property
+    def tp_size(self) -> int:
+        return _count(self._params.get(TP_SIZE), 1)
+
+    @property
+    def pp_size(self) -> int:
+        return _count(self._params.get(PP_SIZE), 1)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the remote blocks hold (0 when absent)."""
+        return _count(self._params.get(REMOTE_NUM_TOKENS), 0)
+
+    @property
+    def transfer_mode(self) -> Any:
+        """``"pull"``, ``"push"``, or None (an engine that does not say)."""
+        return self._params.get(TRANSFER_MODE)
+
+    @property
+    def transfer_id(self) -> Any:
+        return self._params.get(TRANSFER_ID)
+
+    @property
+    def prefill_cached_tokens(self) -> int:
+        """Upstream's ``remote_prefill_cached_tokens``: prompt tokens prefill did not compute (0 when absent)."""
+        return _count(self._params.get(REMOTE_PREFILL_CACHED_TOKENS), 0)
+
+    # -- turnkv's fields --
+
+    @property
+    def expires_at(self) -> float | None:
+        """Decode's signed wall-clock expiry (``EXPIRES_AT``), or None when absent or not a number."""
+        value = self._params.get(EXPIRES_AT)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        return None

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from router.state import Entry
-from turnkv import router_env
+from turnkv import lifetime, router_env
 
 KEY_PREFIX = "turnkv:conv:"
 #: RBAC credentials (an ElastiCache user group's user): from the environment, never on a command line.
@@ -50,7 +50,7 @@ class ValkeyStore:
         self._clock = clock
 
     async def put(self, key: str, entry: Entry) -> None:
-        ttl_ms = int((entry.expires_at - self._clock()) * 1000)
+        ttl_ms = lifetime.store_ttl_ms(entry.expires_at, self._clock())
         if ttl_ms <= 0:
             return
         await self.client.set(self.prefix + key, entry.to_bytes(), px=ttl_ms)
@@ -63,7 +63,7 @@ class ValkeyStore:
         return entry if entry.expires_at > self._clock() else None
 
     async def swap(self, key: str, old: Entry, new: Entry | None) -> bool:
-        ttl_ms = 0 if new is None else int((new.expires_at - self._clock()) * 1000)
+        ttl_ms = 0 if new is None else lifetime.store_ttl_ms(new.expires_at, self._clock())
         if new is not None and ttl_ms <= 0:
             new = None
         done = await self.client.eval(SWAP_SCRIPT, 1, self.prefix + key, old.to_bytes(),
@@ -79,7 +79,7 @@ class ValkeyStore:
 
     async def put_blob(self, key: str, raw: bytes, expires_at: float) -> None:
         """Opaque bytes until ``expires_at`` (kept responses, ``router.apis.stored``)."""
-        ttl_ms = int((expires_at - self._clock()) * 1000)
+        ttl_ms = lifetime.store_ttl_ms(expires_at, self._clock())
         if ttl_ms > 0:
             await self.client.set(self.prefix + key, raw, px=ttl_ms)
 

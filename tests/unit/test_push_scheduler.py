@@ -203,7 +203,7 @@ def turnkv_push_scheduler(monkeypatch, release: tuple[int, int, int]):
                       _prefill_local={},
                       _retain_on_demand=True, _adaptive=False, _require_proof=False, _boot=None,
                       _offer_secret=None, _require_signed=False, _require_cleared=True, _model=None, _expiry_skew=5.0,
-                      _replays=None,
+                      _replays=None, _refused_at=float("-inf"),
                       _tunables=types.SimpleNamespace(poll=lambda: None))
     return s
 

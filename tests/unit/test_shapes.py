@@ -259,7 +259,8 @@ def decode_scheduler():
                       _offer_secret=None, _model=None, turnkv_stats=TurnkvKVConnectorStats(), _bytes_per_block=4096,
                       _retained=RetentionLedger(), _read_delays=ReadDelays(), _idle_evict=0.0, _retained_share=0.5,
                       kv_cache_config=types.SimpleNamespace(num_blocks=1000), _host_pool_blocks=0, _host_bases={},
-                      _host_started_mib=0, _host_budget_mib=0, _tp_size=1, _evictions={}, _to_host={})
+                      _host_started_mib=0, _host_budget_mib=0, _tp_size=1, _evictions={}, _to_host={},
+                      _refused_at=float("-inf"))
     return s
 
 
