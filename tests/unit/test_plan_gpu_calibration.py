@@ -68,7 +68,8 @@ def test_a_term_the_rows_cannot_separate_keeps_its_prior():
     data = gc.load_data()
     inst, settings = hardware.INSTANCES["p5en.48xlarge"], gc.settings(data)
     truth = gc.prior_coefficients(inst.efficiency) | {"moe_compute": 1 / 0.2, "hops": 0.05, "pull": 0.2}
-    rows = [r | {"measured_ms": gc.linear_prediction(r, truth, inst, settings) * 1000} for r in data["ttft"]]
+    rows = [r | {"measured_ms": gc.linear_prediction(r, truth, inst, settings) * 1000}
+            for r in gc.calibration_rows(data)]
     coef, at_prior = gc.select(rows, inst, settings)
     assert len(at_prior) == 1 and at_prior[0] in ("dense_compute", "hops")
     assert gc.rms_error(rows, coef, inst, settings) < 1e-3
@@ -87,7 +88,7 @@ def test_achieved_factors_stay_under_the_published_kernel_bound():
 
 def test_report_has_errors_held_out_checks_ablation_and_band():
     rep = gc.report()
-    assert {r["split"] for r in rep["ttft"]} == {"calibration"}
+    assert {r["split"] for r in rep["ttft"]} == {"calibration", "held_out"}
     assert all(r["split"] == "held_out" for r in rep["transfers"])
     assert {a["term"] for a in rep["ablation"]} == {"none (the calibrated model)", *gc.COLUMNS, "attention", *gc.KNOWN}
     full = rep["ablation"][0]["rms_error"]
@@ -121,3 +122,60 @@ def test_the_ridge_fits_equally_well_and_differs_where_the_docs_say():
     assert max(e["rms_error"] for e in ends) - min(e["rms_error"] for e in ends) < gc.IDENTIFIED
     assert ends[0]["ttft_off_ms_4567"] > ends[1]["ttft_off_ms_4567"] > ends[2]["ttft_off_ms_4567"]
     assert ends[0]["break_even_tokens"] < ends[1]["break_even_tokens"] < ends[2]["break_even_tokens"]
+
+
+def test_every_held_out_figure_is_in_the_quoted_line_it_came_from():
+    held = [r for r in gc.load_data()["ttft"] if r["split"] == "held_out"]
+    assert len(held) >= 6
+    for r in held:
+        assert f"| {r['measured_ms']:g} |" in " ".join(r["quote"].split()), r["id"]
+        assert r["setup"] == "colocated" and r["hops"] in (0, 1) and r["concurrency"] == 1
+
+
+def test_held_out_rows_do_not_move_the_fit():
+    data = gc.load_data()
+    moved = json.loads(json.dumps(data))
+    for r in moved["ttft"]:
+        if r["split"] == "held_out":
+            r["measured_ms"] *= 3
+    inst = hardware.INSTANCES["p5en.48xlarge"]
+    assert gc.select(gc.calibration_rows(moved), inst, gc.settings(moved)) == \
+        gc.select(gc.calibration_rows(data), inst, gc.settings(data))
+    assert [e["predicted_ms"] for e in gc.ttft_errors(inst, moved)] == [e["predicted_ms"] for e in
+                                                                          gc.ttft_errors(inst, data)]
+
+
+def test_a_colocated_row_is_prefill_plus_its_hops_without_transfer_or_decode():
+    from turnkv.plan import closed_form
+
+    data = gc.load_data()
+    settings, inst = gc.settings(data), hardware.load("p5.48xlarge")
+    for r in (r for r in data["ttft"] if gc.colocated(r)):
+        fleet = gc.row_fleet(r, inst, settings)
+        assert fleet.prefill.name == r["instance"] and fleet.model.dtype == r["dtype"]
+        prefill = float(closed_form.compute_s(fleet, [r["prompt_tokens"]], [0])[0])
+        want = prefill + r["hops"] * inst.efficiency.request_overhead_s
+        assert gc.predicted_ttft_s(r, inst, settings) == pytest.approx(want)
+        t = gc.terms(r, hardware.INSTANCES["p5en.48xlarge"], settings)
+        assert t.known["transfers"] == t.known["first_decode_step"] == 0 and t.columns["pull"] == 0
+
+
+def test_several_prompt_lengths_on_one_engine_separate_the_per_request_cost():
+    # what the seeds' rows cannot do (above), rows shaped like the held-out ones (two prompt lengths, one hop) can:
+    # data made from a known per-request cost and dense factor is recovered with neither kept at its prior
+    data = gc.load_data()
+    inst, settings = hardware.INSTANCES["p5en.48xlarge"], gc.settings(data)
+    truth = gc.prior_coefficients(inst.efficiency) | {"dense_compute": 1 / 0.5, "hops": 0.01}
+    rows = [r | {"measured_ms": gc.linear_prediction(r, truth, inst, settings) * 1000}
+            for r in data["ttft"] if r["source"] == "nim-bench-llama33-70b"]
+    coef, at_prior = gc.select(rows, inst, settings)
+    assert "dense_compute" not in at_prior and "hops" not in at_prior
+    assert coef["dense_compute"] == pytest.approx(2.0, rel=1e-6) and coef["hops"] == pytest.approx(0.01, rel=1e-6)
+
+
+def test_each_held_out_group_says_what_it_implies_on_its_own():
+    implied = gc.implied_by_held_out(gc.load_data())
+    assert {(i["source"], i["model"]) for i in implied} == {("trtllm-perf-v0.5", "Llama-2-7B"),
+                                                           ("trtllm-perf-v0.5", "Llama-2-70B"),
+                                                           ("nim-bench-llama33-70b", "Llama-3.3-70B-Instruct")}
+    assert all(0 < i["factor"] <= 1 and i["fixed_ms"] >= 0 for i in implied)

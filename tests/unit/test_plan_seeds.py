@@ -42,20 +42,42 @@ def test_reuse_wins_more_for_the_model_whose_recompute_costs_more():
     assert speedups["glm-5-fp8"] > speedups["qwen3-32b"]  # seeds: 3.3x against 1.6x
 
 
-@pytest.mark.parametrize("row", gc.ttft_errors(hardware.load("p5en.48xlarge"), DATA), ids=lambda r: r["id"])
+ERRORS = gc.ttft_errors(hardware.load("p5en.48xlarge"), DATA)
+CALIBRATION = [r for r in ERRORS if r["split"] == "calibration"]
+HELD_OUT = {r["id"]: r for r in ERRORS if r["split"] == "held_out"}
+
+
+@pytest.mark.parametrize("row", CALIBRATION, ids=lambda r: r["id"])
 def test_calibration_rows_within_25_percent_in_sample(row):
-    assert row["split"] == "calibration"
+    assert row["source"] == "seeds-bidir-kv"
     assert abs(row["error"]) <= TOLERANCE, row
 
 
 def test_every_printed_band_covers_the_calibration_residuals():
     band = gc.band()
-    assert all(abs(r["error"]) <= band for r in gc.ttft_errors(hardware.load("p5en.48xlarge"), DATA))
+    assert len(CALIBRATION) == 4 and all(abs(r["error"]) <= band for r in CALIBRATION)
+
+
+# Held-out first-token figures of other stacks on H100 (TensorRT-LLM v0.5, NIM 1.8.0; docs/planning.md): a guard on
+# what was reported when they were added (-35%, -24%, +3% at 2,048 tokens and more), not a fit.
+@pytest.mark.parametrize("row_id", [r["id"] for r in DATA["ttft"] if r["split"] == "held_out"
+                                    and r["prompt_tokens"] >= 2048])
+def test_held_out_long_prompts_within_40_percent(row_id):
+    assert abs(HELD_OUT[row_id]["error"]) <= 0.40, HELD_OUT[row_id]
+
+
+@pytest.mark.xfail(strict=True, reason="held out, short prompts: in-process at 128 tokens the planner gives only the "
+                                       "weight-read floor (-71%, -75%); one NIM server at 500 tokens pays far less "
+                                       "than the seeds' 81 ms per hop (+139%)")
+@pytest.mark.parametrize("row_id", [r["id"] for r in DATA["ttft"] if r["split"] == "held_out"
+                                    and r["prompt_tokens"] < 2048])
+def test_held_out_short_prompts_within_25_percent(row_id):
+    assert abs(HELD_OUT[row_id]["error"]) <= TOLERANCE, HELD_OUT[row_id]
 
 
 @pytest.mark.xfail(strict=True, reason="leave-one-out: Qwen3-32B reuse on predicted from GLM-5-FP8's pull cost is "
                                        "+46%, GLM-5-FP8's from Qwen3-32B's -29%; the seeds' two reuse-on cells are "
-                                       "not one per-pull constant apart, and no other GPU TTFT row is on hand")
+                                       "not one per-pull constant apart, and no other vLLM P/D TTFT row is on hand")
 @pytest.mark.parametrize("entry", [e for e in gc.leave_one_out(DATA) if e["error"] is not None], ids=lambda e: e["id"])
 def test_held_out_reuse_on_within_25_percent(entry):
     assert abs(entry["error"]) <= TOLERANCE, entry

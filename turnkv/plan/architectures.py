@@ -197,6 +197,15 @@ CATALOG: dict[str, ModelArch] = {
     # Qwen/Qwen3-8B: 36 layers, 4096 hidden, 32 heads / 8 KV heads of 128, MLP 12288, untied embeddings
     "Qwen3-8B": ModelArch("Qwen3-8B", layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128, v_head_dim=128,
                           intermediate=12288, vocab=151936),
+    # Llama2-7b and Llama2-70b as TensorRT-LLM's performance doc builds them for its H100 first-token table
+    # (NVIDIA/TensorRT-LLM docs/source/performance.md @138f96d: --n_layer 32 --n_head 32 --n_embd 4096
+    # --inter_size 11008 --vocab_size 32000; --n_layer 80 --n_head 64 --n_kv_head 8 --n_embd 8192 --inter_size
+    # 28672 --vocab_size 32000), the same shapes as meta-llama/Llama-2-7b-hf and -70b-hf's config.json. Held-out
+    # GPU rows only (turnkv/plan/data/gpu_measurements.json).
+    "Llama-2-7B": ModelArch("Llama-2-7B", layers=32, hidden=4096, heads=32, kv_heads=32, head_dim=128, v_head_dim=128,
+                            intermediate=11008, vocab=32000),
+    "Llama-2-70B": ModelArch("Llama-2-70B", layers=80, hidden=8192, heads=64, kv_heads=8, head_dim=128,
+                             v_head_dim=128, intermediate=28672, vocab=32000),
     # zai-org/GLM-5-FP8 (GlmMoeDsaForCausalLM, 744B total / 40B active): 78 layers (+1 MTP, not served
     # here), 6144 hidden, 64 heads, MLA (q_lora 2048, kv_lora 512, nope 192 + rope 64, v 256), 256
     # routed experts (8 active) + 1 shared of 2048, first 3 layers dense (12288), DSA indexer 32 x 128,

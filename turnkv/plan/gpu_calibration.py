@@ -52,11 +52,20 @@ class Terms:
 
 
 def row_fleet(row: dict[str, Any], inst: hardware.Instance, assumptions: dict[str, Any]) -> closed_form.Fleet:
-    """The fleet a measurement ran on, as the data file's assumptions describe it."""
-    return closed_form.Fleet(architectures.load(row["model"]), inst, inst, tp_prefill=row["tp"], tp_decode=row["tp"],
+    """The fleet a measurement ran on, as the data file's assumptions describe it: the row's instance type (its
+    peaks and HBM) with ``inst``'s efficiency, the row's model at the row's GEMM precision when it states one."""
+    machine = replace(hardware.INSTANCES[row.get("instance", inst.name)], efficiency=inst.efficiency)
+    model = architectures.load(row["model"]).with_dtypes(dtype=row.get("dtype"))
+    return closed_form.Fleet(model, machine, machine, tp_prefill=row["tp"], tp_decode=row["tp"],
                             block_size=int(assumptions["block_size"]), mode=assumptions["mode"],
                             ttl_s=float(assumptions["ttl_s"]), threshold=int(assumptions["threshold"]),
                             prefill_prefix_caching=False)
+
+
+def colocated(row: dict[str, Any]) -> bool:
+    """A row measured on one engine (no P/D split): no KV transfer, the first token comes out of the prefill step,
+    and ``row["hops"]`` engine hops (0 for an in-process benchmark, 1 for one server) instead of the P/D path's 2."""
+    return row.get("setup") == "colocated"
 
 
 def unit_instance(inst: hardware.Instance) -> hardware.Instance:
@@ -70,6 +79,14 @@ def terms(row: dict[str, Any], inst: hardware.Instance, assumptions: dict[str, A
     """The fit's columns and the prior part of one TTFT row."""
     fleet = row_fleet(row, unit_instance(inst), assumptions)
     prompt, new = float(row["prompt_tokens"]), float(row["new_tokens"])
+    if colocated(row):
+        flops_s, _, allreduce = closed_form.compute_parts(fleet, [prompt], [0.0])
+        if not assumptions.get("attention", True):
+            flops_s = closed_form.linear_compute_s(fleet, [prompt])
+        moe = fleet.model.moe
+        return Terms({"dense_compute": 0.0 if moe else float(flops_s[0]), "moe_compute": float(flops_s[0]) if moe
+                      else 0.0, "hops": float(row["hops"]), "pull": 0.0},
+                     {"transfers": 0.0, "first_decode_step": 0.0, "allreduce": float(allreduce[0])})
     history = prompt - new
     computed, context = (new, history) if row["reuse"] else (prompt, 0.0)
     flops_s, _, allreduce = closed_form.compute_parts(fleet, [computed], [context])
@@ -233,12 +250,23 @@ def predict(row: dict[str, Any], inst: hardware.Instance, assumptions: dict[str,
     return closed_form.turn_costs(fleet, [prompt], [prompt - float(row["new_tokens"])])
 
 
+def predicted_ttft_s(row: dict[str, Any], inst: hardware.Instance, assumptions: dict[str, Any]) -> float:
+    """The planner's TTFT for a row with ``inst``'s efficiency: its P/D turn (``predict``), or for a colocated row
+    the planner's own prefill (``closed_form.compute_s``: compute, weight-read floor, all-reduces) plus the row's
+    hops at the per-hop cost."""
+    if colocated(row):
+        fleet = row_fleet(row, inst, assumptions)
+        prefill = float(closed_form.compute_s(fleet, [float(row["prompt_tokens"])], [0.0])[0])
+        return row["hops"] * inst.efficiency.request_overhead_s + prefill
+    costs = predict(row, inst, assumptions)
+    return float((costs.ttft_on if row["reuse"] else costs.ttft_off)[0])
+
+
 def ttft_errors(inst: hardware.Instance, data: dict[str, Any]) -> list[dict[str, Any]]:
     """Every TTFT row: measured, predicted by the planner on ``inst``, relative error, split."""
     out = []
     for row in data["ttft"]:
-        costs = predict(row, inst, settings(data))
-        ms = float((costs.ttft_on if row["reuse"] else costs.ttft_off)[0]) * 1000
+        ms = predicted_ttft_s(row, inst, settings(data)) * 1000
         out.append({"id": row["id"], "source": row["source"], "split": row["split"], "measured_ms": row["measured_ms"],
                     "predicted_ms": round(ms, 1), "error": round(ms / row["measured_ms"] - 1, 4)})
     return out
@@ -313,6 +341,30 @@ def ridge(data: dict[str, Any]) -> list[dict[str, Any]]:
                     "rms_error": round(rms_error(rows, coef, base, assumptions), 4),
                     "break_even_tokens": closed_form.break_even_tokens(fleet, 140),
                     "ttft_off_ms_4567": round(float(closed_form.turn_costs(fleet, [4567], [0]).ttft_off[0]) * 1000)})
+    return out
+
+
+def implied_by_held_out(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """What each held-out group of one source and model at two or more prompt lengths says on its own: the fixed
+    seconds per request and the achieved fraction of its precision's peak that fit its rows (least squares on
+    TTFT = fixed + FLOPs at peak / factor + all-reduces). A diagnostic shown next to the fitted constants; the
+    planner does not use it (the rows are other stacks, see the data file's split_rule)."""
+    assumptions, base = settings(data), hardware.INSTANCES["p5en.48xlarge"]
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in data["ttft"]:
+        if r["split"] == "held_out" and colocated(r):
+            groups.setdefault((r["source"], r["model"]), []).append(r)
+    out = []
+    for (source, model), rows in groups.items():
+        if len({r["prompt_tokens"] for r in rows}) < 2:
+            continue
+        split = [terms(r, base, assumptions) for r in rows]
+        design = np.array([[1.0, t.columns["dense_compute"] + t.columns["moe_compute"]] for t in split])
+        target = np.array([r["measured_ms"] / 1000 - sum(t.known.values()) for r, t in zip(rows, split, strict=True)])
+        (fixed, coef), *_ = np.linalg.lstsq(design, target, rcond=None)
+        out.append({"source": source, "model": model, "dtype": rows[0].get("dtype", "bf16"), "tp": rows[0]["tp"],
+                    "hops": rows[0]["hops"], "prompt_tokens": sorted(r["prompt_tokens"] for r in rows),
+                    "fixed_ms": round(float(fixed) * 1000, 1), "factor": round(1 / float(coef), 3)})
     return out
 
 
@@ -393,7 +445,8 @@ def report() -> dict[str, Any]:
                            "pull_overhead_s": eff.pull_overhead_s},
             "ttft": ttft_errors(inst, data), "transfers": transfer_checks(inst, data),
             "kernels": kernel_checks(inst.efficiency, data), "leave_one_out": leave_one_out(data),
-            "ablation": ablation(data), "ridge": ridge(data), "band": band(), "band_details": band_details(),
+            "ablation": ablation(data), "ridge": ridge(data), "implied": implied_by_held_out(data), "band": band(),
+            "band_details": band_details(),
             "sources": data["sources"]}
 
 
@@ -431,6 +484,12 @@ def markdown(rep: dict[str, Any] | None = None) -> str:
         lines.append(f"| {r['fit']} | {r['dense']:.2f} | {r['moe']:.2f} | {r['hop_ms']:.0f} ms | "
                      f"{r['pull_ms']:.0f} ms | {r['rms_error']:.1%} | {r['break_even_tokens']:,} tokens | "
                      f"{r['ttft_off_ms_4567']} ms |")
+    lines += ["", "| held-out rows on their own (not used by the planner) | precision, TP | engine hops | "
+              "prompt tokens | fixed per request | achieved fraction of peak |", "|---|---|---:|---|---:|---:|"]
+    for r in rep["implied"]:
+        prompts = ", ".join(f"{p:,}" for p in r["prompt_tokens"])
+        lines.append(f"| {r['source']}: {r['model']} | {r['dtype']}, TP {r['tp']} | {r['hops']} | {prompts} | "
+                     f"{r['fixed_ms']:.0f} ms | {r['factor']:.2f} |")
     lines += ["", "Sources:", ""]
     for key, v in rep["sources"].items():
         where = v["url"] or v.get("url_note", "")
