@@ -78,6 +78,9 @@ def run_shape(shape: Shape, mode: Mode, state_dir: Path, timeout_s: float, **sta
     config = StackConfig(**{**dict(state_dir=state_dir, router_port=8600, prefill_port=8610, decode_port=8620,
                                    prefill_prefix_caching=False,  # the seeds' setting: the A/B measures reuse
                                    side_channel_base=5700, mode=mode, kv_cache_gib=1, startup_timeout=300.0,
+                                   # ranks outnumber cores here: a health probe that waits behind a spinning rank
+                                   # must not eject an engine the turn then needs (eject_failures 1 by default)
+                                   tunables={"eject_failures": 5},
                                    prefill_tp=shape.prefill_tp, decode_tp=shape.decode_tp,
                                    prefill_block_size=shape.prefill_block_size,
                                    decode_block_size=shape.decode_block_size), **stack})
