@@ -9,7 +9,6 @@ disjoint, as the headers define them.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 from bench.agent_bench import ARMS, Record
 from bench.agent_trace import REQUEST_KINDS
 from bench.capacity import percentile
+from bench.run_files import write_run
 
 
 def _ttfts(records: Iterable[Record]) -> list[float]:
@@ -161,13 +161,5 @@ def markdown(summary: dict[str, Any]) -> str:
 
 
 def write(records: list[Record], out: Path, meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "results.jsonl", "w") as f:
-        for r in records:
-            f.write(json.dumps(r.to_json()) + "\n")
-    summary = summarize(records)
-    if meta:
-        summary["meta"] = meta
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    (out / "summary.md").write_text(markdown(summary))
-    return summary
+    """results.jsonl, summary.json and summary.md under ``out`` (``bench.run_files``); the summary."""
+    return write_run(records, out, summarize, markdown, meta)

@@ -75,7 +75,7 @@ def problems(found: Machine) -> list[str]:
     return out
 
 
-def markdown(found: Machine, rows: list[shapes.Row]) -> str:
+def markdown(found: Machine, rows: list[shapes.ShapeRun]) -> str:
     lines = [f"GPU smoke on {found.devices} x {found.device_name or 'no GPU'}, vLLM {found.vllm or '-'}, "
              f"{versions.NIXL_CUDA_PACKAGE} {found.nixl or '-'}", "",
              "| mode | turn | TTFT off ms | TTFT on ms | off/on | outcome | reused tokens | same answer |",

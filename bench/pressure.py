@@ -44,7 +44,9 @@ SAMPLE_EVERY_S = 2.0
 
 
 @dataclass
-class Options:
+class PressureOptions:
+    """The pressure sweep's settings (levels, turns, think times, bounds); ``turnkv.doctor.Options`` is doctor's."""
+
     levels: list[float] = field(default_factory=lambda: [0.5, 1, 2, 4, 8])
     turns: int = 4
     think: calc.Think = field(default_factory=lambda: calc.Think("fixed", 35.0))
@@ -78,7 +80,7 @@ class Target:
 # -- conversations -----------------------------------------------------------------------------------
 
 
-def conversations(opts: Options, n: int, level_index: int) -> list[Conversation]:
+def conversations(opts: PressureOptions, n: int, level_index: int) -> list[Conversation]:
     """``n`` conversations of at most ``opts.turns`` turns (a workload file's too: the sweep stays bounded), with
     text of their own per level (no level finds another's turns by content)."""
     seed = opts.workload.seed + 1000 * level_index
@@ -94,7 +96,7 @@ def conversations(opts: Options, n: int, level_index: int) -> list[Conversation]
 FIT_SAMPLE = 64
 
 
-def tokens_per_conversation(opts: Options) -> int:
+def tokens_per_conversation(opts: PressureOptions) -> int:
     """The largest last turn (prompt + reply tokens) of the workload, for the fit."""
     n = min(opts.planned.num_conversations, FIT_SAMPLE) if opts.planned is not None else 4
     return max(calc.last_turn_tokens(c, opts.workload.max_tokens) for c in conversations(opts, n, 0))
@@ -148,7 +150,7 @@ async def sample_until(session: aiohttp.ClientSession, target: Target, stop: asy
             await asyncio.wait_for(stop.wait(), every)
 
 
-async def read_fit(session: aiohttp.ClientSession, target: Target, share: float, opts: Options) -> calc.Fit:
+async def read_fit(session: aiohttp.ClientSession, target: Target, share: float, opts: PressureOptions) -> calc.Fit:
     if opts.fit is not None:
         return calc.Fit(opts.fit, "given", retained_kv_share=share,
                         last_turn_tokens=tokens_per_conversation(opts))
@@ -163,7 +165,7 @@ async def read_fit(session: aiohttp.ClientSession, target: Target, share: float,
 # -- playing a level ---------------------------------------------------------------------------------
 
 
-async def play(session: aiohttp.ClientSession, target: Target, convs: list[Conversation], opts: Options,
+async def play(session: aiohttp.ClientSession, target: Target, convs: list[Conversation], opts: PressureOptions,
                arm: str, tag: str, deadline: float, on_result: Callable[[Result], None]) -> tuple[list[Result], int]:
     """Every conversation at once, one task each, think times between turns; returns results and turns skipped
     for the deadline."""
@@ -196,7 +198,7 @@ async def play(session: aiohttp.ClientSession, target: Target, convs: list[Conve
     return results, skipped
 
 
-async def run_level(target: Target, convs: list[Conversation], opts: Options, tag: str, deadline: float,
+async def run_level(target: Target, convs: list[Conversation], opts: PressureOptions, tag: str, deadline: float,
                     on_result: Callable[[Result], None]) -> tuple[dict[str, Any], list[Result]]:
     """Reuse on (decode sampled throughout, counters read before and after), then reuse off."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -280,11 +282,11 @@ def share_of(variant: calc.Variant) -> float:
     return float(variant.tunables.get("retained_kv_share", params.BY_NAME["retained_kv_share"].default))
 
 
-def skipped(level: float, n: int, opts: Options) -> dict[str, Any]:
+def skipped(level: float, n: int, opts: PressureOptions) -> dict[str, Any]:
     return {"level": level, "conversations": n, "skipped": f"over --max-conversations {opts.max_conversations}"}
 
 
-async def _fit_and_level(target: Target, variant: calc.Variant, opts: Options, index: int, level: float,
+async def _fit_and_level(target: Target, variant: calc.Variant, opts: PressureOptions, index: int, level: float,
                          run_id: str, deadline: float, on_result: Callable[[Result], None],
                          on_start: Callable[[int], None], fit: calc.Fit | None) -> tuple[dict, list[Result], calc.Fit]:
     if fit is None:
@@ -299,7 +301,7 @@ async def _fit_and_level(target: Target, variant: calc.Variant, opts: Options, i
     return {"level": level, "conversations": n, **summary}, results, fit
 
 
-def sweep_variant(variant: calc.Variant, opts: Options, *, url: Target | None = None, state_dir: Path = Path(
+def sweep_variant(variant: calc.Variant, opts: PressureOptions, *, url: Target | None = None, state_dir: Path = Path(
         ".turnkv/pressure"), port_base: int = 8700, stack_per: str = "level",
         on_result: Callable[[Result], None] = lambda r: None, on_level_start: Callable[[str, float, int], None]
         = lambda v, lv, n: None, on_level: Callable[[dict[str, Any], list[Result]], None] = lambda lv, rs: None,
@@ -350,7 +352,7 @@ def sweep_variant(variant: calc.Variant, opts: Options, *, url: Target | None = 
 # -- the whole sweep ---------------------------------------------------------------------------------
 
 
-def run(opts: Options, variants: list[calc.Variant], out: Path, *, url: Target | None = None,
+def run(opts: PressureOptions, variants: list[calc.Variant], out: Path, *, url: Target | None = None,
         state_dir: Path = Path(".turnkv/pressure"), port_base: int = 8700, stack_per: str = "level",
         on_result: Callable[[Result], None] = lambda r: None,
         on_level_start: Callable[[str, float, int], None] = lambda v, lv, n: None,
@@ -449,7 +451,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def options(args: argparse.Namespace) -> tuple[Options, list[calc.Variant], Target | None]:
+def options(args: argparse.Namespace) -> tuple[PressureOptions, list[calc.Variant], Target | None]:
     """Parsed flags -> what ``run`` takes (ValueError with the flag's name when one is wrong)."""
     if args.quick:
         args.__dict__.update(QUICK)
@@ -464,7 +466,7 @@ def options(args: argparse.Namespace) -> tuple[Options, list[calc.Variant], Targ
         raise ValueError("--think file needs --workload")
     workload = WorkloadSpec(turns=args.turns, system_words=args.system_words, first_user_words=args.first_user_words,
                             turn_words=args.turn_words, max_tokens=args.max_tokens, seed=args.seed)
-    opts = Options(levels=calc.parse_levels(args.levels), turns=args.turns, think=think, workload=workload,
+    opts = PressureOptions(levels=calc.parse_levels(args.levels), turns=args.turns, think=think, workload=workload,
                    planned=planned, fit=args.fit, stagger=args.stagger, timeout=args.timeout,
                    max_seconds=args.max_minutes * 60, max_conversations=args.max_conversations)
     if args.fit is not None and args.fit < 1:

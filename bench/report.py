@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable
@@ -10,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.client import Result
+from bench.run_files import write_run
 
 
 def _median(values: Iterable[float | None]) -> float | None:
@@ -154,14 +154,7 @@ def chart(summary: dict[str, Any], path: Path) -> Path:
 
 
 def write(results: list[Result], out: Path, meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "results.jsonl", "w") as f:
-        for r in results:
-            f.write(json.dumps(r.to_json()) + "\n")
-    summary = summarize(results)
-    if meta:
-        summary["meta"] = meta
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    (out / "summary.md").write_text(markdown(summary))
+    """results.jsonl, summary.json and summary.md under ``out`` (``bench.run_files``), then ttft.png; the summary."""
+    summary = write_run(results, out, summarize, markdown, meta)
     chart(summary, out / "ttft.png")
     return summary

@@ -50,7 +50,9 @@ SHAPES = (
 
 
 @dataclass
-class Row:
+class ShapeRun:
+    """One shape played in one mode: whether its engines started, its turns, the tokens pulled and the verdict."""
+
     shape: str
     label: str
     mode: str
@@ -71,9 +73,9 @@ def _pulled(url: str) -> float:
                if s.name == PULLED and s.labels.get("source") == "external_kv_transfer")
 
 
-def run_shape(shape: Shape, mode: Mode, state_dir: Path, timeout_s: float, **stack: object) -> Row:
+def run_shape(shape: Shape, mode: Mode, state_dir: Path, timeout_s: float, **stack: object) -> ShapeRun:
     """One shape's stack, played and stopped; ``stack`` overrides :class:`StackConfig` fields (bench.gpu_smoke)."""
-    row = Row(shape.key, shape.label, mode.value)
+    row = ShapeRun(shape.key, shape.label, mode.value)
     started = time.monotonic()
     config = StackConfig(**{**dict(state_dir=state_dir, router_port=8600, prefill_port=8610, decode_port=8620,
                                    prefill_prefix_caching=False,  # the seeds' setting: the A/B measures reuse
@@ -106,7 +108,7 @@ def run_shape(shape: Shape, mode: Mode, state_dir: Path, timeout_s: float, **sta
         row.seconds = round(time.monotonic() - started, 1)
 
 
-def markdown(rows: list[Row]) -> str:
+def markdown(rows: list[ShapeRun]) -> str:
     lines = ["| shape | mode | engines up | turns reused (of later) | reused tokens by turn | answers equal | "
              "prefill pulled tokens | result |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [s for s in SHAPES if not args.shape or s.key in args.shape]
     modes = [Mode(m) for m in (args.mode or [m.value for m in Mode])]
     args.out.mkdir(parents=True, exist_ok=True)
-    rows: list[Row] = []
+    rows: list[ShapeRun] = []
     for shape in shapes:
         for mode in modes:
             print(f"shape {shape.label}, {mode.value} ...", flush=True)

@@ -5,8 +5,8 @@ the ALB adds ``X-Forwarded-For`` to every request it forwards (clients cannot re
 health checks carry none, so clients on the internet get 404 while the ALB and scrapers inside the VPC
 still reach them (``ops_behind_proxy`` switches the check off for a proxy that strips the header).
 
-Background tasks (started with the app): engine health probes, Cloud Map discovery refresh, the SSM
-re-read of the tunables, and the in-memory store's expiry purge.
+Background tasks (started with the app, ``router.lifecycle``): engine health probes, Cloud Map discovery
+refresh, the SSM re-read of the tunables, and the in-memory store's expiry purge.
 """
 
 from __future__ import annotations
@@ -31,12 +31,11 @@ from router.apis.responses import ResponsesTranslation
 from router.auth import ApiKeys, AuthError, parse_keys
 from router.body import charge_messages, close_unread, limit_response, read_json
 from router.config import RouterConfig
-from router.engines import ROLES, EnginePool
-from router.engines.evictions import evictions_loop
-from router.engines.health import discovery_loop, health_loop
+from router.engines import EnginePool
 from router.engines.policy import POLICIES
 from router.flow import Flow, error_response
 from router.intake import LimitError
+from router.lifecycle import RouterRuntime
 from router.outcomes import RequestKind
 from router.state import ConversationStore
 from router.state.memory import MemoryStore
@@ -281,15 +280,6 @@ def make_store(config: RouterConfig) -> ConversationStore:
     return ValkeyStore(config.store, timeout=max(0.05, config.store_timeout_ms / 1000 * 2))
 
 
-def make_response_store(config: RouterConfig, store: ConversationStore) -> stored.BlobStore:
-    """Kept /v1/responses answers: apart from conversation metadata, so long histories never push it out."""
-    from router.state.valkey import ValkeyStore
-
-    if isinstance(store, ValkeyStore):  # the same Valkey (and client), its own keys
-        return ValkeyStore("", prefix=stored.VALKEY_PREFIX, client=store.client)
-    return MemoryStore(int(config.max_conversations), max_bytes=int(config.responses_max_bytes))
-
-
 def load_keys(config: RouterConfig) -> ApiKeys:
     keys: dict[str, str] = {}
     for text in config.api_keys_text():
@@ -325,74 +315,16 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
 
         ssm_source = SsmSource(config.deployment, config.region, config.aws_endpoint_url)
 
-    async def lifecycle(app: web.Application):
-        if not config.key_secret and hasattr(store, "shared_secret"):
-            try:  # replicas on one Valkey share one conversation-key secret
-                config.key_secret = await asyncio.wait_for(store.shared_secret(), 5)
-            except Exception as exc:
-                log.warning("could not read the shared key secret from the store (%s): using a random one; "
-                            "set TURNKV_KEY_SECRET on every replica", exc)
-        config.ensure_secret()
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
-        session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                        cookie_jar=aiohttp.DummyCookieJar())
-        emf = telemetry.EmfWriter()
-        kept_store = make_response_store(config, store)
-        kept = stored.ResponseLog(kept_store, config.ensure_secret,
-                                  lambda: float(config.responses_ttl), lambda: config.store_timeout_ms / 1000 * 2,
-                                  tenant_bytes=lambda: int(config.tenant_max_response_bytes))
-        app[FLOW] = Flow(config, pool, store, metrics, session, forward_auth=keys.open, emf=emf, responses=kept)
-        tasks = []
-        if discover is not None:
-            try:
-                found = await discover()
-                for role, engines in found.items():
-                    if engines:
-                        pool.replace(role, engines)
-            except Exception as exc:
-                log.warning("first discovery failed (%s); retrying in the background", exc)
-            def registered(found: dict) -> None:
-                for record in telemetry.registered_engines_records(
-                        namespace=telemetry.NAMESPACE, deployment=config.deployment,
-                        counts={role: len(found.get(role) or ()) for role in ROLES}):
-                    emf.emit(record)
-
-            tasks.append(asyncio.create_task(discovery_loop(pool, discover,
-                                                            lambda: float(config.discovery_interval), registered)))
-
-        def purge() -> None:
-            if isinstance(store, MemoryStore):
-                store.max_bytes = int(config.max_store_bytes)  # follows the SSM re-read
-                store.purge_expired()
-            if isinstance(kept_store, MemoryStore):
-                kept_store.max_bytes = int(config.responses_max_bytes)
-                kept_store.purge_expired()
-
-        tasks.append(asyncio.create_task(health_loop(pool, session, lambda: float(config.health_interval), purge)))
-        tasks.append(asyncio.create_task(evictions_loop(lambda: pool.decode, session,
-                                                        lambda: float(config.evictions_interval), time.time)))
-        if ssm_source is not None:
-            from router.reload import refresh_loop, refresh_once
-
-            def on_result(result: str) -> None:
-                metrics.params_reloads.labels(result).inc()
-
-            # Serve with the tunables in SSM from the first request, not the defaults (a failed read is logged
-            # and counted; the loop retries).
-            await refresh_once(config, ssm_source, on_result)
-            tasks.append(asyncio.create_task(refresh_loop(config, ssm_source, on_result)))
+    async def running(app: web.Application):
+        """The app's start and stop (router.lifecycle): the flow is published before the loops start."""
+        runtime = RouterRuntime(config, pool, store, metrics, forward_auth=keys.open, discover=discover,
+                                ssm_source=ssm_source)
+        app[FLOW] = await runtime.open()
+        await runtime.start_background()
         yield
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        emf.flush()
-        await session.close()
-        app[FLOW].legs_client.close()
-        await store.close()
+        await runtime.stop()
 
-    app.cleanup_ctx.append(lifecycle)
+    app.cleanup_ctx.append(running)
     for path, kind in ROUTES.items():
         app.router.add_post(path, _completion_handler(path, kind))
     for path, translation in TRANSLATED.items():

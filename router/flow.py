@@ -102,7 +102,7 @@ class Flow:
         self._ttft = {o: metrics.ttft.labels(o) for o in telemetry.OUTCOMES}
         self._reuse = {o: metrics.reuse.labels(o) for o in telemetry.OUTCOMES}
         self._store_seconds = {op: metrics.store_seconds.labels(op) for op in ("take", "put")}
-        self.retention = limits.RetentionLedger()
+        self.retention = limits.TenantRetentionLedger()
         self.lease_rate = limits.TokenBucket()
         self.hint_sources = hints.parse_sources(config.session_hints)
         self._hint_counts = {s: metrics.session_hints.labels(s.label) for s in self.hint_sources}

@@ -1,7 +1,7 @@
 """Per-tenant and global limits (pure, no I/O): admission, retention and lease renewal rate.
 
 - ``Admission``: requests in flight, globally and per tenant (a request over either gets 429).
-- ``RetentionLedger``: the live conversations and retained decode tokens of each tenant, so no tenant can
+- ``TenantRetentionLedger``: the live conversations and retained decode tokens of each tenant, so no tenant can
   pin an unbounded share of decode memory (over its limits, new turns are served but not retained).
 - ``TokenBucket``: lease renewals and requests per tenant per second.
 - ``ByteBudget``: request body bytes being buffered, globally and per tenant (reserved before reading).
@@ -56,8 +56,9 @@ class _Tenant:
     expiries: list[tuple[float, str]] = field(default_factory=list)
 
 
-class RetentionLedger:
-    """What each tenant retains on decode engines, by conversation key, until the entry expires or is taken."""
+class TenantRetentionLedger:
+    """What each tenant retains on decode engines, by conversation key, until the entry expires or is taken: the
+    router's per-tenant count (``connector.retention.RetentionLedger`` is decode's own ledger of retained blocks)."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._tenants: dict[str, _Tenant] = {}

@@ -52,7 +52,10 @@ class SmokeFailure(Exception):
 
 
 @dataclass(frozen=True)
-class Reply:
+class TimedReply:
+    """One streamed answer as the smoke test reads it: its text, time to first token and the router's reuse
+    outcome (not an HTTP reply: the e2e tests' ``Reply`` is that)."""
+
     text: str
     ttft_ms: float
     outcome: str
@@ -60,10 +63,12 @@ class Reply:
 
 
 @dataclass(frozen=True)
-class Turn:
+class PlayedTurn:
+    """One conversation turn played twice, reuse off then on (``router.guard.Turn`` is the router's parsed turn)."""
+
     index: int
-    off: Reply
-    on: Reply
+    off: TimedReply
+    on: TimedReply
 
     @property
     def matches(self) -> bool:
@@ -74,7 +79,7 @@ class Turn:
 class SmokeResult:
     url: str
     model: str = ""
-    turns: list[Turn] = field(default_factory=list)
+    turns: list[PlayedTurn] = field(default_factory=list)
     #: Why it failed; None when it passed.
     failure: str | None = None
 
@@ -83,7 +88,7 @@ class SmokeResult:
         return self.failure is None and bool(self.turns)
 
 
-def check_turn(turn: Turn) -> str | None:
+def check_turn(turn: PlayedTurn) -> str | None:
     """The reason a played turn fails, or None. Pure: the rules of the smoke test in one place."""
     if turn.off.outcome != DISABLED:
         return (f"turn {turn.index}: the endpoint did not honour '{REUSE_HEADER}: off' (reuse outcome "
@@ -134,7 +139,7 @@ async def _model(session: aiohttp.ClientSession, url: str, api_key: str | None) 
 
 
 async def _chat(session: aiohttp.ClientSession, url: str, api_key: str | None, model: str,
-                messages: list[dict[str, str]], reuse: bool, max_tokens: int, what: str) -> Reply:
+                messages: list[dict[str, str]], reuse: bool, max_tokens: int, what: str) -> TimedReply:
     body = {"model": model, "messages": messages, "stream": True, "max_tokens": max_tokens, "temperature": 0,
             "seed": 0}
     start = time.perf_counter()
@@ -162,7 +167,7 @@ async def _chat(session: aiohttp.ClientSession, url: str, api_key: str | None, m
                 text += piece
     if ttft is None:
         raise SmokeFailure(f"{what}: the stream carried no text")
-    return Reply(text=text, ttft_ms=ttft, outcome=outcome or "unknown",
+    return TimedReply(text=text, ttft_ms=ttft, outcome=outcome or "unknown",
                  reused_tokens=int(reused) if str(reused).isdigit() else 0)
 
 
@@ -192,7 +197,7 @@ async def run(url: str, api_key: str | None = None, model: str | None = None, tu
                                   f"turn {index} (reuse off)")
                 on = await _chat(session, url, api_key, result.model, messages, True, max_tokens,
                                  f"turn {index} (reuse on)")
-                turn = Turn(index, off, on)
+                turn = PlayedTurn(index, off, on)
                 result.turns.append(turn)
                 if reason := check_turn(turn):
                     result.failure = reason

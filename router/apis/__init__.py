@@ -19,7 +19,6 @@ from typing import Any, Protocol
 
 import orjson
 
-from router import sse as sse_lines
 from router.guard import RequestError
 
 
@@ -55,31 +54,6 @@ class Translation(Protocol):
 def sse(event: str, data: Mapping[str, Any]) -> bytes:
     """One named SSE event (both APIs name every event)."""
     return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
-
-
-def chat_line(line: bytes) -> tuple[str, Any]:
-    """Classify one line of a chat-completions SSE stream: ("chunk", dict), ("done", None), ("comment", line)
-    or ("skip", None) (blank lines, ``event:``/``id:`` fields, unparsable data)."""
-    if line.startswith(b":"):
-        return "comment", line.rstrip(b"\r\n") + b"\n\n"
-    payload = sse_lines.data_of(line)
-    if payload is None:
-        return "skip", None
-    if payload == sse_lines.DONE:
-        return "done", None
-    try:
-        chunk = orjson.loads(payload)
-    except orjson.JSONDecodeError:
-        return "skip", None
-    return ("chunk", chunk) if isinstance(chunk, dict) else ("skip", None)
-
-
-def engine_error(chunk: Mapping[str, Any]) -> tuple[int, str] | None:
-    """(status, message) of vLLM's mid-stream error chunk (``{"error": {...}}``), or None for any other chunk."""
-    if "error" not in chunk:
-        return None
-    error = chunk["error"] if isinstance(chunk["error"], Mapping) else {}
-    return int(error.get("code") or 500), str(error.get("message") or "error")
 
 
 def refuse_unknown(body: Mapping[str, Any], known: set[str] | frozenset[str], api: str) -> None:

@@ -20,8 +20,6 @@ from typing import Any
 import orjson
 
 from router.apis import (
-    chat_line,
-    engine_error,
     first_choice,
     parse_arguments,
     reasoning_of,
@@ -29,6 +27,7 @@ from router.apis import (
     sse,
     usage_of,
 )
+from router.apis.chat_stream import ChatStreamWalker, ToolCallDelta
 from router.guard import RequestError
 
 API = "/v1/messages"
@@ -329,24 +328,22 @@ def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
             "cache_creation_input_tokens": 0}
 
 
-class _MessagesStream:
+class _MessagesStream(ChatStreamWalker):
     """Chat-completion chunks in, Anthropic streaming events out: ``message_start``, a
     ``content_block_start`` / ``_delta`` / ``_stop`` run per block (thinking, text, each tool_use),
     ``message_delta`` (stop reason, usage) and ``message_stop``."""
 
     def __init__(self, owner: MessagesTranslation) -> None:
+        super().__init__()
         self.owner = owner
-        self.started = False
-        self.ended = False
         self.index = -1  # the open block's index
         self.open: str | None = None  # "thinking" | "text" | "tool_use"
         self.calls: dict[int, int] = {}  # chat tool-call index -> block index
-        self.any_call = False
-        self.choice: dict[str, Any] = {}
-        self.usage: tuple[int, int, int] = (0, 0, 0)
 
-    def _start(self, chunk: Mapping[str, Any]) -> list[bytes]:
-        self.started = True
+    def error_event(self, status: int, message: str) -> bytes:
+        return self.owner.error_event(status, message)
+
+    def on_start(self, chunk: Mapping[str, Any]) -> list[bytes]:
         message = {"id": _message_id(chunk.get("id")), "type": "message", "role": "assistant",
                    "model": str(chunk.get("model") or self.owner.model), "content": [], "stop_reason": None,
                    "stop_sequence": None, "usage": _usage(0, 0, 0)}
@@ -374,65 +371,36 @@ class _MessagesStream:
     def _delta(self, delta: dict[str, Any]) -> bytes:
         return sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
 
-    def _chunk(self, chunk: Mapping[str, Any]) -> list[bytes]:
-        error = engine_error(chunk)
-        if error is not None:
-            self.ended = True
-            return [self.owner.error_event(*error)]
-        out = [] if self.started else self._start(chunk)
-        if chunk.get("usage"):
-            self.usage = usage_of(chunk)
-        for choice in chunk.get("choices") or ():
-            if choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta") or {}
-            reasoning = reasoning_of(delta)
-            if reasoning:
-                if self.open != "thinking":
-                    out += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-                out.append(self._delta({"type": "thinking_delta", "thinking": reasoning}))
-            if delta.get("content"):
-                if self.open != "text":
-                    out += self._open("text", {"type": "text", "text": ""})
-                out.append(self._delta({"type": "text_delta", "text": delta["content"]}))
-            for call in delta.get("tool_calls") or ():
-                if not isinstance(call, Mapping):
-                    continue
-                fn = call.get("function") or {}
-                at = call.get("index", 0)
-                if at not in self.calls:
-                    out += self._open("tool_use", {"type": "tool_use", "id": str(call.get("id") or ""),
-                                                   "name": str(fn.get("name") or ""), "input": {}})
-                    self.calls[at] = self.index
-                    self.any_call = True
-                if fn.get("arguments") and self.calls[at] == self.index:
-                    out.append(self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]}))
-            if choice.get("finish_reason"):
-                self.choice = {"finish_reason": choice["finish_reason"], "stop_reason": choice.get("stop_reason")}
+    def on_reasoning(self, text: str) -> list[bytes]:
+        out = [] if self.open == "thinking" else self._open("thinking", {"type": "thinking", "thinking": "",
+                                                                          "signature": ""})
+        out.append(self._delta({"type": "thinking_delta", "thinking": text}))
         return out
 
-    def _done(self) -> list[bytes]:
-        if self.ended:
-            return []
-        self.ended = True
-        out = [] if self.started else self._start({})
+    def on_text(self, text: str) -> list[bytes]:
+        out = [] if self.open == "text" else self._open("text", {"type": "text", "text": ""})
+        out.append(self._delta({"type": "text_delta", "text": text}))
+        return out
+
+    def on_tool_call(self, call: ToolCallDelta) -> list[bytes]:
+        out: list[bytes] = []
+        if call.index not in self.calls:
+            out += self._open("tool_use", {"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+            self.calls[call.index] = self.index
+        if call.arguments and self.calls[call.index] == self.index:
+            out.append(self._delta({"type": "input_json_delta", "partial_json": call.arguments}))
+        return out
+
+    def on_end(self) -> list[bytes]:
+        out: list[bytes] = []
         if self.index < 0:  # an empty answer is still one (empty) text block
             out += self._open("text", {"type": "text", "text": ""})
         out += self._close()
-        stop_reason, stop_sequence = _stop(self.choice or {"finish_reason": "stop"}, self.owner.stops, self.any_call)
-        prompt, completion, cached = self.usage
+        stop_reason, stop_sequence = _stop({"finish_reason": self.finish_reason or "stop",
+                                            "stop_reason": self.stop_reason}, self.owner.stops, self.any_tool_call)
+        prompt, completion, cached = self.usage or (0, 0, 0)
         out.append(sse("message_delta", {"type": "message_delta",
                                          "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                          "usage": _usage(prompt, completion, cached)}))
         out.append(sse("message_stop", {"type": "message_stop"}))
         return out
-
-    def feed(self, line: bytes) -> bytes:
-        kind, value = chat_line(line)
-        if kind == "comment":
-            return value
-        if kind == "done":
-            return b"".join(self._done())
-        if kind == "chunk" and not self.ended:
-            return b"".join(self._chunk(value))
-        return b""

@@ -22,15 +22,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from router.apis import (
-    chat_line,
     compact_arguments,
-    engine_error,
     first_choice,
     reasoning_of,
     refuse_unknown,
     sse,
     usage_of,
 )
+from router.apis.chat_stream import ChatStreamWalker, ToolCallDelta
 from router.guard import RequestError
 
 API = "/v1/responses"
@@ -322,9 +321,14 @@ def _suffix(chat_id: Any) -> str:
 
 
 def _usage(chat: Mapping[str, Any]) -> dict[str, Any] | None:
-    if not chat.get("usage"):
+    return _usage_object(usage_of(chat)) if chat.get("usage") else None
+
+
+def _usage_object(counts: tuple[int, int, int] | None) -> dict[str, Any] | None:
+    """A Response's usage from (prompt, completion, cached prompt) tokens; None when the engines sent none."""
+    if counts is None:
         return None
-    prompt, completion, cached = usage_of(chat)
+    prompt, completion, cached = counts
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion}
@@ -368,11 +372,12 @@ def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str
             "arguments": arguments, "status": status}
 
 
-class _ResponsesStream:
+class _ResponsesStream(ChatStreamWalker):
     """Chat-completion chunks in, Responses streaming events out (``response.created`` ...
     ``response.completed``), in the order the OpenAI API sends them."""
 
     def __init__(self, owner: ResponsesTranslation) -> None:
+        super().__init__()
         self.owner = owner
         self.seq = 0
         self.response_id = ""
@@ -381,24 +386,23 @@ class _ResponsesStream:
         self.output: list[dict[str, Any]] = []  # finished items
         self.open: dict[str, Any] | None = None  # the item being streamed
         self.calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its open item
-        self.finish: str | None = None
-        self.usage: dict[str, Any] | None = None
-        self.started = False
-        self.ended = False
 
     def next_seq(self) -> int:
         self.seq += 1
         return self.seq - 1
+
+    def error_event(self, status: int, message: str) -> bytes:
+        return self.owner.error_event(status, message)
 
     def _event(self, kind: str, **data: Any) -> bytes:
         return sse(kind, {"type": kind, "sequence_number": self.next_seq(), **data})
 
     def _envelope(self, status: str) -> dict[str, Any]:
         incomplete = "max_output_tokens" if status == "incomplete" else None
-        return self.owner.envelope(self.response_id, self.model, status, list(self.output), self.usage, incomplete)
+        return self.owner.envelope(self.response_id, self.model, status, list(self.output),
+                                   _usage_object(self.usage), incomplete)
 
-    def _start(self, chunk: Mapping[str, Any]) -> list[bytes]:
-        self.started = True
+    def on_start(self, chunk: Mapping[str, Any]) -> list[bytes]:
         self.suffix = _suffix(chunk.get("id"))
         self.response_id, self.model = f"resp_{self.suffix}", str(chunk.get("model") or "")
         return [self._event("response.created", response=self._envelope("in_progress")),
@@ -447,6 +451,12 @@ class _ResponsesStream:
         out.append(self._event("response.output_item.done", output_index=index, item=item))
         return out
 
+    def on_reasoning(self, text: str) -> list[bytes]:
+        return self._text("reasoning", text)
+
+    def on_text(self, text: str) -> list[bytes]:
+        return self._text("message", text)
+
     def _text(self, kind: str, delta: str) -> list[bytes]:
         out: list[bytes] = []
         if self.open is None or self.open["type"] != kind:
@@ -466,54 +476,24 @@ class _ResponsesStream:
             item = {**_reasoning_item(f"rs_{self.suffix}", "", "in_progress"), "content": [], "_text": ""}
         return self._open_item(item)
 
-    def _call(self, call: Mapping[str, Any]) -> list[bytes]:
+    def on_tool_call(self, call: ToolCallDelta) -> list[bytes]:
         out: list[bytes] = []
-        index = call.get("index", 0)
-        fn = call.get("function") or {}
-        item = self.calls.get(index)
-        if item is None or (call.get("id") and item is not self.open):
-            item = _call_item(str(call.get("id") or ""), str(fn.get("name") or ""), "", "in_progress")
-            self.calls[index] = item
+        item = self.calls.get(call.index)
+        if item is None or (call.id and item is not self.open):
+            item = _call_item(call.id, call.name, "", "in_progress")
+            self.calls[call.index] = item
             out += self._open_item(item)
-        if fn.get("name") and not item["name"]:
-            item["name"] = fn["name"]
-        delta = fn.get("arguments") or ""
-        if delta:
-            item["arguments"] += delta
+        if call.name and not item["name"]:
+            item["name"] = call.name
+        if call.arguments:
+            item["arguments"] += call.arguments
             out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                   output_index=len(self.output), delta=delta))
+                                   output_index=len(self.output), delta=call.arguments))
         return out
 
-    def _chunk(self, chunk: Mapping[str, Any]) -> list[bytes]:
-        error = engine_error(chunk)
-        if error is not None:
-            self.ended = True
-            return [self.owner.error_event(*error)]
-        out = [] if self.started else self._start(chunk)
-        if chunk.get("usage"):
-            self.usage = _usage(chunk)
-        for choice in chunk.get("choices") or ():
-            if choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta") or {}
-            reasoning = reasoning_of(delta)
-            if reasoning:
-                out += self._text("reasoning", reasoning)
-            if delta.get("content"):
-                out += self._text("message", delta["content"])
-            for call in delta.get("tool_calls") or ():
-                if isinstance(call, Mapping):
-                    out += self._call(call)
-            if choice.get("finish_reason"):
-                self.finish = choice["finish_reason"]
-        return out
-
-    def _done(self) -> list[bytes]:
-        if self.ended:
-            return []
-        self.ended = True
-        out = [] if self.started else self._start({})
-        status = "incomplete" if self.finish == "length" else "completed"
+    def on_end(self) -> list[bytes]:
+        out: list[bytes] = []
+        status = "incomplete" if self.finish_reason == "length" else "completed"
         if self.open is None and not self.output:  # an empty answer is still one (empty) message
             out += self._open_text("message")
         out += self._close_item("incomplete" if status == "incomplete" and self.open
@@ -521,13 +501,3 @@ class _ResponsesStream:
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         out.append(self._event(kind, response=self._envelope(status)))
         return out
-
-    def feed(self, line: bytes) -> bytes:
-        kind, value = chat_line(line)
-        if kind == "comment":
-            return value
-        if kind == "done":
-            return b"".join(self._done())
-        if kind == "chunk" and not self.ended:
-            return b"".join(self._chunk(value))
-        return b""

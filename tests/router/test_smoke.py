@@ -47,9 +47,9 @@ async def test_smoke_fails_on_a_wrong_api_key_and_on_an_unreachable_endpoint():
 
 
 def test_a_mismatch_names_the_turn_and_where_the_answers_differ():
-    off = smoke.Reply("the same start, then A", 10.0, "disabled", 0)
-    on = smoke.Reply("the same start, then B", 5.0, "hit", 120)
-    reason = smoke.check_turn(smoke.Turn(3, off, on))
+    off = smoke.TimedReply("the same start, then A", 10.0, "disabled", 0)
+    on = smoke.TimedReply("the same start, then B", 5.0, "hit", 120)
+    reason = smoke.check_turn(smoke.PlayedTurn(3, off, on))
     assert reason.startswith("turn 3: the answer with reuse differs") and "character 21" in reason
 
 

@@ -80,8 +80,8 @@ async def test_put_take_single_use_and_ttl(redis_server):
 
 
 async def test_kept_responses_live_in_their_own_keys_with_their_ttl(redis_server):
-    from router.app import make_response_store
     from router.config import RouterConfig
+    from router.lifecycle import make_response_store
 
     store = ValkeyStore(redis_server.url)
     try:

@@ -32,8 +32,8 @@ def test_on_this_machine_it_stops_before_starting_anything_and_says_why(tmp_path
 
 
 def test_the_report_gives_ttft_off_and_on_and_flags_a_differing_answer():
-    row = shapes.Row("equal", "P TP1 / D TP1", "pull", started=True, passed=False, failure="turn 3: answers differ",
-                     pulled_tokens=900.0, seconds=42.0,
+    row = shapes.ShapeRun("equal", "P TP1 / D TP1", "pull", started=True, passed=False,
+                          failure="turn 3: answers differ", pulled_tokens=900.0, seconds=42.0,
                      turns=[{"turn": 1, "ttft_off_ms": 50.0, "ttft_on_ms": 52.0, "outcome": "miss",
                              "reused_tokens": 0, "same_answer": True},
                             {"turn": 2, "ttft_off_ms": 90.0, "ttft_on_ms": 30.0, "outcome": "hit",

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from router import errors, flow, guard, legs
-from router.limits import Admission, RetentionLedger, TokenBucket
+from router.limits import Admission, TenantRetentionLedger, TokenBucket
 
 
 def test_admission_global_and_per_tenant():
@@ -22,7 +22,7 @@ def test_admission_global_and_per_tenant():
 
 def test_retention_ledger_limits_conversations_and_tokens_and_forgets_expired():
     now = [0.0]
-    ledger = RetentionLedger(clock=lambda: now[0])
+    ledger = TenantRetentionLedger(clock=lambda: now[0])
     assert ledger.allows("t", 100, 2, 1000)
     ledger.hold("t", "k1", 600, 10)
     ledger.hold("t", "k2", 300, 20)
@@ -37,7 +37,7 @@ def test_retention_ledger_limits_conversations_and_tokens_and_forgets_expired():
 
 def test_retention_ledger_a_renewed_hold_outlives_its_first_expiry():
     now = [0.0]
-    ledger = RetentionLedger(clock=lambda: now[0])
+    ledger = TenantRetentionLedger(clock=lambda: now[0])
     ledger.hold("t", "k", 100, 10)
     ledger.hold("t", "k", 100, 30)  # the same turn held again (lease renewed): its first expiry no longer applies
     now[0] = 15
@@ -50,7 +50,7 @@ def test_retention_ledger_purge_does_not_scan_every_held_turn():
     """Each request checks its tenant's limits: with many held turns, that must not cost a pass over all of them
     (it did: 13% of the router's CPU under load), and turns taken before they expire must not pile up."""
     now = [0.0]
-    ledger = RetentionLedger(clock=lambda: now[0])
+    ledger = TenantRetentionLedger(clock=lambda: now[0])
     for i in range(20_000):
         ledger.hold("t", f"k{i}", 1, 1000 + i)
     reads = 0

@@ -240,7 +240,7 @@ def test_sweep_over_fake_engines_reports_reuse_falling_past_the_fit(tmp_path, mo
     # reply depends only on the prompt, as greedy decoding's does
     monkeypatch.setattr(fake_engine, "token_text", lambda token, *, request_id="", kv_from="":
                         "" if request_id else f"kv-{kv_from} " if kv_from else f"w{token} ")
-    opts = pressure.Options(levels=[1.0, 2.0], turns=3, think=calc.Think("fixed", 0.5), stagger=0,
+    opts = pressure.PressureOptions(levels=[1.0, 2.0], turns=3, think=calc.Think("fixed", 0.5), stagger=0,
                             workload=WorkloadSpec(turns=3, system_words=20, first_user_words=30, turn_words=10,
                                                   max_tokens=8, seed=3), timeout=20, max_seconds=120)
     tokens = pressure.tokens_per_conversation(opts)
