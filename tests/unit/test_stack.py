@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import free_port
 from turnkv import params, wire
+from turnkv.engine_args import Mode
 from turnkv.local import stack
 from turnkv.local.stack import ProcessSpec, StackConfig, StackError, Supervisor
 
@@ -203,6 +204,10 @@ def test_plan_runs_each_role_at_its_own_tensor_parallelism_and_block_size(tmp_pa
     # one core per rank: the CPU backend binds each rank's threads to its own list
     assert prefill.argv[:3] == ["taskset", "-c", "0,1"] and prefill.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
     assert decode.argv[:3] == ["taskset", "-c", "1"] and decode.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    # push: the router names prefill's TP in its first push (else prefill answers TP 2 and decode is resent)
+    push = {p.name: p for p in stack.plan(StackConfig(state_dir=tmp_path, prefill_tp=2, mode=Mode.PUSH))}
+    assert push["router"].argv[push["router"].argv.index("--prefill") + 1].endswith(
+        "?engine_id=prefill-0&side_channel_port=5600&tp_size=2")
 
 
 def test_cuda_engines_share_the_gpu_with_no_cpu_settings_and_start_one_after_another(tmp_path):

@@ -262,6 +262,8 @@ def plan(config: StackConfig) -> list[ProcessSpec]:
         url = f"http://127.0.0.1:{spec.port}"
         if config.router_identity or config.mode is Mode.PUSH:  # push: concurrent legs need P's identity
             url += f"?engine_id={spec.engine_id}&side_channel_port={spec.side_channel_port}"
+            if spec.tensor_parallel_size != 1:  # else the router's first push names TP 1 and decode is resent
+                url += f"&tp_size={spec.tensor_parallel_size}"
         return url
 
     prefill_urls = [prefill_url(spec) for spec in prefills]
