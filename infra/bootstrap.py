@@ -9,7 +9,9 @@ they are only ever placed inside single quotes or quoted heredocs.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from turnkv import metric_names as mn
 from turnkv import node_env
@@ -25,6 +27,13 @@ LOG_DIR = "/var/log/turnkv"
 #: ships as its own stream (``<instance id>/<file>``). journald alone is not read by the agent.
 LOGGED_UNITS = {node_env.ENGINE_SERVICE: "engine", node_env.REGISTER_SERVICE: "register",
                 METRICS_SERVICE: "metrics", node_env.PARAMS_SYNC_SERVICE: "params-sync"}
+METRICS_SERVICE_TEMPLATE = "turnkv-metrics@.service"
+#: The AMI's engine unit: a node of several engines runs it as a template (``turnkv-engine@<slot>``), each instance
+#: reading its slot's file over engine.env (``engine_template_unit``).
+AMI_ENGINE_UNIT = Path(__file__).resolve().parents[1] / "ami" / "scripts" / "files" / node_env.ENGINE_SERVICE
+#: Several engines: one log file per engine; the registration and metrics units of all engines share one each.
+SLOT_LOGGED_UNITS = {node_env.ENGINE_SERVICE_TEMPLATE: "engine-%i", node_env.REGISTER_SERVICE_TEMPLATE: "register",
+                     METRICS_SERVICE_TEMPLATE: "metrics", node_env.PARAMS_SYNC_SERVICE: "params-sync"}
 #: Units enabled together before any starts: a failed start cannot leave a later one un-enabled (systemd brings
 #: each back at the next boot), and the register unit waits for the engine on its own.
 UNITS = (node_env.PARAMS_SYNC_TIMER, node_env.ENGINE_SERVICE, node_env.REGISTER_SERVICE, METRICS_SERVICE)
@@ -69,6 +78,14 @@ class NodeBootstrap:
     offer_secret_id: str = ""
     port: int = node_env.DEFAULT_PORT
     side_channel_port: int = node_env.DEFAULT_SIDE_CHANNEL_PORT
+    #: Engines this node runs (``DeploymentConfig.engines_per_node``) and the accelerators they divide: one keeps
+    #: the single units and engine.env; several run as template-unit instances, each on its own devices and ports.
+    engines: int = 1
+    accelerators: int = 8
+
+    @property
+    def slots(self) -> tuple[node_env.EngineSlot, ...]:
+        return node_env.engine_slots(self.engines, self.tp_size, self.accelerators)
 
     def engine_env(self, engine_id: str = "", host: str = "") -> node_env.EngineEnv:
         return node_env.EngineEnv(
@@ -76,6 +93,15 @@ class NodeBootstrap:
             side_channel_host=host, mode=self.mode, bidirectional=self.bidirectional, tp_size=self.tp_size,
             max_model_len=self.max_model_len, port=self.port, side_channel_port=self.side_channel_port,
             backends=node_env.EFA_BACKENDS, model_s3_uri=self.model_s3_uri)
+
+
+def log_names(b: NodeBootstrap) -> tuple[str, ...]:
+    """The files under LOG_DIR the agent ships, each as its own stream."""
+    if b.engines == 1:
+        return ("user-data", *LOGGED_UNITS.values())
+    names = [name.replace("%i", str(slot.index)) if "%i" in name else name
+             for name in SLOT_LOGGED_UNITS.values() for slot in (b.slots if "%i" in name else b.slots[:1])]
+    return ("user-data", *names)
 
 
 def agent_config(b: NodeBootstrap) -> dict:
@@ -110,7 +136,7 @@ def agent_config(b: NodeBootstrap) -> dict:
             "logs_collected": {"files": {"collect_list": [
                 {"file_path": f"{LOG_DIR}/{name}.log", "log_group_name": b.log_group,
                  "log_stream_name": f"{{instance_id}}/{name}", "retention_in_days": 30}
-                for name in ("user-data", *LOGGED_UNITS.values())
+                for name in log_names(b)
             ]}},
         },
     }
@@ -202,6 +228,137 @@ WantedBy=multi-user.target
 """
 
 
+def slot_register_script(b: NodeBootstrap) -> str:
+    """A node of several engines: ``turnkv-register register|deregister <slot>`` for one engine. It waits for that
+    engine's /health and registers it as its own Cloud Map instance (its slot's id, port and side-channel port,
+    from its env file); the rolling update's signal goes once every engine of the node is registered."""
+    attrs = (f"AWS_INSTANCE_IPV4=$IP,AWS_INSTANCE_PORT=$PORT,role={b.role.value},engine_id=$ENGINE_ID,"
+             f"side_channel_host=$IP,side_channel_port=$TURNKV_SIDE_CHANNEL_PORT,tp_size={b.tp_size},"
+             f"http_port=$PORT,pool={b.pool}")
+    signal = ""
+    if b.signal_stack and b.signal_resource:
+        signal = f"""
+# Tell CloudFormation this instance serves once all {b.engines} engines are registered (once: a lock and a marker).
+signal() {{
+  aws cloudformation signal-resource --region "$REGION" --stack-name '{b.signal_stack}' \\
+    --logical-resource-id '{b.signal_resource}' --unique-id "$INSTANCE_ID" --status "$1" >/dev/null 2>&1 || true
+}}
+registered() {{
+  install -d /run/turnkv && touch "/run/turnkv/registered-$SLOT"
+  (
+    flock 9
+    n=$(find /run/turnkv -name 'registered-*' | wc -l)
+    if ((n >= {b.engines})) && [[ ! -e /run/turnkv/signalled ]]; then touch /run/turnkv/signalled; signal SUCCESS; fi
+  ) 9>/run/turnkv/signal.lock
+}}"""
+    ok_signal = "\n        registered" if signal else ""
+    fail_signal = "\n    signal FAILURE" if signal else ""
+    return f"""#!/bin/bash
+# turnkv: register engine <slot> of this node in Cloud Map once it is healthy; deregister on stop.
+set -euo pipefail
+SLOT="${{2:?usage: turnkv-register register|deregister SLOT}}"
+. {node_env.ENGINE_ENV_FILE}
+# shellcheck source=/dev/null
+. "{node_env.engine_env_file("$SLOT")}"
+SERVICE_ID='{b.cloudmap_service_id}'
+REGION='{b.region}'
+TOKEN=$(curl -sS -X PUT http://169.254.169.254/latest/api/token -H 'X-aws-ec2-metadata-token-ttl-seconds: 300')
+INSTANCE_ID=$(curl -sS -H "X-aws-ec2-metadata-token: $TOKEN" http://169.254.169.254/latest/meta-data/instance-id)
+IP="$TURNKV_SIDE_CHANNEL_HOST"
+ENGINE_ID="$TURNKV_ENGINE_ID"
+PORT="$TURNKV_PORT"
+CLOUDMAP_ID="${node_env.CLOUDMAP_INSTANCE_ID}"
+{mark_unhealthy_function(b.region)}{signal}
+case "$1" in
+  register)
+    for _ in $(seq 1 720); do
+      if curl -fsS -m 5 "http://127.0.0.1:$PORT/health" >/dev/null; then
+        aws servicediscovery register-instance --region "$REGION" --service-id "$SERVICE_ID" \\
+          --instance-id "$CLOUDMAP_ID" --attributes "{attrs}"
+        echo "registered $CLOUDMAP_ID ($ENGINE_ID) in Cloud Map"{ok_signal}
+        exit 0
+      fi
+      sleep 10
+    done
+    echo "engine $SLOT never became healthy; not registering" >&2{fail_signal}
+    mark_unhealthy "engine $SLOT never became healthy; not registered in Cloud Map"
+    exit 1
+    ;;
+  deregister)
+    aws servicediscovery deregister-instance --region "$REGION" --service-id "$SERVICE_ID" \\
+      --instance-id "$CLOUDMAP_ID" || true
+    ;;
+esac
+"""
+
+
+SLOT_REGISTER_UNIT = f"""[Unit]
+Description=turnkv: register engine %i in Cloud Map when healthy, deregister on stop
+After={node_env.unit_instance(node_env.ENGINE_SERVICE_TEMPLATE, "%i")} network-online.target
+Wants={node_env.unit_instance(node_env.ENGINE_SERVICE_TEMPLATE, "%i")}
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+TimeoutStartSec=7300
+ExecStart={REGISTER_SCRIPT} register %i
+ExecStop={REGISTER_SCRIPT} deregister %i
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def slot_metrics_unit(b: NodeBootstrap) -> str:
+    """``turnkv-metrics@<slot>.service``: engine ``slot``'s metrics to EMF (its port from its env file)."""
+    return f"""[Unit]
+Description=turnkv: engine %i metrics (vLLM /metrics) to CloudWatch EMF on tcp:{EMF_PORT}
+After={node_env.unit_instance(node_env.ENGINE_SERVICE_TEMPLATE, "%i")} amazon-cloudwatch-agent.service
+
+[Service]
+EnvironmentFile={node_env.ENGINE_ENV_FILE}
+EnvironmentFile={node_env.engine_env_file("%i")}
+ExecStart={node_env.VENV_BIN}/python -m turnkv.emf_bridge --metrics-url http://127.0.0.1:${{TURNKV_PORT}}/metrics \\
+  --deployment {b.deployment} --role {b.role.value} --pool {b.pool} --log-group {b.log_group} \\
+  --emf 127.0.0.1:{EMF_PORT}
+Restart=always
+RestartSec=30
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def engine_template_unit(ami_unit: str | None = None) -> str:
+    """``turnkv-engine@.service``: the AMI's engine unit (one source), each instance reading its slot's file over
+    engine.env and starting only once that file exists. Comments dropped (user data is limited to 16 KB)."""
+    text = AMI_ENGINE_UNIT.read_text() if ami_unit is None else ami_unit
+    env_line = f"EnvironmentFile={node_env.ENGINE_ENV_FILE}\n"
+    condition = f"ConditionPathExists={node_env.ENGINE_ENV_FILE}\n"
+    if env_line not in text or condition not in text:
+        raise ValueError(f"{AMI_ENGINE_UNIT.name} no longer reads {node_env.ENGINE_ENV_FILE} as expected: "
+                         "update infra.bootstrap.engine_template_unit with it")
+    slot_file = node_env.engine_env_file("%i")
+    text = text.replace(condition, f"ConditionPathExists={slot_file}\n")
+    text = text.replace(env_line, f"{env_line}EnvironmentFile={slot_file}\n")
+    text = re.sub(r"^Description=(.*)$", r"Description=\1, engine %i", text, count=1, flags=re.M)
+    return "".join(line + "\n" for line in text.splitlines() if line and not line.startswith("#"))
+
+
+def slot_env_files(b: NodeBootstrap) -> str:
+    """Shell writing each engine's file over engine.env: its ports and devices, then its engine id and Cloud Map
+    instance id (the instance's, with ``node_env.slot_suffix``)."""
+    lines = []
+    for slot in b.slots:
+        static = " ".join(f"{k} {node_env.check_value(k, v)}" for k, v in slot.variables(b.gpu).items())
+        suffix = node_env.slot_suffix(slot.index)
+        path = node_env.engine_env_file(slot.index)
+        lines.append(f"printf '%s=%s\\n' {static} {node_env.ENGINE_ID} \"$ENGINE_ID{suffix}\" "
+                     f"{node_env.CLOUDMAP_INSTANCE_ID} \"$INSTANCE_ID{suffix}\" > {path}")
+    head = f"\n# This node runs {b.engines} engines, each on its own devices and ports over engine.env.\n"
+    return head + "\n".join(lines)
+
+
 def log_dropin(name: str) -> str:
     """systemd drop-in: the unit's stdout and stderr appended to its own file (which the agent ships)."""
     return f"""[Service]
@@ -272,14 +429,42 @@ umask 022
 """
 
 
+def _units(b: NodeBootstrap) -> tuple[str, str, str, str]:
+    """Shell installing the node's registration and metrics units, the units to enable, the engine unit(s) to
+    start and the units started after them without waiting: the single units for one engine, the template units'
+    instances (``@0``, ``@1``, ...) for several."""
+    if b.engines == 1:
+        install = f"""cat > /etc/systemd/system/{node_env.REGISTER_SERVICE} <<'TURNKV_EOF'
+{REGISTER_UNIT}TURNKV_EOF
+cat > /etc/systemd/system/{METRICS_SERVICE} <<'TURNKV_EOF'
+{metrics_unit(b)}TURNKV_EOF"""
+        return install, " ".join(UNITS), node_env.ENGINE_SERVICE, f"{node_env.REGISTER_SERVICE} {METRICS_SERVICE}"
+    each = f"{{0..{b.engines - 1}}}"  # bash brace expansion: one instance per slot
+    install = f"""cat > /etc/systemd/system/{node_env.ENGINE_SERVICE_TEMPLATE} <<'TURNKV_EOF'
+{engine_template_unit()}TURNKV_EOF
+cat > /etc/systemd/system/{node_env.REGISTER_SERVICE_TEMPLATE} <<'TURNKV_EOF'
+{SLOT_REGISTER_UNIT}TURNKV_EOF
+cat > /etc/systemd/system/{METRICS_SERVICE_TEMPLATE} <<'TURNKV_EOF'
+{slot_metrics_unit(b)}TURNKV_EOF"""
+    engines = node_env.unit_instance(node_env.ENGINE_SERVICE_TEMPLATE, each)
+    followers = " ".join(node_env.unit_instance(t, each)
+                         for t in (node_env.REGISTER_SERVICE_TEMPLATE, METRICS_SERVICE_TEMPLATE))
+    return install, f"{node_env.PARAMS_SYNC_TIMER} {engines} {followers}", engines, followers
+
+
 def user_data(b: NodeBootstrap) -> str:
+    multi = b.engines > 1
     static_env = node_env.render(b.engine_env().variables(), skip=node_env.RUNTIME_VARIABLES)
     node_file = node_env.render(node_env.NodeEnv(b.deployment, b.region).variables())
-    agent = json.dumps(agent_config(b), indent=1)
+    # Several engines: compact JSON (user data is limited to 16 KB; a node of eight engines lists more logs).
+    agent = json.dumps(agent_config(b), separators=(",", ":")) if multi else json.dumps(agent_config(b), indent=1)
     dropin_cmds = "\n".join(
         f"install -d /etc/systemd/system/{unit}.d\n"
         f"cat > /etc/systemd/system/{unit}.d/10-turnkv-logs.conf <<'TURNKV_EOF'\n{log_dropin(name)}TURNKV_EOF"
-        for unit, name in LOGGED_UNITS.items())
+        for unit, name in (SLOT_LOGGED_UNITS if multi else LOGGED_UNITS).items())
+    install_units, enable, engines, followers = _units(b)
+    slot_files = slot_env_files(b) if multi else ""
+    register = slot_register_script(b) if multi else register_script(b)
     sync = (f"{node_env.TURNKV_BIN} params sync --deployment {b.deployment} --region {b.region} "
             f"--out {node_env.TUNABLES_FILE}")
     return f"""#!/bin/bash
@@ -310,7 +495,7 @@ cat > {node_env.ENGINE_ENV_FILE}.new <<'TURNKV_EOF'
 {static_env}TURNKV_EOF
 printf '%s=%s\\n' {node_env.ENGINE_ID} "$ENGINE_ID" {node_env.SIDE_CHANNEL_HOST} "$IP" \\
   {node_env.VLLM_SIDE_CHANNEL_HOST} "$IP" >> {node_env.ENGINE_ENV_FILE}.new
-mv {node_env.ENGINE_ENV_FILE}.new {node_env.ENGINE_ENV_FILE}
+mv {node_env.ENGINE_ENV_FILE}.new {node_env.ENGINE_ENV_FILE}{slot_files}
 
 # Tunables from SSM before the engine starts (the timer keeps the file fresh afterwards).
 for attempt in 1 2 3 4 5; do
@@ -328,12 +513,9 @@ TURNKV_EOF
 
 # Cloud Map registration once healthy; deregistration on stop (the lifecycle hook's Lambda does it too).
 cat > {REGISTER_SCRIPT} <<'TURNKV_EOF'
-{register_script(b)}TURNKV_EOF
+{register}TURNKV_EOF
 chmod 0755 {REGISTER_SCRIPT}
-cat > /etc/systemd/system/{node_env.REGISTER_SERVICE} <<'TURNKV_EOF'
-{REGISTER_UNIT}TURNKV_EOF
-cat > /etc/systemd/system/{METRICS_SERVICE} <<'TURNKV_EOF'
-{metrics_unit(b)}TURNKV_EOF
+{install_units}
 
 # Each unit's output to its own file under {LOG_DIR} (shipped to CloudWatch Logs by the agent), rotated.
 {dropin_cmds}
@@ -344,9 +526,9 @@ cat > /etc/logrotate.d/turnkv <<'TURNKV_EOF'
 {NVME_SCRIPT}
 
 systemctl daemon-reload
-systemctl enable {" ".join(UNITS)}
+systemctl enable {enable}
 systemctl start {node_env.PARAMS_SYNC_TIMER}
-systemctl start {node_env.ENGINE_SERVICE}
-systemctl start --no-block {node_env.REGISTER_SERVICE} {METRICS_SERVICE}
+systemctl start {engines}
+systemctl start --no-block {followers}
 echo "turnkv user data done $(date -Is)"
 """

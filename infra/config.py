@@ -237,6 +237,10 @@ class PoolConfig(_Model):
     #: The cluster placement group an On-Demand Capacity Reservation was created in: instances must launch into
     #: that group to use the reservation (EC2: Capacity Reservations in cluster placement groups).
     placement_group: PlacementGroupName | None = None
+    #: Engines each instance runs, each on its own accelerators and ports. Default: the instance's accelerators
+    #: over ``model.tensor_parallel_size`` (all of them: an instance is paid for whole, as ``turnkv plan`` counts).
+    engines_per_node: Annotated[StrictInt, _range(1, 64, "use 1 .. 64 (at most accelerators / "
+                                                         "model.tensor_parallel_size)")] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -366,6 +370,12 @@ class DeploymentConfig(_Model):
     def ami_parameter(self, flavor: str) -> str:
         return f"/turnkv/{self.name}/ami/{flavor}"
 
+    def engines_per_node(self, pool: PoolConfig) -> int:
+        """Engines one instance of ``pool`` runs: ``pools[].engines_per_node``, else every accelerator used."""
+        if pool.engines_per_node is not None:
+            return pool.engines_per_node
+        return max(1, INSTANCE_TYPES[pool.instance_type].accelerators // self.model.tensor_parallel_size)
+
 
 # ---------------------------------------------------------------- rules across fields
 
@@ -420,6 +430,10 @@ def _cross_checks(c: DeploymentConfig) -> list[tuple[str, str]]:
             fail(("model.tensor_parallel_size", f"{tp} exceeds the {accelerators} accelerators of "
                                                 f"{pool.instance_type} ({path}); lower it or pick a larger instance "
                                                 "type"))
+        elif pool.engines_per_node is not None and pool.engines_per_node * tp > accelerators:
+            fail((f"{path}.engines_per_node", f"{pool.engines_per_node} engines of tensor-parallel size {tp} need "
+                                              f"{pool.engines_per_node * tp} accelerators; {pool.instance_type} has "
+                                              f"{accelerators}: use at most {accelerators // tp}, or leave it out"))
     roles = {p.role for p in c.pools}
     for role in Role:
         if role not in roles:

@@ -65,9 +65,11 @@ def efa_layout(instance_type: str) -> tuple[InterfaceSlot, ...]:
 HOST_TIER_SHARE = 0.5
 
 
-def host_tier_budget_mib(instance_type: str, tensor_parallel_size: int, share: float = HOST_TIER_SHARE) -> int:
+def host_tier_budget_mib(instance_type: str, tensor_parallel_size: int, share: float = HOST_TIER_SHARE,
+                         engines: int | None = None) -> int:
     """Each decode engine's default ``host_kv_budget_mib``: ``share`` of the node's host memory, split between the
-    engines a node runs (its accelerators over the tensor-parallel size)."""
+    engines a node runs (``engines``; default its accelerators over the tensor-parallel size)."""
     profile = INSTANCE_TYPES[instance_type]
-    engines = max(1, profile.accelerators // max(1, tensor_parallel_size))
+    if engines is None:
+        engines = max(1, profile.accelerators // max(1, tensor_parallel_size))
     return int(profile.host_memory_gib * 1024 * share) // engines

@@ -125,6 +125,10 @@ def serve_args(spec: EngineSpec) -> list[str]:
     return args + list(spec.extra_args)
 
 
+#: prometheus_client's process-wide switch for the ``*_created`` series (read from the environment at import).
+PROMETHEUS_DISABLE_CREATED = "PROMETHEUS_DISABLE_CREATED_SERIES"
+
+
 def serve_env(spec: EngineSpec) -> dict[str, str]:
     """Environment the engine needs on top of the host's. ``HF_HUB_OFFLINE`` only when the weights are a local
     directory (synced from S3, or the local stack's model): a Hugging Face id must be downloaded (through NAT)."""
@@ -134,6 +138,9 @@ def serve_env(spec: EngineSpec) -> dict[str, str]:
         # vLLM loads endpoint plugins (turnkv's lease route) only when allow-listed; the list then
         # applies to general plugins too, so it names both of turnkv's.
         "VLLM_PLUGINS": "turnkv,turnkv-leases",
+        # No ``*_created`` series beside every counter and histogram child (vLLM keeps prometheus_client's
+        # default; the router turns them off too): prometheus_client reads this once, at import.
+        PROMETHEUS_DISABLE_CREATED: "True",
         **({wire.OFFER_SECRET_FILE_ENV: spec.offer_secret_file} if spec.offer_secret_file else {}),
     }
     if spec.model.startswith("/"):

@@ -67,8 +67,79 @@ DEFAULT_PORT = 8000
 DEFAULT_SIDE_CHANNEL_PORT = 5600
 EFA_BACKENDS = ("LIBFABRIC",)
 
+#: Several engines on one node (a tensor-parallel size below the node's accelerators): engine ``k`` runs as the
+#: template units' instance ``k`` (``turnkv-engine@k.service`` reads ``/etc/turnkv/engine-k.env``), on its own
+#: devices and ports (:func:`engine_slots`). A node of one engine keeps the single units and ``engine.env``.
+ENGINE_SERVICE_TEMPLATE = "turnkv-engine@.service"
+REGISTER_SERVICE_TEMPLATE = "turnkv-register@.service"
+#: The devices an engine may use: GPUs (CUDA) or logical NeuronCores (the Neuron runtime).
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+NEURON_RT_VISIBLE_CORES = "NEURON_RT_VISIBLE_CORES"
+
+
+#: The slot's own Cloud Map instance id (the instance id, plus :func:`slot_suffix`): its registration unit reads it.
+CLOUDMAP_INSTANCE_ID = "TURNKV_CLOUDMAP_INSTANCE_ID"
+
+
+def engine_env_file(slot: int | str) -> str:
+    """What a node's engine ``slot`` sets over engine.env when the node runs several (``%i`` in a template unit)."""
+    return f"{ETC_DIR}/engine-{slot}.env"
+
+
+def unit_instance(template: str, slot: int | str) -> str:
+    """``turnkv-engine@.service`` -> ``turnkv-engine@<slot>.service`` (``%i`` in a unit, ``{0..N}`` in bash)."""
+    return template.replace("@.", f"@{slot}.")
+
+
+def slot_suffix(slot: int) -> str:
+    """What tells a node's engines apart in their engine id and Cloud Map instance id: nothing for the first (so a
+    node of one engine keeps the ids it always had), ``-<slot>`` for the others. The deregistration Lambda
+    (infra/lambdas/deregister.py, which cannot import turnkv) spells it the same way; a test ties them."""
+    return "" if slot == 0 else f"-{slot}"
+
+
+@dataclass(frozen=True)
+class EngineSlot:
+    """One engine of a node: its devices, its HTTP port and its NIXL side-channel port."""
+
+    index: int
+    devices: tuple[int, ...]
+    port: int
+    side_channel_port: int
+
+    def variables(self, gpu: bool) -> dict[str, str]:
+        """What this engine sets over the node's engine.env (its ports and devices); the instance fills in
+        :data:`SLOT_RUNTIME_VARIABLES`."""
+        return {PORT: str(self.port), SIDE_CHANNEL_PORT: str(self.side_channel_port), **self.device_variables(gpu)}
+
+    def device_variables(self, gpu: bool) -> dict[str, str]:
+        """The variable that confines the engine to its devices (CUDA, or the Neuron runtime's range form)."""
+        if gpu:
+            return {CUDA_VISIBLE_DEVICES: ",".join(map(str, self.devices))}
+        return {NEURON_RT_VISIBLE_CORES: f"{self.devices[0]}-{self.devices[-1]}"}
+
+
+def engine_slots(engines: int, tp_size: int, accelerators: int) -> tuple[EngineSlot, ...]:
+    """The engines of one node: engine ``k`` takes devices ``k*tp .. k*tp+tp-1``, HTTP port ``DEFAULT_PORT + k``
+    and side-channel ports from ``DEFAULT_SIDE_CHANNEL_PORT + k*tp`` (a block of ``tp`` each: vLLMs that listen
+    once per TP rank use port + rank). The one source of a node's ports: user data, registration, the metrics
+    bridge and the router's security-group rule (:func:`http_ports`) read them here."""
+    if engines < 1 or tp_size < 1 or engines * tp_size > accelerators:
+        raise NodeEnvError(f"{engines} engine(s) of tensor-parallel size {tp_size} do not fit a node of "
+                           f"{accelerators} accelerators")
+    return tuple(EngineSlot(k, tuple(range(k * tp_size, (k + 1) * tp_size)), DEFAULT_PORT + k,
+                            DEFAULT_SIDE_CHANNEL_PORT + k * tp_size) for k in range(engines))
+
+
+def http_ports(engines: int) -> tuple[int, int]:
+    """The first and last HTTP port of a node running ``engines`` engines (the router reaches these)."""
+    return DEFAULT_PORT, DEFAULT_PORT + max(1, engines) - 1
+
+
 #: Variables only known on the running instance (its id and address); the user data fills them in.
 RUNTIME_VARIABLES = (ENGINE_ID, SIDE_CHANNEL_HOST, VLLM_SIDE_CHANNEL_HOST)
+#: The same for each engine of a node that runs several (each with :func:`slot_suffix` on the instance's ids).
+SLOT_RUNTIME_VARIABLES = (ENGINE_ID, CLOUDMAP_INSTANCE_ID)
 
 #: NIXL backend plugins an engine may name.
 KNOWN_BACKENDS = frozenset({"LIBFABRIC", "UCX", "UCCL", "GDS", "GDS_MT", "POSIX", "OBJ", "MOONCAKE", "GPUNETIO"})

@@ -21,6 +21,8 @@ class RouterAccessProps:
     client_cidrs: tuple[str, ...]
     #: HTTPS on 443 (HTTP on 80 then only redirects) when the router has a certificate; HTTP on 80 otherwise.
     https: bool
+    #: The engines' HTTP ports, first and last (``ServingStack.http_ports``: one per engine a node runs).
+    engine_ports: tuple[int, int] = (node_env.DEFAULT_PORT, node_env.DEFAULT_PORT)
 
 
 class RouterAccess:
@@ -42,9 +44,11 @@ class RouterAccess:
         self.router_sg.add_ingress_rule(self.alb_sg, ec2.Port.tcp(router_env.PORT), "from the ALB")
         self.alb_sg.add_egress_rule(self.router_sg, ec2.Port.tcp(router_env.PORT), "to the router tasks")
         https_egress(self.router_sg, props.network, "AWS APIs, ECR image layers")
-        self.router_sg.add_egress_rule(props.engines, ec2.Port.tcp(node_env.DEFAULT_PORT),
-                                       "to the engines' HTTP port")
+        first, last = props.engine_ports
+        port = ec2.Port.tcp(first) if first == last else ec2.Port.tcp_range(first, last)
+        self.router_sg.add_egress_rule(props.engines, port,
+                                       "to the engines' HTTP port" if first == last else "to the engines' HTTP ports")
         ec2.CfnSecurityGroupIngress(
             scope, "EngineFromRouter", group_id=props.engines.security_group_id, ip_protocol="tcp",
-            from_port=node_env.DEFAULT_PORT, to_port=node_env.DEFAULT_PORT,
+            from_port=first, to_port=last,
             source_security_group_id=self.router_sg.security_group_id, description="turnkv router to engines")

@@ -55,7 +55,9 @@ class ObservabilityStack(Stack):
                            left=[router.service.metric_cpu_utilization(), router.service.metric_memory_utilization()]),
         ])
         # Engines that serve, next to what the pools hold: what EnginesNotRegistered-<role> alarms on.
-        wanted = {role: sum(p.count for p in config.pools if p.role.value == role) for role in roles}
+        # Each instance runs engines_per_node engines, each registered on its own.
+        wanted = {role: sum(p.count * config.engines_per_node(p) for p in config.pools if p.role.value == role)
+                  for role in roles}
         rows.append([cw.GraphWidget(
             title="Engines registered in Cloud Map (lines: what the pools hold)", width=24, height=6,
             left=[rf.registered_engines(role) for role in roles],

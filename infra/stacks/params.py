@@ -40,7 +40,8 @@ def deployment_defaults(config: DeploymentConfig) -> dict[str, int | float]:
     values = params.defaults()
     decode = next((p for p in config.pools if p.role is Role.DECODE), None)
     if decode is not None:
-        budget = host_tier_budget_mib(decode.instance_type, config.model.tensor_parallel_size)
+        budget = host_tier_budget_mib(decode.instance_type, config.model.tensor_parallel_size,
+                                      engines=config.engines_per_node(decode))
         values["host_kv_budget_mib"] = params.get("host_kv_budget_mib").parse(budget)
     params.cross_check(values)
     return values

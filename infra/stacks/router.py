@@ -47,7 +47,8 @@ class RouterStack(Stack):
 
         access = RouterAccess(self, RouterAccessProps(
             network=network, engines=serving.security_group,
-            client_cidrs=tuple(rc.allowed_cidrs or (config.network.vpc_cidr,)), https=bool(rc.certificate_arn)))
+            client_cidrs=tuple(rc.allowed_cidrs or (config.network.vpc_cidr,)), https=bool(rc.certificate_arn),
+            engine_ports=serving.http_ports))
         self.alb_sg = access.alb_sg
         self.router_sg = access.router_sg
 

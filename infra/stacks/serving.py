@@ -4,6 +4,7 @@ user data (``infra.bootstrap``), Cloud Map registration and deregistration on te
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
 from aws_cdk import Duration, RemovalPolicy, Stack
@@ -28,6 +29,7 @@ from infra.lambdas import DEREGISTER
 from infra.stacks.network import NetworkStack, https_egress
 from infra.stacks.params import parameter_arn
 from turnkv import metric_names as mn
+from turnkv import node_env
 
 CLOUDMAP_SERVICE = "engines"
 LAMBDA_RUNTIME = lambda_.Runtime.PYTHON_3_14
@@ -87,6 +89,10 @@ class ServingStack(Stack):
         self.role = self._instance_role()
 
         self.pools: dict[str, EngineGroup] = {}
+        #: Engines each pool's instances run (``DeploymentConfig.engines_per_node``), and the HTTP ports the router
+        #: reaches on the engines (``node_env.http_ports``: one per engine a node runs).
+        self.engines_per_node = {pool.name: config.engines_per_node(pool) for pool in config.pools}
+        self.http_ports = node_env.http_ports(max(self.engines_per_node.values(), default=1))
         for pool in config.pools:
             profile = INSTANCE_TYPES[pool.instance_type]
             script = bootstrap.user_data(bootstrap.NodeBootstrap(
@@ -96,7 +102,8 @@ class ServingStack(Stack):
                 tp_size=config.model.tensor_parallel_size, max_model_len=config.model.max_model_len,
                 cloudmap_service_id=self.cloudmap_service.service_id, log_group=self.log_group.log_group_name,
                 model_s3_uri=config.model.s3_uri, signal_stack=self.stack_name,
-                signal_resource=group_logical_id(pool.name), offer_secret_id=self.offer_secret.secret_arn))
+                signal_resource=group_logical_id(pool.name), offer_secret_id=self.offer_secret.secret_arn,
+                engines=self.engines_per_node[pool.name], accelerators=profile.accelerators))
             self.pools[pool.name] = EngineGroup(self, f"Pool-{pool.name}", EngineGroupProps(
                 pool=pool, deployment_prefix=config.prefix, vpc=vpc, subnet=subnet,
                 machine_image=images[profile.flavor.value], user_data=ec2.UserData.custom(script), role=self.role,
@@ -172,7 +179,11 @@ class ServingStack(Stack):
         self.deregister_function = lambda_.Function(
             self, "Deregister", runtime=LAMBDA_RUNTIME, handler="index.handler",
             code=lambda_.Code.from_inline(DEREGISTER.read_text()), role=role, timeout=Duration.seconds(30),
-            log_group=log_group, environment={"SERVICE_ID": self.cloudmap_service.service_id},
+            log_group=log_group,
+            # ENGINES_PER_NODE: each of a node's engines is its own Cloud Map instance; the Lambda takes them all out.
+            environment={"SERVICE_ID": self.cloudmap_service.service_id,
+                         "ENGINES_PER_NODE": json.dumps({p.group_name: self.engines_per_node[name]
+                                                         for name, p in self.pools.items()}, sort_keys=True)},
             description=f"turnkv {config.name}: deregister terminating engines from Cloud Map")
         events.Rule(
             self, "TerminateRule",

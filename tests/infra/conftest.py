@@ -113,3 +113,10 @@ EXISTING_VPC = configs.variant(configs.PUSH, **{"network.existing": {
 def existing_vpc(tmp_path_factory, image_sources) -> Synth:
     """The Neuron app in a VPC that already exists (ids only: no lookups), on an AMI the user brings."""
     return synthesize(EXISTING_VPC, tmp_path_factory.mktemp("existing"), image_sources)
+
+
+@pytest.fixture(scope="session")
+def tp4(tmp_path_factory, image_sources) -> Synth:
+    """The GPU app at tensor-parallel size 4: two engines on every 8-GPU node."""
+    raw = configs.variant(configs.GPU, **{"model.tensor_parallel_size": 4})
+    return synthesize(raw, tmp_path_factory.mktemp("tp4"), image_sources)

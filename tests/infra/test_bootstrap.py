@@ -181,3 +181,92 @@ def test_a_failing_user_data_marks_the_instance_unhealthy(tmp_path):
                                                  "--no-should-respect-grace-period"]
         else:
             assert not calls.exists()
+
+
+def _slots_script(**kw) -> str:
+    return bootstrap.user_data(_node(tp_size=4, engines=2, signal_stack="turnkv-prod-serving",
+                                     signal_resource="EngineGroupDecode", **kw))
+
+
+@pytest.mark.parametrize("engines,tp", [(2, 4), (8, 1)])
+def test_a_node_of_several_engines_is_valid_bash_and_fits_ec2s_user_data_limit(tmp_path, engines, tp):
+    script = bootstrap.user_data(_node(
+        tp_size=tp, engines=engines, signal_stack="turnkv-prod-serving", signal_resource="EngineGroupDecode",
+        # tokens resolve at deploy time: stand-ins as long as the real values
+        cloudmap_service_id="srv-abcdefghijklmnop",
+        offer_secret_id="arn:aws:secretsmanager:us-east-2:123456789012:secret:turnkv-prod/engine-offer-secret-AbCdEf"))
+    # EC2: user data is limited to 16 KB before base64 encoding.
+    assert len(script.encode()) < 16 * 1024
+    paths = {"user-data.sh": script, "register.sh": _heredoc(script, bootstrap.REGISTER_SCRIPT)}
+    for name, text in paths.items():
+        (tmp_path / name).write_text(text)
+        subprocess.run(["bash", "-n", str(tmp_path / name)], check=True)
+        if shutil.which("shellcheck"):
+            done = subprocess.run(["shellcheck", "-S", "warning", "-e", "SC1091", str(tmp_path / name)],
+                                  capture_output=True, text=True)
+            assert done.returncode == 0, done.stdout
+
+
+def test_each_engine_gets_its_devices_ports_ids_and_template_units():
+    script = _slots_script()
+    # engine.env is the node's shared file, as for one engine; each slot's file sets what differs
+    static = node_env.parse(_heredoc(script, f"{node_env.ENGINE_ENV_FILE}.new"))
+    assert static[node_env.TP_SIZE] == "4" and static[node_env.PORT] == "8000"
+    files = dict(re.findall(r"^printf '%s=%s\\n' (.*) > (/etc/turnkv/engine-\d\.env)$", script, re.M))
+    assert sorted(files.values()) == ["/etc/turnkv/engine-0.env", "/etc/turnkv/engine-1.env"]
+    by_file = {path: line for line, path in files.items()}
+    assert by_file["/etc/turnkv/engine-0.env"] == (
+        'TURNKV_PORT 8000 TURNKV_SIDE_CHANNEL_PORT 5600 CUDA_VISIBLE_DEVICES 0,1,2,3 '
+        'TURNKV_ENGINE_ID "$ENGINE_ID" TURNKV_CLOUDMAP_INSTANCE_ID "$INSTANCE_ID"')
+    assert by_file["/etc/turnkv/engine-1.env"] == (
+        'TURNKV_PORT 8001 TURNKV_SIDE_CHANNEL_PORT 5604 CUDA_VISIBLE_DEVICES 4,5,6,7 '
+        'TURNKV_ENGINE_ID "$ENGINE_ID-1" TURNKV_CLOUDMAP_INSTANCE_ID "$INSTANCE_ID-1"')
+    # the AMI's engine unit as a template: engine.env, then the slot's file over it
+    unit = _heredoc(script, "/etc/systemd/system/turnkv-engine@.service")
+    assert ("EnvironmentFile=/etc/turnkv/engine.env\nEnvironmentFile=/etc/turnkv/engine-%i.env\n" in unit
+            and "ConditionPathExists=/etc/turnkv/engine-%i.env\n" in unit)
+    assert "ExecStart=/opt/turnkv/venv/bin/turnkv engine run\n" in unit and "RestartPreventExitStatus=2\n" in unit
+    register_unit = _heredoc(script, "/etc/systemd/system/turnkv-register@.service")
+    assert "ExecStart=/usr/local/sbin/turnkv-register register %i\n" in register_unit
+    assert "ExecStop=/usr/local/sbin/turnkv-register deregister %i\n" in register_unit
+    metrics = _heredoc(script, "/etc/systemd/system/turnkv-metrics@.service")
+    assert "--metrics-url http://127.0.0.1:${TURNKV_PORT}/metrics" in metrics
+    assert "EnvironmentFile=/etc/turnkv/engine-%i.env" in metrics
+    # every engine enabled and started; the single units are not
+    assert ("systemctl enable turnkv-params-sync.timer turnkv-engine@{0..1}.service turnkv-register@{0..1}.service "
+            "turnkv-metrics@{0..1}.service") in script
+    assert "systemctl start turnkv-engine@{0..1}.service\n" in script
+    assert "systemctl start --no-block turnkv-register@{0..1}.service turnkv-metrics@{0..1}.service" in script
+    assert "systemctl start turnkv-engine.service" not in script
+    # one log stream per engine
+    streams = [f["log_stream_name"] for f in bootstrap.agent_config(_node(tp_size=4, engines=2))
+               ["logs"]["logs_collected"]["files"]["collect_list"]]
+    assert streams == [f"{{instance_id}}/{n}" for n in ("user-data", "engine-0", "engine-1", "register", "metrics",
+                                                        "params-sync")]
+    assert "append:/var/log/turnkv/engine-%i.log" in script
+
+
+def test_each_engine_registers_itself_with_its_own_port_and_the_node_signals_once_all_are_in():
+    register = _heredoc(_slots_script(), bootstrap.REGISTER_SCRIPT)
+    attrs = dict(kv.split("=", 1) for kv in re.search(r'--attributes "([^"]+)"', register).group(1).split(","))
+    assert attrs["AWS_INSTANCE_PORT"] == attrs["http_port"] == "$PORT"
+    assert attrs["side_channel_port"] == "$TURNKV_SIDE_CHANNEL_PORT" and attrs["tp_size"] == "4"
+    assert '--instance-id "$CLOUDMAP_ID"' in register and 'CLOUDMAP_ID="$TURNKV_CLOUDMAP_INSTANCE_ID"' in register
+    assert '. "/etc/turnkv/engine-$SLOT.env"' in register
+    assert 'curl -fsS -m 5 "http://127.0.0.1:$PORT/health"' in register
+    assert "if ((n >= 2)) && [[ ! -e /run/turnkv/signalled ]]" in register and "flock 9" in register
+    assert "mark_unhealthy" in register and "deregister-instance" in register
+
+
+def test_one_engine_per_node_keeps_the_user_data_of_before():
+    """TP 8 on p5en: one engine, the single units and engine.env, as before (a changed launch template would roll
+    every node of an existing deployment)."""
+    one = bootstrap.user_data(_node(engines=1))
+    assert "turnkv-engine@" not in one and "engine-0.env" not in one
+    assert "systemctl start turnkv-engine.service" in one
+    assert bootstrap.user_data(_node()) == one
+
+
+def test_the_engine_template_follows_the_amis_unit_or_stops_the_synth():
+    with pytest.raises(ValueError, match=r"no longer reads /etc/turnkv/engine\.env"):
+        bootstrap.engine_template_unit("[Service]\nEnvironmentFile=/etc/turnkv/other.env\n")

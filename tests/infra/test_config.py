@@ -65,6 +65,10 @@ def _problems(raw) -> dict[str, str]:
     ({"model.tensor_parallel_size": 6}, "model.tensor_parallel_size", "power of two"),
     ({"model.tensor_parallel_size": 16}, "model.tensor_parallel_size", "lower it or pick a larger instance type"),
     ({"model.s3_uri": None}, "model.s3_uri", "network.nat_gateways: 1"),
+    ({"pools.0.engines_per_node": 0}, "pools[0].engines_per_node", "1 .. 64"),
+    ({"pools.0.engines_per_node": 2}, "pools[0].engines_per_node", "use at most 1, or leave it out"),
+    ({"pools.1.engines_per_node": 3, "model.tensor_parallel_size": 4}, "pools[1].engines_per_node",
+     "3 engines of tensor-parallel size 4 need 12 accelerators; p5.48xlarge has 8"),
     ({"model.id": "Qwen/Qwen3 32B"}, "model.id", "letters, digits"),
     ({"connector.mode": "teleport"}, "connector.mode", "pull, push"),
     # Item 6/7 of issue 11: refused at synth, not at deploy or on the node.
@@ -197,3 +201,12 @@ def test_http_on_a_public_alb_only_when_allowed_explicitly():
 def test_a_reservation_in_a_cluster_placement_group_names_it():
     c = from_mapping(configs.variant(configs.GPU, **{"pools.0.placement_group": "odcr-cluster"}))
     assert c.pools[0].placement_group == "odcr-cluster"
+
+
+def test_engines_per_node_defaults_to_every_accelerator_and_may_be_lowered():
+    tp4 = from_mapping(configs.variant(configs.GPU, **{"model.tensor_parallel_size": 4}))
+    assert [tp4.engines_per_node(p) for p in tp4.pools] == [2, 2, 2]
+    tp8 = from_mapping(configs.GPU)
+    assert [tp8.engines_per_node(p) for p in tp8.pools] == [1, 1, 1]
+    one = from_mapping(configs.variant(configs.GPU, **{"model.tensor_parallel_size": 1, "pools.1.engines_per_node": 3}))
+    assert [one.engines_per_node(p) for p in one.pools] == [8, 3, 8]

@@ -250,3 +250,51 @@ def test_engines_get_the_deployments_offer_secret_before_they_start(any_app):
         assert "TURNKV_OFFER_SECRET_FILE=/etc/turnkv/offer-secret" in text
         assert "refusing to start the engine" in text[fetch:]
         assert fetch < text.index("systemctl start turnkv-engine.service")
+
+
+def _user_data_by_group(synth) -> dict[str, str]:
+    out = {}
+    for res in synth.resources("serving", "AWS::EC2::LaunchTemplate").values():
+        ud = res["Properties"]["LaunchTemplateData"]["UserData"]["Fn::Base64"]
+        text = ud if isinstance(ud, str) else "".join(p if isinstance(p, str) else "<ref>" for p in ud["Fn::Join"][1])
+        out[res["Properties"]["LaunchTemplateName"]] = text
+    return out
+
+
+def test_tp4_on_p5en_runs_two_engines_per_node_each_registered_and_reached_on_its_port(tp4):
+    """TP 4 on 8-GPU nodes: two engines per instance (GPUs 0-3 and 4-7, HTTP 8000 and 8001, side channels 5600
+    and 5604), each its own Cloud Map instance; the router reaches both ports; the Lambda deregisters both."""
+    assert tp4.app.serving.engines_per_node == {"prefill": 2, "decode": 2, "decode-block": 2}
+    for name, text in _user_data_by_group(tp4).items():
+        assert "CUDA_VISIBLE_DEVICES 0,1,2,3" in text and "CUDA_VISIBLE_DEVICES 4,5,6,7" in text, name
+        assert "TURNKV_PORT 8001 TURNKV_SIDE_CHANNEL_PORT 5604" in text, name
+        assert "systemctl start turnkv-engine@{0..1}.service" in text, name
+        assert '--instance-id "$CLOUDMAP_ID"' in text and "TURNKV_TP_SIZE=4" in text, name
+    ingress = [r["Properties"] for r in tp4.resources("router", "AWS::EC2::SecurityGroupIngress").values()
+               if r["Properties"].get("Description") == "turnkv router to engines"]
+    assert [(r["FromPort"], r["ToPort"]) for r in ingress] == [(8000, 8001)]
+    egress = [r for r in _egress(tp4, "router") if r.get("Description") == "to the engines' HTTP ports"]
+    assert [(r["FromPort"], r["ToPort"]) for r in egress] == [(8000, 8001)]
+    (function,) = [f for f in tp4.resources("serving", "AWS::Lambda::Function").values()
+                   if "ENGINES_PER_NODE" in json.dumps(f)]
+    assert json.loads(function["Properties"]["Environment"]["Variables"]["ENGINES_PER_NODE"]) == {
+        "turnkv-gpu-decode": 2, "turnkv-gpu-decode-block": 2, "turnkv-gpu-prefill": 2}
+
+
+def test_tp8_keeps_one_engine_per_node_and_the_launch_template_of_before(gpu):
+    assert gpu.app.serving.engines_per_node == {"prefill": 1, "decode": 1, "decode-block": 1}
+    for name, text in _user_data_by_group(gpu).items():
+        assert "turnkv-engine@" not in text and "CUDA_VISIBLE_DEVICES" not in text, name
+        assert "systemctl start turnkv-engine.service" in text, name
+    ingress = [r["Properties"] for r in gpu.resources("router", "AWS::EC2::SecurityGroupIngress").values()
+               if r["Properties"].get("Description") == "turnkv router to engines"]
+    assert [(r["FromPort"], r["ToPort"]) for r in ingress] == [(8000, 8000)]
+
+
+def test_the_registration_alarm_counts_every_engine_a_node_runs(tp4, gpu):
+    """EnginesNotRegistered-<role> compares Cloud Map's engines with what the pools hold: engines, not instances."""
+    for synth, per_node in ((tp4, 2), (gpu, 1)):
+        alarms = {a["Properties"]["AlarmName"]: a["Properties"]
+                  for a in synth.resources("observability", "AWS::CloudWatch::Alarm").values()}
+        assert alarms["turnkv-gpu-EnginesNotRegistered-prefill"]["Threshold"] == 2 * per_node
+        assert alarms["turnkv-gpu-EnginesNotRegistered-decode"]["Threshold"] == 3 * per_node

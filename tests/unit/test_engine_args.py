@@ -42,3 +42,28 @@ def test_upstream_push_connector_never_gets_bidirectional():
 def test_env_names_the_side_channel():
     env = engine_args.serve_env(spec(side_channel_host="10.0.0.5"))
     assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.0.5" and env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+
+
+def test_engines_export_no_created_series_on_nodes_and_in_the_local_stack(tmp_path):
+    """vLLM keeps prometheus_client's ``*_created`` sample beside every counter; the router drops its own. The
+    engine's environment (``turnkv engine run`` and ``turnkv local up`` both take serve_env) turns them off, and
+    the prometheus_client the engines import honours it."""
+    import subprocess
+    import sys
+
+    from turnkv.local import stack
+
+    env = engine_args.serve_env(spec())
+    assert env[engine_args.PROMETHEUS_DISABLE_CREATED] == "True"
+    assert engine_args.PROMETHEUS_DISABLE_CREATED == "PROMETHEUS_DISABLE_CREATED_SERIES"
+    engines = [p for p in stack.plan(stack.StackConfig(state_dir=tmp_path)) if p.name != "router"]
+    assert engines and all(p.env[engine_args.PROMETHEUS_DISABLE_CREATED] == "True" for p in engines)
+    probe = ("from prometheus_client import CollectorRegistry, Counter, generate_latest\n"
+             "r = CollectorRegistry(); Counter('x', 'x', registry=r).inc()\n"
+             "print(generate_latest(r).decode())")
+    shown = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                           env={"PATH": "/usr/bin:/bin", engine_args.PROMETHEUS_DISABLE_CREATED: "True"}).stdout
+    default = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                             env={"PATH": "/usr/bin:/bin"}).stdout
+    assert "x_total 1.0" in shown and "x_created" not in shown
+    assert "x_created" in default  # the probe can see the series it checks for

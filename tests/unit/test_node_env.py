@@ -68,3 +68,42 @@ def test_what_infra_writes_is_what_the_node_reads():
     assert node_env.EngineEnv.from_variables(node_env.parse(node_env.render(env.variables()))) == env
     with pytest.raises(node_env.NodeEnvError, match="TURNKV_TP_SIZE=0 is out of range"):
         node_env.EngineEnv.from_variables({**env.variables(), node_env.TP_SIZE: "0"})
+
+
+def test_a_node_of_several_engines_gives_each_its_devices_and_ports():
+    """TP 4 on an 8-GPU node: two engines, GPUs 0-3 and 4-7, HTTP 8000/8001, side channels from 5600 and 5604
+    (a block of TP ports each: vLLMs that listen once per rank use port + rank)."""
+    first, second = node_env.engine_slots(2, 4, 8)
+    assert first.variables(gpu=True) == {"TURNKV_PORT": "8000", "TURNKV_SIDE_CHANNEL_PORT": "5600",
+                                         "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    assert second.variables(gpu=True) == {"TURNKV_PORT": "8001", "TURNKV_SIDE_CHANNEL_PORT": "5604",
+                                          "CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    # Trainium: the Neuron runtime's core range
+    assert second.device_variables(gpu=False) == {"NEURON_RT_VISIBLE_CORES": "4-7"}
+    ones = node_env.engine_slots(8, 1, 8)
+    assert [s.devices for s in ones] == [(k,) for k in range(8)]
+    assert [s.port for s in ones] == list(range(8000, 8008)) and node_env.http_ports(8) == (8000, 8007)
+    # no engine's side channel block overlaps another's, nor any HTTP port
+    ports = [p for s in ones for p in range(s.side_channel_port, s.side_channel_port + 1)] + [s.port for s in ones]
+    assert len(set(ports)) == len(ports)
+    (only,) = node_env.engine_slots(1, 8, 8)
+    assert (only.port, only.side_channel_port, only.devices) == (8000, 5600, tuple(range(8)))
+    assert node_env.http_ports(1) == (8000, 8000)
+
+
+@pytest.mark.parametrize(("engines", "tp"), [(0, 4), (3, 4), (2, 8), (1, 16)])
+def test_engines_that_do_not_fit_the_node_are_refused(engines, tp):
+    with pytest.raises(node_env.NodeEnvError, match="do not fit a node of 8 accelerators"):
+        node_env.engine_slots(engines, tp, 8)
+
+
+def test_a_slot_file_over_engine_env_is_what_the_engine_reads():
+    """systemd loads engine.env, then the slot's file (later wins): the spec gets the slot's ports and id."""
+    base = _env().variables()
+    slot = node_env.engine_slots(2, 4, 8)[1]
+    merged = {**base, **slot.variables(gpu=True), node_env.ENGINE_ID: "prod-decode-i-0abc-1"}
+    spec = node_env.engine_spec(merged)
+    assert (spec.port, spec.side_channel_port, spec.engine_id) == (8001, 5604, "prod-decode-i-0abc-1")
+    assert node_env.engine_env_file(1) == "/etc/turnkv/engine-1.env"
+    assert node_env.unit_instance(node_env.ENGINE_SERVICE_TEMPLATE, 1) == "turnkv-engine@1.service"
+    assert [node_env.slot_suffix(k) for k in range(3)] == ["", "-1", "-2"]

@@ -39,3 +39,17 @@ def test_package_data_holds_every_file_the_cli_reads():
     for path in workloads:
         rel = path.relative_to(ROOT).as_posix()
         assert any(fnmatch(rel, g) for g in shipped), f"{rel} is not package data: a wheel install lacks it"
+
+
+def test_project_urls_are_real_addresses_or_absent():
+    """The repository has no public address yet (README and docs name none), so pyproject has no [project.urls]:
+    a made-up one would be a broken link on the package index. Once the project has one, every entry must be an
+    https URL with a real host (setuptools would take ``docs/`` as a link to a host named "docs")."""
+    from urllib.parse import urlparse
+
+    urls = PROJECT.get("urls", {})
+    assert set(urls) <= {"Homepage", "Documentation", "Source", "Issues", "Changelog"}
+    for name, url in urls.items():
+        parts = urlparse(url)
+        assert parts.scheme == "https" and "." in parts.netloc, (name, url)
+        assert not any(w in url.lower() for w in ("example.", "your-", "<", "todo", "changeme", "placeholder")), url

@@ -115,3 +115,15 @@ def test_the_output_states_its_assumptions(tmp_path):
     text = " ".join(res.output.split())
     for words in ("1,024 clients", "think time", "turns/s", "85%", "block size 128", "prefix caching off"):
         assert words in text, words
+
+
+def test_engines_sharing_a_node_are_said_to_be_what_the_stack_deploys():
+    """The CDK stack runs accelerators / TP engines per instance (infra: pools[].engines_per_node), as the plan
+    counts them; the output says so instead of warning that it does not."""
+    from infra.config import INSTANCE_TYPES as infra_types
+
+    result = runner.invoke(app, ["plan", "--model", "Qwen3-8B", "--tp", "1"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    assert "8/8 engines share a node here; the CDK stack runs them so by default" in result.output
+    assert "one engine per instance" not in result.output
+    assert hardware.load("p5en.48xlarge").devices == infra_types["p5en.48xlarge"].accelerators

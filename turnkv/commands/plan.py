@@ -283,9 +283,9 @@ def print_tables(result: dict[str, Any]) -> None:
     if not inp["deployable"]:
         out.print(f"[yellow]{inp['instance']} is {inp['deployable_note']}[/yellow]", soft_wrap=True)
     if max(per.values()) > 1:
-        out.print(f"[yellow]{per['prefill']}/{per['decode']} engines share a node here; the CDK stack runs one "
-                  "engine per instance today, so deploy one instance per engine or fill the nodes yourself[/yellow]",
-                  soft_wrap=True)
+        out.print(f"{per['prefill']}/{per['decode']} engines share a node here; the CDK stack runs them so by "
+                  "default (pools[].engines_per_node: the node's accelerators over the TP size, each engine on its "
+                  "own devices and ports)", soft_wrap=True)
     if not result["ttft_target_met"]:
         out.print(f"[yellow]the p90 TTFT target of {inp['ttft_target_ms']:.0f} ms is below what this model and "
                   "instance reach with no queueing at all: sized for the load only[/yellow]")
