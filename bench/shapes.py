@@ -81,10 +81,12 @@ def run_shape(shape: Shape, mode: Mode, state_dir: Path, timeout_s: float, **sta
                                    prefill_prefix_caching=False,  # the seeds' setting: the A/B measures reuse
                                    side_channel_base=5700, mode=mode, kv_cache_gib=1, startup_timeout=300.0,
                                    # Ranks outnumber cores here: a health probe that waits behind a spinning rank
-                                   # must not eject an engine the turn then needs (eject_failures 1 by default),
+                                   # must not eject an engine the turn then needs (eject_failures 1, probes of 2 s
+                                   # by default: a decode beside a TP-2 prefill missed five in a row),
                                    # and a TP-2 decode's evictions feed (a collective_rpc over its ranks) took over
                                    # the 3 s that evictions_interval 1 allows, so its turns were not replayed.
-                                   tunables={"eject_failures": 5, "evictions_interval": 3.0},
+                                   tunables={"eject_failures": 10, "health_interval": 5.0,
+                                             "evictions_interval": 3.0},
                                    prefill_tp=shape.prefill_tp, decode_tp=shape.decode_tp,
                                    prefill_block_size=shape.prefill_block_size,
                                    decode_block_size=shape.decode_block_size), **stack})
