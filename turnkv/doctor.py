@@ -475,6 +475,8 @@ class SlotEngine:
     variables: dict[str, str]
     env: node_env.EngineEnv | None
     error: str = ""
+    #: False when the slot file itself does not parse (its variables are then unknown, not engine.env's).
+    readable: bool = True
 
     @property
     def source(self) -> str:
@@ -508,7 +510,7 @@ def slot_engines(node: Node) -> list[SlotEngine]:
         try:
             variables = {**shared, **node_env.parse(text)}
         except node_env.NodeEnvError as exc:
-            out.append(SlotEngine(slot, path, shared, None, f"{path}: {exc}"))
+            out.append(SlotEngine(slot, path, {}, None, f"{path}: {exc}", readable=False))
             continue
         try:
             env = node_env.EngineEnv.from_variables(variables, source=f"{path} over {ENGINE_ENV_FILE}")
@@ -587,6 +589,8 @@ def check_engine_slots(node: Node, opts: Options) -> list[CheckResult]:
     devices: dict[int, tuple[int, ...]] = {}
     problems: dict[int, list[str]] = {e.slot: [] for e in engines}
     for e in engines:
+        if not e.readable:
+            continue
         try:
             seen = node_env.visible_devices(e.variables)
         except node_env.NodeEnvError as exc:
@@ -623,6 +627,9 @@ def check_engine_slots(node: Node, opts: Options) -> list[CheckResult]:
             results.append(CheckResult(e.name(name), Status.FAIL, f"{e.label}: " + "; ".join(problems[e.slot]),
                                        f"each engine needs its own devices and ports ({e.path}): the instance's "
                                        "user data writes them from node_env.engine_slots; rewrite or relaunch"))
+        elif not e.readable:
+            results.append(CheckResult(e.name(name), Status.SKIP, f"{e.label}: {e.path} does not parse "
+                                       f"(see engine-env@{e.slot})"))
         elif e.env is None:
             results.append(CheckResult(e.name(name), Status.SKIP, f"{e.label}: devices "
                                        f"{_list(devices.get(e.slot, ()))}; ports not checked: its variables do "

@@ -517,6 +517,16 @@ def test_a_bad_slot_file_fails_its_engine_and_names_the_file(tmp_path):
     assert results["engine-slot@0"].status is Status.PASS
 
 
+def test_a_slot_file_that_does_not_parse_fails_its_engine_only(tmp_path):
+    write_node(tmp_path, engines=2)
+    (tmp_path / "etc/turnkv/engine-1.env").write_text("TURNKV_PORT 8001\n")
+    results = {r.name: r for r in engine_results(disk_node(tmp_path))}
+    assert results["engine-env@1"].status is Status.FAIL
+    assert results["engine-env@1"].detail.startswith("engine 1: /etc/turnkv/engine-1.env: line 1: expected NAME=value")
+    assert results["engine-slot@1"].status is Status.SKIP and "does not parse" in results["engine-slot@1"].detail
+    assert results["engine-env@0"].status is results["engine-slot@0"].status is Status.PASS
+
+
 def test_two_engines_with_one_id_fail(tmp_path):
     write_node(tmp_path, engines=2, slot1={"TURNKV_ENGINE_ID": "i-0abc"})
     results = {r.name: r for r in engine_results(disk_node(tmp_path))}
