@@ -310,7 +310,9 @@ WantedBy=multi-user.target
 
 
 def slot_metrics_unit(b: NodeBootstrap) -> str:
-    """``turnkv-metrics@<slot>.service``: engine ``slot``'s metrics to EMF (its port from its env file)."""
+    """``turnkv-metrics@<slot>.service``: engine ``slot``'s metrics to EMF (its port and engine id from its env
+    file). The engine id adds a per-engine dimension set, so the node's engines are not merged in CloudWatch; the
+    single unit above leaves it out (its user data, and so every existing node's launch template, is unchanged)."""
     return f"""[Unit]
 Description=turnkv: engine %i metrics (vLLM /metrics) to CloudWatch EMF on tcp:{EMF_PORT}
 After={node_env.unit_instance(node_env.ENGINE_SERVICE_TEMPLATE, "%i")} amazon-cloudwatch-agent.service
@@ -320,7 +322,7 @@ EnvironmentFile={node_env.ENGINE_ENV_FILE}
 EnvironmentFile={node_env.engine_env_file("%i")}
 ExecStart={node_env.VENV_BIN}/python -m turnkv.emf_bridge --metrics-url http://127.0.0.1:${{TURNKV_PORT}}/metrics \\
   --deployment {b.deployment} --role {b.role.value} --pool {b.pool} --log-group {b.log_group} \\
-  --emf 127.0.0.1:{EMF_PORT}
+  --engine-id ${{{node_env.ENGINE_ID}}} --emf 127.0.0.1:{EMF_PORT}
 Restart=always
 RestartSec=30
 

@@ -31,7 +31,7 @@ from pydantic import (
 )
 
 from turnkv.engine_args import Mode, Role
-from turnkv.node_env import MODEL, check_value
+from turnkv.node_env import MAX_ENGINES_PER_NODE, MODEL, check_value
 
 from .instances import INSTANCE_TYPES, Flavor
 
@@ -239,8 +239,9 @@ class PoolConfig(_Model):
     placement_group: PlacementGroupName | None = None
     #: Engines each instance runs, each on its own accelerators and ports. Default: the instance's accelerators
     #: over ``model.tensor_parallel_size`` (all of them: an instance is paid for whole, as ``turnkv plan`` counts).
-    engines_per_node: Annotated[StrictInt, _range(1, 64, "use 1 .. 64 (at most accelerators / "
-                                                         "model.tensor_parallel_size)")] | None = None
+    engines_per_node: Annotated[StrictInt, _range(1, MAX_ENGINES_PER_NODE,
+                                                  f"use 1 .. {MAX_ENGINES_PER_NODE} (at most accelerators / "
+                                                  "model.tensor_parallel_size)")] | None = None
 
     @model_validator(mode="before")
     @classmethod

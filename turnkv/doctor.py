@@ -465,37 +465,202 @@ def check_connector_code(node: Node, opts: Options) -> CheckResult:
 ENGINE_ENV_FILE = node_env.ENGINE_ENV_FILE
 
 
-def check_engine_env(node: Node, opts: Options) -> CheckResult:
-    """engine.env passes the engine's own validation, and the engine may start on this platform."""
+@dataclass(frozen=True)
+class SlotEngine:
+    """Engine ``slot`` of a node of several engines, as its units see it: engine.env with its slot's file over it
+    (``turnkv-engine@<slot>`` reads both, in that order). ``env`` is None when the variables do not validate."""
+
+    slot: int
+    path: str
+    variables: dict[str, str]
+    env: node_env.EngineEnv | None
+    error: str = ""
+    #: False when the slot file itself does not parse (its variables are then unknown, not engine.env's).
+    readable: bool = True
+
+    @property
+    def source(self) -> str:
+        return f"{self.path} over {ENGINE_ENV_FILE}"
+
+    def name(self, check: str) -> str:
+        """``engine-env@1``: the check, and the engine as its template units' instance names it."""
+        return f"{check}@{self.slot}"
+
+    @property
+    def label(self) -> str:
+        """How report lines name the engine: its slot, and its engine id when the file gives one."""
+        engine_id = self.variables.get(node_env.ENGINE_ID, "")
+        return f"engine {self.slot}" + (f" ({engine_id})" if engine_id else "")
+
+
+def slot_engines(node: Node) -> list[SlotEngine]:
+    """The engines of a node that runs several: the slot files the user data writes (``node_env.engine_env_file``:
+    ``engine-0.env``, ``engine-1.env``, ... with no gap), each layered over engine.env. Empty on a node of one
+    engine (engine.env alone) and on an image build."""
+    shared_text = node.read_text(ENGINE_ENV_FILE)
+    if shared_text is None:
+        return []
+    shared = parse_env_file(shared_text)
+    out = []
+    for slot in range(node_env.MAX_ENGINES_PER_NODE):
+        path = node_env.engine_env_file(slot)
+        text = node.read_text(path)
+        if text is None:
+            break
+        try:
+            variables = {**shared, **node_env.parse(text)}
+        except node_env.NodeEnvError as exc:
+            out.append(SlotEngine(slot, path, {}, None, f"{path}: {exc}", readable=False))
+            continue
+        try:
+            env = node_env.EngineEnv.from_variables(variables, source=f"{path} over {ENGINE_ENV_FILE}")
+        except node_env.NodeEnvError as exc:
+            out.append(SlotEngine(slot, path, variables, None, str(exc)))
+            continue
+        out.append(SlotEngine(slot, path, variables, env))
+    return out
+
+
+def _engine_env_result(name: str, variables: Mapping[str, str], env: node_env.EngineEnv, opts: Options,
+                       where: str = "") -> CheckResult:
+    """An engine's variables validated (``env``): may it start on this platform, and what it runs."""
+    refusal = platforms.refusal(opts.flavor, variables)
+    if refusal:
+        return CheckResult(name, Status.FAIL, where + refusal,
+                           f"the engine will not start on {opts.flavor} as configured")
+    return CheckResult(name, Status.PASS, f"{where}{env.role.value} engine {env.engine_id}: {env.mode.value}, "
+                       f"TP {env.tp_size}, backends {','.join(env.backends)}")
+
+
+def check_engine_env(node: Node, opts: Options) -> CheckResult | list[CheckResult]:
+    """engine.env passes the engine's own validation, and the engine may start on this platform; on a node of
+    several engines, each engine's variables (engine.env with its slot file over it), one result per engine."""
     name = "engine-env"
     text = node.read_text(ENGINE_ENV_FILE)
     if text is None:
         why = "image build" if opts.image else "not written yet (the instance's user data writes it)"
         return CheckResult(name, Status.SKIP, f"{ENGINE_ENV_FILE}: {why}")
+    engines = slot_engines(node)
+    if engines:
+        return [_engine_env_result(e.name(name), e.variables, e.env, opts, f"{e.label}: ") if e.env else
+                CheckResult(e.name(name), Status.FAIL, f"{e.label}: {e.error}",
+                            f"fix {e.path} or {ENGINE_ENV_FILE} (the instance's user data writes both)")
+                for e in engines]
     try:
         variables = node_env.parse(text)
         env = node_env.EngineEnv.from_variables(variables)
     except node_env.NodeEnvError as exc:
         return CheckResult(name, Status.FAIL, str(exc), f"fix {ENGINE_ENV_FILE} (template: engine.env.template)")
-    refusal = platforms.refusal(opts.flavor, variables)
-    if refusal:
-        return CheckResult(name, Status.FAIL, refusal, f"the engine will not start on {opts.flavor} as configured")
-    return CheckResult(name, Status.PASS, f"{env.role.value} engine {env.engine_id}: {env.mode.value}, "
-                       f"TP {env.tp_size}, backends {','.join(env.backends)}")
+    return _engine_env_result(name, variables, env, opts)
 
 
-CHECKS: tuple[Callable[[Node, Options], CheckResult], ...] = (
+def node_devices(node: Node, opts: Options) -> tuple[int | None, str]:
+    """How many devices the node has (GPUs, or NeuronCores on Neuron), and what they are called; None when the
+    driver does not say (driver-cuda / neuron-devices report why)."""
+    if opts.flavor == "neuron":
+        out = node.run(["neuron-ls", "--json-output"], None, 60)
+        try:
+            devices = json.loads(out.stdout) if out.returncode == 0 else None
+            cores = sum(int(d["nc_count"]) for d in devices) if devices else None
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            cores = None
+        return cores, "NeuronCores"
+    out = node.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], None, 60)
+    lines = [line for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+    return (len(lines) or None), "GPUs"
+
+
+def _ports(env: node_env.EngineEnv) -> dict[int, str]:
+    """The ports an engine listens on: HTTP, and a side-channel port per TP rank (vLLM listens on port + rank)."""
+    out = {env.port: "HTTP port"}
+    out.update({env.side_channel_port + rank: "side-channel port" for rank in range(env.tp_size)})
+    return out
+
+
+def check_engine_slots(node: Node, opts: Options) -> list[CheckResult]:
+    """A node of several engines: each engine's devices are its TP size's worth, on the node and no other
+    engine's; its HTTP and side-channel ports (one per TP rank) and its engine id are its own. Nothing on a node
+    of one engine (its unit sees every device, its ports are engine.env's)."""
+    name = "engine-slot"
+    engines = slot_engines(node)
+    if not engines:
+        return []
+    total, kind = node_devices(node, opts)
+    devices: dict[int, tuple[int, ...]] = {}
+    problems: dict[int, list[str]] = {e.slot: [] for e in engines}
+    for e in engines:
+        if not e.readable:
+            continue
+        try:
+            seen = node_env.visible_devices(e.variables)
+        except node_env.NodeEnvError as exc:
+            problems[e.slot].append(str(exc))
+            continue
+        if seen is None:
+            problems[e.slot].append(f"neither {node_env.CUDA_VISIBLE_DEVICES} nor {node_env.NEURON_RT_VISIBLE_CORES}"
+                                    " is set: it would use every device of the node")
+            continue
+        devices[e.slot] = seen
+        if len(set(seen)) != len(seen):
+            problems[e.slot].append(f"{kind} {_list(seen)} name one twice")
+        if e.env and len(seen) != e.env.tp_size:
+            problems[e.slot].append(f"{len(seen)} {kind} for TP {e.env.tp_size}")
+        if total is not None and any(d >= total for d in seen):
+            problems[e.slot].append(f"{kind} {_list(d for d in seen if d >= total)} are not on this node "
+                                    f"(it has {total}: 0-{total - 1})")
+    for e in engines:
+        for other in engines:
+            if other.slot == e.slot:
+                continue
+            shared = sorted(set(devices.get(e.slot, ())) & set(devices.get(other.slot, ())))
+            if shared:
+                problems[e.slot].append(f"{kind} {_list(shared)} are engine {other.slot}'s too")
+            if e.env and other.env:
+                clash = sorted(set(_ports(e.env)) & set(_ports(other.env)))
+                if clash:
+                    problems[e.slot].append(f"port(s) {_list(clash)} are engine {other.slot}'s too")
+                if e.env.engine_id == other.env.engine_id:
+                    problems[e.slot].append(f"engine id {e.env.engine_id} is engine {other.slot}'s too")
+    results = []
+    for e in engines:
+        if problems[e.slot]:
+            results.append(CheckResult(e.name(name), Status.FAIL, f"{e.label}: " + "; ".join(problems[e.slot]),
+                                       f"each engine needs its own devices and ports ({e.path}): the instance's "
+                                       "user data writes them from node_env.engine_slots; rewrite or relaunch"))
+        elif not e.readable:
+            results.append(CheckResult(e.name(name), Status.SKIP, f"{e.label}: {e.path} does not parse "
+                                       f"(see engine-env@{e.slot})"))
+        elif e.env is None:
+            results.append(CheckResult(e.name(name), Status.SKIP, f"{e.label}: devices "
+                                       f"{_list(devices.get(e.slot, ()))}; ports not checked: its variables do "
+                                       f"not validate (see engine-env@{e.slot})"))
+        else:
+            sc = e.env.side_channel_port
+            on = f" of {total}" if total is not None else f" (the node's {kind} not counted: see the driver check)"
+            results.append(CheckResult(e.name(name), Status.PASS,
+                                       f"{e.label}: {kind} {_list(devices[e.slot])}{on}, HTTP port {e.env.port}, "
+                                       f"side-channel port(s) {sc}-{sc + e.env.tp_size - 1}"))
+    return results
+
+
+def _list(values) -> str:
+    return ",".join(map(str, values))
+
+
+Check = Callable[[Node, Options], CheckResult | Sequence[CheckResult]]
+CHECKS: tuple[Check, ...] = (
     check_libfabric, check_efa_device, check_nixl, check_gdr, check_driver, check_gpu_memory, check_versions,
-    check_connector_code, check_engine_env,
+    check_connector_code, check_engine_env, check_engine_slots,
 )
 
 
-def run_checks(node: Node, opts: Options,
-               checks: Sequence[Callable[[Node, Options], CheckResult]] = CHECKS) -> list[CheckResult]:
-    results = []
+def run_checks(node: Node, opts: Options, checks: Sequence[Check] = CHECKS) -> list[CheckResult]:
+    """Every check's results in order (a per-engine check gives one per engine of the node, or none)."""
+    results: list[CheckResult] = []
     for check in checks:
         try:
-            results.append(check(node, opts))
+            out = check(node, opts)
+            results.extend([out] if isinstance(out, CheckResult) else out)
         except Exception as exc:  # a check that crashes is a failed check, not a crashed doctor
             results.append(CheckResult(check.__name__.removeprefix("check_"), Status.FAIL,
                                        f"the check crashed: {type(exc).__name__}: {exc}", "report this as a bug"))

@@ -3,7 +3,9 @@
 The CloudWatch agent's Prometheus input drops histograms (TTFT, inter-token latency, NIXL transfer time are
 all histograms in vLLM), so each engine node runs this bridge (``turnkv-metrics.service``, written by the
 CDK user data): every interval it scrapes the engine, turns counters and histograms into per-interval
-values (means, estimated p99, deltas) and sends one EMF document to the agent's listener on tcp:25888.
+values (means, estimated p99, deltas) and sends one EMF document to the agent's listener on tcp:25888. On a node
+of several engines each engine has its own bridge (``turnkv-metrics@k``), given its engine id (``--engine-id``):
+its metrics go out per engine as well as under the dashboards' ``{Deployment, Role}`` (:func:`dimension_sets`).
 
 The parsing and arithmetic are pure functions; ``run`` does the I/O. Names: ``turnkv.metric_names``.
 """
@@ -178,6 +180,15 @@ def interval_values(prev: Snapshot, cur: Snapshot, specs: tuple[Spec, ...] = SPE
     return out
 
 
+def dimension_sets(dimensions: Mapping[str, str]) -> list[list[str]]:
+    """The directive's dimension sets: always the dashboards' ``{Deployment, Role}``; with an engine id also the
+    per-engine set, so the engines of one node (or of a role) are told apart without emptying a dashboard."""
+    sets = [list(mn.ENGINE_ROLE_DIMENSIONS)]
+    if dimensions.get(mn.ENGINE_ID):
+        sets.append(list(mn.ENGINE_DIMENSIONS))
+    return sets
+
+
 def emf_document(values: Mapping[str, tuple[float, str]], dimensions: Mapping[str, str], *, log_group: str,
                  timestamp_ms: int | None = None) -> dict:
     return {
@@ -186,7 +197,7 @@ def emf_document(values: Mapping[str, tuple[float, str]], dimensions: Mapping[st
             "LogGroupName": log_group,
             "CloudWatchMetrics": [{
                 "Namespace": mn.ENGINE_NAMESPACE,
-                "Dimensions": [[mn.DEPLOYMENT, mn.ROLE]],
+                "Dimensions": dimension_sets(dimensions),
                 "Metrics": [{"Name": name, "Unit": unit} for name, (_, unit) in values.items()],
             }],
         },
@@ -227,12 +238,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--role", required=True, choices=["prefill", "decode"])
     parser.add_argument("--pool", required=True)
     parser.add_argument("--log-group", required=True)
+    parser.add_argument("--engine-id", default="",
+                        help="This engine's id: its metrics are published per engine too (a node of several engines)")
     parser.add_argument("--interval", type=float, default=60.0)
     parser.add_argument("--emf", default="127.0.0.1:25888", help="host:port of the CloudWatch agent's EMF listener")
     args = parser.parse_args(argv)
     host, _, port = args.emf.rpartition(":")
-    run(args.metrics_url, {mn.DEPLOYMENT: args.deployment, mn.ROLE: args.role, mn.POOL: args.pool},
-        args.log_group, args.interval, (host, int(port)))
+    dimensions = {mn.DEPLOYMENT: args.deployment, mn.ROLE: args.role, mn.POOL: args.pool}
+    if args.engine_id:
+        dimensions[mn.ENGINE_ID] = args.engine_id
+    run(args.metrics_url, dimensions, args.log_group, args.interval, (host, int(port)))
     return 0
 
 

@@ -18,6 +18,15 @@ REUSE_OUTCOME = "ReuseOutcome"  # hit | miss | recompute | ...: the values of ro
 PROMPT_BUCKET = "PromptBucket"  # e.g. lt1k | 1k-8k | 8k-32k | ge32k
 ROLE = "Role"  # prefill | decode
 POOL = "Pool"
+#: One engine (its engine id: the instance id, plus ``-<slot>`` for a node's second and later engines). The bridge
+#: of a node running several engines publishes each metric under :data:`ENGINE_DIMENSIONS` too, so the node's
+#: engines are told apart; the dashboards and alarms read :data:`ENGINE_ROLE_DIMENSIONS`.
+ENGINE_ID = "EngineId"
+#: The engine bridge's dimension sets: every metric under ``{Deployment, Role}`` (what the dashboards and alarms
+#: aggregate by, over all of a role's engines) and, when the bridge knows its engine, ``{Deployment, Role,
+#: EngineId}`` as well (an EMF metric is published once per dimension set of its directive).
+ENGINE_ROLE_DIMENSIONS = (DEPLOYMENT, ROLE)
+ENGINE_DIMENSIONS = (*ENGINE_ROLE_DIMENSIONS, ENGINE_ID)
 
 #: Router EMF metrics (units in brackets).
 TTFT = "TTFT"  # [Milliseconds] per request, dims {Deployment}, {+ReuseOutcome}, {+ReuseOutcome, PromptBucket}
@@ -56,7 +65,8 @@ REFUSAL_REASONS = ("too_large", "full")
 EVICTION_REASONS = ("idle", "shrunk", "read")
 DECISIONS = ("pull", "recompute")
 
-#: What the bridge publishes per interval (dims Deployment, Role), units in brackets.
+#: What the bridge publishes per interval (dims Deployment, Role; and Deployment, Role, EngineId on a node of
+#: several engines), units in brackets.
 ENGINE_TTFT = "EngineTTFT"  # [Milliseconds] mean over the interval
 ENGINE_TTFT_P99 = "EngineTTFTp99"  # [Milliseconds] estimated from the histogram buckets
 ENGINE_ITL = "EngineITL"  # [Milliseconds] mean

@@ -81,6 +81,10 @@ NEURON_RT_VISIBLE_CORES = "NEURON_RT_VISIBLE_CORES"
 CLOUDMAP_INSTANCE_ID = "TURNKV_CLOUDMAP_INSTANCE_ID"
 
 
+#: The most engines one node runs (``pools[].engines_per_node``); ``turnkv doctor`` looks for that many slot files.
+MAX_ENGINES_PER_NODE = 64
+
+
 def engine_env_file(slot: int | str) -> str:
     """What a node's engine ``slot`` sets over engine.env when the node runs several (``%i`` in a template unit)."""
     return f"{ETC_DIR}/engine-{slot}.env"
@@ -117,6 +121,24 @@ class EngineSlot:
         if gpu:
             return {CUDA_VISIBLE_DEVICES: ",".join(map(str, self.devices))}
         return {NEURON_RT_VISIBLE_CORES: f"{self.devices[0]}-{self.devices[-1]}"}
+
+
+def visible_devices(env: Mapping[str, str]) -> tuple[int, ...] | None:
+    """The devices an engine's variables confine it to (what :meth:`EngineSlot.device_variables` writes: a CUDA
+    comma list, or a Neuron range ``a-b``; a comma list of numbers and ranges is read in either), or None when
+    neither variable is set (the node's one engine uses every device). Raises NodeEnvError on a malformed value."""
+    for name in (CUDA_VISIBLE_DEVICES, NEURON_RT_VISIBLE_CORES):
+        raw = env.get(name, "").strip()
+        if not raw:
+            continue
+        devices: list[int] = []
+        for part in raw.split(","):
+            low, sep, high = part.strip().partition("-")
+            if not low.isdigit() or (sep and not high.isdigit()) or (sep and int(high) < int(low)):
+                raise NodeEnvError(f"{name}={raw!r}: give device numbers (0,1) or a range (0-3)")
+            devices.extend(range(int(low), int(high if sep else low) + 1))
+        return tuple(devices)
+    return None
 
 
 def engine_slots(engines: int, tp_size: int, accelerators: int) -> tuple[EngineSlot, ...]:
@@ -198,8 +220,9 @@ class EngineEnv:
         return out
 
     @classmethod
-    def from_variables(cls, env: Mapping[str, str]) -> EngineEnv:
-        """Read engine.env variables (empty ones count as unset); raises NodeEnvError naming every problem."""
+    def from_variables(cls, env: Mapping[str, str], source: str = ENGINE_ENV_FILE) -> EngineEnv:
+        """Read engine.env variables (empty ones count as unset); raises NodeEnvError naming every problem (and
+        ``source``, the file(s) they came from)."""
         env = {**ENGINE_DEFAULTS, **{k: v for k, v in env.items() if v != ""}}
         errors = [f"{name} is missing" for name in REQUIRED if not env.get(name)]
         role = env.get(ROLE, "")
@@ -229,7 +252,7 @@ class EngineEnv:
         if not backends or unknown:
             errors.append(f"{BACKENDS}={env[BACKENDS]!r}: give NIXL backends from {', '.join(sorted(KNOWN_BACKENDS))}")
         if errors:
-            raise NodeEnvError(f"{ENGINE_ENV_FILE}: " + "; ".join(errors))
+            raise NodeEnvError(f"{source}: " + "; ".join(errors))
         return cls(role=Role(role), engine_id=engine_id, model=env[MODEL],
                    served_model_name=env.get(SERVED_MODEL_NAME) or env[MODEL], side_channel_host=host,
                    mode=Mode(mode), bidirectional=bidi == "true", tp_size=tp, max_model_len=max_len, port=port,

@@ -106,6 +106,27 @@ def test_metrics_bridge_unit_runs_the_bridge_against_the_engine(monkeypatch):
     assert "Restart=always" in unit
 
 
+def test_each_engines_metrics_bridge_names_its_engine(monkeypatch):
+    """A node of several engines: each turnkv-metrics@k scrapes its engine's port and publishes with that engine's
+    id (from its slot file), so CloudWatch tells the node's engines apart."""
+    import turnkv.emf_bridge as bridge
+
+    unit = bootstrap.slot_metrics_unit(_node(pool="decode-a", tp_size=4, engines=2))
+    exec_start = re.search(r"^ExecStart=(.*?)\n(?=\S)", unit, re.M | re.S).group(1).replace("\\\n", " ")
+    seen = []
+    monkeypatch.setattr(bridge, "run", lambda url, dims, log_group, interval, address: seen.append((url, dims)))
+    script = bootstrap.user_data(_node(pool="decode-a", tp_size=4, engines=2))
+    for line, path in re.findall(r"^printf '%s=%s\\n' (.*) > (/etc/turnkv/engine-\d\.env)$", script, re.M):
+        words = line.replace('"$ENGINE_ID', '"i-0abc').replace('"', "").split()
+        slot_env = dict(zip(words[::2], words[1::2], strict=True))
+        argv = re.sub(r"\$\{(\w+)\}", lambda m, env=slot_env: env[m.group(1)], exec_start).split()
+        assert bridge.main(argv[3:]) == 0, path
+    assert [url for url, _ in seen] == ["http://127.0.0.1:8000/metrics", "http://127.0.0.1:8001/metrics"]
+    assert [dims.get(mn.ENGINE_ID) for _, dims in seen] == ["i-0abc", "i-0abc-1"]
+    assert all({mn.DEPLOYMENT: "prod", mn.ROLE: "decode", mn.POOL: "decode-a"}.items() <= dims.items()
+               for _, dims in seen)
+
+
 def test_engine_register_and_metrics_logs_reach_cloudwatch_logs():
     """The agent ships files, not journald: each unit's output goes to its own file (a systemd drop-in written
     before the units start), and the agent config collects exactly those files, one stream each."""

@@ -120,7 +120,7 @@ def vllm_metrics(scale: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def engine_documents(deployment: str, role: str) -> list[dict]:
+def engine_documents(deployment: str, role: str, engine_id: str = "") -> list[dict]:
     pages = iter([vllm_metrics(1), vllm_metrics(3)])
 
     class Metrics(BaseHTTPRequestHandler):
@@ -148,7 +148,8 @@ def engine_documents(deployment: str, role: str) -> list[dict]:
     for t in threads:
         t.start()
     try:
-        emf_bridge.run(f"http://127.0.0.1:{http.server_port}/metrics", {mn.DEPLOYMENT: deployment, mn.ROLE: role},
+        dimensions = {mn.DEPLOYMENT: deployment, mn.ROLE: role, **({mn.ENGINE_ID: engine_id} if engine_id else {})}
+        emf_bridge.run(f"http://127.0.0.1:{http.server_port}/metrics", dimensions,
                        log_group="/turnkv/test/engines", interval=0.01, address=agent.getsockname(), iterations=2)
         threads[1].join(timeout=10)
     finally:
@@ -256,6 +257,23 @@ def test_every_alarm_and_widget_watches_an_emitted_metric(gpu, emitted):
             assert values[mn.DEPLOYMENT] == deployment, where
         if mn.ROLE in values:
             assert values[mn.ROLE] in {r.value for r in Role}, where
+
+
+def test_each_engine_of_a_node_still_feeds_every_engine_widget_and_alarm(gpu):
+    """A node of several engines: each engine's bridge publishes per engine (its EngineId) and, under the same
+    metrics, the {Deployment, Role} set every engine widget and alarm reads; one engine's records alone cover them."""
+    deployment = gpu.app.config.name
+    engine_reads = {ident for where, ident, _ in watched(gpu.template("observability"))
+                    if ident[0] == mn.ENGINE_NAMESPACE}
+    assert engine_reads
+    per_slot = []
+    for engine_id in ("i-0abc", "i-0abc-1"):
+        documents = engine_documents(deployment, "decode", engine_id)
+        assert documents and {d[mn.ENGINE_ID] for d in documents} == {engine_id}
+        emitted = set().union(*(identities(d) for d in documents))
+        assert engine_reads <= emitted, sorted(engine_reads - emitted)
+        per_slot.append({i for i in emitted if mn.ENGINE_ID in i[2]})
+    assert per_slot[0] and per_slot[0] == per_slot[1]  # the same metrics, told apart by the EngineId value
 
 
 def test_the_ttft_alarm_watches_what_the_router_emits(gpu, emitted):

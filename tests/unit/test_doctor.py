@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 from typer.testing import CliRunner
 
-from turnkv import doctor, versions
+from turnkv import doctor, node_env, versions
 from turnkv.doctor import Completed, Options, Status
 
 EFA = versions.EFA_PREFIX
@@ -410,6 +411,156 @@ def test_engine_env_on_neuron_names_what_is_unverified():
     assert result.status is Status.PASS
 
 
+# --- every engine of a node (engine.env, and a slot file per engine on a node of several) ----------------------
+
+SHARED_ENV = ("TURNKV_ROLE=decode\nTURNKV_ENGINE_ID=i-0abc\nTURNKV_MODEL=/m\nTURNKV_SIDE_CHANNEL_HOST=10.0.0.5\n"
+              "TURNKV_TP_SIZE=4\nTURNKV_PORT=8000\nTURNKV_SIDE_CHANNEL_PORT=5600\n")
+EIGHT_GPUS = {"nvidia-smi --query-gpu=index": Completed(0, "".join(f"{k}\n" for k in range(8)))}
+
+
+def write_node(root, shared: str = SHARED_ENV, engines: int = 0, tp: int = 4, gpu: bool = True,
+               **overrides: dict[str, str]) -> None:
+    """/etc/turnkv under ``root`` as an instance's user data leaves it: engine.env, and with ``engines`` the slot
+    files of node_env.engine_slots (the bootstrap's one source); ``slot1={...}`` sets variables over slot 1's."""
+    etc = root / node_env.ETC_DIR.lstrip("/")
+    etc.mkdir(parents=True, exist_ok=True)
+    (etc / "engine.env").write_text(shared)
+    for slot in node_env.engine_slots(engines, tp, 8) if engines else ():
+        variables = {**slot.variables(gpu), node_env.ENGINE_ID: "i-0abc" + node_env.slot_suffix(slot.index),
+                     node_env.CLOUDMAP_INSTANCE_ID: "i-0abc" + node_env.slot_suffix(slot.index),
+                     **overrides.get(f"slot{slot.index}", {})}
+        (etc / f"engine-{slot.index}.env").write_text(node_env.render(variables))
+
+
+def disk_node(root, fake=None):
+    """A FakeNode whose /etc/turnkv files are real files under ``root`` (read by doctor's own reader)."""
+    fake = fake or FakeNode(EIGHT_GPUS)
+
+    def read_text(path):
+        if path.startswith(node_env.ETC_DIR + "/"):
+            return doctor._read_text(str(root / path.lstrip("/")))
+        return fake.files.get(path)
+
+    return dataclasses.replace(fake.node(), read_text=read_text)
+
+
+def engine_results(node, **opts):
+    return doctor.run_checks(node, Options(**opts), checks=(doctor.check_engine_env, doctor.check_engine_slots))
+
+
+def test_one_engine_node_reports_as_before(tmp_path):
+    """engine.env alone: one engine-env line, as before, and no per-engine lines."""
+    write_node(tmp_path)
+    results = engine_results(disk_node(tmp_path))
+    assert [(r.name, r.status) for r in results] == [("engine-env", Status.PASS)]
+    assert results[0].detail == "decode engine i-0abc: pull, TP 4, backends LIBFABRIC"
+    assert doctor.slot_engines(disk_node(tmp_path)) == []
+
+
+def test_every_engine_of_a_two_engine_node_is_checked(tmp_path):
+    write_node(tmp_path, engines=2)
+    results = engine_results(disk_node(tmp_path))
+    assert [(r.name, r.status) for r in results] == [
+        ("engine-env@0", Status.PASS), ("engine-env@1", Status.PASS),
+        ("engine-slot@0", Status.PASS), ("engine-slot@1", Status.PASS)]
+    by_name = {r.name: r.detail for r in results}
+    assert by_name["engine-env@1"] == "engine 1 (i-0abc-1): decode engine i-0abc-1: pull, TP 4, backends LIBFABRIC"
+    assert by_name["engine-slot@0"] == ("engine 0 (i-0abc): GPUs 0,1,2,3 of 8, HTTP port 8000, "
+                                        "side-channel port(s) 5600-5603")
+    assert by_name["engine-slot@1"] == ("engine 1 (i-0abc-1): GPUs 4,5,6,7 of 8, HTTP port 8001, "
+                                        "side-channel port(s) 5604-5607")
+
+
+def test_the_whole_run_adds_the_per_engine_lines_only_on_a_node_of_several(tmp_path):
+    write_node(tmp_path / "one")
+    write_node(tmp_path / "two", engines=2)
+    one = [r.name for r in doctor.run_checks(disk_node(tmp_path / "one"), Options())]
+    two = [r.name for r in doctor.run_checks(disk_node(tmp_path / "two"), Options())]
+    assert one[-1] == "engine-env" and not any("@" in n for n in one)
+    assert two[:-4] == one[:-1] and two[-4:] == ["engine-env@0", "engine-env@1", "engine-slot@0", "engine-slot@1"]
+
+
+def test_engines_sharing_devices_or_ports_fail_naming_each_other(tmp_path):
+    write_node(tmp_path, engines=2, slot1={"CUDA_VISIBLE_DEVICES": "3,4,5,6", "TURNKV_SIDE_CHANNEL_PORT": "5603"})
+    results = {r.name: r for r in engine_results(disk_node(tmp_path))}
+    assert results["engine-env@0"].status is Status.PASS and results["engine-env@1"].status is Status.PASS
+    first, second = results["engine-slot@0"], results["engine-slot@1"]
+    assert first.status is Status.FAIL and second.status is Status.FAIL
+    assert first.detail == ("engine 0 (i-0abc): GPUs 3 are engine 1's too; port(s) 5603 are engine 1's too")
+    assert second.detail.startswith("engine 1 (i-0abc-1): GPUs 3 are engine 0's too; port(s) 5603")
+    assert "/etc/turnkv/engine-0.env" in first.fix and "engine_slots" in first.fix
+
+
+def test_an_engine_with_devices_off_the_node_or_not_its_tp_size_fails(tmp_path):
+    write_node(tmp_path, engines=2, slot1={"CUDA_VISIBLE_DEVICES": "4,5,6,7,8"})
+    results = {r.name: r for r in engine_results(disk_node(tmp_path))}
+    assert results["engine-slot@0"].status is Status.PASS
+    assert results["engine-slot@1"].status is Status.FAIL
+    assert "5 GPUs for TP 4" in results["engine-slot@1"].detail
+    assert "GPUs 8 are not on this node (it has 8: 0-7)" in results["engine-slot@1"].detail
+    # an engine with no device variable would take the whole node
+    write_node(tmp_path, engines=2, slot0={"CUDA_VISIBLE_DEVICES": ""})
+    results = {r.name: r for r in engine_results(disk_node(tmp_path))}
+    assert results["engine-slot@0"].status is Status.FAIL and "every device" in results["engine-slot@0"].detail
+
+
+def test_a_bad_slot_file_fails_its_engine_and_names_the_file(tmp_path):
+    write_node(tmp_path, engines=2, slot1={"TURNKV_PORT": "0", "TURNKV_ENGINE_ID": "i-0abc"})
+    results = {r.name: r for r in engine_results(disk_node(tmp_path))}
+    assert results["engine-env@0"].status is Status.PASS
+    bad = results["engine-env@1"]
+    assert bad.status is Status.FAIL and bad.detail.startswith(
+        "engine 1 (i-0abc): /etc/turnkv/engine-1.env over /etc/turnkv/engine.env: TURNKV_PORT=0 is out of range")
+    assert "/etc/turnkv/engine-1.env" in bad.fix
+    # its devices are still checked; its ports cannot be
+    assert results["engine-slot@1"].status is Status.SKIP and "see engine-env@1" in results["engine-slot@1"].detail
+    assert results["engine-slot@0"].status is Status.PASS
+
+
+def test_a_slot_file_that_does_not_parse_fails_its_engine_only(tmp_path):
+    write_node(tmp_path, engines=2)
+    (tmp_path / "etc/turnkv/engine-1.env").write_text("TURNKV_PORT 8001\n")
+    results = {r.name: r for r in engine_results(disk_node(tmp_path))}
+    assert results["engine-env@1"].status is Status.FAIL
+    assert results["engine-env@1"].detail.startswith("engine 1: /etc/turnkv/engine-1.env: line 1: expected NAME=value")
+    assert results["engine-slot@1"].status is Status.SKIP and "does not parse" in results["engine-slot@1"].detail
+    assert results["engine-env@0"].status is results["engine-slot@0"].status is Status.PASS
+
+
+def test_two_engines_with_one_id_fail(tmp_path):
+    write_node(tmp_path, engines=2, slot1={"TURNKV_ENGINE_ID": "i-0abc"})
+    results = {r.name: r for r in engine_results(disk_node(tmp_path))}
+    assert results["engine-slot@1"].status is Status.FAIL
+    assert "engine id i-0abc is engine 0's too" in results["engine-slot@1"].detail
+
+
+def test_a_neuron_node_of_several_engines_reads_core_ranges(tmp_path):
+    write_node(tmp_path, engines=4, tp=2, gpu=False, shared=SHARED_ENV.replace("TP_SIZE=4", "TP_SIZE=2")
+               + "TURNKV_ALLOW_UNVERIFIED=neuron\n")
+    cores = Completed(0, json.dumps([{"neuron_device": 0, "nc_count": 4}, {"neuron_device": 1, "nc_count": 4}]))
+    results = engine_results(disk_node(tmp_path, FakeNode({"neuron-ls --json-output": cores})), flavor="neuron")
+    assert all(r.status is Status.PASS for r in results), results
+    assert [r.detail for r in results if r.name == "engine-slot@3"] == [
+        "engine 3 (i-0abc-3): NeuronCores 6,7 of 8, HTTP port 8003, side-channel port(s) 5606-5607"]
+
+
+def test_the_node_device_count_unknown_is_said_not_failed(tmp_path):
+    write_node(tmp_path, engines=2)
+    fake = FakeNode({"nvidia-smi --query-gpu=index": Completed(9, "", "NVIDIA-SMI has failed")})
+    results = {r.name: r for r in engine_results(disk_node(tmp_path, fake))}
+    assert results["engine-slot@1"].status is Status.PASS and "not counted" in results["engine-slot@1"].detail
+
+
+def test_the_slot_files_doctor_reads_are_the_ones_node_env_names(tmp_path):
+    """Discovery goes through node_env.engine_env_file; it stops at the first missing slot."""
+    read = []
+    write_node(tmp_path, engines=2)
+    node = disk_node(tmp_path)
+    node = dataclasses.replace(node, read_text=lambda p, inner=node.read_text: read.append(p) or inner(p))
+    assert [e.path for e in doctor.slot_engines(node)] == [node_env.engine_env_file(k) for k in range(2)]
+    assert read == [doctor.ENGINE_ENV_FILE, *(node_env.engine_env_file(k) for k in range(3))]
+
+
 # --- the whole run and the CLI ------------------------------------------------------------------------------
 
 
@@ -469,3 +620,15 @@ def test_cli_flavor_from_the_image_and_a_bad_flavor(cli):
     assert json.loads(result.output)["flavor"] == "neuron" and result.exit_code == 0
     bad = CliRunner().invoke(app, ["doctor", "--flavor", "tpu"])
     assert bad.exit_code == 2 and "tpu" in bad.output
+
+
+def test_cli_names_each_engine_of_a_node_of_several(cli, tmp_path):
+    app, state = cli
+    write_node(tmp_path, engines=2, slot1={"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    node = disk_node(tmp_path)
+    state["fake"] = type("Disk", (), {"node": lambda self: node})()
+    result = CliRunner().invoke(app, ["doctor", "--json", "--flavor", "gpu"])
+    assert result.exit_code == 1, result.output
+    checks = {c["name"]: c for c in json.loads(result.output)["checks"]}
+    assert checks["engine-env@0"]["status"] == checks["engine-env@1"]["status"] == "pass"
+    assert checks["engine-slot@1"]["status"] == "fail" and "engine 1 (i-0abc-1)" in checks["engine-slot@1"]["detail"]

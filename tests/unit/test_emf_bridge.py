@@ -84,6 +84,31 @@ def test_emf_document_shape():
     assert doc["EngineTTFT"] == 800.0 and doc["Role"] == "decode" and doc["_aws"]["LogGroupName"] == "/turnkv/d/engines"
 
 
+def test_each_engine_of_a_node_is_its_own_metric_and_the_dashboards_sets_stay():
+    """A node of two engines: each bridge's records carry its engine id as a dimension of their own set, and both
+    still publish under {Deployment, Role}, which the dashboards and alarms read."""
+    values = {mn.ENGINE_TTFT: (800.0, "Milliseconds"), mn.KV_CACHE_USAGE: (30.0, "Percent")}
+    docs = [bridge.emf_document(values, {mn.DEPLOYMENT: "d", mn.ROLE: "decode", mn.POOL: "p",
+                                         mn.ENGINE_ID: engine_id}, log_group="/turnkv/d/engines", timestamp_ms=1)
+            for engine_id in ("i-0abc", "i-0abc-1")]
+    for doc in docs:
+        (directive,) = doc["_aws"]["CloudWatchMetrics"]
+        assert directive["Dimensions"] == [[mn.DEPLOYMENT, mn.ROLE], [mn.DEPLOYMENT, mn.ROLE, mn.ENGINE_ID]]
+        assert all(name in doc for dims in directive["Dimensions"] for name in dims)
+    assert [d[mn.ENGINE_ID] for d in docs] == ["i-0abc", "i-0abc-1"]
+    strip = [{k: v for k, v in d.items() if k != mn.ENGINE_ID} for d in docs]
+    assert strip[0] == strip[1]  # the engine id is the only difference
+
+
+def test_the_command_line_adds_the_engine_id_only_when_given(monkeypatch):
+    seen = []
+    monkeypatch.setattr(bridge, "run", lambda url, dims, *args: seen.append(dims))
+    common = ["--deployment", "d", "--role", "decode", "--pool", "p", "--log-group", "/g"]
+    assert bridge.main(common) == 0 and bridge.main([*common, "--engine-id", "i-0abc-1"]) == 0
+    assert seen == [{"Deployment": "d", "Role": "decode", "Pool": "p"},
+                    {"Deployment": "d", "Role": "decode", "Pool": "p", "EngineId": "i-0abc-1"}]
+
+
 def test_run_scrapes_and_sends_emf_lines_over_tcp():
     pages = [FIRST, SECOND]
 

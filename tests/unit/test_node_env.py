@@ -107,3 +107,22 @@ def test_a_slot_file_over_engine_env_is_what_the_engine_reads():
     assert node_env.engine_env_file(1) == "/etc/turnkv/engine-1.env"
     assert node_env.unit_instance(node_env.ENGINE_SERVICE_TEMPLATE, 1) == "turnkv-engine@1.service"
     assert [node_env.slot_suffix(k) for k in range(3)] == ["", "-1", "-2"]
+
+
+def test_the_devices_a_slot_writes_read_back():
+    """What EngineSlot.device_variables writes (CUDA list, Neuron range) is what visible_devices reads."""
+    for slot in node_env.engine_slots(4, 2, 8):
+        for gpu in (True, False):
+            assert node_env.visible_devices(slot.device_variables(gpu)) == slot.devices
+    assert node_env.visible_devices({}) is None and node_env.visible_devices({"CUDA_VISIBLE_DEVICES": ""}) is None
+    assert node_env.visible_devices({"NEURON_RT_VISIBLE_CORES": "0-1,4"}) == (0, 1, 4)
+    for bad in ("a", "3-1", "0,,1", "-1"):
+        with pytest.raises(node_env.NodeEnvError, match="CUDA_VISIBLE_DEVICES"):
+            node_env.visible_devices({"CUDA_VISIBLE_DEVICES": bad})
+
+
+def test_a_validation_error_names_the_files_it_came_from():
+    with pytest.raises(node_env.NodeEnvError, match=r"^/etc/turnkv/engine\.env: TURNKV_ROLE is missing"):
+        node_env.EngineEnv.from_variables({})
+    with pytest.raises(node_env.NodeEnvError, match=r"^/etc/turnkv/engine-1\.env over /etc/turnkv/engine\.env: "):
+        node_env.EngineEnv.from_variables({}, source="/etc/turnkv/engine-1.env over /etc/turnkv/engine.env")

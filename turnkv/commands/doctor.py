@@ -25,8 +25,8 @@ def doctor(
         "--python", help="Interpreter whose vLLM / NIXL / torch to check (default /opt/turnkv/venv).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
 ) -> None:
-    """Check EFA, NIXL (LIBFABRIC), GPUDirect RDMA, driver/CUDA, CUDA memory registration with LIBFABRIC and the
-    pinned versions on this node."""
+    """Check EFA, NIXL (LIBFABRIC), GPUDirect RDMA, driver/CUDA, CUDA memory registration with LIBFABRIC, the
+    pinned versions and every engine's env file, devices and ports on this node."""
     node = checks.real_node(python)
     chosen = flavor or checks.detect_flavor(node)
     if chosen not in checks.FLAVORS:
