@@ -38,7 +38,13 @@ class Shape:
     decode_tp: int = 1
     prefill_block_size: int | None = None
     decode_block_size: int | None = None
+    #: Extra ``vllm serve`` flags for decode (speculative decoding).
+    decode_args: tuple[str, ...] = ()
 
+
+#: vLLM's n-gram drafter (prompt lookup, no draft model): it runs on the CPU backend, so decode's scheduler sees
+#: num_computed_tokens run ahead of the token ids by the drafts, the case of turnkv's spec-decode offer rule.
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4})
 
 SHAPES = (
     Shape("equal", "P TP1 / D TP1, blocks 128/128 (the suites' shape)"),
@@ -46,6 +52,8 @@ SHAPES = (
     Shape("p2d1", "P TP2 / D TP1", prefill_tp=2),
     Shape("b32-128", "P blocks 32 / D blocks 128", prefill_block_size=32, decode_block_size=128),
     Shape("b128-32", "P blocks 128 / D blocks 32", prefill_block_size=128, decode_block_size=32),
+    Shape("ngram", "P TP1 / D TP1, decode with n-gram speculative decoding (3 tokens)",
+          decode_args=("--speculative-config", NGRAM)),
 )
 
 
@@ -89,7 +97,8 @@ def run_shape(shape: Shape, mode: Mode, state_dir: Path, timeout_s: float, **sta
                                              "evictions_interval": 3.0},
                                    prefill_tp=shape.prefill_tp, decode_tp=shape.decode_tp,
                                    prefill_block_size=shape.prefill_block_size,
-                                   decode_block_size=shape.decode_block_size), **stack})
+                                   decode_block_size=shape.decode_block_size,
+                                   decode_extra_args=shape.decode_args), **stack})
     supervisor = Supervisor(state_dir)
     supervisor.down()
     try:

@@ -234,3 +234,11 @@ def test_a_wrong_accelerator_setting_is_refused_by_name(tmp_path, field, value, 
     config = StackConfig(state_dir=tmp_path, **{"accelerator": "cuda", field: value})
     with pytest.raises(StackError, match=named.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         stack.plan(config)
+
+
+def test_decode_only_flags_reach_decode_and_not_prefill(tmp_path):
+    config = StackConfig(state_dir=tmp_path, engine_extra_args=("--seed", "7"),
+                         decode_extra_args=("--speculative-config", '{"method": "ngram"}'))
+    procs = {p.name: p for p in stack.plan(config)}
+    assert "--speculative-config" in procs["decode-0"].argv and "--speculative-config" not in procs["prefill-0"].argv
+    assert all("--seed" in procs[name].argv for name in ("prefill-0", "decode-0"))

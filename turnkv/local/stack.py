@@ -76,6 +76,8 @@ class StackConfig:
     kv_cache_gib: int = 2
     #: Extra ``vllm serve`` flags for every engine (tests use --trust-request-chat-template).
     engine_extra_args: tuple[str, ...] = ()
+    #: ... and for the decode engines only (bench.shapes: an n-gram drafter on decode, as deployments run it).
+    decode_extra_args: tuple[str, ...] = ()
     startup_timeout: float = 240.0
     #: Engines per role (ports prefill_port + i, decode_port + i; side channels after the first two).
     prefill_engines: int = 1
@@ -249,7 +251,8 @@ def plan(config: StackConfig) -> list[ProcessSpec]:
                 for i in range(config.prefill_engines)]
     decodes = [EngineSpec(role=Role.DECODE, engine_id=f"decode-{i}", port=config.decode_port + i,
                           side_channel_port=config.side_channel_base + (1 if i == 0 else 3 + 2 * i),
-                          prefix_caching=True, **shape(config.decode_tp, config.decode_block_size), **common)
+                          prefix_caching=True, **shape(config.decode_tp, config.decode_block_size),
+                          **{**common, "extra_args": (*config.engine_extra_args, *config.decode_extra_args)})
                for i in range(config.decode_engines)]
     procs = [_engine_process(config, spec, prefill_core) for spec in prefills]
     procs += [_engine_process(config, spec, decode_core) for spec in decodes]
