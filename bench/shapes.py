@@ -67,18 +67,30 @@ class ShapeRun:
     started: bool = False
     turns: list[dict] = field(default_factory=list)
     pulled_tokens: float = 0.0
+    #: Decode's speculative-decoding counters (drafted, accepted tokens; 0 without a drafter).
+    drafted_tokens: float = 0.0
+    accepted_tokens: float = 0.0
     passed: bool = False
     failure: str = ""
     seconds: float = 0.0
 
 
-def _pulled(url: str) -> float:
+#: vLLM's speculative-decoding counters on decode.
+DRAFTED, ACCEPTED = "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"
+
+
+def _counter(url: str, name: str, **labels: str) -> float:
+    """A counter's sum over an engine's series with these labels (NaN when the engine does not answer)."""
     try:
         text = requests.get(f"{url}/metrics", timeout=10).text
     except requests.RequestException:
         return float("nan")
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == PULLED and s.labels.get("source") == "external_kv_transfer")
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def _pulled(url: str) -> float:
+    return _counter(url, PULLED, source="external_kv_transfer")
 
 
 def run_shape(shape: Shape, mode: Mode, state_dir: Path, timeout_s: float, **stack: object) -> ShapeRun:
@@ -114,6 +126,8 @@ def run_shape(shape: Shape, mode: Mode, state_dir: Path, timeout_s: float, **sta
         result = asyncio.run(smoke.run(urls["router"], timeout_s=timeout_s))
         row.turns = smoke.summary_rows(result)
         row.pulled_tokens = _pulled(urls["prefill-0"])
+        row.drafted_tokens = _counter(urls["decode-0"], DRAFTED)
+        row.accepted_tokens = _counter(urls["decode-0"], ACCEPTED)
         row.passed, row.failure = result.ok, result.failure or ""
         return row
     finally:
@@ -130,6 +144,8 @@ def markdown(rows: list[ShapeRun]) -> str:
         tokens = ", ".join(str(t["reused_tokens"]) for t in later) or "-"
         equal = f"{sum(1 for t in r.turns if t['same_answer'])}/{len(r.turns)}" if r.turns else "-"
         result = "passed" if r.passed else (r.failure.replace("|", "/").replace("\n", " ")[:300] or "failed")
+        if r.drafted_tokens:
+            result += f" (decode drafted {r.drafted_tokens:,.0f} tokens, accepted {r.accepted_tokens:,.0f})"
         lines.append(f"| {r.label} | {r.mode} | {'yes' if r.started else 'no'} | {reused}/{len(later)} | {tokens} | "
                      f"{equal} | {r.pulled_tokens:,.0f} | {result} |")
     return "\n".join(lines)
