@@ -16,6 +16,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from turnkv import wire
+
 PREFILL = os.environ.get("PREFILL", "http://127.0.0.1:28100").split(",")
 DECODE = os.environ.get("DECODE", "http://127.0.0.1:28200").split(",")
 _p, _d = itertools.cycle(PREFILL), itertools.cycle(DECODE)
@@ -38,9 +40,9 @@ async def _handle(request: Request, path: str):
     headers = {"X-Request-Id": str(uuid.uuid4())}
     client = clients["c"]
     prefill_body = dict(body, max_tokens=1, stream=False,
-                        kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
-                                            "remote_engine_id": None, "remote_block_ids": None,
-                                            "remote_host": None, "remote_port": None})
+                        kv_transfer_params={wire.DO_REMOTE_DECODE: True, wire.DO_REMOTE_PREFILL: False,
+                                            wire.REMOTE_ENGINE_ID: None, wire.REMOTE_BLOCK_IDS: None,
+                                            wire.REMOTE_HOST: None, wire.REMOTE_PORT: None})
     prefill_body.pop("stream_options", None)
     resp = await client.post(next(_p) + path, json=prefill_body, headers=headers)
     resp.raise_for_status()

@@ -269,11 +269,13 @@ from router.state.memory import MemoryStore
 p = psutil.Process()
 gc.collect(); before = p.memory_info().rss
 store = MemoryStore({n})
-params = lambda i: {{"do_remote_prefill": False, "do_remote_decode": True,
-          "remote_block_ids": [list(range(i, i + {blocks}))], "remote_engine_id": "decode-3",
-          "remote_request_id": "chatcmpl-%032x" % i, "remote_host": "10.0.12.34",
-          "remote_port": 5600, "tp_size": 8, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 4000 + i % 1000,
-          "remote_blocks_expiry_time": 1.8e9 + i, "transfer_mode": "pull"}}
+from turnkv import wire
+params = lambda i: {{wire.DO_REMOTE_PREFILL: False, wire.DO_REMOTE_DECODE: True,
+          wire.REMOTE_BLOCK_IDS: [list(range(i, i + {blocks}))], wire.REMOTE_ENGINE_ID: "decode-3",
+          wire.REMOTE_REQUEST_ID: "chatcmpl-%032x" % i, wire.REMOTE_HOST: "10.0.12.34",
+          wire.REMOTE_PORT: 5600, wire.TP_SIZE: 8, wire.DCP_SIZE: 1, wire.PP_SIZE: 1,
+          wire.REMOTE_NUM_TOKENS: 4000 + i % 1000, wire.REMOTE_BLOCKS_EXPIRY_TIME: 1.8e9 + i,
+          wire.TRANSFER_MODE: "pull"}}
 async def fill():
     for i in range({n}):
         await store.put("%064x" % i, Entry(params(i), History("chat", "%040x" % 7, "%040x" % i, 12), 1.8e9, "decode-3"))

@@ -3,7 +3,8 @@
 The router, the connector and the fake engine read and write vLLM's NIXL keys (``remote_engine_id``,
 ``do_remote_decode``, ...) through ``turnkv.wire``'s constants and its ``KVParams`` view. A bare literal elsewhere is
 a second spelling of a wire fact: a typo in it silently reads None. Every ``.py`` file of ``router/`` and
-``connector/``, and ``bench/fake_engine.py``, is parsed; a string constant equal to an upstream key is an offence
+``connector/``, and the benchmarks that build params (``bench/fake_engine.py``, ``fastapi_proxy.py``,
+``router_peers.py``), is parsed; a string constant equal to an upstream key is an offence
 (docstrings and comments only mention keys inside longer text, so they never match).
 """
 
@@ -20,7 +21,7 @@ import pytest
 from turnkv import wire
 
 REPO = Path(__file__).resolve().parents[2]
-SCANNED = ("router", "connector", "bench/fake_engine.py")
+SCANNED = ("router", "connector", "bench/fake_engine.py", "bench/fastapi_proxy.py", "bench/router_peers.py")
 #: (file, key): literals that name something else with the same spelling.
 ALLOWED = {
     # Engine attributes (Cloud Map / --prefill-engines), named after the engine's tensor-parallel size, not params.
