@@ -144,7 +144,7 @@ def markdown(rows: list[ShapeRun]) -> str:
         tokens = ", ".join(str(t["reused_tokens"]) for t in later) or "-"
         equal = f"{sum(1 for t in r.turns if t['same_answer'])}/{len(r.turns)}" if r.turns else "-"
         result = "passed" if r.passed else (r.failure.replace("|", "/").replace("\n", " ")[:300] or "failed")
-        if r.drafted_tokens:
+        if r.drafted_tokens > 0:  # NaN (decode did not answer) and 0 (no drafter) say nothing
             result += f" (decode drafted {r.drafted_tokens:,.0f} tokens, accepted {r.accepted_tokens:,.0f})"
         lines.append(f"| {r.label} | {r.mode} | {'yes' if r.started else 'no'} | {reused}/{len(later)} | {tokens} | "
                      f"{equal} | {r.pulled_tokens:,.0f} | {result} |")

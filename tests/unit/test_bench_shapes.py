@@ -24,3 +24,9 @@ def test_the_report_says_how_many_tokens_decode_drafted_and_accepted():
                     "accepted 12) |")
     plain = shapes.ShapeRun("equal", "P TP1 / D TP1", "pull", started=True, turns=TURNS, passed=True)
     assert shapes.markdown([plain]).splitlines()[-1].endswith("| passed |")
+
+
+def test_a_decode_that_did_not_answer_its_metrics_adds_no_drafter_figures():
+    row = shapes.ShapeRun("p2d1", "P TP2 / D TP1", "push", started=True, failure="turn 1: no complete answer",
+                          drafted_tokens=float("nan"), accepted_tokens=float("nan"))
+    assert shapes.markdown([row]).splitlines()[-1].endswith("| turn 1: no complete answer |")
