@@ -242,3 +242,11 @@ def test_decode_only_flags_reach_decode_and_not_prefill(tmp_path):
     procs = {p.name: p for p in stack.plan(config)}
     assert "--speculative-config" in procs["decode-0"].argv and "--speculative-config" not in procs["prefill-0"].argv
     assert all("--seed" in procs[name].argv for name in ("prefill-0", "decode-0"))
+
+
+def test_cuda_on_the_cpu_build_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    monkeypatch.setattr(stack, "_cpu_vllm", lambda: "0.32.0+cpu")
+    monkeypatch.setattr(stack, "port_in_use", lambda port, host="127.0.0.1": False)
+    with pytest.raises(StackError, match=r"needs vLLM's CUDA wheel; this environment has vllm 0\.32\.0\+cpu"):
+        Supervisor(tmp_path).up(StackConfig(state_dir=tmp_path, accelerator="cuda"))
+    assert not (tmp_path / "state.json").exists() and not (tmp_path / "models").exists()

@@ -291,6 +291,17 @@ def plan(config: StackConfig) -> list[ProcessSpec]:
     return procs
 
 
+def _cpu_vllm() -> str | None:
+    """The installed vLLM's version when it is the CPU build (``+cpu``), else None."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
+    return version if "+cpu" in version else None
+
+
 def start_batches(config: StackConfig, procs: list[ProcessSpec]) -> list[list[ProcessSpec]]:
     """The order ``up`` starts processes in, each batch healthy before the next. Engines start together on CPU
     (~1 min), one after another on a shared GPU: vLLM's memory profiling fails when another process frees GPU
@@ -409,6 +420,10 @@ class Supervisor:
             raise StackError("vLLM is not installed in this environment; run `make setup` "
                              "(it installs the engines extra and the CPU fixes)" if config.accelerator == "cpu" else
                              "vLLM is not installed in this environment; `make gpu-smoke` builds the CUDA venv")
+        if config.accelerator == Accelerator.CUDA and (cpu_build := _cpu_vllm()):
+            raise StackError(f"--accelerator cuda needs vLLM's CUDA wheel; this environment has vllm {cpu_build} "
+                             "(the CPU build). Run from a venv with the GPU image's pins: `make gpu-smoke` builds "
+                             ".venv-gpu")
         on_event("model", "building")
         model_maker.build(config.model_dir, config.model_spec)
         on_event("model", "ready")
