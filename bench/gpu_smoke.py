@@ -16,12 +16,12 @@ import json
 import platform
 import sys
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from pathlib import Path
 
 from bench import shapes
 from turnkv import versions
 from turnkv.engine_args import Mode
+from turnkv.local.engine_env import installed_version
 
 #: The suites' shape (TP 1, block size 128): the smoke checks the CUDA path, not a shape.
 SHAPE = shapes.SHAPES[0]
@@ -44,18 +44,11 @@ def machine() -> Machine:
     try:
         import torch
     except ImportError:
-        return Machine(False, 0, "", _version("vllm"), _version(versions.NIXL_CUDA_PACKAGE))
+        return Machine(False, 0, "", installed_version("vllm"), installed_version(versions.NIXL_CUDA_PACKAGE))
     cuda = torch.cuda.is_available()
     count = torch.cuda.device_count() if cuda else 0
     name = torch.cuda.get_device_name(0) if count else ""
-    return Machine(cuda, count, name, _version("vllm"), _version(versions.NIXL_CUDA_PACKAGE))
-
-
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return ""
+    return Machine(cuda, count, name, installed_version("vllm"), installed_version(versions.NIXL_CUDA_PACKAGE))
 
 
 def problems(found: Machine) -> list[str]:
@@ -66,7 +59,7 @@ def problems(found: Machine) -> list[str]:
                    "with an NVIDIA GPU and its driver (this check was not run)")
     if not found.vllm:
         out.append("vLLM is not installed; `make gpu-smoke` installs the GPU image's pins into .venv-gpu")
-    elif "+cpu" in found.vllm or found.vllm != versions.VLLM_GPU:
+    elif found.vllm != versions.VLLM_GPU:  # the CPU build's alias is "<release>+cpu"
         out.append(f"vLLM {found.vllm} is not the GPU image's CUDA wheel ({versions.VLLM_GPU}); "
                    "run from .venv-gpu (`make gpu-smoke`)")
     if not found.nixl:

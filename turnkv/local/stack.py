@@ -26,6 +26,7 @@ from pathlib import Path
 
 from turnkv import engine_args, params, router_env, wire
 from turnkv.engine_args import EngineSpec, Mode, Role
+from turnkv.local import engine_env
 from turnkv.local import model as model_maker
 
 DEFAULT_STATE_DIR = Path(".turnkv")
@@ -98,7 +99,7 @@ class StackConfig:
     decode_block_size: int | None = None
     #: Where the engines run: "cpu" (vLLM's CPU build, the suites and the demo) or "cuda" (the CUDA wheel in a
     #: venv of its own: ``make gpu-smoke``), every engine sharing the GPUs in ``cuda_devices``.
-    accelerator: str = Accelerator.CPU
+    accelerator: Accelerator = Accelerator.CPU
     cuda_devices: str = "0"
     #: Each engine's share of GPU memory (``--gpu-memory-utilization``): the stack's engines share one GPU.
     gpu_memory_utilization: float = 0.25
@@ -164,7 +165,7 @@ def rank_cores(cores: list[int], first: int, ranks: int) -> list[int]:
 
 def _device_env(config: StackConfig, ranks: list[int]) -> dict[str, str]:
     """The engine environment that differs between vLLM's CPU build and the CUDA wheel."""
-    if config.accelerator == "cuda":
+    if config.accelerator == Accelerator.CUDA:
         # UCX picks its CUDA transports (cuda_copy, cuda_ipc) for GPU memory; limiting UCX_TLS as on CPU would
         # leave it none that can reach VRAM.
         return {"CUDA_VISIBLE_DEVICES": config.cuda_devices}
@@ -181,7 +182,7 @@ def _device_env(config: StackConfig, ranks: list[int]) -> dict[str, str]:
 def _engine_process(config: StackConfig, spec: EngineSpec, core: int | None) -> ProcessSpec:
     vllm = Path(sys.executable).with_name("vllm")
     argv = [str(vllm), *engine_args.serve_args(spec)]
-    on_cpu = config.accelerator == "cpu"
+    on_cpu = config.accelerator == Accelerator.CPU
     ranks = rank_cores(_cores(), core, spec.tensor_parallel_size) if core is not None and on_cpu else []
     if ranks and shutil.which("taskset"):
         argv = ["taskset", "-c", ",".join(str(c) for c in sorted(set(ranks))), *argv]
@@ -224,7 +225,7 @@ def plan(config: StackConfig) -> list[ProcessSpec]:
     """Every process of the stack, in start order. Pure: reads only the CPU affinity mask."""
     if config.accelerator not in ACCELERATORS:
         raise StackError(f"accelerator {config.accelerator!r} is not one of {', '.join(ACCELERATORS)}")
-    if config.accelerator == "cuda" and not 0 < config.gpu_memory_utilization <= 1:
+    if config.accelerator == Accelerator.CUDA and not 0 < config.gpu_memory_utilization <= 1:
         raise StackError(f"gpu_memory_utilization {config.gpu_memory_utilization} is not in (0, 1]")
     cores = _cores()
     prefill_core = cores[0]
@@ -291,24 +292,13 @@ def plan(config: StackConfig) -> list[ProcessSpec]:
     return procs
 
 
-def _cpu_vllm() -> str | None:
-    """The installed vLLM's version when it is the CPU build (``+cpu``), else None."""
-    from importlib import metadata
-
-    try:
-        version = metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return None
-    return version if "+cpu" in version else None
-
-
 def start_batches(config: StackConfig, procs: list[ProcessSpec]) -> list[list[ProcessSpec]]:
     """The order ``up`` starts processes in, each batch healthy before the next. Engines start together on CPU
     (~1 min), one after another on a shared GPU: vLLM's memory profiling fails when another process frees GPU
     memory while it measures. Routers start once every engine is healthy."""
     engines = [p for p in procs if p.kind == "engine"]
     routers = [p for p in procs if p.kind == "router"]
-    return [*([engines] if config.accelerator == "cpu" else [[p] for p in engines]), routers]
+    return [*([engines] if config.accelerator == Accelerator.CPU else [[p] for p in engines]), routers]
 
 
 # -- process control ----------------------------------------------------------------------------
@@ -417,10 +407,10 @@ class Supervisor:
             raise StackError(f"port(s) already in use: {details}. Stop whatever holds them, or choose other "
                              "ports (--port for the router, --engine-port-base for the engines)")
         if not Path(sys.executable).with_name("vllm").exists():
-            raise StackError("vLLM is not installed in this environment; run `make setup` "
-                             "(it installs the engines extra and the CPU fixes)" if config.accelerator == "cpu" else
-                             "vLLM is not installed in this environment; `make gpu-smoke` builds the CUDA venv")
-        if config.accelerator == Accelerator.CUDA and (cpu_build := _cpu_vllm()):
+            fix = ("run `make setup` (it installs the engines extra and the CPU fixes)"
+                   if config.accelerator == Accelerator.CPU else "`make gpu-smoke` builds the CUDA venv")
+            raise StackError(f"vLLM is not installed in this environment; {fix}")
+        if config.accelerator == Accelerator.CUDA and (cpu_build := engine_env.cpu_build_vllm()):
             raise StackError(f"--accelerator cuda needs vLLM's CUDA wheel; this environment has vllm {cpu_build} "
                              "(the CPU build). Run from a venv with the GPU image's pins: `make gpu-smoke` builds "
                              ".venv-gpu")
