@@ -79,18 +79,20 @@ class ShapeRun:
 DRAFTED, ACCEPTED = "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"
 
 
-def _counter(url: str, name: str, **labels: str) -> float:
-    """A counter's sum over an engine's series with these labels (NaN when the engine does not answer)."""
+def _metrics(url: str) -> str | None:
+    """An engine's /metrics page, or None when it does not answer."""
     try:
-        text = requests.get(f"{url}/metrics", timeout=10).text
+        return requests.get(f"{url}/metrics", timeout=10).text
     except requests.RequestException:
+        return None
+
+
+def _counter(text: str | None, name: str, **labels: str) -> float:
+    """A counter's sum over the series with these labels (NaN when the engine did not answer)."""
+    if text is None:
         return float("nan")
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
-
-
-def _pulled(url: str) -> float:
-    return _counter(url, PULLED, source="external_kv_transfer")
 
 
 def run_shape(shape: Shape, mode: Mode, state_dir: Path, timeout_s: float, **stack: object) -> ShapeRun:
@@ -125,9 +127,9 @@ def run_shape(shape: Shape, mode: Mode, state_dir: Path, timeout_s: float, **sta
         urls = {name: c["url"] for name, c in state["components"].items()}
         result = asyncio.run(smoke.run(urls["router"], timeout_s=timeout_s))
         row.turns = smoke.summary_rows(result)
-        row.pulled_tokens = _pulled(urls["prefill-0"])
-        row.drafted_tokens = _counter(urls["decode-0"], DRAFTED)
-        row.accepted_tokens = _counter(urls["decode-0"], ACCEPTED)
+        row.pulled_tokens = _counter(_metrics(urls["prefill-0"]), PULLED, source="external_kv_transfer")
+        decode = _metrics(urls["decode-0"])
+        row.drafted_tokens, row.accepted_tokens = _counter(decode, DRAFTED), _counter(decode, ACCEPTED)
         row.passed, row.failure = result.ok, result.failure or ""
         return row
     finally:

@@ -30,3 +30,13 @@ def test_a_decode_that_did_not_answer_its_metrics_adds_no_drafter_figures():
     row = shapes.ShapeRun("p2d1", "P TP2 / D TP1", "push", started=True, failure="turn 1: no complete answer",
                           drafted_tokens=float("nan"), accepted_tokens=float("nan"))
     assert shapes.markdown([row]).splitlines()[-1].endswith("| turn 1: no complete answer |")
+
+
+def test_counters_are_summed_over_matching_series_and_nan_without_a_page():
+    page = ('# TYPE vllm:prompt_tokens_by_source counter\n'
+            'vllm:prompt_tokens_by_source_total{source="external_kv_transfer",engine="0"} 900.0\n'
+            'vllm:prompt_tokens_by_source_total{source="external_kv_transfer",engine="1"} 16.0\n'
+            'vllm:prompt_tokens_by_source_total{source="local_compute",engine="0"} 40.0\n')
+    assert shapes._counter(page, shapes.PULLED, source="external_kv_transfer") == 916.0
+    assert shapes._counter(page, shapes.PULLED) == 956.0
+    assert shapes._counter(None, shapes.PULLED) != shapes._counter(None, shapes.PULLED)  # NaN
