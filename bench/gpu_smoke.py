@@ -41,14 +41,14 @@ class Machine:
 
 def machine() -> Machine:
     """Read the machine without starting an engine (torch only; the engines import it anyway)."""
+    packages = installed_version("vllm"), installed_version(versions.NIXL_CUDA_PACKAGE)
     try:
         import torch
     except ImportError:
-        return Machine(False, 0, "", installed_version("vllm"), installed_version(versions.NIXL_CUDA_PACKAGE))
+        return Machine(False, 0, "", *packages)
     cuda = torch.cuda.is_available()
     count = torch.cuda.device_count() if cuda else 0
-    name = torch.cuda.get_device_name(0) if count else ""
-    return Machine(cuda, count, name, installed_version("vllm"), installed_version(versions.NIXL_CUDA_PACKAGE))
+    return Machine(cuda, count, torch.cuda.get_device_name(0) if count else "", *packages)
 
 
 def problems(found: Machine) -> list[str]:
