@@ -18,14 +18,12 @@ tunable (``expiry_ttl: float = 480.0``) is out of this test's reach.
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 
+from tests.sources import python_files, relative
 from turnkv import params
 
-REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("router", "connector", "infra", "bench", "turnkv", "ami")
 CATALOG_FILE = "turnkv/params.py"
 #: Values too common to mean the tunable.
 TRIVIAL = (0, 1)
@@ -90,11 +88,10 @@ def retyped_defaults(source: str, rel: str) -> list[str]:
 def test_no_catalog_default_is_retyped():
     assert len(DISTINCTIVE) > 30, "the catalog lost most of its distinctive defaults: is TRIVIAL too wide?"
     found = []
-    for pkg in PACKAGES:
-        for path in sorted((REPO / pkg).rglob("*.py")):
-            rel = path.relative_to(REPO).as_posix()
-            if rel != CATALOG_FILE and "node_modules" not in path.parts:
-                found += retyped_defaults(path.read_text(), rel)
+    for path in python_files():
+        rel = relative(path)
+        if rel != CATALOG_FILE:
+            found += retyped_defaults(path.read_text(), rel)
     assert not found, ("catalog defaults retyped as literals; read them from turnkv.params (params.get(name).default "
                        "or params.value(tunables, name)):\n" + "\n".join(found))
 

@@ -10,12 +10,11 @@ it. Every ``.py`` file is parsed (imports inside functions count too, and ``impo
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("router", "connector", "infra", "bench", "turnkv", "ami")
+from tests.sources import python_files, relative
+
 CLI = "turnkv.commands"
 #: The CLI itself: the entry point and the sub-apps.
 ALLOWED = ("turnkv/cli.py", "turnkv/commands/")
@@ -59,17 +58,12 @@ def cli_imports(source: str, rel: str) -> list[tuple[int, str]]:
     return found
 
 
-def _sources() -> list[Path]:
-    files = [p for pkg in PACKAGES for p in sorted((REPO / pkg).rglob("*.py"))]
-    return [p for p in files if "node_modules" not in p.parts and "__pycache__" not in p.parts]
-
-
 def test_only_the_cli_imports_the_commands():
-    files = _sources()
+    files = python_files()
     assert len(files) > 100, "the scan found too few files: the package list or the repository root is off"
     offenders = []
     for path in files:
-        rel = path.relative_to(REPO).as_posix()
+        rel = relative(path)
         if rel == ALLOWED[0] or rel.startswith(ALLOWED[1]):
             continue
         offenders += [f"{rel}:{line}: imports {name}" for line, name in cli_imports(path.read_text(), rel)]

@@ -9,15 +9,13 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
-from pathlib import Path
 
 from router.config import API_KEYS_ENV, DEPLOYMENT_ENV, KEY_SECRET_ENV, RouterConfig
 from router.state import valkey
+from tests.sources import REPO, python_files, relative
 from turnkv import node_env, router_env
 from turnkv.local.stack import StackConfig
 
-REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("router", "connector", "infra", "bench", "turnkv", "ami")
 #: Where the names and numbers are defined (router_env reuses node_env's deployment and wire's offer secret).
 DEFINED_IN = {"turnkv/router_env.py", "turnkv/node_env.py", "turnkv/wire.py"}
 NAMES = {v for k, v in vars(router_env).items() if k.isupper() and isinstance(v, str) and v.startswith("TURNKV_")}
@@ -26,11 +24,10 @@ PORTS = {router_env.PORT, router_env.LOCAL_PREFILL_PORT, router_env.LOCAL_DECODE
 
 
 def _sources():
-    for pkg in PACKAGES:
-        for path in sorted((REPO / pkg).rglob("*.py")):
-            rel = path.relative_to(REPO).as_posix()
-            if "node_modules" not in path.parts and rel not in DEFINED_IN:
-                yield rel, ast.parse(path.read_text(), filename=rel)
+    for path in python_files():
+        rel = relative(path)
+        if rel not in DEFINED_IN:
+            yield rel, ast.parse(path.read_text(), filename=rel)
 
 
 def _defaults(tree: ast.AST):

@@ -18,9 +18,9 @@ from pathlib import Path
 import orjson
 import pytest
 
+from tests.sources import python_files, relative
 from turnkv import wire
 
-REPO = Path(__file__).resolve().parents[2]
 SCANNED = ("router", "connector", "bench/fake_engine.py", "bench/fastapi_proxy.py", "bench/router_peers.py")
 #: (file, key): literals that name something else with the same spelling.
 ALLOWED = {
@@ -37,20 +37,12 @@ def key_literals(source: str, rel: str) -> list[tuple[int, str]]:
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in keys]
 
 
-def _sources() -> list[Path]:
-    files: list[Path] = []
-    for name in SCANNED:
-        path = REPO / name
-        files += [path] if path.suffix == ".py" else sorted(path.rglob("*.py"))
-    return [p for p in files if "__pycache__" not in p.parts]
-
-
 def test_upstream_keys_are_spelled_only_in_turnkv_wire():
-    files = _sources()
+    files = python_files(SCANNED)
     assert len(files) > 40, "the scan found too few files: the folder list or the repository root is off"
     offenders = []
     for path in files:
-        rel = path.relative_to(REPO).as_posix()
+        rel = relative(path)
         offenders += [f"{rel}:{line}: {key!r}" for line, key in key_literals(path.read_text(), rel)
                       if (rel, key) not in ALLOWED]
     assert not offenders, ("upstream kv_transfer_params keys spelled as bare strings (use turnkv.wire's constants "
