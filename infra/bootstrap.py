@@ -492,6 +492,30 @@ cat > /etc/systemd/system/{METRICS_SERVICE_TEMPLATE} <<'TURNKV_EOF'
     return install, f"{node_env.PARAMS_SYNC_TIMER} {engines} {followers}", engines, followers
 
 
+#: EC2: user data is limited to 16 KB before base64 encoding; a larger launch template fails only at deploy.
+USER_DATA_LIMIT = 16 * 1024
+#: CDK tokens (``${Token[...]}``) resolve at deploy time: the size guard renders with stand-ins instead.
+_TOKEN = re.compile(r"\$\{Token\[[^\]]+\]\}")
+
+
+def checked_user_data(b: NodeBootstrap, stand_ins: dict[str, str]) -> str:
+    """``user_data(b)``, after the size check at synth: rendered with ``stand_ins`` (worst-case literal values for
+    the fields that are CDK tokens, by field name), it must fit EC2's limit, and no token may be left unmeasured."""
+    from dataclasses import replace
+
+    script = user_data(b)
+    probe = user_data(replace(b, **stand_ins))
+    if _TOKEN.search(probe):
+        raise ValueError(f"user data of pool {b.pool}: a CDK token has no stand-in for the size check "
+                         f"({_TOKEN.search(probe).group(0)}); add its field to stand_ins")
+    size = len(probe.encode())
+    if size > USER_DATA_LIMIT:
+        raise ValueError(f"user data of pool {b.pool} is {size} bytes with its deploy-time values, over EC2's "
+                         f"{USER_DATA_LIMIT}-byte limit ({b.engines} engines a node); lower pools[].engines_per_node, "
+                         f"or shorten model.id / model.served_model_name")
+    return script
+
+
 def user_data(b: NodeBootstrap) -> str:
     multi = b.engines > 1
     static_env = node_env.render(b.engine_env().variables(), skip=node_env.RUNTIME_VARIABLES)
