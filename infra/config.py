@@ -24,12 +24,14 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
     ValidationError,
     model_validator,
 )
 
+from turnkv import params
 from turnkv.engine_args import Mode, Role
 from turnkv.node_env import MAX_ENGINES_PER_NODE, MODEL, check_value
 
@@ -361,6 +363,10 @@ class DeploymentConfig(_Model):
     account: Account | None = None
     alarm_email: Email | None = None
     alarms: AlarmsConfig = Field(default_factory=AlarmsConfig)
+    #: Initial tunables (``turnkv params catalog``), NAME: VALUE, written to SSM by the params stack in place of the
+    #: catalog's defaults; validated against the catalog and its cross-checks (decoder_kv_blocks_ttl alone fits
+    #: conversation_ttl). ``turnkv params set`` changes them afterwards.
+    tunables: dict[StrictStr, StrictInt | StrictFloat] = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -494,6 +500,11 @@ def _cross_checks(c: DeploymentConfig) -> list[tuple[str, str]]:
     if rt.public and not rt.allowed_cidrs:
         fail(("router.allowed_cidrs", "empty for an internet-facing router; list the client CIDRs that may reach it "
                                       "(write 0.0.0.0/0 explicitly to open it to everyone)"))
+    if c.tunables:
+        try:
+            params.validate(params.fit_router_ttl(c.tunables))
+        except params.ParamError as exc:
+            fail(("tunables", f"{exc}; see `turnkv params catalog`" if ";" not in str(exc) else str(exc)))
     img = c.image
     if bool(img.build_subnet_id) != bool(img.build_security_group_id):
         fail(("image.build_security_group_id" if img.build_subnet_id else "image.build_subnet_id",

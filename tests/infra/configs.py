@@ -26,6 +26,8 @@ GPU = {
                "certificate_arn": "arn:aws:acm:us-east-2:123456789012:certificate/"
                                   "12345678-1234-1234-1234-123456789012"},
     "alarm_email": "oncall@example.com",
+    #: Initial tunables: written to SSM by the params stack in place of the catalog's defaults.
+    "tunables": {"retained_kv_share": 0.4},
 }
 
 #: The second app: push mode, a NAT (weights from Hugging Face), an internal HTTP ALB, one router replica.

@@ -56,7 +56,7 @@ def serve(
         help="Seconds an idle client connection stays open (default 75); behind a load balancer, longer than its idle "
              "timeout.")] = None,
     tunable: Annotated[list[str] | None, typer.Option(
-        "--set", help="Override a tunable, NAME=VALUE (see `turnkv params list`); repeatable.")] = None,
+        "--set", help="Override a tunable, NAME=VALUE (see `turnkv params catalog`); repeatable.")] = None,
     allow_open: Annotated[bool, typer.Option(
         "--allow-open", help="Serve without API keys on a non-loopback address (anyone reaching it is served).")
     ] = False,
