@@ -558,7 +558,7 @@ cat > {node_env.NODE_ENV_FILE} <<'TURNKV_EOF'
 cat > {node_env.ENGINE_ENV_FILE}.new <<'TURNKV_EOF'
 {static_env}TURNKV_EOF
 printf '%s=%s\\n' {node_env.ENGINE_ID} "$ENGINE_ID" {node_env.SIDE_CHANNEL_HOST} "$IP" \\
-  {node_env.VLLM_SIDE_CHANNEL_HOST} "$IP" >> {node_env.ENGINE_ENV_FILE}.new
+  {node_env.VLLM_SIDE_CHANNEL_HOST} "$IP" {node_env.REGION} '{b.region}' >> {node_env.ENGINE_ENV_FILE}.new
 mv {node_env.ENGINE_ENV_FILE}.new {node_env.ENGINE_ENV_FILE}{slot_files}
 
 # Tunables from SSM before the engine starts (the timer keeps the file fresh afterwards).

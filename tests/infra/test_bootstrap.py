@@ -59,6 +59,8 @@ def test_engine_env_written_by_user_data_follows_the_contract():
     # the runtime ones come from IMDS on the instance
     assert re.search(r"printf '%s=%s\\n' TURNKV_ENGINE_ID \"\$ENGINE_ID\" TURNKV_SIDE_CHANNEL_HOST \"\$IP\"", script)
     assert "VLLM_NIXL_SIDE_CHANNEL_HOST \"$IP\"" in script
+    # the engine's weight sync (aws s3 sync) needs the region: through the S3 gateway endpoint, not us-east-1
+    assert "AWS_REGION 'us-east-2' >> /etc/turnkv/engine.env.new" in script
     node = node_env.parse(_heredoc(script, node_env.NODE_ENV_FILE))
     assert node == {"TURNKV_DEPLOYMENT": "prod", "AWS_REGION": "us-east-2"}
     # tunables before the engine, then the units in order
