@@ -420,6 +420,9 @@ LOGROTATE = f"""{LOG_DIR}/*.log {{
 
 #: Weights on the instance store: the DLAMI assembles and mounts its NVMe instance store at /opt/dlami/nvme; a
 #: parent image without that mounts them here (RAID 0 over all of them). No instance store: the root volume.
+#: User data runs at first boot only: the mounts go to fstab too (by filesystem UUID, nofail), so a reboot keeps the
+#: weights on NVMe (the instance store keeps its data across a reboot) instead of re-syncing them to the root volume.
+FSTAB = "/etc/fstab"
 NVME_SCRIPT = f"""nvme=""
 if mountpoint -q /opt/dlami/nvme; then
   nvme=/opt/dlami/nvme
@@ -435,11 +438,13 @@ else
     nvme=/mnt/turnkv-nvme
     install -d "$nvme"
     mount -o noatime "$dev" "$nvme"
+    echo "UUID=$(blkid -s UUID -o value "$dev") $nvme ext4 noatime,nofail 0 2" >> {FSTAB}
   fi
 fi
 if [[ -n "$nvme" ]]; then
   install -d "$nvme/turnkv-models" {MODELS_DIR}
   mount --bind "$nvme/turnkv-models" {MODELS_DIR}
+  echo "$nvme/turnkv-models {MODELS_DIR} none bind,nofail,x-systemd.requires-mounts-for=$nvme 0 0" >> {FSTAB}
   echo "model weights on instance NVMe ($nvme)"
 else
   echo "no instance NVMe: model weights on the root volume"

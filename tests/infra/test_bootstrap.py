@@ -153,7 +153,7 @@ NVME_STUBS = {
     "mountpoint": '[[ "$FAKE_DLAMI_NVME" == 1 && "$2" == /opt/dlami/nvme ]]',
     "lsblk": 'for i in $(seq 1 "$FAKE_NVME_DISKS"); do echo "/dev/nvme${i}n1 Amazon EC2 NVMe Instance Storage"; done\n'
              'echo "/dev/nvme0n1 Amazon Elastic Block Store"',
-    "mdadm": "", "mkfs.ext4": "", "mount": "", "install": "",
+    "mdadm": "", "mkfs.ext4": "", "mount": "", "install": "", "blkid": "echo 0b1c-uuid",
 }
 
 
@@ -166,18 +166,28 @@ def _nvme(tmp_path, dlami: bool, disks: int) -> list[str]:
         (stubs / name).write_text(f'#!/bin/bash\necho "{name} $*" >> "{log}"\n{body}\n')
         (stubs / name).chmod(0o755)
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "FAKE_DLAMI_NVME": "1" if dlami else "0", "FAKE_NVME_DISKS": str(disks)}
-    subprocess.run(["bash", "-euo", "pipefail", "-c", bootstrap.NVME_SCRIPT], env=env, check=True)
-    return [c for c in log.read_text().splitlines() if not c.startswith(("mountpoint", "lsblk"))]
+    fstab = tmp_path / "fstab"
+    fstab.write_text("")
+    script = bootstrap.NVME_SCRIPT.replace(bootstrap.FSTAB, str(fstab))
+    subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env, check=True)
+    calls = [c for c in log.read_text().splitlines() if not c.startswith(("mountpoint", "lsblk", "blkid"))]
+    return calls + [f"fstab: {line}" for line in fstab.read_text().splitlines()]
 
 
 def test_weights_go_to_the_instance_nvme_when_there_is_some(tmp_path):
     models = bootstrap.MODELS_DIR
-    assert _nvme(tmp_path, dlami=True, disks=8)[-1] == f"mount --bind /opt/dlami/nvme/turnkv-models {models}"
+    dlami = _nvme(tmp_path, dlami=True, disks=8)
+    assert dlami[-2] == f"mount --bind /opt/dlami/nvme/turnkv-models {models}"
+    # the mounts survive a reboot (user data does not run again): fstab, nofail
+    assert dlami[-1] == (f"fstab: /opt/dlami/nvme/turnkv-models {models} none "
+                         "bind,nofail,x-systemd.requires-mounts-for=/opt/dlami/nvme 0 0")
     calls = _nvme(tmp_path, dlami=False, disks=8)
+    assert "fstab: UUID=0b1c-uuid /mnt/turnkv-nvme ext4 noatime,nofail 0 2" in calls
+    calls = [c for c in calls if not c.startswith("fstab: ")]
     assert calls[0].startswith("mdadm --create /dev/md/turnkv --run --level=0 --raid-devices=8 /dev/nvme1n1")
     assert "mkfs.ext4 -q -F -E nodiscard /dev/md/turnkv" in calls
     assert calls[-1] == f"mount --bind /mnt/turnkv-nvme/turnkv-models {models}"
-    calls = _nvme(tmp_path, dlami=False, disks=1)
+    calls = [c for c in _nvme(tmp_path, dlami=False, disks=1) if not c.startswith("fstab: ")]
     assert not any(c.startswith("mdadm") for c in calls) and "mkfs.ext4 -q -F -E nodiscard /dev/nvme1n1" in calls
     assert _nvme(tmp_path, dlami=False, disks=0) == []  # no instance store: the root volume, nothing mounted
     assert models == __import__("turnkv.engine_run", fromlist=["MODELS_DIR"]).MODELS_DIR

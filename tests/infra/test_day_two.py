@@ -69,3 +69,34 @@ def test_a_p_family_pool_without_a_reservation_stops_the_synth(tmp_path, image_s
     raw = configs.variant(configs.PUSH, **{"pools.0.allow_on_demand": False})
     with pytest.raises(ConfigError, match=r"pools\[0\]\.capacity_reservation_id: missing for p5\.48xlarge"):
         synthesize(raw, tmp_path, image_sources)
+
+
+def test_the_bake_waits_for_its_roles_policy(gpu):
+    """The build instance downloads the scripts and the wheel with the build role's grants (its DefaultPolicy):
+    the image must be created after that policy, not only after the role (through the instance profile)."""
+    template = gpu.template("image")
+    policies = {k for k, v in template["Resources"].items()
+                if v["Type"] == "AWS::IAM::Policy" and k.startswith("BuildRoleDefaultPolicy")}
+    assert policies
+    for name, image in template["Resources"].items():
+        if image["Type"] == "AWS::ImageBuilder::Image":
+            assert policies <= set(image.get("DependsOn", [])), name
+
+
+def test_engine_root_volumes_fit_the_image_and_the_bill(any_app):
+    """Weights go to the instance NVMe: the root volume holds the image (at least its snapshot's 200 GiB) and
+    caches, at gp3's baseline IOPS, not 1000 GiB at 16k IOPS (~$180 a month per node)."""
+    from ami import recipes
+
+    baked = max(spec.volume_size_gib for spec in recipes.IMAGES.values())
+    for name, lt in any_app.resources("serving", "AWS::EC2::LaunchTemplate").items():
+        (root,) = [b["Ebs"] for b in lt["Properties"]["LaunchTemplateData"]["BlockDeviceMappings"]]
+        assert baked <= root["VolumeSize"] <= 300 and root["Iops"] == 3000 and root["VolumeType"] == "gp3", name
+
+
+def test_pool_and_efa_alarms_need_more_than_one_datapoint(any_app):
+    """PoolBelowDesired and EfaUnresponsive fired on 1 of 3 datapoints (EFA on every peer replacement)."""
+    for alarm in any_app.resources("observability", "AWS::CloudWatch::Alarm").values():
+        p = alarm["Properties"]
+        if "PoolBelowDesired" in p["AlarmName"] or "EfaUnresponsive" in p["AlarmName"]:
+            assert p["DatapointsToAlarm"] == p["EvaluationPeriods"] >= 3, p["AlarmName"]
