@@ -100,3 +100,21 @@ def test_pool_and_efa_alarms_need_more_than_one_datapoint(any_app):
         p = alarm["Properties"]
         if "PoolBelowDesired" in p["AlarmName"] or "EfaUnresponsive" in p["AlarmName"]:
             assert p["DatapointsToAlarm"] == p["EvaluationPeriods"] >= 3, p["AlarmName"]
+
+
+def test_the_dashboard_picture_is_drawn_from_the_synthesized_body(gpu, tmp_path):
+    """docs/dashboard.png comes from infra.dashboard_picture over the observability template: every widget placed,
+    the TTFT-by-reuse-outcome graphs named with their per-outcome lines."""
+    from pathlib import Path
+
+    from infra import dashboard_picture
+
+    body = dashboard_picture.dashboard_body(gpu.template("observability"))
+    titles = [w["properties"].get("title", "") for w in body["widgets"]]
+    ttft = body["widgets"][titles.index("TTFT p50 by reuse outcome")]["properties"]
+    assert dashboard_picture.metric_labels(ttft) == ["TTFT p50 (a line per ReuseOutcome)"]
+    out = dashboard_picture.render(body, tmp_path / "d.png", "test")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    committed = Path(__file__).resolve().parents[2] / "docs" / "dashboard.png"
+    assert committed.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "](docs/dashboard.png)" in (committed.parents[1] / "README.md").read_text()

@@ -19,7 +19,8 @@ def serve(
                           "http://H:P?engine_id=ID&side_channel_port=N[&side_channel_host=H&tp_size=N].")] = None,
     decode: Annotated[list[str] | None, typer.Option("--decode", help="Decode engine URL (repeatable).")] = None,
     host: Annotated[str | None, typer.Option(help="Address to listen on (default 127.0.0.1).")] = None,
-    port: Annotated[int | None, typer.Option(help=f"Port to listen on (default {router_env.PORT}).")] = None,
+    port: Annotated[int | None, typer.Option(min=1, max=65535,
+                                             help=f"Port to listen on (default {router_env.PORT}).")] = None,
     config_file: Annotated[Path | None, typer.Option(
         "--config", help="Settings file (JSON or TOML): the flags' names with _, and 'set' for tunables.")] = None,
     mode: Annotated[str | None, typer.Option(help="KV transfer mode: pull, or push (concurrent P and D).")] = None,
