@@ -49,6 +49,32 @@ def mark_unhealthy_function(region: str) -> str:
 }}"""
 
 
+#: The watchdog: after registration the register unit keeps polling the engine's /health; this many misses in a row
+#: (at WATCH_INTERVAL_S apart) and the engine counts as hung: out of Cloud Map, the node marked unhealthy.
+WATCH_INTERVAL_S = 30
+WATCH_MISSES = 4
+
+
+def watch_function(url: str) -> str:
+    """Shell: ``engine_failed`` (the engine unit gave up: exit 2 or its restart limit) and ``watchdog`` (the health
+    watchdog run after registration; returns only when the engine stopped answering). A crash never reaches the
+    watchdog: the register unit is ``BindsTo=`` the engine, so systemd stops it (ExecStop deregisters) or, while
+    the engine restarts, restarts it with the engine."""
+    return f"""engine_failed() {{ [[ "$(systemctl show -p ActiveState --value "$ENGINE_UNIT")" == failed ]]; }}
+watchdog() {{
+  local misses=0
+  while sleep {WATCH_INTERVAL_S}; do
+    if curl -fsS -m 10 "{url}" >/dev/null; then misses=0; elif ((++misses >= {WATCH_MISSES})); then return; fi
+  done
+}}"""
+
+
+#: ExecStop's check: the engine failed for good while the node is up (not a shutdown, not an operator's stop).
+ENGINE_GAVE_UP = ('if engine_failed && [[ "$(systemctl is-system-running)" != stopping ]]; then\n'
+                  '      mark_unhealthy "$ENGINE_UNIT failed ($(systemctl show -p Result --value "$ENGINE_UNIT"))"\n'
+                  '    fi')
+
+
 #: Where the engine keeps synced weights (turnkv.node_env.MODELS_DIR): on instance NVMe when there is some.
 MODELS_DIR = node_env.MODELS_DIR
 
@@ -161,7 +187,8 @@ WantedBy=multi-user.target
 
 
 def register_script(b: NodeBootstrap) -> str:
-    """Waits for the engine's /health, then registers in Cloud Map; ``deregister`` on stop."""
+    """Waits for the engine's /health (or its unit's failure), registers in Cloud Map, then watches /health;
+    ``deregister`` on stop, marking the node unhealthy when the engine unit failed for good."""
     attrs = (f"AWS_INSTANCE_IPV4=$IP,AWS_INSTANCE_PORT={b.port},role={b.role.value},engine_id=$ENGINE_ID,"
              f"side_channel_host=$IP,side_channel_port={b.side_channel_port},tp_size={b.tp_size},"
              f"http_port={b.port},pool={b.pool}")
@@ -186,17 +213,22 @@ TOKEN=$(curl -sS -X PUT http://169.254.169.254/latest/api/token -H 'X-aws-ec2-me
 INSTANCE_ID=$(curl -sS -H "X-aws-ec2-metadata-token: $TOKEN" http://169.254.169.254/latest/meta-data/instance-id)
 IP="$TURNKV_SIDE_CHANNEL_HOST"
 ENGINE_ID="$TURNKV_ENGINE_ID"
+ENGINE_UNIT={node_env.ENGINE_SERVICE}
 {mark_unhealthy_function(b.region)}{signal}
+{watch_function(f"http://127.0.0.1:{b.port}/health")}
 case "${{1:-register}}" in
   register)
-    # Loading weights and compiling can take a long time on first boot.
+    # Loading weights and compiling can take a long time on first boot; a failed engine ends the wait.
     for _ in $(seq 1 720); do
       if curl -fsS -m 5 "http://127.0.0.1:{b.port}/health" >/dev/null; then
         aws servicediscovery register-instance --region "$REGION" --service-id "$SERVICE_ID" \\
           --instance-id "$INSTANCE_ID" --attributes "{attrs}"
         echo "registered $INSTANCE_ID ($ENGINE_ID) in Cloud Map"{ok_signal}
-        exit 0
+        watchdog
+        mark_unhealthy "the engine stopped answering /health"
+        exit 1
       fi
+      engine_failed && break
       sleep 10
     done
     echo "engine never became healthy; not registering" >&2{fail_signal}
@@ -206,20 +238,22 @@ case "${{1:-register}}" in
   deregister)
     aws servicediscovery deregister-instance --region "$REGION" --service-id "$SERVICE_ID" \\
       --instance-id "$INSTANCE_ID" || true
+    {ENGINE_GAVE_UP}
     ;;
 esac
 """
 
 
+#: Bound to the engine's life (``BindsTo=``): the engine stopping or failing stops this unit, whose ExecStop
+#: deregisters (and marks the node unhealthy when the engine failed for good); the engine's automatic restart
+#: restarts it (deregister, then register once healthy again). ExecStart stays running as the health watchdog.
 REGISTER_UNIT = f"""[Unit]
 Description=turnkv: register this engine in Cloud Map when healthy, deregister on stop
 After={node_env.ENGINE_SERVICE} network-online.target
-Wants={node_env.ENGINE_SERVICE}
+BindsTo={node_env.ENGINE_SERVICE}
 
 [Service]
-Type=oneshot
-RemainAfterExit=yes
-TimeoutStartSec=7300
+Type=exec
 ExecStart={REGISTER_SCRIPT} register
 ExecStop={REGISTER_SCRIPT} deregister
 
@@ -268,7 +302,9 @@ IP="$TURNKV_SIDE_CHANNEL_HOST"
 ENGINE_ID="$TURNKV_ENGINE_ID"
 PORT="$TURNKV_PORT"
 CLOUDMAP_ID="${node_env.CLOUDMAP_INSTANCE_ID}"
+ENGINE_UNIT="{node_env.unit_instance(node_env.ENGINE_SERVICE_TEMPLATE, "$SLOT")}"
 {mark_unhealthy_function(b.region)}{signal}
+{watch_function("http://127.0.0.1:$PORT/health")}
 case "$1" in
   register)
     for _ in $(seq 1 720); do
@@ -276,8 +312,11 @@ case "$1" in
         aws servicediscovery register-instance --region "$REGION" --service-id "$SERVICE_ID" \\
           --instance-id "$CLOUDMAP_ID" --attributes "{attrs}"
         echo "registered $CLOUDMAP_ID ($ENGINE_ID) in Cloud Map"{ok_signal}
-        exit 0
+        watchdog
+        mark_unhealthy "engine $SLOT stopped answering /health"
+        exit 1
       fi
+      engine_failed && break
       sleep 10
     done
     echo "engine $SLOT never became healthy; not registering" >&2{fail_signal}
@@ -287,6 +326,7 @@ case "$1" in
   deregister)
     aws servicediscovery deregister-instance --region "$REGION" --service-id "$SERVICE_ID" \\
       --instance-id "$CLOUDMAP_ID" || true
+    {ENGINE_GAVE_UP}
     ;;
 esac
 """
@@ -295,12 +335,10 @@ esac
 SLOT_REGISTER_UNIT = f"""[Unit]
 Description=turnkv: register engine %i in Cloud Map when healthy, deregister on stop
 After={node_env.unit_instance(node_env.ENGINE_SERVICE_TEMPLATE, "%i")} network-online.target
-Wants={node_env.unit_instance(node_env.ENGINE_SERVICE_TEMPLATE, "%i")}
+BindsTo={node_env.unit_instance(node_env.ENGINE_SERVICE_TEMPLATE, "%i")}
 
 [Service]
-Type=oneshot
-RemainAfterExit=yes
-TimeoutStartSec=7300
+Type=exec
 ExecStart={REGISTER_SCRIPT} register %i
 ExecStop={REGISTER_SCRIPT} deregister %i
 
@@ -382,6 +420,9 @@ LOGROTATE = f"""{LOG_DIR}/*.log {{
 
 #: Weights on the instance store: the DLAMI assembles and mounts its NVMe instance store at /opt/dlami/nvme; a
 #: parent image without that mounts them here (RAID 0 over all of them). No instance store: the root volume.
+#: User data runs at first boot only: the mounts go to fstab too (by filesystem UUID, nofail), so a reboot keeps the
+#: weights on NVMe (the instance store keeps its data across a reboot) instead of re-syncing them to the root volume.
+FSTAB = "/etc/fstab"
 NVME_SCRIPT = f"""nvme=""
 if mountpoint -q /opt/dlami/nvme; then
   nvme=/opt/dlami/nvme
@@ -397,11 +438,13 @@ else
     nvme=/mnt/turnkv-nvme
     install -d "$nvme"
     mount -o noatime "$dev" "$nvme"
+    echo "UUID=$(blkid -s UUID -o value "$dev") $nvme ext4 noatime,nofail 0 2" >> {FSTAB}
   fi
 fi
 if [[ -n "$nvme" ]]; then
   install -d "$nvme/turnkv-models" {MODELS_DIR}
   mount --bind "$nvme/turnkv-models" {MODELS_DIR}
+  echo "$nvme/turnkv-models {MODELS_DIR} none bind,nofail,x-systemd.requires-mounts-for=$nvme 0 0" >> {FSTAB}
   echo "model weights on instance NVMe ($nvme)"
 else
   echo "no instance NVMe: model weights on the root volume"
@@ -454,6 +497,30 @@ cat > /etc/systemd/system/{METRICS_SERVICE_TEMPLATE} <<'TURNKV_EOF'
     return install, f"{node_env.PARAMS_SYNC_TIMER} {engines} {followers}", engines, followers
 
 
+#: EC2: user data is limited to 16 KB before base64 encoding; a larger launch template fails only at deploy.
+USER_DATA_LIMIT = 16 * 1024
+#: CDK tokens (``${Token[...]}``) resolve at deploy time: the size guard renders with stand-ins instead.
+_TOKEN = re.compile(r"\$\{Token\[[^\]]+\]\}")
+
+
+def checked_user_data(b: NodeBootstrap, stand_ins: dict[str, str]) -> str:
+    """``user_data(b)``, after the size check at synth: rendered with ``stand_ins`` (worst-case literal values for
+    the fields that are CDK tokens, by field name), it must fit EC2's limit, and no token may be left unmeasured."""
+    from dataclasses import replace
+
+    script = user_data(b)
+    probe = user_data(replace(b, **stand_ins))
+    if _TOKEN.search(probe):
+        raise ValueError(f"user data of pool {b.pool}: a CDK token has no stand-in for the size check "
+                         f"({_TOKEN.search(probe).group(0)}); add its field to stand_ins")
+    size = len(probe.encode())
+    if size > USER_DATA_LIMIT:
+        raise ValueError(f"user data of pool {b.pool} is {size} bytes with its deploy-time values, over EC2's "
+                         f"{USER_DATA_LIMIT}-byte limit ({b.engines} engines a node); lower pools[].engines_per_node, "
+                         f"or shorten model.id / model.served_model_name")
+    return script
+
+
 def user_data(b: NodeBootstrap) -> str:
     multi = b.engines > 1
     static_env = node_env.render(b.engine_env().variables(), skip=node_env.RUNTIME_VARIABLES)
@@ -496,7 +563,7 @@ cat > {node_env.NODE_ENV_FILE} <<'TURNKV_EOF'
 cat > {node_env.ENGINE_ENV_FILE}.new <<'TURNKV_EOF'
 {static_env}TURNKV_EOF
 printf '%s=%s\\n' {node_env.ENGINE_ID} "$ENGINE_ID" {node_env.SIDE_CHANNEL_HOST} "$IP" \\
-  {node_env.VLLM_SIDE_CHANNEL_HOST} "$IP" >> {node_env.ENGINE_ENV_FILE}.new
+  {node_env.VLLM_SIDE_CHANNEL_HOST} "$IP" {node_env.REGION} '{b.region}' >> {node_env.ENGINE_ENV_FILE}.new
 mv {node_env.ENGINE_ENV_FILE}.new {node_env.ENGINE_ENV_FILE}{slot_files}
 
 # Tunables from SSM before the engine starts (the timer keeps the file fresh afterwards).

@@ -24,12 +24,14 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
     ValidationError,
     model_validator,
 )
 
+from turnkv import params
 from turnkv.engine_args import Mode, Role
 from turnkv.node_env import MAX_ENGINES_PER_NODE, MODEL, check_value
 
@@ -44,7 +46,10 @@ FARGATE_MEMORY = {256: (512, 2048), 512: (1024, 4096), 1024: (2048, 8192), 2048:
 PUBLIC_SUBNET_MASK = 24
 PRIVATE_SUBNET_MASK = 20
 #: Bucket names the docs and samples use as placeholders: a deploy with one would loop on a failing weight sync.
-_PLACEHOLDER_BUCKETS = re.compile(r"^(replace-me|example|my-bucket|your-|changeme|placeholder)")
+_PLACEHOLDER_BUCKETS = re.compile(r"^(replace-me|example|my-bucket|your-|changeme|placeholder|acme)")
+#: Reservation ids the docs and deploy/example.yaml use as placeholders: a deploy with one fails at the launch
+#: (after the 1-2 h bake), so they are refused up front.
+PLACEHOLDER_RESERVATIONS = frozenset({"cr-0123456789abcdef0", "cr-0fedcba9876543210", "cr-00000000000000000"})
 #: What to write when a required field is missing.
 _REQUIRED_FIX = {
     "name": "a short lowercase name such as 'prod'",
@@ -178,6 +183,14 @@ SecurityGroupId = Annotated[StrictStr, _pattern(r"^sg-[0-9a-f]{8,17}$",
 ReservationId = Annotated[StrictStr, _pattern(r"^cr-[0-9a-f]{17}$",
                                               "is not a reservation id; "
                                               "copy it from the EC2 console (cr- and 17 hex)")]
+
+
+def _real_reservation(value: str) -> str:
+    if value in PLACEHOLDER_RESERVATIONS:
+        raise ValueError(f"{value!r} is the example's placeholder; put the id of your own On-Demand Capacity "
+                         "Reservation or Capacity Block here (EC2 console > Capacity Reservations), or drop the key "
+                         "and set allow_on_demand: true")
+    return value
 PlacementGroupName = Annotated[StrictStr, _pattern(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$",
                                                    "is not a placement group name; copy it from the EC2 console")]
 CertificateArn = Annotated[StrictStr, _pattern(
@@ -229,9 +242,15 @@ class PoolConfig(_Model):
     name: Annotated[StrictStr, _pattern(r"^[a-z][a-z0-9-]{0,15}$",
                                         "is not a pool name; "
                                         "use 1-16 lowercase letters, digits or '-'")] = ""
-    count: Annotated[StrictInt, _range(0, 64, "use 0 .. 64")] = 1
-    #: On-Demand Capacity Reservation or Capacity Block id (``cr-...``).
-    capacity_reservation_id: ReservationId | None = None
+    #: Instances (at least one: a pool of none serves nothing and its role's alarm fires from the first minute).
+    count: Annotated[StrictInt, _range(1, 64, "use 1 .. 64 (to stop paying for a pool, destroy the deployment: "
+                                                "every role needs a pool)")] = 1
+    #: On-Demand Capacity Reservation or Capacity Block id (``cr-...``). Expected for P-family pools (below).
+    capacity_reservation_id: Annotated[ReservationId, AfterValidator(_real_reservation)] | None = None
+    #: A P-family pool without a reservation asks EC2 for On-Demand capacity, which for p5/p5e/p5en is often not
+    #: there: the launch fails with InsufficientInstanceCapacity after the 1-2 h bake. Refused unless this says
+    #: so explicitly (``_cross_checks``).
+    allow_on_demand: StrictBool = False
     #: True when the reservation is a Capacity Block (launch template market type ``capacity-block``).
     capacity_block: StrictBool = False
     #: The cluster placement group an On-Demand Capacity Reservation was created in: instances must launch into
@@ -344,6 +363,10 @@ class DeploymentConfig(_Model):
     account: Account | None = None
     alarm_email: Email | None = None
     alarms: AlarmsConfig = Field(default_factory=AlarmsConfig)
+    #: Initial tunables (``turnkv params catalog``), NAME: VALUE, written to SSM by the params stack in place of the
+    #: catalog's defaults; validated against the catalog and its cross-checks (decoder_kv_blocks_ttl alone fits
+    #: conversation_ttl). ``turnkv params set`` changes them afterwards.
+    tunables: dict[StrictStr, StrictInt | StrictFloat] = Field(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -379,6 +402,12 @@ class DeploymentConfig(_Model):
 
 
 # ---------------------------------------------------------------- rules across fields
+
+
+def reservation_expected(instance_type: str) -> bool:
+    """P-family (p4d, p5, p5e, p5en, ...): scarce On-Demand, bought as ODCRs or Capacity Blocks."""
+    return instance_type.startswith("p")
+
 
 
 def _cross_checks(c: DeploymentConfig) -> list[tuple[str, str]]:
@@ -426,6 +455,13 @@ def _cross_checks(c: DeploymentConfig) -> list[tuple[str, str]]:
                                              "placement group; set capacity_reservation_id too (a Capacity Block "
                                              "places its instances itself; a pool without a reservation joins the "
                                              "deployment's own placement group)"))
+        if reservation_expected(pool.instance_type) and not pool.capacity_reservation_id and not pool.allow_on_demand:
+            fail((f"{path}.capacity_reservation_id",
+                  f"missing for {pool.instance_type}: On-Demand P-family capacity is rarely there, and without it "
+                  f"the launch fails with InsufficientInstanceCapacity after the 1-2 h bake; give the id of an "
+                  f"On-Demand Capacity Reservation (in a cluster placement group: name it in placement_group) or "
+                  f"a Capacity Block (capacity_block: true) in {c.availability_zone}, or set allow_on_demand: true "
+                  f"to try On-Demand knowingly"))
         accelerators = INSTANCE_TYPES[pool.instance_type].accelerators
         if tp > accelerators:
             fail(("model.tensor_parallel_size", f"{tp} exceeds the {accelerators} accelerators of "
@@ -464,6 +500,11 @@ def _cross_checks(c: DeploymentConfig) -> list[tuple[str, str]]:
     if rt.public and not rt.allowed_cidrs:
         fail(("router.allowed_cidrs", "empty for an internet-facing router; list the client CIDRs that may reach it "
                                       "(write 0.0.0.0/0 explicitly to open it to everyone)"))
+    if c.tunables:
+        try:
+            params.validate(params.fit_router_ttl(c.tunables))
+        except params.ParamError as exc:
+            fail(("tunables", f"{exc}; see `turnkv params catalog`" if ";" not in str(exc) else str(exc)))
     img = c.image
     if bool(img.build_subnet_id) != bool(img.build_security_group_id):
         fail(("image.build_security_group_id" if img.build_subnet_id else "image.build_subnet_id",

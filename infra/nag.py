@@ -86,13 +86,13 @@ def apply(app: cdk.App, t: TurnkvApp) -> None:
                                       "would split the fleet. Rotate by changing the secret, then replacing the "
                                       "engines (cdk deploy rolls them); offers signed with the old key are "
                                       "recomputed, never read.")
-    ack(engine_role, "IAM5", "autoscaling:SetInstanceHealth on this deployment's engine groups (named "
-                             "<prefix>-<pool>): a node whose engine never serves marks itself unhealthy. A group ARN "
-                             "embeds a generated id.",
-        f"Resource::arn:<AWS::Partition>:autoscaling:{region}:{account}:autoScalingGroup/*:"
-        f"autoScalingGroupName/{config.prefix}-*")
     dereg_role = serving.node.find_child("DeregisterRole")
     for pool in serving.pools.values():
+        ack(engine_role, "IAM5", "autoscaling:SetInstanceHealth on this deployment's engine groups, each by name: a "
+                                 "node whose engine fails or never serves marks itself unhealthy. A group ARN embeds "
+                                 "a generated id.",
+            f"Resource::arn:<AWS::Partition>:autoscaling:{region}:{account}:autoScalingGroup/*:"
+            f"autoScalingGroupName/{pool.group_name}")
         ack(dereg_role, "IAM5", "An Auto Scaling group ARN embeds a generated id; the group is pinned by name.",
             f"Resource::arn:<AWS::Partition>:autoscaling:{region}:{account}:autoScalingGroup/*:"
             f"autoScalingGroupName/{pool.group_name}")

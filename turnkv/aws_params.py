@@ -131,14 +131,18 @@ class ParamStore:
         params.cross_check(merged)
         return merged
 
-    def plan(self, changes: Mapping[str, str]) -> tuple[dict[str, StoredTunable], dict[str, int | float]]:
-        """Validate ``changes`` over what is stored; raise ParamError naming the reason. Writes nothing."""
+    def plan(self, changes: Mapping[str, str]) -> tuple[dict[str, StoredTunable], dict[str, int | float],
+                                                         dict[str, object]]:
+        """Validate ``changes`` over what is stored; raise ParamError naming the reason. Writes nothing. Returns the
+        stored entries, the values after the change, and the changes to write: ``changes`` with conversation_ttl
+        lowered to fit a new decoder_kv_blocks_ttl when that is all that changes (``params.fit_router_ttl``)."""
         entries = self.entries()
         current = {name: e.value for name, e in entries.items() if not e.error}
-        return entries, params.validate(changes, current)
+        fitted = params.fit_router_ttl(changes, current)
+        return entries, params.validate(fitted, current), fitted
 
     def set(self, changes: Mapping[str, str], who: str, when: datetime | None = None) -> list[Change]:
-        entries, merged = self.plan(changes)
+        entries, merged, changes = self.plan(changes)
         when = when or datetime.now(UTC)
         label = change_label(who, when)
         done = []

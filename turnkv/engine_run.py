@@ -62,10 +62,15 @@ def model_dir(env: Mapping[str, str]) -> str:
     return f"{MODELS_DIR}/{re.sub(r'[^A-Za-z0-9._-]+', '--', name).strip('.-') or 'model'}"
 
 
+#: One weight sync at a time on a node: its engines (``engines_per_node``) share one model folder, and each would
+#: otherwise download the same files at once. The next engine's sync then only compares (nothing to copy).
+MODEL_SYNC_LOCK = "/run/lock/turnkv-model-sync.lock"
+
+
 def sync_model(uri: str, dest: str, run: Callable[[Sequence[str]], int]) -> None:
     if not uri.startswith("s3://"):
         raise EngineEnvError(f"{MODEL_S3_URI}={uri!r} must be an s3:// URL")
-    code = run(["aws", "s3", "sync", "--only-show-errors", uri, dest])
+    code = run(["flock", MODEL_SYNC_LOCK, "aws", "s3", "sync", "--only-show-errors", uri, dest])
     if code != 0:
         raise EngineEnvError(f"{MODEL_S3_URI}: 'aws s3 sync {uri} {dest}' failed with exit code {code}")
 

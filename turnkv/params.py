@@ -278,16 +278,24 @@ def eviction_grace_needed(values: Mapping[str, int | float]) -> float:
             + float(values["expiry_skew_margin"]))
 
 
-def fit_router_ttl(changes: Mapping[str, object]) -> dict[str, object]:
-    """When only the engines' TTL is changed, lower the router's conversation TTL to fit inside it."""
+def fit_router_ttl(changes: Mapping[str, object],
+                   current: Mapping[str, int | float] | None = None) -> dict[str, object]:
+    """When only the engines' TTL is changed, fit the router's conversation TTL inside it (N - expiry_margin).
+
+    Without ``current`` (a fresh stack: ``turnkv local up --set``, the router's ``--set``) it is set to that value.
+    Over ``current`` (stored values: ``turnkv params set``) it is only lowered, and only when the stored one no
+    longer fits: raising the engines' TTL leaves the router's as the operator set it."""
     out = dict(changes)
     if "decoder_kv_blocks_ttl" in out and "conversation_ttl" not in out:
         try:
             ttl = get("decoder_kv_blocks_ttl").parse(out["decoder_kv_blocks_ttl"])  # type: ignore[arg-type]
-            margin = get("expiry_margin").parse(out.get("expiry_margin", BY_NAME["expiry_margin"].default))  # type: ignore[arg-type]
+            margin_raw = out.get("expiry_margin", value(current or {}, "expiry_margin"))
+            margin = get("expiry_margin").parse(margin_raw)  # type: ignore[arg-type]
         except ParamError:
             return out  # validate() reports the bad value
-        out["conversation_ttl"] = lifetime.fitted_conversation_ttl(ttl, margin, BY_NAME["conversation_ttl"].minimum)
+        fitted = lifetime.fitted_conversation_ttl(ttl, margin, BY_NAME["conversation_ttl"].minimum)
+        if current is None or not lifetime.conversation_fits(value(current, "conversation_ttl"), ttl, margin):
+            out["conversation_ttl"] = fitted
     return out
 
 

@@ -51,6 +51,8 @@ def render() -> str:
         "On AWS each lives in SSM Parameter Store at `" + params.SSM_PREFIX + "/<deployment>/<scope>/<name>`:",
         "",
         "```",
+        "turnkv params catalog                                   # offline: this page's table",
+        "turnkv params set decoder_kv_blocks_ttl=180 --dry-run   # offline: ranges and rules over the defaults",
         "turnkv params list --deployment prod --region us-east-2",
         "turnkv params get decoder_kv_blocks_ttl --deployment prod --region us-east-2",
         "turnkv params set decoder_kv_blocks_ttl=180 --deployment prod --region us-east-2",
@@ -59,7 +61,9 @@ def render() -> str:
         "",
         "A value outside its range, or a set of values that breaks a rule below, is refused (exit 2) with the "
         "reason. `turnkv plan` recommends `decoder_kv_blocks_ttl`, `conversation_ttl` and "
-        "`kv_recompute_threshold` for a workload ([planning.md](planning.md)).",
+        "`kv_recompute_threshold` for a workload ([planning.md](planning.md)). A deploy config's `tunables:` "
+        "section (NAME: VALUE) sets a deployment's initial values, checked against the same catalog and rules by "
+        "`turnkv config validate` and the synth.",
         "",
         "## Rules across tunables",
         "",

@@ -171,20 +171,27 @@ async def _chat(session: aiohttp.ClientSession, url: str, api_key: str | None, m
                  reused_tokens=int(reused) if str(reused).isdigit() else 0)
 
 
+def argument_problem(url: str, turns: int) -> str | None:
+    """What is wrong with the arguments (the CLI exits 2 on it), or None."""
+    if not 2 <= turns <= len(PROMPTS):
+        return f"--turns {turns}: play 2 .. {len(PROMPTS)} turns (turn 2 is the first that can reuse KV)"
+    if not re.match(r"^https?://[^/\s]+", url):
+        return f"--url {url!r} is not an http(s) URL; pass the endpoint's base, e.g. https://my-alb.example.com"
+    return None
+
+
 async def run(url: str, api_key: str | None = None, model: str | None = None, turns: int = len(PROMPTS),
-              max_tokens: int = 32, timeout_s: float = 300.0) -> SmokeResult:
+              max_tokens: int = 32, timeout_s: float = 300.0, verify_tls: bool = True) -> SmokeResult:
     """Play the conversation against ``url`` (the router's base URL); never raises for the endpoint's faults."""
     url = url.rstrip("/")
     result = SmokeResult(url=url)
-    if not 2 <= turns <= len(PROMPTS):
-        result.failure = f"turns: {turns}; play 2 .. {len(PROMPTS)} turns (turn 2 is the first that can reuse KV)"
-        return result
-    if not re.match(r"^https?://[^/\s]+", url):
-        result.failure = f"{url!r} is not an http(s) URL; pass the endpoint's base, e.g. https://my-alb.example.com"
+    if problem := argument_problem(url, turns):
+        result.failure = problem
         return result
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
     try:
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with aiohttp.ClientSession(timeout=timeout,
+                                         connector=aiohttp.TCPConnector(ssl=None if verify_tls else False)) as session:
             result.model = model or await _model(session, url, api_key)
             # A conversation of this run only: another run's identical turn, still readable by forks of its history
             # (decode's fork_window), would otherwise be pulled and prove nothing about this endpoint's retention.
@@ -208,6 +215,11 @@ async def run(url: str, api_key: str | None = None, model: str | None = None, tu
     except TimeoutError:  # an OSError too: not "cannot reach", the endpoint answered too slowly or not at all
         result.failure = (f"turn {len(result.turns) + 1}: no complete answer from {url} within the test's "
                           f"{timeout_s:g} s; check the engines' health and logs, or give --timeout more time")
+    except aiohttp.ClientConnectorCertificateError as exc:
+        result.failure = (f"{url}: the TLS certificate does not match ({exc.certificate_error}). The ALB serves "
+                          "your certificate, issued for your domain, not for the ALB's DNS name: point a DNS record "
+                          "(alias or CNAME) of that domain at the ALB and pass --url https://<that name>, or pass "
+                          "--insecure to skip the check knowingly")
     except (aiohttp.ClientConnectionError, OSError) as exc:
         result.failure = f"cannot reach {url}: {exc} (is the ALB reachable from here: router.allowed_cidrs?)"
     except (aiohttp.ClientError, ValueError, KeyError) as exc:

@@ -66,8 +66,9 @@ class DeploymentAlarms:
                         f"{role} engines' KV cache above {t.kv_cache_usage_percent}%: retained blocks crowd out new "
                         f"requests (lower decoder_kv_blocks_ttl or add decode capacity)", periods=10)
             self._alarm(f"EfaUnresponsive-{role}", ef.agent(mn.EFA_UNRESPONSIVE, role, "Sum"), 0,
-                        f"{role} engines report unresponsive EFA peers (security group, placement or a failing node)",
-                        periods=3)
+                        f"{role} engines report unresponsive EFA peers for 5 minutes in a row (security group, "
+                        "placement or a failing node; a peer replaced in a rolling update shows for a minute or two)",
+                        periods=5, datapoints=5)
         for role, want in props.wanted.items():
             # What the group's EC2 health check cannot see: instances that run but whose engines never serve
             # (an engine registers in Cloud Map only once its /health answers). Missing data: no router reports.
@@ -80,13 +81,16 @@ class DeploymentAlarms:
                 namespace="AWS/AutoScaling", metric_name="GroupInServiceInstances", statistic="Minimum",
                 period=Duration.minutes(5), dimensions_map={"AutoScalingGroupName": pool.group_name}),
                 pool.count, f"Pool {name} has fewer in-service engines than {pool.count} "
-                            "(capacity, EFA or boot failure)",
-                periods=3, comparison=cw.ComparisonOperator.LESS_THAN_THRESHOLD)
+                            "for 15 minutes (capacity, EFA or boot failure; one node being replaced is back sooner)",
+                periods=3, datapoints=3, comparison=cw.ComparisonOperator.LESS_THAN_THRESHOLD)
 
     def _alarm(self, alarm_id: str, metric: cw.IMetric, threshold: float, description: str, periods: int = 5,
-               comparison: cw.ComparisonOperator = cw.ComparisonOperator.GREATER_THAN_THRESHOLD) -> None:
+               comparison: cw.ComparisonOperator = cw.ComparisonOperator.GREATER_THAN_THRESHOLD,
+               datapoints: int | None = None) -> None:
+        """``datapoints`` of ``periods`` breaching (default: all but two). Short windows name it: with 3 periods the
+        default would be 1 of 3, an alarm on any single datapoint."""
         a = cw.Alarm(self._scope, alarm_id, metric=metric, threshold=threshold, evaluation_periods=periods,
-                     datapoints_to_alarm=max(1, periods - 2), comparison_operator=comparison,
+                     datapoints_to_alarm=datapoints or max(1, periods - 2), comparison_operator=comparison,
                      treat_missing_data=cw.TreatMissingData.NOT_BREACHING,
                      alarm_name=f"{self._props.prefix}-{alarm_id}", alarm_description=description)
         a.add_alarm_action(self._props.action)

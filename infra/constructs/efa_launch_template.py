@@ -56,8 +56,8 @@ class EfaLaunchTemplate(Construct):
                 device_name="/dev/sda1",
                 volume=ec2.BlockDeviceVolume.ebs(
                     props.root_volume_gib or profile.root_volume_gib, encrypted=True,
-                    volume_type=ec2.EbsDeviceVolumeType.GP3, delete_on_termination=True, throughput=1000,
-                    iops=16000),
+                    volume_type=ec2.EbsDeviceVolumeType.GP3, delete_on_termination=True, throughput=250,
+                    iops=3000),
             )],
         )
         cfn: ec2.CfnLaunchTemplate = self.launch_template.node.default_child  # type: ignore[assignment]

@@ -29,6 +29,13 @@ from .efa_launch_template import EfaLaunchTemplate, EfaLaunchTemplateProps
 SIGNAL_TIMEOUT = Duration.hours(1)
 
 
+def group_name(deployment_prefix: str, pool_name: str) -> str:
+    """The pool's Auto Scaling group (and launch template) name: IAM statements name it exactly, so a wildcard
+    over the deployment's prefix never reaches another deployment's groups (``turnkv-prod-*`` would match
+    ``turnkv-prod-x-...``)."""
+    return f"{deployment_prefix}-{pool_name}"
+
+
 def group_logical_id(pool_name: str) -> str:
     """The Auto Scaling group's logical id: fixed, so the node's user data can name it in its signal."""
     return "EngineGroup" + "".join(part.capitalize() for part in re.split(r"[^a-z0-9]+", pool_name) if part)
@@ -65,7 +72,7 @@ class EngineGroup(Construct):
         super().__init__(scope, construct_id)
         pool = props.pool
         self.pool = pool
-        self.group_name = f"{props.deployment_prefix}-{pool.name}"
+        self.group_name = group_name(props.deployment_prefix, pool.name)
         max_size, in_service = rolling_sizes(pool.count, bool(pool.capacity_reservation_id))
         self.min_in_service = in_service
         # EC2: an instance uses a Capacity Reservation made in a cluster placement group only when it launches into

@@ -194,6 +194,10 @@ class FlavorImage:
             enhanced_image_metadata_enabled=True,
             tags={"turnkv:deployment": props.deployment, "turnkv:flavor": flavor},
         )
+        # The bake reads the scripts and the wheel with the build role's grants (its DefaultPolicy): through the
+        # instance profile CloudFormation orders the image after the role only, so the build could start before
+        # the policy exists and fail its first download.
+        self.image.node.add_dependency(props.inputs.role)
         self.ami_parameter = ssm.StringParameter(
             scope, f"AmiId-{flavor}", parameter_name=props.ami_parameter,
             string_value=self.image.attr_image_id, data_type=ssm.ParameterDataType.AWS_EC2_IMAGE,

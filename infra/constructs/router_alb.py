@@ -16,16 +16,19 @@ from constructs import Construct
 
 from turnkv import router_env
 
+#: Elastic Load Balancing's largest target group deregistration delay.
+MAX_DEREGISTRATION_DELAY_S = 3600
+
 
 @dataclass(frozen=True)
 class RouterAlbProps:
-    #: The load balancer's name (DeploymentConfig.prefix).
-    name: str
     vpc: ec2.IVpc
     #: Internet-facing (in ``subnets``: the public ones) or internal.
     public: bool
     subnets: ec2.SubnetSelection
     security_group: ec2.ISecurityGroup
+    #: Also the target group's deregistration delay (up to ELB's 3600 s): a deploy or scale-in drains a task for
+    #: as long as a stream may stay silent, instead of cutting streams at 120 s.
     idle_timeout_s: int
     #: The router tasks, registered by IP on the router's port.
     service: ecs.FargateService
@@ -48,12 +51,14 @@ class RouterAlb:
         self.alb = elbv2.ApplicationLoadBalancer(
             scope, "Alb", vpc=props.vpc, internet_facing=props.public, security_group=props.security_group,
             vpc_subnets=props.subnets, idle_timeout=Duration.seconds(props.idle_timeout_s),
-            drop_invalid_header_fields=True, load_balancer_name=props.name)
+            # No fixed name: CloudFormation replaces the ALB when router.public flips (Scheme), creating the new
+            # one before deleting the old, which fails on a name taken (the DNS name is the stack's AlbDnsName output).
+            drop_invalid_header_fields=True)
         self.alb.log_access_logs(self.access_logs, prefix="alb")
         self.target_group = elbv2.ApplicationTargetGroup(
             scope, "Targets", vpc=props.vpc, port=router_env.PORT, protocol=elbv2.ApplicationProtocol.HTTP,
             target_type=elbv2.TargetType.IP, targets=[props.service],
-            deregistration_delay=Duration.seconds(120),
+            deregistration_delay=Duration.seconds(min(props.idle_timeout_s, MAX_DEREGISTRATION_DELAY_S)),
             health_check=elbv2.HealthCheck(path="/health", healthy_http_codes="200", interval=Duration.seconds(15),
                                            timeout=Duration.seconds(5), healthy_threshold_count=2,
                                            unhealthy_threshold_count=3))

@@ -118,10 +118,13 @@ class RouterService:
                 start_period=Duration.seconds(30)),
             readonly_root_filesystem=True, user="10001", stop_timeout=Duration.seconds(120))
         self.service = ecs.FargateService(
-            scope, "Service", cluster=self.cluster, task_definition=self.task, desired_count=rc.replicas,
+            scope, "Service", cluster=self.cluster, task_definition=self.task,
             vpc_subnets=props.subnets, security_groups=[props.security_group], assign_public_ip=False,
             circuit_breaker=ecs.DeploymentCircuitBreaker(rollback=True), min_healthy_percent=100,
             max_healthy_percent=200, health_check_grace_period=Duration.seconds(60))
+        # No desired_count: with one in the template every deploy would reset the task count autoscaling chose
+        # (ECS keeps the running count when DesiredCount is absent on update; registering the scalable target moves
+        # the count into [router.replicas, router.max_replicas]: Application Auto Scaling's RegisterScalableTarget).
         self._router = rc
 
     def autoscale(self, target_group: elbv2.ApplicationTargetGroup) -> ecs.ScalableTaskCount:

@@ -36,15 +36,16 @@ class ParamsStack(Stack):
 
 def deployment_defaults(config: DeploymentConfig) -> dict[str, int | float]:
     """The catalog's defaults, with what depends on the deployment's nodes: the host tier of retained turns sized
-    from the decode pool's host memory (``infra.instances.host_tier_budget_mib``; 0 without a decode pool)."""
+    from the decode pool's host memory (``infra.instances.host_tier_budget_mib``; 0 without a decode pool); then
+    the config's ``tunables``."""
     values = params.defaults()
     decode = next((p for p in config.pools if p.role is Role.DECODE), None)
     if decode is not None:
         budget = host_tier_budget_mib(decode.instance_type, config.model.tensor_parallel_size,
                                       engines=config.engines_per_node(decode))
         values["host_kv_budget_mib"] = params.get("host_kv_budget_mib").parse(budget)
-    params.cross_check(values)
-    return values
+    # The deploy config's initial tunables over them (validated with the config; cross-checked again here).
+    return params.validate(params.fit_router_ttl(config.tunables), values)
 
 
 def parameter_arn(stack: Stack, deployment: str, suffix: str) -> str:

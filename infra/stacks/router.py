@@ -5,7 +5,7 @@ API keys in Secrets Manager."""
 
 from __future__ import annotations
 
-from aws_cdk import RemovalPolicy, Stack
+from aws_cdk import CfnOutput, RemovalPolicy, Stack
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_secretsmanager as secretsmanager
 from constructs import Construct
@@ -77,12 +77,15 @@ class RouterStack(Stack):
         self.service = router.service
 
         lb = RouterAlb(self, RouterAlbProps(
-            name=config.prefix, vpc=vpc, public=rc.public,
+            vpc=vpc, public=rc.public,
             subnets=ec2.SubnetSelection(subnet_type=ec2.SubnetType.PUBLIC) if rc.public else private,
             security_group=self.alb_sg, idle_timeout_s=rc.idle_timeout_s, service=self.service,
             certificate_arn=rc.certificate_arn))
         self.alb = lb.alb
         self.target_group = lb.target_group
         self.listener = lb.listener
+        CfnOutput(self, "AlbDnsName", value=self.alb.load_balancer_dns_name,
+                  description="The router's ALB: turnkv smoke --url http(s)://<this> (HTTPS: your certificate's "
+                              "DNS name, pointed at this)")
 
         router.autoscale(self.target_group)

@@ -23,7 +23,7 @@ from constructs import Construct
 
 from infra import bootstrap
 from infra.config import DeploymentConfig
-from infra.constructs.engine_group import EngineGroup, EngineGroupProps, group_logical_id
+from infra.constructs.engine_group import EngineGroup, EngineGroupProps, group_logical_id, group_name
 from infra.instances import INSTANCE_TYPES, Flavor
 from infra.lambdas import DEREGISTER
 from infra.stacks.network import NetworkStack, https_egress
@@ -75,7 +75,8 @@ class ServingStack(Stack):
         if config.alarm_email:
             self.events_topic.add_subscription(subscriptions.EmailSubscription(config.alarm_email))
 
-        self.log_group = logs.LogGroup(self, "EngineLogs", log_group_name=f"/turnkv/{config.name}/engines",
+        self.log_group_name = f"/turnkv/{config.name}/engines"
+        self.log_group = logs.LogGroup(self, "EngineLogs", log_group_name=self.log_group_name,
                                        retention=logs.RetentionDays.ONE_MONTH, removal_policy=RemovalPolicy.DESTROY)
         # The deployment's offer secret: decode engines sign the KV offers they return with it and prefill
         # engines read only offers it verifies (turnkv.wire). Every engine writes it to its offer-secret file
@@ -95,7 +96,7 @@ class ServingStack(Stack):
         self.http_ports = node_env.http_ports(max(self.engines_per_node.values(), default=1))
         for pool in config.pools:
             profile = INSTANCE_TYPES[pool.instance_type]
-            script = bootstrap.user_data(bootstrap.NodeBootstrap(
+            script = bootstrap.checked_user_data(bootstrap.NodeBootstrap(
                 deployment=config.name, region=config.region, pool=pool.name, role=pool.role,
                 gpu=profile.flavor is Flavor.GPU, model=config.model.id, served_model_name=config.model.name,
                 mode=config.connector.mode, bidirectional=config.connector.bidirectional,
@@ -103,13 +104,24 @@ class ServingStack(Stack):
                 cloudmap_service_id=self.cloudmap_service.service_id, log_group=self.log_group.log_group_name,
                 model_s3_uri=config.model.s3_uri, signal_stack=self.stack_name,
                 signal_resource=group_logical_id(pool.name), offer_secret_id=self.offer_secret.secret_arn,
-                engines=self.engines_per_node[pool.name], accelerators=profile.accelerators))
+                engines=self.engines_per_node[pool.name], accelerators=profile.accelerators),
+                stand_ins=self._user_data_stand_ins())
             self.pools[pool.name] = EngineGroup(self, f"Pool-{pool.name}", EngineGroupProps(
                 pool=pool, deployment_prefix=config.prefix, vpc=vpc, subnet=subnet,
                 machine_image=images[profile.flavor.value], user_data=ec2.UserData.custom(script), role=self.role,
                 security_group=self.security_group, placement_group=self.placement_group,
                 notifications_topic=self.events_topic))
         self._deregistration()
+
+    def _user_data_stand_ins(self) -> dict[str, str]:
+        """The longest values the user data's deploy-time tokens take: a Cloud Map service id (srv- and 16
+        characters), the offer secret's ARN (its name, and the 6 characters Secrets Manager appends), the log
+        group's name."""
+        config = self.config
+        return {"cloudmap_service_id": "srv-" + "x" * 16,
+                "offer_secret_id": f"arn:aws-us-gov:secretsmanager:{config.region}:{'0' * 12}:secret:"
+                                   f"{config.prefix}/engine-offer-secret-AbCdEf",
+                "log_group": self.log_group_name}
 
     def _instance_role(self) -> iam.Role:
         config = self.config
@@ -130,7 +142,8 @@ class ServingStack(Stack):
         role.add_to_policy(iam.PolicyStatement(
             sid="MarkUnhealthy", actions=["autoscaling:SetInstanceHealth"],
             resources=[self.format_arn(service="autoscaling", resource="autoScalingGroup",
-                                       resource_name=f"*:autoScalingGroupName/{config.prefix}-*")]))
+                                       resource_name=f"*:autoScalingGroupName/{group_name(config.prefix, p.name)}")
+                       for p in config.pools]))
         role.add_to_policy(iam.PolicyStatement(
             sid="ReadOfferSecret", actions=["secretsmanager:GetSecretValue"],
             resources=[self.offer_secret.secret_arn]))

@@ -13,19 +13,21 @@ GPU = {
     "availability_zone": "us-east-2a",
     "network": {"availability_zones": ["us-east-2a", "us-east-2b"], "cidr": "10.40.0.0/16"},
     "model": {"id": "Qwen/Qwen3-32B", "served_model_name": "qwen3-32b", "tensor_parallel_size": 8,
-              "max_model_len": 32768, "s3_uri": "s3://acme-llm-weights/qwen3-32b/"},
+              "max_model_len": 32768, "s3_uri": "s3://turnkv-test-weights/qwen3-32b/"},
     "connector": {"mode": "pull", "bidirectional": True},
     "pools": [
         {"name": "prefill", "role": "prefill", "instance_type": "p5en.48xlarge", "count": 2,
-         "capacity_reservation_id": "cr-0123456789abcdef0"},
-        {"name": "decode", "role": "decode", "instance_type": "p5.48xlarge", "count": 2},
+         "capacity_reservation_id": "cr-0a1b2c3d4e5f60718"},
+        {"name": "decode", "role": "decode", "instance_type": "p5.48xlarge", "count": 2, "allow_on_demand": True},
         {"name": "decode-block", "role": "decode", "instance_type": "p5e.48xlarge", "count": 1,
-         "capacity_reservation_id": "cr-0fedcba9876543210", "capacity_block": True},
+         "capacity_reservation_id": "cr-0f1e2d3c4b5a69788", "capacity_block": True},
     ],
     "router": {"replicas": 2, "max_replicas": 6, "public": True, "allowed_cidrs": ["203.0.113.0/24"],
                "certificate_arn": "arn:aws:acm:us-east-2:123456789012:certificate/"
                                   "12345678-1234-1234-1234-123456789012"},
     "alarm_email": "oncall@example.com",
+    #: Initial tunables: written to SSM by the params stack in place of the catalog's defaults.
+    "tunables": {"retained_kv_share": 0.4},
 }
 
 #: The second app: push mode, a NAT (weights from Hugging Face), an internal HTTP ALB, one router replica.
@@ -38,8 +40,8 @@ PUSH = {
     "model": {"id": "meta-llama/Llama-3.1-8B-Instruct", "tensor_parallel_size": 8, "max_model_len": 16384},
     "connector": {"mode": "push", "bidirectional": True},
     "pools": [
-        {"name": "prefill", "role": "prefill", "instance_type": "p5.48xlarge", "count": 1},
-        {"name": "decode", "role": "decode", "instance_type": "p5en.48xlarge", "count": 1},
+        {"name": "prefill", "role": "prefill", "instance_type": "p5.48xlarge", "count": 1, "allow_on_demand": True},
+        {"name": "decode", "role": "decode", "instance_type": "p5en.48xlarge", "count": 1, "allow_on_demand": True},
     ],
     "router": {"replicas": 1, "max_replicas": 1},
 }

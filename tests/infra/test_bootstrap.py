@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +59,8 @@ def test_engine_env_written_by_user_data_follows_the_contract():
     # the runtime ones come from IMDS on the instance
     assert re.search(r"printf '%s=%s\\n' TURNKV_ENGINE_ID \"\$ENGINE_ID\" TURNKV_SIDE_CHANNEL_HOST \"\$IP\"", script)
     assert "VLLM_NIXL_SIDE_CHANNEL_HOST \"$IP\"" in script
+    # the engine's weight sync (aws s3 sync) needs the region: through the S3 gateway endpoint, not us-east-1
+    assert "AWS_REGION 'us-east-2' >> /etc/turnkv/engine.env.new" in script
     node = node_env.parse(_heredoc(script, node_env.NODE_ENV_FILE))
     assert node == {"TURNKV_DEPLOYMENT": "prod", "AWS_REGION": "us-east-2"}
     # tunables before the engine, then the units in order
@@ -150,7 +153,7 @@ NVME_STUBS = {
     "mountpoint": '[[ "$FAKE_DLAMI_NVME" == 1 && "$2" == /opt/dlami/nvme ]]',
     "lsblk": 'for i in $(seq 1 "$FAKE_NVME_DISKS"); do echo "/dev/nvme${i}n1 Amazon EC2 NVMe Instance Storage"; done\n'
              'echo "/dev/nvme0n1 Amazon Elastic Block Store"',
-    "mdadm": "", "mkfs.ext4": "", "mount": "", "install": "",
+    "mdadm": "", "mkfs.ext4": "", "mount": "", "install": "", "blkid": "echo 0b1c-uuid",
 }
 
 
@@ -163,18 +166,28 @@ def _nvme(tmp_path, dlami: bool, disks: int) -> list[str]:
         (stubs / name).write_text(f'#!/bin/bash\necho "{name} $*" >> "{log}"\n{body}\n')
         (stubs / name).chmod(0o755)
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "FAKE_DLAMI_NVME": "1" if dlami else "0", "FAKE_NVME_DISKS": str(disks)}
-    subprocess.run(["bash", "-euo", "pipefail", "-c", bootstrap.NVME_SCRIPT], env=env, check=True)
-    return [c for c in log.read_text().splitlines() if not c.startswith(("mountpoint", "lsblk"))]
+    fstab = tmp_path / "fstab"
+    fstab.write_text("")
+    script = bootstrap.NVME_SCRIPT.replace(bootstrap.FSTAB, str(fstab))
+    subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env, check=True)
+    calls = [c for c in log.read_text().splitlines() if not c.startswith(("mountpoint", "lsblk", "blkid"))]
+    return calls + [f"fstab: {line}" for line in fstab.read_text().splitlines()]
 
 
 def test_weights_go_to_the_instance_nvme_when_there_is_some(tmp_path):
     models = bootstrap.MODELS_DIR
-    assert _nvme(tmp_path, dlami=True, disks=8)[-1] == f"mount --bind /opt/dlami/nvme/turnkv-models {models}"
+    dlami = _nvme(tmp_path, dlami=True, disks=8)
+    assert dlami[-2] == f"mount --bind /opt/dlami/nvme/turnkv-models {models}"
+    # the mounts survive a reboot (user data does not run again): fstab, nofail
+    assert dlami[-1] == (f"fstab: /opt/dlami/nvme/turnkv-models {models} none "
+                         "bind,nofail,x-systemd.requires-mounts-for=/opt/dlami/nvme 0 0")
     calls = _nvme(tmp_path, dlami=False, disks=8)
+    assert "fstab: UUID=0b1c-uuid /mnt/turnkv-nvme ext4 noatime,nofail 0 2" in calls
+    calls = [c for c in calls if not c.startswith("fstab: ")]
     assert calls[0].startswith("mdadm --create /dev/md/turnkv --run --level=0 --raid-devices=8 /dev/nvme1n1")
     assert "mkfs.ext4 -q -F -E nodiscard /dev/md/turnkv" in calls
     assert calls[-1] == f"mount --bind /mnt/turnkv-nvme/turnkv-models {models}"
-    calls = _nvme(tmp_path, dlami=False, disks=1)
+    calls = [c for c in _nvme(tmp_path, dlami=False, disks=1) if not c.startswith("fstab: ")]
     assert not any(c.startswith("mdadm") for c in calls) and "mkfs.ext4 -q -F -E nodiscard /dev/nvme1n1" in calls
     assert _nvme(tmp_path, dlami=False, disks=0) == []  # no instance store: the root volume, nothing mounted
     assert models == __import__("turnkv.engine_run", fromlist=["MODELS_DIR"]).MODELS_DIR
@@ -291,3 +304,224 @@ def test_one_engine_per_node_keeps_the_user_data_of_before():
 def test_the_engine_template_follows_the_amis_unit_or_stops_the_synth():
     with pytest.raises(ValueError, match=r"no longer reads /etc/turnkv/engine\.env"):
         bootstrap.engine_template_unit("[Service]\nEnvironmentFile=/etc/turnkv/other.env\n")
+
+
+# --- A dead engine reaches Cloud Map and the group -------------------------------------------------------------
+# The rendered register script runs for real against a real HTTP "engine" on 127.0.0.1 (killed with SIGKILL), with
+# fakes for what only exists on an instance: IMDS (curl for 169.254.169.254), the AWS CLI (records its calls),
+# systemctl (the engine unit's state, which the test sets as systemd would) and sleep (fast). The unit semantics
+# (BindsTo=: systemd stops this unit, running ExecStop, when the engine fails or stops, and restarts it with the
+# engine's automatic restart) are systemd's; the test plays that part and checks the rendered units with
+# `systemd-analyze verify`.
+
+FAKES = {
+    "curl": 'case "$*" in\n'
+            '  *169.254.169.254/latest/api/token*) echo tok ;;\n'
+            '  *169.254.169.254/latest/meta-data/instance-id*) echo i-0abc ;;\n'
+            '  *169.254.169.254*) echo "fake curl: unexpected IMDS call: $*" >&2; exit 22 ;;\n'
+            '  *) exec /usr/bin/curl "$@" ;;\nesac',
+    "aws": 'echo "$*" >> "$FAKE/calls"',
+    "systemctl": 'case "$*" in\n'
+                 '  "show -p ActiveState --value $FAKE_UNIT") cat "$FAKE/state" ;;\n'
+                 '  "show -p Result --value $FAKE_UNIT") cat "$FAKE/result" ;;\n'
+                 '  is-system-running) cat "$FAKE/system" ;;\n'
+                 '  *) echo "fake systemctl: unexpected: $*" >&2; exit 64 ;;\nesac',
+    "sleep": 'echo "$1" >> "$FAKE/sleeps"; exec /bin/sleep 0.05',
+}
+
+
+class Node:
+    """One rendered register unit with its script, run the way systemd runs it (ExecStart, then ExecStop)."""
+
+    def __init__(self, tmp_path, engines: int):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.dir = tmp_path
+        node = _node(port=self.port, engines=engines, tp_size=8 // engines, signal_stack="turnkv-prod-serving",
+                     signal_resource="EngineGroupDecode")
+        script = bootstrap.user_data(node)
+        (tmp_path / "etc").mkdir()
+        (tmp_path / "etc" / "engine.env").write_text(
+            "TURNKV_ENGINE_ID=prod-decode-i-0abc\nTURNKV_SIDE_CHANNEL_HOST=10.0.0.5\n")
+        unit = bootstrap.SLOT_REGISTER_UNIT if engines > 1 else bootstrap.REGISTER_UNIT
+        self.unit_text = unit
+        self.slot = "0" if engines > 1 else ""
+        if engines > 1:
+            (tmp_path / "etc" / "engine-0.env").write_text(
+                f"TURNKV_PORT={self.port}\nTURNKV_SIDE_CHANNEL_PORT=5600\nTURNKV_ENGINE_ID=prod-decode-i-0abc\n"
+                "TURNKV_CLOUDMAP_INSTANCE_ID=i-0abc\n")
+        register = _heredoc(script, bootstrap.REGISTER_SCRIPT)
+        register = register.replace("/etc/turnkv/", f"{tmp_path}/etc/").replace("/run/turnkv", f"{tmp_path}/run")
+        self.script = tmp_path / "turnkv-register"
+        self.script.write_text(register)
+        self.script.chmod(0o755)
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        for name, body in FAKES.items():
+            (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+            (bin_dir / name).chmod(0o755)
+        engine_unit = (node_env.unit_instance(node_env.ENGINE_SERVICE_TEMPLATE, 0) if engines > 1
+                       else node_env.ENGINE_SERVICE)
+        self.env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "FAKE": str(tmp_path), "FAKE_UNIT": engine_unit}
+        self.set_engine("activating", "success")
+        (tmp_path / "system").write_text("running\n")
+        (tmp_path / "www").mkdir()
+        (tmp_path / "www" / "health").write_text("")
+        self.engine: subprocess.Popen | None = None
+        self.main: subprocess.Popen | None = None
+
+    def set_engine(self, state: str, result: str) -> None:
+        (self.dir / "state").write_text(state + "\n")
+        (self.dir / "result").write_text(result + "\n")
+
+    def start_engine(self) -> None:
+        import sys
+
+        self.engine = subprocess.Popen([sys.executable, "-m", "http.server", "-b", "127.0.0.1", str(self.port),
+                                        "-d", str(self.dir / "www")], stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL)
+        self.set_engine("active", "success")
+
+    def kill_engine(self) -> None:
+        self.engine.kill()
+        self.engine.wait()
+
+    def _command(self, key: str) -> list[str]:
+        line = re.search(rf"^{key}=(.*)$", self.unit_text, re.M).group(1)
+        argv = line.replace(bootstrap.REGISTER_SCRIPT, str(self.script)).replace("%i", "0").split()
+        return argv
+
+    def exec_start(self) -> None:
+        self.main = subprocess.Popen(self._command("ExecStart"), env=self.env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+
+    def exec_stop(self) -> str:
+        done = subprocess.run(self._command("ExecStop"), env=self.env, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout + done.stderr
+
+    def wait_registered(self) -> list[str]:
+        """Registered; one engine signals the rolling update at once, one of two waits for the other."""
+        registered = ["register-instance"] if self.slot else ["register-instance", "signal-resource"]
+        self.wait_for(registered[-1])
+        assert self.calls() == registered
+        return registered
+
+    def calls(self) -> list[str]:
+        path = self.dir / "calls"
+        return [c.split()[1] for c in path.read_text().splitlines()] if path.exists() else []
+
+    def wait_for(self, call: str, timeout: float = 30) -> None:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while call not in self.calls():
+            assert time.monotonic() < deadline, (call, self.calls())
+            assert self.main.poll() is None, self.main.stdout.read()
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        for p in (self.engine, self.main):
+            if p and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture(params=[1, 2], ids=["one-engine", "two-engines"])
+def engine_node(tmp_path, request):
+    node = Node(tmp_path, request.param)
+    yield node
+    node.close()
+
+
+def test_a_hung_engine_is_deregistered_and_its_node_marked_unhealthy(engine_node):
+    """The engine process is killed under a unit systemd still sees as active (a hang looks the same to /health):
+    the register unit's watchdog marks the node unhealthy and exits; ExecStop deregisters."""
+    n = engine_node
+    n.start_engine()
+    n.exec_start()
+    registered = n.wait_registered()
+    n.kill_engine()
+    assert n.main.wait(timeout=30) == 1  # the watchdog returned: systemd now runs ExecStop
+    n.exec_stop()
+    assert n.calls() == [*registered, "set-instance-health", "deregister-instance"]
+    health = next(c for c in (n.dir / "calls").read_text().splitlines() if "set-instance-health" in c)
+    assert "--instance-id i-0abc --health-status Unhealthy --no-should-respect-grace-period" in health
+    assert bootstrap.WATCH_INTERVAL_S * bootstrap.WATCH_MISSES <= 180  # out of Cloud Map within 3 minutes
+
+
+@pytest.mark.parametrize("state,result,system,marked", [
+    ("failed", "exit-code", "running", True),       # exit 2 (RestartPreventExitStatus) or the restart limit hit
+    ("activating", "success", "running", False),    # Restart=on-failure: BindsTo restarts this unit with it
+    ("inactive", "success", "running", False),      # an operator's `systemctl stop turnkv-engine`
+    ("failed", "exit-code", "stopping", False),     # shutdown / scale-in: the instance goes anyway
+])
+def test_an_engine_that_exits_is_deregistered_and_a_failed_one_replaced(engine_node, state, result, system, marked):
+    """The engine dies (SIGKILL) and systemd, by BindsTo=, stops the register unit: ExecStart is terminated, ExecStop
+    deregisters, and marks the node unhealthy only when the engine unit failed for good on a running system."""
+    import signal
+
+    n = engine_node
+    n.start_engine()
+    n.exec_start()
+    registered = n.wait_registered()
+    n.kill_engine()
+    n.set_engine(state, result)
+    (n.dir / "system").write_text(system + "\n")
+    n.main.send_signal(signal.SIGTERM)
+    n.main.wait(timeout=10)
+    out = n.exec_stop()
+    tail = n.calls()[len(registered):]
+    assert tail == (["deregister-instance", "set-instance-health"] if marked else ["deregister-instance"])
+    if marked:
+        unit = "turnkv-engine@0.service" if n.slot else "turnkv-engine.service"
+        assert f"{unit} failed (exit-code)" in out
+
+
+def test_registration_stops_waiting_when_the_engine_failed(engine_node):
+    """An engine that fails before it ever serves (exit 2 on a refused config) ends the wait at once, not after
+    2 h: FAILURE to a rolling update, the node marked unhealthy."""
+    n = engine_node
+    n.set_engine("failed", "exit-code")
+    n.exec_start()
+    assert n.main.wait(timeout=30) == 1
+    assert "never became healthy" in n.main.stdout.read()
+    assert n.calls() == ["signal-resource", "set-instance-health"]
+    assert "--status FAILURE" in (n.dir / "calls").read_text()
+    assert len((n.dir / "sleeps").read_text().split()) <= 1 if (n.dir / "sleeps").exists() else True
+
+
+def test_register_units_are_bound_to_their_engine_and_verify(tmp_path):
+    """The rendered units: BindsTo= (not Wants=) the engine, a long-running ExecStart (the watchdog), ExecStop
+    deregisters; and systemd's own verifier accepts them next to the AMI's engine unit and its template."""
+    slot_engine = node_env.unit_instance(node_env.ENGINE_SERVICE_TEMPLATE, "%i")
+    for unit, engine in ((bootstrap.REGISTER_UNIT, node_env.ENGINE_SERVICE),
+                         (bootstrap.SLOT_REGISTER_UNIT, slot_engine)):
+        assert f"BindsTo={engine}\n" in unit and f"After={engine} " in unit and "Wants=" not in unit
+        assert "Type=exec\n" in unit and "RemainAfterExit" not in unit and "ExecStop=" in unit
+    ami_unit = bootstrap.AMI_ENGINE_UNIT.read_text()
+    assert "StartLimitBurst=" in ami_unit and "StartLimitIntervalSec=" in ami_unit
+    assert "StartLimitBurst=" in bootstrap.engine_template_unit()
+    if not shutil.which("systemd-analyze") or not Path("/usr/lib/systemd/system/sysinit.target").exists():
+        pytest.skip("systemd-analyze (with the system's units) not installed")
+    root = tmp_path / "root"
+    shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
+    units = root / "etc/systemd/system"
+    units.mkdir(parents=True)
+    (units / node_env.ENGINE_SERVICE).write_text(ami_unit)
+    (units / node_env.ENGINE_SERVICE_TEMPLATE).write_text(bootstrap.engine_template_unit())
+    (units / node_env.REGISTER_SERVICE).write_text(bootstrap.REGISTER_UNIT)
+    (units / node_env.REGISTER_SERVICE_TEMPLATE).write_text(bootstrap.SLOT_REGISTER_UNIT)
+    for exe in (bootstrap.REGISTER_SCRIPT, "/opt/turnkv/bin/turnkv-efa-wait", "/opt/turnkv/venv/bin/turnkv"):
+        path = root / exe.lstrip("/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("#!/bin/sh\n")
+        path.chmod(0o755)
+    done = subprocess.run(["systemd-analyze", "verify", "--man=no", f"--root={root}",
+                           f"/etc/systemd/system/{node_env.ENGINE_SERVICE}",
+                           f"/etc/systemd/system/{node_env.REGISTER_SERVICE}",
+                           "turnkv-engine@0.service", "turnkv-register@0.service"], capture_output=True, text=True)
+    assert done.returncode == 0 and not done.stderr.strip(), done.stderr

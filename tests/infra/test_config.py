@@ -31,7 +31,7 @@ def test_gpu_config_parses_with_types():
     c = from_mapping(configs.GPU)
     assert c.name == "gpu" and c.prefix == "turnkv-gpu"
     assert [p.role for p in c.pools] == [Role.PREFILL, Role.DECODE, Role.DECODE]
-    assert c.pools[2].capacity_block and c.pools[2].capacity_reservation_id == "cr-0fedcba9876543210"
+    assert c.pools[2].capacity_block and c.pools[2].capacity_reservation_id == "cr-0f1e2d3c4b5a69788"
     assert c.connector.mode is Mode.PULL and c.router.uses_valkey
     assert c.ami_parameter("gpu") == "/turnkv/gpu/ami/gpu"
     assert c.network.vpc_cidr == "10.40.0.0/16"
@@ -61,7 +61,16 @@ def _problems(raw) -> dict[str, str]:
     ({"pools.0.role": "both"}, "pools[0].role", "prefill, decode"),
     ({"pools.0.capacity_reservation_id": "reservation-1"}, "pools[0].capacity_reservation_id", "cr-"),
     ({"pools.1.capacity_block": True}, "pools[1].capacity_block", "capacity_reservation_id"),
-    ({"pools.0.count": -1}, "pools[0].count", "0 .. 64"),
+    ({"pools.0.count": -1}, "pools[0].count", "1 .. 64"),
+    ({"pools.0.count": 0}, "pools[0].count", "every role needs a pool"),
+    ({"pools.1.allow_on_demand": False}, "pools[1].capacity_reservation_id",
+     "launch fails with InsufficientInstanceCapacity after the 1-2 h bake"),
+    ({"pools.0.capacity_reservation_id": "cr-0123456789abcdef0"}, "pools[0].capacity_reservation_id",
+     "the example's placeholder; put the id of your own"),
+    ({"model.s3_uri": "s3://acme-llm-weights/Qwen3-32B/"}, "model.s3_uri", "is a placeholder"),
+    ({"tunables": {"decoder_kv_blocks_ttl": 99999}}, "tunables", "out of range"),
+    ({"tunables": {"kv_ttl": 100}}, "tunables", "unknown tunable 'kv_ttl'"),
+    ({"tunables": {"conversation_ttl": 900}}, "tunables", "must stay below decoder_kv_blocks_ttl"),
     ({"model.tensor_parallel_size": 6}, "model.tensor_parallel_size", "power of two"),
     ({"model.tensor_parallel_size": 16}, "model.tensor_parallel_size", "lower it or pick a larger instance type"),
     ({"model.s3_uri": None}, "model.s3_uri", "network.nat_gateways: 1"),

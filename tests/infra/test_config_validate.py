@@ -21,10 +21,20 @@ def _validate(path: Path):
     return CliRunner().invoke(app, ["config", "validate", str(path)])
 
 
-def test_the_example_is_valid_and_the_docs_deploy_it():
+def test_the_example_is_valid_once_its_placeholders_are_replaced_and_the_docs_deploy_it(tmp_path):
+    """As shipped, the example's "yours" values (an acme bucket, the cr-0123456789abcdef0 reservation) are refused:
+    a deploy with them fails after the 1-2 h bake. With real-looking values in their place it is valid."""
     config, problems = validate_file(EXAMPLE)
-    assert problems == [] and config is not None
+    assert config is None and sorted(f for f, _ in problems) == [
+        "model.s3_uri", "pools[0].capacity_reservation_id", "pools[1].capacity_reservation_id"], problems
     done = _validate(EXAMPLE)
+    assert done.exit_code == 2 and "placeholder" in done.output
+    text = EXAMPLE.read_text().replace("s3://acme-llm-weights/", "s3://weights-1234/").replace(
+        "cr-0123456789abcdef0", "cr-0a1b2c3d4e5f60718")
+    (tmp_path / "mine.yaml").write_text(text)
+    config, problems = validate_file(tmp_path / "mine.yaml")
+    assert problems == [] and config is not None
+    done = _validate(tmp_path / "mine.yaml")
     assert done.exit_code == 0 and "valid" in done.output
     docs = DOCS.read_text()
     assert "npx cdk deploy --all -c turnkv:config=deploy/example.yaml" in docs
@@ -88,4 +98,4 @@ def test_a_bad_value_in_a_pool_does_not_hide_a_missing_role():
     """pools[0].count is reported and its default stands in; the cross-field rule still sees no prefill pool."""
     raw = configs.variant(configs.GPU, pools=[{"role": "decode", "instance_type": "p5en.48xlarge", "count": 80}])
     fields = dict(check(raw)[1])
-    assert "0 .. 64" in fields["pools[0].count"] and "no prefill pool" in fields["pools"]
+    assert "1 .. 64" in fields["pools[0].count"] and "no prefill pool" in fields["pools"]

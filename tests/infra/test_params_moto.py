@@ -52,5 +52,14 @@ def test_params_stack_deploys_and_the_cli_reads_it(gpu, moto_env, monkeypatch):
                                   "--who", "ci"])
     assert ok.exit_code == 0, ok.output
     assert ssm.get_parameter(Name="/turnkv/gpu/engine/decoder_kv_blocks_ttl")["Parameter"]["Value"] == "600"
-    refused = CliRunner().invoke(app, ["params", "set", "decoder_kv_blocks_ttl", "400", "--deployment", "gpu"])
+    # docs/parameters.md: the engines' TTL alone lowers conversation_ttl to fit (400 - expiry_margin 10)
+    fitted = CliRunner().invoke(app, ["params", "set", "decoder_kv_blocks_ttl=400", "-d", "gpu", "--who", "ci"])
+    assert fitted.exit_code == 0, fitted.output
+    assert ssm.get_parameter(Name="/turnkv/gpu/engine/decoder_kv_blocks_ttl")["Parameter"]["Value"] == "400"
+    assert ssm.get_parameter(Name="/turnkv/gpu/router/conversation_ttl")["Parameter"]["Value"] == "390"
+    assert "conversation_ttl lowered to fit" in fitted.output
+    # raising it leaves the router's TTL alone; a router TTL that does not fit is still refused
+    CliRunner().invoke(app, ["params", "set", "decoder_kv_blocks_ttl=900", "-d", "gpu", "--who", "ci"])
+    assert ssm.get_parameter(Name="/turnkv/gpu/router/conversation_ttl")["Parameter"]["Value"] == "390"
+    refused = CliRunner().invoke(app, ["params", "set", "conversation_ttl", "950", "--deployment", "gpu"])
     assert refused.exit_code == 2 and "conversation_ttl" in refused.output

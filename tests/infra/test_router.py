@@ -102,7 +102,7 @@ def test_api_keys_in_secrets_manager(any_app):
 
 def test_service_autoscaling_bounds(gpu):
     t = gpu.assertions("router")
-    t.has_resource_properties("AWS::ECS::Service", {"DesiredCount": 2, "LaunchType": "FARGATE",
+    t.has_resource_properties("AWS::ECS::Service", {"LaunchType": "FARGATE",
                                                    "NetworkConfiguration": {"AwsvpcConfiguration": {
                                                        "AssignPublicIp": "DISABLED"}}})
     t.has_resource_properties("AWS::ApplicationAutoScaling::ScalableTarget", {"MinCapacity": 2, "MaxCapacity": 6})

@@ -86,7 +86,7 @@ def test_on_demand_reservation_is_targeted_on_the_group_without_placement_group(
         "AutoScalingGroupName": "turnkv-gpu-prefill",
         "CapacityReservationSpecification": {
             "CapacityReservationPreference": "capacity-reservations-only",
-            "CapacityReservationTarget": {"CapacityReservationIds": ["cr-0123456789abcdef0"]}},
+            "CapacityReservationTarget": {"CapacityReservationIds": ["cr-0a1b2c3d4e5f60718"]}},
         "MinSize": "2", "MaxSize": "2"})
 
 
@@ -94,7 +94,7 @@ def test_capacity_block_uses_market_type_and_target_in_the_launch_template(gpu):
     data = _launch_templates(gpu)["p5e.48xlarge"]
     assert data["InstanceMarketOptions"] == {"MarketType": "capacity-block"}
     assert data["CapacityReservationSpecification"] == {
-        "CapacityReservationTarget": {"CapacityReservationId": "cr-0fedcba9876543210"}}
+        "CapacityReservationTarget": {"CapacityReservationId": "cr-0f1e2d3c4b5a69788"}}
     assert "Placement" not in data
 
 
@@ -134,7 +134,7 @@ def test_user_data_per_role_writes_the_contract_files(gpu):
         assert "systemctl start turnkv-engine.service" in text
         assert "systemctl start turnkv-params-sync.timer" in text
         assert "servicediscovery register-instance" in text and "<ref>" in text  # the Cloud Map service id
-        assert "TURNKV_MODEL_S3_URI=s3://acme-llm-weights/qwen3-32b/" in text
+        assert "TURNKV_MODEL_S3_URI=s3://turnkv-test-weights/qwen3-32b/" in text
 
 
 def test_instance_role_is_least_privilege(any_app):
@@ -204,7 +204,7 @@ def test_a_reservation_made_in_a_cluster_placement_group_launches_into_it(gpu_ac
         "AutoScalingGroupName": "turnkv-gpu-prefill",
         "CapacityReservationSpecification": {
             "CapacityReservationPreference": "capacity-reservations-only",
-            "CapacityReservationTarget": {"CapacityReservationIds": ["cr-0123456789abcdef0"]}}})
+            "CapacityReservationTarget": {"CapacityReservationIds": ["cr-0a1b2c3d4e5f60718"]}}})
 
 
 def _egress(synth, role: str) -> list[dict]:

@@ -61,8 +61,10 @@ async def test_smoke_fails_when_the_endpoint_is_not_greedy():
 
 
 def test_the_command_exits_1_with_the_reason():
-    done = CliRunner().invoke(app, ["smoke", "--url", "not-a-url"])
-    assert done.exit_code == 1 and "is not an http(s) URL" in done.output
+    from tests.conftest import free_port
+
+    done = CliRunner().invoke(app, ["smoke", "--url", f"http://127.0.0.1:{free_port()}", "--timeout", "5"])
+    assert done.exit_code == 1 and "cannot reach" in done.output
 
 
 async def test_an_endpoint_that_never_answers_is_reported_as_slow_not_unreachable():
@@ -80,3 +82,49 @@ async def test_an_endpoint_that_never_answers_is_reported_as_slow_not_unreachabl
         server.close()
     assert result.failure.startswith("turn 1: no complete answer from"), result.failure
     assert "within the test's 1 s" in result.failure and "--timeout" in result.failure
+
+
+def test_bad_arguments_exit_2_before_any_request():
+    """Like every other command: a refused argument is exit 2 with the fix (it was exit 1, and --turns 0 played all
+    four turns); the help names the real range."""
+    runner = CliRunner()
+    for args, reason in ((["--url", "http://127.0.0.1:9", "--turns", "0"], "--turns 0: play 2 .. 4"),
+                         (["--url", "http://127.0.0.1:9", "--turns", "9"], "--turns 9: play 2 .. 4"),
+                         (["--url", "my-alb"], "is not an http(s) URL")):
+        done = runner.invoke(app, ["smoke", *args])
+        assert done.exit_code == 2 and reason in " ".join(done.output.split()), (args, done.output)
+    import re
+
+    help_text = re.sub(r"[│╭╮╰╯─]", " ", runner.invoke(app, ["smoke", "--help"]).output)
+    assert f"2 .. {len(smoke.PROMPTS)}" in " ".join(help_text.split())
+
+
+async def test_a_certificate_for_another_name_is_explained(tmp_path):
+    """`turnkv smoke --url https://<ALB DNS name>`: the ALB serves a certificate for the user's domain, so the check
+    fails; the failure says why and what to pass. --insecure skips the check knowingly."""
+    import asyncio
+    import ssl
+    import subprocess
+
+    from aiohttp import web
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    "/CN=llm.example.com", "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    app_ = web.Application()
+    app_.router.add_get("/v1/models", lambda request: web.json_response({"data": []}))
+    runner = web.AppRunner(app_)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        checked = await smoke.run(f"https://127.0.0.1:{port}", timeout_s=10)
+        assert "the TLS certificate does not match" in checked.failure and "--insecure" in checked.failure
+        unchecked = await smoke.run(f"https://127.0.0.1:{port}", timeout_s=10, verify_tls=False)
+        assert "certificate" not in unchecked.failure  # it got through TLS (and then found no model)
+    finally:
+        await runner.cleanup()
+        await asyncio.sleep(0)

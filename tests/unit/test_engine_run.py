@@ -112,8 +112,8 @@ def test_prepare_syncs_the_model_from_s3_and_serves_it_from_disk():
     ran = []
     argv, env, notes = engine.prepare({**FULL, "TURNKV_MODEL_S3_URI": "s3://models/qwen3-32b/"}, {}.get,
                                       run=lambda cmd: ran.append(list(cmd)) or 0)
-    assert ran == [["aws", "s3", "sync", "--only-show-errors", "s3://models/qwen3-32b/",
-                    "/opt/turnkv/models/qwen3-32b"]]
+    assert ran == [["flock", engine.MODEL_SYNC_LOCK, "aws", "s3", "sync", "--only-show-errors",
+                    "s3://models/qwen3-32b/", "/opt/turnkv/models/qwen3-32b"]]
     assert argv[1:3] == ["serve", "/opt/turnkv/models/qwen3-32b"]
     assert argv[argv.index("--served-model-name") + 1] == "qwen3-32b"
     assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.12.34"
@@ -246,3 +246,33 @@ def test_one_parser_for_every_engine_env_reader():
     expected = {"TURNKV_MODEL": "/m", "TURNKV_ROLE": "prefill", "TURNKV_PORT": "8000"}
     assert node_env.parse(text) == engine.parse_env_file(text) == doctor.parse_env_file(text) == expected
     assert engine.DEFAULTS is node_env.ENGINE_DEFAULTS
+
+
+def test_the_engines_of_a_node_sync_the_weights_one_at_a_time(tmp_path, monkeypatch):
+    """Several engines on a node share one model folder: their syncs run under one flock(1), so the second starts
+    when the first is done (and then finds nothing to copy), instead of both downloading the same files."""
+    import shutil
+    import subprocess
+    import threading
+    import time
+
+    if not shutil.which("flock"):
+        pytest.skip("flock(1) not installed")
+    log = tmp_path / "log"
+    fake = tmp_path / "bin" / "aws"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\necho "start $$" >> {log}\nsleep 0.3\necho "end $$" >> {log}\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:/usr/bin:/bin")
+    monkeypatch.setattr(engine, "MODEL_SYNC_LOCK", str(tmp_path / "sync.lock"))
+    codes = []
+    threads = [threading.Thread(target=lambda: codes.append(engine.sync_model(
+        "s3://models/x/", str(tmp_path / "x"), lambda cmd: subprocess.run(list(cmd)).returncode)))
+        for _ in range(2)]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    events = [line.split()[0] for line in log.read_text().splitlines()]
+    assert events == ["start", "end", "start", "end"] and time.monotonic() - started >= 0.6

@@ -179,3 +179,45 @@ def test_set_create_makes_a_new_deployments_parameters(aws):
     path = params.get("kv_recompute_threshold").ssm_path("fresh")
     assert aws.get_parameter(Name=path)["Parameter"]["Value"] == "128"
     assert CliRunner().invoke(app, ["params", "get", "kv_recompute_threshold", "-d", "fresh"]).output.strip() == "128"
+
+
+def test_set_dry_run_without_a_deployment_checks_offline(monkeypatch, tmp_path):
+    """No deployment, no credentials, no region: the ranges and cross-checks still run (over the catalog's
+    defaults), exit 2 with the reason on a bad value, and nothing reaches AWS."""
+    for key in ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE", "AWS_ACCESS_KEY_ID", "TURNKV_DEPLOYMENT"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setattr(boto3.session, "Session", lambda *a, **k: pytest.fail("AWS reached"))
+    ok = CliRunner().invoke(app, ["params", "set", "decoder_kv_blocks_ttl=180", "--dry-run"])
+    assert ok.exit_code == 0, ok.output
+    assert "decoder_kv_blocks_ttl: 480 -> 180 (dry run, offline" in ok.output
+    assert "conversation_ttl: 450 -> 170" in ok.output  # fitted, as docs/parameters.md says
+    bad = CliRunner().invoke(app, ["params", "set", "decoder_kv_blocks_ttl=99999", "--dry-run"])
+    assert bad.exit_code == 2 and "out of range" in bad.output
+    no_deployment = CliRunner().invoke(app, ["params", "set", "decoder_kv_blocks_ttl=180"])
+    assert no_deployment.exit_code == 2 and "--deployment" in no_deployment.output
+
+
+def test_set_fits_the_router_ttl_over_the_stored_values(aws):
+    """docs/parameters.md: decoder_kv_blocks_ttl alone lowers conversation_ttl to fit (it exited 2 before)."""
+    done = CliRunner().invoke(app, ["params", "set", "decoder_kv_blocks_ttl=180", "-d", DEPLOYMENT, "--create",
+                                    "--who", "t"])
+    assert done.exit_code == 0, done.output
+    ssm = boto3.client("ssm")
+    assert ssm.get_parameter(Name=params.get("conversation_ttl").ssm_path(DEPLOYMENT))["Parameter"]["Value"] == "170"
+
+
+def test_the_catalog_lists_offline(monkeypatch):
+    monkeypatch.setattr(boto3.session, "Session", lambda *a, **k: pytest.fail("AWS reached"))
+    done = CliRunner().invoke(app, ["params", "catalog", "--json"])
+    assert done.exit_code == 0
+    assert set(json.loads(done.output)) == {t.name for t in params.CATALOG}
+    table = CliRunner().invoke(app, ["params", "catalog"])
+    assert table.exit_code == 0 and "decoder_kv_blocks_ttl" in table.output
+
+
+def test_a_region_that_is_no_region_name_is_refused_not_a_traceback(aws):
+    done = CliRunner().invoke(app, ["params", "list", "-d", DEPLOYMENT, "--region", "us east"])
+    assert done.exit_code == 2 and "not an AWS region name" in done.output and done.exception is not None
+    assert isinstance(done.exception, SystemExit)

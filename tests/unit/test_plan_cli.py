@@ -99,3 +99,16 @@ def test_every_ttft_carries_the_calibration_band(tmp_path):
     p90 = out["ttft_ms"]["on"]["p90"]
     assert out["ttft_ms_band"]["on"]["p90"] == pytest.approx([p90 * (1 - band), p90 * (1 + band)], abs=0.1)
     assert all(r["ttft_ms_on_band"][0] < r["ttft_ms_on"] < r["ttft_ms_on_band"][1] for r in out["per_turn"])
+
+
+def test_unreadable_inputs_and_unwritable_outputs_are_messages_not_tracebacks(tmp_path):
+    """A folder as --workload, --out under /proc or under a file (as a read-only working folder for the default
+    results/plan: the same OSError): exit 2 naming the option and the fix."""
+    res = runner.invoke(app, ["plan", "--workload", str(tmp_path)])
+    assert res.exit_code == 2 and "cannot be read" in res.output and "Traceback" not in res.output
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for out in (blocker / "plan", Path("/proc/turnkv-plan")):
+        res = runner.invoke(app, ["plan", "--out", str(out)])
+        assert res.exit_code == 2 and "cannot write plan.json" in " ".join(res.output.split()), res.output
+        assert isinstance(res.exception, SystemExit)

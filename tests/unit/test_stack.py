@@ -250,3 +250,24 @@ def test_cuda_on_the_cpu_build_is_refused_before_anything_starts(tmp_path, monke
     with pytest.raises(StackError, match=r"needs vLLM's CUDA wheel; this environment has vllm 0\.32\.0\+cpu"):
         Supervisor(tmp_path).up(StackConfig(state_dir=tmp_path, accelerator="cuda"))
     assert not (tmp_path / "state.json").exists() and not (tmp_path / "models").exists()
+
+
+def test_a_run_starts_with_its_own_tunables_file_so_set_wins_over_one_left_behind(tmp_path):
+    """`make demo`'s pressure rows left retained_kv_share 0.5 / host_kv_budget_mib 256 in .turnkv/tunables.json;
+    the engines re-read that file over their start-up values, so the next `local up --set retained_kv_share=0.02`
+    ran with 0.5. Each run now writes the file with its own values before any engine starts."""
+    import json
+
+    from connector.tunables import TunablesFile
+
+    config = StackConfig(state_dir=tmp_path, tunables={"retained_kv_share": 0.02})
+    left = stack.tunables_file(config)
+    left.write_text(json.dumps({"retained_kv_share": 0.5, "host_kv_budget_mib": 256}))
+    stack.write_tunables_file(config)
+    seen: dict = {}
+    reader = TunablesFile(seen.update, path=str(left))
+    assert reader.poll()
+    assert seen["retained_kv_share"] == 0.02 and seen["host_kv_budget_mib"] == params.get("host_kv_budget_mib").default
+    engines = {p.name: p for p in stack.plan(config)}
+    assert engines["decode-0"].env[params.TUNABLES_FILE_ENV] == str(left.resolve())
+    assert not left.with_suffix(".json.new").exists()

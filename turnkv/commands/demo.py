@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
 from turnkv import router_env
+
+if TYPE_CHECKING:
+    from turnkv.local.stack import StackConfig
 
 console = Console(stderr=True)
 
@@ -34,7 +37,7 @@ def demo(
     from bench.workload import WorkloadSpec
     from turnkv.commands.bench import run_benchmark
     from turnkv.local.model import load_words
-    from turnkv.local.stack import StackConfig, Supervisor
+    from turnkv.local.stack import StackConfig, Supervisor, tunables_file
     from turnkv.local.start import start_stack
 
     # A host tier on decode (allocated at start): the pressure row turns it on and off by reload.
@@ -48,7 +51,7 @@ def demo(
             # keeps its room for retention_eviction_grace, longer than the row takes).
             console.rule("retention pressure: twice the conversations decode's room holds (retained_kv_share "
                          f"{PRESSURE_SHARE}), device only, then with the host tier")
-            pressure_rows(state, config.state_dir, out / "pressure")
+            pressure_rows(state, config, out / "pressure")
         workload = WorkloadSpec(conversations=conversations, turns=turns)
         console.rule(f"multi-turn A/B: {conversations} conversations x {turns} turns, "
                      f"~{workload.approx_last_prompt()} prompt tokens by the last turn")
@@ -61,6 +64,8 @@ def demo(
     finally:
         console.rule("stopping the local stack")
         Supervisor(state_dir).down()
+        # Nothing left behind: the next `turnkv local up` writes its own file anyway (turnkv.local.stack).
+        tunables_file(config).unlink(missing_ok=True)
     if summary["errors"]:
         console.print(f"[red]{summary['errors']} request(s) failed[/red]: {summary['error_samples']}")
         raise typer.Exit(1)
@@ -84,18 +89,18 @@ def load_row(url: str, conversations: int, out: Path, words: list[str]) -> dict:
     return result
 
 
-def pressure_rows(state: dict, state_dir: Path, out: Path) -> None:
+def pressure_rows(state: dict, config: StackConfig, out: Path) -> None:
     """bench.pressure's quick row at 2x on the demo's running stack: the share lowered and the host tier off, then
     on (both hot-reloaded through the engines' tunables file), each level's reuse share and TTFT printed; then the
-    catalog's share again for the rest of the demo."""
+    stack's own values again for the rest of the demo (``config``: its StackConfig)."""
     import json
     import time
 
     from bench import pressure, pressure_report
-    from turnkv import params
+    from turnkv.local.stack import tunables_file, write_tunables_file
 
     components = state["components"]
-    tunables = state_dir / "tunables.json"
+    tunables = tunables_file(config)
     try:
         for name, host_mib in (("device only", 0), ("host tier", PRESSURE_HOST_MIB)):
             tunables.write_text(json.dumps({"retained_kv_share": PRESSURE_SHARE, "host_kv_budget_mib": host_mib}))
@@ -106,6 +111,5 @@ def pressure_rows(state: dict, state_dir: Path, out: Path) -> None:
                                     variant=f"{name}=retained_kv_share={PRESSURE_SHARE}", levels="2")
             pressure_report.table_console().print(pressure_report.table(result))
     finally:
-        share = params.get("retained_kv_share").default
-        tunables.write_text(json.dumps({"retained_kv_share": share, "host_kv_budget_mib": PRESSURE_HOST_MIB}))
+        write_tunables_file(config)
         time.sleep(1.5)

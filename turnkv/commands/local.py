@@ -49,7 +49,7 @@ def up(
         help="Also start a prefix-caching prefill engine and a second router on --port+1 (benchmark best case).")]
     = False,
     tunable: Annotated[list[str] | None, typer.Option(
-        "--set", help="Tunable NAME=VALUE, e.g. decoder_kv_blocks_ttl=120 (see `turnkv params list`).")] = None,
+        "--set", help="Tunable NAME=VALUE, e.g. decoder_kv_blocks_ttl=120 (see `turnkv params catalog`).")] = None,
     accelerator: Annotated[Accelerator, typer.Option(
         help="cpu: vLLM's CPU build (this venv); cuda: both engines on one GPU, from a venv with vLLM's CUDA wheel "
              "(`make gpu-smoke` builds .venv-gpu).")] = Accelerator.CPU,

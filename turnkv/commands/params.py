@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,6 +23,9 @@ app = typer.Typer(help="Read and change the tunables in SSM Parameter Store.", n
 Deployment = Annotated[str, typer.Option("--deployment", "-d", envvar=node_env.DEPLOYMENT,
                                          help="Deployment name (the CDK config's name).")]
 Region = Annotated[str | None, typer.Option("--region", envvar=node_env.REGION, help="AWS region.")]
+OptionalDeployment = Annotated[str | None, typer.Option(
+    "--deployment", "-d", envvar=node_env.DEPLOYMENT,
+    help="Deployment name (the CDK config's name). Left out with --dry-run: checked offline against the catalog.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 
 
@@ -31,12 +35,18 @@ def _console(stderr: bool = False):
     return Console(stderr=stderr, highlight=False)
 
 
+#: What boto3 accepts as a region name (it raises a traceback-shaped error on anything else).
+REGION_NAME = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d+$")
+
+
 def _store(deployment: str, region: str | None, create: bool = False):
     """The deployment's store; refused (exit 2) when the deployment has no parameters, unless ``create``."""
     import boto3
 
     from turnkv.aws_params import ParamStore
 
+    if region is not None and not REGION_NAME.match(region):
+        _refuse(f"{region!r} is not an AWS region name; pass --region REGION, e.g. us-east-2")
     session = boto3.session.Session(region_name=region)
     if not session.region_name:
         _refuse("no AWS region: pass --region REGION (the deployment's, e.g. us-east-2), or set AWS_REGION, or "
@@ -45,6 +55,8 @@ def _store(deployment: str, region: str | None, create: bool = False):
         store = ParamStore(session.client("ssm"), deployment)
     except catalog.ParamError as exc:
         _refuse(str(exc))
+    except ValueError as exc:  # botocore's InvalidRegionError (a region from AWS_REGION or the profile)
+        _refuse(f"{exc}; pass --region REGION, e.g. us-east-2")
     if not create:
         try:
             exists = store.exists()
@@ -159,13 +171,16 @@ def _who(session, who: str | None) -> str:
 
 @app.command("set")
 def set_(assignments: Annotated[list[str], typer.Argument(help="NAME VALUE, or NAME=VALUE ...")],
-         deployment: Deployment, region: Region = None,
+         deployment: OptionalDeployment = None, region: Region = None,
          who: Annotated[str | None, typer.Option(help="Recorded as the author (default: caller identity).")] = None,
-         dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate only.")] = False,
+         dry_run: Annotated[bool, typer.Option(
+             "--dry-run", help="Validate only, writing nothing: against the deployment's stored values with "
+                               "--deployment, else offline against the catalog's defaults.")] = False,
          create: Annotated[bool, typer.Option(
              "--create", help="Create the parameters of a deployment that has none yet (normally its params stack "
                               "does).")] = False) -> None:
-    """Change tunables: validated against the catalog and its cross-checks, recorded as a labelled version."""
+    """Change tunables: validated against the catalog and its cross-checks, recorded as a labelled version.
+    decoder_kv_blocks_ttl alone lowers conversation_ttl to fit when the stored one no longer does."""
     from rich.table import Table
 
     from turnkv.aws_params import parse_assignments
@@ -174,11 +189,17 @@ def set_(assignments: Annotated[list[str], typer.Argument(help="NAME VALUE, or N
         changes = parse_assignments(assignments)
     except catalog.ParamError as exc:
         _refuse(str(exc))
+    if deployment is None:
+        if not dry_run:
+            _refuse("no deployment: pass --deployment NAME (or set TURNKV_DEPLOYMENT); --dry-run without one checks "
+                    "the values offline")
+        _dry_run_offline(changes)
+        return
     store, session = _store(deployment, region, create=create)
     try:
         if dry_run:
-            entries, merged = store.plan(changes)
-            for name in changes:
+            entries, merged, fitted = store.plan(changes)
+            for name in fitted:
                 typer.echo(f"{name}: {entries[name].value} -> {merged[name]} (dry run, nothing written)")
             return
         done = store.set(changes, _who(session, who))
@@ -192,7 +213,38 @@ def set_(assignments: Annotated[list[str], typer.Argument(help="NAME VALUE, or N
     for c in done:
         table.add_row(c.name, str(c.old), f"[bold]{c.new}[/bold]", str(c.version), c.label)
     _console().print(table)
+    if "conversation_ttl" in {c.name for c in done} and "conversation_ttl" not in changes:
+        _console().print("conversation_ttl lowered to fit decoder_kv_blocks_ttl - expiry_margin (docs/parameters.md).")
     _console().print("Engines pick engine-scope changes up at the next `turnkv params sync` (timer, about a minute).")
+
+
+def _dry_run_offline(changes: dict[str, str]) -> None:
+    """``set --dry-run`` without a deployment: ranges and cross-checks over the catalog's defaults, no AWS call."""
+    try:
+        fitted = catalog.fit_router_ttl(changes)
+        merged = catalog.validate(fitted)
+    except catalog.ParamError as exc:
+        _refuse(str(exc))
+    for name in fitted:
+        typer.echo(f"{name}: {catalog.get(name).default} -> {merged[name]} (dry run, offline: over the catalog's "
+                   "defaults, nothing written)")
+
+
+@app.command("catalog")
+def catalog_(as_json: AsJson = False) -> None:
+    """Every tunable the catalog knows: default, allowed range, unit, scope and what it does. Offline (no AWS);
+    `params list -d NAME` shows a deployment's stored values."""
+    if as_json:
+        typer.echo(json.dumps({t.name: {"default": t.default, "allowed": t.allowed, "unit": t.unit,
+                                        "scope": t.scope.value, "description": t.help}
+                               for t in catalog.CATALOG}, indent=2))
+        return
+    import textwrap
+
+    width = max(len(t.name) for t in catalog.CATALOG)
+    for t in catalog.CATALOG:
+        typer.echo(f"{t.name:<{width}}  {t.scope.value:<6}  default {t.default}  allowed {t.allowed}")
+        typer.echo(textwrap.fill(t.help, width=100, initial_indent="    ", subsequent_indent="    "))
 
 
 @app.command("history")

@@ -377,6 +377,8 @@ def plan(
         wl = load_workload(workload)
     except WorkloadError as exc:
         _fail(f"--workload: {exc}")
+    except OSError as exc:  # a folder, no permission: a message, not a traceback
+        _fail(f"--workload {workload}: cannot be read ({exc.strerror}); pass a workload JSON file")
     fleet = build_fleet(model, instance, tp, renamed(ctx, "prefill_tp", "tp_prefill"),
                         renamed(ctx, "decode_tp", "tp_decode"), dtype, kv_dtype, block_size, mode, ttl, threshold,
                         prefill_prefix_caching, state_dir, price)
@@ -384,9 +386,13 @@ def plan(
     with console.status("planning" + (" and simulating" if simulate else "")):
         result = run_plan(fleet, wl, renamed(ctx, "ttft_target_ms", "ttft_target"), simulate, conversations,
                           deployment)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "plan.json").write_text(json.dumps(result, indent=2, default=str))
-    chart(result, out / "plan.png")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "plan.json").write_text(json.dumps(result, indent=2, default=str))
+        chart(result, out / "plan.png")
+    except OSError as exc:  # a read-only working folder (the default --out is under it), /proc, a full disk
+        _fail(f"--out {out}: cannot write plan.json and plan.png there ({exc.strerror}); pass --out to a writable "
+              "folder")
     if as_json:
         typer.echo(json.dumps(result, indent=2, default=str))
         return

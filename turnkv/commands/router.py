@@ -19,7 +19,8 @@ def serve(
                           "http://H:P?engine_id=ID&side_channel_port=N[&side_channel_host=H&tp_size=N].")] = None,
     decode: Annotated[list[str] | None, typer.Option("--decode", help="Decode engine URL (repeatable).")] = None,
     host: Annotated[str | None, typer.Option(help="Address to listen on (default 127.0.0.1).")] = None,
-    port: Annotated[int | None, typer.Option(help=f"Port to listen on (default {router_env.PORT}).")] = None,
+    port: Annotated[int | None, typer.Option(min=1, max=65535,
+                                             help=f"Port to listen on (default {router_env.PORT}).")] = None,
     config_file: Annotated[Path | None, typer.Option(
         "--config", help="Settings file (JSON or TOML): the flags' names with _, and 'set' for tunables.")] = None,
     mode: Annotated[str | None, typer.Option(help="KV transfer mode: pull, or push (concurrent P and D).")] = None,
@@ -56,7 +57,7 @@ def serve(
         help="Seconds an idle client connection stays open (default 75); behind a load balancer, longer than its idle "
              "timeout.")] = None,
     tunable: Annotated[list[str] | None, typer.Option(
-        "--set", help="Override a tunable, NAME=VALUE (see `turnkv params list`); repeatable.")] = None,
+        "--set", help="Override a tunable, NAME=VALUE (see `turnkv params catalog`); repeatable.")] = None,
     allow_open: Annotated[bool, typer.Option(
         "--allow-open", help="Serve without API keys on a non-loopback address (anyone reaching it is served).")
     ] = False,

@@ -1,5 +1,5 @@
 """`turnkv smoke`: the last step of a deploy. The logic is ``turnkv.smoke``; this renders it and sets the exit code
-(0 passed, 1 failed: the reason is printed)."""
+(0 passed, 1 failed, 2 bad arguments: the reason is printed)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,12 @@ def smoke(
                                                 help="An API key (Authorization: Bearer).")] = None,
     model: Annotated[str | None, typer.Option("--model", help="Model name; default: the first /v1/models lists.")
                      ] = None,
-    turns: Annotated[int | None, typer.Option("--turns", help="Conversation turns to play (2 .. all).")] = None,
+    turns: Annotated[int | None, typer.Option(
+        "--turns", help="Conversation turns to play, 2 .. 4 (default: 4).")] = None,
     timeout: Annotated[float, typer.Option("--timeout", min=1, help="Seconds for the whole test.")] = 300.0,
+    insecure: Annotated[bool, typer.Option(
+        "--insecure", help="Skip the TLS certificate check (the ALB's own DNS name with a certificate for your "
+                           "domain); better: --url https://<your domain>.")] = False,
 ) -> None:
     """Play a short multi-turn conversation through the endpoint: turns 2+ must reuse KV and answer exactly as
     with reuse off. Prints TTFT per turn."""
@@ -25,8 +29,12 @@ def smoke(
 
     from turnkv import smoke as lib
 
-    result = asyncio.run(lib.run(url, api_key=api_key, model=model, turns=turns or len(lib.PROMPTS),
-                                 timeout_s=timeout))
+    turns = len(lib.PROMPTS) if turns is None else turns
+    if problem := lib.argument_problem(url.rstrip("/"), turns):
+        Console(stderr=True, highlight=False).print(f"[red]refused:[/red] {problem}")
+        raise typer.Exit(2)
+    result = asyncio.run(lib.run(url, api_key=api_key, model=model, turns=turns, timeout_s=timeout,
+                                 verify_tls=not insecure))
     console = Console(highlight=False)
     if result.turns:
         table = Table(title=f"turnkv smoke: {result.url} ({result.model})")

@@ -199,7 +199,7 @@ def _engine_process(config: StackConfig, spec: EngineSpec, core: int | None) -> 
         # The engine's connector from this checkout: `vllm` is an entry-point script, so without this an
         # editable install resolves `connector` to wherever it was installed from (another worktree's code).
         "PYTHONPATH": os.pathsep.join(p for p in (str(SOURCE_ROOT), os.environ.get("PYTHONPATH", "")) if p),
-        params.TUNABLES_FILE_ENV: str(state / "tunables.json"),
+        params.TUNABLES_FILE_ENV: str(tunables_file(config)),
         wire.OFFER_SECRET_FILE_ENV: str(offer_secret_path(config)),
     }
     return ProcessSpec(spec.engine_id, argv, env, spec.port, f"http://127.0.0.1:{spec.port}/health",
@@ -221,6 +221,27 @@ def _router_process(config: StackConfig, name: str, port: int, prefill: list[str
                        config.state_dir.resolve() / "logs" / f"{name}.log", kind="router")
 
 
+def tunables_file(config: StackConfig) -> Path:
+    """The file the engines hot-reload (``params.TUNABLES_FILE_ENV``): the local stand-in for the node's SSM sync."""
+    return config.state_dir.resolve() / "tunables.json"
+
+
+def engine_tunables_of(config: StackConfig) -> dict[str, int | float]:
+    """This run's engine-scope tunables: the catalog's defaults with ``config.tunables`` (``--set``) over them."""
+    values = params.validate(config.tunables)
+    return {k: v for k, v in values.items() if params.BY_NAME[k].scope is params.Scope.ENGINE}
+
+
+def write_tunables_file(config: StackConfig) -> None:
+    """Start every run with a tunables file holding this run's engine values. The engines re-read the file over
+    their start-up values, so one left by an earlier run (``make demo``'s pressure rows) would silently override
+    ``--set``; the file is replaced, atomically, before any engine starts."""
+    path = tunables_file(config)
+    tmp = path.with_suffix(".json.new")
+    tmp.write_text(json.dumps(engine_tunables_of(config), indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
 def plan(config: StackConfig) -> list[ProcessSpec]:
     """Every process of the stack, in start order. Pure: reads only the CPU affinity mask."""
     if config.accelerator not in ACCELERATORS:
@@ -231,7 +252,7 @@ def plan(config: StackConfig) -> list[ProcessSpec]:
     prefill_core = cores[0]
     decode_core = cores[1] if len(cores) > 1 else cores[0]
     values = params.validate(config.tunables)
-    engine_tunables = {k: v for k, v in values.items() if params.BY_NAME[k].scope is params.Scope.ENGINE}
+    engine_tunables = engine_tunables_of(config)
     router_tunables = {k: v for k, v in values.items()
                        if params.BY_NAME[k].scope is params.Scope.ROUTER or k == "decoder_kv_blocks_ttl"}
     common = dict(model=str(config.model_dir.resolve()), served_model_name=SERVED_MODEL_NAME, mode=config.mode,
@@ -420,6 +441,7 @@ class Supervisor:
         for sub in ("logs", "tmp", "cache"):
             (config.state_dir / sub).mkdir(parents=True, exist_ok=True)
         ensure_offer_secret(offer_secret_path(config))
+        write_tunables_file(config)
         state = {"config": _jsonable(config), "components": {}, "started_at": time.time()}
         try:
             for batch in start_batches(config, procs):
