@@ -597,7 +597,7 @@ def check_engine_slots(node: Node, opts: Options) -> list[CheckResult]:
             problems[e.slot].append(str(exc))
             continue
         if seen is None:
-            problems[e.slot].append(f"neither {node_env.CUDA_VISIBLE_DEVICES} nor {node_env.NEURON_RT_VISIBLE_CORES}"
+            problems[e.slot].append(f"neither {node_env.CUDA_VISIBLE_DEVICES} nor {node_env.NEURON_VISIBLE_DEVICES}"
                                     " is set: it would use every device of the node")
             continue
         devices[e.slot] = seen
