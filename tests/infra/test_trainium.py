@@ -1,5 +1,5 @@
-"""The shipped Trainium2 deploy config (deploy/trn2.yaml) synthesizes as a user's `cdk deploy` would: nag-clean, cfn-lint
-clean, the Neuron image baked on a Trainium2 build instance, and each engine of a trn2 node confined to its
+"""The shipped Trainium2 deploy config (deploy/trn2.yaml) synthesizes as a user's `cdk deploy` would: nag-clean, the
+Neuron image baked on a Trainium2 build instance, and each engine of a trn2 node confined to its
 NeuronCores through vllm-neuron's own variable, with the config's explicit opt-in in its env."""
 
 from __future__ import annotations

@@ -615,7 +615,8 @@ def test_cli_flavor_from_the_image_and_a_bad_flavor(cli):
     neuron_probe = Completed(0, json.dumps({"versions": {"vllm": versions.VLLM_NEURON_CORE, "nixl": versions.NIXL,
                                                          "turnkv": versions.TURNKV,
                                                          "vllm-neuron": versions.VLLM_NEURON}, "errors": {}}))
-    state["fake"] = FakeNode({"python -c \nimport importlib": neuron_probe, "ldconfig -p": Completed(0, NEURON_LDCONFIG),
+    state["fake"] = FakeNode({"python -c \nimport importlib": neuron_probe,
+                              "ldconfig -p": Completed(0, NEURON_LDCONFIG),
                               "python -c \nimport json, os": NEURON_PROBE_OK}, files={doctor.FLAVOR_FILE: "neuron\n"})
     result = CliRunner().invoke(app, ["doctor", "--json"])
     assert json.loads(result.output)["flavor"] == "neuron" and result.exit_code == 0
