@@ -1,5 +1,5 @@
-"""The shipped Trainium2 deploy config (deploy/trn2.yaml) synthesizes as a user's `cdk deploy` would: nag-clean, the
-Neuron image baked on a Trainium2 build instance, and each engine of a trn2 node confined to its
+"""The shipped Trainium2 deploy config (deploy/trn2.yaml) synthesizes as a user's `cdk deploy` would: nag-clean,
+cfn-lint clean, the Neuron image baked on a Trainium2 build instance, and each engine of a trn2 node confined to its
 NeuronCores through vllm-neuron's own variable, with the config's explicit opt-in in its env."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import yaml
 
 from infra.wheel import REPO_ROOT
 from tests.infra.conftest import synthesize
-from tests.infra.test_compliance import _nag_report
+from tests.infra.test_compliance import _nag_report, test_cfn_lint_is_clean_on_every_template
 from turnkv import neuron, node_env
 
 
@@ -30,9 +30,10 @@ def _user_data(synth) -> dict[str, str]:
     return out
 
 
-def test_trn2_synth_is_nag_clean(trn2):
+def test_trn2_synth_is_nag_and_cfn_lint_clean(trn2):
     nag = _nag_report(trn2)
     assert nag["violations"] == [] and nag["conclusion"] == "success"
+    test_cfn_lint_is_clean_on_every_template(trn2)  # in the config's region (us-east-2 offers trn2.48xlarge)
 
 
 def test_the_neuron_image_bakes_on_trainium2_from_the_neuron_dlami(trn2):
