@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from infra.wheel import REPO_ROOT
+from tests.infra import test_compliance
 from tests.infra.conftest import synthesize
-from tests.infra.test_compliance import _nag_report, test_cfn_lint_is_clean_on_every_template
 from turnkv import neuron, node_env
 
 
@@ -31,9 +31,9 @@ def _user_data(synth) -> dict[str, str]:
 
 
 def test_trn2_synth_is_nag_and_cfn_lint_clean(trn2):
-    nag = _nag_report(trn2)
+    nag = test_compliance._nag_report(trn2)
     assert nag["violations"] == [] and nag["conclusion"] == "success"
-    test_cfn_lint_is_clean_on_every_template(trn2)  # in the config's region (us-east-2 offers trn2.48xlarge)
+    test_compliance.test_cfn_lint_is_clean_on_every_template(trn2)  # in the config region, which offers trn2
 
 
 def test_the_neuron_image_bakes_on_trainium2_from_the_neuron_dlami(trn2):
