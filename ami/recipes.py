@@ -136,10 +136,12 @@ ORDER: dict[str, tuple[str, ...]] = {
 _BUILD = {
     # Image Builder builds on an instance without EFA interfaces; any NVIDIA GPU lets doctor check driver/CUDA.
     "gpu": ("g6.2xlarge", 200, GPU_PARENT_SSM),
-    "neuron": ("trn1.2xlarge", 200, NEURON_PARENT_SSM),
+    # The plugin targets Trainium2 (its DI docs name Trn2 and Trn3): the smallest trn2, with Neuron devices for
+    # the image test's neuron-ls, then the one size offered in more regions.
+    "neuron": ("trn2.3xlarge", 200, NEURON_PARENT_SSM),
 }
 #: Fallbacks after the first build type: same family of quota (G/VT for gpu), NVIDIA GPUs the DLAMI drives.
-_BUILD_FALLBACKS = {"gpu": ("g6.4xlarge", "g5.2xlarge", "g6e.2xlarge"), "neuron": ()}
+_BUILD_FALLBACKS = {"gpu": ("g6.4xlarge", "g5.2xlarge", "g6e.2xlarge"), "neuron": ("trn2.48xlarge",)}
 
 
 def _lock() -> dict[str, dict[str, str]]:

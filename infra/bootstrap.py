@@ -108,6 +108,8 @@ class NodeBootstrap:
     #: the single units and engine.env; several run as template-unit instances, each on its own devices and ports.
     engines: int = 1
     accelerators: int = 8
+    #: ``connector.allow_unverified`` of the deploy config (Neuron pools: ``("neuron",)``).
+    allow_unverified: tuple[str, ...] = ()
 
     @property
     def slots(self) -> tuple[node_env.EngineSlot, ...]:
@@ -118,7 +120,7 @@ class NodeBootstrap:
             role=self.role, engine_id=engine_id, model=self.model, served_model_name=self.served_model_name,
             side_channel_host=host, mode=self.mode, bidirectional=self.bidirectional, tp_size=self.tp_size,
             max_model_len=self.max_model_len, port=self.port, side_channel_port=self.side_channel_port,
-            backends=node_env.EFA_BACKENDS, model_s3_uri=self.model_s3_uri)
+            backends=node_env.EFA_BACKENDS, model_s3_uri=self.model_s3_uri, allow_unverified=self.allow_unverified)
 
 
 def log_names(b: NodeBootstrap) -> tuple[str, ...]:

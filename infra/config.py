@@ -16,7 +16,7 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -31,7 +31,7 @@ from pydantic import (
     model_validator,
 )
 
-from turnkv import params
+from turnkv import neuron, params, platforms
 from turnkv.engine_args import Mode, Role
 from turnkv.node_env import MAX_ENGINES_PER_NODE, MODEL, check_value
 
@@ -135,11 +135,8 @@ def _retention(value: int) -> int:
 def _instance_type(value: str) -> str:
     if value not in INSTANCE_TYPES:
         raise ValueError(f"{value!r} is not supported; use one of {', '.join(INSTANCE_TYPES)}")
-    if INSTANCE_TYPES[value].flavor is Flavor.NEURON:
-        gpus = ", ".join(t for t, prof in INSTANCE_TYPES.items() if prof.flavor is Flavor.GPU)
-        raise ValueError(f"{value} is a Trainium (Neuron) instance: the Neuron image has no NIXL and no vLLM that "
-                         f"turnkv's KV connector supports yet, so its engines would restart forever and never serve; "
-                         f"use a GPU instance type ({gpus})")
+    if INSTANCE_TYPES[value].flavor is Flavor.NEURON and not value.startswith(neuron.DI_FAMILIES):
+        raise ValueError(f"{value} is refused: {neuron.TRN1_REFUSAL}")
     return value
 
 
@@ -290,6 +287,9 @@ class ModelConfig(_Model):
 class ConnectorConfig(_Model):
     mode: Mode = Mode.PULL
     bidirectional: StrictBool = True
+    #: Platforms whose engines start although turnkv's connector is unverified there (``turnkv.platforms``):
+    #: Neuron pools need ``[neuron]``, written to each engine's env as ``TURNKV_ALLOW_UNVERIFIED``.
+    allow_unverified: tuple[Literal["neuron"], ...] = ()
 
 
 class RouterDeploymentConfig(_Model):
@@ -481,6 +481,15 @@ def _cross_checks(c: DeploymentConfig) -> list[tuple[str, str]]:
     if len({p.flavor for p in c.pools}) > 1:
         fail(("pools", "prefill and decode are on different accelerator families (KV blocks move between them as "
                        "is); put every pool on GPU instances or every pool on Neuron"))
+    elif c.pools and c.pools[0].flavor == Flavor.NEURON.value:
+        if Flavor.NEURON.value not in c.connector.allow_unverified:
+            fail(("connector.allow_unverified", "Neuron pools need [neuron]: turnkv's connector has not read KV on a "
+                                                "Trainium node yet (" + "; ".join(platforms.unverified("neuron")) +
+                  "), so engines start there only when the config says so; add allow_unverified: [neuron] to the "
+                  "connector section, and check KV moved and answers match (docs/trainium.md)"))
+        refused = neuron.MODE_REFUSALS.get(c.connector.mode.value)
+        if refused:
+            fail(("connector.mode", refused))
 
     rt = c.router
     if rt.max_replicas < rt.replicas:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 
-from turnkv import node_env, platforms, versions
+from turnkv import neuron, node_env, platforms, versions
 
 VENV_PYTHON = "/opt/turnkv/venv/bin/python"
 NIXL_ENV_FILE = "/etc/turnkv/nixl.env"
@@ -597,7 +597,7 @@ def check_engine_slots(node: Node, opts: Options) -> list[CheckResult]:
             problems[e.slot].append(str(exc))
             continue
         if seen is None:
-            problems[e.slot].append(f"neither {node_env.CUDA_VISIBLE_DEVICES} nor {node_env.NEURON_RT_VISIBLE_CORES}"
+            problems[e.slot].append(f"neither {node_env.CUDA_VISIBLE_DEVICES} nor {node_env.NEURON_VISIBLE_DEVICES}"
                                     " is set: it would use every device of the node")
             continue
         devices[e.slot] = seen
@@ -647,10 +647,54 @@ def _list(values) -> str:
     return ",".join(map(str, values))
 
 
+NEURON_PROBE = r"""
+import json, os
+import importlib.metadata as md
+out = {"platform_plugins": sorted(ep.name for ep in md.entry_points(group="vllm.platform_plugins"))}
+try:
+    from vllm.platforms import current_platform
+    out["device_type"] = current_platform.device_type
+except Exception as exc:
+    out["error"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
+
+def check_neuron_platform(node: Node, opts: Options) -> CheckResult:
+    """Neuron: what vllm-neuron's DI path needs that no GPU check covers (turnkv.neuron): NIXL's LIBFABRIC plugin
+    finds libcuda.so.1, vllm-neuron's platform plugin is installed, and vLLM resolves the Neuron platform when
+    VLLM_PLUGINS names it as the engine's environment does."""
+    name = "neuron-platform"
+    if opts.flavor != "neuron":
+        return CheckResult(name, Status.SKIP, "GPU image: no Neuron platform")
+    cache = node.run(["ldconfig", "-p"], None, 30)
+    if not any(neuron.CUDA_STUB + " " in line for line in cache.stdout.splitlines()):
+        return CheckResult(name, Status.FAIL, f"no {neuron.CUDA_STUB} on the loader path: NIXL's LIBFABRIC plugin "
+                           "fails to load ('unsupported backend LIBFABRIC') and every engine worker exits",
+                           "install the CUDA driver stub (the AMI's turnkv-vllm-neuron step does; vllm-neuron setup "
+                           "guide, 'Install dependencies for disaggregated inference') and run ldconfig")
+    allowed = f"turnkv,turnkv-leases,{neuron.PLATFORM_PLUGIN}"
+    probe = node.run([node.python, "-c", NEURON_PROBE], {"VLLM_PLUGINS": allowed}, 300)
+    result = _last_json(probe.stdout)
+    if probe.returncode != 0 or result is None:
+        return CheckResult(name, Status.FAIL, f"the platform probe failed: {_tail(probe.stderr or probe.stdout)}",
+                           "re-run the AMI's turnkv-vllm-neuron component")
+    if neuron.PLATFORM_PLUGIN not in result["platform_plugins"]:
+        return CheckResult(name, Status.FAIL, f"no vLLM platform plugin named {neuron.PLATFORM_PLUGIN!r} is installed "
+                           f"(found: {_list(result['platform_plugins']) or 'none'})",
+                           f"install vllm-neuron {versions.VLLM_NEURON} (the AMI's turnkv-vllm-neuron component)")
+    if result.get("device_type") != neuron.DEVICE_TYPE:
+        seen = result.get("error") or f"device type {result.get('device_type')!r}"
+        return CheckResult(name, Status.FAIL, f"with VLLM_PLUGINS={allowed} vLLM does not run on Neuron ({seen})",
+                           "run on a Trn2 instance with the Neuron driver loaded (neuron-ls lists its devices)")
+    return CheckResult(name, Status.PASS, f"{neuron.CUDA_STUB} found; vLLM resolves the Neuron platform through the "
+                       f"{neuron.PLATFORM_PLUGIN!r} plugin (device type {neuron.DEVICE_TYPE})")
+
+
 Check = Callable[[Node, Options], CheckResult | Sequence[CheckResult]]
 CHECKS: tuple[Check, ...] = (
-    check_libfabric, check_efa_device, check_nixl, check_gdr, check_driver, check_gpu_memory, check_versions,
-    check_connector_code, check_engine_env, check_engine_slots,
+    check_libfabric, check_efa_device, check_nixl, check_gdr, check_driver, check_gpu_memory, check_neuron_platform,
+    check_versions, check_connector_code, check_engine_env, check_engine_slots,
 )
 
 

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from turnkv import params, wire
+from turnkv import neuron, params, wire
 from turnkv.media import internal_host
 
 
@@ -70,10 +70,21 @@ class EngineSpec:
     #: reads only offers it verifies. ``turnkv local up`` generates one; on AWS the node's user data writes
     #: the deployment's Secrets Manager secret there.
     offer_secret_file: str | None = None
+    #: The node image's accelerator family (``gpu`` or ``neuron``, what the AMI records); empty locally. On Neuron
+    #: the engine needs the plugin's platform allow-listed, device-memory KV buffers and the settings in
+    #: ``turnkv.neuron``.
+    flavor: str = ""
+
+    @property
+    def on_neuron(self) -> bool:
+        return self.flavor == neuron.PLATFORM_PLUGIN
 
 
 def kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
     connector, module_path = (spec.connector, None) if spec.connector else CONNECTORS[spec.mode]
+    refused = neuron.MODE_REFUSALS.get(spec.mode.value) if spec.on_neuron else None
+    if refused:
+        raise ValueError(f"{spec.mode.value} mode on Neuron: {refused}")
     # Every engine tunable (catalog defaults under the spec's values): vLLM reads the TTL, threshold and lease
     # duration; the connector reads the rest as its start-up values (connector.tunables.start_values). The host
     # tier is decode's alone: a prefill engine never retains, so it allocates no pool.
@@ -95,6 +106,9 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
     }
     if module_path:
         config["kv_connector_module_path"] = module_path
+    if spec.on_neuron:
+        # vllm-neuron registers device memory with NIXL under the name "cuda" (get_nixl_supported_devices).
+        config["kv_buffer_device"] = neuron.KV_BUFFER_DEVICE
     return config
 
 
@@ -143,6 +157,12 @@ def serve_env(spec: EngineSpec) -> dict[str, str]:
         PROMETHEUS_DISABLE_CREATED: "True",
         **({wire.OFFER_SECRET_FILE_ENV: spec.offer_secret_file} if spec.offer_secret_file else {}),
     }
+    if spec.on_neuron:
+        # VLLM_PLUGINS filters platform plugins too: without vllm-neuron's entry point the Neuron platform never
+        # loads. Colocated engines must keep libfabric off shared memory; each role skips the other's warmup.
+        env["VLLM_PLUGINS"] += f",{neuron.PLATFORM_PLUGIN}"
+        env.update(neuron.SHM_OFF)
+        env[neuron.SKIP_WARMUP[spec.role.value]] = "1"
     if spec.model.startswith("/"):
         env["HF_HUB_OFFLINE"] = "1"
     return env

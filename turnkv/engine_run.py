@@ -51,9 +51,10 @@ def load_tunables(path: str, read_text: Callable[[str], str | None]) -> tuple[di
 
 
 def spec_from_env(env: Mapping[str, str], tunables: Mapping[str, int | float] | None = None,
-                  model_path: str | None = None) -> EngineSpec:
-    """The EngineSpec for engine.env variables (defaults filled in); raises EngineEnvError naming every problem."""
-    return node_env.EngineEnv.from_variables(env).spec(tunables, model_path)
+                  model_path: str | None = None, flavor: str = "") -> EngineSpec:
+    """The EngineSpec for engine.env variables (defaults filled in) on an AMI of ``flavor``; raises EngineEnvError
+    naming every problem."""
+    return node_env.EngineEnv.from_variables(env).spec(tunables, model_path, flavor)
 
 
 def model_dir(env: Mapping[str, str]) -> str:
@@ -89,8 +90,10 @@ def read_text(path: str) -> str | None:
 
 
 def prepare(variables: Mapping[str, str], read_text: Callable[[str], str | None],
-            run: Callable[[Sequence[str]], int], sync: bool = True) -> tuple[list[str], dict[str, str], list[str]]:
-    """Everything `run` does short of exec: argv, the environment added to the node's, and notes for the log."""
+            run: Callable[[Sequence[str]], int], sync: bool = True,
+            flavor: str | None = None) -> tuple[list[str], dict[str, str], list[str]]:
+    """Everything `run` does short of exec: argv, the environment added to the node's, and notes for the log.
+    ``flavor`` stands in for the AMI's record (a dry run off the node)."""
     notes = []
     tunables, note = load_tunables(variables.get(TUNABLES_FILE) or DEFAULTS[TUNABLES_FILE], read_text)
     notes.append(note)
@@ -101,13 +104,19 @@ def prepare(variables: Mapping[str, str], read_text: Callable[[str], str | None]
         if sync:
             sync_model(uri, model_path, run)
         notes.append(f"model from {uri} in {model_path}")
-    spec = spec_from_env(variables, tunables, model_path)
-    flavor = (read_text(FLAVOR_FILE) or "").strip()
+    flavor = (read_text(FLAVOR_FILE) or "").strip() if flavor is None else flavor
+    spec = spec_from_env(variables, tunables, model_path, flavor)
     refusal = platforms.refusal(flavor, variables) if flavor else None
     if refusal:
         # Exit status 2 (the unit's RestartPreventExitStatus): a configuration error, not a crash to retry.
         raise EngineEnvError(refusal)
-    argv = [vllm_executable(), *serve_args(spec)]
+    try:
+        argv = [vllm_executable(), *serve_args(spec)]
+    except ValueError as exc:  # a setting the platform refuses (push on Neuron): also a configuration error
+        raise EngineEnvError(str(exc)) from None
     env = serve_env(spec)
     notes.append(f"{spec.role.value} engine {spec.engine_id}: {spec.mode.value}, backends {','.join(spec.backends)}")
+    devices = node_env.visible_devices(variables)
+    if devices is not None:
+        notes.append(f"devices {devices[0]}..{devices[-1]} ({len(devices)}, from the slot's env)")
     return argv, env, notes

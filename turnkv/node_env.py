@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from turnkv import params, wire
+from turnkv import neuron, params, platforms, wire
 from turnkv.engine_args import EngineSpec, Mode, Role
 
 #: Paths on the node.
@@ -72,8 +72,11 @@ EFA_BACKENDS = ("LIBFABRIC",)
 #: devices and ports (:func:`engine_slots`). A node of one engine keeps the single units and ``engine.env``.
 ENGINE_SERVICE_TEMPLATE = "turnkv-engine@.service"
 REGISTER_SERVICE_TEMPLATE = "turnkv-register@.service"
-#: The devices an engine may use: GPUs (CUDA) or logical NeuronCores (the Neuron runtime).
+#: The devices an engine may use: GPUs (CUDA) or logical NeuronCores (vllm-neuron's device control variable,
+#: ``turnkv.neuron.VISIBLE_DEVICES``). The Neuron runtime's own ``NEURON_RT_VISIBLE_CORES`` is still read (slot
+#: files written before the native plugin), never written: the plugin maps its workers through its own variable.
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+NEURON_VISIBLE_DEVICES = neuron.VISIBLE_DEVICES
 NEURON_RT_VISIBLE_CORES = "NEURON_RT_VISIBLE_CORES"
 
 
@@ -117,17 +120,17 @@ class EngineSlot:
         return {PORT: str(self.port), SIDE_CHANNEL_PORT: str(self.side_channel_port), **self.device_variables(gpu)}
 
     def device_variables(self, gpu: bool) -> dict[str, str]:
-        """The variable that confines the engine to its devices (CUDA, or the Neuron runtime's range form)."""
+        """The variable that confines the engine to its devices (CUDA's comma list, or vllm-neuron's range)."""
         if gpu:
             return {CUDA_VISIBLE_DEVICES: ",".join(map(str, self.devices))}
-        return {NEURON_RT_VISIBLE_CORES: f"{self.devices[0]}-{self.devices[-1]}"}
+        return {NEURON_VISIBLE_DEVICES: f"{self.devices[0]}-{self.devices[-1]}"}
 
 
 def visible_devices(env: Mapping[str, str]) -> tuple[int, ...] | None:
     """The devices an engine's variables confine it to (what :meth:`EngineSlot.device_variables` writes: a CUDA
     comma list, or a Neuron range ``a-b``; a comma list of numbers and ranges is read in either), or None when
     neither variable is set (the node's one engine uses every device). Raises NodeEnvError on a malformed value."""
-    for name in (CUDA_VISIBLE_DEVICES, NEURON_RT_VISIBLE_CORES):
+    for name in (CUDA_VISIBLE_DEVICES, NEURON_VISIBLE_DEVICES, NEURON_RT_VISIBLE_CORES):
         raw = env.get(name, "").strip()
         if not raw:
             continue
@@ -196,6 +199,9 @@ class EngineEnv:
     tunables_file: str = TUNABLES_FILE
     model_s3_uri: str | None = None
     offer_secret_file: str = wire.DEFAULT_OFFER_SECRET_FILE
+    #: Platforms the deploy config lets engines start on although unverified (``platforms.ALLOW_ENV``); written
+    #: only when set, so a GPU node's engine.env keeps its bytes.
+    allow_unverified: tuple[str, ...] = ()
 
     def variables(self) -> dict[str, str]:
         out = {
@@ -217,6 +223,8 @@ class EngineEnv:
         }
         if self.model_s3_uri:
             out[MODEL_S3_URI] = self.model_s3_uri
+        if self.allow_unverified:
+            out[platforms.ALLOW_ENV] = ",".join(self.allow_unverified)
         return out
 
     @classmethod
@@ -260,8 +268,9 @@ class EngineEnv:
                    model_s3_uri=env.get(MODEL_S3_URI) or None,
                    offer_secret_file=env.get(OFFER_SECRET_FILE_VAR) or wire.DEFAULT_OFFER_SECRET_FILE)
 
-    def spec(self, tunables: Mapping[str, int | float] | None = None, model_path: str | None = None) -> EngineSpec:
-        """The EngineSpec ``turnkv engine run`` serves (on the node: all interfaces)."""
+    def spec(self, tunables: Mapping[str, int | float] | None = None, model_path: str | None = None,
+             flavor: str = "") -> EngineSpec:
+        """The EngineSpec ``turnkv engine run`` serves (on the node: all interfaces), for the AMI's ``flavor``."""
         engine_tunables = params.defaults(params.Scope.ENGINE)
         engine_tunables.update({k: v for k, v in (tunables or {}).items() if k in engine_tunables})
         return EngineSpec(
@@ -270,7 +279,7 @@ class EngineEnv:
             side_channel_host=self.side_channel_host, side_channel_port=self.side_channel_port,
             mode=Mode(self.mode), bidirectional=self.bidirectional, tensor_parallel_size=self.tp_size,
             max_model_len=self.max_model_len, backends=tuple(self.backends), tunables=engine_tunables,
-            offer_secret_file=self.offer_secret_file)
+            offer_secret_file=self.offer_secret_file, flavor=flavor)
 
 
 def _int(env: Mapping[str, str], name: str, low: int, high: int, errors: list[str]) -> int:

@@ -29,9 +29,11 @@ NEURON_MODULE = "vllm_neuron"
 def platform_name(platform: object, loaded_modules: Container[str] = ()) -> str:
     """The platform a vLLM ``current_platform`` runs on, in this module's terms.
 
-    vllm-neuron's ``NeuronPlatform`` declares ``device_type = "cpu"`` (it reuses vLLM's CPU paths), so the device
-    type alone takes a Neuron node for a CPU one and no refusal fires. Neuron is told by the platform's class
-    (module or name), its ``device_name``, or ``vllm_neuron`` being loaded (``loaded_modules``, e.g. ``sys.modules``).
+    The native vllm-neuron plugin declares ``device_type = "neuron"`` (``turnkv.neuron.DEVICE_TYPE``); the
+    NxD-Inference-based plugin before it, and the native one in its CPU mode, declare ``"cpu"``, so the device type
+    alone would take such a node for a CPU one and no refusal would fire. Neuron is also told by the platform's
+    class (module or name), its ``device_name``, or ``vllm_neuron`` being loaded (``loaded_modules``, e.g.
+    ``sys.modules``).
     """
     cls = type(platform)
     names = f"{cls.__module__}.{cls.__qualname__} {getattr(platform, 'device_name', '')}".lower()
@@ -61,7 +63,8 @@ def refusal(platform: str, env: Mapping[str, str]) -> str | None:
         return None
     return (f"turnkv's connector is unverified on {platform}: " + "; ".join(gaps) + ". "
             f"No suite runs it there, so the engine does not start. To try it anyway on a test node, set "
-            f"{ALLOW_ENV}={platform} in /etc/turnkv/engine.env (then check KV moved: "
+            f"{ALLOW_ENV}={platform} in /etc/turnkv/engine.env (a deployment: connector.allow_unverified: "
+            f"[{platform}] in its deploy config; then check KV moved: "
             f"vllm:nixl_bytes_transferred on /metrics, and answers equal to a recompute).")
 
 

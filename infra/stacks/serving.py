@@ -104,7 +104,8 @@ class ServingStack(Stack):
                 cloudmap_service_id=self.cloudmap_service.service_id, log_group=self.log_group.log_group_name,
                 model_s3_uri=config.model.s3_uri, signal_stack=self.stack_name,
                 signal_resource=group_logical_id(pool.name), offer_secret_id=self.offer_secret.secret_arn,
-                engines=self.engines_per_node[pool.name], accelerators=profile.accelerators),
+                engines=self.engines_per_node[pool.name], accelerators=profile.accelerators,
+                allow_unverified=config.connector.allow_unverified),
                 stand_ins=self._user_data_stand_ins())
             self.pools[pool.name] = EngineGroup(self, f"Pool-{pool.name}", EngineGroupProps(
                 pool=pool, deployment_prefix=config.prefix, vpc=vpc, subnet=subnet,

@@ -8,6 +8,7 @@ The stubs act on ``$TURNKV_ROOT`` only. Knobs, all environment variables:
   FAKE_NIXL_WHEEL_PLUGIN=efa|bundled|none   what the nixl wheel's LIBFABRIC plugin links
   FAKE_NIXL_BUILT_PLUGIN=efa|distro         what a NIXL source build's plugin links
   FAKE_SIGNING_DIR=DIR         where curl finds *.sig / *.key / *.gpg downloads (none: they are unreachable)
+  FAKE_LIBCUDA=1|0             whether the image already has libcuda.so.1 (the Neuron bake links a stub if not)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ while (($#)); do case "$1" in -o) out="$2"; shift 2;; -*) shift;; *) url="$1"; s
 case "$url" in
   *aws-efa-installer-*.tar.gz) cp "$FAKE_EFA_TARBALL" "$out";;
   *amazon-cloudwatch-agent.deb) v="${url%/amazon-cloudwatch-agent.deb}"; printf 'fake-deb %s\n' "${v##*/}" >"$out";;
+  */cuda-keyring_*_all.deb) printf 'fake-keyring\n' >"$out";;
   *.sig|*.key|*.gpg)  # signatures and signing keys: served from FAKE_SIGNING_DIR when a test provides them
     [[ -n "${FAKE_SIGNING_DIR:-}" && -f "$FAKE_SIGNING_DIR/${url##*/}" ]] || exit 22
     cp "$FAKE_SIGNING_DIR/${url##*/}" "$out";;
@@ -113,6 +115,13 @@ mkdir -p "$TURNKV_ROOT/opt/turnkv/nixl/lib/x86_64-linux-gnu/plugins"
 printf 'LINK=%s\n' "${FAKE_NIXL_BUILT_PLUGIN:-efa}" \
   >"$TURNKV_ROOT/opt/turnkv/nixl/lib/x86_64-linux-gnu/plugins/libplugin_LIBFABRIC.so"
 ''',
+    # The loader cache: libcuda.so.1 is there when the image ships it (FAKE_LIBCUDA=1) or a step linked the stub.
+    "ldconfig": r'''
+[[ "${1:-}" == -p ]] || exit 0
+if [[ "${FAKE_LIBCUDA:-0}" == 1 || -L "$TURNKV_ROOT/usr/local/lib/libcuda.so.1" ]]; then
+  printf '\tlibcuda.so.1 (libc6,x86-64) => /usr/local/lib/libcuda.so.1\n'
+fi
+''',
     "aws": r'''
 [[ "$1 $2" == "s3 cp" ]] || { echo "aws stub: unexpected $*" >&2; exit 2; }
 printf 'fake wheel from %s\n' "${*: -2:1}" >"${*: -1}"
@@ -120,6 +129,7 @@ printf 'fake wheel from %s\n' "${*: -2:1}" >"${*: -1}"
     "dpkg": r'''
 root="/"; deb=""
 for a in "$@"; do case "$a" in --root=*) root="${a#--root=}";; *.deb) deb="$a";; esac; done
+[[ "$deb" == *cuda-keyring.deb ]] && exit 0  # NVIDIA's repository keyring: nothing to record
 mkdir -p "$root/var/lib/dpkg/turnkv-fake"
 read -r _ version <"$deb"
 echo "$version-1" >"$root/var/lib/dpkg/turnkv-fake/amazon-cloudwatch-agent"

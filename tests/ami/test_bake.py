@@ -8,14 +8,16 @@ wrong libfabric, missing variables).
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from ami import recipes
 from tests.ami import stubs
-from turnkv import versions
+from turnkv import neuron, versions
 
 
 def component(flavor: str, name: str) -> recipes.ComponentSpec:
@@ -80,7 +82,15 @@ def test_second_bake_changes_nothing(bake):
     assert len(before) > 40
 
 
+def dlami(bake) -> Path:
+    """The parent's vLLM venv, as the Neuron DLAMI of the pinned plugin ships it."""
+    venv = bake.root / neuron.dlami_vllm_venv(versions.VLLM_NEURON).lstrip("/")
+    venv.mkdir(parents=True)
+    return venv
+
+
 def test_neuron_bake(bake):
+    dlami(bake)
     bake.bake("neuron")
     calls = bake.calls()
     order = positions(calls, "efa_installer.sh -y",
@@ -88,13 +98,41 @@ def test_neuron_bake(bake):
                       f"pip install --no-cache-dir --extra-index-url https://pip.repos.neuron.amazonaws.com "
                       f"vllm-neuron @ git+https://github.com/vllm-project/vllm-neuron.git@v{versions.VLLM_NEURON} "
                       f"vllm=={versions.VLLM_NEURON_CORE} nixl=={versions.NIXL}",
+                      "ldconfig -p", "curl -fsSL --retry 3 -o", "dpkg -i",
+                      "apt-get -o DPkg::Lock::Timeout=600 install -y --no-install-recommends cuda-cudart-dev-12-6",
                       "aws s3 cp", "dpkg --root=", "turnkv doctor --flavor neuron --image")
     assert order == sorted(set(order))
+    # NIXL's LIBFABRIC plugin dlopens libcuda.so.1 (the setup guide's stub; Neuron never calls it).
+    assert os.readlink(bake.root / "usr/local/lib/libcuda.so.1").endswith("stubs/libcuda.so")
     assert (bake.root / "etc/turnkv/nixl.env").exists()  # NIXL's LIBFABRIC plugin, as on the GPU image
     assert "nvidia_gpu" not in (bake.root / "opt/aws/amazon-cloudwatch-agent/etc/turnkv.json").read_text()
     before = bake.manifest()
     bake.bake("neuron")
     assert bake.manifest() == before
+
+
+def test_a_neuron_image_that_has_libcuda_gets_no_stub(bake):
+    dlami(bake)
+    bake.bake("neuron", extra_env={"FAKE_LIBCUDA": "1"})
+    assert not any("cuda-keyring" in c or "cuda-cudart" in c for c in bake.calls())
+    assert not (bake.root / "usr/local/lib/libcuda.so.1").exists()
+
+
+def test_a_parent_of_another_neuron_release_is_refused(bake):
+    """The DLAMI's SSM parameter has only a `latest`: a parent without the pinned plugin's venv stops the bake."""
+    for name in ("turnkv-base", "turnkv-efa", "turnkv-nixl"):
+        bake.run_phase(component("neuron", name), "build")
+    result = bake.run_phase(component("neuron", "turnkv-vllm-neuron"), "build", check=False)
+    assert result.returncode != 0
+    assert f"not the Neuron DLAMI of vllm-neuron {versions.VLLM_NEURON}" in result.stderr
+    assert "image.ami_id" in result.stderr
+    assert not any(c.startswith("pip install --no-cache-dir --extra-index-url") for c in bake.calls())
+
+
+def test_the_bake_names_the_dlami_venv_as_turnkv_neuron_does():
+    script = (recipes.SCRIPTS_DIR / "31-vllm-neuron.sh").read_text()
+    assert f'dlami_venv="{neuron.DLAMI_VLLM_VENV_PREFIX}${{version//./_}}"' in script
+    assert neuron.dlami_vllm_venv("0.21.0.1.0.0").endswith("_vllm_0_21_0_1_0_0")  # the setup guide's example
 
 
 def test_test_phase_verifies_the_image(bake):

@@ -80,10 +80,10 @@ def _problems(raw) -> dict[str, str]:
      "3 engines of tensor-parallel size 4 need 12 accelerators; p5.48xlarge has 8"),
     ({"model.id": "Qwen/Qwen3 32B"}, "model.id", "letters, digits"),
     ({"connector.mode": "teleport"}, "connector.mode", "pull, push"),
-    # Item 6/7 of issue 11: refused at synth, not at deploy or on the node.
+    # Refused at synth, not at deploy or on the node (turnkv.neuron.TRN1_REFUSAL).
     ({"pools.0.instance_type": "trn2.48xlarge", "pools.1.instance_type": "trn2.48xlarge",
       "pools.2.instance_type": "trn1.32xlarge", "model.tensor_parallel_size": 8},
-     "pools[0].instance_type", "no NIXL and no vLLM that turnkv's KV connector supports yet"),
+     "pools[2].instance_type", "16 Neuron devices but 8 EFA interfaces"),
     ({"model.s3_uri": "s3://replace-me-model-bucket/Qwen3-32B/"}, "model.s3_uri", "is a placeholder; upload"),
     ({"model.s3_uri": "s3://my-bucket/Qwen3-32B/"}, "model.s3_uri", "network.nat_gateways: 1"),
     ({"network.cidr": "10.40.0.0/20"}, "network.cidr", "use a /18 or larger block"),
@@ -136,7 +136,7 @@ def test_pools_need_both_roles_unique_names_and_one_accelerator_family():
     dup = configs.variant(configs.GPU, **{"pools.1.name": "prefill"})
     assert "used twice" in _problems(dup)["pools"]
     mixed = configs.variant(configs.GPU, **{"pools.1.instance_type": "trn2.48xlarge"})
-    assert "Trainium (Neuron)" in _problems(mixed)["pools[1].instance_type"]  # refused before any family mix
+    assert "different accelerator families" in _problems(mixed)["pools"]
 
 
 def test_missing_required_fields():
@@ -183,14 +183,28 @@ def test_app_main_reports_config_errors_without_a_traceback(capsys):
     assert "router.cpu: 3 is not a Fargate CPU size; Fargate takes one of" in err
 
 
-def test_neuron_pools_are_refused_with_what_to_use_instead():
+def test_trn2_pools_need_the_explicit_opt_in_and_pull_mode():
     raw = configs.variant(configs.PUSH, **{"pools.0.instance_type": "trn2.48xlarge",
                                            "pools.1.instance_type": "trn2.48xlarge"})
     problems = _problems(raw)
-    for i in (0, 1):
-        message = problems[f"pools[{i}].instance_type"]
-        assert "Trainium (Neuron)" in message and "never serve" in message
-        assert "use a GPU instance type (p5en.48xlarge, p5.48xlarge, p5e.48xlarge)" in message
+    assert set(problems) == {"connector.allow_unverified", "connector.mode"}
+    assert "allow_unverified: [neuron]" in problems["connector.allow_unverified"]
+    assert "read mode only" in problems["connector.mode"]
+    ok = configs.variant(raw, **{"connector.mode": "pull", "connector.allow_unverified": ["neuron"]})
+    assert from_mapping(ok).connector.allow_unverified == ("neuron",)
+    # Only a platform turnkv knows to be unverified can be named.
+    assert "neuron" in _problems(configs.variant(ok, **{"connector.allow_unverified": ["tpu"]}))[
+        "connector.allow_unverified[0]"]
+
+
+def test_the_config_opt_in_names_every_unverified_platform():
+    import typing
+
+    from infra.config import ConnectorConfig
+    from turnkv import platforms
+
+    (literal,) = typing.get_args(ConnectorConfig.model_fields["allow_unverified"].annotation)[:1]
+    assert set(typing.get_args(literal)) == set(platforms.UNVERIFIED)
 
 
 def test_the_smallest_vpc_that_fits_synthesizes(tmp_path):

@@ -575,8 +575,8 @@ def test_a_crashing_check_is_a_failure_not_a_crash():
 def test_all_checks_pass_on_a_healthy_node():
     results = doctor.run_checks(FakeNode().node(), Options())
     assert [r.name for r in results] == ["efa-libfabric", "efa-device", "nixl-libfabric", "gpudirect-rdma",
-                                         "driver-cuda", "gpu-memory-registration", "pinned-versions",
-                                         "connector-code", "engine-env"]
+                                         "driver-cuda", "gpu-memory-registration", "neuron-platform",
+                                         "pinned-versions", "connector-code", "engine-env"]
     assert all(r.status is not Status.FAIL for r in results) and not doctor.failed(results)
 
 
@@ -594,7 +594,7 @@ def test_cli_json_and_exit_code(cli):
     ok = CliRunner().invoke(app, ["doctor", "--json", "--flavor", "gpu"])
     assert ok.exit_code == 0, ok.output
     body = json.loads(ok.output)
-    assert body["ok"] is True and len(body["checks"]) == 9
+    assert body["ok"] is True and len(body["checks"]) == 10
 
     state["fake"] = FakeNode({f"{EFA}/bin/fi_info -p efa": Completed(61, "", "fi_getinfo: -61")})
     bad = CliRunner().invoke(app, ["doctor", "--json", "--retry-seconds", "0"])
@@ -615,7 +615,9 @@ def test_cli_flavor_from_the_image_and_a_bad_flavor(cli):
     neuron_probe = Completed(0, json.dumps({"versions": {"vllm": versions.VLLM_NEURON_CORE, "nixl": versions.NIXL,
                                                          "turnkv": versions.TURNKV,
                                                          "vllm-neuron": versions.VLLM_NEURON}, "errors": {}}))
-    state["fake"] = FakeNode({"python -c \nimport importlib": neuron_probe}, files={doctor.FLAVOR_FILE: "neuron\n"})
+    state["fake"] = FakeNode({"python -c \nimport importlib": neuron_probe,
+                              "ldconfig -p": Completed(0, NEURON_LDCONFIG),
+                              "python -c \nimport json, os": NEURON_PROBE_OK}, files={doctor.FLAVOR_FILE: "neuron\n"})
     result = CliRunner().invoke(app, ["doctor", "--json"])
     assert json.loads(result.output)["flavor"] == "neuron" and result.exit_code == 0
     bad = CliRunner().invoke(app, ["doctor", "--flavor", "tpu"])
@@ -632,3 +634,44 @@ def test_cli_names_each_engine_of_a_node_of_several(cli, tmp_path):
     checks = {c["name"]: c for c in json.loads(result.output)["checks"]}
     assert checks["engine-env@0"]["status"] == checks["engine-env@1"]["status"] == "pass"
     assert checks["engine-slot@1"]["status"] == "fail" and "engine 1 (i-0abc-1)" in checks["engine-slot@1"]["detail"]
+
+
+# --- Neuron platform (turnkv.neuron) ----------------------------------------------------------------------------
+
+NEURON_LDCONFIG = LDCONFIG + "\tlibcuda.so.1 (libc6,x86-64) => /usr/local/lib/libcuda.so.1\n"
+NEURON_PROBE_OK = Completed(0, json.dumps({"platform_plugins": ["neuron"], "device_type": "neuron"}) + "\n")
+
+
+def neuron_node(**responses):
+    return FakeNode({"ldconfig -p": Completed(0, NEURON_LDCONFIG), "python -c \nimport json, os": NEURON_PROBE_OK,
+                     **responses})
+
+
+def test_neuron_platform_passes_with_the_stub_the_plugin_and_the_platform():
+    result, fake = run(doctor.check_neuron_platform, neuron_node(), flavor="neuron")
+    assert result.status is Status.PASS and "libcuda.so.1" in result.detail and "'neuron'" in result.detail
+    probe_env = next(env for line, env in fake.calls if line.startswith("python -c \nimport json, os"))
+    assert probe_env["VLLM_PLUGINS"] == "turnkv,turnkv-leases,neuron"  # what engine_args.serve_env sets on Neuron
+
+
+def test_neuron_platform_fails_without_libcuda_naming_the_setup_guide():
+    result, fake = run(doctor.check_neuron_platform, neuron_node(**{"ldconfig -p": Completed(0, LDCONFIG)}),
+                       flavor="neuron")
+    assert result.status is Status.FAIL and "unsupported backend LIBFABRIC" in result.detail
+    assert "setup guide" in result.fix
+    assert not any(line.startswith("python") for line, _ in fake.calls)
+
+
+def test_neuron_platform_fails_without_the_plugin_or_off_neuron():
+    none = Completed(0, json.dumps({"platform_plugins": [], "device_type": "cpu"}) + "\n")
+    result, _ = run(doctor.check_neuron_platform, neuron_node(**{"python -c \nimport json, os": none}),
+                    flavor="neuron")
+    assert result.status is Status.FAIL and "no vLLM platform plugin named 'neuron'" in result.detail
+    cpu = Completed(0, json.dumps({"platform_plugins": ["neuron"], "device_type": "cpu"}) + "\n")
+    result, _ = run(doctor.check_neuron_platform, neuron_node(**{"python -c \nimport json, os": cpu}),
+                    flavor="neuron")
+    assert result.status is Status.FAIL and "device type 'cpu'" in result.detail and "Trn2" in result.fix
+
+
+def test_neuron_platform_is_skipped_on_gpu_images():
+    assert run(doctor.check_neuron_platform)[0].status is Status.SKIP

@@ -231,8 +231,21 @@ def test_neuron_node_stops_at_start_naming_what_is_unverified_without_a_restart_
     with pytest.raises(engine.EngineEnvError, match="unverified on neuron") as err:
         engine.prepare(FULL, files.get, run=lambda cmd: 0)
     assert "bi-directional" in str(err.value) and "TURNKV_ALLOW_UNVERIFIED=neuron" in str(err.value)
-    argv, _, _ = engine.prepare({**FULL, "TURNKV_ALLOW_UNVERIFIED": "neuron"}, files.get, run=lambda cmd: 0)
+    allowed = {**FULL, "TURNKV_ALLOW_UNVERIFIED": "neuron"}
+    with pytest.raises(engine.EngineEnvError, match="push mode on Neuron: the vllm-neuron DI docs run read mode only"):
+        engine.prepare(allowed, files.get, run=lambda cmd: 0)  # FULL is push: refused on Neuron, also exit 2
+    argv, env, _ = engine.prepare({**allowed, "TURNKV_MODE": "pull"}, files.get, run=lambda cmd: 0)
     assert argv[1] == "serve"
+    # What the cited facts (turnkv.neuron) ask of a Neuron engine: the plugin's platform allow-listed, device-memory
+    # KV buffers, libfabric off shared memory, and the other role's warmup skipped.
+    assert env["VLLM_PLUGINS"] == "turnkv,turnkv-leases,neuron" and env["FI_EFA_ENABLE_SHM_TRANSFER"] == "0"
+    config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert config["kv_buffer_device"] == "cuda" and config["kv_connector_extra_config"]["backends"] == ["LIBFABRIC"]
+    skip = "VLLM_NEURON_SKIP_PREFILL_WARMUP" if FULL["TURNKV_ROLE"] == "decode" else "VLLM_NEURON_SKIP_DECODE_WARMUP"
+    assert env[skip] == "1"
+    gpu_argv, gpu_env, _ = engine.prepare(FULL, {engine.FLAVOR_FILE: "gpu\n"}.get, run=lambda cmd: 0)
+    assert gpu_env["VLLM_PLUGINS"] == "turnkv,turnkv-leases" and "kv_buffer_device" not in gpu_argv[
+        gpu_argv.index("--kv-transfer-config") + 1]
     engine.prepare(FULL, {engine.FLAVOR_FILE: "gpu\n"}.get, run=lambda cmd: 0)  # GPU: verified, starts
     # `turnkv engine run` exits 2 on a refused configuration; systemd must not restart it.
     unit = (REPO / "ami/scripts/files/turnkv-engine.service").read_text()

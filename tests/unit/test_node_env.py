@@ -79,7 +79,7 @@ def test_a_node_of_several_engines_gives_each_its_devices_and_ports():
     assert second.variables(gpu=True) == {"TURNKV_PORT": "8001", "TURNKV_SIDE_CHANNEL_PORT": "5604",
                                           "CUDA_VISIBLE_DEVICES": "4,5,6,7"}
     # Trainium: the Neuron runtime's core range
-    assert second.device_variables(gpu=False) == {"NEURON_RT_VISIBLE_CORES": "4-7"}
+    assert second.device_variables(gpu=False) == {"NEURON_VISIBLE_DEVICES": "4-7"}
     ones = node_env.engine_slots(8, 1, 8)
     assert [s.devices for s in ones] == [(k,) for k in range(8)]
     assert [s.port for s in ones] == list(range(8000, 8008)) and node_env.http_ports(8) == (8000, 8007)

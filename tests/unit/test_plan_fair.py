@@ -98,10 +98,13 @@ def test_instances_the_infra_cannot_deploy_are_flagged(tmp_path):
         except ValueError:
             deployable = False
         assert inst.deployable is deployable, name
-    data = plan_json(tmp_path, "--instance", "trn2.48xlarge")
+    data = plan_json(tmp_path, "--instance", "trn1.32xlarge")
     assert data["inputs"]["deployable"] is False and "not deployable" in data["inputs"]["deployable_note"]
+    # trn2 deploys behind the config's opt-in; the plan still says it is unverified.
+    data = plan_json(tmp_path, "--instance", "trn2.48xlarge")
+    assert data["inputs"]["deployable"] is True and "allow_unverified: [neuron]" in data["inputs"]["deployable_note"]
     res = runner.invoke(app, ["plan", "--out", str(tmp_path), "--instance", "trn2.48xlarge"])
-    assert res.exit_code == 0 and "not deployable" in " ".join(res.output.split())
+    assert res.exit_code == 0 and "unverified: deployable only behind" in " ".join(res.output.split())
 
 
 def test_the_output_states_its_assumptions(tmp_path):

@@ -19,6 +19,7 @@ from typing import Annotated
 import typer
 
 from turnkv.commands import renamed
+from turnkv.doctor import FLAVORS
 from turnkv.engine_run import EngineEnvError, parse_env_file, prepare, read_text
 
 # engine.env variable names and paths: defined once in turnkv/node_env.py.
@@ -73,6 +74,9 @@ def run(
     = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command and environment; do not exec.")]
     = False,
+    flavor: Annotated[str | None, typer.Option(
+        help="gpu|neuron: the node image's accelerator family (default: what the AMI recorded; none off a node)")]
+    = None,
 ) -> None:
     """Build the engine spec from engine.env (or flags) and exec `vllm serve`."""
     flags = {ROLE: role, ENGINE_ID: engine_id, MODEL: model, SERVED_MODEL_NAME: served_model_name, MODE: mode,
@@ -82,11 +86,14 @@ def run(
              SIDE_CHANNEL_PORT: side_channel_port, BACKENDS: backends, TUNABLES_FILE: tunables_file,
              MODEL_S3_URI: model_s3_uri}
     try:
+        if flavor is not None and flavor not in FLAVORS:
+            raise EngineEnvError(f"--flavor {flavor!r}: use one of {', '.join(FLAVORS)}")
         variables = parse_env_file(env_file.read_text()) if env_file else {}
         variables.update({k: v for k, v in os.environ.items() if k.startswith("TURNKV_")})
         variables.update({k: str(v) for k, v in flags.items() if v is not None})
         argv, env, notes = prepare(variables, read_text=read_text,
-                                   run=lambda cmd: subprocess.run(list(cmd)).returncode, sync=not dry_run)
+                                   run=lambda cmd: subprocess.run(list(cmd)).returncode, sync=not dry_run,
+                                   flavor=flavor)
     except (EngineEnvError, OSError) as exc:
         typer.secho(f"turnkv engine run: {exc}", err=True, fg=typer.colors.RED)
         raise typer.Exit(2) from None

@@ -280,7 +280,7 @@ def print_tables(result: dict[str, Any]) -> None:
         f"block size {a['block_size']}; prefill prefix caching {'on' if a['prefill_prefix_caching'] else 'off'}, "
         f"decode's on; {per['prefill']} prefill / {per['decode']} decode engine(s) per node; "
         f"${a['price_per_node_hour']:.2f}/hour per node on demand", soft_wrap=True)
-    if not inp["deployable"]:
+    if inp["deployable_note"]:  # not deployable, or deployable with a caveat (trn2: unverified, behind an opt-in)
         out.print(f"[yellow]{inp['instance']} is {inp['deployable_note']}[/yellow]", soft_wrap=True)
     if max(per.values()) > 1:
         out.print(f"{per['prefill']}/{per['decode']} engines share a node here; the CDK stack runs them so by "
@@ -324,7 +324,7 @@ def plan(
                                             "Llama-3.3-70B-Instruct, tiny-local) or a Hugging Face config.json "
                                             "path.")] = "Qwen3-32B",
     instance: Annotated[str, typer.Option(help="p5en.48xlarge, p5.48xlarge or local-cpu; trn2.48xlarge and "
-                                               "trn1.32xlarge as a what-if (not deployable yet).")] = "p5en.48xlarge",
+                                               "trn1.32xlarge as a what-if (flagged).")] = "p5en.48xlarge",
     workload: Annotated[Path, typer.Option(help="vLLM multi-turn generator JSON (+ num_clients, think_time_s).")]
     = DEFAULT_WORKLOAD,
     tp: Annotated[int | None, typer.Option(TP, "--tp", min=1, help="Tensor parallel size of both roles: a power of "

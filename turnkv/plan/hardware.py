@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from turnkv import neuron
+
 GB = 1e9
 GIB = 1024**3
 
@@ -128,9 +130,10 @@ H200_SRC = "NVIDIA H200 Tensor Core GPU datasheet (SXM: 989 TFLOPS BF16, 1,979 T
 PRICE_SRC = ("aws.amazon.com/ec2/pricing/on-demand (us-east-1, Linux; P5 prices after AWS's June 2025 cut); "
              "prices change: pass --price to override")
 
-NEURON_NOT_DEPLOYABLE = ("not deployable yet: the Neuron image has no NIXL and no vLLM that turnkv's KV connector "
-                         "supports, so infra/config.py refuses Trainium pools; figures are a what-if on GPU "
-                         "efficiency factors")
+TRN2_UNVERIFIED = ("unverified: deployable only behind connector.allow_unverified: [neuron]: turnkv's connector "
+                   "has not read KV on a Trn2 node yet (docs/trainium.md); figures are a what-if on GPU efficiency "
+                   "factors (no published vLLM-neuron prefill MFU)")
+TRN1_NOT_DEPLOYABLE = f"not deployable: {neuron.TRN1_REFUSAL}"
 
 INSTANCES: dict[str, Instance] = {
     "p5en.48xlarge": Instance(
@@ -149,14 +152,14 @@ INSTANCES: dict[str, Instance] = {
         {"accelerator": "awsdocs-neuron trn2-arch: 16 chips, 10.7 PFLOPS BF16 / 20.8 PFLOPS FP8 dense, "
          "1.5 TiB HBM, 46 TB/s", "network": "3.2 Tbps EFAv3, 16 interfaces", "price": PRICE_SRC,
          "efficiency": "no public vLLM-neuron prefill MFU: the GPU factors are used; calibrate on the cluster"},
-        deployable=False, deployable_note=NEURON_NOT_DEPLOYABLE),
+        deployable=True, deployable_note=TRN2_UNVERIFIED),
     "trn1.32xlarge": Instance(
         "trn1.32xlarge", "16 x AWS Trainium", 16, {"bf16": 190e12, "fp8": 190e12, "fp32": 47.5e12}, 32 * GIB,
         0.82e12, 800e9, 21.50,
         {"accelerator": "awsdocs-neuron trn1-arch: 16 chips, 3.04 PFLOPS BF16, 512 GiB HBM, 13.1 TB/s",
          "network": "800 Gbps EFA, 8 interfaces", "price": PRICE_SRC,
          "efficiency": "no public vLLM-neuron prefill MFU: the GPU factors are used; calibrate on the cluster"},
-        deployable=False, deployable_note=NEURON_NOT_DEPLOYABLE),
+        deployable=False, deployable_note=TRN1_NOT_DEPLOYABLE),
     # This machine: AVX2 EPYC, 2 cores at ~2.45 GHz, 2 FMA units x 8 fp32 lanes x 2 = 32 FLOP/cycle/core.
     # The achieved factors below are placeholders until `turnkv plan calibrate` measures them.
     "local-cpu": Instance(

@@ -1,0 +1,115 @@
+"""Trainium with no Trainium here: a stand-in for the native vllm-neuron platform, built from the cited facts in
+``turnkv.neuron``, drives turnkv's start-up checks and upstream vLLM's own NIXL device table; the engine argv and
+environment of a trn2 node; and docs/trainium.md's table is the facts module's."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from turnkv import engine_args, neuron, node_env, platforms
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class NativeNeuronPlatform:
+    """What the native plugin's ``NeuronPlatform`` declares (turnkv.neuron, PLUGIN_PLATFORM): device type ``neuron``,
+    device memory registered with NIXL under the name "cuda", no pinned host memory."""
+
+    device_type = neuron.DEVICE_TYPE
+    device_name = neuron.DEVICE_TYPE
+    device_control_env_var = neuron.VISIBLE_DEVICES
+
+    @classmethod
+    def get_nixl_supported_devices(cls) -> dict[str, set[str]]:
+        return {neuron.DEVICE_TYPE: {neuron.KV_BUFFER_DEVICE}}
+
+    @classmethod
+    def get_nixl_memory_type(cls) -> None:
+        return None
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+
+NativeNeuronPlatform.__module__ = "vllm_neuron.vllm.platform"
+
+
+@pytest.fixture
+def on_neuron(monkeypatch):
+    import vllm.platforms
+
+    monkeypatch.setattr(vllm.platforms, "_current_platform", NativeNeuronPlatform())
+    monkeypatch.delenv(platforms.ALLOW_ENV, raising=False)
+
+
+def test_the_connector_names_the_native_platform_neuron_and_starts_only_when_allowed(on_neuron):
+    from connector import compat, cpu
+
+    assert compat.current_platform_name() == "neuron"
+    assert not cpu._is_cpu_platform()  # no CPU-only patches on a Neuron engine
+    with pytest.raises(platforms.UnverifiedPlatformError):
+        compat.check_platform()
+    compat.check_platform(env={platforms.ALLOW_ENV: "neuron"})
+
+
+def test_upstream_nixl_accepts_the_kv_buffer_turnkv_configures_on_neuron(monkeypatch):
+    """vLLM's NIXL worker refuses a device type / kv_buffer_device pair missing from ``_NIXL_SUPPORTED_DEVICE``, which
+    it extends with the platform's ``get_nixl_supported_devices()`` at import: re-imported under the stand-in, the
+    real table takes what ``engine_args`` writes for a Neuron engine, and not vLLM's host-buffer default."""
+    import vllm.platforms
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import utils  # its imports made on the real platform
+
+    monkeypatch.setattr(vllm.platforms, "_current_platform", NativeNeuronPlatform())
+    try:
+        table = importlib.reload(utils)._NIXL_SUPPORTED_DEVICE
+        spec = engine_args.EngineSpec(role=engine_args.Role.DECODE, engine_id="d", model="m", port=8000,
+                                      side_channel_port=5600, backends=neuron.NIXL_BACKENDS, flavor="neuron")
+        buffer = engine_args.kv_transfer_config(spec)["kv_buffer_device"]
+        assert buffer in table[neuron.DEVICE_TYPE]
+        assert "cpu" not in table[neuron.DEVICE_TYPE]  # the host-buffer path upstream would take is not offered
+    finally:
+        monkeypatch.undo()
+        importlib.reload(utils)
+
+
+def test_a_trn2_decode_engine_argv_and_environment():
+    spec = engine_args.EngineSpec(role=engine_args.Role.DECODE, engine_id="i-1-2", model="Qwen/Qwen3-32B",
+                                  port=8002, side_channel_port=5632, tensor_parallel_size=16,
+                                  backends=neuron.NIXL_BACKENDS, flavor="neuron")
+    env = engine_args.serve_env(spec)
+    assert env["VLLM_PLUGINS"].split(",") == ["turnkv", "turnkv-leases", neuron.PLATFORM_PLUGIN]
+    assert env["FI_EFA_ENABLE_SHM_TRANSFER"] == "0" and env["VLLM_NEURON_SKIP_PREFILL_WARMUP"] == "1"
+    assert "VLLM_NEURON_SKIP_DECODE_WARMUP" not in env
+    args = engine_args.serve_args(spec)
+    config = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert config["kv_buffer_device"] == "cuda" and config["kv_connector_extra_config"]["backends"] == ["LIBFABRIC"]
+    assert config["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
+    with pytest.raises(ValueError, match="read mode only"):
+        engine_args.kv_transfer_config(engine_args.EngineSpec(
+            role=engine_args.Role.PREFILL, engine_id="p", model="m", port=8000, side_channel_port=5600,
+            mode=engine_args.Mode.PUSH, flavor="neuron"))
+    # A GPU engine is unchanged.
+    gpu = engine_args.EngineSpec(role=engine_args.Role.DECODE, engine_id="g", model="m", port=8000,
+                                 side_channel_port=5600, flavor="gpu")
+    assert engine_args.serve_env(gpu)["VLLM_PLUGINS"] == "turnkv,turnkv-leases"
+    assert "kv_buffer_device" not in engine_args.kv_transfer_config(gpu)
+
+
+def test_trn2_engine_slots_use_the_plugins_device_variable():
+    slots = node_env.engine_slots(4, 16, 64)
+    assert [s.device_variables(gpu=False) for s in slots] == [
+        {neuron.VISIBLE_DEVICES: f"{16 * k}-{16 * k + 15}"} for k in range(4)]
+    assert node_env.visible_devices({neuron.VISIBLE_DEVICES: "16-31"}) == tuple(range(16, 32))
+    # Slot files written before the native plugin still read.
+    assert node_env.visible_devices({node_env.NEURON_RT_VISIBLE_CORES: "0-1"}) == (0, 1)
+
+
+def test_the_docs_table_is_the_facts_module():
+    page = (REPO / "docs/trainium.md").read_text()
+    assert neuron.markdown_table() in page, "regenerate: python -c 'from turnkv import neuron; " \
+                                            "print(neuron.markdown_table())'"
