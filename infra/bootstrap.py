@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from turnkv import metric_names as mn
 from turnkv import node_env
 from turnkv.engine_args import Mode, Role
+from turnkv.engine_settings import EngineSettings
 
 AGENT_CONFIG_PATH = "/opt/aws/amazon-cloudwatch-agent/etc/turnkv-agent.json"
 REGISTER_SCRIPT = "/usr/local/sbin/turnkv-register"
@@ -82,6 +83,10 @@ class NodeBootstrap:
     #: the single units and engine.env; several run as template-unit instances, each on its own devices and ports.
     engines: int = 1
     accelerators: int = 8
+    #: The model's engine settings (deploy config ``model``), carried in engine.env to every engine.
+    settings: EngineSettings = field(default_factory=EngineSettings)
+    #: Secrets Manager secret (name or ARN, as configured) the engine reads its Hugging Face token from at start.
+    hf_token_secret: str = ""
 
     @property
     def slots(self) -> tuple[node_env.EngineSlot, ...]:
@@ -92,7 +97,8 @@ class NodeBootstrap:
             role=self.role, engine_id=engine_id, model=self.model, served_model_name=self.served_model_name,
             side_channel_host=host, mode=self.mode, bidirectional=self.bidirectional, tp_size=self.tp_size,
             max_model_len=self.max_model_len, port=self.port, side_channel_port=self.side_channel_port,
-            backends=node_env.EFA_BACKENDS, model_s3_uri=self.model_s3_uri)
+            backends=node_env.EFA_BACKENDS, model_s3_uri=self.model_s3_uri, settings=self.settings,
+            hf_token_secret=self.hf_token_secret or None)
 
 
 def log_names(b: NodeBootstrap) -> tuple[str, ...]:

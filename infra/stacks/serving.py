@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from aws_cdk import Duration, RemovalPolicy, Stack
+from aws_cdk import ArnFormat, Duration, RemovalPolicy, Stack
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_events as events
 from aws_cdk import aws_events_targets as targets
@@ -103,13 +103,22 @@ class ServingStack(Stack):
                 cloudmap_service_id=self.cloudmap_service.service_id, log_group=self.log_group.log_group_name,
                 model_s3_uri=config.model.s3_uri, signal_stack=self.stack_name,
                 signal_resource=group_logical_id(pool.name), offer_secret_id=self.offer_secret.secret_arn,
-                engines=self.engines_per_node[pool.name], accelerators=profile.accelerators))
+                engines=self.engines_per_node[pool.name], accelerators=profile.accelerators,
+                settings=config.model.engine_settings, hf_token_secret=config.model.hf_token_secret or ""))
             self.pools[pool.name] = EngineGroup(self, f"Pool-{pool.name}", EngineGroupProps(
                 pool=pool, deployment_prefix=config.prefix, vpc=vpc, subnet=subnet,
                 machine_image=images[profile.flavor.value], user_data=ec2.UserData.custom(script), role=self.role,
                 security_group=self.security_group, placement_group=self.placement_group,
                 notifications_topic=self.events_topic))
         self._deregistration()
+
+    def model_token_arn(self, secret: str) -> str:
+        """The gated model's token secret as an IAM resource: an ARN as given; a name as the ARN Secrets Manager
+        gives it (the name, then ``-`` and six random characters, matched by ``??????``)."""
+        if secret.startswith("arn:"):
+            return secret
+        return self.format_arn(service="secretsmanager", resource="secret", resource_name=f"{secret}-??????",
+                               arn_format=ArnFormat.COLON_RESOURCE_NAME)
 
     def _instance_role(self) -> iam.Role:
         config = self.config
@@ -134,6 +143,10 @@ class ServingStack(Stack):
         role.add_to_policy(iam.PolicyStatement(
             sid="ReadOfferSecret", actions=["secretsmanager:GetSecretValue"],
             resources=[self.offer_secret.secret_arn]))
+        if config.model.hf_token_secret:
+            role.add_to_policy(iam.PolicyStatement(
+                sid="ReadModelToken", actions=["secretsmanager:GetSecretValue"],
+                resources=[self.model_token_arn(config.model.hf_token_secret)]))
         role.add_to_policy(iam.PolicyStatement(
             sid="PublishMetrics", actions=["cloudwatch:PutMetricData"], resources=["*"],
             conditions={"StringEquals": {"cloudwatch:namespace": [mn.AGENT_NAMESPACE, mn.ENGINE_NAMESPACE]}}))
