@@ -24,7 +24,7 @@ from constructs import Construct
 from infra import bootstrap
 from infra.config import DeploymentConfig
 from infra.constructs.engine_group import EngineGroup, EngineGroupProps, group_logical_id
-from infra.instances import INSTANCE_TYPES, Flavor
+from infra.instances import INSTANCE_TYPES
 from infra.lambdas import DEREGISTER
 from infra.stacks.network import NetworkStack, https_egress
 from infra.stacks.params import parameter_arn
@@ -95,16 +95,10 @@ class ServingStack(Stack):
         self.http_ports = node_env.http_ports(max(self.engines_per_node.values(), default=1))
         for pool in config.pools:
             profile = INSTANCE_TYPES[pool.instance_type]
-            script = bootstrap.user_data(bootstrap.NodeBootstrap(
-                deployment=config.name, region=config.region, pool=pool.name, role=pool.role,
-                gpu=profile.flavor is Flavor.GPU, model=config.model.id, served_model_name=config.model.name,
-                mode=config.connector.mode, bidirectional=config.connector.bidirectional,
-                tp_size=config.model.tensor_parallel_size, max_model_len=config.model.max_model_len,
-                cloudmap_service_id=self.cloudmap_service.service_id, log_group=self.log_group.log_group_name,
-                model_s3_uri=config.model.s3_uri, signal_stack=self.stack_name,
-                signal_resource=group_logical_id(pool.name), offer_secret_id=self.offer_secret.secret_arn,
-                engines=self.engines_per_node[pool.name], accelerators=profile.accelerators,
-                settings=config.model.engine_settings, hf_token_secret=config.model.hf_token_secret or ""))
+            script = bootstrap.user_data(bootstrap.pool_bootstrap(
+                config, pool, cloudmap_service_id=self.cloudmap_service.service_id,
+                log_group=self.log_group.log_group_name, signal_stack=self.stack_name,
+                signal_resource=group_logical_id(pool.name), offer_secret_id=self.offer_secret.secret_arn))
             self.pools[pool.name] = EngineGroup(self, f"Pool-{pool.name}", EngineGroupProps(
                 pool=pool, deployment_prefix=config.prefix, vpc=vpc, subnet=subnet,
                 machine_image=images[profile.flavor.value], user_data=ec2.UserData.custom(script), role=self.role,
