@@ -54,7 +54,7 @@ def settings_stack():
                                "hermes", "--trust-remote-code"]
     config = StackConfig(state_dir=STATE_DIR, router_port=18030, prefill_port=18130, decode_port=18230,
                          side_channel_base=15700, kv_cache_gib=1, prefill_prefix_caching=False,
-                         tunables={"decoder_kv_blocks_ttl": 60}, engine_settings=settings,
+                         tunables={"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45}, engine_settings=settings,
                          engine_extra_args=("--trust-request-chat-template",))
     with engine_stack(config) as running:
         yield running
