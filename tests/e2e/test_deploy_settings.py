@@ -1,14 +1,19 @@
-"""A deploy config's engine settings on real vLLM CPU engines: fp8 KV cache, the hermes tool-call parser (auto tool
-choice on) and remote code, taken from the config's ``model`` section by the path `turnkv local up --model-config`
-takes (``turnkv.local.settings``), as a node's `turnkv engine run` does. Through the router, the unmodified
-openai SDK sends ``tools`` with a named ``tool_choice`` (vLLM forces the call with structured outputs, so even
-the tiny model returns real ``tool_calls``) and with ``tool_choice: auto`` (200, not the 400 an engine without a
-parser gives); the follow-up turn carrying the ``role: tool`` result pulls what decode held (prefill's
-``external_kv_transfer`` counter) and answers as with reuse off.
+"""A deploy config's engine settings on real vLLM CPU engines: fp8 KV cache, a tool-call parser (auto tool choice on)
+and remote code, taken from the config's ``model`` section by the path `turnkv local up --model-config` takes
+(``turnkv.local.settings``), as a node's `turnkv engine run` does. Through the router, the unmodified openai SDK
+sends ``tools`` with a named ``tool_choice`` (vLLM forces the call with structured outputs, so even the tiny model
+returns real ``tool_calls``) and with ``tool_choice: auto`` (200, not the 400 an engine without a parser gives);
+the follow-up turn carrying the ``role: tool`` result pulls what decode held (prefill's ``external_kv_transfer``
+counter) and answers as with reuse off.
 
-Its own stack (ports 18030/18130/18230, side channels from 15700): the package's engines run other settings.
-The tiny model has no ``<think>`` tokens, so the example's reasoning parser (qwen3) is left out here.
-``--trust-request-chat-template`` is the suites' own flag (a template that renders the calls, as Qwen3's does)."""
+The parser is ``pythonic``, not the Qwen3 example's ``hermes``: under vLLM 0.32's strict tool calling
+(``VLLM_ENFORCE_STRICT_TOOL_CALLING``, on by default) hermes forces a named call with a structural tag that spells
+``<tool_call>{"name": "look", "arguments": ...`` (vllm/tool_parsers/structural_tag_registry.py), which the tiny
+model's word-level vocabulary cannot write; pythonic's forced call is the arguments' JSON schema alone. Hermes and
+the rest of the example's settings reach the argv in the unit and infra tests. The tiny model has no ``<think>``
+tokens either, so no reasoning parser here. Its own stack (ports 18030/18130/18230, side channels from 15700): the
+package's engines run other settings. ``--trust-request-chat-template`` is the suites' own flag (a template that
+renders the calls, as Qwen3's does)."""
 
 from __future__ import annotations
 
@@ -28,8 +33,8 @@ pytestmark = pytest.mark.engines
 
 ROOT = Path(__file__).resolve().parents[2]
 STATE_DIR = ROOT / ".turnkv" / "e2e-settings"
-#: The infra suite's Qwen3 deployment with fp8 KV, hermes and remote code (its reasoning parser left out).
-DEPLOY = configs.variant(configs.GPU, **{"model.kv_cache_dtype": "fp8", "model.tool_call_parser": "hermes",
+#: The infra suite's Qwen3 deployment with fp8 KV, a tool-call parser and remote code (no reasoning parser).
+DEPLOY = configs.variant(configs.GPU, **{"model.kv_cache_dtype": "fp8", "model.tool_call_parser": "pythonic",
                                          "model.trust_remote_code": True, "model.reasoning_parser": None,
                                          "model.extra_args": None})
 # Renders an assistant's calls as their arguments' JSON (the tokens decode generated under the forced choice).
@@ -51,7 +56,7 @@ def settings_stack():
     path.write_text(yaml.safe_dump(DEPLOY))
     settings = engine_settings_for(path)
     assert settings.args() == ["--kv-cache-dtype", "fp8", "--enable-auto-tool-choice", "--tool-call-parser",
-                               "hermes", "--trust-remote-code"]
+                               "pythonic", "--trust-remote-code"]
     config = StackConfig(state_dir=STATE_DIR, router_port=18030, prefill_port=18130, decode_port=18230,
                          side_channel_base=15700, kv_cache_gib=1, prefill_prefix_caching=False,
                          tunables={"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45}, engine_settings=settings,
@@ -63,7 +68,7 @@ def settings_stack():
 def test_engines_run_the_configs_settings(settings_stack):
     for engine in ("prefill-0", "decode-0"):
         log = (STATE_DIR / "logs" / f"{engine}.log").read_text()
-        assert "'kv_cache_dtype': 'fp8'" in log and "'tool_call_parser': 'hermes'" in log, engine
+        assert "'kv_cache_dtype': 'fp8'" in log and "'tool_call_parser': 'pythonic'" in log, engine
         assert "'enable_auto_tool_choice': True" in log and "'trust_remote_code': True" in log, engine
 
 
