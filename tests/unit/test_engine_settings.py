@@ -120,3 +120,31 @@ def test_engine_env_refuses_bad_settings_naming_each():
     text = str(raised.value)
     for name in (node_env.KV_CACHE_DTYPE, node_env.TRUST_REMOTE_CODE, node_env.EXTRA_ARGS, node_env.MAX_NUM_SEQS):
         assert name in text
+
+
+def test_the_local_stack_starts_both_engines_with_a_deploy_configs_settings(tmp_path):
+    """`turnkv local up --model-config FILE` (turnkv.local.settings): the config's model section, flags on top,
+    into both engines' argv from the stack's own plan; a bad config or flag is refused naming the fix."""
+    import yaml
+
+    from tests.infra import configs
+    from turnkv.local import stack
+    from turnkv.local.settings import engine_settings_for
+
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(configs.variant(configs.GPU, **{"model.trust_remote_code": True})))
+    settings = engine_settings_for(path, max_num_seqs=8, reasoning_parser=None)
+    assert settings == EngineSettings(kv_cache_dtype="fp8", tool_call_parser="hermes", reasoning_parser="qwen3",
+                                      trust_remote_code=True, max_num_seqs=8,
+                                      extra_args=("--max-num-batched-tokens=8192",))
+    config = stack.StackConfig(state_dir=tmp_path, engine_settings=settings)
+    for proc in (p for p in stack.plan(config) if p.kind != "router"):
+        tail = proc.argv[proc.argv.index("--enforce-eager") + 1:]
+        assert tail[:5] == ["--kv-cache-dtype", "fp8", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+        assert "--trust-remote-code" in tail and tail[-3:] == ["--max-num-seqs", "8", "--max-num-batched-tokens=8192"]
+    with pytest.raises(SettingError, match="not a tool-call parser"):
+        engine_settings_for(path, tool_call_parser="qwen3")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(configs.variant(configs.GPU, **{"model.kv_cache_dtype": "fp9"})))
+    with pytest.raises(SettingError, match=r"bad.yaml: model.kv_cache_dtype: 'fp9' is not a KV cache dtype"):
+        engine_settings_for(bad)
