@@ -257,6 +257,12 @@ def play_stages(mode: Mode, state_dir: Path, timeout_s: float):
     engines, each stage's transfers measured by difference."""
 
     def play(urls: dict[str, str]) -> dict:
+        try:
+            return stages(urls)
+        except Exception as exc:  # a report with the reason beats a traceback that loses the stages run so far
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def stages(urls: dict[str, str]) -> dict:
         from turnkv import smoke
         from turnkv.local.stack import tail
 
@@ -327,7 +333,8 @@ def stage_rows(mode: Mode, row) -> list[StageRun]:
             data["transfers"] = Transfers(**data["transfers"])
             out.append(StageRun(**data))
         else:
-            out.append(StageRun(mode.value, key, detail=row.failure[:200] or "the mode stopped before it"))
+            out.append(StageRun(mode.value, key, detail=(extra.get("error") or row.failure)[:200]
+                                or "the mode stopped before it"))
     return out
 
 

@@ -113,3 +113,13 @@ def test_a_mode_whose_engines_did_not_start_reports_every_stage_not_run():
     row = shapes.ShapeRun("equal", "x", "push", started=False, failure="did not start: decode-0 exited")
     stages = gpu_smoke.stage_rows(Mode.PUSH, row)
     assert [(s.ran, s.detail) for s in stages] == [(False, "engines did not start: did not start: decode-0 exited")] * 3
+
+
+def test_a_play_that_raises_reports_its_error_as_the_stages_not_run(tmp_path):
+    play = gpu_smoke.play_stages(Mode.PULL, tmp_path, 1.0)
+    extra = play({})  # no engine URLs: the first read fails
+    assert extra["error"].startswith("KeyError")
+    row = shapes.ShapeRun("equal", "x", "pull", started=True, passed=True, extra=extra)
+    stages = gpu_smoke.stage_rows(Mode.PULL, row)
+    assert [(s.stage, s.ran, s.detail) for s in stages[1:]] == [("forks", False, extra["error"]),
+                                                                ("host", False, extra["error"])]
