@@ -148,3 +148,17 @@ def test_the_local_stack_starts_both_engines_with_a_deploy_configs_settings(tmp_
     bad.write_text(yaml.safe_dump(configs.variant(configs.GPU, **{"model.kv_cache_dtype": "fp9"})))
     with pytest.raises(SettingError, match=r"bad.yaml: model.kv_cache_dtype: 'fp9' is not a KV cache dtype"):
         engine_settings_for(bad)
+
+
+def test_turnkv_local_up_refuses_a_bad_setting_before_starting_anything(tmp_path):
+    from typer.testing import CliRunner
+
+    from turnkv.cli import app
+
+    for args, fix in ((["--tool-call-parser", "qwen3"], "not a tool-call parser"),
+                      (["--engine-arg=--port=1"], "--port is one turnkv sets itself"),
+                      (["--model-config", str(tmp_path / "none.yaml")], "does not exist")):
+        done = CliRunner().invoke(app, ["local", "up", "--state-dir", str(tmp_path / "state"), *args],
+                                  env={"COLUMNS": "1000"})
+        assert done.exit_code == 2 and fix in done.output, done.output
+    assert not (tmp_path / "state").exists()
