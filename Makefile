@@ -139,14 +139,16 @@ gpu-check: setup
 	  -r requirements/engines-gpu.txt "$$($(PYTHON) -m turnkv.versions --get NIXL_CUDA_PACKAGE)==$$($(PYTHON) -m turnkv.versions --get NIXL)" .
 	$(BIN)/python -m turnkv.gpu_report $(GPU_CHECK_OUT)/gpu-requirements.json
 
-# On a CUDA machine (not in CI; none here): bench.gpu_smoke's 1P1D pair on one GPU, pull and push, from a venv of
-# the GPU image's pins (vLLM's CUDA wheel, NIXL and its CUDA variant) and this checkout. Without a GPU it stops
-# before any download, saying so.
+# On a CUDA machine (not in CI; none here): bench.gpu_smoke's 1P1D pair on one GPU as a p5en runs it (bf16, CUDA
+# graphs, vLLM's attention pick, host tier, forks; pull and push, bi-directional; docs/gpu.md), from a venv of the
+# GPU image's pins (vLLM's CUDA wheel, NIXL and its CUDA variant) and this checkout. Without a GPU it stops before
+# any download: the preflight (the project venv's python, else $(PYTHON)) names what is missing and the plan not run.
 VENV_GPU_SMOKE ?= .venv-gpu
 GPU_SMOKE_ARGS ?=
 gpu-smoke:
-	@nvidia-smi -L >/dev/null 2>&1 || { echo "make gpu-smoke: no NVIDIA GPU (nvidia-smi -L failed); run it on a CUDA machine"; \
-	  exit 2; }
+	@nvidia-smi -L >/dev/null 2>&1 || { echo "make gpu-smoke: no NVIDIA GPU (nvidia-smi -L failed)"; \
+	  PYTHONPATH=$(CURDIR) "$$(test -x $(BIN)/python && echo $(BIN)/python || echo $(PYTHON))" -m bench.gpu_smoke \
+	  $(GPU_SMOKE_ARGS); exit 2; }
 	@test -x $(VENV_GPU_SMOKE)/bin/python || $(PYTHON) -m venv $(VENV_GPU_SMOKE)
 	$(VENV_GPU_SMOKE)/bin/python -m pip install -q --disable-pip-version-check -U pip
 	$(VENV_GPU_SMOKE)/bin/python -m pip install -q --disable-pip-version-check -r requirements/engines-gpu.txt \

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -73,6 +74,8 @@ class ShapeRun:
     passed: bool = False
     failure: str = ""
     seconds: float = 0.0
+    #: What a caller's ``play`` found on the running stack (bench.gpu_smoke: forks, transfers, backend).
+    extra: dict = field(default_factory=dict)
 
 
 #: vLLM's speculative-decoding counters on decode.
@@ -95,10 +98,13 @@ def _counter(text: str | None, name: str, **labels: str) -> float:
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
-def run_shape(shape: Shape, mode: Mode, state_dir: Path, timeout_s: float, **stack: object) -> ShapeRun:
-    """One shape's stack, played and stopped; ``stack`` overrides :class:`StackConfig` fields (bench.gpu_smoke)."""
+def run_shape(shape: Shape, mode: Mode, state_dir: Path, timeout_s: float,
+              play: Callable[[dict[str, str]], dict] | None = None, **stack: object) -> ShapeRun:
+    """One shape's stack, played and stopped; ``stack`` overrides :class:`StackConfig` fields, and ``play`` (given
+    the components' URLs) runs more checks on it after the conversation, into ``extra`` (bench.gpu_smoke)."""
     row = ShapeRun(shape.key, shape.label, mode.value)
     started = time.monotonic()
+    stack = dict(stack)  # its tunables go over these (not instead of them)
     config = StackConfig(**{**dict(state_dir=state_dir, router_port=8600, prefill_port=8610, decode_port=8620,
                                    prefill_prefix_caching=False,  # the seeds' setting: the A/B measures reuse
                                    side_channel_base=5700, mode=mode, kv_cache_gib=1, startup_timeout=300.0,
@@ -108,7 +114,7 @@ def run_shape(shape: Shape, mode: Mode, state_dir: Path, timeout_s: float, **sta
                                    # and a TP-2 decode's evictions feed (a collective_rpc over its ranks) took over
                                    # the 3 s that evictions_interval 1 allows, so its turns were not replayed.
                                    tunables={"eject_failures": 10, "health_interval": 5.0,
-                                             "evictions_interval": 3.0},
+                                             "evictions_interval": 3.0, **stack.pop("tunables", {})},
                                    prefill_tp=shape.prefill_tp, decode_tp=shape.decode_tp,
                                    prefill_block_size=shape.prefill_block_size,
                                    decode_block_size=shape.decode_block_size,
@@ -131,6 +137,8 @@ def run_shape(shape: Shape, mode: Mode, state_dir: Path, timeout_s: float, **sta
         decode = _metrics(urls["decode-0"])
         row.drafted_tokens, row.accepted_tokens = _counter(decode, DRAFTED), _counter(decode, ACCEPTED)
         row.passed, row.failure = result.ok, result.failure or ""
+        if play is not None:
+            row.extra = play(urls)
         return row
     finally:
         supervisor.down()

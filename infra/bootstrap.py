@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from infra.config import DeploymentConfig, PoolConfig
+from infra.instances import INSTANCE_TYPES, Flavor
 from turnkv import metric_names as mn
 from turnkv import node_env
 from turnkv.engine_args import Mode, Role
+from turnkv.engine_settings import EngineSettings
 
 AGENT_CONFIG_PATH = "/opt/aws/amazon-cloudwatch-agent/etc/turnkv-agent.json"
 REGISTER_SCRIPT = "/usr/local/sbin/turnkv-register"
@@ -110,6 +113,10 @@ class NodeBootstrap:
     accelerators: int = 8
     #: ``connector.allow_unverified`` of the deploy config (Neuron pools: ``("neuron",)``).
     allow_unverified: tuple[str, ...] = ()
+    #: The model's engine settings (deploy config ``model``), carried in engine.env to every engine.
+    settings: EngineSettings = field(default_factory=EngineSettings)
+    #: Secrets Manager secret (name or ARN, as configured) the engine reads its Hugging Face token from at start.
+    hf_token_secret: str = ""
 
     @property
     def slots(self) -> tuple[node_env.EngineSlot, ...]:
@@ -120,7 +127,31 @@ class NodeBootstrap:
             role=self.role, engine_id=engine_id, model=self.model, served_model_name=self.served_model_name,
             side_channel_host=host, mode=self.mode, bidirectional=self.bidirectional, tp_size=self.tp_size,
             max_model_len=self.max_model_len, port=self.port, side_channel_port=self.side_channel_port,
-            backends=node_env.EFA_BACKENDS, model_s3_uri=self.model_s3_uri, allow_unverified=self.allow_unverified)
+            backends=node_env.EFA_BACKENDS, model_s3_uri=self.model_s3_uri, settings=self.settings,
+            hf_token_secret=self.hf_token_secret or None, allow_unverified=self.allow_unverified)
+
+
+def pool_bootstrap(config: DeploymentConfig, pool: PoolConfig, *, cloudmap_service_id: str = "", log_group: str = "",
+                   signal_stack: str = "", signal_resource: str = "", offer_secret_id: str = "") -> NodeBootstrap:
+    """A pool's node bootstrap from the deploy config: the serving stack passes its deploy-time ids (CDK tokens);
+    ``turnkv config engine-env`` none (they are not in engine.env)."""
+    profile = INSTANCE_TYPES[pool.instance_type]
+    model = config.model
+    return NodeBootstrap(
+        deployment=config.name, region=config.region, pool=pool.name, role=pool.role,
+        gpu=profile.flavor is Flavor.GPU, model=model.id, served_model_name=model.name, mode=config.connector.mode,
+        bidirectional=config.connector.bidirectional, tp_size=model.tensor_parallel_size,
+        max_model_len=model.max_model_len, cloudmap_service_id=cloudmap_service_id, log_group=log_group,
+        model_s3_uri=model.s3_uri, signal_stack=signal_stack, signal_resource=signal_resource,
+        offer_secret_id=offer_secret_id, engines=config.engines_per_node(pool), accelerators=profile.accelerators,
+        settings=model.engine_settings, hf_token_secret=model.hf_token_secret or "",
+        allow_unverified=config.connector.allow_unverified)
+
+
+def static_engine_env(b: NodeBootstrap) -> str:
+    """engine.env as the user data writes it, short of the instance's own values (:data:`node_env.RUNTIME_VARIABLES`,
+    filled in from IMDS on the node)."""
+    return node_env.render(b.engine_env().variables(), skip=node_env.RUNTIME_VARIABLES)
 
 
 def log_names(b: NodeBootstrap) -> tuple[str, ...]:
@@ -525,7 +556,7 @@ def checked_user_data(b: NodeBootstrap, stand_ins: dict[str, str]) -> str:
 
 def user_data(b: NodeBootstrap) -> str:
     multi = b.engines > 1
-    static_env = node_env.render(b.engine_env().variables(), skip=node_env.RUNTIME_VARIABLES)
+    static_env = static_engine_env(b)
     node_file = node_env.render(node_env.NodeEnv(b.deployment, b.region).variables())
     # Several engines: compact JSON (user data is limited to 16 KB; a node of eight engines lists more logs).
     agent = json.dumps(agent_config(b), separators=(",", ":")) if multi else json.dumps(agent_config(b), indent=1)

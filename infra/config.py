@@ -31,8 +31,10 @@ from pydantic import (
     model_validator,
 )
 
+from turnkv import engine_settings as es
 from turnkv import neuron, params, platforms
 from turnkv.engine_args import Mode, Role
+from turnkv.engine_settings import EngineSettings
 from turnkv.node_env import MAX_ENGINES_PER_NODE, MODEL, check_value
 
 from .instances import INSTANCE_TYPES, Flavor
@@ -271,6 +273,17 @@ class PoolConfig(_Model):
         return INSTANCE_TYPES[self.instance_type].flavor.value
 
 
+def _setting(check):
+    """A ``turnkv.engine_settings`` check as a field validator (its message names the fix)."""
+    def run(value):
+        try:
+            return check(value)
+        except es.SettingError as exc:
+            raise ValueError(str(exc)) from None
+
+    return AfterValidator(run)
+
+
 class ModelConfig(_Model):
     id: ModelText
     tensor_parallel_size: Annotated[StrictInt, AfterValidator(_power_of_two)] = 8
@@ -278,10 +291,40 @@ class ModelConfig(_Model):
     served_model_name: ModelText | None = None
     #: Weights prefix (``s3://bucket/prefix/``); required when the VPC has no NAT.
     s3_uri: Annotated[StrictStr, AfterValidator(_s3_uri)] | None = None
+    # Engine settings (``turnkv.engine_settings``: the values the pinned vLLM accepts); unset: vLLM's defaults.
+    #: ``--kv-cache-dtype`` (fp8 halves the KV bytes each turn moves and keeps).
+    kv_cache_dtype: Annotated[StrictStr, _setting(es.kv_cache_dtype)] = "auto"
+    #: ``--tool-call-parser``, with ``--enable-auto-tool-choice`` (hermes for Qwen3): without one vLLM answers
+    #: ``tool_choice: auto`` with 400.
+    tool_call_parser: Annotated[StrictStr, _setting(es.tool_call_parser)] | None = None
+    #: ``--reasoning-parser`` (qwen3 for Qwen3).
+    reasoning_parser: Annotated[StrictStr, _setting(es.reasoning_parser)] | None = None
+    trust_remote_code: StrictBool = False
+    gpu_memory_utilization: Annotated[StrictFloat, _setting(es.gpu_memory_utilization)] | None = None
+    max_num_seqs: Annotated[StrictInt, _setting(es.max_num_seqs)] | None = None
+    #: More ``vllm serve`` flags, ``--flag`` or ``--flag=value``, from turnkv's allow-list
+    #: (``es.ALLOWED_EXTRA_FLAGS``); flags turnkv sets itself are refused.
+    extra_args: Annotated[tuple[Annotated[StrictStr, _setting(es.extra_arg)], ...],
+                          _setting(es.extra_args)] = ()
+    #: Secrets Manager secret (name or ARN) holding a Hugging Face token for a gated model: the engine role may
+    #: read that secret only, and each engine reads it at start into HF_TOKEN (never into a file).
+    hf_token_secret: Annotated[StrictStr, _pattern(
+        r"^(arn:aws[a-z-]*:secretsmanager:[a-z0-9-]+:\d{12}:secret:[A-Za-z0-9/_+=.@-]{1,512}"
+        r"|[A-Za-z0-9/_+=.@-]{1,512})$",
+        "is not a Secrets Manager secret name or ARN; write its name (e.g. turnkv/hf-token) or its full ARN")] \
+        | None = None
 
     @property
     def name(self) -> str:
         return self.served_model_name or self.id
+
+    @property
+    def engine_settings(self) -> EngineSettings:
+        return EngineSettings(
+            kv_cache_dtype=self.kv_cache_dtype, tool_call_parser=self.tool_call_parser,
+            reasoning_parser=self.reasoning_parser, trust_remote_code=self.trust_remote_code,
+            gpu_memory_utilization=self.gpu_memory_utilization, max_num_seqs=self.max_num_seqs,
+            extra_args=self.extra_args)
 
 
 class ConnectorConfig(_Model):

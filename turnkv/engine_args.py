@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from turnkv import neuron, params, wire
+from turnkv.engine_settings import EngineSettings
 from turnkv.media import internal_host
 
 
@@ -59,6 +60,9 @@ class EngineSpec:
     backends: tuple[str, ...] = ("UCX",)
     #: Engine tunables (catalog names), defaults from turnkv.params.
     tunables: dict[str, int | float] = field(default_factory=lambda: params.defaults(params.Scope.ENGINE))
+    #: The model's engine settings (deploy config ``model``: KV cache dtype, parsers, ...); vLLM's defaults if unset.
+    settings: EngineSettings = field(default_factory=EngineSettings)
+    #: Flags passed as given (the local stack's tests and benchmarks); deployments use ``settings.extra_args``.
     extra_args: tuple[str, ...] = ()
     #: Hosts the engine may fetch media URLs from (vLLM ``--allowed-media-domains``, exact host names); empty:
     #: vLLM's default (any), with the router refusing internal addresses (router.intake). Internal addresses
@@ -136,7 +140,7 @@ def serve_args(spec: EngineSpec) -> list[str]:
             raise ValueError(f"allowed_media_domains: {internal} name internal addresses; engines must not fetch "
                              "media from inside the network")
         args += ["--allowed-media-domains", *spec.allowed_media_domains]
-    return args + list(spec.extra_args)
+    return args + spec.settings.args() + list(spec.extra_args)
 
 
 #: prometheus_client's process-wide switch for the ``*_created`` series (read from the environment at import).

@@ -17,7 +17,16 @@ from pathlib import Path
 
 from turnkv import node_env, params, platforms
 from turnkv.engine_args import EngineSpec, serve_args, serve_env
-from turnkv.node_env import FLAVOR_FILE, MODEL, MODEL_S3_URI, MODELS_DIR, SERVED_MODEL_NAME
+from turnkv.node_env import (
+    FLAVOR_FILE,
+    HF_TOKEN_SECRET,
+    MODEL,
+    MODEL_S3_URI,
+    MODELS_DIR,
+    NODE_ENV_FILE,
+    REGION,
+    SERVED_MODEL_NAME,
+)
 from turnkv.node_env import TUNABLES_FILE_VAR as TUNABLES_FILE
 
 REQUIRED = node_env.REQUIRED
@@ -89,11 +98,58 @@ def read_text(path: str) -> str | None:
         return None
 
 
+#: The variable the Hugging Face hub reads a token from (downloads of gated models).
+HF_TOKEN = "HF_TOKEN"
+#: What a dry run shows instead of the token.
+REDACTED = "<redacted>"
+
+
+def secret_region(secret: str, variables: Mapping[str, str], read_text: Callable[[str], str | None]) -> str | None:
+    """The region to ask Secrets Manager in: the ARN's, else the node's (node.env's AWS_REGION)."""
+    if secret.startswith("arn:"):
+        return secret.split(":")[3]
+    node = node_env.parse(read_text(NODE_ENV_FILE) or "")
+    return variables.get(REGION) or node.get(REGION) or None
+
+
+def fetch_secret(secret: str, region: str | None) -> str:
+    """The secret's string, through the AWS CLI the AMI ships (the instance role's credentials). Raises
+    EngineEnvError naming the secret (never its value)."""
+    import subprocess
+
+    cmd = ["aws", "secretsmanager", "get-secret-value", "--secret-id", secret, "--query", "SecretString",
+           "--output", "text", *(["--region", region] if region else [])]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise EngineEnvError(f"{HF_TOKEN_SECRET}={secret}: cannot read it ({exc})") from None
+    if done.returncode != 0:
+        raise EngineEnvError(f"{HF_TOKEN_SECRET}={secret}: Secrets Manager refused ({done.stderr.strip()[:300]}); "
+                             "check the secret exists and the engine role may read it (model.hf_token_secret)")
+    return done.stdout
+
+
+def hf_token(text: str, secret: str) -> str:
+    """The token in the secret's string: the string itself, or the ``HF_TOKEN`` key of a JSON object."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            text = str(json.loads(text)[HF_TOKEN]).strip()
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise EngineEnvError(f"{HF_TOKEN_SECRET}={secret}: a JSON secret must hold an {HF_TOKEN} key; store "
+                                 "the token as plain text or as {\"HF_TOKEN\": \"hf_...\"}") from None
+    if not text:
+        raise EngineEnvError(f"{HF_TOKEN_SECRET}={secret}: the secret is empty; store the Hugging Face token in it")
+    return text
+
+
 def prepare(variables: Mapping[str, str], read_text: Callable[[str], str | None],
             run: Callable[[Sequence[str]], int], sync: bool = True,
-            flavor: str | None = None) -> tuple[list[str], dict[str, str], list[str]]:
+            flavor: str | None = None, get_secret: Callable[[str, str | None], str] = fetch_secret,
+            ) -> tuple[list[str], dict[str, str], list[str]]:
     """Everything `run` does short of exec: argv, the environment added to the node's, and notes for the log.
-    ``flavor`` stands in for the AMI's record (a dry run off the node)."""
+    ``flavor`` stands in for the AMI's record (a dry run off the node). ``sync`` False (a dry run): no weight sync
+    and no secret read; a token shows as :data:`REDACTED`."""
     notes = []
     tunables, note = load_tunables(variables.get(TUNABLES_FILE) or DEFAULTS[TUNABLES_FILE], read_text)
     notes.append(note)
@@ -115,6 +171,12 @@ def prepare(variables: Mapping[str, str], read_text: Callable[[str], str | None]
     except ValueError as exc:  # a setting the platform refuses (push on Neuron): also a configuration error
         raise EngineEnvError(str(exc)) from None
     env = serve_env(spec)
+    secret = variables.get(HF_TOKEN_SECRET)
+    if secret:
+        # The token goes to the engine's process environment only (exec), never to a file or the argv.
+        env[HF_TOKEN] = hf_token(get_secret(secret, secret_region(secret, variables, read_text)), secret) \
+            if sync else REDACTED
+        notes.append(f"{HF_TOKEN} from Secrets Manager {secret}" + ("" if sync else " (not read: dry run)"))
     notes.append(f"{spec.role.value} engine {spec.engine_id}: {spec.mode.value}, backends {','.join(spec.backends)}")
     devices = node_env.visible_devices(variables)
     if devices is not None:

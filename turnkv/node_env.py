@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from turnkv import neuron, params, platforms, wire
+from turnkv import engine_settings, neuron, params, platforms, wire
 from turnkv.engine_args import EngineSpec, Mode, Role
+from turnkv.engine_settings import EngineSettings
 
 #: Paths on the node.
 ETC_DIR = "/etc/turnkv"
@@ -56,6 +57,18 @@ TUNABLES_FILE_VAR = params.TUNABLES_FILE_ENV
 #: Manager secret into it before the engine starts (infra.bootstrap.offer_secret_script).
 OFFER_SECRET_FILE_VAR = wire.OFFER_SECRET_FILE_ENV
 MODEL_S3_URI = "TURNKV_MODEL_S3_URI"
+#: The model's engine settings (``turnkv.engine_settings.EngineSettings``; deploy config ``model``). Unset: vLLM's
+#: defaults. EXTRA_ARGS is comma-separated (``--flag`` or ``--flag=value`` each).
+KV_CACHE_DTYPE = "TURNKV_KV_CACHE_DTYPE"
+TOOL_CALL_PARSER = "TURNKV_TOOL_CALL_PARSER"
+REASONING_PARSER = "TURNKV_REASONING_PARSER"
+TRUST_REMOTE_CODE = "TURNKV_TRUST_REMOTE_CODE"
+GPU_MEMORY_UTILIZATION = "TURNKV_GPU_MEMORY_UTILIZATION"
+MAX_NUM_SEQS = "TURNKV_MAX_NUM_SEQS"
+EXTRA_ARGS = "TURNKV_EXTRA_ARGS"
+#: The Secrets Manager secret (ARN or name) holding a Hugging Face token for a gated model: ``turnkv engine run``
+#: fetches it at start into the engine's HF_TOKEN (process environment only; never written to a file).
+HF_TOKEN_SECRET = "TURNKV_HF_TOKEN_SECRET"
 #: vLLM reads this itself; written too so the engine advertises a routable address even if started by hand.
 VLLM_SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 
@@ -199,6 +212,8 @@ class EngineEnv:
     tunables_file: str = TUNABLES_FILE
     model_s3_uri: str | None = None
     offer_secret_file: str = wire.DEFAULT_OFFER_SECRET_FILE
+    settings: EngineSettings = field(default_factory=EngineSettings)
+    hf_token_secret: str | None = None
     #: Platforms the deploy config lets engines start on although unverified (``platforms.ALLOW_ENV``); written
     #: only when set, so a GPU node's engine.env keeps its bytes.
     allow_unverified: tuple[str, ...] = ()
@@ -223,6 +238,9 @@ class EngineEnv:
         }
         if self.model_s3_uri:
             out[MODEL_S3_URI] = self.model_s3_uri
+        out.update(settings_variables(self.settings))
+        if self.hf_token_secret:
+            out[HF_TOKEN_SECRET] = self.hf_token_secret
         if self.allow_unverified:
             out[platforms.ALLOW_ENV] = ",".join(self.allow_unverified)
         return out
@@ -259,9 +277,11 @@ class EngineEnv:
         unknown = [b for b in backends if b not in KNOWN_BACKENDS]
         if not backends or unknown:
             errors.append(f"{BACKENDS}={env[BACKENDS]!r}: give NIXL backends from {', '.join(sorted(KNOWN_BACKENDS))}")
+        settings = _settings(env, errors)
         if errors:
             raise NodeEnvError(f"{source}: " + "; ".join(errors))
-        return cls(role=Role(role), engine_id=engine_id, model=env[MODEL],
+        return cls(settings=settings, hf_token_secret=env.get(HF_TOKEN_SECRET) or None,
+                   role=Role(role), engine_id=engine_id, model=env[MODEL],
                    served_model_name=env.get(SERVED_MODEL_NAME) or env[MODEL], side_channel_host=host,
                    mode=Mode(mode), bidirectional=bidi == "true", tp_size=tp, max_model_len=max_len, port=port,
                    side_channel_port=side_port, backends=backends, tunables_file=env[TUNABLES_FILE_VAR],
@@ -279,7 +299,57 @@ class EngineEnv:
             side_channel_host=self.side_channel_host, side_channel_port=self.side_channel_port,
             mode=Mode(self.mode), bidirectional=self.bidirectional, tensor_parallel_size=self.tp_size,
             max_model_len=self.max_model_len, backends=tuple(self.backends), tunables=engine_tunables,
-            offer_secret_file=self.offer_secret_file, flavor=flavor)
+            offer_secret_file=self.offer_secret_file, settings=self.settings, flavor=flavor)
+
+
+def settings_variables(settings: EngineSettings) -> dict[str, str]:
+    """engine.env variables of the settings that differ from vLLM's defaults (the rest are left out)."""
+    out: dict[str, str] = {}
+    if settings.kv_cache_dtype != EngineSettings.kv_cache_dtype:
+        out[KV_CACHE_DTYPE] = settings.kv_cache_dtype
+    if settings.tool_call_parser:
+        out[TOOL_CALL_PARSER] = settings.tool_call_parser
+    if settings.reasoning_parser:
+        out[REASONING_PARSER] = settings.reasoning_parser
+    if settings.trust_remote_code:
+        out[TRUST_REMOTE_CODE] = "true"
+    if settings.gpu_memory_utilization is not None:
+        out[GPU_MEMORY_UTILIZATION] = f"{settings.gpu_memory_utilization:g}"
+    if settings.max_num_seqs is not None:
+        out[MAX_NUM_SEQS] = str(settings.max_num_seqs)
+    if settings.extra_args:
+        out[EXTRA_ARGS] = engine_settings.EXTRA_ARGS_SEPARATOR.join(settings.extra_args)
+    return out
+
+
+def _settings(env: Mapping[str, str], errors: list[str]) -> EngineSettings:
+    """The engine settings of engine.env variables; each bad one goes to ``errors`` (its default stands in)."""
+    values: dict[str, object] = {}
+
+    def read(name: str, key: str, convert) -> None:
+        raw = env.get(name)
+        if not raw:
+            return
+        try:
+            values[key] = convert(raw)
+        except (ValueError, engine_settings.SettingError) as exc:
+            errors.append(f"{name}={raw!r}: {exc}")
+
+    def boolean(raw: str) -> bool:
+        if raw.lower() not in {"true", "false"}:
+            raise ValueError("must be true or false")
+        return raw.lower() == "true"
+
+    read(KV_CACHE_DTYPE, "kv_cache_dtype", engine_settings.kv_cache_dtype)
+    read(TOOL_CALL_PARSER, "tool_call_parser", engine_settings.tool_call_parser)
+    read(REASONING_PARSER, "reasoning_parser", engine_settings.reasoning_parser)
+    read(TRUST_REMOTE_CODE, "trust_remote_code", boolean)
+    read(GPU_MEMORY_UTILIZATION, "gpu_memory_utilization", lambda raw: engine_settings.gpu_memory_utilization(
+        float(raw)))
+    read(MAX_NUM_SEQS, "max_num_seqs", lambda raw: engine_settings.max_num_seqs(int(raw)))
+    read(EXTRA_ARGS, "extra_args", lambda raw: engine_settings.extra_args(
+        a for a in raw.split(engine_settings.EXTRA_ARGS_SEPARATOR) if a))
+    return EngineSettings(**values)  # type: ignore[arg-type]
 
 
 def _int(env: Mapping[str, str], name: str, low: int, high: int, errors: list[str]) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from aws_cdk import Duration, RemovalPolicy, Stack
+from aws_cdk import ArnFormat, Duration, RemovalPolicy, Stack
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_events as events
 from aws_cdk import aws_events_targets as targets
@@ -24,7 +24,7 @@ from constructs import Construct
 from infra import bootstrap
 from infra.config import DeploymentConfig
 from infra.constructs.engine_group import EngineGroup, EngineGroupProps, group_logical_id, group_name
-from infra.instances import INSTANCE_TYPES, Flavor
+from infra.instances import INSTANCE_TYPES
 from infra.lambdas import DEREGISTER
 from infra.stacks.network import NetworkStack, https_egress
 from infra.stacks.params import parameter_arn
@@ -96,16 +96,10 @@ class ServingStack(Stack):
         self.http_ports = node_env.http_ports(max(self.engines_per_node.values(), default=1))
         for pool in config.pools:
             profile = INSTANCE_TYPES[pool.instance_type]
-            script = bootstrap.checked_user_data(bootstrap.NodeBootstrap(
-                deployment=config.name, region=config.region, pool=pool.name, role=pool.role,
-                gpu=profile.flavor is Flavor.GPU, model=config.model.id, served_model_name=config.model.name,
-                mode=config.connector.mode, bidirectional=config.connector.bidirectional,
-                tp_size=config.model.tensor_parallel_size, max_model_len=config.model.max_model_len,
-                cloudmap_service_id=self.cloudmap_service.service_id, log_group=self.log_group.log_group_name,
-                model_s3_uri=config.model.s3_uri, signal_stack=self.stack_name,
-                signal_resource=group_logical_id(pool.name), offer_secret_id=self.offer_secret.secret_arn,
-                engines=self.engines_per_node[pool.name], accelerators=profile.accelerators,
-                allow_unverified=config.connector.allow_unverified),
+            script = bootstrap.checked_user_data(bootstrap.pool_bootstrap(
+                config, pool, cloudmap_service_id=self.cloudmap_service.service_id,
+                log_group=self.log_group.log_group_name, signal_stack=self.stack_name,
+                signal_resource=group_logical_id(pool.name), offer_secret_id=self.offer_secret.secret_arn),
                 stand_ins=self._user_data_stand_ins())
             self.pools[pool.name] = EngineGroup(self, f"Pool-{pool.name}", EngineGroupProps(
                 pool=pool, deployment_prefix=config.prefix, vpc=vpc, subnet=subnet,
@@ -123,6 +117,14 @@ class ServingStack(Stack):
                 "offer_secret_id": f"arn:aws-us-gov:secretsmanager:{config.region}:{'0' * 12}:secret:"
                                    f"{config.prefix}/engine-offer-secret-AbCdEf",
                 "log_group": self.log_group_name}
+
+    def model_token_arn(self, secret: str) -> str:
+        """The gated model's token secret as an IAM resource: an ARN as given; a name as the ARN Secrets Manager
+        gives it (the name, then ``-`` and six random characters, matched by ``??????``)."""
+        if secret.startswith("arn:"):
+            return secret
+        return self.format_arn(service="secretsmanager", resource="secret", resource_name=f"{secret}-??????",
+                               arn_format=ArnFormat.COLON_RESOURCE_NAME)
 
     def _instance_role(self) -> iam.Role:
         config = self.config
@@ -148,6 +150,10 @@ class ServingStack(Stack):
         role.add_to_policy(iam.PolicyStatement(
             sid="ReadOfferSecret", actions=["secretsmanager:GetSecretValue"],
             resources=[self.offer_secret.secret_arn]))
+        if config.model.hf_token_secret:
+            role.add_to_policy(iam.PolicyStatement(
+                sid="ReadModelToken", actions=["secretsmanager:GetSecretValue"],
+                resources=[self.model_token_arn(config.model.hf_token_secret)]))
         role.add_to_policy(iam.PolicyStatement(
             sid="PublishMetrics", actions=["cloudwatch:PutMetricData"], resources=["*"],
             conditions={"StringEquals": {"cloudwatch:namespace": [mn.AGENT_NAMESPACE, mn.ENGINE_NAMESPACE]}}))

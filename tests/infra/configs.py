@@ -13,7 +13,10 @@ GPU = {
     "availability_zone": "us-east-2a",
     "network": {"availability_zones": ["us-east-2a", "us-east-2b"], "cidr": "10.40.0.0/16"},
     "model": {"id": "Qwen/Qwen3-32B", "served_model_name": "qwen3-32b", "tensor_parallel_size": 8,
-              "max_model_len": 32768, "s3_uri": "s3://turnkv-test-weights/qwen3-32b/"},
+              "max_model_len": 32768, "s3_uri": "s3://turnkv-test-weights/qwen3-32b/",
+              # engine settings (turnkv.engine_settings): Qwen3 serving tool calls, fp8 KV
+              "kv_cache_dtype": "fp8", "tool_call_parser": "hermes", "reasoning_parser": "qwen3",
+              "extra_args": ["--max-num-batched-tokens=8192"]},
     "connector": {"mode": "pull", "bidirectional": True},
     "pools": [
         {"name": "prefill", "role": "prefill", "instance_type": "p5en.48xlarge", "count": 2,
@@ -37,7 +40,9 @@ PUSH = {
     "region": "us-east-2",
     "availability_zone": "us-east-2b",
     "network": {"availability_zones": ["us-east-2a", "us-east-2b", "us-east-2c"], "nat_gateways": 1},
-    "model": {"id": "meta-llama/Llama-3.1-8B-Instruct", "tensor_parallel_size": 8, "max_model_len": 16384},
+    "model": {"id": "meta-llama/Llama-3.1-8B-Instruct", "tensor_parallel_size": 8, "max_model_len": 16384,
+              # a gated model downloaded through the NAT: its token in Secrets Manager, by name
+              "hf_token_secret": "turnkv/hf-token", "trust_remote_code": True},
     "connector": {"mode": "push", "bidirectional": True},
     "pools": [
         {"name": "prefill", "role": "prefill", "instance_type": "p5.48xlarge", "count": 1, "allow_on_demand": True},

@@ -525,3 +525,30 @@ def test_register_units_are_bound_to_their_engine_and_verify(tmp_path):
                            f"/etc/systemd/system/{node_env.REGISTER_SERVICE}",
                            "turnkv-engine@0.service", "turnkv-register@0.service"], capture_output=True, text=True)
     assert done.returncode == 0 and not done.stderr.strip(), done.stderr
+
+
+def test_the_models_engine_settings_reach_every_engines_argv_through_engine_env():
+    """Deploy config ``model`` -> engine.env in the user data -> ``turnkv engine run``'s argv (the same reader the
+    node runs): a tool-call parser with auto tool choice, fp8 KV, remote code, the allow-listed extras."""
+    from turnkv import engine_run
+    from turnkv.engine_settings import EngineSettings
+
+    settings = EngineSettings(kv_cache_dtype="fp8", tool_call_parser="hermes", reasoning_parser="qwen3",
+                              trust_remote_code=True, gpu_memory_utilization=0.9, max_num_seqs=128,
+                              extra_args=("--max-num-batched-tokens=8192", "--enable-chunked-prefill"))
+    secret = "arn:aws:secretsmanager:us-east-2:123456789012:secret:turnkv/hf-token-AbCdEf"
+    for engines, tp in ((1, 8), (2, 4)):
+        script = bootstrap.user_data(_node(settings=settings, hf_token_secret=secret, engines=engines, tp_size=tp))
+        static = node_env.parse(_heredoc(script, f"{node_env.ENGINE_ENV_FILE}.new"))
+        assert static[node_env.KV_CACHE_DTYPE] == "fp8" and static[node_env.TOOL_CALL_PARSER] == "hermes"
+        assert static[node_env.EXTRA_ARGS] == "--max-num-batched-tokens=8192,--enable-chunked-prefill"
+        assert static[node_env.HF_TOKEN_SECRET] == secret and "hf_" not in script  # the name, never a token
+        variables = {**static, node_env.ENGINE_ID: "e", node_env.SIDE_CHANNEL_HOST: "10.0.0.5"}
+        argv, env, _ = engine_run.prepare(variables, read_text=lambda path: None, run=lambda cmd: 0, sync=False)
+        tail = argv[argv.index("--enable-prefix-caching") + 1:]
+        assert tail == ["--kv-cache-dtype", "fp8", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                        "--reasoning-parser", "qwen3", "--trust-remote-code", "--gpu-memory-utilization", "0.9",
+                        "--max-num-seqs", "128", "--max-num-batched-tokens=8192", "--enable-chunked-prefill"]
+        assert env[engine_run.HF_TOKEN] == engine_run.REDACTED
+    plain = node_env.parse(_heredoc(bootstrap.user_data(_node()), f"{node_env.ENGINE_ENV_FILE}.new"))
+    assert not {node_env.KV_CACHE_DTYPE, node_env.TOOL_CALL_PARSER, node_env.HF_TOKEN_SECRET} & set(plain)

@@ -99,3 +99,37 @@ def test_a_bad_value_in_a_pool_does_not_hide_a_missing_role():
     raw = configs.variant(configs.GPU, pools=[{"role": "decode", "instance_type": "p5en.48xlarge", "count": 80}])
     fields = dict(check(raw)[1])
     assert "1 .. 64" in fields["pools[0].count"] and "no prefill pool" in fields["pools"]
+
+
+def test_engine_settings_are_checked_and_what_a_node_runs_is_shown(tmp_path):
+    """fp8 KV, a tool-call parser and remote code validate; `turnkv config engine-env` prints the pool's engine.env
+    and `turnkv engine run --dry-run` the argv it execs from it (the token's secret named, the token redacted).
+    Bad values exit 2, each naming its fix."""
+    raw = configs.variant(configs.GPU, **{"model.kv_cache_dtype": "fp8", "model.tool_call_parser": "hermes",
+                                          "model.trust_remote_code": True, "model.hf_token_secret": "turnkv/hf"})
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(raw))
+    assert _validate(good).exit_code == 0
+    shown = CliRunner().invoke(app, ["config", "engine-env", str(good), "--pool", "decode"])
+    assert shown.exit_code == 0, shown.output
+    env = tmp_path / "engine.env"
+    env.write_text(shown.stdout + "TURNKV_ENGINE_ID=gpu-decode-i-1\nTURNKV_SIDE_CHANNEL_HOST=10.40.1.2\n")
+    run = CliRunner().invoke(app, ["engine", "run", "--env-file", str(env), "--dry-run"])
+    assert run.exit_code == 0, run.output
+    out = json.loads(run.stdout)
+    flags = out["argv"][out["argv"].index("--enable-prefix-caching") + 1:]
+    assert flags[:7] == ["--kv-cache-dtype", "fp8", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                         "--reasoning-parser", "qwen3"] and "--trust-remote-code" in flags
+    assert out["env"]["HF_TOKEN"] == "<redacted>"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(configs.variant(raw, **{
+        "model.kv_cache_dtype": "fp16", "model.tool_call_parser": "qwen3", "model.gpu_memory_utilization": 0,
+        "model.extra_args": ["--kv-transfer-config={}"]})))
+    done = _validate(bad)
+    assert done.exit_code == 2
+    lines = done.output.replace("\n", " ")
+    for fix in ("model.kv_cache_dtype: 'fp16' is not a KV cache dtype vLLM accepts (--kv-cache-dtype); use one of",
+                "model.tool_call_parser: 'qwen3' is not a tool-call parser", "model.gpu_memory_utilization: 0",
+                "model.extra_args[0]: --kv-transfer-config is one turnkv sets itself"):
+        assert fix in lines
+    assert CliRunner().invoke(app, ["config", "engine-env", str(bad)]).exit_code == 2

@@ -298,3 +298,34 @@ def test_the_registration_alarm_counts_every_engine_a_node_runs(tp4, gpu):
                   for a in synth.resources("observability", "AWS::CloudWatch::Alarm").values()}
         assert alarms["turnkv-gpu-EnginesNotRegistered-prefill"]["Threshold"] == 2 * per_node
         assert alarms["turnkv-gpu-EnginesNotRegistered-decode"]["Threshold"] == 3 * per_node
+
+
+def test_the_models_engine_settings_ride_in_every_engines_env_file(gpu, push):
+    """Deploy config ``model`` -> the launch template's user data (engine.env) on every pool: the Qwen3 example's
+    tool-call and reasoning parsers and fp8 KV on the pull app, remote code and the token's secret on push."""
+    for synth, expect in ((gpu, {"TURNKV_KV_CACHE_DTYPE=fp8", "TURNKV_TOOL_CALL_PARSER=hermes",
+                                 "TURNKV_REASONING_PARSER=qwen3", "TURNKV_EXTRA_ARGS=--max-num-batched-tokens=8192"}),
+                          (push, {"TURNKV_TRUST_REMOTE_CODE=true", "TURNKV_HF_TOKEN_SECRET=turnkv/hf-token"})):
+        texts = _user_data_by_group(synth)
+        assert texts
+        for name, text in texts.items():
+            lines = set(text.splitlines())
+            assert expect <= lines, (name, expect - lines)
+    assert not any("TURNKV_HF_TOKEN_SECRET" in t for t in _user_data_by_group(gpu).values())
+
+
+def test_only_a_deployment_with_a_model_token_may_read_that_one_secret(gpu, push):
+    """The token's secret, given by name, is granted as Secrets Manager names it (name, '-', six characters):
+    GetSecretValue on that secret alone, in the stack's region and account. No token: no grant."""
+    def grant(synth):
+        statements = [s for p in synth.resources("serving", "AWS::IAM::Policy").values()
+                      for s in p["Properties"]["PolicyDocument"]["Statement"]]
+        return [s for s in statements if s.get("Sid") == "ReadModelToken"]
+
+    (statement,) = grant(push)
+    assert statement["Action"] == "secretsmanager:GetSecretValue" and statement["Effect"] == "Allow"
+    parts = statement["Resource"]["Fn::Join"][1]
+    text = "".join(p if isinstance(p, str) else "<ref>" for p in parts)
+    assert text == "arn:<ref>:secretsmanager:us-east-2:<ref>:secret:turnkv/hf-token-??????", text
+    assert [p for p in parts if not isinstance(p, str)] == [{"Ref": "AWS::Partition"}, {"Ref": "AWS::AccountId"}]
+    assert grant(gpu) == []

@@ -35,3 +35,28 @@ def validate(file: Annotated[Path, typer.Argument(help="The deploy config, YAML 
         f"{config.router.replicas}..{config.router.max_replicas} replicas, Valkey "
         f"{'yes' if config.router.uses_valkey else 'no'}; AMI "
         f"{config.image.ami_id or 'baked by the deploy'}.", markup=False)
+
+
+@app.command("engine-env")
+def engine_env(
+    file: Annotated[Path, typer.Argument(help="The deploy config, YAML or JSON.")],
+    pool: Annotated[str | None, typer.Option(help="The pool whose nodes to show (default: the first).")] = None,
+) -> None:
+    """Print the engine.env a node of POOL gets from FILE (what its user data writes, short of the instance's id
+    and address); `turnkv engine run --env-file F --dry-run` shows the engine it starts."""
+    from rich.console import Console
+
+    from infra.bootstrap import pool_bootstrap, static_engine_env
+    from infra.config import validate_file
+
+    config, problems = validate_file(file)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    if problems or config is None:
+        err.print(f"{file}: invalid; run `turnkv config validate {file}`", markup=False)
+        raise typer.Exit(2)
+    names = [p.name for p in config.pools]
+    if pool is not None and pool not in names:
+        err.print(f"--pool {pool!r}: no such pool; use one of {', '.join(names)}", markup=False)
+        raise typer.Exit(2)
+    chosen = next(p for p in config.pools if pool in (None, p.name))
+    typer.echo(static_engine_env(pool_bootstrap(config, chosen)), nl=False)

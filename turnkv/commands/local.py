@@ -12,6 +12,8 @@ from rich.table import Table
 
 from turnkv import router_env
 from turnkv.engine_args import Mode
+from turnkv.engine_settings import SettingError
+from turnkv.local.settings import engine_settings_for
 from turnkv.local.stack import Accelerator
 from turnkv.local.start import start_stack
 
@@ -50,6 +52,20 @@ def up(
     = False,
     tunable: Annotated[list[str] | None, typer.Option(
         "--set", help="Tunable NAME=VALUE, e.g. decoder_kv_blocks_ttl=120 (see `turnkv params catalog`).")] = None,
+    model_config: Annotated[Path | None, typer.Option(
+        "--model-config", help="A deploy config (YAML/JSON): its model section's engine settings (kv_cache_dtype, "
+                               "tool_call_parser, ...) on both engines, as its nodes run them; the flags below win.")]
+    = None,
+    kv_cache_dtype: Annotated[str | None, typer.Option(help="vllm serve --kv-cache-dtype (model.kv_cache_dtype).")]
+    = None,
+    tool_call_parser: Annotated[str | None, typer.Option(
+        help="vllm serve --tool-call-parser, with --enable-auto-tool-choice (model.tool_call_parser).")] = None,
+    reasoning_parser: Annotated[str | None, typer.Option(help="(model.reasoning_parser)")] = None,
+    trust_remote_code: Annotated[bool | None, typer.Option(
+        "--trust-remote-code/--no-trust-remote-code", help="(model.trust_remote_code)")] = None,
+    max_num_seqs: Annotated[int | None, typer.Option(help="(model.max_num_seqs)")] = None,
+    engine_arg: Annotated[list[str] | None, typer.Option(
+        "--engine-arg", help="An allow-listed vllm serve flag, --flag or --flag=value (model.extra_args).")] = None,
     accelerator: Annotated[Accelerator, typer.Option(
         help="cpu: vLLM's CPU build (this venv); cuda: both engines on one GPU, from a venv with vLLM's CUDA wheel "
              "(`make gpu-smoke` builds .venv-gpu).")] = Accelerator.CPU,
@@ -64,11 +80,18 @@ def up(
         tunables = params.validate(changes)
     except params.ParamError as exc:
         raise typer.BadParameter(str(exc), param_hint="--set") from None
+    try:
+        settings = engine_settings_for(model_config, kv_cache_dtype=kv_cache_dtype,
+                                       tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                                       trust_remote_code=trust_remote_code, max_num_seqs=max_num_seqs,
+                                       extra_args=None if engine_arg is None else tuple(engine_arg))
+    except SettingError as exc:
+        raise typer.BadParameter(str(exc)) from None
     config = StackConfig(state_dir=state_dir, router_port=port, prefill_port=engine_port_base,
                          decode_port=engine_port_base + router_env.DECODE_PORT_OFFSET,
                          side_channel_base=side_channel_base, mode=mode,
                          prefill_prefix_caching=prefill_prefix_caching, best_case=best_case, tunables=tunables,
-                         accelerator=accelerator)
+                         accelerator=accelerator, engine_settings=settings)
     state = start_stack(config, console)
     router = state["components"]["router"]["url"]
     console.print(f"[green]local stack up[/green]: router {router} (OpenAI API: {router}/v1), "

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from turnkv import engine_args, params, router_env, wire
 from turnkv.engine_args import EngineSpec, Mode, Role
+from turnkv.engine_settings import EngineSettings
 from turnkv.local import engine_env
 from turnkv.local import model as model_maker
 
@@ -75,6 +76,8 @@ class StackConfig:
     #: Engine tunables (catalog names) such as decoder_kv_blocks_ttl.
     tunables: dict[str, int | float] = field(default_factory=dict)
     kv_cache_gib: int = 2
+    #: The deploy config's engine settings (``model``: KV cache dtype, parsers, ...), on every engine as on a node.
+    engine_settings: EngineSettings = field(default_factory=EngineSettings)
     #: Extra ``vllm serve`` flags for every engine (tests use --trust-request-chat-template).
     engine_extra_args: tuple[str, ...] = ()
     #: ... and for the decode engines only (bench.shapes: an n-gram drafter on decode, as deployments run it).
@@ -103,6 +106,9 @@ class StackConfig:
     cuda_devices: str = "0"
     #: Each engine's share of GPU memory (``--gpu-memory-utilization``): the stack's engines share one GPU.
     gpu_memory_utilization: float = 0.25
+    #: ``--enforce-eager``: on for the CPU suites (the CPU backend's graph compile only costs start-up time);
+    #: ``make gpu-smoke`` turns it off, so CUDA graphs and the attention backend vLLM picks run as on a p5en.
+    enforce_eager: bool = True
 
     @property
     def best_router_port(self) -> int:
@@ -186,7 +192,7 @@ def _engine_process(config: StackConfig, spec: EngineSpec, core: int | None) -> 
     ranks = rank_cores(_cores(), core, spec.tensor_parallel_size) if core is not None and on_cpu else []
     if ranks and shutil.which("taskset"):
         argv = ["taskset", "-c", ",".join(str(c) for c in sorted(set(ranks))), *argv]
-    if not on_cpu:
+    if not on_cpu and spec.settings.gpu_memory_utilization is None:  # the settings' own share wins
         argv += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
     state = config.state_dir.resolve()
     env = {
@@ -256,8 +262,9 @@ def plan(config: StackConfig) -> list[ProcessSpec]:
     router_tunables = {k: v for k, v in values.items()
                        if params.BY_NAME[k].scope is params.Scope.ROUTER or k == "decoder_kv_blocks_ttl"}
     common = dict(model=str(config.model_dir.resolve()), served_model_name=SERVED_MODEL_NAME, mode=config.mode,
-                  enforce_eager=True, tunables=engine_tunables, dtype=config.model_spec.dtype,
-                  max_model_len=config.model_spec.max_position_embeddings, extra_args=config.engine_extra_args)
+                  enforce_eager=config.enforce_eager, tunables=engine_tunables, dtype=config.model_spec.dtype,
+                  max_model_len=config.model_spec.max_position_embeddings, extra_args=config.engine_extra_args,
+                  settings=config.engine_settings)
     if config.best_case and config.prefill_engines > 1:
         raise StackError("best_case uses prefill_port + 1: run it with one prefill engine")
     if config.connector:
