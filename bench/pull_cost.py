@@ -36,7 +36,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +154,7 @@ def summary_rows(turns: list[Turn]) -> list[dict[str, Any]]:
               ("pull, later", later),
               ("recompute, same turns", [t for t in ok if t.arm == "recompute" and (t.conversation, t.turn) in same]),
               ("pull arm, recomputed by the cost model", [t for t in ok if t.arm == "pull" and not t.pulled_tokens]),
+              ("pull arm, all later turns", [t for t in ok if t.arm == "pull"]),
               ("recompute, all later turns", [t for t in ok if t.arm == "recompute"])]
     rows = []
     for label, group in groups:
@@ -189,10 +190,13 @@ def turns_markdown(turns: list[Turn]) -> str:
     return "\n".join(lines)
 
 
-def ratio(rows: list[dict[str, Any]]) -> float | None:
-    """Later pulls' median TTFT over the recompute arm's on the same turns."""
+def ratio(rows: list[dict[str, Any]], over_all: bool = False) -> float | None:
+    """Later pulls' median TTFT over the recompute arm's on the same turns; ``over_all``: the pull arm's later turns
+    (pulled or not: reuse as deployed) over the recompute arm's."""
     by = {r["group"]: r for r in rows}
     pull, rec = by.get("pull, later"), by.get("recompute, same turns")
+    if over_all:
+        pull, rec = by.get("pull arm, all later turns"), by.get("recompute, all later turns")
     if not pull or not rec or not rec["ttft_ms"]:
         return None
     return pull["ttft_ms"] / rec["ttft_ms"]
@@ -279,21 +283,27 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None)
     p.add_argument("--state-dir", type=Path, default=Path(".turnkv"))
     p.add_argument("--label", default="", help="A name for this run in the JSON (before/after).")
+    p.add_argument("--from-json", type=Path, help="Print the tables of an earlier run's pull_cost.json.")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="Prefill without prefix caching (the seeds' setting, `make demo`'s reuse-on arm): a pull then "
+                        "moves the whole history and the recompute arm computes it all.")
     return p
 
 
 def report(args: argparse.Namespace, turns: list[Turn]) -> dict[str, Any]:
     rows = summary_rows(turns)
-    r = ratio(rows)
+    r, a = ratio(rows), ratio(rows, over_all=True)
     text = ["## Fixed cost of a pull" + (f" ({args.label})" if args.label else ""), "",
             "Medians, milliseconds; one request at a time.", "", markdown(rows), "",
-            f"pull / recompute TTFT on the same turns: {r:.2f}" if r else "no later pulls to compare", "",
+            f"pull / recompute TTFT on the same turns: {r:.2f}" if r else "no later pulls to compare",
+            f"pull arm / recompute arm TTFT over all later turns (pulled or not): {a:.2f}" if a else "", "",
             "### Per turn", "", turns_markdown(turns)]
     md = "\n".join(text)
     print(md)
     args.out.mkdir(parents=True, exist_ok=True)
     data = {"label": args.label, "args": {k: str(v) for k, v in vars(args).items()}, "summary": rows,
-            "pull_over_recompute": r, "turns": [{**asdict(t), "computed_tokens": t.computed_tokens} for t in turns]}
+            "pull_over_recompute": r, "pull_arm_over_recompute_arm": a,
+            "turns": [{**asdict(t), "computed_tokens": t.computed_tokens} for t in turns]}
     (args.out / "pull_cost.json").write_text(json.dumps(data, indent=2))
     (args.out / "pull_cost.md").write_text(md + "\n")
     return data
@@ -302,6 +312,14 @@ def report(args: argparse.Namespace, turns: list[Turn]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     from turnkv.local.model import load_words
+
+    if args.from_json:  # the tables again from a run's JSON (no engines)
+        data = json.loads(args.from_json.read_text())
+        names = {f.name for f in fields(Turn)}
+        turns = [Turn(**{k: v for k, v in t.items() if k in names}) for t in data["turns"]]
+        args.label = args.label or data.get("label", "")
+        report(args, turns)
+        return 0
 
     if args.router:
         if not (args.prefill and args.decode):
@@ -316,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     from turnkv.local.stack import StackConfig, Supervisor
     from turnkv.local.start import start_stack
 
-    config = StackConfig(state_dir=args.state_dir)  # prefill prefix caching on: as deployed
+    # prefill prefix caching on: as deployed (unless --no-prefix-caching)
+    config = StackConfig(state_dir=args.state_dir, prefill_prefix_caching=not args.no_prefix_caching)
     state = start_stack(config)
     try:
         comps = state["components"]

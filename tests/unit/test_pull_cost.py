@@ -77,5 +77,8 @@ def test_summary_keeps_the_first_pull_apart_and_compares_the_same_turns() -> Non
     assert rows["recompute, same turns"]["n"] == 1 and rows["recompute, same turns"]["ttft_ms"] == 100
     assert rows["pull arm, recomputed by the cost model"]["ttft_ms"] == 95
     assert math.isclose(pc.ratio(pc.summary_rows(turns)) or 0, 0.9)
+    # as deployed: the pull arm's later turns, pulled or not (300, 90, 95) over the recompute arm's (100, 100, 110)
+    assert rows["pull arm, all later turns"]["n"] == 3
+    assert math.isclose(pc.ratio(pc.summary_rows(turns), over_all=True) or 0, 95 / 100)
     table = pc.markdown(pc.summary_rows(turns))
     assert table.splitlines()[0].startswith("| group | n |") and "| pull, later | 1 |" in table
