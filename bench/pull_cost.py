@@ -113,10 +113,11 @@ class Turn:
 
 
 def breakdown(turn: Turn, ttft_ms: float, before: dict[str, dict[str, float]],
-              after: dict[str, dict[str, float]], handshake_changed: bool) -> Turn:
-    """Fill ``turn`` from the three endpoints' metrics before and after its request (pure)."""
+              after: dict[str, dict[str, float]], handshake_changed: bool, requests: int = 1) -> Turn:
+    """Fill ``turn`` from the three endpoints' metrics before and after its request, or the mean per request of a
+    batch of ``requests`` sent at once (``ttft_ms``: their mean), pure."""
     r0, r1, p0, p1 = before["router"], after["router"], before["prefill"], after["prefill"]
-    ms = 1000.0
+    ms = 1000.0 / max(1, requests)
     turn.ttft_ms = ttft_ms
     turn.prefill_leg_ms = delta(r0, r1, f"{ROUTER_LEG_SUM}{{leg=prefill}}") * ms
     turn.decode_leg_ms = delta(r0, r1, f"{ROUTER_LEG_SUM}{{leg=decode}}") * ms
@@ -127,9 +128,9 @@ def breakdown(turn: Turn, ttft_ms: float, before: dict[str, dict[str, float]],
     turn.p_wait_ms = delta(p0, p1, QUEUE_SUM) * ms
     turn.p_compute_ms = delta(p0, p1, PREFILL_SUM) * ms
     turn.read_ms = delta(p0, p1, READ_SECONDS) * ms
-    turn.read_bytes = int(delta(p0, p1, READ_BYTES))
+    turn.read_bytes = int(delta(p0, p1, READ_BYTES) / max(1, requests))
     if handshake_changed:
-        turn.handshake_ms = p1.get(HANDSHAKE, 0.0) * ms
+        turn.handshake_ms = p1.get(HANDSHAKE, 0.0) * 1000.0
     turn.admit_poll_ms = turn.p_wait_ms - turn.read_ms - turn.handshake_ms if turn.read_bytes else 0.0
     return turn
 
@@ -221,7 +222,66 @@ async def scrape(session: Any, ends: Endpoints) -> dict[str, dict[str, float]]:
     return {"router": router, "prefill": prefill, "decode": decode}
 
 
+async def run_batches(args: argparse.Namespace, ends: Endpoints, words: list[str]) -> list[Turn]:
+    """``--concurrency N``: every conversation's turn t at once, one arm after the other (N conversations: the
+    arm's load); one row per (turn, arm) with the per-request means of the batch."""
+    import aiohttp
+
+    from bench.client import Result, chat
+    from bench.runner import discover_model
+    from bench.workload import WorkloadSpec, build
+
+    spec = WorkloadSpec(conversations=args.concurrency, turns=args.turns, system_words=args.system_words,
+                        first_user_words=args.first_words, turn_words=args.turn_words, max_tokens=args.reply_tokens)
+    conversations = build(spec, words)
+    rows: list[Turn] = []
+    pulled_once = False
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        model = args.model or await discover_model(session, ends.router)
+        replies = {arm: {c.index: [] for c in conversations} for arm in ARMS}
+        for t in range(args.turns):
+            for arm in ARMS:
+                headers = {"X-TurnKV-Reuse": "off"} if arm == "recompute" else {}
+
+                def body(conv: Any, arm: str = arm, t: int = t) -> dict[str, Any]:
+                    return {"model": model, "messages": conv.messages_for(t, replies[arm][conv.index]),
+                            "max_tokens": args.reply_tokens, "min_tokens": args.reply_tokens, "temperature": 0,
+                            "stream": True, "stream_options": {"include_usage": True},
+                            "cache_salt": f"pull-cost-{arm}-{args.salt}-{conv.index}"}
+
+                await asyncio.sleep(args.settle)
+                before = await scrape(session, ends)
+                results = await asyncio.gather(*(chat(session, ends.router, body(c), headers,
+                                                      Result(c.index, t, arm), 600) for c in conversations))
+                await asyncio.sleep(args.settle)
+                after = await scrape(session, ends)
+                for c, r in zip(conversations, results, strict=True):
+                    replies[arm][c.index].append(r.reply)
+                ok = [r for r in results if r.error is None]
+                errors = [r.error for r in results if r.error is not None]
+                n = max(1, len(ok))
+                pulled = sum(1 for r in ok if r.reused_tokens)
+                row = Turn(arm, -1, t, f"{pulled}/{len(results)} pulled",
+                           round(sum(r.prompt_tokens or 0 for r in ok) / n),
+                           round(sum(r.reused_tokens for r in ok) / n),
+                           round(sum(r.prefill_cached_tokens for r in ok) / n),
+                           error=f"{len(errors)} failed: {errors[0]}" if errors else None)
+                changed = after["prefill"].get(HANDSHAKE) != before["prefill"].get(HANDSHAKE)
+                breakdown(row, sum(r.ttft_ms or 0.0 for r in ok) / n, before, after, changed, requests=len(results))
+                if row.pulled_tokens and not pulled_once:
+                    row.first_pull = pulled_once = True
+                rows.append(row)
+                print(f"turn {t + 1} {arm:9s} x{len(results)} {row.outcome:12s} pulled {row.pulled_tokens:5d} "
+                      f"computed {row.computed_tokens:5d} mean TTFT {row.ttft_ms:7.1f} ms  P wait "
+                      f"{row.p_wait_ms:6.1f} READ {row.read_ms:5.1f} P compute {row.p_compute_ms:6.1f} "
+                      f"D {row.decode_leg_ms:6.1f}" + (f"  ERROR {row.error}" if row.error else ""),
+                      file=sys.stderr, flush=True)
+    return rows
+
+
 async def run(args: argparse.Namespace, ends: Endpoints, words: list[str]) -> list[Turn]:
+    if args.concurrency > 1:
+        return await run_batches(args, ends, words)
     import aiohttp
 
     from bench.client import Result, chat
@@ -283,6 +343,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None)
     p.add_argument("--state-dir", type=Path, default=Path(".turnkv"))
     p.add_argument("--label", default="", help="A name for this run in the JSON (before/after).")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="N conversations at once per arm (the arm's load): rows are per-request means of each "
+                        "(turn, arm) batch; 1: one request at a time, a row per request.")
     p.add_argument("--from-json", type=Path, help="Print the tables of an earlier run's pull_cost.json.")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="Prefill without prefix caching (the seeds' setting, `make demo`'s reuse-on arm): a pull then "
@@ -293,8 +356,11 @@ def parser() -> argparse.ArgumentParser:
 def report(args: argparse.Namespace, turns: list[Turn]) -> dict[str, Any]:
     rows = summary_rows(turns)
     r, a = ratio(rows), ratio(rows, over_all=True)
+    at_once = int(getattr(args, "concurrency", 1) or 1)
+    how = "one request at a time" if at_once <= 1 else \
+        f"{at_once} conversations at once per arm; each row of a group is a batch's per-request means"
     text = ["## Fixed cost of a pull" + (f" ({args.label})" if args.label else ""), "",
-            "Medians, milliseconds; one request at a time.", "", markdown(rows), "",
+            f"Medians, milliseconds; {how}.", "", markdown(rows), "",
             f"pull / recompute TTFT on the same turns: {r:.2f}" if r else "no later pulls to compare",
             f"pull arm / recompute arm TTFT over all later turns (pulled or not): {a:.2f}" if a else "", "",
             "### Per turn", "", turns_markdown(turns)]

@@ -82,3 +82,13 @@ def test_summary_keeps_the_first_pull_apart_and_compares_the_same_turns() -> Non
     assert math.isclose(pc.ratio(pc.summary_rows(turns), over_all=True) or 0, 95 / 100)
     table = pc.markdown(pc.summary_rows(turns))
     assert table.splitlines()[0].startswith("| group | n |") and "| pull, later | 1 |" in table
+
+
+def test_a_batch_breakdown_is_the_mean_per_request() -> None:
+    before = _snap(1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1000, 0.2)
+    after = _snap(1.4, 1.2, 0.004, 1.36, 1.08, 1.2, 1.04, 1000 + 4 * 2048, 0.2)  # four requests at once
+    t = pc.breakdown(pc.Turn("pull", -1, 1, pulled_tokens=200), 200.0, before, after, handshake_changed=False,
+                     requests=4)
+    assert math.isclose(t.prefill_leg_ms, 100.0, abs_tol=1e-6) and math.isclose(t.decode_leg_ms, 50.0, abs_tol=1e-6)
+    assert math.isclose(t.router_ms, 50.0, abs_tol=1e-6) and t.read_bytes == 2048
+    assert math.isclose(t.read_ms, 10.0, abs_tol=1e-6) and math.isclose(t.admit_poll_ms, 10.0, abs_tol=1e-6)
