@@ -23,7 +23,10 @@ reads the router's, prefill's and decode's ``/metrics``; one request at a time, 
 - ``D leg``: decode's first token, its READ of prefill's new KV included (both arms pay it).
 
 The notification that tells decode its blocks were read travels with the READ (NIXL's notif) and is not waited for.
-Output: a Markdown table per turn and a summary (medians over later pulled turns, first pull apart), and JSON.
+Output: a Markdown table per turn and a summary (medians over later pulled turns, first pull apart; the pull arm
+over all its later turns, pulled or recomputed by the cost model, against the recompute arm), and JSON.
+``--concurrency N`` sends every conversation's turn at once per arm instead (prefill busy: a row per batch, its
+per-request means); ``--no-prefix-caching`` is ``make demo``'s setting; ``--from-json`` prints a run's tables again.
 
     python -m bench.pull_cost --out results/pull_cost
 """
