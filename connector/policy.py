@@ -8,7 +8,8 @@ decaying least squares (recent samples weigh most):
   cost of one more token (the step's fixed part is paid anyway). Steps are timed by :class:`StepClock`,
   which stays right when steps overlap (async scheduling schedules step N+1 before step N's output).
 - **transfer**: seconds of each NIXL READ the worker posted (NIXL's own telemetry) against the tokens it
-  moved; the intercept is the per-READ fixed cost, the slope the bandwidth. The first READ from an
+  moved (one READ far slower than predicted is fitted only if the next is too: ``TRANSFER_OUTLIER``); the
+  intercept is the per-READ fixed cost, the slope the bandwidth. The first READ from an
   engine also pays the NIXL handshake: that is learned apart (``handshake``) and added only to an offer
   from an engine not handshaken yet. Time a pulling request then waits for the engine's next step is
   the engine's queue, not the transfer: it is kept apart (``observe_wait``, exported, never compared).
@@ -31,6 +32,12 @@ from dataclasses import dataclass, field
 #: A busy engine fills every step to its token budget: step sizes then barely vary and a fitted slope is
 #: noise, so below this spread (standard deviation over mean of step sizes) compute is the average rate.
 STEP_SPREAD = 0.2
+#: A READ slower than this many times the prediction is an outlier: fitted only when the next READ is one too. One
+#: READ that stalls (a progress thread descheduled on a busy host: 179 ms for a 2 MiB READ that otherwise takes
+#: 0.5-13 ms, in ``bench.pull_cost``) would otherwise steer the fit, and with it every decision, to recompute until
+#: the next probe (no pull, so no sample to undo it): 5 of 12 later turns there. A lasting slowdown is learned from
+#: its second READ on.
+TRANSFER_OUTLIER = 3.0
 #: Every reason a decision can give (one Prometheus label value each).
 REASONS = ("floor", "no-estimate", "faster", "load", "slower", "probe")
 
@@ -148,6 +155,9 @@ class CostModel:
     #: Seconds a pulling request waited for the engine beyond its transfer (the queue; shown, not compared).
     wait: Ewma = field(default_factory=Ewma)
     _refused: int = 0
+    #: An outlier READ (tokens, seconds) not fitted yet, and whether the READs fitted last were outliers in a row.
+    _held: tuple[float, float] | None = None
+    _slow_run: bool = False
 
     # inputs ------------------------------------------------------------------------------------
 
@@ -156,8 +166,20 @@ class CostModel:
             self.steps.update(scheduled_tokens, seconds)
 
     def observe_transfer(self, seconds: float, tokens: float) -> None:
-        if tokens > 0 and seconds > 0:
-            self.transfers.update(tokens, seconds)
+        if tokens <= 0 or seconds <= 0:
+            return
+        predicted = self.predicted_pull(int(tokens))
+        slow = bool(predicted) and seconds > TRANSFER_OUTLIER * predicted  # type: ignore[operator]
+        if slow and not self._slow_run:
+            if self._held is None:  # one outlier: held back until the next READ tells whether it lasts
+                self._held = (tokens, seconds)
+                return
+            self.transfers.update(*self._held)  # two in a row: the link is slower now
+            self._slow_run = True
+        elif not slow:
+            self._slow_run = False
+        self._held = None
+        self.transfers.update(tokens, seconds)
 
     def observe_handshake(self, seconds: float) -> None:
         if seconds > 0:

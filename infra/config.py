@@ -36,6 +36,7 @@ from turnkv import neuron, params, platforms
 from turnkv.engine_args import Mode, Role
 from turnkv.engine_settings import EngineSettings
 from turnkv.node_env import MAX_ENGINES_PER_NODE, MODEL, check_value
+from turnkv.plan.hardware import INSTANCES as PRICED_INSTANCES
 
 from .instances import INSTANCE_TYPES, Flavor
 
@@ -436,6 +437,22 @@ class DeploymentConfig(_Model):
 
     def ami_parameter(self, flavor: str) -> str:
         return f"/turnkv/{self.name}/ami/{flavor}"
+
+    def prefill_engine_price_per_hour(self) -> float:
+        """USD per prefill engine-hour, to price the prefill time reuse saves (``router.savings``): each prefill pool's
+        on-demand instance price in ``turnkv.plan.hardware`` (the one price table) over its engines per instance,
+        weighted by its engines; 0 when a prefill pool's instance type has no price there."""
+        engines = dollars = 0.0
+        for pool in self.pools:
+            if pool.role != Role.PREFILL or pool.count <= 0:
+                continue
+            instance = PRICED_INSTANCES.get(pool.instance_type)
+            if instance is None or instance.price_per_hour <= 0:
+                return 0.0
+            per_node = self.engines_per_node(pool)
+            engines += pool.count * per_node
+            dollars += pool.count * instance.price_per_hour
+        return round(dollars / engines, 6) if engines else 0.0
 
     def engines_per_node(self, pool: PoolConfig) -> int:
         """Engines one instance of ``pool`` runs: ``pools[].engines_per_node``, else every accelerator used."""

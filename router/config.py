@@ -61,6 +61,10 @@ class RouterConfig:
     policy: str = "least_load"
     #: Write one EMF line per request to stdout.
     emf: bool = True
+    #: USD per prefill engine-hour, to price the prefill time reuse saves (router.savings): the prefill pool's
+    #: instance price over its engines per instance, set by the deployment (TURNKV_PREFILL_ENGINE_PRICE_PER_HOUR);
+    #: 0: unknown (seconds saved only).
+    prefill_price_per_hour: float = field(default_factory=lambda: _price_from_env())
     #: Seconds an idle client connection stays open. Behind a load balancer it must outlast the balancer's idle
     #: timeout (ALB: router.idle_timeout_s, 900 s by default), or the router closes connections the balancer
     #: still reuses and clients see sporadic 502s; the CDK stack passes idle timeout + 60 s.
@@ -74,6 +78,10 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         self.tunables = params.validate({}, self.tunables)
+        if isinstance(self.prefill_price_per_hour, bool) or not isinstance(self.prefill_price_per_hour, (int, float)) \
+                or not 0 <= self.prefill_price_per_hour < 1e6:
+            raise ValueError(f"prefill_price_per_hour {self.prefill_price_per_hour!r}: expected USD per prefill "
+                             "engine-hour, a number >= 0")
         if self.mode not in ("pull", "push"):
             raise ValueError(f"mode {self.mode!r}: expected pull or push")
         if self.discovery not in ("static", "cloudmap"):
@@ -121,6 +129,18 @@ class RouterConfig:
         if name in tunables:
             return tunables[name]
         raise AttributeError(name)
+
+
+def _price_from_env() -> float:
+    """``TURNKV_PREFILL_ENGINE_PRICE_PER_HOUR`` as a float (0 when unset); a malformed value is an error naming it."""
+    raw = os.environ.get(router_env.PREFILL_PRICE, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{router_env.PREFILL_PRICE}={raw!r}: expected USD per prefill engine-hour (a number)") \
+            from None
 
 
 def load_file(path: str | Path) -> dict[str, Any]:

@@ -35,7 +35,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router import apis, guard, hints, intake, limits, migrate, retry, telemetry, upstream
+from router import apis, guard, hints, intake, limits, migrate, retry, savings, telemetry, upstream
 from router.apis import stored
 from router.config import RouterConfig
 from router.dispatch import Dispatch
@@ -94,6 +94,8 @@ class Flow:
         self.session = session  # probes, leases, the evictions feed; the legs have their own pooled connections
         self.legs_client = legs_client or upstream.LegClient()
         self.prefill_rate = telemetry.PrefillRate()
+        self.savings = savings.Ledger()  # turns and dollars saved per tenant, since start (per 1,000 turns)
+        metrics.prefill_price.set(float(config.prefill_price_per_hour))
         self.legs = Legs(config, pool, metrics, self.legs_client, self.prefill_rate, forward_auth=forward_auth)
         self.relay = Relay(config, metrics, dispatch=self._dispatch, store_reply=self._store_reply,
                            first_token=self._first_token)
@@ -371,22 +373,40 @@ class Flow:
             self.metrics.reused_tokens.inc(d.reused_tokens)
         if d.prefill_cached_tokens:
             self.metrics.prefill_cached_tokens.inc(d.prefill_cached_tokens)
+        saving = self._count_saving(d)
         if not self.config.emf:
             return
-        saved = None
-        if d.reused_tokens and self.prefill_rate.ms_per_token:
-            saved = d.reused_tokens * self.prefill_rate.ms_per_token
         self.emf.emit(telemetry.emf_record(
             namespace=telemetry.NAMESPACE, deployment=self.config.deployment, outcome=d.outcome,
             prompt_tokens=d.prompt_tokens, ttft_ms=None if d.ttft is None else d.ttft * 1000,
             error=d.status >= 500 or d.status == 0, reused_tokens=d.reused_tokens, prefill_ms=d.prefill_ms,
-            saved_ms=saved, fields={
+            saved_ms=None if saving is None else saving.seconds * 1000, tenant=d.tenant,
+            saved_dollars=None if saving is None else saving.dollars, fields={
                 "request_id": d.request_id, "status": d.status, "route": d.route or d.path, "stream": d.stream,
                 "tenant": d.tenant, "prefill_engine": d.prefill_engine, "decode_engine": d.decode_engine,
                 "prompt_tokens": d.prompt_tokens, "retries": d.retries, "mode": self.config.mode,
                 "latency_ms": round((time.perf_counter() - d.started) * 1000, 3),
                 **({"session": d.hint.value, "session_source": d.hint.source.label} if d.hint else {}),
                 **({"error": d.error} if d.error else {})}))
+
+    def _count_saving(self, d: Dispatch) -> savings.Saved | None:
+        """The prefill time (and dollars) this turn's reuse saved, on /metrics per tenant (router.savings)."""
+        rate = self.prefill_rate.ms_per_token / 1000
+        price = float(self.config.prefill_price_per_hour)
+        saving = savings.saved(d.reused_tokens, rate, price)
+        tenant = savings.tenant_label(d.tenant)
+        self.savings.add(d.tenant, saving)
+        m = self.metrics
+        m.turns.labels(tenant).inc()
+        m.prefill_seconds_per_token.set(rate)
+        if saving is not None:
+            m.prefill_seconds_saved.labels(tenant).inc(saving.seconds)
+            if saving.dollars is not None:
+                m.prefill_dollars_saved.labels(tenant).inc(saving.dollars)
+        if price > 0:
+            m.dollars_per_1k_turns.set(self.savings.per_1k_turns())
+            m.tenant_dollars_per_1k_turns.labels(tenant).set(self.savings.per_1k_turns(d.tenant))
+        return saving
 
     def _first_token(self, d: Dispatch) -> None:
         d.ttft = time.perf_counter() - d.started

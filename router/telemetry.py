@@ -16,7 +16,9 @@ from typing import Any
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from router import savings
 from router.outcomes import ReuseOutcome
+from turnkv import metric_names as mn
 from turnkv import router_env, versions
 
 #: Why a request did or did not reuse the previous turn's KV: the ``reuse`` label values of the TTFT histogram and
@@ -149,6 +151,30 @@ class Metrics:
         self.push_dispatch = Counter("turnkv_router_push_dispatches",
                                      "Push-mode dispatches: concurrent (identity known) or serial.", ["kind"],
                                      registry=r)
+        # What reuse saved (router.savings): prefill seconds and dollars per tenant, and per 1,000 turns.
+        self.turns = Counter(mn.PROM_TURNS, "Requests served (turns), by tenant ('default' without API keys): the "
+                             "denominator of the savings per 1,000 turns.", ["tenant"], registry=r)
+        self.prefill_seconds_saved = Counter(
+            mn.PROM_PREFILL_SECONDS_SAVED, "Prefill seconds reuse saved, by tenant: tokens pulled from decode x "
+            "prefill's seconds per computed token as this router measures it (its prefill leg over the prompt tokens "
+            "prefill computed, on turns that reused nothing; turnkv_router_prefill_seconds_per_token).", ["tenant"],
+            registry=r)
+        self.prefill_dollars_saved = Counter(
+            mn.PROM_PREFILL_DOLLARS_SAVED, "Dollars of prefill time reuse saved, by tenant: the seconds saved at "
+            "the prefill engine-hour price (turnkv_router_prefill_engine_price_per_hour; not counted while it is "
+            "0, unknown).", ["tenant"], registry=r)
+        self.prefill_seconds_per_token = Gauge(
+            mn.PROM_PREFILL_SECONDS_PER_TOKEN, "Prefill seconds per computed prompt token, as measured by this "
+            "router (an average over turns that reused nothing): the rate the savings are counted at.", registry=r)
+        self.prefill_price = Gauge(
+            mn.PROM_PREFILL_PRICE, "USD per prefill engine-hour the savings are priced at (the prefill pool's "
+            "instance price over its engines per instance; 0: unknown).", registry=r)
+        self.dollars_per_1k_turns = Gauge(
+            mn.PROM_DOLLARS_PER_1K_TURNS, "Dollars of prefill time reuse saved per 1,000 turns since this router "
+            "started, whole deployment (this replica's turns).", registry=r)
+        self.tenant_dollars_per_1k_turns = Gauge(
+            mn.PROM_TENANT_DOLLARS_PER_1K_TURNS, "Dollars of prefill time reuse saved per 1,000 of the tenant's "
+            "turns since this router started.", ["tenant"], registry=r)
 
     def observe_pool(self, engines) -> None:
         counts: dict[tuple[str, str], int] = {}
@@ -193,7 +219,7 @@ class PrefillRate:
 
 
 @functools.lru_cache(maxsize=64)
-def _directives(namespace: str, ttft: bool, prefill: bool, saved: bool) -> list[dict[str, Any]]:
+def _directives(namespace: str, ttft: bool, prefill: bool, saved: bool, cost: bool = False) -> list[dict[str, Any]]:
     request_metrics = [{"Name": "Requests", "Unit": "Count"}]
     if ttft:
         request_metrics.insert(0, {"Name": "TTFT", "Unit": "Milliseconds"})
@@ -201,20 +227,27 @@ def _directives(namespace: str, ttft: bool, prefill: bool, saved: bool) -> list[
                           {"Name": "ReusedTokens", "Unit": "Count"}]
     if prefill:
         deployment_metrics.append({"Name": "PrefillTime", "Unit": "Milliseconds"})
-    if saved:
-        deployment_metrics.append({"Name": "PrefillTimeSaved", "Unit": "Milliseconds"})
     # {Deployment} alone too: the whole deployment's TTFT percentiles (the alarm) cannot be summed from the
     # per-outcome series (percentiles do not add up).
-    return [{"Namespace": namespace, "Dimensions": [["Deployment"], ["Deployment", "ReuseOutcome"],
-                                                    ["Deployment", "ReuseOutcome", "PromptBucket"]],
-             "Metrics": request_metrics},
-            {"Namespace": namespace, "Dimensions": [["Deployment"]], "Metrics": deployment_metrics}]
+    directives = [{"Namespace": namespace, "Dimensions": [[mn.DEPLOYMENT], [mn.DEPLOYMENT, mn.REUSE_OUTCOME],
+                                                          [mn.DEPLOYMENT, mn.REUSE_OUTCOME, mn.PROMPT_BUCKET]],
+                   "Metrics": request_metrics},
+                  {"Namespace": namespace, "Dimensions": [[mn.DEPLOYMENT]], "Metrics": deployment_metrics}]
+    if saved:  # what reuse saved, per deployment and per tenant (router.savings)
+        saved_metrics = [{"Name": mn.PREFILL_TIME_SAVED, "Unit": "Milliseconds"}]
+        if cost:
+            saved_metrics.append({"Name": mn.PREFILL_COST_SAVED, "Unit": "None"})
+        directives.append({"Namespace": namespace, "Dimensions": [[mn.DEPLOYMENT], [mn.DEPLOYMENT, mn.TENANT]],
+                           "Metrics": saved_metrics})
+    return directives
 
 
 def emf_record(*, namespace: str, deployment: str, outcome: ReuseOutcome, prompt_tokens: int, ttft_ms: float | None,
                error: bool, reused_tokens: int, prefill_ms: float | None, saved_ms: float | None,
-               fields: Mapping[str, Any], timestamp_ms: int | None = None) -> dict[str, Any]:
-    """One request as a CloudWatch EMF object (names match turnkv.metric_names on the infra side)."""
+               fields: Mapping[str, Any], timestamp_ms: int | None = None, tenant: str = "",
+               saved_dollars: float | None = None) -> dict[str, Any]:
+    """One request as a CloudWatch EMF object (names match turnkv.metric_names on the infra side). What reuse saved
+    (``saved_ms``, ``saved_dollars``: router.savings) is published per deployment and per ``tenant``."""
     record: dict[str, Any] = {
         "Deployment": deployment, "ReuseOutcome": outcome, "PromptBucket": prompt_bucket(prompt_tokens),
         "Requests": 1, "Errors": 1 if error else 0, "ReuseHit": 1 if outcome == ReuseOutcome.HIT else 0,
@@ -225,11 +258,16 @@ def emf_record(*, namespace: str, deployment: str, outcome: ReuseOutcome, prompt
     if prefill_ms is not None:
         record["PrefillTime"] = round(prefill_ms, 3)
     if saved_ms is not None:
-        record["PrefillTimeSaved"] = round(saved_ms, 3)
+        record[mn.PREFILL_TIME_SAVED] = round(saved_ms, 3)
+        if saved_dollars is not None:
+            record[mn.PREFILL_COST_SAVED] = saved_dollars
     record["_aws"] = {"Timestamp": timestamp_ms if timestamp_ms is not None else int(time.time() * 1000),
                       "CloudWatchMetrics": _directives(namespace, ttft_ms is not None, prefill_ms is not None,
-                                                       saved_ms is not None)}
+                                                       saved_ms is not None,
+                                                       saved_ms is not None and saved_dollars is not None)}
     record.update(fields)
+    if saved_ms is not None:  # the dimension's value (after the fields: a field named like it must not replace it)
+        record[mn.TENANT] = savings.tenant_label(tenant)
     return record
 
 

@@ -35,10 +35,24 @@ ERRORS = "Errors"  # [Count] dims Deployment
 REUSE_HIT = "ReuseHit"  # [Count] 1 when KV was reused (average = hit rate), dims Deployment
 REUSED_TOKENS = "ReusedTokens"  # [Count] dims Deployment
 PREFILL_TIME = "PrefillTime"  # [Milliseconds] the prefill leg (a KV pull included on reuse), dims Deployment
-PREFILL_TIME_SAVED = "PrefillTimeSaved"  # [Milliseconds] estimated, dims Deployment
+PREFILL_TIME_SAVED = "PrefillTimeSaved"  # [Milliseconds] estimated (router.savings), dims {Deployment}, {+Tenant}
+#: [None: US dollars] PrefillTimeSaved at the prefill engine-hour price, dims {Deployment}, {Deployment, Tenant};
+#: absent while the price is unknown. Dollars per 1,000 turns: 1000 x Sum(PrefillCostSaved) / Sum(Requests).
+PREFILL_COST_SAVED = "PrefillCostSaved"
+#: The tenant (its API key's name; "default" without keys): the savings' second dimension set.
+TENANT = "Tenant"
 #: [Count] engines registered in Cloud Map, per role, as each router replica's discovery sees them (one record
 #: per role and discovery round), dims {Deployment, Role}. An engine registers only once its /health answers.
 REGISTERED_ENGINES = "RegisteredEngines"
+
+#: The router's own Prometheus /metrics for what reuse saved (router.savings; label tenant where named).
+PROM_TURNS = "turnkv_router_turns"  # counter, label tenant (exposed as ..._total)
+PROM_PREFILL_SECONDS_SAVED = "turnkv_router_prefill_seconds_saved"  # counter, label tenant
+PROM_PREFILL_DOLLARS_SAVED = "turnkv_router_prefill_dollars_saved"  # counter, label tenant
+PROM_PREFILL_SECONDS_PER_TOKEN = "turnkv_router_prefill_seconds_per_token"  # gauge: the measured rate
+PROM_PREFILL_PRICE = "turnkv_router_prefill_engine_price_per_hour"  # gauge, USD
+PROM_DOLLARS_PER_1K_TURNS = "turnkv_router_prefill_dollars_saved_per_1k_turns"  # gauge, whole deployment
+PROM_TENANT_DOLLARS_PER_1K_TURNS = "turnkv_router_tenant_prefill_dollars_saved_per_1k_turns"  # gauge, label tenant
 
 #: vLLM Prometheus metric families the bridge reads (names as vLLM 0.32 exports them).
 VLLM_TTFT = "vllm:time_to_first_token_seconds"  # histogram

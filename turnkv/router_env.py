@@ -37,5 +37,8 @@ STORE_USERNAME = "TURNKV_STORE_USERNAME"
 STORE_PASSWORD = "TURNKV_STORE_PASSWORD"
 #: The CloudWatch namespace of the router's EMF lines.
 METRICS_NAMESPACE = "TURNKV_METRICS_NAMESPACE"
+#: USD per prefill engine-hour (the prefill pool's instance price in turnkv.plan.hardware over its engines per
+#: instance): the router prices the prefill time reuse saves (router.savings). Unset: seconds only.
+PREFILL_PRICE = "TURNKV_PREFILL_ENGINE_PRICE_PER_HOUR"
 #: The engines' offer secret (turnkv.wire): the router clears each offer it replays with it.
 OFFER_SECRET = wire.OFFER_SECRET_ENV

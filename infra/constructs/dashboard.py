@@ -45,6 +45,19 @@ class RouterMetricFactory:
     def requests_by_outcome(self) -> cw.MathExpression:
         return self._search(mn.REQUESTS, "Sum", (mn.REUSE_OUTCOME,), "requests")
 
+    def by_tenant(self, name: str, stat: str, label: str) -> cw.MathExpression:
+        return self._search(name, stat, (mn.TENANT,), label)
+
+    def dollars_per_1k_turns(self, period: Duration = PERIOD) -> cw.MathExpression:
+        """Dollars of prefill time reuse saved per 1,000 turns (router.savings): the saving priced at the prefill
+        engine-hour, over every request (turns that saved nothing included)."""
+        cost = cw.Metric(namespace=mn.ROUTER_NAMESPACE, metric_name=mn.PREFILL_COST_SAVED,
+                         dimensions_map={mn.DEPLOYMENT: self.deployment}, statistic="Sum", period=period)
+        turns = cw.Metric(namespace=mn.ROUTER_NAMESPACE, metric_name=mn.REQUESTS,
+                          dimensions_map={mn.DEPLOYMENT: self.deployment}, statistic="Sum", period=period)
+        return cw.MathExpression(expression="1000 * FILL(c, 0) / t", label="$ saved per 1k turns", period=period,
+                                 using_metrics={"c": cost, "t": turns})
+
 
 @dataclass(frozen=True)
 class EngineMetricFactory:
@@ -88,6 +101,25 @@ def router_segment(f: RouterMetricFactory) -> list[list[cw.IWidget]]:
                  f.metric(mn.PREFILL_TIME_SAVED, "Average", "prefill time saved (avg)")], unit="ms")],
         [_graph("Requests by reuse outcome", [f.requests_by_outcome()], stacked=True, unit="requests"),
          _graph("Router errors", [f.metric(mn.ERRORS, "Sum", "errors")], unit="errors")],
+        savings_row(f),
+    ]
+
+
+def savings_row(f: RouterMetricFactory) -> list[cw.IWidget]:
+    """What reuse saved, in money (router.savings): dollars per 1,000 turns at the prefill engine-hour price, and
+    prefill time and dollars saved per tenant."""
+    seconds = cw.MathExpression(expression="FILL(s, 0) / 1000", label="prefill seconds saved", period=PERIOD,
+                                using_metrics={"s": f.metric(mn.PREFILL_TIME_SAVED, "Sum")})
+    return [
+        cw.SingleValueWidget(title="Reuse savings: $ per 1k turns (24 h)",
+                             metrics=[f.dollars_per_1k_turns(Duration.hours(24))], width=6, height=6,
+                             period=Duration.hours(24)),
+        _graph("Reuse savings: $ per 1k turns", [f.dollars_per_1k_turns()], width=6, unit="$",
+               right=[seconds]),
+        _graph("Prefill time saved by tenant", [f.by_tenant(mn.PREFILL_TIME_SAVED, "Sum", "ms saved")], width=6,
+               stacked=True, unit="ms"),
+        _graph("Prefill $ saved by tenant", [f.by_tenant(mn.PREFILL_COST_SAVED, "Sum", "$ saved")], width=6,
+               stacked=True, unit="$"),
     ]
 
 

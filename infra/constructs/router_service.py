@@ -60,6 +60,9 @@ class RouterServiceProps:
     cloudmap_service: str
     #: The shared conversation store; None: each replica keeps its own (one replica only).
     store: ElastiCacheStore | None = None
+    #: USD per prefill engine-hour (``DeploymentConfig.prefill_engine_price_per_hour``): the router prices the
+    #: prefill time reuse saves at it; 0: unknown, seconds only.
+    prefill_price_per_hour: float = 0.0
 
 
 class RouterService:
@@ -100,6 +103,8 @@ class RouterService:
         }
         environment = {router_env.DEPLOYMENT: props.deployment, router_env.REGION: props.region,
                        router_env.METRICS_NAMESPACE: mn.ROUTER_NAMESPACE}
+        if props.prefill_price_per_hour > 0:
+            environment[router_env.PREFILL_PRICE] = f"{props.prefill_price_per_hour:g}"
         if props.store is not None:
             container_secrets[STORE_PASSWORD_ENV] = ecs.Secret.from_secrets_manager(
                 props.store.credentials, "password")

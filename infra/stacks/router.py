@@ -72,7 +72,8 @@ class RouterStack(Stack):
             deployment=config.name, prefix=config.prefix, region=config.region, router=rc, vpc=vpc,
             subnets=private, security_group=self.router_sg, api_keys=self.api_keys,
             offer_secret=serving.offer_secret, namespace_name=serving.namespace.namespace_name,
-            cloudmap_service=CLOUDMAP_SERVICE, store=self.store))
+            cloudmap_service=CLOUDMAP_SERVICE, store=self.store,
+            prefill_price_per_hour=config.prefill_engine_price_per_hour()))
         self.container = router.container
         self.service = router.service
 

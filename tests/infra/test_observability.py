@@ -52,13 +52,13 @@ def identities(document: dict) -> set[Identity]:
 # ---------------------------------------------------------------- the emitters, run
 
 
-def router_records(deployment: str) -> list[dict]:
+def router_records(deployment: str, price: float = 0.0) -> list[dict]:
     from router.app import FLOW
     from tests.router.conftest import engines, router_over
 
     async def traffic() -> list[dict]:
         async with router_over(engines(1, "prefill"), engines(1, "decode"), emf=True,
-                               deployment=deployment) as (session, app):
+                               deployment=deployment, prefill_price_per_hour=price) as (session, app):
             buf = io.StringIO()
             app[FLOW].emf.stream = buf
             for stream in (False, True):
@@ -173,7 +173,8 @@ def agent_identities(deployment: str) -> set[Identity]:
 @pytest.fixture(scope="module")
 def emitted(gpu) -> set[Identity]:
     deployment = gpu.app.config.name
-    router = router_records(deployment)
+    # priced as the router stack passes it (the prefill pool's engine-hour): the savings in dollars are emitted too
+    router = router_records(deployment, gpu.app.config.prefill_engine_price_per_hour())
     assert len(router) >= 4 and {r[mn.DEPLOYMENT] for r in router} == {deployment}
     assert {r[mn.REUSE_OUTCOME] for r in router} >= {"miss", "hit"}, [r[mn.REUSE_OUTCOME] for r in router]
     engine = engine_documents(deployment, "prefill")
@@ -298,3 +299,32 @@ def test_the_dashboard_shows_engines_registered_per_role_against_what_the_pools_
     for role in roles:
         want = sum(p.count for p in gpu.app.config.pools if p.role.value == role)
         assert lines[f"{role} pools: {want}"] == want
+
+
+def test_the_router_prices_reuse_savings_at_the_prefill_pools_engine_hour(gpu, push, tp4):
+    """One price table (turnkv.plan.hardware): p5en at TP 8 is one engine per instance, at TP 4 two; the router's
+    container gets that price, and the dashboard turns the savings into dollars per 1,000 turns and per tenant."""
+    from turnkv import router_env
+    from turnkv.plan.hardware import INSTANCES
+
+    p5en = INSTANCES["p5en.48xlarge"].price_per_hour
+    assert gpu.app.config.prefill_engine_price_per_hour() == pytest.approx(p5en)
+    assert tp4.app.config.prefill_engine_price_per_hour() == pytest.approx(p5en / 2)
+    assert push.app.config.prefill_engine_price_per_hour() == pytest.approx(INSTANCES["p5.48xlarge"].price_per_hour)
+    for synth, want in ((gpu, p5en), (tp4, p5en / 2)):
+        (task,) = [r for r in synth.template("router")["Resources"].values() if r["Type"] == "AWS::ECS::TaskDefinition"]
+        env = {e["Name"]: e["Value"] for c in task["Properties"]["ContainerDefinitions"] for e in c["Environment"]}
+        assert float(env[router_env.PREFILL_PRICE]) == pytest.approx(want)
+    widgets = {w["properties"].get("title"): w["properties"] for w in _dashboard_body(gpu.template("observability"))
+               ["widgets"] if "properties" in w}
+    per_1k = widgets["Reuse savings: $ per 1k turns"]
+    expressions = [row[-1]["expression"] for row in per_1k["metrics"] if isinstance(row[-1], dict)
+                   and "expression" in row[-1]]
+    assert "1000 * FILL(c, 0) / t" in expressions
+    names = {row[1] for row in per_1k["metrics"] if len(row) > 2 and isinstance(row[1], str)}
+    assert {mn.PREFILL_COST_SAVED, mn.REQUESTS, mn.PREFILL_TIME_SAVED} <= names
+    assert widgets["Reuse savings: $ per 1k turns (24 h)"]["period"] == 86400
+    for title, metric in (("Prefill time saved by tenant", mn.PREFILL_TIME_SAVED),
+                          ("Prefill $ saved by tenant", mn.PREFILL_COST_SAVED)):
+        (row,) = widgets[title]["metrics"]
+        assert f"{mn.DEPLOYMENT},{mn.TENANT}" in row[-1]["expression"] and metric in row[-1]["expression"]

@@ -112,3 +112,32 @@ def test_steps_of_one_size_give_the_average_rate_not_a_noisy_slope():
         m.observe_step(1.0 + 0.3 * ((i * 7) % 5) / 4, tokens)
     rate = m.steps.sy / m.steps.sx
     assert m.step_overhead == 0.0 and abs(m.compute_per_token - rate) < 1e-12
+
+
+def test_one_stalled_read_does_not_turn_pulls_off():
+    # bench.pull_cost, before TRANSFER_CLIP: READs of ~2 MiB at 0.5-13 ms, then one at 179 ms (a busy host), and the
+    # next turns were all recomputed (no pull, so no sample to undo it).
+    m = CostModel(probe_every=20)
+    for _ in range(20):
+        m.observe_step(0.030 + 0.00026 * 70, 70)
+        m.observe_step(0.030 + 0.00026 * 290, 290)
+    for seconds, tokens in ((0.0128, 224), (0.0029, 181), (0.0043, 265), (0.0005, 222), (0.0006, 224),
+                            (0.0005, 181)):
+        m.observe_transfer(seconds, tokens)
+    m.observe_transfer(0.179, 265)
+    assert all(m.decide(t, floor=64).pull for t in (181, 224, 265))
+
+
+def test_a_lasting_slowdown_is_still_learned_within_a_few_reads():
+    m = learned(compute_per_token=0.0004, transfer_per_token=8e-6, transfer_overhead=0.002)
+    assert m.decide(2000, floor=64).pull
+    m.observe_transfer(1.6, 2000)  # one stalled READ: held back
+    assert m.predicted_pull(2000) < 0.02 and m.decide(2000, floor=64).pull
+    m.observe_transfer(0.019, 2000)  # the next one was normal: the outlier is dropped
+    assert m.predicted_pull(2000) < 0.02
+    for _ in range(2):  # the link got 90 times slower for good: 1.6 s per 2,000 tokens against 0.8 s of compute
+        m.observe_transfer(1.6, 2000)
+    assert m.predicted_pull(2000) > 0.3  # learned from the second slow READ on
+    for _ in range(4):
+        m.observe_transfer(1.6, 2000)
+    assert m.predicted_pull(2000) > 0.8 and m.decide(2000, floor=64).reason == "slower"
