@@ -156,7 +156,7 @@ def test_engine_run_tensor_parallel_size_and_its_former_name(monkeypatch):
 
     seen: list[dict] = []
 
-    def prepare(variables, read_text, run, sync=True):
+    def prepare(variables, read_text, run, sync=True, flavor=None):
         seen.append(dict(variables))
         return ["vllm"], {}, []
 

@@ -7,6 +7,7 @@ agents, and the decode-boot check on every tensor-parallel rank.
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -53,6 +54,8 @@ def gpu_platform(monkeypatch):
 
     monkeypatch.setattr(cpu, "_is_cpu_platform", lambda: False)
     monkeypatch.setattr(plugin, "_registered", False)
+    # An earlier test may have loaded vLLM's plugins on this CPU machine (CPU patches in place): start from upstream's.
+    monkeypatch.setattr(base_worker, "os", os)
     monkeypatch.setenv("TURNKV_PATCHES", "nixl,cpu")
     calls: list[dict] = []
     config = recording_config(calls)
