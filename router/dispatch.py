@@ -53,6 +53,8 @@ class Dispatch:
     hint: hints.Hint | None = None
     #: Reuse applies: decode retains its KV for the next turn and the reply is stored.
     storable: bool = False
+    #: DNS names of the request's media URLs, resolved and checked before any engine sees it (``router.media``).
+    media_names: set[str] = field(default_factory=set)
     #: Decode engines this dispatch must not use: a stream migration's dead engines (``router.relay``), tried
     #: already as far as the flow's retries are concerned.
     avoid_decode: list[Engine] = field(default_factory=list)

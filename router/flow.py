@@ -35,7 +35,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router import apis, guard, hints, intake, limits, migrate, retry, telemetry, upstream
+from router import apis, guard, hints, intake, limits, media, migrate, retry, telemetry, upstream
 from router.apis import stored
 from router.config import RouterConfig
 from router.dispatch import Dispatch
@@ -103,6 +103,7 @@ class Flow:
         self._reuse = {o: metrics.reuse.labels(o) for o in telemetry.OUTCOMES}
         self._store_seconds = {op: metrics.store_seconds.labels(op) for op in ("take", "put")}
         self.retention = limits.TenantRetentionLedger()
+        self.media = media.MediaChecker()  # media hosts resolved and checked (tests swap in a fake resolver)
         self.lease_rate = limits.TokenBucket()
         self.hint_sources = hints.parse_sources(config.session_hints)
         self._hint_counts = {s: metrics.session_hints.labels(s.label) for s in self.hint_sources}
@@ -122,7 +123,7 @@ class Flow:
             body.pop(own, None)
         intake.check_messages(body, int(self.config.max_messages))
         intake.check_types(body)
-        intake.check_media_urls(body)
+        media_names = intake.check_media_urls(body, self.config.media_domains)
         intake.isolate(body, self.config.ensure_secret(), tenant)
         turn = guard.parse_turn(kind, body)
         request_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
@@ -137,7 +138,7 @@ class Flow:
                 key = guard.hint_key(self.config.key_secret, tenant, hint.value, turn)
         d = Dispatch(kind, path, body, request_id, turn, key, started=time.perf_counter(), tenant=tenant,
                      tokens=size // 4, stream=bool(body.get("stream")), leg_request_id=new_leg_id(), hint=hint,
-                     storable=storable)
+                     storable=storable, media_names=media_names)
         d.migrate = int(self.config.decode_migrations) > 0 and migrate.migratable(kind, body)
         if api is not None:  # the engines speak chat; a continuation is translated like the rest of the stream
             d.api, d.route = api, api.route
@@ -351,6 +352,7 @@ class Flow:
         return error_response(exc.status, public_message(exc), kind, headers=headers)
 
     async def run(self, d: Dispatch, request: web.Request) -> web.StreamResponse:
+        await self.media.check(d.media_names)  # RequestError (400) before any engine or the store is touched
         token = telemetry.request_id.set(d.request_id)
         try:
             response = await (self._run_stream(d, request) if d.stream else self._run_unary(d, request))
