@@ -295,8 +295,10 @@ class Flow:
         if not d.storable:
             return False
         budget = d.tokens + int(d.body.get("max_tokens") or d.body.get("max_completion_tokens") or 0)
-        if self.retention.allows(d.tenant, budget, int(self.config.tenant_max_conversations),
-                                 int(self.config.tenant_max_retained_tokens)):
+        config = self.config
+        if self.retention.allows(d.tenant, budget, int(config.tenant_max_conversations),
+                                 int(config.tenant_max_retained_tokens), int(config.max_conversations),
+                                 int(config.max_retained_tokens)):
             return True
         self.metrics.retention_refused.inc()
         return False
