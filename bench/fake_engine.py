@@ -408,7 +408,13 @@ class FakeEngine:
             return web.Response(text="")
 
         async def models(_: web.Request) -> web.Response:
-            return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+            """vLLM's list: the served name, and the model's local path (``root``) and permissions besides."""
+            self.stats["models"] = self.stats.get("models", 0) + 1
+            return web.json_response({"object": "list", "data": [{
+                "id": "tiny", "object": "model", "created": 1_700_000_000, "owned_by": "vllm",
+                "root": "/opt/turnkv/models/tiny", "parent": None, "max_model_len": 4096,
+                "permission": [{"id": f"modelperm-{self.engine_id}", "object": "model_permission",
+                                "allow_sampling": True, "organization": "*"}]}]})
 
         async def set_fault(request: web.Request) -> web.Response:
             self.fault = orjson.loads(await request.read() or b"{}")
