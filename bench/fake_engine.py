@@ -449,6 +449,9 @@ class FakeEngine:
 
         async def evictions(request: web.Request) -> web.Response:
             """turnkv's evictions feed (connector.leases): announcements after ``since``."""
+            self.stats["feed_reads"] = self.stats.get("feed_reads", 0) + 1
+            if self.fault.get("evictions_status"):
+                return web.Response(status=int(self.fault["evictions_status"]))
             since = int(request.query.get("since", "0"))
             events = [[rid, until] for rid, (seq, until) in self._evicted.items() if seq > since]
             now = time.time()
@@ -468,9 +471,9 @@ class FakeEngine:
         app.router.add_post("/fault", set_fault)
         app.router.add_post(wire.LEASE_ROUTE, leases)
         app.router.add_get("/stats", stats)
-        # An engine that never evicts nor hosts has no feed (404), like one without turnkv's connector.
-        if self.retain_limit or self.host_copy_delay is not None:
-            app.router.add_get(wire.EVICTIONS_ROUTE, evictions)
+        # Every engine has the feed, as every engine with turnkv's connector does (one that never evicts lists
+        # nothing); fault {"evictions_status": 404} answers as an engine without it.
+        app.router.add_get(wire.EVICTIONS_ROUTE, evictions)
         app.router.add_get("/metrics", metrics)
         return app
 

@@ -10,7 +10,7 @@ import time
 import orjson
 
 from bench.fake_engine import FAKE_SECRET
-from router.app import FLOW, METRICS
+from router.app import FLOW, METRICS, POOL
 from router.auth import ApiKeys, parse_keys
 from router.guard import History
 from router.state import Entry
@@ -494,3 +494,26 @@ async def test_a_host_tier_offer_is_replayed_only_once_decode_lists_its_copy_as_
         first = await chat(s, alpha, conversation="fast")
         racing = await chat(s, next_turn(alpha, first["text"]), conversation="fast")
         assert racing["headers"]["X-TurnKV-Reuse-Outcome"] == "hit" and p[0].stats["stale_reads"] == 1
+
+
+async def test_a_feed_that_answers_404_refuses_replays_until_a_read_succeeds():
+    """One 404 from decode's evictions feed used to turn its eviction checks off for good, and evicted offers were
+    then replayed. Now nothing of that engine is replayed while its feed is unsupported, the feed is asked again
+    every interval, and reuse comes back once a read succeeds."""
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    d[0].fault = {"evictions_status": 404}
+    async with router_over(p, d, tunables={"evictions_interval": 0.2}) as (s, app):
+        await asyncio.sleep(0.5)
+        reads = d[0].stats["feed_reads"]
+        first = await chat(s, conversation="f")
+        second = await chat(s, next_turn(MSGS, first["text"]), conversation="f")
+        assert second["status"] == 200 and second["headers"]["X-TurnKV-Reuse-Outcome"] == "refused"
+        assert app[POOL].decode[0].feed.supported is False
+        await asyncio.sleep(0.5)
+        assert d[0].stats["feed_reads"] > reads  # re-probed
+        d[0].fault = {}
+        await asyncio.sleep(0.5)
+        third = await chat(s, next_turn(MSGS, first["text"]), conversation="g")
+        fourth = await chat(s, next_turn(next_turn(MSGS, first["text"]), third["text"]), conversation="g")
+        assert fourth["headers"]["X-TurnKV-Reuse-Outcome"] == "hit" and app[POOL].decode[0].feed.supported
+        assert p[0].stats["stale_reads"] == 0
