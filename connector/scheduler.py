@@ -167,6 +167,9 @@ class TurnkvSchedulerMixin:
         self._refused_at = float("-inf")
         # Prefill side: host-tier offers admitted, for the workers' READs (request id -> (bases, pool slots)).
         self._host_reads: dict[str, tuple[list[int], int]] = {}
+        # Prefill side: when each admitted offer's READ must have started (wire.read_deadline), checked at every
+        # look while the request waits and by the workers right before the READ (request id -> wall instant).
+        self._read_deadlines: dict[str, float] = {}
         # Start-up values: every engine tunable the engine was started with (kv_connector_extra_config), then the
         # tunables file (hot reload) over them.
         self._apply_tunables(start_values(vllm_config))
@@ -246,6 +249,10 @@ class TurnkvSchedulerMixin:
             return 0, False
         offer = self._is_decode_offer(params)
         first_look = offer and request.request_id not in self._verdicts
+        if offer and not first_look and self._late(request, params):
+            # Admitted at an earlier look, but the request waited (no KV room) past the offer's deadline: decode
+            # may have freed and reused the blocks since. Computed instead, as a late offer at the first look.
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
         if first_look and ((host_tier.is_host_offer(params) and not self._admit_host_offer(request, params))
                            or not self._offer_admitted(request, params)):
             # Refused before any READ: the request is an ordinary prefill now (nothing read, no peer contacted).
@@ -253,6 +260,9 @@ class TurnkvSchedulerMixin:
             self.turnkv_stats.record_label("turnkv_decisions", "recompute")
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
         if first_look:
+            deadline = wire.read_deadline(params, self._expiry_skew)
+            if deadline is not None:
+                self._read_deadlines[request.request_id] = deadline
             self._check_offer(request, params)
             if isinstance(params.get(boot.PARAMS_KEY), str):
                 self._expected_boots[request.request_id] = params[boot.PARAMS_KEY]
@@ -272,6 +282,7 @@ class TurnkvSchedulerMixin:
                                            else Tier.DEVICE)
         else:
             self._host_reads.pop(request.request_id, None)
+            self._read_deadlines.pop(request.request_id, None)
         if decision is not None:
             self._export_decision(decision)
             if decision.reason in ("slower", "probe"):
@@ -312,6 +323,8 @@ class TurnkvSchedulerMixin:
         if cached is not None:  # as of this admission (a failed READ is admitted again, loading nothing)
             self._prefill_cached[request.request_id] = cached
         params = request.kv_transfer_params
+        if num_external_tokens <= 0:
+            self._read_deadlines.pop(request.request_id, None)  # nothing read from decode's blocks
         if num_external_tokens > 0 and self._is_decode_offer(params):
             self._pulls_started[request.request_id] = (time.perf_counter(), num_external_tokens,
                                                        str(wire.KVParams(params).engine_id))
@@ -331,6 +344,9 @@ class TurnkvSchedulerMixin:
         # The worker checks each read's expected boot against the engine it handshook with.
         meta.turnkv_boots = {rid: self._expected_boots.pop(rid) for rid in meta.reqs_to_recv
                              if rid in self._expected_boots}
+        # Each read's deadline: the worker posts no READ from then on (after a handshake either), prefill recomputes.
+        meta.turnkv_read_by = {rid: self._read_deadlines.pop(rid) for rid in meta.reqs_to_recv
+                               if rid in self._read_deadlines}
         # Host-tier reads: where decode's pool is (connector.host_tier).
         meta.turnkv_host_reads = {rid: self._host_reads.pop(rid) for rid in meta.reqs_to_recv
                                   if rid in self._host_reads}
@@ -476,13 +492,28 @@ class TurnkvSchedulerMixin:
             reason = "replayed"
         if reason == "ok":
             return True
+        self._refuse(request, params, reason)
+        return False
+
+    def _refuse(self, request: Any, params: dict[str, Any], reason: str) -> None:
         offered = wire.KVParams(params).num_tokens
         self._verdicts[request.request_id] = token_proof.Verdict(offered, 0, reason)
         self.turnkv_stats.record(f"turnkv_offers_{reason}", 1)
         logger.warning("turnkv: request %s: decode's offer is %s; recomputing without reading it",
                        request.request_id, reason)
         wire.neutralize(params)
-        return False
+
+    def _late(self, request: Any, params: dict[str, Any]) -> bool:
+        """A later look at an admitted offer (vLLM asks again on each step while the request waits for KV room):
+        past its read deadline it is refused as ``late`` (neutralized, nothing read) and the request is computed."""
+        rid = request.request_id
+        deadline = self._read_deadlines.get(rid)
+        if deadline is None or time.time() < deadline:
+            return False
+        for pending in (self._read_deadlines, self._host_reads, self._expected_boots):
+            pending.pop(rid, None)
+        self._refuse(request, params, "late")
+        return True
 
     def _admit_host_offer(self, request: Any, params: dict[str, Any]) -> bool:
         """A host-tier offer is read only when a router cleared it (the router checked that decode's copy is done),
@@ -567,6 +598,7 @@ class TurnkvSchedulerMixin:
         self._pending.pop(request.request_id, None)
         self._pulls_started.pop(request.request_id, None)
         self._expected_boots.pop(request.request_id, None)
+        self._read_deadlines.pop(request.request_id, None)
         cached = self._prefill_cached.pop(request.request_id, None)
         local = self._prefill_local.pop(request.request_id, 0)
         if out is None:

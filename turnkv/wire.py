@@ -293,6 +293,24 @@ def check_clearance(secret: bytes | None, params: Mapping[str, Any], now: float,
     return "late" if not instant or now >= float(read_by) else "ok"
 
 
+def read_deadline(params: Mapping[str, Any], skew: float) -> float | None:
+    """The wall-clock instant from which prefill must not start a READ of an admitted offer (None: none known). The
+    earlier of its signed expiry less ``skew`` (as ``check_offer``) and the router's read-by instant (as
+    ``check_clearance``). The read-by is where an eviction's deadline and a fork window's end reach prefill: a router
+    clears a replay to be read within ``replay_window`` of its last look at decode's evictions feed (decode frees an
+    evicted turn ``retention_eviction_grace`` after announcing it, longer than that) and a fork's replay by the fork
+    window's end plus ``FORK_READ_SLACK`` (decode frees a read turn that plus ``expiry_skew_margin`` after its own
+    window). Checked at every look of prefill's scheduler and by the worker right before the READ is posted (pure)."""
+    instants = []
+    expires_at = params.get(EXPIRES_AT)
+    if isinstance(expires_at, (int, float)) and not isinstance(expires_at, bool):
+        instants.append(float(expires_at) - skew)
+    read_by = params.get(READ_BY)
+    if isinstance(read_by, (int, float)) and not isinstance(read_by, bool):
+        instants.append(float(read_by))
+    return min(instants) if instants else None
+
+
 def _reader_ok(reader: Any) -> bool:
     return reader is None or (isinstance(reader, str) and 0 < len(reader) <= 64)
 
