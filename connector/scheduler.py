@@ -485,7 +485,7 @@ class TurnkvSchedulerMixin:
         """Signature, expiry on this host's wall clock, a router's clearance and read-by instant (decode may have
         evicted the turn since the router last read its feed), and single use; a refused offer is neutralized."""
         reason = wire.offer_verdict(self._offer_secret, params, self._model, time.time(), self._expiry_skew,
-                                    require_cleared=self._require_cleared)
+                                    require_cleared=self._require_cleared, engine_id=self._engine_id())
         if reason == "unsigned" and not self._require_signed:
             return True
         if reason == "ok" and not self._replays.first_use(wire.replay_key(params), float(params[wire.EXPIRES_AT])):
@@ -502,6 +502,11 @@ class TurnkvSchedulerMixin:
         logger.warning("turnkv: request %s: decode's offer is %s; recomputing without reading it",
                        request.request_id, reason)
         wire.neutralize(params)
+
+    def _engine_id(self) -> str | None:
+        """This engine's NIXL engine id (upstream's scheduler attribute): a clearance naming another is refused."""
+        engine_id = getattr(self, "engine_id", None)
+        return str(engine_id) if engine_id is not None else None
 
     def _late(self, request: Any, params: dict[str, Any]) -> bool:
         """A later look at an admitted offer (vLLM asks again on each step while the request waits for KV room):
@@ -522,7 +527,7 @@ class TurnkvSchedulerMixin:
         reason = "ok" if parsed is not None else "forged"
         if parsed is not None and self._offer_secret is not None:
             reason = wire.offer_verdict(self._offer_secret, params, self._model, time.time(), self._expiry_skew,
-                                        require_cleared=True)
+                                        require_cleared=True, engine_id=self._engine_id())
         elif parsed is not None:
             reason = "unsigned"
         if reason == "ok":
@@ -580,6 +585,7 @@ class TurnkvSchedulerMixin:
         is_decode = bool(params) and not params.get(wire.DO_REMOTE_DECODE)
         unwanted = self._retain_on_demand and not params.get(RETAIN_KEY)
         adding = _count_blocks(block_ids)
+        tenant = wire.tenant_tag(params) if is_decode else None
         placement = None
         if is_decode and not unwanted and self.is_bidirectional_kv_xfer_enabled:
             placement = self._place(adding, block_ids)
@@ -617,6 +623,8 @@ class TurnkvSchedulerMixin:
             out[token_proof.PARAMS_KEY] = token_proof.make_proof(held, self.block_size)
             if self._boot:
                 out[boot.PARAMS_KEY] = self._boot
+            if tenant is not None:  # signed: prefill reads it only under a clearance for this tenant
+                out[wire.TENANT] = tenant
             expires_at = _wall_expiry(out, self.decoder_kv_blocks_ttl)
             tier, slots = (placement.tier, placement.slots) if placement is not None and placement.tier else \
                 (Tier.DEVICE, ())

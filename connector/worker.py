@@ -406,6 +406,37 @@ class TurnkvWorkerMixin:
     def turnkv_evicted(self, request_id: str) -> bool:
         return request_id in self._turnkv_evicted
 
+    def turnkv_own_boot(self, stamp: str | None) -> bool:
+        """Whether decode's boot stamp (an offer's, ``connector.boot``) names this rank's NIXL agent, i.e. this
+        process; an offer without a stamp (this engine could not fingerprint its agents) is taken as this one's."""
+        if stamp is None:
+            return True
+        if not isinstance(stamp, str):
+            return False
+        mine = self._turnkv_own_fingerprint()
+        fingerprints = boot.rank_fingerprints(stamp)
+        rank = int(getattr(self, "tp_rank", 0) or 0)
+        return mine is not None and rank < len(fingerprints) and fingerprints[rank] == mine
+
+    def _turnkv_own_fingerprint(self) -> str | None:
+        """This rank's agent fingerprint, as the scheduler stamps it (from the handshake payload it serves)."""
+        payload = getattr(self, "xfer_handshake_metadata", None)
+        if payload is None:
+            return None
+        cached = getattr(self, "_turnkv_fingerprint_of", None)
+        if cached is not None and cached[0] is payload:
+            return cached[1]
+        import msgspec
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
+
+        try:
+            agent = msgspec.msgpack.decode(payload.agent_metadata_bytes, type=NixlAgentMetadata)
+        except Exception:
+            logger.exception("turnkv: could not fingerprint this rank's NIXL agent")
+            return None
+        self._turnkv_fingerprint_of = (payload, boot.fingerprint(agent.agent_metadata))
+        return self._turnkv_fingerprint_of[1]
+
     def turnkv_renewed(self, request_ids: list[str]) -> None:
         """Leases a router renewed (``connector.leases``): reported to the scheduler, which keeps them off the idle
         list."""
