@@ -41,7 +41,8 @@ RETAIN_KEY = wire.RETAIN
 RELOADED_INTO = {"decoder_kv_blocks_ttl": "decoder_kv_blocks_ttl", "kv_recompute_threshold": "kv_recompute_threshold",
                  "expiry_skew_margin": "_expiry_skew", "retained_kv_share": "_retained_share",
                  "retention_eviction_grace": "_eviction_grace", "host_kv_budget_mib": "_host_budget_mib",
-                 "retention_idle_evict": "_idle_evict", "fork_window": "_fork_window"}
+                 "retention_idle_evict": "_idle_evict", "retention_idle_floor": "_idle_floor",
+                 "fork_window": "_fork_window"}
 
 #: Offers are fork-readable only while the device tier, this turn included, is at most this share full: a read
 #: turn kept for forks frees its room only after the eviction grace, so under pressure the room goes to newer turns
@@ -445,7 +446,7 @@ class TurnkvSchedulerMixin:
         for request_id in meta.fork_held:
             held = self._retained.mark_read(request_id, wall)
             if held is not None:
-                self._read_delays.observe(wall - held.since)
+                self._read_delays.observe(wall - held.since, held.tenant)
                 self.turnkv_stats.record("turnkv_fork_holds", 1)
         for request_id, held in self._retained.forks_done(wall):
             # No router replays it past its window (plus FORK_READ_SLACK for prefill to start the READ): the short
@@ -455,7 +456,7 @@ class TurnkvSchedulerMixin:
     def _release(self, request_id: str, read: bool, wall: float) -> None:
         held = self._retained.release(request_id)
         if held is not None and read and held.read_at is None:  # a fork-held turn was sampled at its first read
-            self._read_delays.observe(wall - held.since)
+            self._read_delays.observe(wall - held.since, held.tenant)
 
     def _host_room(self) -> float:
         """Host-tier slots usable now: the pool, as far as the (reloadable) budget allows; 0 until every rank's
@@ -588,7 +589,7 @@ class TurnkvSchedulerMixin:
         tenant = wire.tenant_tag(params) if is_decode else None
         placement = None
         if is_decode and not unwanted and self.is_bidirectional_kv_xfer_enabled:
-            placement = self._place(adding, block_ids)
+            placement = self._place(adding, block_ids, tenant)
             if placement.tier is None:
                 unwanted = True  # no room in any tier for a turn still likely to be read: not retained
         if is_decode and unwanted and self.is_bidirectional_kv_xfer_enabled:
@@ -645,7 +646,8 @@ class TurnkvSchedulerMixin:
             if tier is Tier.HOST:
                 self._to_host[request.request_id] = (device_blocks, list(slots), expires_at)
             self._retained.hold(request.request_id, Held(_count_blocks(out.get(wire.REMOTE_BLOCK_IDS)), expires_at,
-                                                         tier, time.time(), tuple(slots), fork_window=fork_window))
+                                                         tier, time.time(), tuple(slots), fork_window=fork_window,
+                                                         tenant=tenant))
             self.turnkv_stats.record_label("turnkv_retention_placed", tier)
             self._export_retained()
         elif placement is not None and placement.slots and self._retained.host is not None:
@@ -667,12 +669,17 @@ class TurnkvSchedulerMixin:
         total = int(getattr(getattr(self, "kv_cache_config", None), "num_blocks", 0) or 0)
         return self._retained_share * total if total > 0 else float("inf")
 
-    def _place(self, adding: int, block_ids: Any) -> Any:
-        """The tier a finished turn goes to (``connector.retention``), evicting idle turns when no tier has room."""
-        idle_after = self._read_delays.idle_after(self._idle_evict, float(self.decoder_kv_blocks_ttl))
+    def _place(self, adding: int, block_ids: Any, tenant: str | None = None) -> Any:
+        """The tier a finished turn of ``tenant`` goes to (``connector.retention``), evicting idle turns (each
+        tenant's idle measured on its own reads) and over-share tenants' turns when no tier has room."""
+        ttl = float(self.decoder_kv_blocks_ttl)
+
+        def idle_after(of: str | None) -> float:
+            return self._read_delays.idle_after(self._idle_evict, ttl, of, self._idle_floor)
+
         host_ok = len(block_ids or ()) == 1  # one KV cache group: the pool's layout
         placement = self._retained.place(adding, time.time(), self._retention_capacity(), self._host_room(),
-                                         idle_after, host_ok=host_ok)
+                                         idle_after, host_ok=host_ok, tenant=tenant)
         for request_id, held in placement.evicted:
             reason = EvictReason.READ if held.read_at is not None else EvictReason.IDLE
             self._announce_eviction(request_id, held, reason)
