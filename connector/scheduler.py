@@ -282,8 +282,8 @@ class TurnkvSchedulerMixin:
             self.turnkv_stats.record_label("turnkv_pulls", Tier.HOST if request.request_id in self._host_reads
                                            else Tier.DEVICE)
         else:
+            # The deadline stays until the request is allocated: a later look asks upstream again, which may pull.
             self._host_reads.pop(request.request_id, None)
-            self._read_deadlines.pop(request.request_id, None)
         if decision is not None:
             self._export_decision(decision)
             if decision.reason in ("slower", "probe"):

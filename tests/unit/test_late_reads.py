@@ -288,3 +288,23 @@ def test_a_request_admitted_and_allocated_in_time_is_read(engines):
     count = _look(e, request)  # a later look, still in time
     _admit_and_run(e, request, count)
     assert count == 300 and e.worker.read["p1"] == ["A", "A", "A"]
+
+
+def test_a_request_first_decided_for_recompute_is_still_held_to_its_deadline_at_later_looks(engines):
+    """A first look that chose to recompute (the cost model, the threshold) leaves the offer in the params, and
+    a later look asks upstream again: past the deadline that look reads nothing either."""
+    e = engines
+    _handshaken(e)
+    e.prefill.kv_recompute_threshold = 10_000  # 300 tokens are not worth a pull
+    tokens = list(range(300))
+    offer = _retain(e, "a1", "A", [1, 2, 3], tokens)
+    request = _request("p1", tokens + PROMPT_TAIL, wire.clear_offer(SECRET, offer, time.time() + 10))
+    assert _look(e, request) == 0
+    e.clock.advance(60)
+    e.decode._evictions.clear()
+    _freed(e.decode, "a1")
+    assert _retain(e, "b1", "B", [1, 2, 3], tokens) is not None
+    count = _look(e, request)
+    _admit_and_run(e, request, count)
+    _only_own_kv(e, "p1")
+    assert count == 0 and "p1" not in e.worker.read
