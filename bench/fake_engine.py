@@ -197,7 +197,7 @@ class FakeEngine:
         if not self.verify_offers:
             return "ok"
         reason = wire.offer_verdict(self.offer_secret, kv, FAKE_MODEL, time.time(), self.expiry_skew,
-                                    require_cleared=self.require_cleared)
+                                    require_cleared=self.require_cleared, engine_id=self.engine_id)
         if reason == "ok" and wire.replay_key(kv) in self._read:
             reason = "replayed"
         if reason != "ok":
@@ -434,7 +434,8 @@ class FakeEngine:
                 rid = str(wire.KVParams(offer).request_id)
                 blocks = [(self.engine_id, b) for g in offer.get(wire.REMOTE_BLOCK_IDS) or () for b in g]
                 held = all(RETAINED.get(k, 0) > time.time() for k in blocks) and rid not in self._evicted
-                if wire.check_offer(self.offer_secret, offer, FAKE_MODEL, time.time(), 0.0) != "ok" or not held:
+                if wire.check_offer(self.offer_secret, offer, FAKE_MODEL, time.time(), 0.0) != "ok" or not held \
+                        or not wire.lease_offer_ok(offer, self.engine_id):
                     missing.append(rid)
                     continue
                 for k in blocks:

@@ -90,6 +90,11 @@ CATALOG: tuple[Tunable, ...] = (
             "twice the 90th percentile of how long retained turns waited before being read (the TTL until 8 reads "
             "are seen). Younger turns are kept and the newcomer is not retained, so reuse degrades to the share "
             "that fits instead of collapsing under oldest-first eviction.", float, reloadable=True),
+    Tunable("retention_idle_floor", 10, 0, 3600, "s", Scope.ENGINE,
+            "With retention_idle_evict 0, a retained turn counts as idle after at least this long, however fast its "
+            "tenant's turns were read before (idle is measured per tenant, twice the 90th percentile of its own read "
+            "delays): a burst of quick reads cannot make a tenant's turns, or anyone else's, go after a second.",
+            float, reloadable=True),
     Tunable("fork_window", 0, 0, 600, "s", Scope.ENGINE,
             "Decode keeps a retained turn readable this long after its first read, so forks of one history "
             "(parallel samples, subagents, retries) each pull it instead of recomputing; read turns are the first "

@@ -322,7 +322,7 @@ async def test_stored_entries_keep_decodes_signed_offer_verbatim():
         returned = next(x for x in reversed(d[0].seen_params) if x)  # what decode was sent; its answer is stored
         assert returned.get(wire.RETAIN) is True
         assert all(k in entry.params for k in wire.OFFER_KEYS
-                   if k not in (wire.TOKEN_PROOF, wire.HOST_TIER, wire.FORK_WINDOW))
+                   if k not in (wire.TOKEN_PROOF, wire.HOST_TIER, wire.FORK_WINDOW, wire.TENANT))
 
 
 async def test_a_stream_survives_its_decode_engine_dying_with_no_token_lost_or_repeated():
