@@ -32,6 +32,8 @@ class Dispatch:
     fork: bool = False
     started: float = 0.0
     tenant: str = ""
+    #: The tenant as decode and prefill see it (``turnkv.wire.TENANT``): a keyed digest, never the key's name.
+    tenant_tag: str = ""
     tokens: int = 0  # prompt size estimate (load accounting)
     stream: bool = False
     leg_request_id: str = ""  # router-generated, sent to both engines; a fresh one per dispatch and retry

@@ -79,6 +79,12 @@ def client_request_id(raw: str | None) -> str:
     return raw
 
 
+def tenant_tag(secret: bytes, tenant: str) -> str:
+    """The tenant's tag on the wire (``turnkv.wire.TENANT``): stable across routers sharing the key secret, the
+    same for a turn's retain request and its replays' clearances, and no API key name leaves the router."""
+    return guard.keyed_digest(secret, b"turnkv-tenant-tag-v1", tenant)[:32]
+
+
 class Flow:
     """Runs client requests through the legs: intake, the store, retries, the reply and its metrics."""
 
@@ -138,7 +144,8 @@ class Flow:
                 key = guard.hint_key(self.config.key_secret, tenant, hint.value, turn)
         d = Dispatch(kind, path, body, request_id, turn, key, started=time.perf_counter(), tenant=tenant,
                      tokens=size // 4, stream=bool(body.get("stream")), leg_request_id=new_leg_id(), hint=hint,
-                     storable=storable, media_names=media_names)
+                     storable=storable, media_names=media_names,
+                     tenant_tag=tenant_tag(self.config.ensure_secret(), tenant))
         d.migrate = int(self.config.decode_migrations) > 0 and migrate.migratable(kind, body)
         if api is not None:  # the engines speak chat; a continuation is translated like the rest of the stream
             d.api, d.route = api, api.route
@@ -205,7 +212,9 @@ class Flow:
         read_by = time.time() + float(self.config.replay_window)
         if entry.fork_until:  # decode frees a read turn FORK_READ_SLACK after its window (plus the clocks' margin)
             read_by = min(read_by, entry.fork_until + wire.FORK_READ_SLACK)
-        return wire.clear_offer(self.config.offer_secret, entry.params, read_by, reader)
+        # The clearance names the tenant the replay is for: prefill reads an offer retained for a tenant only under a
+        # clearance for that tenant (wire.CLEARED_TENANT); the prefill engine is chosen later, so none is named.
+        return wire.clear_offer(self.config.offer_secret, entry.params, read_by, reader, tenant=d.tenant_tag or None)
 
     async def _take_entry(self, d: Dispatch) -> Entry | None:
         """The stored turn for ``d.key``. Single use (taken) unless decode's offer is fork-readable: then the first

@@ -517,3 +517,31 @@ async def test_a_feed_that_answers_404_refuses_replays_until_a_read_succeeds():
         fourth = await chat(s, next_turn(next_turn(MSGS, first["text"]), third["text"]), conversation="g")
         assert fourth["headers"]["X-TurnKV-Reuse-Outcome"] == "hit" and app[POOL].decode[0].feed.supported
         assert p[0].stats["stale_reads"] == 0
+
+
+async def test_the_retain_request_names_the_tenant_by_a_tag_and_each_replay_is_cleared_for_it():
+    """The router names the tenant a turn is retained for (wire.TENANT: a keyed tag, never the key's name); decode
+    signs it into its offer, and the router's clearance of each replay names the same tenant (wire.CLEARED_TENANT),
+    so prefill reads the turn only for it. Reuse works as before, for each tenant."""
+    from router.auth import ApiKeys, parse_keys
+
+    keys = ApiKeys(parse_keys('{"tenants": {"acme": "acme-key-123", "globex": "globex-key-456"}}'))
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d, keys=keys) as (s, _):
+        tags = []
+        for key in ("acme-key-123", "globex-key-456"):
+            headers = {"Authorization": f"Bearer {key}"}
+            first = await chat(s, conversation=None, headers=headers)
+            retain = d[0].seen_params[-1]
+            assert retain.get(wire.RETAIN) is True and wire.tenant_tag(retain)
+            tag = retain[wire.TENANT]
+            assert "acme" not in tag and "globex" not in tag
+            second = await chat(s, next_turn(MSGS, first["text"]), conversation=None, headers=headers)
+            assert second["headers"]["X-TurnKV-Reuse-Outcome"] == "hit"
+            replayed = next(kv for kv in reversed(p[0].seen_params) if isinstance(kv, dict) and kv.get(wire.CLEARANCE))
+            assert replayed[wire.TENANT] == replayed[wire.CLEARED_TENANT] == tag
+            assert wire.check_clearance(FAKE_SECRET, replayed, time.time(), required=True) == "ok"
+            other = wire.clear_offer(FAKE_SECRET, replayed, replayed[wire.READ_BY], tenant="another-tenant-tag")
+            assert wire.check_clearance(FAKE_SECRET, other, time.time(), required=True) == "uncleared"
+            tags.append(tag)
+        assert tags[0] != tags[1] and p[0].stats["stale_reads"] == 0
