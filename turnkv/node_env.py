@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from turnkv import params, wire
+from turnkv import media, params, wire
 from turnkv.engine_args import EngineSpec, Mode, Role
 
 #: Paths on the node.
@@ -56,6 +56,10 @@ TUNABLES_FILE_VAR = params.TUNABLES_FILE_ENV
 #: Manager secret into it before the engine starts (infra.bootstrap.offer_secret_script).
 OFFER_SECRET_FILE_VAR = wire.OFFER_SECRET_FILE_ENV
 MODEL_S3_URI = "TURNKV_MODEL_S3_URI"
+#: Hosts the engine may fetch media URLs from (comma-separated exact names: vLLM ``--allowed-media-domains``); the
+#: router reads the same variable (``turnkv.router_env.MEDIA_DOMAINS``). Unset: any internet host, checked by the
+#: router (docs/router.md, Media URLs).
+MEDIA_DOMAINS = "TURNKV_MEDIA_DOMAINS"
 #: vLLM reads this itself; written too so the engine advertises a routable address even if started by hand.
 VLLM_SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 
@@ -196,6 +200,7 @@ class EngineEnv:
     tunables_file: str = TUNABLES_FILE
     model_s3_uri: str | None = None
     offer_secret_file: str = wire.DEFAULT_OFFER_SECRET_FILE
+    media_domains: tuple[str, ...] = ()
 
     def variables(self) -> dict[str, str]:
         out = {
@@ -217,6 +222,8 @@ class EngineEnv:
         }
         if self.model_s3_uri:
             out[MODEL_S3_URI] = self.model_s3_uri
+        if self.media_domains:
+            out[MEDIA_DOMAINS] = ",".join(self.media_domains)
         return out
 
     @classmethod
@@ -251,6 +258,11 @@ class EngineEnv:
         unknown = [b for b in backends if b not in KNOWN_BACKENDS]
         if not backends or unknown:
             errors.append(f"{BACKENDS}={env[BACKENDS]!r}: give NIXL backends from {', '.join(sorted(KNOWN_BACKENDS))}")
+        domains = tuple(d.strip().lower().rstrip(".") for d in env.get(MEDIA_DOMAINS, "").split(",") if d.strip())
+        internal = [d for d in domains if media.internal_host(d)]
+        if internal:
+            errors.append(f"{MEDIA_DOMAINS}: {', '.join(internal)} name internal addresses; engines must not fetch "
+                          "media from inside the network")
         if errors:
             raise NodeEnvError(f"{source}: " + "; ".join(errors))
         return cls(role=Role(role), engine_id=engine_id, model=env[MODEL],
@@ -258,7 +270,8 @@ class EngineEnv:
                    mode=Mode(mode), bidirectional=bidi == "true", tp_size=tp, max_model_len=max_len, port=port,
                    side_channel_port=side_port, backends=backends, tunables_file=env[TUNABLES_FILE_VAR],
                    model_s3_uri=env.get(MODEL_S3_URI) or None,
-                   offer_secret_file=env.get(OFFER_SECRET_FILE_VAR) or wire.DEFAULT_OFFER_SECRET_FILE)
+                   offer_secret_file=env.get(OFFER_SECRET_FILE_VAR) or wire.DEFAULT_OFFER_SECRET_FILE,
+                   media_domains=domains)
 
     def spec(self, tunables: Mapping[str, int | float] | None = None, model_path: str | None = None) -> EngineSpec:
         """The EngineSpec ``turnkv engine run`` serves (on the node: all interfaces)."""
@@ -270,7 +283,7 @@ class EngineEnv:
             side_channel_host=self.side_channel_host, side_channel_port=self.side_channel_port,
             mode=Mode(self.mode), bidirectional=self.bidirectional, tensor_parallel_size=self.tp_size,
             max_model_len=self.max_model_len, backends=tuple(self.backends), tunables=engine_tunables,
-            offer_secret_file=self.offer_secret_file)
+            offer_secret_file=self.offer_secret_file, allowed_media_domains=tuple(self.media_domains))
 
 
 def _int(env: Mapping[str, str], name: str, low: int, high: int, errors: list[str]) -> int:

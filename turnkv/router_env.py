@@ -37,7 +37,7 @@ STORE_USERNAME = "TURNKV_STORE_USERNAME"
 STORE_PASSWORD = "TURNKV_STORE_PASSWORD"
 #: Hosts media URLs may name (comma-separated exact names; the engines' ``--allowed-media-domains``): empty, any
 #: internet host (router.media).
-MEDIA_DOMAINS = "TURNKV_MEDIA_DOMAINS"
+MEDIA_DOMAINS = node_env.MEDIA_DOMAINS
 #: The CloudWatch namespace of the router's EMF lines.
 METRICS_NAMESPACE = "TURNKV_METRICS_NAMESPACE"
 #: The engines' offer secret (turnkv.wire): the router clears each offer it replays with it.
