@@ -14,8 +14,10 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-#: How long one read of the engines' list answers (s); a failed read leaves the last good list in use.
+#: How long one read of the engines' list answers (s); a failed read leaves the last good list in use, and the
+#: next read waits ``RETRY_SECONDS`` (a down fleet is not asked once per call).
 CACHE_SECONDS = 30.0
+RETRY_SECONDS = 2.0
 #: The fields a client sees of each model.
 KEPT_FIELDS = ("id", "object", "created", "owned_by", "max_model_len")
 
@@ -46,7 +48,7 @@ class ModelList:
 
     async def get(self, read: Callable[[], Awaitable[Any]]) -> dict[str, Any] | None:
         """The list (``read()``: one engine's raw answer, raising on failure); None when no read ever succeeded."""
-        if self._list is not None and self._clock() < self._until:
+        if self._clock() < self._until:
             return self._list
         if self._reading is None:
             self._reading = asyncio.ensure_future(self._refresh(read))
@@ -60,6 +62,7 @@ class ModelList:
                 self._list, self._until = fresh, self._clock() + self._ttl
             return self._list
         except Exception:
-            return self._list  # the last good list (or None): the caller answers 502 without one
+            self._until = self._clock() + RETRY_SECONDS
+            return self._list  # the last good list (or None): the caller answers 503 without one
         finally:
             self._reading = None

@@ -56,3 +56,29 @@ def test_an_allow_list_naming_an_internal_host_is_refused():
 
     with pytest.raises(ValueError, match="internal"):
         RouterConfig(prefill=["http://p:1"], decode=["http://d:1"], media_domains=["2852039166"])
+
+
+async def test_a_names_verdict_is_kept_a_while_and_a_failed_lookup_is_not():
+    import socket
+
+    from router.media import CACHE_SECONDS, MediaChecker
+
+    now, calls = [0.0], []
+
+    async def resolver(host: str) -> list[str]:
+        calls.append(host)
+        if host == "flaky.example.com" and len(calls) == 1:
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return ["10.9.9.9"] if host == "rebind.example.com" and now[0] > CACHE_SECONDS else ["93.184.215.14"]
+
+    checker = MediaChecker(resolver, clock=lambda: now[0])
+    with pytest.raises(Exception, match="does not resolve"):
+        await checker.check({"flaky.example.com"})
+    await checker.check({"flaky.example.com"})  # asked again: a failure is not kept
+    await checker.check({"rebind.example.com"})
+    await checker.check({"rebind.example.com"})
+    assert calls.count("rebind.example.com") == 1  # kept
+    now[0] = CACHE_SECONDS + 1  # the name now answers an internal address: seen once the verdict is stale
+    with pytest.raises(Exception, match="internal address"):
+        await checker.check({"rebind.example.com"})
+

@@ -103,3 +103,31 @@ async def test_a_store_error_returns_a_fixed_message_never_the_stores_address():
             message = orjson.loads(raw)["error"]["message"]
             assert "unavailable" in message and "6379" not in message and "10.0.5.17" not in message, message
             assert b"amazonaws" not in raw and b"Error 111" not in raw
+
+
+async def test_the_model_list_is_read_once_per_period_and_a_failed_read_keeps_the_last():
+    from router.models import ModelList
+
+    now, reads = [0.0], []
+
+    async def read():
+        reads.append(now[0])
+        if len(reads) == 2:
+            raise ConnectionError("decode down")
+        return {"data": [{"id": "m", "root": "/secret/path", "permission": [{"id": "x"}]}]}
+
+    models = ModelList(ttl=30, clock=lambda: now[0])
+    first = await models.get(read)
+    assert first == {"object": "list", "data": [{"id": "m", "object": "model"}]}
+    assert await models.get(read) == first and len(reads) == 1
+    now[0] = 31
+    assert await models.get(read) == first and len(reads) == 2  # a failed refresh: the last good list
+    assert await models.get(read) == first and len(reads) == 2  # and no read again for RETRY_SECONDS
+    now[0] = 34
+    assert await models.get(read) == first and len(reads) == 3
+    assert await ModelList().get(read) == first
+    assert await ModelList().get(lambda: _raise()) is None
+
+
+async def _raise():
+    raise ConnectionError("no engine")
