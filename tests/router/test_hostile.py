@@ -344,3 +344,21 @@ async def test_a_tenant_alone_may_use_the_whole_loop():
         for _ in range(10):
             assert (await chat(s, heavy, conversation=None, headers=ACME))["status"] == 200
         assert refused(app, "tenant_loop_share") == 0
+
+
+async def test_a_lone_tenant_is_not_limited_and_under_contention_the_heaviest_is_cut_first():
+    """Rates are max-min fair shares of router_request_rate: a key alone goes past it (an idle router serves it
+    all); with two keys asking more than it in all, the heavy one is cut to the fair level and the light one never."""
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d, keys=two_tenants(), tunables={"router_request_rate": 20}) as (s, app):
+        alone = [await chat(s, conversation=None, headers=ACME) for _ in range(60)]
+        assert all(r["status"] == 200 for r in alone)  # 60 in well under 3 s: past 20/s, and alone
+        heavy, light = [], []
+        for i in range(120):
+            heavy.append(await chat(s, conversation=None, headers=ACME))
+            if i % 10 == 0:
+                light.append(await chat(s, conversation=None, headers=GLOBEX))
+        assert all(r["status"] == 200 for r in light)
+        cut = [r for r in heavy if r["status"] == 429]
+        assert cut and "fair share" in cut[0]["error"]["error"]["message"]
+        assert cut[0]["error"]["error"]["limit"] == "tenant_request_rate"
