@@ -350,7 +350,7 @@ async def test_a_lone_tenant_is_not_limited_and_under_contention_the_heaviest_is
     """Rates are max-min fair shares of router_request_rate: a key alone goes past it (an idle router serves it
     all); with two keys asking more than it in all, the heavy one is cut to the fair level and the light one never."""
     p, d = engines(1, "prefill"), engines(1, "decode")
-    async with router_over(p, d, keys=two_tenants(), tunables={"router_request_rate": 20}) as (s, app):
+    async with router_over(p, d, keys=two_tenants(), tunables={"router_request_rate": 20}) as (s, _):
         alone = [await chat(s, conversation=None, headers=ACME) for _ in range(60)]
         assert all(r["status"] == 200 for r in alone)  # 60 in well under 3 s: past 20/s, and alone
         heavy, light = [], []

@@ -80,3 +80,49 @@ def test_engines_never_follow_a_media_redirect():
     """The router checks a URL's host, not where its redirect leads: vLLM follows redirects unless told not to."""
     env = serve_env(EngineSpec(role="prefill", engine_id="p", model="m", port=1, side_channel_port=2))
     assert env[MEDIA_REDIRECTS] == "0"
+
+
+def test_vllm_with_turnkvs_engine_env_does_not_follow_a_media_redirect(monkeypatch):
+    """vLLM 0.32's media fetch (``MediaConnector.load_from_url``), under the environment turnkv gives engines: a
+    public URL answering 302 to an internal address fetches nothing there. With vLLM's default it would."""
+    import http.server
+    import threading
+
+    connector = pytest.importorskip("vllm.multimodal.media.connector")
+    from vllm.multimodal.media.image import ImageMediaIO
+
+    hits: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            hits.append(self.path)
+            if self.path == "/cat.png":
+                self.send_response(302)
+                self.send_header("Location", f"http://127.0.0.1:{self.server.server_port}/latest/meta-data/")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+            else:
+                body = b"secret-credentials"
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/cat.png"  # the router would refuse this host; vLLM alone does not
+    try:
+        env = serve_env(EngineSpec(role="prefill", engine_id="p", model="m", port=1, side_channel_port=2))
+        monkeypatch.setenv(MEDIA_REDIRECTS, env[MEDIA_REDIRECTS])
+        with pytest.raises(Exception):  # noqa: B017 - the 302's empty body is no image: any error will do
+            connector.MediaConnector().load_from_url(url, ImageMediaIO())
+        assert hits == ["/cat.png"]  # the redirect was not followed
+        monkeypatch.setenv(MEDIA_REDIRECTS, "1")  # vLLM's default
+        with pytest.raises(Exception):  # noqa: B017
+            connector.MediaConnector().load_from_url(url, ImageMediaIO())
+        assert hits == ["/cat.png", "/cat.png", "/latest/meta-data/"]
+    finally:
+        server.shutdown()
