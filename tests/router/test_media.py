@@ -82,3 +82,18 @@ async def test_a_names_verdict_is_kept_a_while_and_a_failed_lookup_is_not():
     with pytest.raises(Exception, match="internal address"):
         await checker.check({"rebind.example.com"})
 
+
+
+async def test_the_translated_apis_media_urls_are_checked_too():
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d) as (s, _):
+        body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "url", "url": "http://169.254.169.254.nip.io/latest/meta-data/"}}]}]}
+        async with s.post("/v1/messages", json=body) as r:
+            answer = await r.json()
+            assert r.status == 400 and answer["type"] == "error" and "internal address" in answer["error"]["message"]
+        body = {"model": "tiny", "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": "http://0xa9fea9fe/latest/meta-data/"}]}]}
+        async with s.post("/v1/responses", json=body) as r:
+            assert r.status == 400 and "internal address" in (await r.json())["error"]["message"]
+        assert d[0].stats["requests"] == 0
