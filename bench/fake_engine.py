@@ -160,7 +160,7 @@ class FakeEngine:
                 wire.REMOTE_PORT: self.side_channel_port, wire.TP_SIZE: 1, wire.DCP_SIZE: 1, wire.PP_SIZE: 1,
                 wire.REMOTE_NUM_TOKENS: tokens, wire.REMOTE_BLOCKS_EXPIRY_TIME: None, wire.TRANSFER_MODE: self.mode}
 
-    def _decode_params(self, request_id: str, tokens: int) -> dict[str, Any]:
+    def _decode_params(self, request_id: str, tokens: int, tenant: str | None = None) -> dict[str, Any]:
         block = next(self._ids)
         RETAINED[(self.engine_id, block)] = time.time() + self.expiry_ttl
         params = {wire.DO_REMOTE_PREFILL: False, wire.DO_REMOTE_DECODE: True, wire.REMOTE_BLOCK_IDS: [[block]],
@@ -175,6 +175,8 @@ class FakeEngine:
             COPIED_AT[(self.engine_id, block)] = time.time() + self.host_copy_delay
         elif self.fork_window > 0:
             params[wire.FORK_WINDOW] = self.fork_window
+        if tenant is not None:  # the retain request's tenant, signed as the connector does (connector.scheduler)
+            params[wire.TENANT] = tenant
         if self.offer_secret is not None:
             wire.sign_offer(self.offer_secret, params, time.time() + self.expiry_ttl, FAKE_MODEL)
         if self.retain_limit:
@@ -197,7 +199,7 @@ class FakeEngine:
         if not self.verify_offers:
             return "ok"
         reason = wire.offer_verdict(self.offer_secret, kv, FAKE_MODEL, time.time(), self.expiry_skew,
-                                    require_cleared=self.require_cleared)
+                                    require_cleared=self.require_cleared, engine_id=self.engine_id)
         if reason == "ok" and wire.replay_key(kv) in self._read:
             reason = "replayed"
         if reason != "ok":
@@ -327,7 +329,8 @@ class FakeEngine:
             sequence.append(token)
             tokens.append(token)
             words.append(word)
-        out_params = self._decode_params(request_id, prompt_tokens + n) if self.bidirectional and kv else None
+        out_params = self._decode_params(request_id, prompt_tokens + n, wire.tenant_tag(kv)) \
+            if self.bidirectional and kv else None
         if not body.get("stream"):
             message = ({"index": 0, "message": {"role": "assistant", "content": "".join(words)},
                         "finish_reason": "length"} if chat else
@@ -408,7 +411,13 @@ class FakeEngine:
             return web.Response(text="")
 
         async def models(_: web.Request) -> web.Response:
-            return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+            """vLLM's list: the served name, and the model's local path (``root``) and permissions besides."""
+            self.stats["models"] = self.stats.get("models", 0) + 1
+            return web.json_response({"object": "list", "data": [{
+                "id": "tiny", "object": "model", "created": 1_700_000_000, "owned_by": "vllm",
+                "root": "/opt/turnkv/models/tiny", "parent": None, "max_model_len": 4096,
+                "permission": [{"id": f"modelperm-{self.engine_id}", "object": "model_permission",
+                                "allow_sampling": True, "organization": "*"}]}]})
 
         async def set_fault(request: web.Request) -> web.Response:
             self.fault = orjson.loads(await request.read() or b"{}")
@@ -428,7 +437,8 @@ class FakeEngine:
                 rid = str(wire.KVParams(offer).request_id)
                 blocks = [(self.engine_id, b) for g in offer.get(wire.REMOTE_BLOCK_IDS) or () for b in g]
                 held = all(RETAINED.get(k, 0) > time.time() for k in blocks) and rid not in self._evicted
-                if wire.check_offer(self.offer_secret, offer, FAKE_MODEL, time.time(), 0.0) != "ok" or not held:
+                if wire.check_offer(self.offer_secret, offer, FAKE_MODEL, time.time(), 0.0) != "ok" or not held \
+                        or not wire.lease_offer_ok(offer, self.engine_id):
                     missing.append(rid)
                     continue
                 for k in blocks:
@@ -443,6 +453,9 @@ class FakeEngine:
 
         async def evictions(request: web.Request) -> web.Response:
             """turnkv's evictions feed (connector.leases): announcements after ``since``."""
+            self.stats["feed_reads"] = self.stats.get("feed_reads", 0) + 1
+            if self.fault.get("evictions_status"):
+                return web.Response(status=int(self.fault["evictions_status"]))
             since = int(request.query.get("since", "0"))
             events = [[rid, until] for rid, (seq, until) in self._evicted.items() if seq > since]
             now = time.time()
@@ -462,9 +475,9 @@ class FakeEngine:
         app.router.add_post("/fault", set_fault)
         app.router.add_post(wire.LEASE_ROUTE, leases)
         app.router.add_get("/stats", stats)
-        # An engine that never evicts nor hosts has no feed (404), like one without turnkv's connector.
-        if self.retain_limit or self.host_copy_delay is not None:
-            app.router.add_get(wire.EVICTIONS_ROUTE, evictions)
+        # Every engine has the feed, as every engine with turnkv's connector does (one that never evicts lists
+        # nothing); fault {"evictions_status": 404} answers as an engine without it.
+        app.router.add_get(wire.EVICTIONS_ROUTE, evictions)
         app.router.add_get("/metrics", metrics)
         return app
 

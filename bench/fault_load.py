@@ -189,12 +189,16 @@ def counter_increase(last: dict, key: tuple, value: float) -> float:
     return value - prev if value >= prev else value
 
 
-def retention_samples(text: str) -> dict[str, float]:
-    """The retention counters of one engine's /metrics text."""
+#: Prefill's refusals of offers past their read deadline (at a scheduler look or right before the READ).
+LATE_COUNTERS = {"late": "vllm:turnkv_offers_late_total"}
+
+
+def retention_samples(text: str, counters: dict[str, str] = RETENTION_COUNTERS) -> dict[str, float]:
+    """The retention counters (or other ``counters``) of one engine's /metrics text."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    wanted = {name: kind for kind, name in RETENTION_COUNTERS.items()}
-    out = dict.fromkeys(RETENTION_COUNTERS, 0.0)
+    wanted = {name: kind for kind, name in counters.items()}
+    out = dict.fromkeys(counters, 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in wanted:
@@ -202,16 +206,18 @@ def retention_samples(text: str) -> dict[str, float]:
     return out
 
 
-async def sample_retention(engines: list[EngineProc], found: list, stop: float, every: float = 2.0) -> None:
-    """Real engines: the decode engines' retention counters every ``every`` s, as (time, kind, increase)."""
+async def sample_retention(engines: list[EngineProc], found: list, stop: float, every: float = 2.0,
+                           role: str = "decode", counters: dict[str, str] | None = None) -> None:
+    """Real engines: the ``role`` engines' counters (decode's retention counters unless told) every ``every`` s, as
+    (time, kind, increase)."""
     last: dict = {}
-    decode = [e for e in engines if e.name.startswith("decode")]
+    decode = [e for e in engines if e.name.startswith(role)]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
         while time.monotonic() < stop:
             for e in decode:
                 try:
                     async with s.get(f"http://127.0.0.1:{e.port}/metrics") as r:
-                        counts = retention_samples(await r.text())
+                        counts = retention_samples(await r.text(), counters or RETENTION_COUNTERS)
                 except (aiohttp.ClientError, TimeoutError, OSError):
                     continue  # down: its counters start over when it is back
                 for kind, value in counts.items():
@@ -291,7 +297,8 @@ async def main(args) -> dict:
                              prefill_prefix_caching=False,  # the seeds' setting: the A/B measures reuse
                              decode_port=base + 200, side_channel_base=25650, prefill_engines=2, decode_engines=2,
                              kv_cache_gib=1, tunables={"decoder_kv_blocks_ttl": args.engine_ttl,
-                                                         "conversation_ttl": args.engine_ttl - 15},
+                                                         "conversation_ttl": args.engine_ttl - 15,
+                                                         **dict(engine_set(v) for v in args.engine_set)},
                              mode=Mode(args.mode))
         supervisor = Supervisor(config.state_dir)
         supervisor.down()
@@ -324,6 +331,7 @@ async def main(args) -> dict:
     checks: list = []
     lost: list = []
     retention: list = []
+    late: list = []
     events: list = []
     memory: list[float] = []
     try:
@@ -342,7 +350,9 @@ async def main(args) -> dict:
                 *(conversation(session, url, i, args, stats, outcomes, checks, stop, lost)
                   for i in range(args.conversations)),
                 chaos(engines, args, events, stop), sample_memory(),
-                *([sample_retention(engines, retention, stop)] if args.engines == "real" else []))
+                *([sample_retention(engines, retention, stop),
+                   sample_retention(engines, late, stop, role="prefill", counters=LATE_COUNTERS)]
+                  if args.engines == "real" else []))
         verified = await verify(url, checks, args.check_limit) if checks else Counter()
         elapsed = time.monotonic() - t0
         fake_stats = {}
@@ -363,6 +373,7 @@ async def main(args) -> dict:
             "later_turns": stats["later_turns"], "later_turns_pulled": stats["later_turns_pulled"],
             "not_pulled_by_phase": lost_by_phase(lost, events),
             "decode_retention_by_phase": lost_by_phase(retention, events),
+            "prefill_late_offers_by_phase": lost_by_phase(late, events),
             "wrong_reuse": (sum(s.get("wrong_reuse", 0) for s in fake_stats.values()) if args.engines == "fake"
                             else verified.get("wrong_reuse", 0)),
             "verified": dict(verified), "faults": events, "router_rss_mb": memory,
@@ -402,9 +413,20 @@ def parser() -> argparse.ArgumentParser:
                         "blocks from filling the 1 GiB caches in short runs)")
     p.add_argument("--port-base", type=int, default=28300)
     p.add_argument("--out", default="results/fault-load")
+    p.add_argument("--engine-set", action="append", default=[], metavar="NAME=VALUE",
+                   help="real engines: an engine tunable (repeatable), e.g. retained_kv_share=0.02 for retention "
+                        "pressure")
     p.add_argument("--router-set", action="append", default=[], metavar="NAME=VALUE",
                    help="a router tunable (repeatable), e.g. conversation_ttl=20 to see the store's memory settle")
     return p
+
+
+def engine_set(text: str) -> tuple[str, float]:
+    """``NAME=VALUE`` of ``--engine-set`` (the stack validates it against the catalog)."""
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise SystemExit(f"--engine-set {text!r}: expected NAME=VALUE")
+    return name.strip(), float(value)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,16 @@
-"""Hostile load: one tenant attacks the router while another runs a normal multi-turn workload (issue 31).
+"""Hostile load: one tenant attacks the router while another runs a normal multi-turn workload (issue 31), beside a
+heavy-but-honest tenant (issue 38).
 
 On loopback only, over fake engines (``bench.fake_engine``), bounded in time and requests. The router runs in its
 own process (its RSS and CPU are sampled every 0.5 s); the attacker runs in another process, so its CPU does not
 delay the bystander's measurements in this one. Phases: quiet (the bystander alone), then hostile (the same
 bystander workload while the attacker sends, with several API keys: slow and parked bodies, message floods,
-aborted streams, oversized fields and bad types). Reported: the router's peak RSS against the Fargate task's
-2 GiB, its CPU, the bystander's TTFT p50/p90 in both phases and its errors, the attacker's refusals by limit.
+aborted streams, oversized fields and bad types) and a heavy-but-honest tenant (valid multi-turn streams from
+many conversations at once, no think time: as much as the router gives it) from the attacker's process. Budgets
+are max-min fair shares, so the honest tenant is served (cut only to its fair share when it is the heaviest) and the
+bystander, the lightest, never is. Reported: the router's peak RSS against the Fargate task's 2 GiB, its CPU, the
+bystander's TTFT p50/p90 in both phases and its errors, the attacker's refusals by limit, and the honest tenant's
+requests/s, TTFT and refusals.
 
 Run: ``python -m bench.hostile_load --duration 30 --out results/hostile`` (or ``turnkv bench hostile``).
 """
@@ -35,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TASK_MEMORY_MIB = 2048  # the router's Fargate task (infra)
 BYSTANDER = "bystander-key-0001"
 ATTACKERS = [f"attacker-key-{i:04d}" for i in range(4)]
+HONEST = "honest-heavy-key-0001"
 
 
 def free_port() -> int:
@@ -182,6 +188,60 @@ async def attack(port: int, duration: float, max_body: int) -> dict[str, int]:
     return dict(counts)
 
 
+async def attack_and_honest(port: int, duration: float, max_body: int, honest_conversations: int
+                            ) -> tuple[dict[str, int], dict[str, Any]]:
+    """The attacker and the heavy-but-honest tenant at once (both in this process)."""
+    counts, heavy = await asyncio.gather(attack(port, duration, max_body),
+                                         honest(port, duration, honest_conversations))
+    return counts, heavy
+
+
+async def honest(port: int, duration: float, conversations: int = 16, turns: int = 6) -> dict[str, Any]:
+    """A heavy but honest tenant: ``conversations`` multi-turn streamed conversations at once, no think time, each
+    turn as soon as the last ended. Its requests/s, TTFT percentiles and refusals by limit (a 429 is retried after
+    its Retry-After, as a polite client does, capped at 1 s)."""
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    stop = time.monotonic() + duration
+    ttfts: list[float] = []
+    counts: Counter = Counter()
+
+    async def one(session: aiohttp.ClientSession, idx: int) -> None:
+        while time.monotonic() < stop:
+            messages = [{"role": "user", "content": f"honest {idx}: " + "summarise the build log " * 60}]
+            for _ in range(turns):
+                if time.monotonic() >= stop:
+                    return
+                body = {"model": "tiny", "messages": messages, "max_tokens": 16, "stream": True}
+                t0 = time.perf_counter()
+                text, first = "", None
+                async with session.post(url, json=body, headers=_auth(HONEST)) as resp:
+                    if resp.status != 200:
+                        counts[f"{resp.status}:{(await _err(resp)).get('limit', '')}"] += 1
+                        await asyncio.sleep(min(1.0, float(resp.headers.get("Retry-After", "1"))))
+                        continue
+                    async for line in resp.content:
+                        if line.startswith(b"data: {"):
+                            for c in orjson.loads(line[6:]).get("choices") or ():
+                                piece = (c.get("delta") or {}).get("content") or ""
+                                if piece and first is None:
+                                    first = time.perf_counter() - t0
+                                text += piece
+                counts["200"] += 1
+                if first is not None:
+                    ttfts.append(first)
+                messages = [*messages, {"role": "assistant", "content": text}, {"role": "user", "content": "next"}]
+
+    if conversations <= 0:
+        return {}
+    started = time.monotonic()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        await asyncio.gather(*(_guarded(one(session, i), counts) for i in range(conversations)))
+    elapsed = max(1e-3, time.monotonic() - started)
+    return {"conversations": conversations, "served": counts["200"], "served_per_s": round(counts["200"] / elapsed, 1),
+            "ttft_p50_ms": _ms(percentile(ttfts, 0.5)), "ttft_p90_ms": _ms(percentile(ttfts, 0.9)),
+            "answers": dict(counts)}
+
+
 async def _guarded(coro, counts: Counter) -> None:
     while True:
         try:
@@ -259,7 +319,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     p_port, d_port, r_port = free_port(), free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), wire.OFFER_SECRET_ENV: FAKE_SECRET.decode(),
-           router_env.API_KEYS: json.dumps({"tenants": {"bystander": BYSTANDER,
+           router_env.API_KEYS: json.dumps({"tenants": {"bystander": BYSTANDER, "honest": HONEST,
                                                       **{f"attacker{i}": k for i, k in enumerate(ATTACKERS)}}})}
     py = sys.executable
     procs = [subprocess.Popen([py, "-m", "bench.fake_engine", "--port", str(p_port), "--port", str(d_port)],
@@ -285,7 +345,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         quiet = await bystander(url, args.duration, args.conversations, args.turns)
         sampler.phase = "hostile"
         attacker = subprocess.Popen([py, "-m", "bench.hostile_load", "--attack", str(r_port), "--duration",
-                                     str(args.duration), "--out", str(out)], env=env,
+                                     str(args.duration), "--out", str(out), "--honest-conversations",
+                                     str(args.honest_conversations)], env=env,
                                     preexec_fn=(lambda: os.nice(19)) if args.isolate else None)
         procs.append(attacker)
         await asyncio.sleep(1.0)  # the attack under way
@@ -295,6 +356,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(2.0)
         sampling.cancel()
         refusals = json.loads((out / "attacker.json").read_text())
+        heavy = json.loads((out / "honest.json").read_text())
         router_refusals = await refused_by_limit(url)
     finally:
         for p in procs:
@@ -320,6 +382,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "ttft_p90_ratio": (round(hostile["ttft_p90_ms"] / quiet["ttft_p90_ms"], 2)
                            if quiet["ttft_p90_ms"] and hostile["ttft_p90_ms"] else None),
         "attacker": refusals,
+        "honest_heavy": heavy,
         "router_refusals": router_refusals,
         "samples": rows,
     }
@@ -333,6 +396,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=30, help="Seconds per phase (quiet, hostile).")
     p.add_argument("--conversations", type=int, default=8, help="Bystander conversations at once.")
     p.add_argument("--turns", type=int, default=6, help="Turns per bystander conversation.")
+    p.add_argument("--honest-conversations", type=int, default=16,
+                   help="Conversations the heavy-but-honest tenant runs at once in the hostile phase (0: none).")
     p.add_argument("--set", action="append", default=[], help="Router tunable NAME=VALUE (repeatable).")
     p.add_argument("--isolate", action="store_true",
                    help="Model the deployment on one host: the router pinned to its own core, the engines and both "
@@ -345,7 +410,9 @@ def parser() -> argparse.ArgumentParser:
 if __name__ == "__main__":
     a = parser().parse_args()
     if a.attack:
-        counts = asyncio.run(attack(a.attack, a.duration, 8 * 1024 * 1024))
+        counts, heavy = asyncio.run(attack_and_honest(a.attack, a.duration, 8 * 1024 * 1024,
+                                                      a.honest_conversations))
         Path(a.out, "attacker.json").write_text(json.dumps(counts, indent=1, sort_keys=True))
+        Path(a.out, "honest.json").write_text(json.dumps(heavy, indent=1, sort_keys=True))
     else:
         asyncio.run(main(a))

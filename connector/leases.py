@@ -6,7 +6,9 @@ lease: this route extends the expiry of retained requests, held by the NIXL work
 seconds from now (never shortens it), and answers each one's offer re-signed with its new expiry.
 
 The route is authenticated by the offers themselves (``turnkv.wire``): a caller names what to renew
-by sending decode's signed offers, and only offers this engine signed, still live, are renewed. At
+by sending decode's signed offers, and only offers this engine signed, still live, are renewed: every engine of a
+deployment signs with the same secret, so an offer must also name this engine (``wire.lease_offer_ok``) and this
+process (its boot stamp names each worker rank's NIXL agent; an earlier boot's request id is not renewed). At
 most ``wire.LEASE_MAX_OFFERS`` offers per call, leases of at most ``wire.LEASE_MAX_TTL`` seconds.
 
 The same plugin serves decode's evictions feed (``GET`` ``wire.EVICTIONS_ROUTE``): the retained turns it
@@ -48,9 +50,11 @@ WORKER_METHOD = "turnkv_renew_leases"
 FEED_METHOD = "turnkv_evictions"
 
 
-def renew_on_worker(worker: Any, request_ids: list[str], ttl: float | Mapping[str, float]) -> dict[str, float]:
+def renew_on_worker(worker: Any, request_ids: list[str], ttl: float | Mapping[str, float],
+                    boots: Mapping[str, str | None] | None = None) -> dict[str, float]:
     """Runs in each worker process: extend the expiry of retained requests by ``ttl`` (one for all, or by id:
-    several lease calls share one ``collective_rpc``).
+    several lease calls share one ``collective_rpc``). ``boots``: each offer's boot stamp; a request whose offer
+    names another boot of this engine (a restart: request ids may repeat) is not renewed.
 
     Returns each renewed request's new expiry on this host's monotonic clock (``time.perf_counter``,
     the clock ``remote_blocks_expiry_time`` is stamped with), so prefill's expiry check agrees.
@@ -60,9 +64,12 @@ def renew_on_worker(worker: Any, request_ids: list[str], ttl: float | Mapping[st
     holder = get_kv_transfer_group().connector_worker
     held: dict[str, float] = getattr(holder, "_reqs_to_send", {})
     evicted = getattr(holder, "turnkv_evicted", lambda _rid: False)
+    own_boot = getattr(holder, "turnkv_own_boot", lambda _stamp: True)
     now = time.perf_counter()
     renewed = {}
     for request_id in request_ids:
+        if boots is not None and not own_boot(boots.get(request_id)):
+            continue  # an offer of another process of this engine
         if request_id in held and not evicted(request_id):  # an evicted turn's blocks are about to be freed
             asked = float(ttl[request_id] if isinstance(ttl, Mapping) else ttl)
             held[request_id] = lifetime.renewed_until(held[request_id], now, asked)
@@ -190,13 +197,15 @@ class EngineRpcs:
         self._clock = clock
         self.cache_seconds = feed_cache_seconds() if cache_seconds is None else cache_seconds
         self._last: _FeedRead | None = None
-        self.renewals: RpcBatcher[tuple[list[str], float], list[dict[str, float]]] = RpcBatcher(
+        self.renewals: RpcBatcher[tuple[list[str], float, dict[str, str | None]], list[dict[str, float]]] = RpcBatcher(
             self._renew, lease_batch_seconds() if batch_seconds is None else batch_seconds)
         self.feeds: RpcBatcher[int, _FeedRead] = RpcBatcher(self._read_feed)
 
-    async def renew(self, request_ids: list[str], ttl: float) -> list[dict[str, float]]:
-        """Every rank's renewed expiries (each rank's answer covers at least ``request_ids``)."""
-        return await self.renewals.submit((request_ids, ttl))
+    async def renew(self, request_ids: list[str], ttl: float,
+                    boots: Mapping[str, str | None] | None = None) -> list[dict[str, float]]:
+        """Every rank's renewed expiries (each rank's answer covers at least ``request_ids``); ``boots``: each
+        request's offer's boot stamp (checked by every rank against its own agent)."""
+        return await self.renewals.submit((request_ids, ttl, dict(boots or {})))
 
     async def evictions(self, since: int) -> dict[str, Any]:
         """The merged feed after ``since``, with ``age``: 0 when read after this call arrived, else how long
@@ -209,12 +218,15 @@ class EngineRpcs:
         read = await self.feeds.submit(since)
         return {**read.feed, "age": 0.0}
 
-    async def _renew(self, items: list[tuple[list[str], float]]) -> list[dict[str, float]]:
+    async def _renew(self, items: list[tuple[list[str], float, dict[str, str | None]]]) -> list[dict[str, float]]:
         ttls: dict[str, float] = {}
-        for request_ids, ttl in items:
+        boots: dict[str, str | None] = {}
+        for request_ids, ttl, stamps in items:
             for request_id in request_ids:
                 ttls[request_id] = max(ttl, ttls.get(request_id, 0.0))  # a lease is never shortened anyway
-        return await self._client.collective_rpc(WORKER_METHOD, args=(list(ttls), ttls))
+                if request_id in stamps:
+                    boots[request_id] = stamps[request_id]
+        return await self._client.collective_rpc(WORKER_METHOD, args=(list(ttls), ttls, boots))
 
     async def _read_feed(self, cursors: list[int]) -> _FeedRead:
         since, started = min(cursors), self._clock()
@@ -285,15 +297,18 @@ class LeaseEndpoints:
             except ValueError as exc:
                 return _error(400, str(exc))
             model = state.turnkv_model
+            engine_id = getattr(state, "turnkv_engine_id", None)
             now = time.time()
             valid = {}
             for offer in offers:
-                if wire.check_offer(secret, offer, model, now, 0.0) == "ok" and offer.get(wire.REMOTE_REQUEST_ID):
+                if wire.check_offer(secret, offer, model, now, 0.0) == "ok" and offer.get(wire.REMOTE_REQUEST_ID) \
+                        and wire.lease_offer_ok(offer, engine_id):
                     valid[str(offer[wire.REMOTE_REQUEST_ID])] = offer
             if not valid:
                 return _error(403, "no live offer signed by this engine")
             ids = list(valid)
-            per_worker = await _rpcs(state, client).renew(ids, ttl)
+            boots = {rid: offer.get(wire.BOOT) for rid, offer in valid.items()}
+            per_worker = await _rpcs(state, client).renew(ids, ttl, boots)
             mono_now, wall_now = time.perf_counter(), time.time()
             # Every rank holds the request; the earliest expiry is the truthful one.
             expiry = {rid: min(w[rid] for w in per_worker) for rid in ids if all(rid in w for w in per_worker)}
@@ -321,5 +336,8 @@ class LeaseEndpoints:
 
         state.turnkv_engine_client = engine_client
         state.turnkv_rpcs = EngineRpcs(engine_client)
+        transfer = getattr(getattr(engine_client, "vllm_config", None), "kv_transfer_config", None)
+        engine_id = getattr(transfer, "engine_id", None)
+        state.turnkv_engine_id = str(engine_id) if engine_id is not None else None
         state.turnkv_offer_secret = wire.offer_secret()
         state.turnkv_model = wire.model_fingerprint(model_fields(getattr(engine_client, "vllm_config", None)))

@@ -17,6 +17,13 @@ after reuse. So an evicted turn is not freed at once. It is first *announced* (t
 and its blocks are freed ``retention_eviction_grace`` seconds later. Until then its room still counts (the
 tiers are bounds on memory, not targets), but it is no candidate any more.
 
+**Tenants.** The router names the tenant a turn is retained for (``turnkv.wire.TENANT``). Room is shared max-min
+among the tenants that want it (:func:`fair_shares`: each gets what it holds up to an equal split of what the others
+leave): a tenant alone may use the whole tier, and when a newcomer's tenant is under its share, the turns of the
+tenant furthest over its share go first (oldest first, only down to its share), idle or not. Idle is measured per
+tenant (each tenant's own read delays) above a floor (``retention_idle_floor``), so one tenant reading fast cannot
+make everyone else's unread turns look idle.
+
 **Forks.** A read turn is not freed at once: it stays readable for ``fork_window`` after its first read, so
 forks of one history (parallel samples, subagents, a retry) each pull it. Its conversation has moved on (the
 next turn is retained on its own), so read turns are the first candidates when room is needed, before idle
@@ -25,7 +32,8 @@ ones, and are evicted (announced, freed after the grace) once the window has pas
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -45,7 +53,7 @@ class Refusal(StrEnum):
 class EvictReason(StrEnum):
     """Why a retained turn was evicted (the label of ``vllm:turnkv_retention_evictions``)."""
 
-    IDLE = "idle"  # unread past idle_after, to make room for a newer turn
+    IDLE = "idle"  # unread past idle_after, to make room for a newer turn (or above its tenant's fair share)
     SHRUNK = "shrunk"  # its tier's bound was lowered below what it holds
     READ = "read"  # read by its next turn and kept for forks: the fork window passed, or room was needed
 
@@ -59,6 +67,7 @@ class Held:
     slots: tuple[int, ...] = ()  # host tier: the pool slots that hold it
     read_at: float | None = None  # first read (wall clock): kept only for forks from then on
     fork_window: float = 0.0  # the window its offer was signed with (0: single use)
+    tenant: str | None = None  # whom the router retained it for (None: untagged, one tenant of its own)
 
 
 @dataclass
@@ -93,28 +102,58 @@ class HostSlots:
 
 
 class ReadDelays:
-    """How long retained turns waited before prefill read them (the last ``keep``), for ``idle_after``."""
+    """How long retained turns waited before prefill read them (the last ``keep`` per tenant, for the
+    ``max_tenants`` tenants read most recently), for ``idle_after``."""
 
-    def __init__(self, keep: int = 256, min_samples: int = 8) -> None:
-        self._delays: deque[float] = deque(maxlen=keep)
-        self._min = min_samples
+    def __init__(self, keep: int = 256, min_samples: int = 8, max_tenants: int = 1024) -> None:
+        self._by_tenant: OrderedDict[str | None, deque[float]] = OrderedDict()
+        self._keep, self._min, self._max_tenants = keep, min_samples, max_tenants
 
-    def observe(self, seconds: float) -> None:
-        if seconds >= 0:
-            self._delays.append(seconds)
+    @property
+    def _delays(self) -> list[float]:
+        """Every tenant's samples (what is kept)."""
+        return [d for delays in self._by_tenant.values() for d in delays]
 
-    def p90(self) -> float | None:
-        if len(self._delays) < self._min:
+    def observe(self, seconds: float, tenant: str | None = None) -> None:
+        if seconds < 0:
+            return
+        delays = self._by_tenant.pop(tenant, None) or deque(maxlen=self._keep)
+        delays.append(seconds)
+        self._by_tenant[tenant] = delays  # most recently read last
+        while len(self._by_tenant) > self._max_tenants:
+            self._by_tenant.popitem(last=False)
+
+    def p90(self, tenant: str | None = None) -> float | None:
+        delays = self._by_tenant.get(tenant) or ()
+        if len(delays) < self._min:
             return None
-        ordered = sorted(self._delays)
+        ordered = sorted(delays)
         return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
 
-    def idle_after(self, configured: float, ttl: float) -> float:
-        """``configured`` when set, else twice the p90 of the waits seen (the TTL until there are enough)."""
+    def idle_after(self, configured: float, ttl: float, tenant: str | None = None, floor: float = 1.0) -> float:
+        """``configured`` when set, else twice the p90 of the waits of ``tenant``'s turns, at least ``floor`` (the
+        TTL until there are enough): another tenant's fast reads do not make this tenant's turns idle sooner."""
         if configured > 0:
             return configured
-        p90 = self.p90()
-        return ttl if p90 is None else min(ttl, max(1.0, 2 * p90))
+        p90 = self.p90(tenant)
+        return ttl if p90 is None else min(ttl, max(floor, 1.0, 2 * p90))
+
+
+def fair_shares(demands: Mapping[str | None, float], room: float) -> dict[str | None, float]:
+    """Max-min fair shares of ``room`` among tenants wanting ``demands`` (pure water-filling): the smallest demands
+    are met in full, the rest split what is left equally; a lone tenant gets all it wants up to the room."""
+    shares: dict[str | None, float] = {}
+    left, pending = float(room), sorted(demands.items(), key=lambda kv: kv[1])
+    while pending:
+        split = left / len(pending)
+        tenant, demand = pending[0]
+        if demand > split:  # every tenant left wants more than an equal split: each gets the split
+            shares.update((t, split) for t, _ in pending)
+            break
+        shares[tenant] = demand
+        left -= demand
+        pending.pop(0)
+    return shares
 
 
 @dataclass
@@ -169,11 +208,14 @@ class RetentionLedger:
             self.host.give_back(held.slots)
         return held
 
-    def place(self, adding: int, now: float, device_room: float, host_room: float, idle_after: float,
-              host_ok: bool = True) -> Placement:
-        """Where a finished turn of ``adding`` blocks goes: the device tier while it has room, then the host tier
-        (``host_ok``: the turn's layout can live there), else nowhere. When neither has room, read turns (kept for
-        forks) and turns idle for ``idle_after`` are evicted (read first, then oldest idle first, device first)
+    def place(self, adding: int, now: float, device_room: float, host_room: float,
+              idle_after: float | Callable[[str | None], float], host_ok: bool = True,
+              tenant: str | None = None) -> Placement:
+        """Where a finished turn of ``adding`` blocks of ``tenant`` goes: the device tier while it has room, then
+        the host tier (``host_ok``: the turn's layout can live there), else nowhere. When neither has room, read
+        turns (kept for forks), turns idle for ``idle_after`` (seconds, or seconds by tenant) and, while ``tenant``
+        is under its fair share (:func:`fair_shares`), turns of tenants over theirs are evicted (read first; then
+        idle, over-share tenants' first; then the largest excess's oldest turns, down to its share; device first)
         until ``adding`` would fit once they are freed; the newcomer itself is not retained then (evicted room frees
         only after the grace)."""
         host_room = host_room if (host_ok and self.host is not None) else 0.0
@@ -185,24 +227,56 @@ class RetentionLedger:
             slots = self.host.take(adding) if self.host is not None else None
             if slots is not None:
                 return Placement(Tier.HOST, slots=slots)
-        return Placement(None, Refusal.FULL, evicted=self._evict_idle(adding, now, device_room, host_room,
-                                                                      idle_after))
+        idle = idle_after if callable(idle_after) else (lambda _tenant, seconds=float(idle_after): seconds)
+        return Placement(None, Refusal.FULL, evicted=self._evict_idle(adding, now, device_room, host_room, idle,
+                                                                      tenant))
+
+    def held_by_tenant(self, tier: Tier) -> dict[str | None, int]:
+        """Live blocks of ``tier`` by tenant (evicting ones are on their way out)."""
+        held: dict[str | None, int] = {}
+        for h in self.live.values():
+            if h.tier is tier:
+                held[h.tenant] = held.get(h.tenant, 0) + h.blocks
+        return held
 
     def _evict_idle(self, adding: int, now: float, device_room: float, host_room: float,
-                    idle_after: float) -> list[tuple[str, Held]]:
+                    idle_after: Callable[[str | None], float], tenant: str | None) -> list[tuple[str, Held]]:
         evicted: list[tuple[str, Held]] = []
         for tier, room in ((Tier.DEVICE, device_room), (Tier.HOST, host_room)):
             if adding > room:
                 continue
             # What the tier holds once its evicting turns are freed, and how much must go for the newcomer.
             over = sum(h.blocks for h in self.live.values() if h.tier is tier) + adding - room
-            # Read turns (kept only for forks) first, oldest read first; then idle turns, oldest idle first.
-            idle = sorted((h.read_at is None, h.read_at or h.since, rid) for rid, h in self.live.items()
-                          if h.tier is tier and (h.read_at is not None or now - h.since >= idle_after))
-            if sum(self.live[rid].blocks for *_, rid in idle) < over:
+            held = self.held_by_tenant(tier)
+            wanted = {**held, tenant: held.get(tenant, 0) + adding}
+            shares = fair_shares(wanted, room)
+            excess = {t: held.get(t, 0) - shares[t] for t in held if t != tenant and held.get(t, 0) > shares[t]}
+            # Read turns (kept only for forks) first, oldest read first; then idle turns, over-share tenants' first,
+            # oldest idle first.
+            idle = sorted((h.read_at is None, h.tenant not in excess, h.read_at or h.since, rid)
+                          for rid, h in self.live.items()
+                          if h.tier is tier and (h.read_at is not None or now - h.since >= idle_after(h.tenant)))
+            candidates = [rid for *_, rid in idle]
+            if wanted[tenant] <= shares[tenant]:
+                candidates += self._over_share(tier, excess, set(candidates))
+            if sum(self.live[rid].blocks for rid in candidates) < over:
                 continue
-            return self._announce_until([rid for *_, rid in idle], over)
+            return self._announce_until(candidates, over)
         return evicted
+
+    def _over_share(self, tier: Tier, excess: dict[str | None, float], taken: set[str]) -> list[str]:
+        """Turns of tenants over their fair share, the largest excess first, each tenant's oldest first, only as
+        many as bring it down to its share (counting the ones already ``taken``)."""
+        out: list[str] = []
+        for t, over in sorted(excess.items(), key=lambda kv: -kv[1]):
+            left = over - sum(self.live[rid].blocks for rid in taken if self.live[rid].tenant == t)
+            for rid, h in self.live.items():
+                if left <= 0:
+                    break
+                if h.tier is tier and h.tenant == t and rid not in taken:
+                    out.append(rid)
+                    left -= h.blocks
+        return out
 
     def shrink(self, tier: Tier, room: float) -> list[tuple[str, Held]]:
         """Evict a tier's oldest live turns until what it holds fits ``room`` again (its bound was lowered)."""

@@ -41,7 +41,8 @@ RETAIN_KEY = wire.RETAIN
 RELOADED_INTO = {"decoder_kv_blocks_ttl": "decoder_kv_blocks_ttl", "kv_recompute_threshold": "kv_recompute_threshold",
                  "expiry_skew_margin": "_expiry_skew", "retained_kv_share": "_retained_share",
                  "retention_eviction_grace": "_eviction_grace", "host_kv_budget_mib": "_host_budget_mib",
-                 "retention_idle_evict": "_idle_evict", "fork_window": "_fork_window"}
+                 "retention_idle_evict": "_idle_evict", "retention_idle_floor": "_idle_floor",
+                 "fork_window": "_fork_window"}
 
 #: Offers are fork-readable only while the device tier, this turn included, is at most this share full: a read
 #: turn kept for forks frees its room only after the eviction grace, so under pressure the room goes to newer turns
@@ -167,6 +168,9 @@ class TurnkvSchedulerMixin:
         self._refused_at = float("-inf")
         # Prefill side: host-tier offers admitted, for the workers' READs (request id -> (bases, pool slots)).
         self._host_reads: dict[str, tuple[list[int], int]] = {}
+        # Prefill side: when each admitted offer's READ must have started (wire.read_deadline), checked at every
+        # look while the request waits and by the workers right before the READ (request id -> wall instant).
+        self._read_deadlines: dict[str, float] = {}
         # Start-up values: every engine tunable the engine was started with (kv_connector_extra_config), then the
         # tunables file (hot reload) over them.
         self._apply_tunables(start_values(vllm_config))
@@ -246,6 +250,10 @@ class TurnkvSchedulerMixin:
             return 0, False
         offer = self._is_decode_offer(params)
         first_look = offer and request.request_id not in self._verdicts
+        if offer and not first_look and self._late(request, params):
+            # Admitted at an earlier look, but the request waited (no KV room) past the offer's deadline: decode
+            # may have freed and reused the blocks since. Computed instead, as a late offer at the first look.
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
         if first_look and ((host_tier.is_host_offer(params) and not self._admit_host_offer(request, params))
                            or not self._offer_admitted(request, params)):
             # Refused before any READ: the request is an ordinary prefill now (nothing read, no peer contacted).
@@ -253,6 +261,9 @@ class TurnkvSchedulerMixin:
             self.turnkv_stats.record_label("turnkv_decisions", "recompute")
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
         if first_look:
+            deadline = wire.read_deadline(params, self._expiry_skew)
+            if deadline is not None:
+                self._read_deadlines[request.request_id] = deadline
             self._check_offer(request, params)
             if isinstance(params.get(boot.PARAMS_KEY), str):
                 self._expected_boots[request.request_id] = params[boot.PARAMS_KEY]
@@ -271,6 +282,7 @@ class TurnkvSchedulerMixin:
             self.turnkv_stats.record_label("turnkv_pulls", Tier.HOST if request.request_id in self._host_reads
                                            else Tier.DEVICE)
         else:
+            # The deadline stays until the request is allocated: a later look asks upstream again, which may pull.
             self._host_reads.pop(request.request_id, None)
         if decision is not None:
             self._export_decision(decision)
@@ -312,6 +324,8 @@ class TurnkvSchedulerMixin:
         if cached is not None:  # as of this admission (a failed READ is admitted again, loading nothing)
             self._prefill_cached[request.request_id] = cached
         params = request.kv_transfer_params
+        if num_external_tokens <= 0:
+            self._read_deadlines.pop(request.request_id, None)  # nothing read from decode's blocks
         if num_external_tokens > 0 and self._is_decode_offer(params):
             self._pulls_started[request.request_id] = (time.perf_counter(), num_external_tokens,
                                                        str(wire.KVParams(params).engine_id))
@@ -331,6 +345,9 @@ class TurnkvSchedulerMixin:
         # The worker checks each read's expected boot against the engine it handshook with.
         meta.turnkv_boots = {rid: self._expected_boots.pop(rid) for rid in meta.reqs_to_recv
                              if rid in self._expected_boots}
+        # Each read's deadline: the worker posts no READ from then on (after a handshake either), prefill recomputes.
+        meta.turnkv_read_by = {rid: self._read_deadlines.pop(rid) for rid in meta.reqs_to_recv
+                               if rid in self._read_deadlines}
         # Host-tier reads: where decode's pool is (connector.host_tier).
         meta.turnkv_host_reads = {rid: self._host_reads.pop(rid) for rid in meta.reqs_to_recv
                                   if rid in self._host_reads}
@@ -429,7 +446,7 @@ class TurnkvSchedulerMixin:
         for request_id in meta.fork_held:
             held = self._retained.mark_read(request_id, wall)
             if held is not None:
-                self._read_delays.observe(wall - held.since)
+                self._read_delays.observe(wall - held.since, held.tenant)
                 self.turnkv_stats.record("turnkv_fork_holds", 1)
         for request_id, held in self._retained.forks_done(wall):
             # No router replays it past its window (plus FORK_READ_SLACK for prefill to start the READ): the short
@@ -439,7 +456,7 @@ class TurnkvSchedulerMixin:
     def _release(self, request_id: str, read: bool, wall: float) -> None:
         held = self._retained.release(request_id)
         if held is not None and read and held.read_at is None:  # a fork-held turn was sampled at its first read
-            self._read_delays.observe(wall - held.since)
+            self._read_delays.observe(wall - held.since, held.tenant)
 
     def _host_room(self) -> float:
         """Host-tier slots usable now: the pool, as far as the (reloadable) budget allows; 0 until every rank's
@@ -469,20 +486,40 @@ class TurnkvSchedulerMixin:
         """Signature, expiry on this host's wall clock, a router's clearance and read-by instant (decode may have
         evicted the turn since the router last read its feed), and single use; a refused offer is neutralized."""
         reason = wire.offer_verdict(self._offer_secret, params, self._model, time.time(), self._expiry_skew,
-                                    require_cleared=self._require_cleared)
+                                    require_cleared=self._require_cleared, engine_id=self._engine_id())
         if reason == "unsigned" and not self._require_signed:
             return True
         if reason == "ok" and not self._replays.first_use(wire.replay_key(params), float(params[wire.EXPIRES_AT])):
             reason = "replayed"
         if reason == "ok":
             return True
+        self._refuse(request, params, reason)
+        return False
+
+    def _refuse(self, request: Any, params: dict[str, Any], reason: str) -> None:
         offered = wire.KVParams(params).num_tokens
         self._verdicts[request.request_id] = token_proof.Verdict(offered, 0, reason)
         self.turnkv_stats.record(f"turnkv_offers_{reason}", 1)
         logger.warning("turnkv: request %s: decode's offer is %s; recomputing without reading it",
                        request.request_id, reason)
         wire.neutralize(params)
-        return False
+
+    def _engine_id(self) -> str | None:
+        """This engine's NIXL engine id (upstream's scheduler attribute): a clearance naming another is refused."""
+        engine_id = getattr(self, "engine_id", None)
+        return str(engine_id) if engine_id is not None else None
+
+    def _late(self, request: Any, params: dict[str, Any]) -> bool:
+        """A later look at an admitted offer (vLLM asks again on each step while the request waits for KV room):
+        past its read deadline it is refused as ``late`` (neutralized, nothing read) and the request is computed."""
+        rid = request.request_id
+        deadline = self._read_deadlines.get(rid)
+        if deadline is None or time.time() < deadline:
+            return False
+        for pending in (self._read_deadlines, self._host_reads, self._expected_boots):
+            pending.pop(rid, None)
+        self._refuse(request, params, "late")
+        return True
 
     def _admit_host_offer(self, request: Any, params: dict[str, Any]) -> bool:
         """A host-tier offer is read only when a router cleared it (the router checked that decode's copy is done),
@@ -491,7 +528,7 @@ class TurnkvSchedulerMixin:
         reason = "ok" if parsed is not None else "forged"
         if parsed is not None and self._offer_secret is not None:
             reason = wire.offer_verdict(self._offer_secret, params, self._model, time.time(), self._expiry_skew,
-                                        require_cleared=True)
+                                        require_cleared=True, engine_id=self._engine_id())
         elif parsed is not None:
             reason = "unsigned"
         if reason == "ok":
@@ -549,9 +586,10 @@ class TurnkvSchedulerMixin:
         is_decode = bool(params) and not params.get(wire.DO_REMOTE_DECODE)
         unwanted = self._retain_on_demand and not params.get(RETAIN_KEY)
         adding = _count_blocks(block_ids)
+        tenant = wire.tenant_tag(params) if is_decode else None
         placement = None
         if is_decode and not unwanted and self.is_bidirectional_kv_xfer_enabled:
-            placement = self._place(adding, block_ids)
+            placement = self._place(adding, block_ids, tenant)
             if placement.tier is None:
                 unwanted = True  # no room in any tier for a turn still likely to be read: not retained
         if is_decode and unwanted and self.is_bidirectional_kv_xfer_enabled:
@@ -567,6 +605,7 @@ class TurnkvSchedulerMixin:
         self._pending.pop(request.request_id, None)
         self._pulls_started.pop(request.request_id, None)
         self._expected_boots.pop(request.request_id, None)
+        self._read_deadlines.pop(request.request_id, None)
         cached = self._prefill_cached.pop(request.request_id, None)
         local = self._prefill_local.pop(request.request_id, 0)
         if out is None:
@@ -585,6 +624,8 @@ class TurnkvSchedulerMixin:
             out[token_proof.PARAMS_KEY] = token_proof.make_proof(held, self.block_size)
             if self._boot:
                 out[boot.PARAMS_KEY] = self._boot
+            if tenant is not None:  # signed: prefill reads it only under a clearance for this tenant
+                out[wire.TENANT] = tenant
             expires_at = _wall_expiry(out, self.decoder_kv_blocks_ttl)
             tier, slots = (placement.tier, placement.slots) if placement is not None and placement.tier else \
                 (Tier.DEVICE, ())
@@ -605,7 +646,8 @@ class TurnkvSchedulerMixin:
             if tier is Tier.HOST:
                 self._to_host[request.request_id] = (device_blocks, list(slots), expires_at)
             self._retained.hold(request.request_id, Held(_count_blocks(out.get(wire.REMOTE_BLOCK_IDS)), expires_at,
-                                                         tier, time.time(), tuple(slots), fork_window=fork_window))
+                                                         tier, time.time(), tuple(slots), fork_window=fork_window,
+                                                         tenant=tenant))
             self.turnkv_stats.record_label("turnkv_retention_placed", tier)
             self._export_retained()
         elif placement is not None and placement.slots and self._retained.host is not None:
@@ -627,12 +669,17 @@ class TurnkvSchedulerMixin:
         total = int(getattr(getattr(self, "kv_cache_config", None), "num_blocks", 0) or 0)
         return self._retained_share * total if total > 0 else float("inf")
 
-    def _place(self, adding: int, block_ids: Any) -> Any:
-        """The tier a finished turn goes to (``connector.retention``), evicting idle turns when no tier has room."""
-        idle_after = self._read_delays.idle_after(self._idle_evict, float(self.decoder_kv_blocks_ttl))
+    def _place(self, adding: int, block_ids: Any, tenant: str | None = None) -> Any:
+        """The tier a finished turn of ``tenant`` goes to (``connector.retention``), evicting idle turns (each
+        tenant's idle measured on its own reads) and over-share tenants' turns when no tier has room."""
+        ttl = float(self.decoder_kv_blocks_ttl)
+
+        def idle_after(of: str | None) -> float:
+            return self._read_delays.idle_after(self._idle_evict, ttl, of, self._idle_floor)
+
         host_ok = len(block_ids or ()) == 1  # one KV cache group: the pool's layout
         placement = self._retained.place(adding, time.time(), self._retention_capacity(), self._host_room(),
-                                         idle_after, host_ok=host_ok)
+                                         idle_after, host_ok=host_ok, tenant=tenant)
         for request_id, held in placement.evicted:
             reason = EvictReason.READ if held.read_at is not None else EvictReason.IDLE
             self._announce_eviction(request_id, held, reason)

@@ -84,6 +84,8 @@ class TurnkvWorkerMixin:
         # engine id -> {remote tensor-parallel rank: fingerprint of the agent handshaken there}
         self._turnkv_boots: dict[str, dict[int, str]] = {}
         self._turnkv_expected: dict[str, str] = {}  # request id -> boot its offer came from
+        # request id -> wall instant from which its READ must not be posted (connector.scheduler, wire.read_deadline)
+        self._turnkv_read_by: dict[str, float] = {}
         self._turnkv_dropped: set[tuple[str, tuple[tuple[int, str], ...]]] = set()  # handshakes dropped once
         self._turnkv_met: set[tuple[str, int, str]] = set()  # (engine, rank, fingerprint) ever handshaken with
         # Cost model samples, taken by build_turnkv_meta once per step (handshakes finish in a NIXL thread).
@@ -253,6 +255,7 @@ class TurnkvWorkerMixin:
         self._turnkv_device_done = set()
         for request_id in results.finished_recving:
             self._turnkv_host_reads.pop(request_id, None)
+            self._turnkv_read_by.pop(request_id, None)
         self._turnkv_fork_reads.forget(sending)
         return dataclasses.replace(results, finished_sending=sending)
 
@@ -330,6 +333,7 @@ class TurnkvWorkerMixin:
 
     def start_load_kv(self, metadata: Any) -> None:
         self._turnkv_expected.update(getattr(metadata, "turnkv_boots", None) or {})
+        self._turnkv_read_by.update(getattr(metadata, "turnkv_read_by", None) or {})
         self._turnkv_host_reads.update(getattr(metadata, "turnkv_host_reads", None) or {})
         self._turnkv_step = getattr(metadata, "turnkv_step", None)
         super().start_load_kv(metadata)  # type: ignore[misc]
@@ -402,6 +406,37 @@ class TurnkvWorkerMixin:
     def turnkv_evicted(self, request_id: str) -> bool:
         return request_id in self._turnkv_evicted
 
+    def turnkv_own_boot(self, stamp: str | None) -> bool:
+        """Whether decode's boot stamp (an offer's, ``connector.boot``) names this rank's NIXL agent, i.e. this
+        process; an offer without a stamp (this engine could not fingerprint its agents) is taken as this one's."""
+        if stamp is None:
+            return True
+        if not isinstance(stamp, str):
+            return False
+        mine = self._turnkv_own_fingerprint()
+        fingerprints = boot.rank_fingerprints(stamp)
+        rank = int(getattr(self, "tp_rank", 0) or 0)
+        return mine is not None and rank < len(fingerprints) and fingerprints[rank] == mine
+
+    def _turnkv_own_fingerprint(self) -> str | None:
+        """This rank's agent fingerprint, as the scheduler stamps it (from the handshake payload it serves)."""
+        payload = getattr(self, "xfer_handshake_metadata", None)
+        if payload is None:
+            return None
+        cached = getattr(self, "_turnkv_fingerprint_of", None)
+        if cached is not None and cached[0] is payload:
+            return cached[1]
+        import msgspec
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
+
+        try:
+            agent = msgspec.msgpack.decode(payload.agent_metadata_bytes, type=NixlAgentMetadata)
+        except Exception:
+            logger.exception("turnkv: could not fingerprint this rank's NIXL agent")
+            return None
+        self._turnkv_fingerprint_of = (payload, boot.fingerprint(agent.agent_metadata))
+        return self._turnkv_fingerprint_of[1]
+
     def turnkv_renewed(self, request_ids: list[str]) -> None:
         """Leases a router renewed (``connector.leases``): reported to the scheduler, which keeps them off the idle
         list."""
@@ -421,6 +456,19 @@ class TurnkvWorkerMixin:
 
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         engine_id = meta.remote.engine_id
+        deadline = self._turnkv_read_by.get(req_id)
+        if deadline is not None and time.time() >= deadline:
+            # Checked right before every READ (called again once a handshake finishes): decode may have freed the
+            # blocks (an eviction's grace, a fork window's end) and given them to another request since.
+            logger.warning("turnkv: request %s: the READ from %s would start %.1f s after its deadline; recomputing",
+                           req_id, engine_id, time.time() - deadline)
+            self._turnkv_read_by.pop(req_id, None)
+            self._turnkv_expected.pop(req_id, None)
+            self._turnkv_count("turnkv_offers_late")
+            compat.fail_read(self, req_id)
+            return
+        if engine_id in self._remote_agents:
+            self._turnkv_read_by.pop(req_id, None)  # posted now (or refused below): checked for the last time
         if req_id in self._turnkv_expected and engine_id in self._remote_agents:
             expected = self._turnkv_expected.pop(req_id)
             current = self._turnkv_boots.get(engine_id)

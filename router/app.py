@@ -16,6 +16,7 @@ import contextlib
 import gc
 import ipaddress
 import logging
+import math
 import time
 from typing import Any
 
@@ -36,11 +37,12 @@ from router.engines.policy import POLICIES
 from router.flow import Flow, error_response
 from router.intake import LimitError
 from router.lifecycle import RouterRuntime
+from router.models import ModelList
 from router.outcomes import RequestKind
 from router.state import ConversationStore
 from router.state.memory import MemoryStore
 from router.telemetry import Metrics
-from turnkv import wire
+from turnkv import params, wire
 
 log = logging.getLogger("turnkv.router")
 
@@ -64,10 +66,11 @@ POOL = web.AppKey("pool", EnginePool)
 KEYS = web.AppKey("keys", ApiKeys)
 ADMISSION = web.AppKey("admission", limits.Admission)
 BODY_BUDGET = web.AppKey("body_budget", limits.ByteBudget)
-REQUEST_RATE = web.AppKey("request_rate", limits.TokenBucket)
-BODY_RATE = web.AppKey("body_rate", limits.TokenBucket)
+REQUEST_RATE = web.AppKey("request_rate", limits.FairRate)
+BODY_RATE = web.AppKey("body_rate", limits.FairRate)
 MESSAGE_RATE = web.AppKey("message_rate", limits.TokenBucket)
 LOOP_SHARE = web.AppKey("loop_share", limits.LoopShare)
+MODELS = web.AppKey("models", ModelList)
 
 
 def _ops(handler):
@@ -101,6 +104,33 @@ def _in_format(response: web.StreamResponse, path: str) -> web.StreamResponse:
     return response
 
 
+def ceiling(config: RouterConfig, name: str) -> float:
+    """A tenant's own ceiling from the catalog: ``math.inf`` at its maximum (the default: none)."""
+    value = float(getattr(config, name))
+    return math.inf if value >= params.get(name).maximum else value
+
+
+def charge_budgets(app: web.Application, tenant: str) -> None:
+    """Every tenant route's first step once the tenant is known: LimitError (429) when the tenant is over its
+    max-min share of the router's event loop (``tenant_loop_share``) or of its request rate
+    (``router_request_rate``, under the tenant's own ceiling ``tenant_request_rate``); the request is counted."""
+    config = app[CONFIG]
+    share = float(config.tenant_loop_share)
+    wait = app[LOOP_SHARE].refuse(tenant, share)
+    if wait is not None:
+        raise LimitError(429, "tenant_loop_share", "this API key's requests took more than its fair share of the "
+                         f"router's event loop (at least tenant_loop_share, {share:g}) while others waited; slow down",
+                         retry_after=wait)
+    rates = app[REQUEST_RATE]
+    capacity, cap = float(config.router_request_rate), ceiling(config, "tenant_request_rate")
+    if not rates.allow(tenant, capacity, cap):
+        allowed = rates.rate(tenant, capacity, cap)
+        why = (f"tenant_request_rate {cap:g}/s" if allowed >= cap else
+               f"its fair share now, {allowed:.4g}/s of router_request_rate {capacity:g}/s among the keys asking")
+        raise LimitError(429, "tenant_request_rate", f"too many requests per second for this API key ({why}); "
+                         "slow down", retry_after=max(1, math.ceil(1 / allowed)))
+
+
 def _completion_handler(path: str, kind: RequestKind, translation: type[apis.Translation] | None = None):
     async def handler(request: web.Request) -> web.StreamResponse:
         # every step of the request is timed and charged to its tenant's share of the loop (tenant_loop_share)
@@ -123,17 +153,7 @@ def _completion_handler(path: str, kind: RequestKind, translation: type[apis.Tra
                                       headers={"WWW-Authenticate": 'Bearer realm="turnkv"'})
             meter.known(tenant)
             config = app[CONFIG]
-            share = float(config.tenant_loop_share)
-            wait = app[LOOP_SHARE].refuse(tenant, share)
-            if wait is not None:  # before anything is read or parsed: the refusal itself costs the loop ~0.1 ms
-                raise LimitError(429, "tenant_loop_share", f"this API key's requests took more than "
-                                 f"tenant_loop_share ({share:g}) of the router's event loop while others waited; "
-                                 "slow down", retry_after=wait)
-            rate = float(config.tenant_request_rate)
-            if not app[REQUEST_RATE].allow(tenant, rate, max(10.0, 2 * rate)):
-                raise LimitError(429, "tenant_request_rate", f"too many requests per second for this API key "
-                                 f"(tenant_request_rate {rate:g}/s); slow down",
-                                 retry_after=app[REQUEST_RATE].retry_after(rate))
+            charge_budgets(app, tenant)  # before anything is read or parsed: a refusal costs the loop ~0.1 ms
             refused = app[ADMISSION].try_enter(tenant, int(config.max_inflight), int(config.tenant_max_inflight))
             if refused is not None:
                 metrics.admission_refused.labels(refused).inc()
@@ -191,19 +211,22 @@ def _completion_handler(path: str, kind: RequestKind, translation: type[apis.Tra
 
 async def lease(request: web.Request) -> web.StreamResponse:
     """Extend a conversation's retained KV on its decode engine (router/lease.py)."""
-    return await close_unread(request, await _lease(request))
+    meter = limits.Meter(request.app[LOOP_SHARE])
+    return await close_unread(request, await limits.Metered(_lease(request, meter), meter))
 
 
-async def _lease(request: web.Request) -> web.Response:
+async def _lease(request: web.Request, meter: limits.Meter) -> web.Response:
     from router.lease import renew
 
     try:
         tenant = request.app[KEYS].tenant(request.headers.get("Authorization"))
+        meter.known(tenant)
         flow = request.app[FLOW]
         rate = float(flow.config.tenant_lease_rate)
         if not flow.lease_rate.allow(tenant, rate, max(1.0, rate * 10)):  # before any parsing or hashing
             raise LimitError(429, "tenant_lease_rate", "too many lease renewals for this API key; slow down",
                              retry_after=flow.lease_rate.retry_after(rate))
+        charge_budgets(request.app, tenant)  # and the loop and request rate shares, as every tenant route
         body, _ = await read_json(request, tenant, request.app[BODY_BUDGET], flow.config)
         intake.check_messages(body if isinstance(body, dict) else {}, int(flow.config.max_messages))
         return await renew(flow, request, body, tenant)
@@ -215,12 +238,25 @@ async def _lease(request: web.Request) -> web.Response:
                               headers={"WWW-Authenticate": 'Bearer realm="turnkv"'})
     except guard.RequestError as exc:
         return error_response(400, str(exc))
+    except stored.StoreUnavailable as exc:
+        return error_response(503, str(exc), "service_unavailable", headers={"Retry-After": "1"})
 
 
 def _not_routed(path: str, name: str):
     async def handler(request: web.Request) -> web.StreamResponse:
-        return _in_format(error_response(501, f"{request.method} {request.path}: {name} is not served by the turnkv "
-                                              "router", "not_implemented"), path.split("/{")[0])
+        app = request.app
+        try:  # a tenant's route like the others: its key, its budgets, then the answer
+            charge_budgets(app, app[KEYS].tenant(_authorization(request, path.split("/{")[0])))
+        except AuthError as exc:
+            response = error_response(401, str(exc), "authentication_error",
+                                      headers={"WWW-Authenticate": 'Bearer realm="turnkv"'})
+        except LimitError as exc:
+            app[METRICS].admission_refused.labels(exc.limit).inc()
+            response = limit_response(exc)
+        else:
+            response = error_response(501, f"{request.method} {request.path}: {name} is not served by the turnkv "
+                                           "router", "not_implemented")
+        return _in_format(response, path.split("/{")[0])
 
     return handler
 
@@ -246,21 +282,41 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.StreamResponse:
+    """The served model names (``router.models``: redacted, cached), under the tenant's budgets like every route."""
+    meter = limits.Meter(request.app[LOOP_SHARE])
+    return await limits.Metered(_models(request, meter), meter)
+
+
+async def _models(request: web.Request, meter: limits.Meter) -> web.StreamResponse:
+    app = request.app
     try:
-        request.app[KEYS].tenant(request.headers.get("Authorization"))
+        tenant = app[KEYS].tenant(request.headers.get("Authorization"))
+        meter.known(tenant)
+        charge_budgets(app, tenant)
     except AuthError as exc:
-        return error_response(401, str(exc), "authentication_error")
-    flow = request.app[FLOW]
-    try:
+        app[METRICS].auth_failures.inc()
+        return error_response(401, str(exc), "authentication_error",
+                              headers={"WWW-Authenticate": 'Bearer realm="turnkv"'})
+    except LimitError as exc:
+        app[METRICS].admission_refused.labels(exc.limit).inc()
+        return limit_response(exc)
+    flow = app[FLOW]
+
+    async def read() -> Any:
         engine = flow.pool.pick("decode")
-    except Exception:
-        return error_response(503, "no model server is available", "service_unavailable")
-    try:
-        async with flow.session.get(engine.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as resp:
-            return web.Response(status=resp.status, body=await resp.read(), content_type="application/json")
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        log.warning("decode engine %s did not list models: %r", engine.name, exc)
-        return error_response(502, "the model server did not list its models; try again", "upstream_error")
+        try:
+            async with flow.session.get(engine.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                resp.raise_for_status()
+                return await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.warning("decode engine %s did not list models: %r", engine.name, exc)
+            raise
+
+    listed = await app[MODELS].get(read)
+    if listed is None:
+        return error_response(503, "no model server listed its models; try again", "service_unavailable",
+                              headers={"Retry-After": "1"})
+    return web.json_response(listed)
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
@@ -302,9 +358,9 @@ def build_app(config: RouterConfig, store: ConversationStore | None = None, *, k
     app[CONFIG], app[METRICS], app[POOL], app[KEYS] = config, metrics, pool, keys
     app[ADMISSION] = limits.Admission()
     app[BODY_BUDGET] = limits.ByteBudget()
-    app[REQUEST_RATE], app[BODY_RATE], app[MESSAGE_RATE] = limits.TokenBucket(), limits.TokenBucket(), \
-        limits.TokenBucket()
+    app[REQUEST_RATE], app[BODY_RATE], app[MESSAGE_RATE] = limits.FairRate(), limits.FairRate(), limits.TokenBucket()
     app[LOOP_SHARE] = limits.LoopShare()
+    app[MODELS] = ModelList()
     if discover is None and config.discovery == "cloudmap":
         from router.engines.discovery import CloudMapDiscovery
 

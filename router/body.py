@@ -9,6 +9,7 @@ and a body that does not arrive within ``body_read_timeout`` is answered 408 and
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 import orjson
@@ -16,7 +17,8 @@ from aiohttp import web
 
 from router.guard import RequestError
 from router.intake import LimitError
-from router.limits import ByteBudget, TokenBucket
+from router.limits import ByteBudget, FairRate, TokenBucket
+from turnkv import params
 
 #: A refused request's body is read and dropped (so a client that sends its whole body before reading gets its
 #: answer, not a reset connection) only while at most this much of it is left unread (about 0.35 ms of the loop);
@@ -25,18 +27,23 @@ LINGER_BYTES = 1024 * 1024
 
 
 async def read_json(request: web.Request, tenant: str, budget: ByteBudget, tunables: Any,
-                    byte_rate: TokenBucket | None = None) -> tuple[Any, int]:
+                    byte_rate: FairRate | None = None) -> tuple[Any, int]:
     """The parsed JSON body and its size; LimitError (413, 429, 408) naming the limit it would break."""
     max_body = int(tunables.max_body_bytes)
     length = request.content_length
     if length is not None and length > max_body:
         raise LimitError(413, "max_body_bytes", f"the request body is larger than max_body_bytes ({max_body} bytes)")
     if byte_rate is not None:
-        rate = float(tunables.tenant_body_rate)
+        capacity = float(tunables.router_body_rate)
+        cap = float(tunables.tenant_body_rate)
+        cap = math.inf if cap >= params.get("tenant_body_rate").maximum else cap
         cost = length if length is not None else max_body  # a body of unknown length is charged as the largest
-        if not byte_rate.allow(tenant, rate, max(float(max_body), 2 * rate), cost):
+        if not byte_rate.allow(tenant, capacity, cap, cost, min_burst=float(max_body)):
+            rate = byte_rate.rate(tenant, capacity, cap)
+            why = (f"tenant_body_rate {cap:g} bytes/s" if rate >= cap else
+                   f"its fair share now, {rate:.4g} bytes/s of router_body_rate {capacity:g} among the keys sending")
             raise LimitError(429, "tenant_body_rate", f"too many request body bytes per second for this API key "
-                                                      f"(tenant_body_rate {rate:g} bytes/s); slow down",
+                                                      f"({why}); slow down",
                              retry_after=max(1, int(cost / rate + 0.999)))
     max_total, max_tenant = int(tunables.max_body_buffer_bytes), int(tunables.tenant_max_body_buffer_bytes)
     reserved = 0

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from router import hints
-from turnkv import lifetime, params, router_env, wire
+from turnkv import lifetime, media, params, router_env, wire
 
 KEY_SECRET_ENV = router_env.KEY_SECRET
 API_KEYS_ENV = router_env.API_KEYS
@@ -75,6 +75,10 @@ class RouterConfig:
     #: Where clients' session ids are read, in priority order (``header:NAME`` / ``body:FIELD``). They are
     #: hints (decode affinity, metric labels), never keys to KV: see router/hints.py.
     session_hints: list[str] = field(default_factory=lambda: list(hints.DEFAULT_SOURCES))
+    #: Hosts media URLs may name (exact names, as the engines' ``--allowed-media-domains``); empty: any host on
+    #: the internet (every name resolved and checked, ``router.media``). Also from ``TURNKV_MEDIA_DOMAINS``
+    #: (comma-separated). docs/router.md "Media URLs".
+    media_domains: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.tunables = params.validate({}, self.tunables)
@@ -102,6 +106,13 @@ class RouterConfig:
         hints.parse_sources(self.session_hints)  # a ValueError names a bad source
         if self.policy not in ("least_load", "round_robin"):
             raise ValueError(f"policy {self.policy!r}: expected least_load or round_robin")
+        if not self.media_domains and os.environ.get(router_env.MEDIA_DOMAINS):
+            self.media_domains = os.environ[router_env.MEDIA_DOMAINS].split(",")
+        self.media_domains = [d.strip().lower().rstrip(".") for d in self.media_domains if d.strip()]
+        internal = [d for d in self.media_domains if media.internal_host(d)]
+        if internal:
+            raise ValueError(f"media_domains {internal} name internal addresses; engines must not fetch media from "
+                             "inside the network")
         if not self.key_secret and os.environ.get(KEY_SECRET_ENV):
             self.key_secret = os.environ[KEY_SECRET_ENV].encode()
 

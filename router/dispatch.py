@@ -32,6 +32,8 @@ class Dispatch:
     fork: bool = False
     started: float = 0.0
     tenant: str = ""
+    #: The tenant as decode and prefill see it (``turnkv.wire.TENANT``): a keyed digest, never the key's name.
+    tenant_tag: str = ""
     tokens: int = 0  # prompt size estimate (load accounting)
     stream: bool = False
     leg_request_id: str = ""  # router-generated, sent to both engines; a fresh one per dispatch and retry
@@ -53,6 +55,8 @@ class Dispatch:
     hint: hints.Hint | None = None
     #: Reuse applies: decode retains its KV for the next turn and the reply is stored.
     storable: bool = False
+    #: DNS names of the request's media URLs, resolved and checked before any engine sees it (``router.media``).
+    media_names: set[str] = field(default_factory=set)
     #: Decode engines this dispatch must not use: a stream migration's dead engines (``router.relay``), tried
     #: already as far as the flow's retries are concerned.
     avoid_decode: list[Engine] = field(default_factory=list)

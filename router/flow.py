@@ -35,7 +35,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router import apis, guard, hints, intake, limits, migrate, retry, savings, telemetry, upstream
+from router import apis, guard, hints, intake, limits, media, migrate, retry, savings, telemetry, upstream
 from router.apis import stored
 from router.config import RouterConfig
 from router.dispatch import Dispatch
@@ -79,6 +79,12 @@ def client_request_id(raw: str | None) -> str:
     return raw
 
 
+def tenant_tag(secret: bytes, tenant: str) -> str:
+    """The tenant's tag on the wire (``turnkv.wire.TENANT``): stable across routers sharing the key secret, the
+    same for a turn's retain request and its replays' clearances, and no API key name leaves the router."""
+    return guard.keyed_digest(secret, b"turnkv-tenant-tag-v1", tenant)[:32]
+
+
 class Flow:
     """Runs client requests through the legs: intake, the store, retries, the reply and its metrics."""
 
@@ -105,6 +111,7 @@ class Flow:
         self._reuse = {o: metrics.reuse.labels(o) for o in telemetry.OUTCOMES}
         self._store_seconds = {op: metrics.store_seconds.labels(op) for op in ("take", "put")}
         self.retention = limits.TenantRetentionLedger()
+        self.media = media.MediaChecker()  # media hosts resolved and checked (tests swap in a fake resolver)
         self.lease_rate = limits.TokenBucket()
         self.hint_sources = hints.parse_sources(config.session_hints)
         self._hint_counts = {s: metrics.session_hints.labels(s.label) for s in self.hint_sources}
@@ -124,7 +131,7 @@ class Flow:
             body.pop(own, None)
         intake.check_messages(body, int(self.config.max_messages))
         intake.check_types(body)
-        intake.check_media_urls(body)
+        media_names = intake.check_media_urls(body, self.config.media_domains)
         intake.isolate(body, self.config.ensure_secret(), tenant)
         turn = guard.parse_turn(kind, body)
         request_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
@@ -139,7 +146,8 @@ class Flow:
                 key = guard.hint_key(self.config.key_secret, tenant, hint.value, turn)
         d = Dispatch(kind, path, body, request_id, turn, key, started=time.perf_counter(), tenant=tenant,
                      tokens=size // 4, stream=bool(body.get("stream")), leg_request_id=new_leg_id(), hint=hint,
-                     storable=storable)
+                     storable=storable, media_names=media_names,
+                     tenant_tag=tenant_tag(self.config.ensure_secret(), tenant))
         d.migrate = int(self.config.decode_migrations) > 0 and migrate.migratable(kind, body)
         if api is not None:  # the engines speak chat; a continuation is translated like the rest of the stream
             d.api, d.route = api, api.route
@@ -206,7 +214,9 @@ class Flow:
         read_by = time.time() + float(self.config.replay_window)
         if entry.fork_until:  # decode frees a read turn FORK_READ_SLACK after its window (plus the clocks' margin)
             read_by = min(read_by, entry.fork_until + wire.FORK_READ_SLACK)
-        return wire.clear_offer(self.config.offer_secret, entry.params, read_by, reader)
+        # The clearance names the tenant the replay is for: prefill reads an offer retained for a tenant only under a
+        # clearance for that tenant (wire.CLEARED_TENANT); the prefill engine is chosen later, so none is named.
+        return wire.clear_offer(self.config.offer_secret, entry.params, read_by, reader, tenant=d.tenant_tag or None)
 
     async def _take_entry(self, d: Dispatch) -> Entry | None:
         """The stored turn for ``d.key``. Single use (taken) unless decode's offer is fork-readable: then the first
@@ -296,8 +306,10 @@ class Flow:
         if not d.storable:
             return False
         budget = d.tokens + int(d.body.get("max_tokens") or d.body.get("max_completion_tokens") or 0)
-        if self.retention.allows(d.tenant, budget, int(self.config.tenant_max_conversations),
-                                 int(self.config.tenant_max_retained_tokens)):
+        config = self.config
+        if self.retention.allows(d.tenant, budget, int(config.tenant_max_conversations),
+                                 int(config.tenant_max_retained_tokens), int(config.max_conversations),
+                                 int(config.max_retained_tokens)):
             return True
         self.metrics.retention_refused.inc()
         return False
@@ -353,6 +365,7 @@ class Flow:
         return error_response(exc.status, public_message(exc), kind, headers=headers)
 
     async def run(self, d: Dispatch, request: web.Request) -> web.StreamResponse:
+        await self.media.check(d.media_names)  # RequestError (400) before any engine or the store is touched
         token = telemetry.request_id.set(d.request_id)
         try:
             response = await (self._run_stream(d, request) if d.stream else self._run_unary(d, request))

@@ -4,8 +4,9 @@ and the engine cache keys a client may name rewritten per tenant.
 Runs before the conversation store is touched, so a refused request consumes nothing stored:
 - sampling and length fields have the types the router (and vLLM) read them as; otherwise 400 naming the field;
 - at most ``max_messages`` messages (each is hashed on the event loop); otherwise 413 naming the limit;
-- media URLs naming a loopback, private, link-local or reserved address (``169.254.169.254``: the instance
-  metadata service) are refused (400): the engines would fetch them from inside the VPC;
+- media URLs naming a loopback, private, link-local or reserved address in any form a resolver reads
+  (``169.254.169.254``, ``2852039166``, ``0xa9fea9fe``, ``127.1``, ``[::ffff:127.0.0.1]``: ``turnkv.media``) are
+  refused (400): the engines would fetch them from inside the VPC; DNS names are resolved next (``router.media``);
 - a content part's ``uuid`` (vLLM's media cache key) becomes HMAC(tenant, uuid), and ``cache_salt`` becomes
   HMAC(tenant, client salt): no tenant can name another's cached media or share its prefix cache (timing).
 """
@@ -13,12 +14,11 @@ Runs before the conversation store is touched, so a refused request consumes not
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
 from router.guard import RequestError, keyed_digest
-from turnkv.media import internal_host
+from turnkv.media import MediaURLError, media_host
 
 #: Fields read as integers (``None`` means unset); a bool is not one.
 INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "truncate_prompt_tokens", "seed",
@@ -86,22 +86,36 @@ def isolate(body: dict[str, Any], secret: bytes, tenant: str) -> None:
                 part["uuid"] = keyed_digest(secret, b"turnkv-media-uuid-v1", tenant, str(part["uuid"]))
 
 
-def check_media_urls(body: Mapping[str, Any]) -> None:
-    """RequestError (400) for a media URL the engines must not fetch (an internal address)."""
+def check_media_urls(body: Mapping[str, Any], allowed: Collection[str] = ()) -> set[str]:
+    """RequestError (400) for a media URL the engines must not fetch by its text alone (``turnkv.media``: an
+    internal address in any form, a scheme other than http(s), credentials, a host off the ``allowed`` list);
+    the DNS names left to resolve and check (``router.media``) before any engine sees the request."""
+    names: set[str] = set()
+    for i, name, url in media_urls(body):
+        try:
+            host, ip = media_host(url, allowed)
+        except MediaURLError as exc:
+            raise RequestError(f"messages[{i}]: '{name}' is refused: {exc}; media must be on the internet or "
+                               "inline (data: URL)") from None
+        if ip is None:
+            names.add(host)
+    return names
+
+
+#: URL fields of content parts an engine fetches.
+MEDIA_URL_FIELDS = ("image_url", "video_url", "audio_url")
+
+
+def media_urls(body: Mapping[str, Any]) -> Iterator[tuple[int, str, str]]:
+    """(message index, field, URL) of every media URL an engine would fetch (typed or untyped parts)."""
     messages = body.get("messages")
     for i, message in enumerate(messages if isinstance(messages, list) else ()):
         content = message.get("content") if isinstance(message, Mapping) else None
         for part in content if isinstance(content, list) else ():
             if not isinstance(part, Mapping):
                 continue
-            for name in ("image_url", "video_url", "audio_url"):
+            for name in MEDIA_URL_FIELDS:
                 value = part.get(name)
                 url = value.get("url") if isinstance(value, Mapping) else value
-                if isinstance(url, str) and not url.startswith("data:"):
-                    try:
-                        host = urlsplit(url).hostname or ""
-                    except ValueError:
-                        raise RequestError(f"messages[{i}]: '{name}' is not a valid URL") from None
-                    if internal_host(host):
-                        raise RequestError(f"messages[{i}]: '{name}' names an internal address ({host}); "
-                                           "media must be on the internet or inline (data: URL)")
+                if isinstance(url, str) and url[:5].lower() != "data:":
+                    yield i, name, url

@@ -19,17 +19,23 @@ still stands.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
 from aiohttp import web
 
 from router import guard, hints, intake
+from router.apis.stored import StoreUnavailable
 from router.flow import Flow, error_response
 from router.outcomes import RequestKind
 from turnkv import lifetime, wire
+
+log = logging.getLogger("turnkv.router")
+T = TypeVar("T")
 
 ENGINE_ROUTE = wire.LEASE_ROUTE
 
@@ -42,7 +48,7 @@ async def renew(flow: Flow, request: web.Request, body: Any, tenant: str = "") -
     if not lifetime.lease_ttl_ok(ttl, max_ttl):
         raise guard.RequestError(f"'ttl' must be a number of seconds in (0, {max_ttl:g}]")
     key = _key(flow, request, body, tenant)  # the rate limit (tenant_lease_rate) came first (router.app)
-    entry = await flow.store.get(key)
+    entry = await _stored(flow.store.get(key))
     if entry is None:
         return error_response(404, "no live KV for this conversation (expired, consumed, or different settings)",
                               "not_found")
@@ -68,18 +74,29 @@ async def renew(flow: Flow, request: web.Request, body: Any, tenant: str = "") -
     params = guard.replayable(renewed) if isinstance(renewed, dict) else None
     if status != 200 or params is None:
         # The engine no longer holds the blocks (freed, read, restarted) or refuses the offer: the entry is dead.
-        if await flow.store.swap(key, entry, None):
+        if await _stored(flow.store.swap(key, entry, None)):
             flow.release_retention(key)
         return error_response(410, "the decode engine no longer holds this conversation's KV", "gone")
     now = time.time()
     expires = guard.entry_expiry(now, float(ttl), params, float(flow.config.expiry_margin))
     if expires <= now:
         return error_response(410, "the renewed lease is too short to use", "gone")
-    stored = await flow.store.swap(key, entry, dataclasses.replace(entry, params=params, expires_at=expires))
+    stored = await _stored(flow.store.swap(key, entry, dataclasses.replace(entry, params=params,
+                                                                         expires_at=expires)))
     if not stored:  # a turn of this conversation took or replaced the entry meanwhile: it wins
         return error_response(409, "the conversation moved on while renewing; renew again", "conflict")
     flow.hold_retention(tenant, key, entry, expires)
     return web.json_response({"expires_in": round(expires - now, 1)})
+
+
+async def _stored(op: Awaitable[T]) -> T:
+    """A conversation-store call; its failure is StoreUnavailable (503, a fixed message): the detail names the store
+    (a Valkey address, its error) and is logged, never sent to the client."""
+    try:
+        return await op
+    except Exception as exc:
+        log.warning("conversation store unavailable for a lease: %r", exc)
+        raise StoreUnavailable("the conversation store is unavailable; retry shortly") from exc
 
 
 def _key(flow: Flow, request: web.Request, body: dict[str, Any], tenant: str) -> str:

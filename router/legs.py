@@ -143,6 +143,8 @@ def decode_body(d: Dispatch, params: Mapping[str, Any]) -> bytes:
     if d.retain:
         # A turn that can be continued: ask decode to keep its KV for the next turn (others pin nothing).
         params = {**params, wire.RETAIN: True}
+        if d.tenant_tag:  # decode shares its retention among tenants by it and signs it into its offer
+            params[wire.TENANT] = d.tenant_tag
     if d.migrate:
         body["return_token_ids"] = True  # the relay counts the tokens sent, to continue right after them
     body["kv_transfer_params"] = params

@@ -3,11 +3,14 @@
 - ``Admission``: requests in flight, globally and per tenant (a request over either gets 429).
 - ``TenantRetentionLedger``: the live conversations and retained decode tokens of each tenant, so no tenant can
   pin an unbounded share of decode memory (over its limits, new turns are served but not retained).
-- ``TokenBucket``: lease renewals and requests per tenant per second.
+- ``TokenBucket``: events per tenant per second (lease renewals, messages).
+- ``FairRate``: requests and body bytes per second, shared max-min (``router.fair``) among the tenants asking lately:
+  a tenant alone may take the router's whole rate, and under contention the heaviest is cut first.
 - ``ByteBudget``: request body bytes being buffered, globally and per tenant (reserved before reading).
 - ``ExpiringBytes``: bytes of kept responses each tenant holds until they expire.
 - ``LoopShare`` and ``Metered``: the event-loop time each tenant's requests take (the synchronous steps of their
-  handlers, timed as they run), so no tenant's work can crowd the others' off the router's one loop.
+  handlers, timed as they run), so no tenant's work can crowd the others' off the router's one loop: on a busy
+  loop the tenants above the max-min fair level of its time are held back, the heaviest first.
 
 Counts are per router process; replicas each enforce their share (docs/router.md).
 """
@@ -21,6 +24,8 @@ import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
+
+from router.fair import water_level
 
 
 class Admission:
@@ -58,12 +63,19 @@ class _Tenant:
 
 class TenantRetentionLedger:
     """What each tenant retains on decode engines, by conversation key, until the entry expires or is taken: the
-    router's per-tenant count (``connector.retention.RetentionLedger`` is decode's own ledger of retained blocks)."""
+    router's per-tenant count (``connector.retention.RetentionLedger`` is decode's own ledger of retained blocks).
+
+    The router's retention (``max_conversations`` turns, ``max_retained_tokens`` tokens) is shared max-min among the
+    tenants holding turns: while there is room any tenant may retain more (a tenant alone, all of it); once it is
+    full, only a tenant under the fair level (``router.fair``) of both may retain a new turn, so the heaviest
+    holder stops growing first and shrinks as its turns are taken or expire. ``tenant_max_*`` are ceilings."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._tenants: dict[str, _Tenant] = {}
         self._owner: dict[str, str] = {}
         self._clock = clock
+        self.conversations = 0  # in all, across tenants (expired turns count until their tenant is purged)
+        self.tokens = 0
 
     def _purge(self, t: _Tenant) -> None:
         now = self._clock()
@@ -77,19 +89,33 @@ class TenantRetentionLedger:
             t.expiries = [(exp, key) for key, (_, exp) in t.conversations.items()]
             heapq.heapify(t.expiries)
 
-    def allows(self, tenant: str, tokens: int, max_conversations: int, max_tokens: int) -> bool:
-        """Whether ``tenant`` may retain one more turn of ``tokens`` tokens."""
+    def allows(self, tenant: str, tokens: int, max_conversations: int | float, max_tokens: int | float,
+               router_conversations: int | float = math.inf, router_tokens: int | float = math.inf) -> bool:
+        """Whether ``tenant`` may retain one more turn of ``tokens`` tokens: under its own ceilings
+        (``max_*``), and either within the router's room (``router_*``) or under its fair share of it."""
         t = self._tenants.get(tenant)
-        if t is None:
-            return tokens <= max_tokens
-        self._purge(t)
-        return len(t.conversations) < max_conversations and t.tokens + tokens <= max_tokens
+        if t is not None:
+            self._purge(t)
+        conversations, held = (0, 0) if t is None else (len(t.conversations), t.tokens)
+        if conversations + 1 > max_conversations or held + tokens > max_tokens:
+            return False
+        if self.conversations + 1 <= router_conversations and self.tokens + tokens <= router_tokens:
+            return True
+        for other in list(self._tenants.values()):  # full: what expired no longer counts against anyone
+            self._purge(other)
+        if self.conversations + 1 <= router_conversations and self.tokens + tokens <= router_tokens:
+            return True
+        others = [(len(o.conversations), o.tokens) for name, o in self._tenants.items() if name != tenant]
+        return (conversations + 1 <= water_level(router_conversations, [c for c, _ in others] + [conversations + 1])
+                and held + tokens <= water_level(router_tokens, [k for _, k in others] + [held + tokens]))
 
     def hold(self, tenant: str, key: str, tokens: int, expires_at: float) -> None:
         self.release(key)
         t = self._tenants.setdefault(tenant, _Tenant())
         t.conversations[key] = (tokens, expires_at)
         t.tokens += tokens
+        self.conversations += 1
+        self.tokens += tokens
         heapq.heappush(t.expiries, (expires_at, key))
         self._owner[key] = tenant
 
@@ -100,6 +126,8 @@ class TenantRetentionLedger:
         t = self._tenants[tenant]
         tokens, _ = t.conversations.pop(key)
         t.tokens -= tokens
+        self.conversations -= 1
+        self.tokens -= tokens
         if not t.conversations:
             del self._tenants[tenant]
 
@@ -189,6 +217,9 @@ class ExpiringBytes:
         return True
 
 
+#: Seconds a max-min level is reused before it is computed again (it walks every tenant's tally).
+LEVEL_REFRESH = 0.1
+
 #: Seconds over which a tenant's event-loop time is averaged (exponential decay: steps older than this count for
 #: less than 1/e of their time).
 LOOP_WINDOW = 2.0
@@ -205,6 +236,7 @@ class LoopShare:
         self._used: dict[str, tuple[float, float]] = {}  # tenant -> (seconds, when last decayed)
         self._total = (0.0, clock())
         self._max_keys = max_keys
+        self._level: tuple[float, float, float] | None = None  # (capacity, level, when computed)
 
     def _decay(self, seconds: float, at: float, now: float) -> float:
         return seconds * math.exp((at - now) / self.window) if now > at else seconds
@@ -224,17 +256,67 @@ class LoopShare:
         used, at = self._total if tenant is None else self._used.get(tenant, (0.0, now))
         return self._decay(used, at, now) / self.window
 
+    def tallies(self) -> dict[str, float]:
+        """Every tenant's share over the window (per second: the rate of what is charged); forgotten ones dropped."""
+        now = self._clock()
+        out = {t: self._decay(used, at, now) / self.window for t, (used, at) in self._used.items()}
+        self._used = {t: v for t, v in self._used.items() if out[t] > 1e-6}
+        return {t: v for t, v in out.items() if t in self._used}
+
+    def level(self, capacity: float) -> float:
+        """The max-min fair level of ``capacity`` among the tenants' shares (``router.fair``; ``math.inf`` for one
+        tenant or none), recomputed at most every ``LEVEL_REFRESH`` s (it walks every tenant)."""
+        now = self._clock()
+        cached = self._level
+        if cached is not None and cached[0] == capacity and now - cached[2] < LEVEL_REFRESH:
+            return cached[1]
+        tallies = self.tallies()
+        # a tenant alone is never held back (work-conserving): the router's own bounds (max_inflight) remain
+        value = water_level(capacity, tallies.values()) if len(tallies) > 1 else math.inf
+        self._level = (capacity, value, now)
+        return value
+
     def refuse(self, tenant: str, share: float) -> int | None:
-        """Seconds until ``tenant`` may start a request again, or None when it may now. A tenant over ``share`` of
-        the loop is held back only while the loop is busy (over twice ``share`` in all) and some other tenant
-        used it too: a tenant alone, or on a loop with room, may take more (work-conserving)."""
+        """Seconds until ``tenant`` may start a request again, or None when it may now. While the loop is busy (over
+        twice ``share`` in all) and another tenant used it too, that busy level is shared max-min: a tenant over
+        the fair level (and over ``share``, the floor nobody is cut below) is held back, so the heaviest is cut
+        first and a light tenant never. A tenant alone, or on a loop with room, may take more (work-conserving)."""
         mine = self.share(tenant)
         if share >= 1 or mine <= share:
             return None
         total = self.share()
         if total <= 2 * share or total - mine <= 1e-6:
             return None
-        return max(1, math.ceil(self.window * math.log(mine / share)))
+        allowed = max(share, self.level(2 * share))
+        if mine <= allowed:
+            return None
+        return max(1, math.ceil(self.window * math.log(mine / allowed)))
+
+
+class FairRate:
+    """Events per second (requests, body bytes) shared max-min among the tenants asking lately (their asks, refused
+    or not, averaged over ``window`` s). While all the asks fit in ``capacity``, or one tenant alone asks, nobody
+    is limited; beyond, each tenant's token bucket fills at the fair level (``router.fair``), so the heaviest is
+    cut first and a tenant asking less than the level never is. ``cap``: a tenant's own ceiling whatever the
+    others do (``math.inf``: none)."""
+
+    def __init__(self, window: float = LOOP_WINDOW, clock: Callable[[], float] = time.monotonic,
+                 max_keys: int = 100_000) -> None:
+        self.asked = LoopShare(window, clock, max_keys)  # a decaying tally per tenant: events asked per second
+        self.bucket = TokenBucket(clock, max_keys)
+
+    def rate(self, tenant: str, capacity: float, cap: float = math.inf) -> float:
+        """The rate ``tenant`` may have now (``math.inf``: unlimited)."""
+        return min(cap, self.asked.level(capacity))
+
+    def allow(self, tenant: str, capacity: float, cap: float = math.inf, cost: float = 1, burst: float = 2.0,
+              min_burst: float = 10.0) -> bool:
+        """Whether an event costing ``cost`` may happen now (charged if so); bursts of ``burst`` s of the rate."""
+        self.asked.charge(tenant, cost)
+        rate = self.rate(tenant, capacity, cap)
+        if math.isinf(rate):
+            return True
+        return self.bucket.allow(tenant, rate, max(min_burst, burst * rate), cost)
 
 
 class Meter:

@@ -143,6 +143,9 @@ def serve_args(spec: EngineSpec) -> list[str]:
     return args + spec.settings.args() + list(spec.extra_args)
 
 
+#: vLLM's switch for following redirects of media URLs (default on).
+MEDIA_REDIRECTS = "VLLM_MEDIA_URL_ALLOW_REDIRECTS"
+
 #: prometheus_client's process-wide switch for the ``*_created`` series (read from the environment at import).
 PROMETHEUS_DISABLE_CREATED = "PROMETHEUS_DISABLE_CREATED_SERIES"
 
@@ -159,6 +162,9 @@ def serve_env(spec: EngineSpec) -> dict[str, str]:
         # No ``*_created`` series beside every counter and histogram child (vLLM keeps prometheus_client's
         # default; the router turns them off too): prometheus_client reads this once, at import.
         PROMETHEUS_DISABLE_CREATED: "True",
+        # A media URL's redirect is never followed: the router checked the URL's host (router.media), not where a
+        # redirect would lead (169.254.169.254, a VPC address); vLLM follows them by default.
+        MEDIA_REDIRECTS: "0",
         **({wire.OFFER_SECRET_FILE_ENV: spec.offer_secret_file} if spec.offer_secret_file else {}),
     }
     if spec.on_neuron:

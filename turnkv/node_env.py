@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from turnkv import engine_settings, neuron, params, platforms, wire
+from turnkv import engine_settings, media, neuron, params, platforms, wire
 from turnkv.engine_args import EngineSpec, Mode, Role
 from turnkv.engine_settings import EngineSettings
 
@@ -69,6 +69,10 @@ EXTRA_ARGS = "TURNKV_EXTRA_ARGS"
 #: The Secrets Manager secret (ARN or name) holding a Hugging Face token for a gated model: ``turnkv engine run``
 #: fetches it at start into the engine's HF_TOKEN (process environment only; never written to a file).
 HF_TOKEN_SECRET = "TURNKV_HF_TOKEN_SECRET"
+#: Hosts the engine may fetch media URLs from (comma-separated exact names: vLLM ``--allowed-media-domains``); the
+#: router reads the same variable (``turnkv.router_env.MEDIA_DOMAINS``). Unset: any internet host, checked by the
+#: router (docs/router.md, Media URLs).
+MEDIA_DOMAINS = "TURNKV_MEDIA_DOMAINS"
 #: vLLM reads this itself; written too so the engine advertises a routable address even if started by hand.
 VLLM_SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 
@@ -217,6 +221,7 @@ class EngineEnv:
     #: Platforms the deploy config lets engines start on although unverified (``platforms.ALLOW_ENV``); written
     #: only when set, so a GPU node's engine.env keeps its bytes.
     allow_unverified: tuple[str, ...] = ()
+    media_domains: tuple[str, ...] = ()
 
     def variables(self) -> dict[str, str]:
         out = {
@@ -243,6 +248,8 @@ class EngineEnv:
             out[HF_TOKEN_SECRET] = self.hf_token_secret
         if self.allow_unverified:
             out[platforms.ALLOW_ENV] = ",".join(self.allow_unverified)
+        if self.media_domains:
+            out[MEDIA_DOMAINS] = ",".join(self.media_domains)
         return out
 
     @classmethod
@@ -278,6 +285,11 @@ class EngineEnv:
         if not backends or unknown:
             errors.append(f"{BACKENDS}={env[BACKENDS]!r}: give NIXL backends from {', '.join(sorted(KNOWN_BACKENDS))}")
         settings = _settings(env, errors)
+        domains = tuple(d.strip().lower().rstrip(".") for d in env.get(MEDIA_DOMAINS, "").split(",") if d.strip())
+        internal = [d for d in domains if media.internal_host(d)]
+        if internal:
+            errors.append(f"{MEDIA_DOMAINS}: {', '.join(internal)} name internal addresses; engines must not fetch "
+                          "media from inside the network")
         if errors:
             raise NodeEnvError(f"{source}: " + "; ".join(errors))
         return cls(settings=settings, hf_token_secret=env.get(HF_TOKEN_SECRET) or None,
@@ -286,7 +298,8 @@ class EngineEnv:
                    mode=Mode(mode), bidirectional=bidi == "true", tp_size=tp, max_model_len=max_len, port=port,
                    side_channel_port=side_port, backends=backends, tunables_file=env[TUNABLES_FILE_VAR],
                    model_s3_uri=env.get(MODEL_S3_URI) or None,
-                   offer_secret_file=env.get(OFFER_SECRET_FILE_VAR) or wire.DEFAULT_OFFER_SECRET_FILE)
+                   offer_secret_file=env.get(OFFER_SECRET_FILE_VAR) or wire.DEFAULT_OFFER_SECRET_FILE,
+                   media_domains=domains)
 
     def spec(self, tunables: Mapping[str, int | float] | None = None, model_path: str | None = None,
              flavor: str = "") -> EngineSpec:
@@ -299,7 +312,8 @@ class EngineEnv:
             side_channel_host=self.side_channel_host, side_channel_port=self.side_channel_port,
             mode=Mode(self.mode), bidirectional=self.bidirectional, tensor_parallel_size=self.tp_size,
             max_model_len=self.max_model_len, backends=tuple(self.backends), tunables=engine_tunables,
-            offer_secret_file=self.offer_secret_file, settings=self.settings, flavor=flavor)
+            offer_secret_file=self.offer_secret_file, settings=self.settings, flavor=flavor,
+            allowed_media_domains=tuple(self.media_domains))
 
 
 def settings_variables(settings: EngineSettings) -> dict[str, str]:

@@ -90,6 +90,11 @@ CATALOG: tuple[Tunable, ...] = (
             "twice the 90th percentile of how long retained turns waited before being read (the TTL until 8 reads "
             "are seen). Younger turns are kept and the newcomer is not retained, so reuse degrades to the share "
             "that fits instead of collapsing under oldest-first eviction.", float, reloadable=True),
+    Tunable("retention_idle_floor", 10, 0, 3600, "s", Scope.ENGINE,
+            "With retention_idle_evict 0, a retained turn counts as idle after at least this long, however fast its "
+            "tenant's turns were read before (idle is measured per tenant, twice the 90th percentile of its own read "
+            "delays): a burst of quick reads cannot make a tenant's turns, or anyone else's, go after a second.",
+            float, reloadable=True),
     Tunable("fork_window", 0, 0, 600, "s", Scope.ENGINE,
             "Decode keeps a retained turn readable this long after its first read, so forks of one history "
             "(parallel samples, subagents, retries) each pull it instead of recomputing; read turns are the first "
@@ -125,17 +130,24 @@ CATALOG: tuple[Tunable, ...] = (
     Tunable("tenant_max_inflight", 256, 1, 1_000_000, "requests", Scope.ROUTER,
             "Admission control per tenant (API key): requests in flight; above it that tenant gets 429. A sixteenth "
             "of max_inflight by default, so it takes 16 saturating keys, not 4, to fill the router."),
-    Tunable("tenant_max_conversations", 10_000, 1, 10_000_000, "conversations", Scope.ROUTER,
-            "Live conversations (retained turns) one tenant may hold; above it new turns are not retained. A tenth "
-            "of max_conversations by default, so no one tenant's turns push every other's out of the store."),
+    Tunable("tenant_max_conversations", 10_000_000, 1, 10_000_000, "conversations", Scope.ROUTER,
+            "A ceiling of the live conversations (retained turns) one tenant may hold whatever the others do; above "
+            "it new turns are not retained. The default (the maximum) sets none: tenants share max_conversations "
+            "max-min (while there is room anyone may retain; once full, only a tenant under the fair level does)."),
     Tunable("max_body_buffer_bytes", 512 * 1024 * 1024, 1024 * 1024, 64 * 1024 * 1024 * 1024, "bytes",
             Scope.ROUTER,
             "Request body bytes all requests together may be buffering at once (by Content-Length, else as read); "
             "above it 429. Bounds the router's memory against slow or parked bodies."),
-    Tunable("tenant_body_rate", 16 * 1024 * 1024, 1024, 64 * 1024 * 1024 * 1024, "bytes/s", Scope.ROUTER,
-            "Request body bytes one tenant may send per second (token bucket, burst of max_body_bytes or 2 s, "
-            "whichever is more; charged by Content-Length before reading); above it 429. Bounds the JSON parsing and "
-            "hashing one tenant can make the router do."),
+    Tunable("router_body_rate", 256 * 1024 * 1024, 1024 * 1024, 64 * 1024 * 1024 * 1024, "bytes/s", Scope.ROUTER,
+            "Request body bytes per second the router takes from all tenants together before it holds them to max-min "
+            "fair shares of this (charged by Content-Length before reading, averaged over about 2 s): while the "
+            "tenants sending lately ask for less in all nobody is limited (nor is a tenant alone); beyond, "
+            "each tenant may send its fair share (the heaviest is cut first, one asking less than the fair level "
+            "never is); above it 429 naming tenant_body_rate. Bounds the JSON parsing and hashing the router does."),
+    Tunable("tenant_body_rate", 64 * 1024 * 1024 * 1024, 1024, 64 * 1024 * 1024 * 1024, "bytes/s", Scope.ROUTER,
+            "A ceiling of one tenant's request body bytes per second whatever the others do (token bucket, burst of "
+            "max_body_bytes or 2 s, whichever is more); above it 429. The default (the maximum) sets none: tenants "
+            "share router_body_rate max-min."),
     Tunable("tenant_max_body_buffer_bytes", 32 * 1024 * 1024, 1024, 64 * 1024 * 1024 * 1024, "bytes",
             Scope.ROUTER,
             "Request body bytes one tenant may be buffering at once; above it that tenant gets 429."),
@@ -157,14 +169,28 @@ CATALOG: tuple[Tunable, ...] = (
             "share the heaviest legitimate tenant takes (at 0.1 the hostile bench's bystander was refused). 1 switches "
             "it off.",
             float),
-    Tunable("tenant_request_rate", 200.0, 0.01, 1_000_000, "requests/s", Scope.ROUTER,
-            "Completion requests one tenant may start per second (token bucket, burst of 2x, at least 10); above "
-            "it 429.", float),
+    Tunable("router_request_rate", 5000.0, 1, 1_000_000, "requests/s", Scope.ROUTER,
+            "Requests per second the router starts for all tenants together (completions, the translated APIs and "
+            "/v1/models, averaged over about 2 s) before it holds them to max-min fair shares of this: while the "
+            "tenants asking lately ask for less in all nobody is limited (a tenant alone never is; one router "
+            "process serves about 1,500/s); beyond, each tenant may start its fair share (token bucket, burst of "
+            "2 s, at least 10): the heaviest is cut first, one asking less than the fair level never is; above it 429 "
+            "naming tenant_request_rate.", float),
+    Tunable("tenant_request_rate", 1_000_000.0, 0.01, 1_000_000, "requests/s", Scope.ROUTER,
+            "A ceiling of one tenant's requests per second whatever the others do (token bucket, burst of 2x, at "
+            "least 10); above it 429. The default (the maximum) sets none: tenants share router_request_rate "
+            "max-min.", float),
     Tunable("tenant_max_response_bytes", 32 * 1024 * 1024, 1024, 64 * 1024 * 1024 * 1024, "bytes", Scope.ROUTER,
             "Bytes of kept /v1/responses histories one tenant may hold (memory and Valkey, per router process); "
             "above it new answers are not kept (previous_response_id then answers not found)."),
-    Tunable("tenant_max_retained_tokens", 50_000_000, 1000, 10_000_000_000, "tokens", Scope.ROUTER,
-            "Tokens of decode KV one tenant's live conversations may retain; above it new turns are not retained."),
+    Tunable("max_retained_tokens", 500_000_000, 1000, 100_000_000_000, "tokens", Scope.ROUTER,
+            "Tokens of decode KV the live conversations of all tenants together may retain (per router process) "
+            "before tenants are held to max-min fair shares of it: once full, only a tenant under the fair level "
+            "retains new turns, so the heaviest holder stops growing first; decode's own bound is retained_kv_share."),
+    Tunable("tenant_max_retained_tokens", 10_000_000_000, 1000, 10_000_000_000, "tokens", Scope.ROUTER,
+            "A ceiling of the tokens of decode KV one tenant's live conversations may retain whatever the others do; "
+            "above it new turns are not retained. The default (the maximum) sets none: tenants share "
+            "max_retained_tokens max-min."),
     Tunable("lease_max_ttl", 900, 10, 3600, "s", Scope.ROUTER,
             "Longest lease a client may ask for on a conversation's retained KV."),
     Tunable("tenant_lease_rate", 2.0, 0.01, 1000, "renewals/s", Scope.ROUTER,

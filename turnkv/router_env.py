@@ -35,6 +35,9 @@ KEY_SECRET = "TURNKV_KEY_SECRET"
 #: command line.
 STORE_USERNAME = "TURNKV_STORE_USERNAME"
 STORE_PASSWORD = "TURNKV_STORE_PASSWORD"
+#: Hosts media URLs may name (comma-separated exact names; the engines' ``--allowed-media-domains``): empty, any
+#: internet host (router.media).
+MEDIA_DOMAINS = node_env.MEDIA_DOMAINS
 #: The CloudWatch namespace of the router's EMF lines.
 METRICS_NAMESPACE = "TURNKV_METRICS_NAMESPACE"
 #: USD per prefill engine-hour (the prefill pool's instance price in turnkv.plan.hardware over its engines per

@@ -7,16 +7,21 @@ route or the offer signature has one definition.
 hold tokens T until wall-clock time W". Prefill READs those blocks by position and cannot tell what
 they hold now, so it reads only offers that (1) carry a valid MAC made with the deployment's shared
 offer secret over every field the read depends on, (2) have not expired on prefill's own wall clock
-(minus a skew margin), and (3) it has not already read. The MAC covers the engine id, the boot, the
-request id, host and port, the block ids, the token count, the token proof, the expiry and the model
-fingerprint: a forged, edited, re-pointed or other-checkpoint offer fails the check and is recomputed.
+(minus a skew margin), and (3) it has not already read. The MAC covers every field the READ uses: the engine id,
+the boot, the request id, host and port, the block ids, the token count, the token proof, the expiry, the model
+fingerprint, the host tier and fork window, decode's parallel sizes (tp, dcp, pp), its block size and the transfer
+mode, and the tenant the turn is retained for: a forged, edited, re-pointed or other-checkpoint offer fails the
+check and is recomputed.
 
 **Cleared replays.** A signed offer is still valid after decode *evicted* its turn (retention under memory
 pressure): decode frees the blocks ``retention_eviction_grace`` after announcing the eviction on its feed, well
 before the signed expiry. Routers read every decode engine's feed and, when they replay an offer, *clear* it: a
 read-by instant (``READ_BY``) and a MAC over it and the offer's signature (``CLEARANCE``), keyed with the same
 secret. Prefill reads only cleared offers before their read-by instant, so an offer that did not come through a
-router (replayed from a log, sent straight to prefill) can never reach blocks freed after an eviction.
+router (replayed from a log, sent straight to prefill) can never reach blocks freed after an eviction. A clearance
+also names the tenant it was dispatched for (``CLEARED_TENANT``: an offer retained for a tenant is read only under a
+clearance for that tenant) and, where the router knows it, the prefill engine it was sent to (``CLEARED_FOR``: read
+by no other engine).
 """
 
 from __future__ import annotations
@@ -94,6 +99,12 @@ MODEL = "turnkv_model"
 SIGNATURE = "turnkv_sig"
 #: Set by the router on a decode request whose KV the next turn will pull (retain on demand).
 RETAIN = "turnkv_retain"
+#: Set by the router beside ``RETAIN``: the tenant the turn is retained for, as an opaque tag (at most
+#: ``TENANT_MAX`` characters; the router may send a digest). Decode shares its retention room among tenants by it
+#: (``connector.retention``) and signs it into its offer; prefill reads a tenant's offer only under a clearance for
+#: the same tenant (``CLEARED_TENANT``).
+TENANT = "turnkv_tenant"
+TENANT_MAX = 64
 #: Prompt tokens prefill found in its own prefix cache (added to prefill's answer; upstream's
 #: ``remote_prefill_cached_tokens`` counts them together with the tokens pulled from decode).
 PREFILL_LOCAL_TOKENS = "turnkv_prefill_local_tokens"
@@ -122,6 +133,12 @@ FORK_READ_SLACK = 2.0
 #: Added by the router to each replay of a fork-readable offer (not stored): a nonce inside the clearance, so each
 #: reader's replay is a distinct single-use clearance (prefill's replay guard is per reader, not per offer).
 READER = "turnkv_reader"
+#: Added by the router with the clearance (not stored), inside its MAC: the tenant the replay is dispatched for.
+#: Prefill refuses (``uncleared``) a clearance whose tenant is not the offer's signed ``TENANT``.
+CLEARED_TENANT = "turnkv_cleared_tenant"
+#: Added by the router with the clearance where it knows the target prefill engine's NIXL engine id (the engine's
+#: ``engine_id`` attribute in the router's engine list), inside its MAC: any other engine refuses it (``uncleared``).
+CLEARED_FOR = "turnkv_cleared_for"
 #: Why prefill refused an offer, as its ``VERDICT`` names it (each one a ``vllm:turnkv_offers_<reason>`` counter).
 OFFER_REFUSALS = ("unsigned", "forged", "expired", "uncleared", "late", "replayed")
 #: Prefill reads only cleared offers unless this is "0" (another proxy in front of the engines, which does not
@@ -129,7 +146,7 @@ OFFER_REFUSALS = ("unsigned", "forged", "expired", "uncleared", "late", "replaye
 REQUIRE_CLEARED_ENV = "TURNKV_REQUIRE_CLEARED_OFFERS"
 
 #: Keys of decode's returned params that a router may store and replay to prefill.
-OFFER_KEYS = (TOKEN_PROOF, BOOT, EXPIRES_AT, MODEL, SIGNATURE, HOST_TIER, FORK_WINDOW)
+OFFER_KEYS = (TOKEN_PROOF, BOOT, EXPIRES_AT, MODEL, SIGNATURE, HOST_TIER, FORK_WINDOW, TENANT)
 
 # -- the engine's lease route ---------------------------------------------------------------------
 
@@ -162,8 +179,9 @@ DEFAULT_OFFER_SECRET_FILE = "/etc/turnkv/offer-secret"
 #: Override of the model fingerprint (e.g. the checkpoint's digest, where the config alone is ambiguous).
 MODEL_FINGERPRINT_ENV = "TURNKV_MODEL_FINGERPRINT"
 
-_VERSION = b"turnkv-offer-v3"  # v2: the host tier is signed too; v3: the fork window
-_CLEARANCE_VERSION = b"turnkv-clearance-v1"
+# v2: the host tier is signed too; v3: the fork window; v4: parallel sizes, block size, transfer mode, tenant
+_VERSION = b"turnkv-offer-v4"
+_CLEARANCE_VERSION = b"turnkv-clearance-v2"  # v2: the tenant and the target prefill
 
 
 def offer_secret(env: Mapping[str, str] | None = None) -> bytes | None:
@@ -201,6 +219,8 @@ def _signed_part(params: Mapping[str, Any]) -> bytes:
         orjson.dumps(host, option=orjson.OPT_SORT_KEYS).decode() if (host := params.get(HOST_TIER)) is not None
         else None,
         params.get(FORK_WINDOW),
+        params.get(TP_SIZE), params.get(DCP_SIZE), params.get(PP_SIZE), params.get(REMOTE_BLOCK_SIZE),
+        params.get(TRANSFER_MODE), params.get(TENANT),
     ])
 
 
@@ -246,46 +266,54 @@ def fork_window(params: Mapping[str, Any]) -> float:
     return float(window)
 
 
-def clearance_mac(secret: bytes, signature: str, read_by: float, reader: str | None = None) -> str:
+def clearance_mac(secret: bytes, signature: str, read_by: float, reader: str | None = None,
+                  tenant: str | None = None, prefill: str | None = None) -> str:
     # The instant as fixed-point text: 1796177453.0 and 1796177453 (a JSON layer may turn one into the other) agree.
-    parts = [signature, f"{float(read_by):.3f}"]
-    if reader is not None:  # one reader's replay of a fork-readable offer
-        parts.append(reader)
-    message = orjson.dumps(parts)
+    # reader: one reader's replay of a fork-readable offer; tenant and prefill: whom and where it was dispatched to.
+    message = orjson.dumps([signature, f"{float(read_by):.3f}", reader, tenant, prefill])
     return hmac.new(secret, _CLEARANCE_VERSION + message, hashlib.sha256).hexdigest()
 
 
-def clear_offer(secret: bytes | None, params: Mapping[str, Any], read_by: float,
-                reader: str | None = None) -> dict[str, Any]:
+def clear_offer(secret: bytes | None, params: Mapping[str, Any], read_by: float, reader: str | None = None, *,
+                tenant: str | None = None, prefill: str | None = None) -> dict[str, Any]:
     """A copy of a stored offer as a router replays it: prefill may start reading it until ``read_by`` (Unix
     time), and, with the deployment's secret, the clearance that proves a router (which reads the evictions feed)
     set that instant. Without a secret only the read-by instant is added (prefill then recomputes unless it was
-    told not to require clearance). ``reader``: a nonce naming this replay of a fork-readable offer (``READER``)."""
+    told not to require clearance). ``reader``: a nonce naming this replay of a fork-readable offer (``READER``);
+    ``tenant``: the tenant the replay is dispatched for (``CLEARED_TENANT``; must be the offer's ``TENANT``);
+    ``prefill``: the NIXL engine id of the prefill engine it is sent to (``CLEARED_FOR``), where known."""
     out = dict(params)
     out[READ_BY] = round(float(read_by), 3)
-    out.pop(READER, None)
-    if reader is not None:
-        out[READER] = reader
+    for key, value in ((READER, reader), (CLEARED_TENANT, tenant), (CLEARED_FOR, prefill)):
+        out.pop(key, None)
+        if value is not None:
+            out[key] = value
     signature = out.get(SIGNATURE)
     if secret is not None and isinstance(signature, str):
-        out[CLEARANCE] = clearance_mac(secret, signature, out[READ_BY], reader)
+        out[CLEARANCE] = clearance_mac(secret, signature, out[READ_BY], reader, tenant, prefill)
     else:
         out.pop(CLEARANCE, None)
     return out
 
 
-def check_clearance(secret: bytes | None, params: Mapping[str, Any], now: float, *, required: bool) -> str:
-    """For a signed offer that passed ``check_offer``: ``"ok"``, ``"uncleared"`` (no valid clearance, and one is
-    ``required``) or ``"late"`` (its read-by instant has passed). Without ``required`` an uncleared read-by
-    instant, if any, is still honoured (it can only make prefill read less)."""
+def check_clearance(secret: bytes | None, params: Mapping[str, Any], now: float, *, required: bool,
+                    engine_id: str | None = None) -> str:
+    """For a signed offer that passed ``check_offer``: ``"ok"``, ``"uncleared"`` (no valid clearance for this read,
+    and one is ``required``) or ``"late"`` (its read-by instant has passed). A clearance is for this read only when
+    it names the offer's tenant (both none for an offer retained without one) and, if it names a prefill engine,
+    ``engine_id`` (this engine). Without ``required`` an uncleared read-by instant, if any, is still honoured (it
+    can only make prefill read less)."""
     read_by = params.get(READ_BY)
     clearance = params.get(CLEARANCE)
     instant = isinstance(read_by, (int, float)) and not isinstance(read_by, bool)
+    tenant, target = params.get(CLEARED_TENANT), params.get(CLEARED_FOR)
     cleared = (secret is not None and instant and isinstance(clearance, str)
                and isinstance(params.get(SIGNATURE), str)
-               and _reader_ok(params.get(READER))
+               and all(_tag_ok(v) for v in (params.get(READER), tenant, target))
                and hmac.compare_digest(clearance, clearance_mac(secret, params[SIGNATURE], read_by,
-                                                                params.get(READER))))
+                                                                params.get(READER), tenant, target))
+               and tenant == params.get(TENANT)
+               and (target is None or target == engine_id))
     if required and not cleared:
         return "uncleared"
     if read_by is None:
@@ -293,8 +321,26 @@ def check_clearance(secret: bytes | None, params: Mapping[str, Any], now: float,
     return "late" if not instant or now >= float(read_by) else "ok"
 
 
-def _reader_ok(reader: Any) -> bool:
-    return reader is None or (isinstance(reader, str) and 0 < len(reader) <= 64)
+def read_deadline(params: Mapping[str, Any], skew: float) -> float | None:
+    """The wall-clock instant from which prefill must not start a READ of an admitted offer (None: none known). The
+    earlier of its signed expiry less ``skew`` (as ``check_offer``) and the router's read-by instant (as
+    ``check_clearance``). The read-by is where an eviction's deadline and a fork window's end reach prefill: a router
+    clears a replay to be read within ``replay_window`` of its last look at decode's evictions feed (decode frees an
+    evicted turn ``retention_eviction_grace`` after announcing it, longer than that) and a fork's replay by the fork
+    window's end plus ``FORK_READ_SLACK`` (decode frees a read turn that plus ``expiry_skew_margin`` after its own
+    window). Checked at every look of prefill's scheduler and by the worker right before the READ is posted (pure)."""
+    instants = []
+    expires_at = params.get(EXPIRES_AT)
+    if isinstance(expires_at, (int, float)) and not isinstance(expires_at, bool):
+        instants.append(float(expires_at) - skew)
+    read_by = params.get(READ_BY)
+    if isinstance(read_by, (int, float)) and not isinstance(read_by, bool):
+        instants.append(float(read_by))
+    return min(instants) if instants else None
+
+
+def _tag_ok(tag: Any) -> bool:
+    return tag is None or (isinstance(tag, str) and 0 < len(tag) <= TENANT_MAX)
 
 
 def replay_key(params: Mapping[str, Any]) -> str:
@@ -309,13 +355,25 @@ def replay_key(params: Mapping[str, Any]) -> str:
 
 
 def offer_verdict(secret: bytes | None, params: Mapping[str, Any], model: str, now: float, skew: float, *,
-                  require_cleared: bool) -> str:
+                  require_cleared: bool, engine_id: str | None = None) -> str:
     """Everything prefill checks on an offer before a READ except single use (which needs its memory):
-    ``"ok"`` or the reason it is refused (``check_offer``, then ``check_clearance``)."""
+    ``"ok"`` or the reason it is refused (``check_offer``, then ``check_clearance`` for engine ``engine_id``)."""
     reason = check_offer(secret, params, model, now, skew)
     if reason != "ok":
         return reason
-    return check_clearance(secret, params, now, required=require_cleared)
+    return check_clearance(secret, params, now, required=require_cleared, engine_id=engine_id)
+
+
+def tenant_tag(params: Mapping[str, Any] | None) -> str | None:
+    """The tenant a retain request names (``TENANT``), or None when absent or malformed (pure)."""
+    tag = (params or {}).get(TENANT)
+    return tag if isinstance(tag, str) and 0 < len(tag) <= TENANT_MAX else None
+
+
+def lease_offer_ok(params: Mapping[str, Any], engine_id: str | None) -> bool:
+    """Whether a (validly signed) offer sent to a decode engine's lease route names that engine: the deployment's
+    engines share one secret, so a signature alone does not say whose offer it is (pure)."""
+    return engine_id is not None and params.get(REMOTE_ENGINE_ID) == engine_id
 
 
 # -- a typed view of one kv_transfer_params dict --------------------------------------------------------

@@ -58,7 +58,9 @@ class ResponseLog:
         try:
             raw = await asyncio.wait_for(self.store.get_blob(self._key(tenant, response_id)), self._timeout())
         except Exception as exc:
-            raise StoreUnavailable(f"the kept responses are unavailable ({exc or type(exc).__name__})") from exc
+            # the detail names the store (a Valkey address, its error): logged here, never sent to the client
+            log.warning("kept responses unavailable: %r", exc)
+            raise StoreUnavailable("the kept responses are unavailable; retry shortly") from exc
         if raw is None:
             raise RequestError(f"previous response with id {response_id!r} not found (responses are kept "
                                f"{int(self._ttl())} s when sent with store: true; or send the whole conversation "

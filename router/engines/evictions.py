@@ -5,10 +5,12 @@ announces each on its feed (``turnkv.wire.EVICTIONS_ROUTE``) and frees the block
 ``retention_eviction_grace`` later. The router reads every decode engine's feed each ``evictions_interval``
 and refuses to replay an announced offer (outcome ``refused``). An engine whose feed it has not read yet, or
 has read before but not for longer than the feed's age limit, has none of its offers replayed until it has
-(an eviction may have gone unseen). Engines without the feed (404: an older connector, a fake engine)
-never evict. Each replayed offer carries a read-by instant (``turnkv.wire.READ_BY``, ``replay_window``
-away) after which prefill will not start reading it; together these bound the time between an eviction
-and the last possible read of its blocks below the grace (``turnkv.params.eviction_grace_needed``).
+(an eviction may have gone unseen). An engine whose feed answered 404 (no turnkv connector, an engine
+restarting behind a proxy, a route that failed to load) has none of its offers replayed either, and its feed is
+asked again every interval: a 404 is no proof that the engine never evicts. Each replayed offer carries a
+read-by instant (``turnkv.wire.READ_BY``, ``replay_window`` away) after which prefill will not start reading
+it; together these bound the time between an eviction and the last possible read of its blocks below the grace
+(``turnkv.params.eviction_grace_needed``).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class EvictionFeed:
     seq: int = 0
     evicted: dict[str, float] = field(default_factory=dict)  # request id -> the offer's wall-clock expiry
     read_at: float = 0.0  # wall clock when the last successful read was sent; 0: never
-    supported: bool | None = None  # None: not read yet; False: the engine has no feed (it never evicts)
+    supported: bool | None = None  # None: not read yet; False: the last read answered 404 (asked again each interval)
     hosted: set[str] = field(default_factory=set)  # turns whose host-tier copy is done (the last read's list)
 
     def apply(self, answer: Mapping[str, Any], sent_at: float, since: int = 0) -> bool:
@@ -92,7 +94,11 @@ class EvictionFeed:
             # Not read yet (a router just started, an engine just discovered): decode may have evicted the turn
             # while this router was not looking. The first read comes within one interval.
             return "evictions feed not read yet"
-        if self.supported and now - self.read_at > max_age(interval):
+        if not self.supported:
+            # The feed answered 404: whatever this engine evicts goes unseen, so nothing it offers is replayed
+            # until a read succeeds (each interval re-probes it).
+            return "evictions feed unsupported"
+        if now - self.read_at > max_age(interval):
             return "evictions feed not read lately"
         return None
 
@@ -119,11 +125,11 @@ async def read_feed(session: aiohttp.ClientSession, url: str, feed: EvictionFeed
 async def evictions_loop(decode: Callable[[], list[Any]], session: aiohttp.ClientSession,
                          interval: Callable[[], float], clock: Callable[[], float]) -> None:
     """Read every decode engine's feed each ``interval`` (engines come from ``decode()``: discovery may change
-    them). Only engines that have a feed (or have not said yet) are asked."""
+    them), a feed that answered 404 included (re-probed: its offers are refused until a read succeeds)."""
     while True:
         try:
             every = interval()
-            engines = [e for e in decode() if e.feed.supported is not False]
+            engines = list(decode())
             await asyncio.gather(*(read_feed(session, e.url, e.feed, max(1.0, every), clock) for e in engines))
         except Exception:  # never let the loop die
             log.exception("evictions loop")

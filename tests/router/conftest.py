@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
+import re
+import socket
 from contextlib import asynccontextmanager
 
 import aiohttp
@@ -9,9 +12,28 @@ import pytest
 from aiohttp import web
 
 from bench.fake_engine import FAKE_SECRET, FakeEngine, start
-from router.app import build_app
+from router.app import FLOW, build_app
 from router.config import RouterConfig
+from router.media import MediaChecker
 from tests.conftest import free_port
+
+#: Names the fake DNS answers (no test reaches a real resolver); ``*.nip.io`` answers as nip.io does.
+FAKE_DNS = {"example.com": ["93.184.215.14", "2606:2800:21f:cb07:6820:80da:af6b:8b2c"],
+            "images.example.com": ["93.184.215.15"], "cdn.example.net": ["151.101.1.1"],
+            "mixed.example.com": ["93.184.215.16", "10.0.3.7"], "aaaa-internal.example.com": ["fd00:ec2::254"]}
+_NIP = re.compile(r"(?:.*?[.-])?((?:\d{1,3}[.-]){3}\d{1,3})\.nip\.io\.?")
+
+
+async def fake_dns(host: str) -> list[str]:
+    """A resolver that behaves like DNS for the names above and nip.io's (``169.254.169.254.nip.io``,
+    ``app-10-0-0-1.nip.io``): every other name does not resolve (``socket.gaierror``, as getaddrinfo raises)."""
+    host = host.lower().rstrip(".")
+    if host in FAKE_DNS:
+        return list(FAKE_DNS[host])
+    m = _NIP.fullmatch(host)
+    if m:
+        return [str(ipaddress.IPv4Address(m.group(1).replace("-", ".")))]
+    raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
 
 @asynccontextmanager
@@ -32,6 +54,7 @@ async def router_over(prefill: list[FakeEngine], decode: list[FakeEngine], *, id
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
+    app[FLOW].media = MediaChecker(fake_dns)  # media hosts: the fake DNS, never the network
     session = aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}")
     try:
         yield session, app

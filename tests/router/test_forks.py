@@ -52,7 +52,8 @@ async def test_the_same_clearance_is_read_once_even_for_a_fork_readable_offer():
         await chat(s, branch(first["text"], "a"), conversation=None)
         [replayed] = [kv for kv in p[0].seen_params if kv and kv.get(wire.READER)]
         assert p[0]._admit_offer(dict(replayed)) == "replayed"
-        forged = wire.clear_offer(FAKE_SECRET, replayed, replayed[wire.READ_BY])  # no reader: the offer's own key
+        forged = wire.clear_offer(FAKE_SECRET, replayed, replayed[wire.READ_BY],  # no reader: the offer's own key
+                                  tenant=replayed[wire.CLEARED_TENANT])
         assert p[0]._admit_offer(forged) == "ok"  # an offer's first single-use read...
         assert p[0]._admit_offer(dict(forged)) == "replayed"  # ...and only one
 

@@ -211,12 +211,20 @@ async def test_kept_responses_are_bounded_per_tenant():
         assert app[FLOW].responses.held.used("acme") == 0
 
 
-@pytest.mark.parametrize("limit,share", [("tenant_max_inflight", 16), ("tenant_max_conversations", 10)])
-def test_default_tenant_limits_are_a_small_share_of_the_routers(limit, share):
+def test_default_tenant_limits_are_a_small_share_of_the_routers():
     from turnkv import params
 
-    whole = {"tenant_max_inflight": "max_inflight", "tenant_max_conversations": "max_conversations"}[limit]
-    assert params.BY_NAME[limit].default * share <= params.BY_NAME[whole].default
+    assert params.BY_NAME["tenant_max_inflight"].default * 16 <= params.BY_NAME["max_inflight"].default
+
+
+@pytest.mark.parametrize("ceiling", ["tenant_request_rate", "tenant_body_rate", "tenant_max_conversations",
+                                     "tenant_max_retained_tokens"])
+def test_shared_budgets_have_no_per_tenant_ceiling_by_default(ceiling):
+    """Rate, bytes and retention are max-min fair shares of the router's (issue 38): a tenant alone is never held to
+    a fixed slice of an idle router; a ceiling is the operator's choice."""
+    from turnkv import params
+
+    assert params.BY_NAME[ceiling].default == params.BY_NAME[ceiling].maximum
 
 
 async def test_body_bytes_per_second_are_limited_per_tenant():
@@ -336,3 +344,21 @@ async def test_a_tenant_alone_may_use_the_whole_loop():
         for _ in range(10):
             assert (await chat(s, heavy, conversation=None, headers=ACME))["status"] == 200
         assert refused(app, "tenant_loop_share") == 0
+
+
+async def test_a_lone_tenant_is_not_limited_and_under_contention_the_heaviest_is_cut_first():
+    """Rates are max-min fair shares of router_request_rate: a key alone goes past it (an idle router serves it
+    all); with two keys asking more than it in all, the heavy one is cut to the fair level and the light one never."""
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d, keys=two_tenants(), tunables={"router_request_rate": 20}) as (s, _):
+        alone = [await chat(s, conversation=None, headers=ACME) for _ in range(60)]
+        assert all(r["status"] == 200 for r in alone)  # 60 in well under 3 s: past 20/s, and alone
+        heavy, light = [], []
+        for i in range(120):
+            heavy.append(await chat(s, conversation=None, headers=ACME))
+            if i % 10 == 0:
+                light.append(await chat(s, conversation=None, headers=GLOBEX))
+        assert all(r["status"] == 200 for r in light)
+        cut = [r for r in heavy if r["status"] == 429]
+        assert cut and "fair share" in cut[0]["error"]["error"]["message"]
+        assert cut[0]["error"]["error"]["limit"] == "tenant_request_rate"

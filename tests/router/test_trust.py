@@ -10,7 +10,7 @@ import time
 import orjson
 
 from bench.fake_engine import FAKE_SECRET
-from router.app import FLOW, METRICS
+from router.app import FLOW, METRICS, POOL
 from router.auth import ApiKeys, parse_keys
 from router.guard import History
 from router.state import Entry
@@ -322,7 +322,7 @@ async def test_stored_entries_keep_decodes_signed_offer_verbatim():
         returned = next(x for x in reversed(d[0].seen_params) if x)  # what decode was sent; its answer is stored
         assert returned.get(wire.RETAIN) is True
         assert all(k in entry.params for k in wire.OFFER_KEYS
-                   if k not in (wire.TOKEN_PROOF, wire.HOST_TIER, wire.FORK_WINDOW))
+                   if k not in (wire.TOKEN_PROOF, wire.HOST_TIER, wire.FORK_WINDOW, wire.TENANT))
 
 
 async def test_a_stream_survives_its_decode_engine_dying_with_no_token_lost_or_repeated():
@@ -494,3 +494,54 @@ async def test_a_host_tier_offer_is_replayed_only_once_decode_lists_its_copy_as_
         first = await chat(s, alpha, conversation="fast")
         racing = await chat(s, next_turn(alpha, first["text"]), conversation="fast")
         assert racing["headers"]["X-TurnKV-Reuse-Outcome"] == "hit" and p[0].stats["stale_reads"] == 1
+
+
+async def test_a_feed_that_answers_404_refuses_replays_until_a_read_succeeds():
+    """One 404 from decode's evictions feed used to turn its eviction checks off for good, and evicted offers were
+    then replayed. Now nothing of that engine is replayed while its feed is unsupported, the feed is asked again
+    every interval, and reuse comes back once a read succeeds."""
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    d[0].fault = {"evictions_status": 404}
+    async with router_over(p, d, tunables={"evictions_interval": 0.2}) as (s, app):
+        await asyncio.sleep(0.5)
+        reads = d[0].stats["feed_reads"]
+        first = await chat(s, conversation="f")
+        second = await chat(s, next_turn(MSGS, first["text"]), conversation="f")
+        assert second["status"] == 200 and second["headers"]["X-TurnKV-Reuse-Outcome"] == "refused"
+        assert app[POOL].decode[0].feed.supported is False
+        await asyncio.sleep(0.5)
+        assert d[0].stats["feed_reads"] > reads  # re-probed
+        d[0].fault = {}
+        await asyncio.sleep(0.5)
+        third = await chat(s, next_turn(MSGS, first["text"]), conversation="g")
+        fourth = await chat(s, next_turn(next_turn(MSGS, first["text"]), third["text"]), conversation="g")
+        assert fourth["headers"]["X-TurnKV-Reuse-Outcome"] == "hit" and app[POOL].decode[0].feed.supported
+        assert p[0].stats["stale_reads"] == 0
+
+
+async def test_the_retain_request_names_the_tenant_by_a_tag_and_each_replay_is_cleared_for_it():
+    """The router names the tenant a turn is retained for (wire.TENANT: a keyed tag, never the key's name); decode
+    signs it into its offer, and the router's clearance of each replay names the same tenant (wire.CLEARED_TENANT),
+    so prefill reads the turn only for it. Reuse works as before, for each tenant."""
+    from router.auth import ApiKeys, parse_keys
+
+    keys = ApiKeys(parse_keys('{"tenants": {"acme": "acme-key-123", "globex": "globex-key-456"}}'))
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d, keys=keys) as (s, _):
+        tags = []
+        for key in ("acme-key-123", "globex-key-456"):
+            headers = {"Authorization": f"Bearer {key}"}
+            first = await chat(s, conversation=None, headers=headers)
+            retain = d[0].seen_params[-1]
+            assert retain.get(wire.RETAIN) is True and wire.tenant_tag(retain)
+            tag = retain[wire.TENANT]
+            assert "acme" not in tag and "globex" not in tag
+            second = await chat(s, next_turn(MSGS, first["text"]), conversation=None, headers=headers)
+            assert second["headers"]["X-TurnKV-Reuse-Outcome"] == "hit"
+            replayed = next(kv for kv in reversed(p[0].seen_params) if isinstance(kv, dict) and kv.get(wire.CLEARANCE))
+            assert replayed[wire.TENANT] == replayed[wire.CLEARED_TENANT] == tag
+            assert wire.check_clearance(FAKE_SECRET, replayed, time.time(), required=True) == "ok"
+            other = wire.clear_offer(FAKE_SECRET, replayed, replayed[wire.READ_BY], tenant="another-tenant-tag")
+            assert wire.check_clearance(FAKE_SECRET, other, time.time(), required=True) == "uncleared"
+            tags.append(tag)
+        assert tags[0] != tags[1] and p[0].stats["stale_reads"] == 0

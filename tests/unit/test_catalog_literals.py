@@ -108,7 +108,7 @@ def test_no_catalog_default_is_retyped():
     "ok = engine.failures >= self._t('return_successes', 2)\n",
     "def plan(ttl: Annotated[float, typer.Option(help='decoder_kv_blocks_ttl (s).')] = 480): ...\n",
     "share = {'retained_kv_share': 0.5}\n",
-    "tenant_request_rate = 200\n",  # an int for a float default: the same value
+    "router_request_rate = 5000\n",  # an int for a float default: the same value
 ])
 def test_the_rule_sees_each_spelling(source):
     assert retyped_defaults(source, "x.py"), source

@@ -140,8 +140,9 @@ def test_concurrent_renewals_take_one_rpc_and_each_gets_its_own_answer(monkeypat
         answers = await asyncio.gather(rpcs.renew(["a"], 60), rpcs.renew(["b"], 120), rpcs.renew(["a", "c"], 30),
                                        rpcs.renew(["nope"], 60))
         assert client.count(leases.WORKER_METHOD) == 1  # before: one per call (4)
-        [(_, (ids, ttls))] = client.calls
+        [(_, (ids, ttls, boots))] = client.calls
         assert sorted(ids) == ["a", "b", "c", "nope"] and ttls == {"a": 60, "b": 120, "c": 30, "nope": 60}
+        assert boots == {}
         for per_worker in answers:
             assert len(per_worker) == 4 and all(w == {"a": 1060.0, "b": 1120.0, "c": 1030.0} for w in per_worker)
 
@@ -262,12 +263,15 @@ def app_with(client) -> FastAPI:
     app.state.turnkv_engine_client = client
     app.state.turnkv_offer_secret = SECRET
     app.state.turnkv_model = MODEL
+    app.state.turnkv_engine_id = "decode-0"
     return app
 
 
-def signed(request_id: str) -> dict:
-    return wire.sign_offer(SECRET, {"remote_request_id": request_id, "remote_blocks_expiry_time": 1010.0},
-                           time.time() + 100, MODEL)
+def signed(request_id: str, engine_id: str = "decode-0", boot: str | None = None) -> dict:
+    params = {"remote_request_id": request_id, "remote_blocks_expiry_time": 1010.0, "remote_engine_id": engine_id}
+    if boot is not None:
+        params[wire.BOOT] = boot
+    return wire.sign_offer(SECRET, params, time.time() + 100, MODEL)
 
 
 def test_routers_polling_and_renewing_at_once_share_rpcs(monkeypatch):
@@ -286,5 +290,28 @@ def test_routers_polling_and_renewing_at_once_share_rpcs(monkeypatch):
             body = answer.json()
             assert list(body["renewed"]) == [f"r{i}"] and body["missing"] == []
             assert body["renewed"][f"r{i}"]["remote_blocks_expiry_time"] == 1060.0
+
+    run(main())
+
+
+def test_the_lease_route_renews_only_offers_of_this_engine_and_this_boot(monkeypatch):
+    """Every engine of a deployment signs with the same secret: a validly signed offer of another engine, or of an
+    earlier process of this one (request ids may repeat after a restart), names no lease here."""
+
+    async def main():
+        client = FakeClient(monkeypatch, tp=2)
+        for i, rank in enumerate(client.ranks):
+            rank._reqs_to_send.update(r1=1010.0, r2=1010.0, r3=1010.0)
+            rank.turnkv_own_boot = lambda stamp, i=i: stamp is None or stamp.split(".")[i] == f"now{i}"
+        transport = httpx.ASGITransport(app=app_with(client))
+        async with httpx.AsyncClient(transport=transport, base_url="http://decode") as http:
+            other_engine = await http.post(wire.LEASE_ROUTE, json={"offers": [signed("r1", "decode-1")], "ttl": 60})
+            answer = await http.post(wire.LEASE_ROUTE, json={"offers": [
+                signed("r2", boot="now0.now1"), signed("r3", boot="old0.old1")], "ttl": 60})
+        assert other_engine.status_code == 403
+        body = answer.json()
+        assert list(body["renewed"]) == ["r2"] and body["missing"] == ["r3"]
+        assert all(rank._reqs_to_send["r3"] == 1010.0 and rank._reqs_to_send["r1"] == 1010.0
+                   for rank in client.ranks)
 
     run(main())

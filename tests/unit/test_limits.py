@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import orjson
@@ -144,3 +145,88 @@ def test_open_mode_is_refused_on_a_reachable_address():
         check_open_mode(config("0.0.0.0"), open_keys)
     check_open_mode(config("0.0.0.0", allow=True), open_keys)
     check_open_mode(config("0.0.0.0"), keys)
+
+
+# --- max-min fair shares (issue 38) ----------------------------------------------------------------------------
+
+def test_the_water_level_gives_every_ask_that_fits_and_cuts_the_heaviest_first():
+    from router.fair import shares, water_level
+
+    assert water_level(10, [1, 2, 3]) == math.inf  # all fit: nobody is cut
+    assert shares(10, {"a": 1, "b": 5, "c": 9}) == {"a": 1, "b": 4.5, "c": 4.5}
+    assert shares(10, {"lone": 50}) == {"lone": 10}  # alone: the whole capacity
+    assert shares(9, {"a": 3, "b": 3, "c": 3}) == {"a": 3, "b": 3, "c": 3}
+    cut = shares(12, {"light": 1, "honest": 6, "hostile": 1000})
+    assert cut == {"light": 1, "honest": 5.5, "hostile": 5.5}  # a huge ask buys no more than the level
+    assert shares(12, {"light": 1, "honest": 4, "hostile": 1000})["honest"] == 4  # under the level: never cut
+    assert sum(shares(7, {"a": 2, "b": 9, "c": 0}).values()) == 7
+
+
+def test_a_fair_rate_leaves_a_lone_tenant_alone_and_cuts_only_the_heaviest_under_contention():
+    from router.limits import LEVEL_REFRESH, FairRate
+
+    now = [0.0]
+    fair = FairRate(window=2.0, clock=lambda: now[0])
+
+    def run(rates: dict[str, float], seconds: float) -> dict[str, int]:
+        allowed = dict.fromkeys(rates, 0)
+        steps = int(seconds * 1000)
+        for i in range(steps):  # 1 ms steps; each tenant asks at its own rate
+            now[0] += 0.001
+            for tenant, rate in rates.items():
+                for _ in range(int((i + 1) * rate / 1000) - int(i * rate / 1000)):
+                    allowed[tenant] += fair.allow(tenant, capacity=1000)
+        return allowed
+
+    alone = run({"lone": 3000}, 4.0)
+    assert alone["lone"] == 12_000  # 3x the router's rate: nothing refused while nobody else asks
+    assert LEVEL_REFRESH <= 0.1
+    both = run({"light": 200, "heavy": 3000}, 6.0)
+    assert both["light"] == 1200  # under the fair level: every request
+    assert 0.75 * 800 * 6 <= both["heavy"] <= 1.15 * 800 * 6 + 2 * 800  # the rest of the capacity (plus a burst)
+
+
+def test_a_fair_rate_keeps_a_tenants_own_ceiling():
+    from router.limits import FairRate
+
+    fair = FairRate(clock=lambda: 0.0)
+    assert sum(fair.allow("t", capacity=1000, cap=1.0) for _ in range(30)) == 10  # the burst of a 1/s ceiling
+
+
+def test_the_loop_is_shared_max_min_when_busy_the_heaviest_is_held_back_first():
+    from router.limits import LoopShare
+
+    now = [0.0]
+    loop = LoopShare(window=2.0, clock=lambda: now[0])
+    loop.charge("hostile", 1.2)  # 0.6 of the loop over the window
+    loop.charge("honest", 0.6)  # 0.3: over tenant_loop_share (0.25) but under the fair level of the busy loop
+    loop.charge("light", 0.02)
+    assert loop.refuse("light", 0.25) is None
+    assert loop.refuse("honest", 0.1) is not None  # a 0.2 busy level: 0.3 is over the fair level (0.095)
+    now[0] += 0.2  # the fair level is recomputed (LEVEL_REFRESH)
+    assert loop.refuse("hostile", 0.25) is not None
+    assert loop.refuse("honest", 0.25) is not None  # 0.27 > the level (0.245) of a 0.5 busy loop and the floor
+    only = LoopShare(window=2.0, clock=lambda: now[0])
+    only.charge("alone", 1.9)
+    assert only.refuse("alone", 0.25) is None  # alone: the whole loop
+
+
+def test_retention_is_shared_max_min_once_the_router_is_full():
+    now = [0.0]
+    ledger = TenantRetentionLedger(clock=lambda: now[0])
+    for i in range(10):  # a tenant alone fills the router's retention: no ceiling of its own
+        assert ledger.allows("heavy", 100, math.inf, math.inf, 10, 10_000)
+        ledger.hold("heavy", f"h{i}", 100, 100)
+    assert not ledger.allows("heavy", 100, math.inf, math.inf, 10, 10_000)  # full, and it holds the most
+    for i in range(4):  # another tenant still retains, up to its fair level (the router overshoots by at most that)
+        assert ledger.allows("light", 100, math.inf, math.inf, 10, 10_000)
+        ledger.hold("light", f"l{i}", 100, 100)
+    assert ledger.allows("light", 100, math.inf, math.inf, 10, 10_000)
+    ledger.hold("light", "l4", 100, 100)
+    assert not ledger.allows("light", 100, math.inf, math.inf, 10, 10_000)  # 6 > the level (5)
+    assert not ledger.allows("heavy", 100, math.inf, math.inf, 10, 10_000)
+    for i in range(6):  # the heaviest shrinks as its turns are taken; at the level it retains again
+        ledger.release(f"h{i}")
+    assert ledger.allows("heavy", 100, math.inf, math.inf, 10, 10_000)
+    assert ledger.allows("new", 10, 2, 1000, 10, 1000)  # a tenant holding nothing is under any fair level
+    assert not ledger.allows("light", 10, 5, math.inf)  # a ceiling holds whatever the room

@@ -126,3 +126,19 @@ def test_a_validation_error_names_the_files_it_came_from():
         node_env.EngineEnv.from_variables({})
     with pytest.raises(node_env.NodeEnvError, match=r"^/etc/turnkv/engine-1\.env over /etc/turnkv/engine\.env: "):
         node_env.EngineEnv.from_variables({}, source="/etc/turnkv/engine-1.env over /etc/turnkv/engine.env")
+
+
+def test_the_media_allow_list_reaches_vllm_and_refuses_internal_hosts():
+    """engine.env's TURNKV_MEDIA_DOMAINS (the router reads the same variable) becomes --allowed-media-domains."""
+    from turnkv.engine_args import serve_args
+
+    env = _env(media_domains=("images.example.com", "cdn.example.net"))
+    parsed = node_env.parse(node_env.render(env.variables()))
+    assert parsed[node_env.MEDIA_DOMAINS] == "images.example.com,cdn.example.net"
+    args = serve_args(node_env.EngineEnv.from_variables(parsed).spec())
+    at = args.index("--allowed-media-domains")
+    assert args[at + 1: at + 3] == ["images.example.com", "cdn.example.net"]
+    with pytest.raises(node_env.NodeEnvError, match="internal"):
+        node_env.EngineEnv.from_variables({**parsed, node_env.MEDIA_DOMAINS: "images.example.com,2852039166"})
+    assert "--allowed-media-domains" not in serve_args(node_env.EngineEnv.from_variables(
+        node_env.parse(node_env.render(_env().variables()))).spec())

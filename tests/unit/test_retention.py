@@ -180,9 +180,11 @@ def test_the_router_refuses_announced_offers_and_every_offer_of_a_feed_gone_quie
     assert feed.refuses("h", 201.5, 1.0, host_tier=True) is None and feed.refuses("h", 201.5, 1.0) is None
     feed.apply({"epoch": "e2", "seq": 1, "evicted": []}, sent_at=202.0)  # read, then freed: no longer listed
     assert feed.refuses("h", 202.5, 1.0, host_tier=True) == HOST_COPY_PENDING
-    quiet = EvictionFeed()
+    quiet = EvictionFeed()  # a feed that answered 404: whatever the engine evicts would go unseen
     quiet.unsupported()
-    assert quiet.refuses("a", 1e9, 1.0) is None
+    assert quiet.refuses("a", 1e9, 1.0) == "evictions feed unsupported"
+    quiet.apply({"epoch": "q", "seq": 0, "evicted": []}, sent_at=1e9)  # re-probed, and read at last
+    assert quiet.supported and quiet.refuses("a", 1e9 + 0.5, 1.0) is None
 
 
 def test_the_eviction_grace_must_outlast_the_routers_view_and_the_read_window():
