@@ -160,7 +160,7 @@ class FakeEngine:
                 wire.REMOTE_PORT: self.side_channel_port, wire.TP_SIZE: 1, wire.DCP_SIZE: 1, wire.PP_SIZE: 1,
                 wire.REMOTE_NUM_TOKENS: tokens, wire.REMOTE_BLOCKS_EXPIRY_TIME: None, wire.TRANSFER_MODE: self.mode}
 
-    def _decode_params(self, request_id: str, tokens: int) -> dict[str, Any]:
+    def _decode_params(self, request_id: str, tokens: int, tenant: str | None = None) -> dict[str, Any]:
         block = next(self._ids)
         RETAINED[(self.engine_id, block)] = time.time() + self.expiry_ttl
         params = {wire.DO_REMOTE_PREFILL: False, wire.DO_REMOTE_DECODE: True, wire.REMOTE_BLOCK_IDS: [[block]],
@@ -175,6 +175,8 @@ class FakeEngine:
             COPIED_AT[(self.engine_id, block)] = time.time() + self.host_copy_delay
         elif self.fork_window > 0:
             params[wire.FORK_WINDOW] = self.fork_window
+        if tenant is not None:  # as turnkv's decode: the retain request's tenant, signed
+            params[wire.TENANT] = tenant
         if self.offer_secret is not None:
             wire.sign_offer(self.offer_secret, params, time.time() + self.expiry_ttl, FAKE_MODEL)
         if self.retain_limit:
@@ -327,7 +329,8 @@ class FakeEngine:
             sequence.append(token)
             tokens.append(token)
             words.append(word)
-        out_params = self._decode_params(request_id, prompt_tokens + n) if self.bidirectional and kv else None
+        out_params = (self._decode_params(request_id, prompt_tokens + n, wire.tenant_tag(kv))
+                      if self.bidirectional and kv else None)
         if not body.get("stream"):
             message = ({"index": 0, "message": {"role": "assistant", "content": "".join(words)},
                         "finish_reason": "length"} if chat else
