@@ -175,7 +175,7 @@ class FakeEngine:
             COPIED_AT[(self.engine_id, block)] = time.time() + self.host_copy_delay
         elif self.fork_window > 0:
             params[wire.FORK_WINDOW] = self.fork_window
-        if tenant is not None:  # the retain request's tenant, signed as the connector does (connector.scheduler)
+        if tenant is not None:  # as turnkv's decode: the retain request's tenant, signed
             params[wire.TENANT] = tenant
         if self.offer_secret is not None:
             wire.sign_offer(self.offer_secret, params, time.time() + self.expiry_ttl, FAKE_MODEL)
@@ -329,8 +329,8 @@ class FakeEngine:
             sequence.append(token)
             tokens.append(token)
             words.append(word)
-        out_params = self._decode_params(request_id, prompt_tokens + n, wire.tenant_tag(kv)) \
-            if self.bidirectional and kv else None
+        out_params = (self._decode_params(request_id, prompt_tokens + n, wire.tenant_tag(kv))
+                      if self.bidirectional and kv else None)
         if not body.get("stream"):
             message = ({"index": 0, "message": {"role": "assistant", "content": "".join(words)},
                         "finish_reason": "length"} if chat else

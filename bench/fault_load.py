@@ -122,8 +122,9 @@ async def conversation(session, url, idx, args, stats: Counter, outcomes: Counte
             stats["later_turns_pulled"] += reused > 0  # prefill really read decode's KV (reused tokens > 0)
             if reused <= 0:
                 lost.append((time.monotonic(), outcome))
-        if args.engines == "real" and turn and rng.random() < args.check_fraction:
-            checks.append((list(messages), body["stream"], text, replay_body(body)))
+        if args.engines == "real" and turn and (rng.random() < args.check_fraction
+                                                or (args.check_pulled and reused > 0)):
+            checks.append((list(messages), body["stream"], text, replay_body(body), reused > 0))
         messages = [*messages, {"role": "assistant", "content": text},
                     {"role": "user", "content": " ".join(rng.choice("ijklmnop") * 2 for _ in range(20))}]
         turn += 1
@@ -244,7 +245,8 @@ async def verify(url: str, checks: list, limit: int, budget_s: float = 180.0) ->
     result: Counter = Counter()
     deadline = time.monotonic() + budget_s
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
-        for _messages, _stream, text, body in checks[:limit]:
+        # Turns that pulled decode's KV first: a wrong reuse can only be one of them.
+        for _messages, _stream, text, body, pulled in sorted(checks, key=lambda c: not c[4])[:limit]:
             if time.monotonic() > deadline:
                 result["not_replayed"] += 1
                 continue
@@ -259,6 +261,7 @@ async def verify(url: str, checks: list, limit: int, budget_s: float = 180.0) ->
                 result["unverifiable"] += 1
                 continue
             result["same" if same else "wrong_reuse"] += 1
+            result["pulled_turns_checked"] += pulled
     return result
 
 
@@ -407,6 +410,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-after", type=float, default=5)
     p.add_argument("--check-fraction", type=float, default=0.1, help="real engines: turns re-run with reuse off")
     p.add_argument("--check-limit", type=int, default=50)
+    p.add_argument("--check-pulled", action="store_true",
+                   help="real engines: also re-run every later turn that pulled decode's KV (checked first)")
     p.add_argument("--engine-ttl", type=int, default=60,
                    help="real engines: decoder_kv_blocks_ttl in s (the catalog's default is "
                         f"{params.get('decoder_kv_blocks_ttl').default}; 60 keeps retained "

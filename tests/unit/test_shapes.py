@@ -254,7 +254,8 @@ def decode_scheduler():
     s = TurnkvPullScheduler.__new__(TurnkvPullScheduler)
     s.__dict__.update(scheduler().__dict__)
     s.__dict__.update(block_size=16, cost=CostModel(), _steps=StepClock(), _pending={}, _pulls_started={},
-                      _verdicts={}, _expected_boots={}, _prefill_cached={}, _prefill_local={}, _retain_on_demand=True,
+                      _verdicts={}, _expected_boots={}, _read_deadlines={}, _prefill_cached={}, _prefill_local={},
+                      _retain_on_demand=True,
                       _boot=None, _fork_window=0.0, _forkable=set(),
                       _offer_secret=None, _model=None, turnkv_stats=TurnkvKVConnectorStats(), _bytes_per_block=4096,
                       _retained=RetentionLedger(), _read_delays=ReadDelays(), _idle_evict=0.0, _retained_share=0.5,
