@@ -109,11 +109,11 @@ def test_the_output_states_its_assumptions(tmp_path):
     a = data["assumptions"]
     assert a["num_clients"] == 1024 and a["think_time_s_mean"] > 0 and a["turns_per_s"] > 0
     assert a["max_prefill_utilization"] == 0.85 and a["block_size"] == 128
-    assert a["prefill_prefix_caching"] is False and a["engines_per_node"] == {"prefill": 1, "decode": 1}
+    assert a["prefill_prefix_caching"] is True and a["engines_per_node"] == {"prefill": 1, "decode": 1}
     res = runner.invoke(app, ["plan", "--out", str(tmp_path), "--workload", str(WORKLOAD)],
                         env={"COLUMNS": "200"})
     text = " ".join(res.output.split())
-    for words in ("1,024 clients", "think time", "turns/s", "85%", "block size 128", "prefix caching off"):
+    for words in ("1,024 clients", "think time", "turns/s", "85%", "block size 128", "prefix caching on"):
         assert words in text, words
 
 
