@@ -24,7 +24,9 @@ def plan_json(tmp_path, *args):
 
 
 def test_the_no_reuse_arm_is_sized_on_its_own_by_the_same_function(tmp_path):
-    data = plan_json(tmp_path, "--model", "Qwen3-32B", "--workload", str(WORKLOAD), "--ttft-target-ms", "300")
+    # device only (--host-kv-gib 0): reuse's retained turns then take decode nodes of their own
+    data = plan_json(tmp_path, "--model", "Qwen3-32B", "--workload", str(WORKLOAD), "--ttft-target-ms", "300",
+                     "--host-kv-gib", "0")
     inst = hardware.load("p5en.48xlarge")
     fleet = closed_form.Fleet(architectures.load("Qwen3-32B"), inst, inst)
     wl = load(WORKLOAD)

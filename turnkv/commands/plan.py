@@ -119,8 +119,8 @@ def _precision(flag: str, value: str | None, allowed: dict[str, str | None]) -> 
 
 
 def default_offload_gib(inst, tp: int) -> float:
-    """A peer prefill engine's host offload tier: half the node's host memory over its engines, as the deploy
-    gives decode's host tier (infra/instances.py HOST_TIER_SHARE)."""
+    """An engine's default host tier (decode's retained turns, or a peer prefill's offload tier): half the node's
+    host memory over its engines, as the deploy sizes decode's (infra/instances.py host_tier_budget_mib)."""
     return 0.5 * inst.host_memory_gib / max(1, inst.devices // max(1, tp))
 
 
@@ -445,8 +445,10 @@ def plan(
     ttft_target_ms: Annotated[float | None, typer.Option(
         min=1, help="p90 TTFT target in ms: each arm (reuse on, and reuse off) is sized to meet it.")] = None,
     ttft_target: Annotated[float | None, typer.Option("--ttft-target", min=1, hidden=True)] = None,
-    host_kv_gib: Annotated[float, typer.Option(min=0, help="Each decode engine's host tier of retained turns (GiB; "
-                                                          "host_kv_budget_mib / 1024; 0: device only).")] = 0.0,
+    host_kv_gib: Annotated[float | None, typer.Option(min=0, help="Each decode engine's host tier of retained turns "
+                                                                 "(GiB; host_kv_budget_mib / 1024). Default: what the "
+                                                                 "deploy gives it (half the node's host memory over "
+                                                                 "its engines); 0: device only.")] = None,
     simulate: Annotated[bool, typer.Option("--simulate", help="Also run the fleet simulation.")] = False,
     conversations: Annotated[int, typer.Option(min=1, help="Conversations to simulate.")] = 100_000,
     price: Annotated[float | None, typer.Option(min=0, help="On-demand $/hour per node instead of the table's.")]
@@ -475,7 +477,8 @@ def plan(
                         prefill_prefix_caching, state_dir, price)
     if routing not in ("prefix-aware", "round-robin"):
         _fail(f"--routing {routing!r}: use prefix-aware or round-robin")
-    fleet = replace(fleet, host_kv_gib=float(host_kv_gib), prefill_offload_gib=float(prefill_offload_gib or 0.0),
+    host = default_offload_gib(fleet.decode, fleet.tp_decode) if host_kv_gib is None else host_kv_gib
+    fleet = replace(fleet, host_kv_gib=float(host), prefill_offload_gib=float(prefill_offload_gib or 0.0),
                     routing=routing)
     _check_workload(fleet, wl)
     with console.status("planning" + (" and simulating" if simulate else "")):

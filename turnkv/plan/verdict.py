@@ -120,7 +120,7 @@ def verdict(result: dict[str, Arm]) -> dict[str, Any]:
     faster = r90 is not None and (p90 is None or r90 < p90 * (1 - TTFT_TIE))
     slower = r90 is None or (p90 is not None and r90 > p90 * (1 + TTFT_TIE))
     meets = reuse.met or not best.met
-    pays = meets and not dearer and not slower and (cheaper or faster)
+    pays = meets and not dearer and not slower and (cheaper or faster) and not reuse.capped
     price = reuse.fleet.prefill.price_per_hour
     d_p = reuse.fleet.instances("prefill") - best.fleet.instances("prefill")
     d_d = reuse.fleet.instances("decode") - best.fleet.instances("decode")
@@ -147,6 +147,10 @@ def verdict(result: dict[str, Arm]) -> dict[str, Any]:
         parts.append("no turn pulls (prefill's own cache or the threshold leaves nothing worth pulling)")
     if not meets:
         parts.append("reuse misses the TTFT target the peer meets")
+    if reuse.capped or best.capped:
+        parts.append(f"the sizing stopped at {m.MAX_ENGINES:,} engines for "
+                     + ", ".join(f"{a.name}'s {'/'.join(a.capped)}" for a in (reuse, best) if a.capped)
+                     + ": that fleet is not enough, the figures are at the cap")
     return {"pays": bool(pays), "against": best.name, "dominant": dominant,
             "reason": ("reuse pays: " if pays else "reuse does not pay: ") + "; ".join(parts)
             + f" (dominant: {dominant})",
