@@ -208,3 +208,13 @@ def test_seeds_setting_still_available(tmp_path):
     # the peers a user would run keep their prefix cache whatever the reuse arm's setting
     assert data["verdict"]["arms"]["peer"]["prefill_prefix_caching"] is True
     assert replace(gpu_fleet(), prefill_prefix_caching=False).prefill_prefix_caching is False
+
+
+def test_under_a_target_both_meet_cost_decides(tmp_path):
+    v = plan_json(tmp_path, "--ttft-target-ms", "500")["verdict"]
+    r, p = v["arms"]["reuse"], v["arms"][v["against"]]
+    assert r["ttft_target_met"] and p["ttft_target_met"] and r["ttft_ms"]["p90"] <= 500
+    assert v["pays"] == (r["cost_per_1k_turns"] < p["cost_per_1k_turns"] * (1 - 0.005))
+    assert "cost decides" in v["reason"]
+    # the TTFT terms say where the difference comes from, and the fixed cost counts against reuse
+    assert v["ttft_terms_ms"]["pull_fixed"] < 0 and v["ttft_terms_ms"]["transfer"] < 0

@@ -156,7 +156,7 @@ def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, convers
     for row in per_turn:
         for arm in ("off", "on"):
             row[f"ttft_ms_{arm}_band"] = band_ms(row[f"ttft_ms_{arm}"], band)
-    verdict = v.verdict(arms)
+    verdict = v.verdict(arms, ttft_target)
     capped = {name: arm.capped for name, arm in arms.items() if arm.capped} | (
         {"no_reuse": m.capped(no_reuse)} if m.capped(no_reuse) else {})
     out: dict[str, Any] = {

@@ -108,8 +108,27 @@ def _pulled_turn_terms(reuse: Arm) -> dict[str, float]:
             "pull_fixed_ms": round(c.pull_fixed * 1000, 1)}
 
 
-def verdict(result: dict[str, Arm]) -> dict[str, Any]:
-    """``pays`` and the reason, against the best peer (the cheapest per 1k turns among those meeting the target)."""
+def ttft_terms_ms(reuse: Arm, peer: Arm) -> dict[str, float]:
+    """Where the mean TTFT difference (peer minus reuse, ms; positive: reuse faster) comes from: compute prefill
+    does (peer's: what its cache misses, offload loads included; reuse's: the new tokens of pulled turns), prefill
+    queueing, and what a pull adds (its transfer and fixed cost)."""
+    rp, pp = reuse.plan, peer.plan
+    hit = rp.hit > 0
+    c = rp.costs
+    reuse_compute = np.where(hit, c.compute_on, c.compute_off)
+    return {"compute": round(float(pp.costs.compute_off.mean() - reuse_compute.mean()) * 1000, 1),
+            "queueing": round((pp.load("off").wait_s - rp.load("on").wait_s) * 1000, 1),
+            "transfer": round(-float((c.transfer_on * hit).mean()) * 1000, 1),
+            "pull_fixed": round(-float((c.pull_fixed * hit).mean()) * 1000, 1)}
+
+
+TERM_NAMES = {"compute": "prefill compute", "queueing": "prefill queueing", "transfer": "the pull's transfer",
+              "pull_fixed": "the pull's fixed cost"}
+
+
+def verdict(result: dict[str, Arm], ttft_target: float | None = None) -> dict[str, Any]:
+    """``pays`` and the reason, against the best peer (the cheapest per 1k turns among those meeting the target).
+    With a target both arms meet, TTFT under it does not count: cost decides (TTFT breaks a cost tie)."""
     reuse = result["reuse"]
     peers = [result["peer"], result["peer_no_offload"]]
     best = min(peers, key=lambda a: (not a.met, a.cost_per_1k_turns(), a.ttft_ms()["p90"] or float("inf")))
@@ -120,24 +139,34 @@ def verdict(result: dict[str, Arm]) -> dict[str, Any]:
     faster = r90 is not None and (p90 is None or r90 < p90 * (1 - TTFT_TIE))
     slower = r90 is None or (p90 is not None and r90 > p90 * (1 + TTFT_TIE))
     meets = reuse.met or not best.met
-    pays = meets and not dearer and not slower and (cheaper or faster) and not reuse.capped
+    under_target = ttft_target is not None and reuse.met and best.met and r90 is not None and r90 <= ttft_target
+    if under_target:  # both meet the target: the cheaper fleet wins, TTFT only breaks a tie
+        pays = cheaper or (not dearer and faster)
+    else:
+        pays = meets and not dearer and not slower and (cheaper or faster)
+    pays = pays and not reuse.capped
     price = reuse.fleet.prefill.price_per_hour
     d_p = reuse.fleet.instances("prefill") - best.fleet.instances("prefill")
     d_d = reuse.fleet.instances("decode") - best.fleet.instances("decode")
     terms = _pulled_turn_terms(reuse)
-    saved, spent = terms["compute_saved_ms"], terms["transfer_ms"] + terms["pull_fixed_ms"]
-    # Which term dominates: the larger of the node-cost differences, or the per-turn TTFT terms when nodes tie.
+    ttft_terms = ttft_terms_ms(reuse, best)
+    saved = terms["compute_saved_ms"]
+    # Which term dominates: the larger node-cost difference when the fleets differ in cost; else the TTFT term that
+    # moves the answer most in its direction (positive: reuse faster).
     costs = {"decode nodes for retained KV": d_d * price, "prefill nodes": d_p * price}
-    if d_p == 0 and d_d == 0:
-        dominant = ("the pull's fixed cost" if terms["pull_fixed_ms"] >= max(saved - terms["transfer_ms"], 0)
-                    and spent >= saved else "compute saved by pulls" if saved > spent else "the transfer")
-    else:
+    if (d_p or d_d) and (cheaper or dearer):
         dominant = max(costs, key=lambda k: abs(costs[k]))
+    else:
+        agree = {k: v for k, v in ttft_terms.items() if (v > 0) == pays and v != 0} or ttft_terms
+        dominant = TERM_NAMES[max(agree, key=lambda k: abs(agree[k]))]
     ms = "overloaded" if r90 is None else f"{r90:.0f} ms"
     pms = "overloaded" if p90 is None else f"{p90:.0f} ms"
-    parts = [f"{LABELS['reuse']} {_nodes(reuse)} ${reuse.fleet.cost_per_hour():.2f}/h, ${r_cost:.3f} per 1k turns, "
-             f"p90 TTFT {ms}; {LABELS[best.name]} {_nodes(best)} ${best.fleet.cost_per_hour():.2f}/h, "
-             f"${p_cost:.3f} per 1k turns, p90 {pms}"]
+    parts = [f"{LABELS['reuse']} {_nodes(reuse)} ${reuse.fleet.cost_per_hour():.2f}/h at {reuse.turns_per_s():.2f} "
+             f"turns/s, ${r_cost:.3f} per 1k turns, p90 TTFT {ms}; {LABELS[best.name]} {_nodes(best)} "
+             f"${best.fleet.cost_per_hour():.2f}/h at {best.turns_per_s():.2f} turns/s, ${p_cost:.3f} per 1k turns, "
+             f"p90 {pms}"]
+    if under_target:
+        parts.append(f"both meet the {ttft_target:.0f} ms p90 target, so cost decides")
     if d_d or d_p:
         parts.append(f"reuse takes {d_d:+d} decode and {d_p:+d} prefill node(s) ({(d_d + d_p) * price:+.2f} $/h)")
     if terms["pulled_turns"]:
@@ -145,6 +174,8 @@ def verdict(result: dict[str, Arm]) -> dict[str, Any]:
                      f"{terms['pull_fixed_ms']:.0f} ms fixed; {terms['pulled_turns']:.0%} of turns pull")
     else:
         parts.append("no turn pulls (prefill's own cache or the threshold leaves nothing worth pulling)")
+    parts.append("mean TTFT against the peer (ms, + for reuse): "
+                 + ", ".join(f"{TERM_NAMES[k]} {v:+.0f}" for k, v in ttft_terms.items()))
     if not meets:
         parts.append("reuse misses the TTFT target the peer meets")
     if reuse.capped or best.capped:
@@ -154,7 +185,7 @@ def verdict(result: dict[str, Arm]) -> dict[str, Any]:
     return {"pays": bool(pays), "against": best.name, "dominant": dominant,
             "reason": ("reuse pays: " if pays else "reuse does not pay: ") + "; ".join(parts)
             + f" (dominant: {dominant})",
-            "per_pulled_turn": terms,
+            "per_pulled_turn": terms, "ttft_terms_ms": ttft_terms,
             "arms": {name: arm.summary() for name, arm in result.items()}}
 
 
