@@ -511,3 +511,60 @@ def calibrate(
         f"{e['request_overhead_s'] * 1000:.0f} ms per engine hop, {e['step_overhead_s'] * 1000:.1f} ms per extra "
         f"chunk; transfers {e['transfer_setup_s'] * 1000:.1f} ms + "
         f"{result['network_bits_s'] / 8 / 2**30:.2f} GiB/s\nwrote {state_dir / 'plan-calibration.json'}")
+
+
+@app.command()
+def twin(
+    levels: Annotated[str, typer.Option("--concurrency-levels", "--levels",
+                                        help="Conversations at once, as `turnkv bench capacity` takes them.")]
+    = "1,2,4,8,16",
+    turns: Annotated[int, typer.Option(min=2, help="Turns per conversation.")] = 6,
+    system_words: Annotated[int, typer.Option(min=0, help="Shared system prompt length (words ~ tokens).")] = 200,
+    first_user_words: Annotated[int, typer.Option(min=1, help="First user message length.")] = 300,
+    turn_words: Annotated[int, typer.Option(min=1, help="Words each later turn appends.")] = 200,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Reply length in tokens.")] = 16,
+    prefill_prefix_caching: Annotated[bool, typer.Option(help="Prefill keeps a prefix cache (the local stack's "
+                                                              "default).")] = True,
+    state_dir: Annotated[Path, typer.Option(help="Where `turnkv plan calibrate` stored local-cpu constants.")]
+    = Path(".turnkv"),
+    out: Annotated[Path | None, typer.Option(help="Write the prediction here (JSON).")] = None,
+    measured: Annotated[Path | None, typer.Option(help="A `turnkv bench capacity` capacity.json to compare with.")]
+    = None,
+) -> None:
+    """Predict what `turnkv bench capacity` measures on the local stack (TTFT p50/p90 per level and arm, reuse
+    share, the level sustained) from `turnkv plan calibrate`'s constants, before it runs; --measured compares."""
+    from turnkv.engine_args import EngineSpec
+    from turnkv.plan import architectures, closed_form, hardware
+    from turnkv.plan import twin as tw
+
+    if not (state_dir / hardware.CALIBRATION_FILE).is_file():
+        _fail(f"no local-cpu calibration in {state_dir}: run `turnkv plan calibrate` first (the twin predicts from "
+              "measured constants only)")
+    try:
+        level_list = [int(x) for x in levels.split(",") if x.strip()]
+    except ValueError:
+        level_list = []
+    if not level_list or level_list != sorted(set(level_list)) or level_list[0] < 1:
+        _fail(f"--concurrency-levels {levels!r}: expected increasing positive numbers such as 1,2,4,8,16")
+    inst = hardware.load("local-cpu", state_dir)
+    fleet = closed_form.Fleet(architectures.tiny_local(), inst, inst, 1, 1, block_size=EngineSpec.block_size,
+                              prefill_prefix_caching=prefill_prefix_caching, host_kv_gib=0.0)
+    spec = tw.CapacitySpec(turns, system_words, first_user_words, turn_words, max_tokens)
+    result = tw.predict(fleet, spec, level_list) | {"calibration": inst.efficiency.source}
+    if measured is not None:
+        result["comparison"] = tw.compare(result, json.loads(measured.read_text()))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+    console_out = Console()
+    console_out.print(f"twin of `turnkv bench capacity` ({inst.efficiency.source}); target "
+                      f"{result['target_ms']:,.0f} ms; sustained off {result['sustained_off']}, on "
+                      f"{result['sustained_on']}")
+    for row in result["levels"]:
+        console_out.print(f"  {row['concurrency']:>3} at once: off p50/p90 {row['off']['ttft_p50_ms']:,.0f}/"
+                          f"{row['off']['ttft_p90_ms']:,.0f} ms, on {row['on']['ttft_p50_ms']:,.0f}/"
+                          f"{row['on']['ttft_p90_ms']:,.0f} ms, reuse share {row['on']['reuse_share']:.0%}")
+    for c in result.get("comparison", []):
+        if c["error"] is not None:
+            console_out.print(f"  {c['concurrency']:>3} {c['arm']:>3} {c['stat']}: predicted {c['predicted']:,.0f}, "
+                              f"measured {c['measured']:,.0f} ({c['error']:+.0%})")

@@ -154,7 +154,12 @@ def verdict(result: dict[str, Arm], ttft_target: float | None = None) -> dict[st
     # Which term dominates: the larger node-cost difference when the fleets differ in cost; else the TTFT term that
     # moves the answer most in its direction (positive: reuse faster).
     costs = {"decode nodes for retained KV": d_d * price, "prefill nodes": d_p * price}
-    if (d_p or d_d) and (cheaper or dearer):
+    per_hour = reuse.fleet.cost_per_hour() - best.fleet.cost_per_hour()
+    if (cheaper and per_hour > 0) or (dearer and per_hour < 0):
+        # dearer by the hour but cheaper per turn (or the reverse): the closed loop's turn rate decides; more
+        # decode nodes decode faster, and clients come back sooner
+        dominant = "turns served per hour (decode speed)"
+    elif (d_p or d_d) and (cheaper or dearer):
         dominant = max(costs, key=lambda k: abs(costs[k]))
     else:
         agree = {k: v for k, v in ttft_terms.items() if (v > 0) == pays and v != 0} or ttft_terms
