@@ -218,3 +218,39 @@ def test_under_a_target_both_meet_cost_decides(tmp_path):
     assert "cost decides" in v["reason"]
     # the TTFT terms say where the difference comes from, and the fixed cost counts against reuse
     assert v["ttft_terms_ms"]["pull_fixed"] < 0 and v["ttft_terms_ms"]["transfer"] < 0
+
+
+# -- the local twin ----------------------------------------------------------------------------------
+
+
+def test_the_twin_describes_bench_capacity_conversations_as_demo_json_does():
+    from turnkv.plan import twin
+
+    # demo.json is the demo's conversations (500 system words, 700 first, 380 per turn, 32-token replies)
+    demo = load(ROOT / "bench" / "workloads" / "demo.json")
+    wl = twin.CapacitySpec(turns=8, system_words=500, first_user_words=700, turn_words=380, max_tokens=32).workload(3)
+    a, b = sample(demo, 3, 0), sample(wl, 3, 0)
+    assert np.abs(a.prompt_tokens - b.prompt_tokens).max() <= 8 and (a.turn == b.turn).all()
+
+
+def test_mean_value_analysis_of_the_closed_loop():
+    from turnkv.plan import twin
+
+    assert twin.mva_stretch(1, 0.1, 0.05) == (1.0, pytest.approx(1 / 0.15))
+    stretch, rate = twin.mva_stretch(16, 0.1, 0.0)
+    assert stretch == pytest.approx(16.0) and rate == pytest.approx(10.0)  # saturated: one job at a time
+    light, _ = twin.mva_stretch(4, 0.01, 1.0)
+    assert 1.0 < light < 1.05  # mostly delay: little queueing
+
+
+def test_the_twin_predicts_from_a_calibration_only(tmp_path):
+    from turnkv.plan import twin
+
+    res = runner.invoke(app, ["plan", "twin", "--state-dir", str(tmp_path)])
+    assert res.exit_code == 2 and "turnkv plan calibrate" in " ".join(res.output.split())
+    inst = hardware.INSTANCES["local-cpu"]
+    fleet = closed_form.Fleet(architectures.tiny_local(), inst, inst, 1, 1)
+    out = twin.predict(fleet, twin.CapacitySpec(), [1, 2, 4, 8])
+    p90 = [lv["off"]["ttft_p90_ms"] for lv in out["levels"]]
+    assert p90 == sorted(p90) and out["sustained_off"] in (1, 2, 4, 8)
+    assert all(0 <= lv["on"]["reuse_share"] <= 1 for lv in out["levels"])
