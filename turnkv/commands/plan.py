@@ -530,6 +530,11 @@ def twin(
     out: Annotated[Path | None, typer.Option(help="Write the prediction here (JSON).")] = None,
     measured: Annotated[Path | None, typer.Option(help="A `turnkv bench capacity` capacity.json to compare with.")]
     = None,
+    decode_token_ms: Annotated[float | None, typer.Option(min=0, help="CPU ms per decoded token under load (from "
+                                                                      "--fit-decode on a calibration run).")] = None,
+    fit_decode: Annotated[Path | None, typer.Option(help="A calibration run's capacity.json (of this command's "
+                                                         "workload): fit the decode cost to it and print it.")]
+    = None,
 ) -> None:
     """Predict what `turnkv bench capacity` measures on the local stack (TTFT p50/p90 per level and arm, reuse
     share, the level sustained) from `turnkv plan calibrate`'s constants, before it runs; --measured compares."""
@@ -550,7 +555,12 @@ def twin(
     fleet = closed_form.Fleet(architectures.tiny_local(), inst, inst, 1, 1, block_size=EngineSpec.block_size,
                               prefill_prefix_caching=prefill_prefix_caching, host_kv_gib=0.0)
     spec = tw.CapacitySpec(turns, system_words, first_user_words, turn_words, max_tokens)
-    result = tw.predict(fleet, spec, level_list) | {"calibration": inst.efficiency.source}
+    if fit_decode is not None:
+        token_s = tw.fit_decode(fleet, spec, json.loads(fit_decode.read_text()))
+        Console().print(f"decode_token_ms={token_s * 1000:.3f}")
+        return
+    token_s = None if decode_token_ms is None else decode_token_ms / 1000
+    result = tw.predict(fleet, spec, level_list, token_s) | {"calibration": inst.efficiency.source}
     if measured is not None:
         result["comparison"] = tw.compare(result, json.loads(measured.read_text()))
     if out is not None:

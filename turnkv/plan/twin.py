@@ -70,13 +70,17 @@ def mva_stretch(clients: int, demand_s: float, delay_s: float) -> tuple[float, f
     return stretch, x
 
 
-def _decode_s(fleet: m.Fleet, context: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """CPU seconds decode spends on a reply: one step per token, each a one-token prefill over the context."""
+def _decode_s(fleet: m.Fleet, context: np.ndarray, tokens: np.ndarray, token_s: float | None) -> np.ndarray:
+    """CPU seconds decode spends on a reply: ``token_s`` per token when measured (``fit_decode``), else one step per
+    token priced as a one-token prefill over the context."""
+    if token_s is not None:
+        return tokens * token_s
     step = m.compute_s(fleet, np.ones_like(context), context) + fleet.decode.efficiency.step_overhead_s
     return tokens * step
 
 
-def predict_level(fleet: m.Fleet, spec: CapacitySpec, clients: int, arm: str) -> dict[str, Any]:
+def predict_level(fleet: m.Fleet, spec: CapacitySpec, clients: int, arm: str,
+                  decode_token_s: float | None = None) -> dict[str, Any]:
     """Predicted TTFT p50/p90 (ms) over all turns of ``clients`` conversations at once, its reuse share of later
     turns, and the CPU stretch."""
     wl = spec.workload(clients)
@@ -90,7 +94,7 @@ def predict_level(fleet: m.Fleet, spec: CapacitySpec, clients: int, arm: str) ->
     unqueued = np.where(pulled, costs.ttft_on, costs.ttft_off)
     fixed = unqueued - compute  # hops, transfers, the pull's fixed cost, decode's first step: no CPU queueing
     out = turns.output_tokens.astype(float)
-    decode = _decode_s(fl, turns.prompt_tokens.astype(float), out - 1)
+    decode = _decode_s(fl, turns.prompt_tokens.astype(float), out - 1, decode_token_s)
     stretch, rate = mva_stretch(clients, float((compute + decode).mean()), float(fixed.mean()))
     ttft = (fixed + compute * stretch) * 1000
     later = turns.turn > 0
@@ -101,10 +105,11 @@ def predict_level(fleet: m.Fleet, spec: CapacitySpec, clients: int, arm: str) ->
             "prompt_tokens": [int(turns.prompt_tokens[turns.turn == t].mean()) for t in range(spec.turns)]}
 
 
-def predict(fleet: m.Fleet, spec: CapacitySpec, levels: list[int]) -> dict[str, Any]:
+def predict(fleet: m.Fleet, spec: CapacitySpec, levels: list[int],
+            decode_token_s: float | None = None) -> dict[str, Any]:
     """Every level, both arms, and the levels sustained under bench capacity's default target."""
-    rows = [{"concurrency": c, "off": predict_level(fleet, spec, c, "off"), "on": predict_level(fleet, spec, c, "on")}
-            for c in levels]
+    rows = [{"concurrency": c, "off": predict_level(fleet, spec, c, "off", decode_token_s),
+             "on": predict_level(fleet, spec, c, "on", decode_token_s)} for c in levels]
     target = TARGET_FACTOR * rows[0]["off"]["ttft_p90_ms"]
 
     def sustained(arm: str) -> int:
@@ -115,7 +120,9 @@ def predict(fleet: m.Fleet, spec: CapacitySpec, levels: list[int]) -> dict[str, 
             best = r["concurrency"]
         return best
 
-    return {"spec": spec.__dict__, "levels": rows, "target_ms": round(target, 1),
+    token_ms = None if decode_token_s is None else round(decode_token_s * 1000, 3)
+    return {"spec": spec.__dict__, "decode_token_ms": token_ms,
+            "levels": rows, "target_ms": round(target, 1),
             "sustained_off": sustained("off"), "sustained_on": sustained("on")}
 
 
@@ -135,3 +142,16 @@ def compare(predicted: dict[str, Any], measured: dict[str, Any]) -> list[dict[st
             out.append({"concurrency": row["concurrency"], "arm": arm, "stat": "reuse_share",
                         "predicted": row[arm]["reuse_share"], "measured": lv[arm]["reuse_share"], "error": None})
     return out
+
+
+def fit_decode(fleet: m.Fleet, spec: CapacitySpec, measured: dict[str, Any]) -> float:
+    """The one constant calibration cannot give: CPU seconds per decoded token under load (both engines share the
+    cores), fitted so the reuse-off p50 at the highest level of a *calibration* capacity run matches (bisection)."""
+    top = max(measured["levels"], key=lambda lv: lv["concurrency"])
+    want = top["off"]["ttft_p50_ms"]
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        got = predict_level(fleet, spec, top["concurrency"], "off", mid)["ttft_p50_ms"]
+        lo, hi = (mid, hi) if got < want else (lo, mid)
+    return (lo + hi) / 2
