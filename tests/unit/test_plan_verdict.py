@@ -197,7 +197,7 @@ def test_local_pull_cost_is_measured_and_gpu_pull_cost_is_published():
     for c in hardware.GPU_PULL:
         assert "vLLM" in c.source or "ElastiCache" in c.source or "neuralmagic" in c.source
     assert any("measured" in c.source for c in hardware.LOCAL_PULL)
-    assert hardware.INSTANCES["local-cpu"].efficiency.pull_overhead_s == pytest.approx(0.011)
+    assert hardware.INSTANCES["local-cpu"].efficiency.pull_overhead_s == pytest.approx(0.008)
     assert np.isclose(hardware.pull_fixed_s(hardware.GPU_PULL), 0.111)
 
 

@@ -53,13 +53,20 @@ GPU_PULL = (
     PullComponent("handshake", 2.0, "NIXL agent handshake, once per engine pair ('the nixl handshake takes ~2s', "
                   "neuralmagic/vllm#63): paid once, not per turn", per_turn=False),
 )
-#: The local stack (2 CPU cores, UCX over loopback): measured, not published.
+#: The local stack (2 CPU cores, UCX over loopback): measured by `python -m bench.pull_cost` (issue #36,
+#: docs/connector.md "Fixed cost of a pull"), its quieter run: medians of 6 later pulls against the same turns
+#: recomputed, each part from the router's and engines' /metrics around one request at a time.
+_PULL_COST = "measured: bench.pull_cost (issue #36, docs/connector.md 'Fixed cost of a pull', the 'before' run)"
 LOCAL_PULL = (
-    PullComponent("step_alignment", 0.011, "measured: bench.plan_accuracy's run of 2026-12-01 05:13 UTC "
-                  "(docs/planning.md) predicted pulled turns 2-8 from calibration with no pull term and measured "
-                  "2-18 ms more (mean 11 ms): the router, clearance and step waits together on this machine"),
+    PullComponent("router_lookup", 0.0020, f"{_PULL_COST}: router +2.0 ms over a recompute turn (store take, offer "
+                  "clearance HMAC, evictions-feed check)"),
+    PullComponent("prefill_http", 0.0022, f"{_PULL_COST}: prefill's HTTP/template/tokenization +2.2 ms"),
+    PullComponent("step_alignment", 0.0038, f"{_PULL_COST}: admission and polling 3.8 ms (the steps prefill polls "
+                  "the READ with, 1 ms apart, and the step that picks the request up)"),
     PullComponent("nixl_post", 0.002, "the transfer set-up `turnkv plan calibrate` fits (transfer_setup_s): "
                   "counted in the transfer", per_turn=False),
+    PullComponent("handshake", 0.0092, f"{_PULL_COST}: the first pull from a decode engine, once per engine pair",
+                  per_turn=False),
 )
 
 
