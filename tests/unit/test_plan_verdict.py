@@ -254,3 +254,9 @@ def test_the_twin_predicts_from_a_calibration_only(tmp_path):
     p90 = [lv["off"]["ttft_p90_ms"] for lv in out["levels"]]
     assert p90 == sorted(p90) and out["sustained_off"] in (1, 2, 4, 8)
     assert all(0 <= lv["on"]["reuse_share"] <= 1 for lv in out["levels"])
+    # bench capacity replays the same conversations (one seed, temperature 0): with prefill's prefix cache the
+    # reuse-on arm, after reuse off at the same level, finds whole prompts cached and pulls nothing; an earlier
+    # level's conversations are cached whole in the reuse-off arm too
+    assert all(lv["on"]["reuse_share"] == 0 for lv in out["levels"])
+    fresh = twin.predict_level(fleet, twin.CapacitySpec(), 2, "off", seen=0)["ttft_p50_ms"]
+    assert twin.predict_level(fleet, twin.CapacitySpec(), 2, "off", seen=1)["ttft_p50_ms"] < fresh

@@ -80,15 +80,24 @@ def _decode_s(fleet: m.Fleet, context: np.ndarray, tokens: np.ndarray, token_s: 
 
 
 def predict_level(fleet: m.Fleet, spec: CapacitySpec, clients: int, arm: str,
-                  decode_token_s: float | None = None) -> dict[str, Any]:
+                  decode_token_s: float | None = None, seen: int = 0) -> dict[str, Any]:
     """Predicted TTFT p50/p90 (ms) over all turns of ``clients`` conversations at once, its reuse share of later
-    turns, and the CPU stretch."""
+    turns, and the CPU stretch. ``seen``: conversations an earlier level already played (bench capacity builds
+    the same conversations from one seed at every level, and temperature 0 gives the same replies, so with a
+    prefix cache on prefill their prompts are cached whole); the reuse-on arm runs after reuse off at the same
+    level, so with a prefix cache all of its prompts are cached whole."""
     wl = spec.workload(clients)
     turns = sample(wl, clients, 0)
     fl = replace(fleet, prefill_nodes=1, decode_nodes=1)
     # The working set is far below the local engines' KV caches: prefill's cache keeps every conversation.
     cache = m.prefill_cache(fl, turns, lam_turns=1e-9, tpot=0.0)
-    costs = m.turn_costs(fl, turns.prompt_tokens, turns.history_tokens, cache.cached, cache.offloaded)
+    cached = cache.cached
+    if fl.prefill_prefix_caching:
+        block = fl.block_size
+        whole = np.floor((turns.prompt_tokens - 1) / block) * block  # vLLM computes at least the last token
+        replayed = np.full(turns.conv.shape, arm == "on") | (turns.conv < seen)
+        cached = np.where(replayed, np.maximum(whole, cached), cached)
+    costs = m.turn_costs(fl, turns.prompt_tokens, turns.history_tokens, cached, cache.offloaded)
     pulled = costs.pull if arm == "on" else np.zeros_like(costs.pull)
     compute = np.where(pulled, costs.compute_on, costs.compute_off)
     unqueued = np.where(pulled, costs.ttft_on, costs.ttft_off)
@@ -108,8 +117,9 @@ def predict_level(fleet: m.Fleet, spec: CapacitySpec, clients: int, arm: str,
 def predict(fleet: m.Fleet, spec: CapacitySpec, levels: list[int],
             decode_token_s: float | None = None) -> dict[str, Any]:
     """Every level, both arms, and the levels sustained under bench capacity's default target."""
-    rows = [{"concurrency": c, "off": predict_level(fleet, spec, c, "off", decode_token_s),
-             "on": predict_level(fleet, spec, c, "on", decode_token_s)} for c in levels]
+    rows = [{"concurrency": c, "off": predict_level(fleet, spec, c, "off", decode_token_s, max(levels[:i], default=0)),
+             "on": predict_level(fleet, spec, c, "on", decode_token_s, max(levels[:i], default=0))}
+            for i, c in enumerate(levels)]
     target = TARGET_FACTOR * rows[0]["off"]["ttft_p90_ms"]
 
     def sustained(arm: str) -> int:
@@ -147,11 +157,13 @@ def compare(predicted: dict[str, Any], measured: dict[str, Any]) -> list[dict[st
 def fit_decode(fleet: m.Fleet, spec: CapacitySpec, measured: dict[str, Any]) -> float:
     """The one constant calibration cannot give: CPU seconds per decoded token under load (both engines share the
     cores), fitted so the reuse-off p50 at the highest level of a *calibration* capacity run matches (bisection)."""
+    levels = sorted(lv["concurrency"] for lv in measured["levels"])
     top = max(measured["levels"], key=lambda lv: lv["concurrency"])
+    seen = max(levels[:-1], default=0)
     want = top["off"]["ttft_p50_ms"]
     lo, hi = 0.0, 1.0
     for _ in range(50):
         mid = (lo + hi) / 2
-        got = predict_level(fleet, spec, top["concurrency"], "off", mid)["ttft_p50_ms"]
+        got = predict_level(fleet, spec, top["concurrency"], "off", mid, seen)["ttft_p50_ms"]
         lo, hi = (mid, hi) if got < want else (lo, mid)
     return (lo + hi) / 2
