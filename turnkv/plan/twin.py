@@ -8,8 +8,10 @@ prefill over what prefill's own prefix cache holds, the pull of the tail it lack
 transfers) at the calibrated local-cpu constants, and queues them by exact mean value analysis of the closed
 loop: N clients over one processor-shared CPU station (both engines' compute: prefill chunks and decode
 steps) and a delay for the rest. Each turn's compute is stretched by the jobs it shares the CPU with
-(``1 + Q(N-1)``, the arrival theorem). The highest level sustained follows `bench capacity`'s rule: the last
-level, going up, whose TTFT p90 stays within twice the reuse-off p90 of the lowest level.
+(``1 + Q(N-1)``, the arrival theorem), at the number of conversations actually active together (the
+benchmark staggers their starts and each plays only a few turns: ``overlap``). The highest level sustained
+follows `bench capacity`'s rule: the last level, going up, whose TTFT p90 stays within twice the reuse-off p90
+of the lowest level.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ SYSTEM_EXTRA = 18  # opening words + the system message's template tokens + the 
 ROLE_HINT = (2, 3)
 #: bench.capacity's default target: this many times the reuse-off p90 of the lowest level.
 TARGET_FACTOR = 2.0
+#: bench.capacity's default --stagger: seconds between conversation starts.
+STAGGER_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,24 @@ def mva_stretch(clients: int, demand_s: float, delay_s: float) -> tuple[float, f
     return stretch, x
 
 
+def overlap(clients: int, length_s: float, stagger_s: float) -> float:
+    """Conversations a turn shares the machine with, on average, itself included, when conversation i starts at
+    i x ``stagger_s`` and lasts ``length_s``: the mean over pairs of the share of one's time the other is active."""
+    if clients <= 1 or length_s <= 0:
+        return 1.0
+    i = np.arange(clients)
+    gap = np.abs(i[:, None] - i[None, :]) * stagger_s
+    return float(np.clip(1 - gap / length_s, 0.0, 1.0).sum() / clients)
+
+
+def mva_stretch_at(clients: float, demand_s: float, delay_s: float) -> tuple[float, float]:
+    """``mva_stretch`` at a fractional client count (linear between the whole counts around it)."""
+    lo = max(1, int(np.floor(clients)))
+    a, b = mva_stretch(lo, demand_s, delay_s), mva_stretch(lo + 1, demand_s, delay_s)
+    w = min(max(clients - lo, 0.0), 1.0)
+    return a[0] + w * (b[0] - a[0]), a[1] + w * (b[1] - a[1])
+
+
 def _decode_s(fleet: m.Fleet, context: np.ndarray, tokens: np.ndarray, token_s: float | None) -> np.ndarray:
     """CPU seconds decode spends on a reply: ``token_s`` per token when measured (``fit_decode``), else one step per
     token priced as a one-token prefill over the context."""
@@ -80,7 +102,7 @@ def _decode_s(fleet: m.Fleet, context: np.ndarray, tokens: np.ndarray, token_s: 
 
 
 def predict_level(fleet: m.Fleet, spec: CapacitySpec, clients: int, arm: str,
-                  decode_token_s: float | None = None, seen: int = 0) -> dict[str, Any]:
+                  decode_token_s: float | None = None, seen: int = 0, stagger: float = STAGGER_S) -> dict[str, Any]:
     """Predicted TTFT p50/p90 (ms) over all turns of ``clients`` conversations at once, its reuse share of later
     turns, and the CPU stretch. ``seen``: conversations an earlier level already played (bench capacity builds
     the same conversations from one seed at every level, and temperature 0 gives the same replies, so with a
@@ -104,13 +126,21 @@ def predict_level(fleet: m.Fleet, spec: CapacitySpec, clients: int, arm: str,
     fixed = unqueued - compute  # hops, transfers, the pull's fixed cost, decode's first step: no CPU queueing
     out = turns.output_tokens.astype(float)
     decode = _decode_s(fl, turns.prompt_tokens.astype(float), out - 1, decode_token_s)
-    stretch, rate = mva_stretch(clients, float((compute + decode).mean()), float(fixed.mean()))
+    # bench capacity starts conversation i at i x stagger and plays its turns back to back: the conversations
+    # overlap only in part, so the loop holds fewer clients than the level on average (a fixed point: how long a
+    # conversation lasts depends on the queueing it meets)
+    demand, delay = float((compute + decode).mean()), float(fixed.mean())
+    active = float(clients)
+    for _ in range(30):
+        stretch, rate = mva_stretch_at(active, demand, delay)
+        length = spec.turns * (delay + demand * stretch)
+        active = overlap(clients, length, stagger)
     ttft = (fixed + compute * stretch) * 1000
     later = turns.turn > 0
     return {"concurrency": clients, "ttft_p50_ms": round(float(np.percentile(ttft, 50)), 1),
             "ttft_p90_ms": round(float(np.percentile(ttft, 90)), 1),
             "reuse_share": round(float(pulled[later].mean()), 3) if later.any() else None,
-            "cpu_stretch": round(stretch, 3), "turns_per_s": round(rate, 3),
+            "cpu_stretch": round(stretch, 3), "turns_per_s": round(rate, 3), "active": round(active, 2),
             "prompt_tokens": [int(turns.prompt_tokens[turns.turn == t].mean()) for t in range(spec.turns)]}
 
 
