@@ -260,3 +260,14 @@ def test_the_twin_predicts_from_a_calibration_only(tmp_path):
     assert all(lv["on"]["reuse_share"] == 0 for lv in out["levels"])
     fresh = twin.predict_level(fleet, twin.CapacitySpec(), 2, "off", seen=0)["ttft_p50_ms"]
     assert twin.predict_level(fleet, twin.CapacitySpec(), 2, "off", seen=1)["ttft_p50_ms"] < fresh
+
+
+def test_staggered_conversations_overlap_in_part():
+    from turnkv.plan import twin
+
+    assert twin.overlap(1, 5.0, 0.2) == 1.0
+    assert twin.overlap(8, 1e6, 0.2) == pytest.approx(8.0, rel=1e-3)  # long conversations: all together
+    assert twin.overlap(8, 0.2, 0.2) == pytest.approx(1.0)  # each ends as the next starts
+    assert 1.0 < twin.overlap(8, 1.0, 0.2) < 8.0
+    lo, hi = twin.mva_stretch(3, 0.1, 0.1)[0], twin.mva_stretch(4, 0.1, 0.1)[0]
+    assert lo < twin.mva_stretch_at(3.5, 0.1, 0.1)[0] < hi
