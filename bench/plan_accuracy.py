@@ -35,7 +35,9 @@ def predict(constants: dict[str, Any], workload_file: Path = DEMO_WORKLOAD) -> l
     from turnkv.engine_args import EngineSpec
 
     inst = hardware.apply_calibration(hardware.INSTANCES["local-cpu"], constants)
-    fleet = closed_form.Fleet(tiny_local(), inst, inst, 1, 1, block_size=EngineSpec.block_size)
+    # the demo's stack runs prefill without a prefix cache (StackConfig below)
+    fleet = closed_form.Fleet(tiny_local(), inst, inst, 1, 1, block_size=EngineSpec.block_size,
+                              prefill_prefix_caching=False)
     return closed_form.evaluate(fleet, load_workload(workload_file)).per_turn()
 
 

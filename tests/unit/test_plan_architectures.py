@@ -11,6 +11,7 @@ QWEN3_32B_CONFIG = {  # Qwen/Qwen3-32B config.json (fields the planner reads)
     "architectures": ["Qwen3ForCausalLM"], "hidden_size": 5120, "intermediate_size": 25600,
     "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 64,
     "vocab_size": 151936, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+    "max_position_embeddings": 40960,
 }
 
 

@@ -24,7 +24,9 @@ def plan_json(tmp_path, *args):
 
 
 def test_the_no_reuse_arm_is_sized_on_its_own_by_the_same_function(tmp_path):
-    data = plan_json(tmp_path, "--model", "Qwen3-32B", "--workload", str(WORKLOAD), "--ttft-target-ms", "300")
+    # device only (--host-kv-gib 0): reuse's retained turns then take decode nodes of their own
+    data = plan_json(tmp_path, "--model", "Qwen3-32B", "--workload", str(WORKLOAD), "--ttft-target-ms", "300",
+                     "--host-kv-gib", "0")
     inst = hardware.load("p5en.48xlarge")
     fleet = closed_form.Fleet(architectures.load("Qwen3-32B"), inst, inst)
     wl = load(WORKLOAD)
@@ -112,11 +114,11 @@ def test_the_output_states_its_assumptions(tmp_path):
     a = data["assumptions"]
     assert a["num_clients"] == 1024 and a["think_time_s_mean"] > 0 and a["turns_per_s"] > 0
     assert a["max_prefill_utilization"] == 0.85 and a["block_size"] == 128
-    assert a["prefill_prefix_caching"] is False and a["engines_per_node"] == {"prefill": 1, "decode": 1}
+    assert a["prefill_prefix_caching"] is True and a["engines_per_node"] == {"prefill": 1, "decode": 1}
     res = runner.invoke(app, ["plan", "--out", str(tmp_path), "--workload", str(WORKLOAD)],
                         env={"COLUMNS": "200"})
     text = " ".join(res.output.split())
-    for words in ("1,024 clients", "think time", "turns/s", "85%", "block size 128", "prefix caching off"):
+    for words in ("1,024 clients", "think time", "turns/s", "85%", "block size 128", "prefix caching on"):
         assert words in text, words
 
 

@@ -38,7 +38,9 @@ def test_load_gives_the_constants_the_fit_derives_from_the_data_file():
         assert eff.dense == pytest.approx(1 / coef["dense_compute"])
         assert eff.moe == pytest.approx(1 / coef["moe_compute"])
         assert eff.request_overhead_s == pytest.approx(coef["hops"])
-        assert eff.pull_overhead_s == pytest.approx(coef["pull"])
+        # the pull is never fitted: the sum of its named, published components
+        published = hardware.pull_fixed_s(hardware.GPU_PULL)
+        assert eff.pull_overhead_s == pytest.approx(coef["pull"]) == pytest.approx(published)
         assert "gpu_measurements.json" in eff.source and all(c in eff.source for c in at_prior)
     assert hardware.load("local-cpu") == hardware.INSTANCES["local-cpu"]  # the GPU fit leaves the CPU alone
 
@@ -56,10 +58,21 @@ def test_other_measurements_give_other_constants(monkeypatch):
 def test_the_fit_recovers_constants_it_generated():
     data = gc.load_data()
     inst, settings = hardware.INSTANCES["p5en.48xlarge"], gc.settings(data)
-    truth = gc.prior_coefficients(inst.efficiency) | {"moe_compute": 1 / 0.2, "pull": 0.2}
+    truth = gc.prior_coefficients(inst.efficiency) | {"moe_compute": 1 / 0.2, "hops": 0.03}
     rows = [r | {"measured_ms": gc.linear_prediction(r, truth, inst, settings) * 1000} for r in data["ttft"]]
     coef, _ = gc.select(rows, inst, settings)
     assert coef == pytest.approx(truth, rel=1e-6)
+
+
+def test_the_pull_is_never_fitted_to_the_rows():
+    # data made with a 500 ms pull: the fit keeps the pull at its components' sum and the error stays in the residual
+    data = gc.load_data()
+    inst, settings = hardware.INSTANCES["p5en.48xlarge"], gc.settings(data)
+    truth = gc.prior_coefficients(inst.efficiency) | {"pull": 0.5}
+    rows = [r | {"measured_ms": gc.linear_prediction(r, truth, inst, settings) * 1000}
+            for r in gc.calibration_rows(data)]
+    coef, at_prior = gc.select(rows, inst, settings)
+    assert "pull" in at_prior and coef["pull"] == pytest.approx(hardware.pull_fixed_s(hardware.GPU_PULL))
 
 
 def test_a_term_the_rows_cannot_separate_keeps_its_prior():
@@ -67,13 +80,14 @@ def test_a_term_the_rows_cannot_separate_keeps_its_prior():
     # with another per-request cost is fitted exactly with one of the two at its prior
     data = gc.load_data()
     inst, settings = hardware.INSTANCES["p5en.48xlarge"], gc.settings(data)
-    truth = gc.prior_coefficients(inst.efficiency) | {"moe_compute": 1 / 0.2, "hops": 0.05, "pull": 0.2}
+    truth = gc.prior_coefficients(inst.efficiency) | {"moe_compute": 1 / 0.2, "hops": 0.05}
     rows = [r | {"measured_ms": gc.linear_prediction(r, truth, inst, settings) * 1000}
             for r in gc.calibration_rows(data)]
     coef, at_prior = gc.select(rows, inst, settings)
-    assert len(at_prior) == 1 and at_prior[0] in ("dense_compute", "hops")
+    fitted_at_prior = [c for c in at_prior if c not in gc.NEVER_FITTED]
+    assert len(fitted_at_prior) == 1 and fitted_at_prior[0] in ("dense_compute", "hops")
     assert gc.rms_error(rows, coef, inst, settings) < 1e-3
-    assert coef["pull"] == pytest.approx(0.2, rel=0.05) and coef["moe_compute"] == pytest.approx(5, rel=0.05)
+    assert coef["moe_compute"] == pytest.approx(5, rel=0.05)
 
 
 def test_achieved_factors_stay_under_the_published_kernel_bound():
@@ -92,15 +106,18 @@ def test_report_has_errors_held_out_checks_ablation_and_band():
     assert all(r["split"] == "held_out" for r in rep["transfers"])
     assert {a["term"] for a in rep["ablation"]} == {"none (the calibrated model)", *gc.COLUMNS, "attention", *gc.KNOWN}
     full = rep["ablation"][0]["rms_error"]
-    assert all(a["rms_error"] is None or a["rms_error"] >= full - 1e-9 for a in rep["ablation"])
+    # removing a fitted term never helps; a term held at its published value (the pull) may fit the rows worse
+    # than leaving it out, which the ablation then shows
+    assert all(a["rms_error"] is None or a["rms_error"] >= full - 1e-9 for a in rep["ablation"]
+               if a["term"] in gc.COLUMNS and a["term"] not in gc.NEVER_FITTED)
     assert 0 < rep["band"] < 1
 
 
-def test_a_pull_pays_the_fitted_handover_and_recompute_does_not():
+def test_a_pull_pays_its_named_fixed_cost_and_recompute_does_not():
     from turnkv.plan import architectures, closed_form
 
     inst = hardware.load("p5en.48xlarge")
-    none = replace(inst, efficiency=replace(inst.efficiency, pull_overhead_s=0.0))
+    none = replace(inst, efficiency=replace(inst.efficiency, pull_components=()))
     fleet = closed_form.Fleet(architectures.load("Qwen3-32B"), inst, inst)
     bare = closed_form.Fleet(architectures.load("Qwen3-32B"), none, none)
     a, b = closed_form.turn_costs(fleet, [8000], [7800]), closed_form.turn_costs(bare, [8000], [7800])
@@ -116,12 +133,14 @@ def test_docs_show_the_tables_the_code_derives():
     assert shown == gc.markdown(), "regenerate with: python -m turnkv.plan.gpu_calibration --markdown"
 
 
-def test_the_ridge_fits_equally_well_and_differs_where_the_docs_say():
+def test_the_ridge_shows_the_fits_along_the_dense_per_request_trade_off():
+    # with the pull held at its published components the calibrated fit sits at the kernel cap; a fit with no
+    # per-request cost is worse (the seeds' rows need fixed costs the pull no longer absorbs)
     ends = gc.ridge(gc.load_data())
     assert [e["fit"] for e in ends] == ["dense at the kernel cap", "calibrated", "no per-request cost"]
-    assert max(e["rms_error"] for e in ends) - min(e["rms_error"] for e in ends) < gc.IDENTIFIED
-    assert ends[0]["ttft_off_ms_4567"] > ends[1]["ttft_off_ms_4567"] > ends[2]["ttft_off_ms_4567"]
-    assert ends[0]["break_even_tokens"] < ends[1]["break_even_tokens"] < ends[2]["break_even_tokens"]
+    assert min(e["rms_error"] for e in ends) == pytest.approx(ends[1]["rms_error"])
+    assert ends[2]["rms_error"] > ends[1]["rms_error"]
+    assert all(e["pull_ms"] == pytest.approx(1000 * hardware.pull_fixed_s(hardware.GPU_PULL)) for e in ends)
 
 
 def test_every_held_out_figure_is_in_the_quoted_line_it_came_from():

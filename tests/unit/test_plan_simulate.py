@@ -25,7 +25,8 @@ WORKLOAD = {
 
 def fleet(**kw) -> closed_form.Fleet:
     inst = hardware.load("p5en.48xlarge")
-    return closed_form.Fleet(architectures.load("Qwen3-32B"), inst, inst, **kw)
+    # queueing and retention under test, not prefill's cache: the seeds' setting (no prefix cache on prefill)
+    return closed_form.Fleet(architectures.load("Qwen3-32B"), inst, inst, **({"prefill_prefix_caching": False} | kw))
 
 
 @pytest.fixture(scope="module")

@@ -75,7 +75,13 @@ def build_fleet(model: str, instance: str, tp: int | None, tp_prefill: int | Non
                   + (f"raise {name}" if value < inst.devices else "pick an instance with more memory")
                   + ("" if arch.dtype == "fp8" else " or use --dtype fp8"))
     # The block size turnkv's engines run with, locally and on AWS (turnkv.engine_args: `--block-size`).
-    return Fleet(arch, inst, inst, tp_p, tp_d, block_size or EngineSpec.block_size, mode,
+    block = block_size or EngineSpec.block_size
+    if block % inst.kv_block_multiple:
+        fits = [b for b in (16, 32, 64, 128, 256) if b % inst.kv_block_multiple == 0]
+        _fail(f"--block-size {block}: vLLM's attention backend on {inst.name} takes multiples of "
+              f"{inst.kv_block_multiple} tokens: use {', '.join(map(str, fits))} (turnkv's engines run "
+              f"{EngineSpec.block_size})")
+    return Fleet(arch, inst, inst, tp_p, tp_d, block, mode,
                  float(ttl), int(threshold), prefill_prefix_caching=prefill_prefix_caching)
 
 
@@ -88,6 +94,21 @@ KV_DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "
              "fp8_ds_mla": "fp8_ds_mla"}
 
 
+def _check_workload(fleet, workload) -> None:
+    """Refuse a workload the model cannot serve: a conversation longer than its context window."""
+    from turnkv.plan.workload import sample
+
+    limit = fleet.model.max_context
+    if not limit:
+        return
+    turns = sample(workload, min(workload.num_conversations, 5000), 0)
+    longest = int((turns.prompt_tokens + turns.output_tokens).max())
+    if longest > limit:
+        _fail(f"--workload: its longest turn reaches {longest:,} tokens (prompt + reply), beyond {fleet.model.name}'s "
+              f"{limit:,}-token context (max_position_embeddings): lower prefix_num_tokens (or its max), num_turns "
+              f"or the reply length, or plan a model with a longer context")
+
+
 def _precision(flag: str, value: str | None, allowed: dict[str, str | None]) -> str | None:
     if value is None:
         return None
@@ -97,19 +118,28 @@ def _precision(flag: str, value: str | None, allowed: dict[str, str | None]) -> 
     return allowed[value.lower()]
 
 
+def default_offload_gib(inst, tp: int) -> float:
+    """An engine's default host tier (decode's retained turns, or a peer prefill's offload tier): half the node's
+    host memory over its engines, as the deploy sizes decode's (infra/instances.py host_tier_budget_mib)."""
+    return 0.5 * inst.host_memory_gib / max(1, inst.devices // max(1, tp))
+
+
 def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, conversations: int,
-             deployment: str) -> dict[str, Any]:
+             deployment: str, peer_offload_gib: float | None = None) -> dict[str, Any]:
     """Everything `turnkv plan` prints, as one JSON-ready dict (pure apart from the timing)."""
     from turnkv.plan import closed_form as m
     from turnkv.plan import simulate as sim
+    from turnkv.plan import verdict as v
     from turnkv.plan.workload import sample
 
     turns = sample(workload, 5000, 0)
-    sized, target_met = m.size_fleet(fleet, workload, ttft_target, turns=turns)
-    # Reuse off sized on its own, by the same function, for the same target and workload: prefill for the full
-    # recompute, decode for the turns in flight only (nothing retained between turns).
-    no_reuse, target_met_off = m.size_fleet(fleet, workload, ttft_target, turns=turns, arm="off")
-    plan = m.evaluate(sized, workload, turns=turns)
+    offload = default_offload_gib(fleet.prefill, fleet.tp_prefill) if peer_offload_gib is None else peer_offload_gib
+    arms = v.arms(fleet, workload, turns, ttft_target, offload)
+    sized, target_met, plan = arms["reuse"].fleet, arms["reuse"].met, arms["reuse"].plan
+    # Reuse off sized on its own, by the same function, for the same target and workload, with the same prefill
+    # settings: prefill for what its own cache does not hold, decode for the turns in flight only.
+    no_reuse, target_met_off = m.size_fleet(replace(fleet, host_kv_gib=0.0), workload, ttft_target, turns=turns,
+                                            arm="off")
     # Reuse off is shown on the fleet sized for it: what running without reuse would take and give.
     plan_off = m.evaluate(no_reuse, workload, turns=turns)
     per_turn = [on | {"ttft_ms_off": off["ttft_ms_off"]} for on, off in zip(plan.per_turn(), plan_off.per_turn(),
@@ -126,11 +156,19 @@ def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, convers
     for row in per_turn:
         for arm in ("off", "on"):
             row[f"ttft_ms_{arm}_band"] = band_ms(row[f"ttft_ms_{arm}"], band)
+    verdict = v.verdict(arms, ttft_target)
+    capped = {name: arm.capped for name, arm in arms.items() if arm.capped} | (
+        {"no_reuse": m.capped(no_reuse)} if m.capped(no_reuse) else {})
     out: dict[str, Any] = {
+        "verdict": verdict,
+        "capped": capped,
+        "max_engines_per_role": m.MAX_ENGINES,
         "inputs": {"model": sized.model.name, "dtype": sized.model.dtype, "kv_dtype": sized.model.kv_dtype,
                    "instance": sized.prefill.name, "tp": {"prefill": sized.tp_prefill, "decode": sized.tp_decode},
                    "block_size": sized.block_size, "mode": sized.mode, "ttl_s": sized.ttl_s,
                    "threshold": sized.threshold, "prefill_prefix_caching": sized.prefill_prefix_caching,
+                   "prefill_offload_gib": sized.prefill_offload_gib, "peer_offload_gib": offload,
+                   "routing": sized.routing, "host_kv_gib": sized.host_kv_gib,
                    "ttft_target_ms": ttft_target, "num_clients": workload.num_clients,
                    "mean_user_turns": round(workload.mean_user_turns(), 2),
                    "deployable": sized.prefill.deployable, "deployable_note": sized.prefill.deployable_note},
@@ -139,6 +177,15 @@ def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, convers
                         "turns_per_s": round(plan.load_on.turns_per_s, 2),
                         "max_prefill_utilization": m.MAX_UTIL, "block_size": sized.block_size,
                         "prefill_prefix_caching": sized.prefill_prefix_caching,
+                        "prefill_cache": {"hit_share": round(plan.cache.hit_share, 4),
+                                          "offload_share": round(plan.cache.offload_share, 4),
+                                          "characteristic_time_s": {"device": _finite(plan.cache.t_device_s),
+                                                                    "with_offload": _finite(plan.cache.t_total_s)}},
+                        "pull_fixed_components": [
+                            {"name": c.name, "ms": round(c.seconds * 1000, 1), "per_turn": c.per_turn,
+                             "source": c.source} for c in sized.prefill.efficiency.pull_components],
+                        "pull_fixed_ms": round(sized.prefill.efficiency.pull_overhead_s * 1000, 1),
+                        "pd_handover_ms": round(sized.prefill.efficiency.pd_handover_s * 1000, 1),
                         "decode_prefix_caching": True, "engines_per_node": per_node,
                         "price_per_node_hour": sized.prefill.price_per_hour},
         "ttft_ms": {"off": m.summarize(plan_off)["ttft_ms"]["off"], "on": m.summarize(plan)["ttft_ms"]["on"]},
@@ -188,6 +235,10 @@ def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, convers
         out["simulation"]["ttft_ms_band"] = {arm: {k: band_ms(v, band) for k, v in summ.items()}
                                              for arm, summ in out["simulation"]["ttft_ms"].items()}
     return out
+
+
+def _finite(value: float) -> float | None:
+    return round(value, 1) if value != float("inf") else None
 
 
 def band_ms(value: float | None, band: float | None) -> list[float] | None:
@@ -252,12 +303,14 @@ def print_tables(result: dict[str, Any]) -> None:
     inp = result["inputs"]
     t = Table(title=f"turnkv plan — {inp['model']} ({inp['dtype']}, KV {inp['kv_dtype']}) on {inp['instance']}, "
                     f"TP {inp['tp']['prefill']}/{inp['tp']['decode']}, {inp['mode']}; reuse off on its own fleet")
-    for col in ("turn", "prompt tokens", "TTFT off (ms)", "TTFT on (ms)", "transfer (ms)", "compute saved (ms)"):
+    for col in ("turn", "prompt tokens", "prefill cache (tokens)", "pulled (tokens)", "TTFT off (ms)",
+                "TTFT on (ms)", "transfer (ms)", "pull fixed (ms)", "compute saved (ms)"):
         t.add_column(col, justify="right")
     band = result["ttft_band"]["relative"]
     for r in result["per_turn"]:
-        t.add_row(str(r["turn"]), str(r["prompt_tokens"]), _ms(r["ttft_ms_off"], band), _ms(r["ttft_ms_on"], band),
-                  f"{r['transfer_ms']:.0f}", f"{r['compute_saved_ms']:.0f}")
+        t.add_row(str(r["turn"]), str(r["prompt_tokens"]), str(r["prefill_cached_tokens"]), str(r["pulled_tokens"]),
+                  _ms(r["ttft_ms_off"], band), _ms(r["ttft_ms_on"], band), f"{r['transfer_ms']:.0f}",
+                  f"{r['pull_fixed_ms']:.0f}", f"{r['compute_saved_ms']:.0f}")
     out.print(t)
     s = Table(title="summary (all turns)")
     for col in ("", "mean", "p50", "p90"):
@@ -309,12 +362,44 @@ def print_tables(result: dict[str, Any]) -> None:
         f"turns that find their KV: {result['reuse_share']:.1%}\n"
         f"recommended: decoder_kv_blocks_ttl={rec['decoder_kv_blocks_ttl']} s, kv_recompute_threshold="
         f"{rec['kv_recompute_threshold']} tokens (pulling beats recomputing above it)\n  {rec['params_set']}")
+    print_verdict(out, result)
     if "simulation" in result:
         sim = result["simulation"]
         out.print(f"simulation: {sim['conversations']:,} conversations, {sim['turns']:,} turns in "
                   f"{sim['seconds']:.1f} s;"
                   f" hit share {sim['reuse_share']:.1%}, retained {sim['retained_gib_per_decode']:.1f} GiB mean, "
                   f"{sim['retained_gib_peak']:.1f} GiB peak per decode node")
+
+
+def print_verdict(out: Console, result: dict[str, Any]) -> None:
+    """The arms side by side and the verdict line, from the same numbers plan.json carries."""
+    from rich.table import Table
+
+    from turnkv.plan.verdict import ARMS
+
+    v = result["verdict"]
+    t = Table(title="does reuse pay? each arm sized on its own for the same load and target")
+    for col in ("arm", "TTFT p50 (ms)", "TTFT p90 (ms)", "nodes", "$/hour", "$ per 1k turns", "prefill cache hits",
+                "tokens computed", "tokens pulled"):
+        t.add_column(col, justify="right")
+    for name in ARMS:
+        a = v["arms"][name]
+        src = a["token_sources"]
+        t.add_row(a["label"], _ms(a["ttft_ms"]["p50"]), _ms(a["ttft_ms"]["p90"]),
+                  f"{a['nodes']['prefill']}P{a['nodes']['decode']}D" + (" (capped)" if a["capped"] else ""),
+                  f"{a['cost_per_hour']:.2f}", f"{a['cost_per_1k_turns']:.3f}", f"{a['prefill_cache_hit_share']:.0%}",
+                  f"{src['computed']:.0%}", f"{src['pulled_device'] + src['pulled_host']:.0%}")
+    out.print(t)
+    a = result["assumptions"]
+    parts = ", ".join(f"{c['name']} {c['ms']:.1f} ms" + ("" if c["per_turn"] else " (not per turn)")
+                      for c in a["pull_fixed_components"])
+    out.print(f"pull fixed cost {a['pull_fixed_ms']:.0f} ms per pulled turn: {parts}; P->D handover "
+              f"{a['pd_handover_ms']:.0f} ms in both arms", soft_wrap=True)
+    if result["capped"]:
+        out.print(f"[yellow]capped: {result['capped']} needed {result['max_engines_per_role']:,} engines or more "
+                  "(the sizing's limit): the fleet shown is the cap, not enough[/yellow]", soft_wrap=True)
+    color = "green" if v["pays"] else "yellow"
+    out.print(f"[bold {color}]verdict: {v['reason']}[/bold {color}]", soft_wrap=True)
 
 
 @app.callback()
@@ -347,13 +432,23 @@ def plan(
     threshold: Annotated[int, typer.Option(min=_THRESHOLD.minimum, help="kv_recompute_threshold (tokens).")]
     = _THRESHOLD.default,
     mode: Annotated[str, typer.Option(help="pull or push.")] = "pull",
-    prefill_prefix_caching: Annotated[bool, typer.Option(help="Prefill keeps a prefix cache (off, as in the "
-                                                              "seeds' benchmark).")] = False,
+    prefill_prefix_caching: Annotated[bool, typer.Option(help="Prefill keeps a prefix cache (on, as deployed; "
+                                                              "--no-prefill-prefix-caching: the seeds' benchmark).")]
+    = True,
+    prefill_offload_gib: Annotated[float | None, typer.Option(min=0, help="Each prefill engine's host offload tier "
+                                                                     "(GiB, vLLM --kv-offloading-size): the peer arm's "
+                                                                     "(default half the node's host memory over its "
+                                                                     "engines); given, turnkv's prefill runs it too.")]
+    = None,
+    routing: Annotated[str, typer.Option(help="Prefill choice for a conversation's next turn: prefix-aware or "
+                                              "round-robin.")] = "prefix-aware",
     ttft_target_ms: Annotated[float | None, typer.Option(
         min=1, help="p90 TTFT target in ms: each arm (reuse on, and reuse off) is sized to meet it.")] = None,
     ttft_target: Annotated[float | None, typer.Option("--ttft-target", min=1, hidden=True)] = None,
-    host_kv_gib: Annotated[float, typer.Option(min=0, help="Each decode engine's host tier of retained turns (GiB; "
-                                                          "host_kv_budget_mib / 1024; 0: device only).")] = 0.0,
+    host_kv_gib: Annotated[float | None, typer.Option(min=0, help="Each decode engine's host tier of retained turns "
+                                                                 "(GiB; host_kv_budget_mib / 1024). Default: what the "
+                                                                 "deploy gives it (half the node's host memory over "
+                                                                 "its engines); 0: device only.")] = None,
     simulate: Annotated[bool, typer.Option("--simulate", help="Also run the fleet simulation.")] = False,
     conversations: Annotated[int, typer.Option(min=1, help="Conversations to simulate.")] = 100_000,
     price: Annotated[float | None, typer.Option(min=0, help="On-demand $/hour per node instead of the table's.")]
@@ -382,10 +477,15 @@ def plan(
     fleet = build_fleet(model, instance, tp, renamed(ctx, "prefill_tp", "tp_prefill"),
                         renamed(ctx, "decode_tp", "tp_decode"), dtype, kv_dtype, block_size, mode, ttl, threshold,
                         prefill_prefix_caching, state_dir, price)
-    fleet = replace(fleet, host_kv_gib=float(host_kv_gib))
+    if routing not in ("prefix-aware", "round-robin"):
+        _fail(f"--routing {routing!r}: use prefix-aware or round-robin")
+    host = default_offload_gib(fleet.decode, fleet.tp_decode) if host_kv_gib is None else host_kv_gib
+    fleet = replace(fleet, host_kv_gib=float(host), prefill_offload_gib=float(prefill_offload_gib or 0.0),
+                    routing=routing)
+    _check_workload(fleet, wl)
     with console.status("planning" + (" and simulating" if simulate else "")):
         result = run_plan(fleet, wl, renamed(ctx, "ttft_target_ms", "ttft_target"), simulate, conversations,
-                          deployment)
+                          deployment, prefill_offload_gib)
     try:
         out.mkdir(parents=True, exist_ok=True)
         (out / "plan.json").write_text(json.dumps(result, indent=2, default=str))
@@ -417,3 +517,70 @@ def calibrate(
         f"{e['request_overhead_s'] * 1000:.0f} ms per engine hop, {e['step_overhead_s'] * 1000:.1f} ms per extra "
         f"chunk; transfers {e['transfer_setup_s'] * 1000:.1f} ms + "
         f"{result['network_bits_s'] / 8 / 2**30:.2f} GiB/s\nwrote {state_dir / 'plan-calibration.json'}")
+
+
+@app.command()
+def twin(
+    levels: Annotated[str, typer.Option("--concurrency-levels", "--levels",
+                                        help="Conversations at once, as `turnkv bench capacity` takes them.")]
+    = "1,2,4,8,16",
+    turns: Annotated[int, typer.Option(min=2, help="Turns per conversation.")] = 6,
+    system_words: Annotated[int, typer.Option(min=0, help="Shared system prompt length (words ~ tokens).")] = 200,
+    first_user_words: Annotated[int, typer.Option(min=1, help="First user message length.")] = 300,
+    turn_words: Annotated[int, typer.Option(min=1, help="Words each later turn appends.")] = 200,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Reply length in tokens.")] = 16,
+    prefill_prefix_caching: Annotated[bool, typer.Option(help="Prefill keeps a prefix cache (the local stack's "
+                                                              "default).")] = True,
+    state_dir: Annotated[Path, typer.Option(help="Where `turnkv plan calibrate` stored local-cpu constants.")]
+    = Path(".turnkv"),
+    out: Annotated[Path | None, typer.Option(help="Write the prediction here (JSON).")] = None,
+    measured: Annotated[Path | None, typer.Option(help="A `turnkv bench capacity` capacity.json to compare with.")]
+    = None,
+    decode_token_ms: Annotated[float | None, typer.Option(min=0, help="CPU ms per decoded token under load (from "
+                                                                      "--fit-decode on a calibration run).")] = None,
+    fit_decode: Annotated[Path | None, typer.Option(help="A calibration run's capacity.json (of this command's "
+                                                         "workload): fit the decode cost to it and print it.")]
+    = None,
+) -> None:
+    """Predict what `turnkv bench capacity` measures on the local stack (TTFT p50/p90 per level and arm, reuse
+    share, the level sustained) from `turnkv plan calibrate`'s constants, before it runs; --measured compares."""
+    from turnkv.engine_args import EngineSpec
+    from turnkv.plan import architectures, closed_form, hardware
+    from turnkv.plan import twin as tw
+
+    if not (state_dir / hardware.CALIBRATION_FILE).is_file():
+        _fail(f"no local-cpu calibration in {state_dir}: run `turnkv plan calibrate` first (the twin predicts from "
+              "measured constants only)")
+    try:
+        level_list = [int(x) for x in levels.split(",") if x.strip()]
+    except ValueError:
+        level_list = []
+    if not level_list or level_list != sorted(set(level_list)) or level_list[0] < 1:
+        _fail(f"--concurrency-levels {levels!r}: expected increasing positive numbers such as 1,2,4,8,16")
+    inst = hardware.load("local-cpu", state_dir)
+    fleet = closed_form.Fleet(architectures.tiny_local(), inst, inst, 1, 1, block_size=EngineSpec.block_size,
+                              prefill_prefix_caching=prefill_prefix_caching, host_kv_gib=0.0)
+    spec = tw.CapacitySpec(turns, system_words, first_user_words, turn_words, max_tokens)
+    if fit_decode is not None:
+        token_s = tw.fit_decode(fleet, spec, json.loads(fit_decode.read_text()))
+        Console().print(f"decode_token_ms={token_s * 1000:.3f}")
+        return
+    token_s = None if decode_token_ms is None else decode_token_ms / 1000
+    result = tw.predict(fleet, spec, level_list, token_s) | {"calibration": inst.efficiency.source}
+    if measured is not None:
+        result["comparison"] = tw.compare(result, json.loads(measured.read_text()))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+    console_out = Console()
+    console_out.print(f"twin of `turnkv bench capacity` ({inst.efficiency.source}); target "
+                      f"{result['target_ms']:,.0f} ms; sustained off {result['sustained_off']}, on "
+                      f"{result['sustained_on']}")
+    for row in result["levels"]:
+        console_out.print(f"  {row['concurrency']:>3} at once: off p50/p90 {row['off']['ttft_p50_ms']:,.0f}/"
+                          f"{row['off']['ttft_p90_ms']:,.0f} ms, on {row['on']['ttft_p50_ms']:,.0f}/"
+                          f"{row['on']['ttft_p90_ms']:,.0f} ms, reuse share {row['on']['reuse_share']:.0%}")
+    for c in result.get("comparison", []):
+        if c["error"] is not None:
+            console_out.print(f"  {c['concurrency']:>3} {c['arm']:>3} {c['stat']}: predicted {c['predicted']:,.0f}, "
+                              f"measured {c['measured']:,.0f} ({c['error']:+.0%})")

@@ -50,6 +50,9 @@ class ModelArch:
     index_heads: int = 0
     index_head_dim: int = 0
     tie_embeddings: bool = False
+    #: Longest sequence (prompt + reply) the model serves: ``max_position_embeddings`` of its config.json
+    #: (what vLLM's ``max_model_len`` defaults to); 0 where the planner does not know it (not checked).
+    max_context: int = 0
 
     # -- shape facts ---------------------------------------------------------------------------
     @property
@@ -183,6 +186,7 @@ def from_config(conf: dict[str, Any], name: str = "custom") -> ModelArch:
         index_topk=int(conf.get("index_topk") or 0), index_heads=int(conf.get("index_n_heads") or 0),
         index_head_dim=int(conf.get("index_head_dim") or 0),
         tie_embeddings=bool(conf.get("tie_word_embeddings", False)),
+        max_context=int(conf.get("max_position_embeddings") or 0),
     )
 
 
@@ -190,22 +194,24 @@ def from_config(conf: dict[str, Any], name: str = "custom") -> ModelArch:
 CATALOG: dict[str, ModelArch] = {
     # meta-llama/Llama-3.3-70B-Instruct: 80 layers, 8192 hidden, 64 heads / 8 KV heads, MLP 28672
     "Llama-3.3-70B-Instruct": ModelArch("Llama-3.3-70B-Instruct", layers=80, hidden=8192, heads=64, kv_heads=8,
-                                        head_dim=128, v_head_dim=128, intermediate=28672, vocab=128256),
+                                        head_dim=128, v_head_dim=128, intermediate=28672, vocab=128256,
+                                        max_context=131072),
     # Qwen/Qwen3-32B: 64 layers, 5120 hidden, 64 heads / 8 KV heads of 128, MLP 25600
     "Qwen3-32B": ModelArch("Qwen3-32B", layers=64, hidden=5120, heads=64, kv_heads=8, head_dim=128,
-                           v_head_dim=128, intermediate=25600, vocab=151936),
+                           v_head_dim=128, intermediate=25600, vocab=151936,
+                           max_context=40960),
     # Qwen/Qwen3-8B: 36 layers, 4096 hidden, 32 heads / 8 KV heads of 128, MLP 12288, untied embeddings
     "Qwen3-8B": ModelArch("Qwen3-8B", layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128, v_head_dim=128,
-                          intermediate=12288, vocab=151936),
+                          intermediate=12288, vocab=151936, max_context=40960),
     # Llama2-7b and Llama2-70b as TensorRT-LLM's performance doc builds them for its H100 first-token table
     # (NVIDIA/TensorRT-LLM docs/source/performance.md @138f96d: --n_layer 32 --n_head 32 --n_embd 4096
     # --inter_size 11008 --vocab_size 32000; --n_layer 80 --n_head 64 --n_kv_head 8 --n_embd 8192 --inter_size
     # 28672 --vocab_size 32000), the same shapes as meta-llama/Llama-2-7b-hf and -70b-hf's config.json. Held-out
     # GPU rows only (turnkv/plan/data/gpu_measurements.json).
     "Llama-2-7B": ModelArch("Llama-2-7B", layers=32, hidden=4096, heads=32, kv_heads=32, head_dim=128, v_head_dim=128,
-                            intermediate=11008, vocab=32000),
+                            intermediate=11008, vocab=32000, max_context=4096),
     "Llama-2-70B": ModelArch("Llama-2-70B", layers=80, hidden=8192, heads=64, kv_heads=8, head_dim=128,
-                             v_head_dim=128, intermediate=28672, vocab=32000),
+                             v_head_dim=128, intermediate=28672, vocab=32000, max_context=4096),
     # zai-org/GLM-5-FP8 (GlmMoeDsaForCausalLM, 744B total / 40B active): 78 layers (+1 MTP, not served
     # here), 6144 hidden, 64 heads, MLA (q_lora 2048, kv_lora 512, nope 192 + rope 64, v 256), 256
     # routed experts (8 active) + 1 shared of 2048, first 3 layers dense (12288), DSA indexer 32 x 128,
@@ -225,25 +231,49 @@ def tiny_local() -> ModelArch:
     s = ModelSpec()
     return ModelArch("tiny-local", layers=s.num_hidden_layers, hidden=s.hidden_size, heads=s.num_attention_heads,
                      kv_heads=s.num_key_value_heads, head_dim=s.head_dim, v_head_dim=s.head_dim,
-                     intermediate=s.intermediate_size, vocab=s.vocab_words + 50, dtype=s.dtype, kv_dtype=s.dtype)
+                     intermediate=s.intermediate_size, vocab=s.vocab_words + 50, dtype=s.dtype, kv_dtype=s.dtype,
+                     max_context=s.max_position_embeddings)
 
 
 def names() -> list[str]:
     return [*CATALOG, "tiny-local"]
 
 
+#: Hugging Face ids of the catalog's models, as a deploy config's ``model.id`` names them (infra/config.py).
+HF_IDS = {"Qwen/Qwen3-32B": "Qwen3-32B", "Qwen/Qwen3-8B": "Qwen3-8B",
+          "meta-llama/Llama-3.3-70B-Instruct": "Llama-3.3-70B-Instruct", "zai-org/GLM-5-FP8": "GLM-5-FP8",
+          "meta-llama/Llama-2-7b-hf": "Llama-2-7B", "meta-llama/Llama-2-70b-hf": "Llama-2-70B"}
+
+
+def catalog_name(spec: str) -> str | None:
+    """The catalog name ``spec`` means, as the deploy path names models: a catalog name, a Hugging Face id
+    (``Qwen/Qwen3-32B``) or a served name (``qwen3-32b``), any case; None when it names none."""
+    wanted = spec.strip().lower()
+    by_lower = {n.lower(): n for n in names()} | {k.lower(): v for k, v in HF_IDS.items()}
+    if wanted in by_lower:
+        return by_lower[wanted]
+    tail = wanted.rsplit("/", 1)[-1]  # an org we do not list, or a served name with a prefix
+    return by_lower.get(tail) if "/" in wanted and not wanted.endswith(".json") else None
+
+
 def load(spec: str) -> ModelArch:
-    """A catalog name, ``tiny-local``, or a path to a config.json (or a folder holding one)."""
-    if spec in CATALOG:
-        return CATALOG[spec]
-    if spec == "tiny-local":
-        return tiny_local()
-    path = Path(spec)
+    """A catalog name (or its Hugging Face id or served name, any case), ``tiny-local``, or a path to a
+    config.json (or a folder holding one)."""
+    path = Path(spec).expanduser()
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
-        raise ModelError(f"unknown model {spec!r}: use one of {', '.join(names())} or a config.json path")
-    try:
-        return from_config(json.loads(path.read_text()), name=path.parent.name or path.stem)
-    except json.JSONDecodeError as exc:
-        raise ModelError(f"{path}: not JSON ({exc})") from None
+    if path.is_file():
+        try:
+            return from_config(json.loads(path.read_text()), name=path.parent.name or path.stem)
+        except json.JSONDecodeError as exc:
+            raise ModelError(f"{path}: not JSON ({exc})") from None
+    name = catalog_name(spec)
+    if name == "tiny-local":
+        return tiny_local()
+    if name is not None:
+        return CATALOG[name]
+    if spec.endswith(".json") or spec.startswith((".", "/", "~")) or Path(spec).expanduser().is_dir():
+        raise ModelError(f"--model {spec}: no such file (give the path of a Hugging Face config.json, or the "
+                         f"folder holding it)")
+    raise ModelError(f"unknown model {spec!r}: use one of {', '.join(names())}, their Hugging Face ids "
+                     f"({', '.join(HF_IDS)}), or a config.json path")

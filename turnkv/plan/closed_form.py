@@ -48,7 +48,15 @@ class Fleet:
     ttl_s: float = float(tunables.get("decoder_kv_blocks_ttl").default)
     threshold: int = int(tunables.get("kv_recompute_threshold").default)
     expiry_margin_s: float = float(tunables.get("expiry_margin").default)
-    prefill_prefix_caching: bool = False
+    #: Prefill keeps a prefix cache (vLLM's default, and turnkv's deployed engines): a conversation's earlier
+    #: prompt is found there while the cache still holds it (``PrefillCache``). Off: the seeds' benchmark.
+    prefill_prefix_caching: bool = True
+    #: Each prefill engine's host offload tier (GiB; vLLM's native CPU offloading, ``--kv-offloading-size``):
+    #: a second LRU tier behind the device prefix cache, loaded at the host link's rate. 0: none.
+    prefill_offload_gib: float = 0.0
+    #: How the router picks a prefill engine for a conversation's next turn: "prefix-aware" (the engine that
+    #: served it before, so the engines' caches add up) or "round-robin" (1 in P turns finds its engine again).
+    routing: str = "prefix-aware"
     #: Engines of each role (not instances: an instance runs ``devices // tp`` engines, see ``engines_per_node``).
     prefill_nodes: int = 1
     decode_nodes: int = 1
@@ -151,14 +159,15 @@ def compute_s(fleet: Fleet, new: Any, context: Any) -> np.ndarray:
 
 
 def transfer_s(fleet: Fleet, tokens: Any, inst: Instance | None = None, tp: int | None = None,
-               setup: bool = True) -> np.ndarray:
-    """One NIXL transfer of ``tokens`` tokens' KV between engines (each rank moves its own share)."""
+               setup: bool = True, rate: float | None = None) -> np.ndarray:
+    """One NIXL transfer of ``tokens`` tokens' KV between engines (each rank moves its own share), at the rank's
+    link rate or ``rate`` (bytes/s: a read from decode's host tier), times the message size's efficiency."""
     inst = inst or fleet.decode
     tp = tp or fleet.tp_decode
     m = fleet.model
     per_token = m.kv_bytes_per_token_rank(tp)
     message = fleet.block_size * per_token / (m.layers * m.kv_regions_per_layer())
-    rate = inst.rank_link_bytes_s() * transfer_efficiency(inst.efficiency, message)
+    rate = (rate or inst.rank_link_bytes_s()) * transfer_efficiency(inst.efficiency, message)
     tokens = np.asarray(tokens, dtype=float)
     fixed = inst.efficiency.transfer_setup_s if setup else 0.0
     return np.where(tokens > 0, fixed + tokens * per_token / rate, 0.0)
@@ -172,7 +181,9 @@ def decode_step_s(fleet: Fleet, context: Any, batch: float = 1.0) -> np.ndarray:
 
 
 def hops_s(fleet: Fleet) -> float:
-    return fleet.prefill.efficiency.request_overhead_s + fleet.decode.efficiency.request_overhead_s
+    """Fixed cost of a P/D turn's two engine hops and its P->D handover (step alignment), either arm."""
+    eff = fleet.prefill.efficiency
+    return eff.request_overhead_s + fleet.decode.efficiency.request_overhead_s + eff.pd_handover_s
 
 
 def pull_overhead_s(fleet: Fleet) -> float:
@@ -184,30 +195,52 @@ def pull_overhead_s(fleet: Fleet) -> float:
 class TurnCosts:
     ttft_off: np.ndarray
     ttft_on: np.ndarray  # if the history is pulled (a hit)
-    transfer_on: np.ndarray  # D->P pull of the history
+    transfer_on: np.ndarray  # D->P pull of the history prefill lacks
     compute_off: np.ndarray
     compute_on: np.ndarray
     pull: np.ndarray  # bool: the threshold lets this turn pull
+    #: Tokens of each turn prefill's own prefix cache serves (both arms), those a pull moves, and the pull's
+    #: fixed cost beyond the transfer (the named components, hardware.PullComponent).
+    cached: np.ndarray | float = 0.0
+    pulled: np.ndarray | float = 0.0
+    pull_fixed: float = 0.0
+    offload_load: np.ndarray | float = 0.0  # seconds loading the cached tokens from prefill's offload tier
 
 
-def turn_costs(fleet: Fleet, prompt: Any, history: Any) -> TurnCosts:
-    """Costs of turns whose prompt has ``history`` tokens decode still holds; prefill computes the rest."""
+def turn_costs(fleet: Fleet, prompt: Any, history: Any, cached: Any = None, offloaded: Any = None,
+               from_host: Any = None) -> TurnCosts:
+    """Costs of turns whose prompt has ``history`` tokens decode still holds, ``cached`` of which prefill's own
+    prefix cache holds (default none; ``offloaded`` of those in its host offload tier); prefill computes the rest.
+    ``from_host`` marks turns whose history decode keeps in its host tier (read at the host rate)."""
     prompt, history = (np.asarray(a, dtype=float) for a in (prompt, history))
+    cached = np.zeros_like(prompt) if cached is None else np.minimum(np.asarray(cached, dtype=float), prompt - 1)
+    offloaded = np.zeros_like(prompt) if offloaded is None else np.minimum(np.asarray(offloaded, dtype=float), cached)
     new = prompt - history
     pd_setup = fleet.mode != "push"
     first = decode_step_s(fleet, prompt)
-    # Reuse off: prefill computes everything it does not cache itself (prefix caching off by default).
-    cached = history if fleet.prefill_prefix_caching else 0.0
-    compute_off = compute_s(fleet, prompt - cached, cached)
+    # Prefill's prefix cache serves ``cached`` tokens in either arm; what it keeps in its offload tier is loaded
+    # over the host link first (vLLM's OffloadingConnector), per rank.
+    load = np.where(offloaded > 0, offloaded * fleet.model.kv_bytes_per_token_rank(fleet.tp_prefill)
+                    / fleet.prefill.host_link_bytes_s, 0.0)
+    compute_off = compute_s(fleet, prompt - cached, cached) + load
     # Decode keeps its own prefix cache: it lacks only the new tokens (the whole prompt on a first turn).
     pd_tokens = np.where(history > 0, new, prompt)
     pd = transfer_s(fleet, pd_tokens, setup=pd_setup)
     ttft_off = hops_s(fleet) + compute_off + pd + first
-    pull = (history > 0) & (history >= max(fleet.threshold, 1))
-    transfer_on = np.where(pull, transfer_s(fleet, history), 0.0)
-    compute_on = np.where(pull, compute_s(fleet, new, history), compute_off)
-    ttft_on = np.where(pull, hops_s(fleet) + pull_overhead_s(fleet) + transfer_on + compute_on + pd + first, ttft_off)
-    return TurnCosts(ttft_off, ttft_on, transfer_on, compute_off, compute_on, pull)
+    # Reuse pulls only the history prefill's cache lacks (the conversation's tail, or all of it after eviction).
+    known = np.minimum(cached, history)
+    pulled = np.maximum(history - known, 0.0)
+    pull = (history > 0) & (pulled >= max(fleet.threshold, 1))
+    rate_host = None if from_host is None else np.asarray(from_host, dtype=bool)
+    transfer_on = np.where(pull, transfer_s(fleet, pulled), 0.0)
+    if rate_host is not None and rate_host.any():
+        host = transfer_s(fleet, pulled, rate=fleet.decode.host_read_bytes_s())
+        transfer_on = np.where(pull & rate_host, host, transfer_on)
+    fixed = pull_overhead_s(fleet)
+    compute_on = np.where(pull, compute_s(fleet, new, history) + np.where(known > 0, load, 0.0), compute_off)
+    ttft_on = np.where(pull, hops_s(fleet) + fixed + transfer_on + compute_on + pd + first, ttft_off)
+    return TurnCosts(ttft_off, ttft_on, transfer_on, compute_off, compute_on, pull, cached,
+                     np.where(pull, pulled, 0.0), fixed, load)
 
 
 # -- the workload-level closed form ---------------------------------------------------------------
@@ -325,6 +358,7 @@ class Plan:
     load_off: FleetLoad
     load_on: FleetLoad
     retention: Retention
+    cache: PrefillCache | None = None
 
     def load(self, arm: str) -> FleetLoad:
         return self.load_off if arm == "off" else self.load_on
@@ -354,35 +388,145 @@ class Plan:
                 "transfer_ms": round(float((self.costs.transfer_on * self.hit)[sel].mean()) * 1000, 1),
                 "compute_saved_ms": round(float(((self.costs.compute_off - self.costs.compute_on)
                                                   * self.hit)[sel].mean()) * 1000, 1),
+                "pull_fixed_ms": round(float((self.costs.pull_fixed * self.hit)[sel].mean()) * 1000, 1),
+                "prefill_cached_tokens": round(float(np.broadcast_to(self.costs.cached, sel.shape)[sel].mean())),
+                "pulled_tokens": round(float((np.broadcast_to(self.costs.pulled, sel.shape) * self.hit)[sel].mean())),
+                "pulled_share": round(float(self.hit[sel].mean()), 4),
             })
         return rows
+
+
+@dataclass
+class PrefillCache:
+    """What prefill's own prefix cache serves, per turn: Che's approximation of an LRU cache (an entry survives
+    while it was last used less than the characteristic time ago), the characteristic time solved from the
+    working set by Little's law (each prefill leaves its prompt, which the conversation's next turn finds or the
+    cache evicts), per tier: device (90% of the engine's KV cache) and device + host offload tier."""
+
+    cached: np.ndarray  # tokens per turn (whole blocks): the conversation's previous prompt on a hit, else the
+    #                     shared prefix
+    offloaded: np.ndarray  # of those, the ones loaded from the host offload tier
+    t_device_s: float
+    t_total_s: float
+    hit_share: float  # of later turns: their previous prompt still cached (either tier)
+    offload_share: float  # of later turns: found in the offload tier only
+
+
+def _characteristic_time(resident: Any, capacity: float) -> float:
+    """T with resident(T) = capacity (resident grows with T), by bisection in log space."""
+    if capacity <= 0:
+        return 0.0
+    lo, hi = 1e-3, 1e8
+    if resident(hi) <= capacity:
+        return math.inf
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if resident(mid) <= capacity else (lo, mid)
+    return lo
+
+
+def prefill_cache(fleet: Fleet, turns: Turns, lam_turns: float, tpot: float, seed: int = 0) -> PrefillCache:
+    """Per-turn tokens prefill's prefix cache serves at ``lam_turns`` turns/s over the fleet (see PrefillCache)."""
+    n = len(turns.prompt_tokens)
+    block = max(1, fleet.block_size)
+    common = float(turns.common_prefix_tokens // block * block)
+    zeros = np.zeros(n)
+    if not fleet.prefill_prefix_caching:
+        return PrefillCache(zeros, zeros, 0.0, 0.0, 0.0, 0.0)
+    later = turns.turn > 0
+    prompt = turns.prompt_tokens.astype(float)
+    prev_prompt = np.where(later, np.roll(prompt, 1), 0.0)
+    prev_out = np.where(later, np.roll(turns.output_tokens.astype(float), 1), 0.0)
+    gap = np.where(later, turns.think_s + prev_out * tpot, np.inf)  # since the previous prefill of the conversation
+    next_gap = np.append(gap[1:], np.inf)
+    engine_bytes = prompt * fleet.model.kv_bytes_per_token_rank(fleet.tp_prefill) * fleet.tp_prefill
+    per_engine = lam_turns / max(fleet.prefill_nodes, 1)
+
+    def resident(t: float) -> float:
+        return per_engine * float(np.mean(engine_bytes * np.minimum(next_gap, t)))
+
+    m = fleet.model
+    device = 0.9 * fleet.prefill.kv_cache_bytes(fleet.tp_prefill, m.total_params() * m.weight_bytes_per_param)
+    t_dev = _characteristic_time(resident, device)
+    t_all = _characteristic_time(resident, device + fleet.prefill_offload_gib * GIB)
+    same = np.ones(n, dtype=bool)
+    if fleet.routing == "round-robin" and fleet.prefill_nodes > 1:
+        same = np.random.default_rng(seed + 7).random(n) < 1.0 / fleet.prefill_nodes
+    hit = later & same & (gap < t_all)
+    in_device = hit & (gap < t_dev)
+    prev_cached = np.floor(prev_prompt / block) * block
+    cached = np.where(hit, np.maximum(prev_cached, common), common)
+    offloaded = np.where(hit & ~in_device, np.maximum(prev_cached - common, 0.0), 0.0)
+    n_later = max(int(later.sum()), 1)
+    return PrefillCache(cached, offloaded, t_dev, t_all, float(hit.sum() / n_later),
+                        float((hit & ~in_device).sum() / n_later))
+
+
+def _from_host(fleet: Fleet, turns: Turns, ret: Retention) -> np.ndarray | None:
+    """Turns whose retained KV decode keeps in its host tier: the longest-idle share of the retained bytes (the
+    device tier keeps the most recent)."""
+    kept = ret.device_gib_per_decode + ret.host_gib_per_decode
+    if ret.host_gib_per_decode <= 0 or kept <= 0:
+        return None
+    share = ret.host_gib_per_decode / kept
+    later = turns.turn > 0
+    cut = float(np.quantile(turns.think_s[later], 1 - share)) if later.any() else math.inf
+    return later & (turns.think_s >= cut)
 
 
 def evaluate(fleet: Fleet, workload: Workload, conversations: int = 5000, seed: int = 0,
              turns: Turns | None = None) -> Plan:
     turns = turns or sample(workload, min(conversations, workload.num_conversations * 50) or conversations, seed)
-    costs = turn_costs(fleet, turns.prompt_tokens, turns.history_tokens)
+    # Load first without prefill's cache (arrival rate and decode speed), then the cache at that load, then the costs.
+    clients = workload.num_clients
+    ctx = turns.prompt_tokens + turns.output_tokens / 2
+    tpot = float(decode_step_s(fleet, ctx.mean(), max(1.0, clients / max(fleet.decode_nodes, 1))))
+    lam0 = clients / max(float(np.mean(turns.think_s + turns.output_tokens * tpot)), 1e-9)
+    cache = prefill_cache(fleet, turns, lam0, tpot, seed)
+    first_ret = retention(fleet, workload, turns, lam0, np.zeros(1), tpot)
+    costs = turn_costs(fleet, turns.prompt_tokens, turns.history_tokens, cache.cached, cache.offloaded,
+                       _from_host(fleet, turns, first_ret))
     hit = np.where(costs.pull, hit_probability(fleet, turns.think_s), 0.0)
     ttft_on = np.where(hit > 0, costs.ttft_on, costs.ttft_off)
     load_off = _load(fleet, workload, turns, costs.compute_off, costs.ttft_off)
     service_on = np.where(hit > 0, costs.compute_on, costs.compute_off)
     load_on = _load(fleet, workload, turns, service_on, ttft_on)
     ret = retention(fleet, workload, turns, load_on.turns_per_s, ttft_on, load_on.tpot_s)
-    return Plan(fleet, workload, turns, costs, hit, load_off, load_on, ret)
+    return Plan(fleet, workload, turns, costs, hit, load_off, load_on, ret, cache)
 
 
 # -- sizing and recommendations -------------------------------------------------------------------
 
 
-def size_fleet(fleet: Fleet, workload: Workload, ttft_target_ms: float | None = None, max_nodes: int = 256,
-               turns: Turns | None = None, max_util: float = MAX_UTIL, arm: str = "on",
-               decode_nodes: int | None = None) -> tuple[Fleet, bool]:
+#: Most engines of one role the sizing tries. A fleet that needs more is reported at this cap, flagged
+#: (``capped``), never silently: `turnkv plan` prints it and plan.json carries it.
+MAX_ENGINES = 4096
+
+
+def _fewest(ok: Any, cap: int) -> int:
+    """Fewest n in 1..cap with ok(n) (ok monotone in n), by doubling then bisection; cap when none."""
+    hi = 1
+    while hi < cap and not ok(hi):
+        hi = min(cap, hi * 2)
+    if hi == 1 or (hi == cap and not ok(cap)):
+        return hi
+    lo = hi // 2  # not ok
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return hi
+
+
+def size_fleet(fleet: Fleet, workload: Workload, ttft_target_ms: float | None = None,
+               max_nodes: int = MAX_ENGINES, turns: Turns | None = None, max_util: float = MAX_UTIL,
+               arm: str = "on", decode_nodes: int | None = None) -> tuple[Fleet, bool]:
     """Fewest prefill engines that keep utilization under ``max_util`` and p90 TTFT under the target, and
-    fewest decode engines whose KV cache holds in-use plus retained KV, each rounded up to whole instances
+    fewest decode engines whose memory holds what the arm keeps there, each rounded up to whole instances
     (an instance runs ``devices // tp`` engines, all of them: it is paid for whole). Decode speed sets how
     fast clients come back, so the two counts are solved together. The flag says whether the target is met: below
     the unloaded p90, no number of engines meets it (then sized for the load only). ``decode_nodes``
-    fixes the decode count (to compare prefill needs at the same decode speed)."""
+    fixes the decode count (to compare prefill needs at the same decode speed). At most ``max_nodes`` engines
+    per role: ``capped`` says when a role needed more."""
     turns = turns or sample(workload, 5000, 0)
 
     def plan_for(p: int, d: int) -> Plan:
@@ -399,10 +543,12 @@ def size_fleet(fleet: Fleet, workload: Workload, ttft_target_ms: float | None = 
         return load.prefill_util < max_util and (target is None or p90 * 1000 <= target)
 
     def decode_ok(plan: Plan) -> bool:
-        r = plan.retention
-        kept = r.retained_gib_per_decode if arm == "on" else 0.0
-        # The host tier holds what the device cache cannot (read at the same link rate: assumed, see docs).
-        return kept + r.in_use_gib_per_decode <= 0.9 * kv_cache_gib(plan.fleet) + plan.fleet.host_kv_gib
+        r, room = plan.retention, 0.9 * kv_cache_gib(plan.fleet)
+        if arm != "on":  # no reuse: decode holds the turns in flight only, on the device (no host tier in play)
+            return r.in_use_gib_per_decode <= room
+        # Reuse: in-flight KV on the device; retained turns in what is left there plus the host tier.
+        return (r.in_use_gib_per_decode <= room
+                and r.retained_gib_per_decode + r.in_use_gib_per_decode <= room + plan.fleet.host_kv_gib)
 
     per_p, per_d = fleet.engines_per_node("prefill"), fleet.engines_per_node("decode")
 
@@ -412,13 +558,18 @@ def size_fleet(fleet: Fleet, workload: Workload, ttft_target_ms: float | None = 
     prefill = decode = 1
     for _ in range(6):
         before = (prefill, decode)
-        decode = decode_nodes or whole(next((d for d in range(1, max_nodes + 1) if decode_ok(plan_for(prefill, d))),
-                                            max_nodes), per_d)
-        prefill = whole(next((p for p in range(1, max_nodes + 1) if prefill_ok(plan_for(p, decode))), max_nodes),
-                        per_p)
+        p_now = prefill
+        decode = decode_nodes or whole(_fewest(lambda d, p=p_now: decode_ok(plan_for(p, d)), max_nodes), per_d)
+        d_now = decode
+        prefill = whole(_fewest(lambda p, d=d_now: prefill_ok(plan_for(p, d)), max_nodes), per_p)
         if (prefill, decode) == before:
             break
     return replace(fleet, prefill_nodes=prefill, decode_nodes=decode), met
+
+
+def capped(fleet: Fleet, max_nodes: int = MAX_ENGINES) -> list[str]:
+    """The roles a sized fleet holds at the sizing's cap (it may need more than it shows)."""
+    return [role for role, n in (("prefill", fleet.prefill_nodes), ("decode", fleet.decode_nodes)) if n >= max_nodes]
 
 
 def break_even_tokens(fleet: Fleet, new: float, limit: int = 1_000_000) -> int:

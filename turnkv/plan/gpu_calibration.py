@@ -32,9 +32,13 @@ COLUMNS = ("dense_compute", "moe_compute", "hops", "pull")
 #: The compute columns (their coefficients are 1 / achieved fraction of peak, bounded by the kernel bounds).
 COMPUTE = ("dense_compute", "moe_compute")
 #: The prior terms each row's known part sums (the ablation drops them one at a time).
-KNOWN = ("transfers", "first_decode_step", "allreduce")
+KNOWN = ("transfers", "handover", "first_decode_step", "allreduce")
 #: Instances whose achieved factors are the GPU ones (Trainium runs them as a what-if, see hardware.py).
-GPU_FACTOR_INSTANCES = ("p5en.48xlarge", "p5.48xlarge", "trn2.48xlarge", "trn1.32xlarge")
+GPU_FACTOR_INSTANCES = ("p5en.48xlarge", "p5e.48xlarge", "p5.48xlarge", "trn2.48xlarge", "trn1.32xlarge")
+#: Columns never fitted: held at their priors. The pull's fixed cost is the sum of named components, each from a
+#: published measurement (hardware.GPU_PULL); fitting it to the seeds' two reuse-on cells gave 246 ms that named
+#: nothing (issue #39).
+NEVER_FITTED = ("pull",)
 
 
 def load_data() -> dict[str, Any]:
@@ -71,7 +75,7 @@ def colocated(row: dict[str, Any]) -> bool:
 def unit_instance(inst: hardware.Instance) -> hardware.Instance:
     """``inst`` with every fitted constant at 1 (factors) or 0 (fixed costs): the fit's basis."""
     eff = replace(inst.efficiency, dense=1.0, moe=1.0, attention=None, context_attention=None, step_overhead_s=0.0,
-                  request_overhead_s=0.0, pull_overhead_s=0.0)
+                  request_overhead_s=0.0, pull_components=())
     return replace(inst, efficiency=eff)
 
 
@@ -86,7 +90,7 @@ def terms(row: dict[str, Any], inst: hardware.Instance, assumptions: dict[str, A
         moe = fleet.model.moe
         return Terms({"dense_compute": 0.0 if moe else float(flops_s[0]), "moe_compute": float(flops_s[0]) if moe
                       else 0.0, "hops": float(row["hops"]), "pull": 0.0},
-                     {"transfers": 0.0, "first_decode_step": 0.0, "allreduce": float(allreduce[0])})
+                     {"transfers": 0.0, "handover": 0.0, "first_decode_step": 0.0, "allreduce": float(allreduce[0])})
     history = prompt - new
     computed, context = (new, history) if row["reuse"] else (prompt, 0.0)
     flops_s, _, allreduce = closed_form.compute_parts(fleet, [computed], [context])
@@ -97,7 +101,8 @@ def terms(row: dict[str, Any], inst: hardware.Instance, assumptions: dict[str, A
     moe = fleet.model.moe
     columns = {"dense_compute": 0.0 if moe else float(flops_s[0]), "moe_compute": float(flops_s[0]) if moe else 0.0,
                "hops": 2.0, "pull": 1.0 if row["reuse"] else 0.0}
-    known = {"transfers": transfers, "first_decode_step": float(closed_form.decode_step_s(fleet, [prompt])[0]),
+    known = {"transfers": transfers, "handover": fleet.prefill.efficiency.pd_handover_s,
+             "first_decode_step": float(closed_form.decode_step_s(fleet, [prompt])[0]),
              "allreduce": float(allreduce[0])}
     return Terms(columns, known)
 
@@ -174,7 +179,7 @@ def select(rows: list[dict[str, Any]], inst: hardware.Instance,
     """The fit with every term the rows do not determine held at its prior (greedily, the least useful first),
     and the terms left at their priors."""
     priors = prior_coefficients(inst.efficiency)
-    at_prior: dict[str, float] = {}
+    at_prior: dict[str, float] = {c: priors[c] for c in NEVER_FITTED}
     while True:
         best = fit(rows, inst, assumptions, fixed=at_prior)
         base = rms_error(rows, best, inst, assumptions)
@@ -204,7 +209,7 @@ def efficiency(coef: dict[str, float], prior: hardware.Efficiency, rows: int,
     """The Efficiency the coefficients make (1 / compute coefficient is the achieved factor)."""
     kept = f"; kept at their priors (not determined by the rows): {', '.join(at_prior)}" if at_prior else ""
     return replace(prior, dense=1 / coef["dense_compute"], moe=1 / coef["moe_compute"],
-                   request_overhead_s=coef["hops"], pull_overhead_s=coef["pull"],
+                   request_overhead_s=coef["hops"],
                    source=f"fitted to {rows} published TTFT measurements (turnkv/plan/data/gpu_measurements.json)"
                           f"{kept}; transfers, decode and all-reduce from the priors in turnkv/plan/hardware.py")
 
@@ -235,7 +240,7 @@ def calibrated(inst: hardware.Instance) -> hardware.Instance:
         return inst
     fitted = calibrated_efficiency()
     eff = replace(inst.efficiency, dense=fitted.dense, moe=fitted.moe, request_overhead_s=fitted.request_overhead_s,
-                  pull_overhead_s=fitted.pull_overhead_s, source=fitted.source, ttft_band=band(),
+                  source=fitted.source, ttft_band=band(),
                   ttft_band_source=band_details()["source"])
     return replace(inst, efficiency=eff)
 
@@ -329,8 +334,9 @@ def ridge(data: dict[str, Any]) -> list[dict[str, Any]]:
     rows, assumptions = calibration_rows(data), settings(data)
     base = hardware.INSTANCES["p5en.48xlarge"]
     selected, at_prior = select(rows, base, assumptions)
-    ends = {"dense at the kernel cap": {"dense_compute": 1 / max_fraction(assumptions)},
-            "calibrated": {c: selected[c] for c in at_prior}, "no per-request cost": {"hops": 0.0}}
+    pull = {c: selected[c] for c in NEVER_FITTED}
+    ends = {"dense at the kernel cap": {"dense_compute": 1 / max_fraction(assumptions)} | pull,
+            "calibrated": {c: selected[c] for c in at_prior}, "no per-request cost": {"hops": 0.0} | pull}
     out = []
     for name, fixed in ends.items():
         coef = fit(rows, base, assumptions, fixed=fixed)

@@ -31,6 +31,53 @@ EFA_MESSAGE_EFFICIENCY: tuple[tuple[int, float], ...] = (
 
 
 @dataclass(frozen=True)
+class PullComponent:
+    """One named part of a pull's fixed cost, its value on this stack and where the value comes from."""
+
+    name: str
+    seconds: float
+    source: str
+    #: False for a part the planner states but does not add per turn (counted elsewhere, or paid once).
+    per_turn: bool = True
+
+
+#: GPU (H100/H200 + EFA, vLLM + NIXL): each part from a published measurement, none fitted to turnkv's seeds.
+GPU_PULL = (
+    PullComponent("router_lookup", 0.001, "the router's store read of the stored reuse params and its clearance "
+                  "MAC: one in-VPC Redis round trip, 'sub-millisecond' (Amazon ElastiCache docs); 1 ms"),
+    PullComponent("step_alignment", 0.110, "engine-step boundaries around a NIXL KV handover: vLLM PR #51919 "
+                  "(RFC #50913) measures a P/D handover at ~197 ms p50 on GPUs (block size 64), of which the KV "
+                  "transfer is ~29 ms and the first-token recompute ~58 ms; the other ~110 ms is waiting for "
+                  "engine-step boundaries and serial dispatch. A pulled turn waits the same way on prefill "
+                  "(WAITING_FOR_REMOTE_KVS: the READ starts after a scheduler step, its end is seen at a later one)"),
+    PullComponent("nixl_post", 0.0067, "the READ's post: 'avg post duration 6.7 ms' (vLLM RFC #50913); counted in "
+                  "the transfer's set-up (transfer_setup_s), not again here", per_turn=False),
+    PullComponent("handshake", 2.0, "NIXL agent handshake, once per engine pair ('the nixl handshake takes ~2s', "
+                  "neuralmagic/vllm#63): paid once, not per turn", per_turn=False),
+)
+#: The local stack (2 CPU cores, UCX over loopback): measured by `python -m bench.pull_cost` (issue #36,
+#: docs/connector.md "Fixed cost of a pull"), its quieter run: medians of 6 later pulls against the same turns
+#: recomputed, each part from the router's and engines' /metrics around one request at a time.
+_PULL_COST = "measured: bench.pull_cost (issue #36, docs/connector.md 'Fixed cost of a pull', the 'before' run)"
+LOCAL_PULL = (
+    PullComponent("router_lookup", 0.0020, f"{_PULL_COST}: router +2.0 ms over a recompute turn (store take, offer "
+                  "clearance HMAC, evictions-feed check)"),
+    PullComponent("prefill_http", 0.0022, f"{_PULL_COST}: prefill's HTTP/template/tokenization +2.2 ms"),
+    PullComponent("step_alignment", 0.0038, f"{_PULL_COST}: admission and polling 3.8 ms (the steps prefill polls "
+                  "the READ with, 1 ms apart, and the step that picks the request up)"),
+    PullComponent("nixl_post", 0.002, "the transfer set-up `turnkv plan calibrate` fits (transfer_setup_s): "
+                  "counted in the transfer", per_turn=False),
+    PullComponent("handshake", 0.0092, f"{_PULL_COST}: the first pull from a decode engine, once per engine pair",
+                  per_turn=False),
+)
+
+
+def pull_fixed_s(components: tuple[PullComponent, ...]) -> float:
+    """Seconds a pull adds per turn beyond its transfer: the per-turn components' sum."""
+    return sum(c.seconds for c in components if c.per_turn)
+
+
+@dataclass(frozen=True)
 class Efficiency:
     """Achieved fractions of peak for one software stack on one accelerator family."""
 
@@ -70,10 +117,13 @@ class Efficiency:
     #: per token in vLLM's bi-directional PR benchmark (vllm-project/vllm#32553) where reading the BF16
     #: weights once takes 141 GB / 8 / 4.8 TB/s = 3.7 ms: 0.17 (launches, all-reduces, sampling).
     decode_bandwidth: float = 0.17
-    #: Fixed cost of a reuse-on turn's pull on the critical path (the first-token handover of a pulled turn:
-    #: metadata through the router, the D->P read's set-up and completion notice), beyond the transfer's bytes.
-    #: 0 in the priors; GPU instances get it from the seeds' TTFT table (turnkv.plan.gpu_calibration).
-    pull_overhead_s: float = 0.0
+    #: Fixed cost of a reuse-on turn's pull on the critical path beyond the transfer's set-up and bytes: the sum of
+    #: the named components in ``pull_components`` (turnkv.plan.hardware.PullComponent), never fitted to TTFTs.
+    pull_components: tuple[PullComponent, ...] = GPU_PULL
+    #: Engine-step alignment around the P->D handover every P/D turn pays (both arms): the same ~110 ms of
+    #: step-boundary waits and dispatch that vLLM PR #51919 measures around a GPU handover (GPU_PULL's
+    #: ``step_alignment``). 0 on the local stack, where `turnkv plan calibrate`'s hop includes it.
+    pd_handover_s: float = 0.110
     #: Per-transfer set-up: "avg post duration 6.7 ms" of NIXL transfers in vLLM's P/D RFC #50913.
     transfer_setup_s: float = 0.0067
     #: KV bytes moved per second per rank as a fraction of the rank's link rate, by message size (a
@@ -85,6 +135,10 @@ class Efficiency:
     ttft_band_source: str = "none: uncalibrated priors (`turnkv plan calibrate` measures local-cpu's and its band)"
     #: Where these values came from (shown by ``turnkv plan --json``).
     source: str = "published measurements (see turnkv/plan/hardware.py)"
+
+    @property
+    def pull_overhead_s(self) -> float:
+        return pull_fixed_s(self.pull_components)
 
 
 @dataclass(frozen=True)
@@ -111,6 +165,14 @@ class Instance:
     #: vLLM the connector supports there yet); the plan still runs for it, flagged. ``deployable_note`` says why.
     deployable: bool = True
     deployable_note: str = ""
+    #: Host memory of one instance (GiB): what decode's host tier and a prefill offload tier draw on.
+    host_memory_gib: float = 2048.0
+    #: Host memory <-> device, bytes/s per device: what a prefill offload tier loads at (PCIe Gen5 x16: 64 GB/s
+    #: per direction, PCI-SIG; about 80% of it achieved) and what a NIC reading decode's host tier is capped by.
+    host_link_bytes_s: float = 0.8 * 64e9
+    #: KV block sizes the attention backend takes are multiples of this (vLLM 0.29: FlashAttention
+    #: ``MultipleOf(16)``, the CPU backend ``MultipleOf(32)``; get_supported_kernel_block_sizes).
+    kv_block_multiple: int = 16
 
     def peak(self, dtype: str) -> float:
         key = {"bfloat16": "bf16", "float16": "bf16", "float32": "fp32", "fp8": "fp8"}.get(dtype, dtype)
@@ -119,6 +181,10 @@ class Instance:
     def rank_link_bytes_s(self) -> float:
         """Line rate one rank's transfers get: its device's share of the instance's interfaces."""
         return self.network_bits_s / 8 / self.devices
+
+    def host_read_bytes_s(self) -> float:
+        """Rate one rank reads a peer's host-tier KV at: its link share, capped by the host link."""
+        return min(self.rank_link_bytes_s(), self.host_link_bytes_s)
 
     def kv_cache_bytes(self, tp: int, weight_bytes: float) -> float:
         """KV cache capacity of one engine of ``tp`` devices after the weights."""
@@ -141,6 +207,12 @@ INSTANCES: dict[str, Instance] = {
         3200e9, 63.296,
         {"accelerator": H200_SRC, "network": "aws.amazon.com/ec2/instance-types/p5: p5en 3,200 Gbps EFAv3, "
          "16 EFA interfaces (2 per GPU)", "price": PRICE_SRC}),
+    "p5e.48xlarge": Instance(
+        "p5e.48xlarge", "8 x NVIDIA H200", 8, {"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12}, 141 * GB, 4.8e12,
+        3200e9, 63.296,
+        {"accelerator": H200_SRC, "network": "aws.amazon.com/ec2/instance-types/p5: p5e 3,200 Gbps EFA, "
+         "32 EFA interfaces (infra/instances.py)", "price": "no on-demand price listed for p5e (capacity blocks): "
+         "p5en's as a stand-in; pass --price"}),
     "p5.48xlarge": Instance(
         "p5.48xlarge", "8 x NVIDIA H100", 8, {"bf16": 989e12, "fp8": 1979e12, "fp32": 67e12}, 80 * GB, 3.35e12,
         3200e9, 55.04,
@@ -159,7 +231,7 @@ INSTANCES: dict[str, Instance] = {
         {"accelerator": "awsdocs-neuron trn1-arch: 16 chips, 3.04 PFLOPS BF16, 512 GiB HBM, 13.1 TB/s",
          "network": "800 Gbps EFA, 8 interfaces", "price": PRICE_SRC,
          "efficiency": "no public vLLM-neuron prefill MFU: the GPU factors are used; calibrate on the cluster"},
-        deployable=False, deployable_note=TRN1_NOT_DEPLOYABLE),
+        deployable=False, deployable_note=TRN1_NOT_DEPLOYABLE, host_memory_gib=512.0),
     # This machine: AVX2 EPYC, 2 cores at ~2.45 GHz, 2 FMA units x 8 fp32 lanes x 2 = 32 FLOP/cycle/core.
     # The achieved factors below are placeholders until `turnkv plan calibrate` measures them.
     "local-cpu": Instance(
@@ -168,9 +240,10 @@ INSTANCES: dict[str, Instance] = {
         {"accelerator": "lscpu on this machine: 2 AVX2 cores at 2.45 GHz", "network": "loopback (UCX tcp/shm): "
          "15.5 MiB in ~2.4 ms measured (shared/notes/local-engines.md)", "price": "none (local)"},
         Efficiency(dense=0.3, moe=0.3, allreduce_bus_bytes_s=1e12, decode_bandwidth=0.5, request_overhead_s=0.02,
-                   transfer_setup_s=0.002,
+                   transfer_setup_s=0.002, pull_components=LOCAL_PULL, pd_handover_s=0.0,
                    transfer_efficiency=((1, 1.0),), source="placeholder: run `turnkv plan calibrate`"),
-        memory_utilization=1.0, prefill_chunk_tokens=2048),
+        memory_utilization=1.0, prefill_chunk_tokens=2048, host_memory_gib=4.0, host_link_bytes_s=20e9,
+        kv_block_multiple=32),
 }
 
 CALIBRATION_FILE = "plan-calibration.json"
@@ -195,6 +268,7 @@ def load(name: str, state_dir: Path | None = None) -> Instance:
     local-cpu's from a calibration file when present. ``INSTANCES`` holds the priors."""
     from turnkv.plan import gpu_calibration
 
+    name = {n.lower(): n for n in INSTANCES}.get(name.strip().lower(), name)
     if name not in INSTANCES:
         raise ValueError(f"unknown instance {name!r}: use one of {', '.join(INSTANCES)}")
     inst = gpu_calibration.calibrated(INSTANCES[name])

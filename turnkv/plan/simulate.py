@@ -148,10 +148,14 @@ def simulate(fleet: Fleet, workload: Workload, conversations: int | None = None,
     started = time.perf_counter()
     turns = turns or sample(workload, conversations, seed)
     n = len(turns.conv)
-    costs = closed.turn_costs(fleet, turns.prompt_tokens, turns.history_tokens)
     clients = workload.num_clients
     ctx = turns.prompt_tokens + turns.output_tokens / 2
     tpot = float(closed.decode_step_s(fleet, ctx.mean(), max(1.0, clients / fleet.decode_nodes)))
+    # Prefill's own prefix cache as the closed form has it (Che's approximation at the offered load): the
+    # simulation plays queueing and decode retention, not the prefill cache's LRU.
+    lam = clients / max(float(np.mean(turns.think_s + turns.output_tokens * tpot)), 1e-9)
+    cache = closed.prefill_cache(fleet, turns, lam, tpot, seed)
+    costs = closed.turn_costs(fleet, turns.prompt_tokens, turns.history_tokens, cache.cached, cache.offloaded)
     decode_s = turns.output_tokens * tpot
     order, starts = _client_timeline(turns, clients)
     # Both retention tiers (the host tier holds what the device cache cannot). Not modelled: the connector's idle

@@ -26,6 +26,26 @@ class WorkloadError(ValueError):
     """A workload file turnkv cannot read; the message names the field and the fix."""
 
 
+#: The keys each level of the file may hold: vLLM's generator fields (``generate_multi_turn.json``) and turnkv's
+#: additions. Anything else is refused, naming the closest known key: a mistyped ``num_clent`` would otherwise
+#: plan for the default silently.
+TOP_KEYS = ("filetype", "num_conversations", "text_files", "print_stats", "prompt_input", "prompt_output",
+            "num_clients", "think_time_s", "template_tokens_per_message", "description")
+INPUT_KEYS = ("num_turns", "common_prefix_num_tokens", "prefix_num_tokens", "num_tokens")
+OUTPUT_KEYS = ("num_tokens",)
+DISTRIBUTION_KEYS = ("distribution", "value", "min", "max", "average", "median_ratio", "mean", "sigma", "alpha")
+
+
+def _known_keys(conf: dict[str, Any], known: tuple[str, ...], where: str) -> None:
+    import difflib
+
+    for key in conf:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise WorkloadError(f"{where}unknown key {key!r}: {hint}the keys are {', '.join(known)}")
+
+
 @dataclass(frozen=True)
 class Distribution:
     kind: str
@@ -38,6 +58,7 @@ class Distribution:
             return cls("constant", {"value": float(conf)})
         if not isinstance(conf, dict) or "distribution" not in conf:
             raise WorkloadError(f"{where}: expected {{\"distribution\": ...}} or a number, got {conf!r}")
+        _known_keys(conf, DISTRIBUTION_KEYS, f"{where}: ")
         kind = conf["distribution"]
         need = {"constant": ("value",), "uniform": ("min", "max"), "zipf": ("alpha",), "poisson": ("alpha",)}
         if kind == "lognormal":
@@ -124,7 +145,12 @@ class Workload:
         for key in ("num_conversations", "prompt_input", "prompt_output"):
             if key not in conf:
                 raise WorkloadError(f"missing field {key!r} (see vLLM benchmarks/multi_turn/generate_multi_turn.json)")
+        _known_keys(conf, TOP_KEYS, "")
         pin, pout = conf["prompt_input"], conf["prompt_output"]
+        if not isinstance(pin, dict) or not isinstance(pout, dict):
+            raise WorkloadError("prompt_input and prompt_output must be JSON objects")
+        _known_keys(pin, INPUT_KEYS, "prompt_input: ")
+        _known_keys(pout, OUTPUT_KEYS, "prompt_output: ")
         for key in ("num_turns", "num_tokens"):
             if key not in pin:
                 raise WorkloadError(f"missing prompt_input.{key}")
