@@ -26,9 +26,10 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,12 +74,60 @@ class TurnkvWorkerMeta(KVConnectorWorkerMetadata):
         return self
 
 
+class PerThreadCounts(dict):  # type: ignore[type-arg]
+    """A per-engine dict upstream's NIXL worker reads to lay out descriptors (``dst_num_blocks``,
+    ``dst_region_num_blocks``), where one thread may see an engine's value replaced for the length of a call and every
+    other thread keeps seeing the shared one.
+
+    A host-tier READ addresses decode's pool, laid out like its device cache but with the pool's slot count per region;
+    upstream's ``_read_blocks`` takes the count from these dicts. Swapping the shared value for the READ (as turnkv did)
+    let upstream's push writer thread, which reads the same dicts in ``_compute_desc_ids`` for its WRITEs into decode's
+    device cache, compute a WRITE in that window with pool-sized regions: the KV landed in another layer or block of
+    decode's cache. Upstream writes these dicts from several threads (handshakes, cleanup): the shared dict stays
+    theirs; only reads on the overriding thread change."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._here = threading.local()
+
+    def _overrides(self) -> dict[Any, Any]:
+        return getattr(self._here, "values", None) or {}
+
+    def __getitem__(self, key: Any) -> Any:
+        overrides = self._overrides()
+        return overrides[key] if key in overrides else super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        overrides = self._overrides()
+        return overrides[key] if key in overrides else super().get(key, default)
+
+    @contextlib.contextmanager
+    def seen_here(self, key: Any, value: Any) -> Iterator[None]:
+        """``value`` for ``key`` on this thread until the block ends (None: no override)."""
+        before = getattr(self._here, "values", None)
+        if value is not None:
+            self._here.values = {**(before or {}), key: value}
+        try:
+            yield
+        finally:
+            self._here.values = before
+
+
+def share_block_counts(worker: Any) -> None:
+    """Make the worker's per-engine block counts :class:`PerThreadCounts` (at construction, before other threads)."""
+    for name in ("dst_num_blocks", "dst_region_num_blocks"):
+        current = getattr(worker, name, None)
+        if isinstance(current, dict) and not isinstance(current, PerThreadCounts):
+            setattr(worker, name, PerThreadCounts(current))
+
+
 class TurnkvWorkerMixin:
     xfer_stats: Any
     _remote_agents: dict[str, Any]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        share_block_counts(self)  # before any READ; upstream's writer thread starts at register_kv_caches
         # turnkv's counters count as news: upstream's stats report a step only when it moved or lost KV.
         self.xfer_stats = TurnkvKVConnectorStats()
         # engine id -> {remote tensor-parallel rank: fingerprint of the agent handshaken there}
@@ -271,16 +320,15 @@ class TurnkvWorkerMixin:
             args = (*args[:3], handle, *args[4:])  # remote_request_id, local handle, local dram handle, REMOTE
         else:
             kwargs["remote_xfer_side_handle"] = handle
-        num, regions = self.dst_num_blocks.get(dst_engine_id), self.dst_region_num_blocks.get(dst_engine_id)
-        self.dst_num_blocks[dst_engine_id] = blocks
-        if regions:
-            self.dst_region_num_blocks[dst_engine_id] = [blocks] * len(regions)
-        try:
+        # The pool's slot counts, seen by this thread alone: upstream's push writer thread reads the same per-engine
+        # counts for its WRITEs into decode's device cache meanwhile (``PerThreadCounts``).
+        counts, regions = self.dst_num_blocks, self.dst_region_num_blocks
+        if not isinstance(counts, PerThreadCounts) or not isinstance(regions, PerThreadCounts):
+            raise RuntimeError("turnkv: the per-engine block counts are not per-thread views; see share_block_counts")
+        region_count = len(regions.get(dst_engine_id) or ())
+        with counts.seen_here(dst_engine_id, blocks), \
+                regions.seen_here(dst_engine_id, [blocks] * region_count if region_count else None):
             return super()._read_blocks(read_spec, dst_engine_id, request_id, *args, **kwargs)  # type: ignore[misc]
-        finally:
-            self.dst_num_blocks[dst_engine_id] = num
-            if regions:
-                self.dst_region_num_blocks[dst_engine_id] = regions
 
     def _turnkv_host_handle(self, engine_id: str, rank: int, base: int, blocks: int) -> int | None:
         """Prepared descriptors of decode rank ``rank``'s pool, laid out like its device cache (cached)."""
