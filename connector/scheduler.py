@@ -161,6 +161,8 @@ class TurnkvSchedulerMixin:
         self._host_bases: dict[int, int] = {}
         self._host_pool_blocks = 0
         self._host_started_mib = 0
+        # Host tier as each rank's worker granted it at start: rank -> (configured bytes, granted bytes, why off).
+        self._host_granted: dict[int, tuple[int, int, str]] = {}
         self._to_host: dict[str, tuple[list[int], list[int], float]] = {}
         self._host_released: dict[str, int] = {}
         # When decode last refused a turn for lack of room (forks are single use for FORK_PRESSURE_COOLDOWN after).
@@ -401,6 +403,12 @@ class TurnkvSchedulerMixin:
 
     def _observe_host(self, meta: TurnkvWorkerMeta) -> None:
         """Host tier news from the workers: pools registered, host turns done with, leases renewed."""
+        for rank, configured, granted, why in getattr(meta, "host_tier", ()):
+            self._host_granted[int(rank)] = (int(configured), int(granted), str(why))
+            if len(self._host_granted) >= self._tp_size:
+                s = self.turnkv_stats
+                s.data["turnkv_host_tier_configured_bytes"] = [sum(c for c, _, _ in self._host_granted.values())]
+                s.data["turnkv_host_tier_granted_bytes"] = [sum(g for _, g, _ in self._host_granted.values())]
         for rank, base, blocks in meta.host_pools:
             self._host_bases[int(rank)] = int(base)
             if not self._host_pool_blocks:

@@ -145,6 +145,13 @@ GAUGES: dict[str, tuple[str, str]] = {
     "turnkv_host_pool_bytes": (
         "vllm:turnkv_host_pool_bytes",
         "Size of decode's host-tier pool (0: no host tier, or no step run since start)."),
+    "turnkv_host_tier_configured_bytes": (
+        mn.VLLM_HOST_TIER_CONFIGURED_BYTES,
+        "Host-tier bytes host_kv_budget_mib asked for at engine start (every rank's share, whole slots or not)."),
+    "turnkv_host_tier_granted_bytes": (
+        mn.VLLM_HOST_TIER_GRANTED_BYTES,
+        "Host-tier bytes the engine allocated, pinned and registered at start (all ranks): below the configured "
+        "bytes when the node refused the plan (shrunk) or the tier is off (0; the engine log says why)."),
 }
 
 

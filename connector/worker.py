@@ -35,9 +35,9 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
-from connector import boot, compat, host_tier
+from connector import boot, compat, host_pool_plan, host_tier
 from connector.stats import TurnkvKVConnectorStats, counts_on_rank, rank_seconds
-from turnkv import platforms, wire
+from turnkv import fabric_limits, platforms, wire
 
 logger = logging.getLogger("vllm.turnkv.connector")
 
@@ -60,6 +60,8 @@ class TurnkvWorkerMeta(KVConnectorWorkerMetadata):
     renewed: list[str] = field(default_factory=list)
     #: Fork-readable turns read by prefill and kept for further readers (until the scheduler evicts them).
     fork_held: list[str] = field(default_factory=list)
+    #: Host tier as granted at start, once per rank: (rank, configured bytes, granted bytes, why off or "").
+    host_tier: list[tuple[int, int, int, str]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Tensor-parallel ranks: one step, every rank's reads and handshakes."""
@@ -71,6 +73,7 @@ class TurnkvWorkerMeta(KVConnectorWorkerMetadata):
             self.host_released = [*self.host_released, *other.host_released]
             self.renewed = sorted({*self.renewed, *other.renewed})
             self.fork_held = sorted({*self.fork_held, *other.fork_held})
+            self.host_tier = [*self.host_tier, *other.host_tier]
         return self
 
 
@@ -150,6 +153,12 @@ class TurnkvWorkerMixin:
         self._turnkv_pool: host_tier.HostPool | None = None
         self._turnkv_pool_reported = False
         self._turnkv_hosted: dict[str, float] = {}
+        # Copies in flight (request id -> (copy, offer's wall expiry, bytes)); those upstream finished meanwhile.
+        self._turnkv_copying: dict[str, tuple[host_tier.Copy, float, int]] = {}
+        self._turnkv_copy_ended: set[str] = set()
+        # Host tier as granted at start: (rank, configured bytes, granted bytes, why off), reported once.
+        self._turnkv_host_tier: tuple[int, int, int, str] | None = None
+        self._turnkv_host_tier_reported = False
         self._turnkv_device_done: set[str] = set()
         self._turnkv_host_released: list[tuple[str, bool]] = []
         self._turnkv_notified: set[str] = set()
@@ -207,11 +216,15 @@ class TurnkvWorkerMixin:
         if self._turnkv_pool is not None and not self._turnkv_pool_reported:
             self._turnkv_pool_reported = True
             pools = [(int(getattr(self, "tp_rank", 0)), self._turnkv_pool.base, self._turnkv_pool.blocks)]
+        granted = []
+        if self._turnkv_host_tier is not None and not self._turnkv_host_tier_reported:
+            self._turnkv_host_tier_reported = True
+            granted = [self._turnkv_host_tier]
         if step is None and not reads and not handshakes and not released and not renewed and not pools \
-                and not fork_held:
+                and not fork_held and not granted:
             return None
         return TurnkvWorkerMeta([step] if step is not None else [], reads, handshakes, pools, released, renewed,
-                                fork_held)
+                                fork_held, granted)
 
     # host tier (connector.host_tier) -------------------------------------------------------------
 
@@ -220,15 +233,32 @@ class TurnkvWorkerMixin:
         budget = int(_extra_config(self).get("host_kv_budget_mib") or 0)
         if budget <= 0:
             return
+        tp = int(getattr(getattr(self.vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
+        configured = host_pool_plan.rank_share_bytes(budget, tp)
         why = self._turnkv_host_tier_unsupported()
         if why:
-            logger.warning("turnkv: host_kv_budget_mib=%d ignored: %s", budget, why)
+            self._turnkv_host_tier_off(budget, configured, why)
             return
-        tp = int(getattr(getattr(self.vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
-        blocks = host_tier.pool_blocks(budget, tp, sum(self.block_len_per_layer))
-        if blocks <= 0:
+        fitted = self._turnkv_fit_pool(configured)
+        blocks = fitted.plan.blocks if fitted.plan is not None else 0
+        agreed = host_tier.agree_blocks(blocks, tp)  # every rank's pool holds the same slots (one offer layout)
+        if agreed < blocks:
+            logger.warning("turnkv: host tier: rank %s holds %d slots, another rank only %d: shrinking to match",
+                           getattr(self, "tp_rank", 0), blocks, agreed)
+            self._turnkv_drop_pool()
+            plan = fitted.plan
+            fitted = self._turnkv_fit_pool(configured, host_pool_plan.shrunk(plan, agreed * plan.slot_bytes,
+                                                                              self._turnkv_limits())) \
+                if agreed > 0 and plan is not None else host_pool_plan.Fitted(None, fitted.refused)
+        for plan, error in fitted.refused:
+            logger.error("turnkv: host tier: the node refused %s: %s", host_pool_plan.describe(plan), error)
+        if self._turnkv_pool is None:
+            self._turnkv_host_tier_off(budget, configured, "no pool of at least "
+                                       f"{host_pool_plan.MIN_POOL_BYTES // host_tier.MIB} MiB could be allocated, "
+                                       "pinned and registered (see the refusals above)")
             return
-        self._turnkv_pool = host_tier.HostPool(self, blocks)
+        pool = self._turnkv_pool
+        self._turnkv_host_tier = (int(getattr(self, "tp_rank", 0)), configured, pool.plan.pool_bytes, "")
         # The pool is in this agent's metadata only if the handshake payload is made again after registering it.
         import msgspec
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
@@ -238,8 +268,53 @@ class TurnkvWorkerMixin:
         agent = dataclasses.replace(agent, agent_metadata=self.nixl_wrapper.get_agent_metadata())
         self.xfer_handshake_metadata = dataclasses.replace(
             payload, agent_metadata_bytes=msgspec.msgpack.Encoder().encode(agent))
-        logger.info("turnkv: host tier: %d slots (%.1f MiB) registered with NIXL at %#x", blocks,
-                    self._turnkv_pool.tensor.nbytes / host_tier.MIB, self._turnkv_pool.base)
+        level = logging.INFO if pool.plan.pool_bytes * 2 > configured else logging.WARNING
+        logger.log(level, "turnkv: host tier: %s; registered with NIXL at %#x%s", host_pool_plan.describe(pool.plan),
+                   pool.base, "" if level == logging.INFO else " (LESS THAN HALF THE CONFIGURED BUDGET)")
+
+    def _turnkv_limits(self) -> Any:
+        """The fabric limits a pool is planned within: EFA's where NIXL reads over LIBFABRIC on a CUDA node."""
+        backends = [str(b).upper() for b in (getattr(self, "nixl_backends", None) or ())]
+        return fabric_limits.EFA_P5EN if _caches_on_cuda(self) and "LIBFABRIC" in backends else fabric_limits.UNLIMITED
+
+    def _turnkv_fit_pool(self, configured: int, plan: Any = None) -> Any:
+        """Plan this rank's pool (NUMA node, page size, regions), then allocate, pin and register the largest that
+        the node takes (``host_pool_plan.fit``); the pool, if any, becomes ``self._turnkv_pool``."""
+        limits = self._turnkv_limits()
+        if plan is None:
+            device = _cuda_device(self)
+            layout = host_tier.numa_layout() if device is not None else \
+                host_pool_plan.NumaLayout.single(host_tier.host_memory_bytes())
+            node = layout.node_of(device or 0)
+            page = host_pool_plan.page_size_for(host_tier.free_hugepages(node), configured) \
+                if device is not None else fabric_limits.PAGE_4K
+            plan = host_pool_plan.plan_rank(configured, self.block_len_per_layer, page, layout, limits,
+                                            rank=int(getattr(self, "tp_rank", 0)), device=device or 0)
+
+        def attempt(p: Any) -> None:
+            self._turnkv_pool = host_tier.HostPool(self, p)
+            self._registered_descs.extend(self._turnkv_pool.registered)
+
+        return host_pool_plan.fit(plan, attempt, limits)
+
+    def _turnkv_drop_pool(self) -> None:
+        pool, self._turnkv_pool = self._turnkv_pool, None
+        if pool is None:
+            return
+        for descs in pool.registered:
+            with contextlib.suppress(Exception):
+                self.nixl_wrapper.deregister_memory(descs)
+            with contextlib.suppress(ValueError):
+                self._registered_descs.remove(descs)
+        pool.close()
+
+    def _turnkv_host_tier_off(self, budget_mib: int, configured: int, why: str) -> None:
+        """The engine serves without a host tier: said in the log (error), on /metrics (granted 0 of the configured
+        budget: ``vllm:turnkv_host_tier_granted_bytes``), hence by ``turnkv doctor`` and the CloudWatch alarm."""
+        logger.error("turnkv: HOST TIER OFF: host_kv_budget_mib=%d configured, 0 granted on rank %s: %s. The engine "
+                     "serves without it (retained turns that do not fit retained_kv_share are not retained).",
+                     budget_mib, getattr(self, "tp_rank", 0), why)
+        self._turnkv_host_tier = (int(getattr(self, "tp_rank", 0)), configured, 0, why)
 
     def _turnkv_host_tier_unsupported(self) -> str | None:
         if not hasattr(self, "region_num_blocks"):
@@ -247,8 +322,13 @@ class TurnkvWorkerMixin:
                     "tier needs vLLM 0.32 (the GPU image's)")
         if getattr(self, "_has_mamba", False) or getattr(self, "_mixed_mem_types", False):
             return "hybrid (Mamba) or mixed-memory KV caches are not supported by the host tier"
+        if getattr(self, "use_mla", False):
+            return ("MLA models are not supported by the host tier: every rank holds the same latent KV, and one pool "
+                    "read through rank 0 (as upstream's tp_mapping reads MLA from one rank) is not built yet")
         if getattr(self, "_physical_blocks_per_logical_kv_block", 1) != 1:
-            return "kernel blocks smaller than vLLM's blocks are not supported by the host tier"
+            return (f"the attention kernel's block ({getattr(self, 'block_size', '?')} // "
+                    f"{self._physical_blocks_per_logical_kv_block} tokens, e.g. FLASHMLA's 64) is smaller than vLLM's "
+                    "--block-size: kernel blocks smaller than vLLM's blocks are not supported by the host tier")
         if getattr(self, "use_host_buffer", False):
             return "the KV cache is already staged through a host buffer"
         if len(set(getattr(self, "region_num_blocks", []) or [0])) != 1:
@@ -256,24 +336,42 @@ class TurnkvWorkerMixin:
         return None
 
     def _turnkv_copy_to_host(self, to_host: dict[str, tuple[list[int], list[int], float]]) -> None:
-        """Copy each turn placed on the host tier into its slots; its device blocks are then reported as sent."""
+        """Start copying each turn placed on the host tier into its slots. A turn counts as hosted (listed on the
+        feed, its device blocks reported sent) only once its copy is done (:meth:`_turnkv_finish_copies`): at once
+        on CPU engines, when the side stream's event completes on CUDA."""
         for request_id, (blocks, slots, until) in to_host.items():
-            self._turnkv_device_done.add(request_id)
             if self._turnkv_pool is None or request_id not in getattr(self, "_reqs_to_send", {}):
                 # Never copied, so never listed as hosted: no router clears its offer. Its slots go back.
+                self._turnkv_device_done.add(request_id)
                 self._turnkv_host_released.append((request_id, False))
                 continue
             try:
-                self._turnkv_pool.copy_in(blocks, slots)
+                copy = self._turnkv_pool.copy_in(blocks, slots)
             except Exception:
                 logger.exception("turnkv: could not copy request %s to the host tier; not retained", request_id)
                 self._reqs_to_send.pop(request_id, None)
                 self._reqs_to_process.discard(request_id)
+                self._turnkv_device_done.add(request_id)
+                self._turnkv_host_released.append((request_id, False))
+                continue
+            self._turnkv_copying[request_id] = (copy, until, len(slots) * sum(self._turnkv_pool.block_lens))
+        self._turnkv_finish_copies()
+
+    def _turnkv_finish_copies(self) -> None:
+        """Turns whose copy is done: hosted, and their device blocks reported sent (vLLM frees them). A turn upstream
+        finished meanwhile (its lease ran out during the copy) gets its slots back instead."""
+        for request_id, (copy, until, nbytes) in list(self._turnkv_copying.items()):
+            if not copy.done():
+                continue
+            del self._turnkv_copying[request_id]
+            self._turnkv_device_done.add(request_id)
+            if request_id in self._turnkv_copy_ended:
+                self._turnkv_copy_ended.discard(request_id)
                 self._turnkv_host_released.append((request_id, False))
                 continue
             self._turnkv_hosted[request_id] = until
             self._turnkv_count("turnkv_host_moves")
-            self.xfer_stats.record("turnkv_host_move_bytes", len(slots) * sum(self._turnkv_pool.block_lens))
+            self.xfer_stats.record("turnkv_host_move_bytes", nbytes)
 
     #: Pull: this (the engine) thread is the only one that takes NIXL notifications, so the fork-readable turns'
     #: are filtered from the agent's; push (``connector.push_worker``) filters them off its writer's hand-over queue.
@@ -292,6 +390,10 @@ class TurnkvWorkerMixin:
         expired) is the pool's, not vLLM's: those slots go back to the scheduler's ledger instead."""
         results = super().get_transfer_results()  # type: ignore[misc]
         sending = set(results.finished_sending)
+        self._turnkv_finish_copies()
+        for request_id in [r for r in sending if r in self._turnkv_copying]:
+            sending.discard(request_id)  # its device blocks are still being copied from: freed once done
+            self._turnkv_copy_ended.add(request_id)
         for request_id in [r for r in sending if r in self._turnkv_hosted]:
             del self._turnkv_hosted[request_id]
             read = request_id in self._turnkv_notified
@@ -535,3 +637,17 @@ class ForkReads:
 def _extra_config(worker: Any) -> dict[str, Any]:
     config = getattr(getattr(worker, "vllm_config", None), "kv_transfer_config", None)
     return dict(getattr(config, "kv_connector_extra_config", None) or {})
+
+
+def _caches_on_cuda(worker: Any) -> bool:
+    caches = getattr(worker, "device_kv_caches", None) or {}
+    return any(getattr(getattr(t, "device", None), "type", "") == "cuda" for t in caches.values())
+
+
+def _cuda_device(worker: Any) -> int | None:
+    """The CUDA device index of the worker's KV cache; None on CPU engines."""
+    for cache in (getattr(worker, "device_kv_caches", None) or {}).values():
+        device = getattr(cache, "device", None)
+        if getattr(device, "type", "") == "cuda":
+            return int(device.index or 0)
+    return None
