@@ -265,7 +265,8 @@ class TurnkvSchedulerMixin:
         if self._adaptive:
             engine = str(wire.KVParams(params).engine_id)
             decision = self.cost.decide(count, self.kv_recompute_threshold, self._load(request.request_id),
-                                        new_engine=engine not in self._handshaken)
+                                        new_engine=engine not in self._handshaken,
+                                        tier=Tier.HOST if request.request_id in self._host_reads else Tier.DEVICE)
         if count > 0 and decision is not None and not decision.pull:
             count, asynchronous = 0, False
         self.turnkv_stats.record_label("turnkv_decisions", "pull" if count > 0 else "recompute")
@@ -384,6 +385,8 @@ class TurnkvSchedulerMixin:
         tokens_per_byte = self.block_size / self._bytes_per_block if self._bytes_per_block else 0.0
         for moved, seconds in meta.reads:
             self.cost.observe_transfer(seconds, moved * tokens_per_byte)
+        for moved, seconds in getattr(meta, "host_reads", ()):
+            self.cost.observe_transfer(seconds, moved * tokens_per_byte, Tier.HOST)
         for engine, seconds in meta.handshakes:
             self.cost.observe_handshake(seconds)
             self._handshaken.add(engine)
@@ -396,6 +399,9 @@ class TurnkvSchedulerMixin:
         if cost.pull_per_token is not None:
             s.data["turnkv_pull_seconds_per_token"] = [cost.pull_per_token]
             s.data["turnkv_pull_overhead_seconds"] = [cost.pull_overhead or 0.0]
+        if cost.host_pull_per_token is not None:
+            s.data["turnkv_host_pull_seconds_per_token"] = [cost.host_pull_per_token]
+            s.data["turnkv_host_pull_overhead_seconds"] = [cost.host_pull_overhead or 0.0]
         if cost.handshake.value is not None:
             s.data["turnkv_handshake_seconds"] = [cost.handshake.value]
         if cost.wait.value is not None:

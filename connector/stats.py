@@ -114,6 +114,11 @@ GAUGES: dict[str, tuple[str, str]] = {
         "vllm:turnkv_pull_seconds_per_token", "NIXL READ time per token moved (slope over the READs posted)."),
     "turnkv_pull_overhead_seconds": (
         "vllm:turnkv_pull_overhead_seconds", "Fixed time per NIXL READ (intercept of the same fit)."),
+    "turnkv_host_pull_seconds_per_token": (
+        "vllm:turnkv_host_pull_seconds_per_token",
+        "NIXL READ time per token moved from decode's host tier (slope over those READs; fitted apart)."),
+    "turnkv_host_pull_overhead_seconds": (
+        "vllm:turnkv_host_pull_overhead_seconds", "Fixed time per NIXL READ of decode's host tier."),
     "turnkv_handshake_seconds": (
         "vllm:turnkv_handshake_seconds", "NIXL handshake time, paid by the first READ from an engine (EWMA)."),
     "turnkv_pull_wait_seconds": (

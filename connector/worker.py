@@ -48,7 +48,7 @@ class TurnkvWorkerMeta(KVConnectorWorkerMetadata):
 
     #: Numbers of the steps this output belongs to (``turnkv_step`` of the scheduler's metadata).
     steps: list[int] = field(default_factory=list)
-    #: (bytes, seconds) of each finished NIXL READ this worker posted.
+    #: (bytes, seconds) of each finished NIXL READ this worker posted of a decode's device cache.
     reads: list[tuple[int, float]] = field(default_factory=list)
     #: (remote engine id, seconds) of each NIXL handshake this worker finished.
     handshakes: list[tuple[str, float]] = field(default_factory=list)
@@ -62,6 +62,8 @@ class TurnkvWorkerMeta(KVConnectorWorkerMetadata):
     fork_held: list[str] = field(default_factory=list)
     #: Host tier as granted at start, once per rank: (rank, configured bytes, granted bytes, why off or "").
     host_tier: list[tuple[int, int, int, str]] = field(default_factory=list)
+    #: (bytes, seconds) of each finished NIXL READ of a decode's host tier (their own rate in the cost model).
+    host_reads: list[tuple[int, float]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Tensor-parallel ranks: one step, every rank's reads and handshakes."""
@@ -74,6 +76,7 @@ class TurnkvWorkerMeta(KVConnectorWorkerMetadata):
             self.renewed = sorted({*self.renewed, *other.renewed})
             self.fork_held = sorted({*self.fork_held, *other.fork_held})
             self.host_tier = [*self.host_tier, *other.host_tier]
+            self.host_reads = [*self.host_reads, *other.host_reads]
         return self
 
 
@@ -141,6 +144,7 @@ class TurnkvWorkerMixin:
         # Cost model samples, taken by build_turnkv_meta once per step (handshakes finish in a NIXL thread).
         self._turnkv_step: int | None = None
         self._turnkv_reads: list[tuple[int, float]] = []
+        self._turnkv_host_read_samples: list[tuple[int, float]] = []
         self._turnkv_handshakes: list[tuple[str, float]] = []
         # Evictions announced (request id -> (announcement number, offer's wall expiry)), kept until the offer
         # expires; the epoch tells a router reading the feed that this process restarted (numbers start over).
@@ -173,18 +177,31 @@ class TurnkvWorkerMixin:
 
     # transfer metrics ---------------------------------------------------------------------------
 
-    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
+    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> Any:
+        op = "write" if transfers is getattr(self, "_sending_transfers", None) else "read"
+        host_reads = getattr(self, "_turnkv_host_reads", {})
+        # Host-tier READs polled apart, so their telemetry is told from device reads (the cost model fits each).
+        host = {r: transfers.pop(r) for r in list(transfers) if r in host_reads} if op == "read" and host_reads else {}
+        done = self._turnkv_pop(transfers, op, False)
+        if host:
+            try:
+                done = _merged(done, self._turnkv_pop(host, op, True))
+            finally:
+                transfers.update(host)  # the ones still in flight
+        return done
+
+    def _turnkv_pop(self, transfers: dict[str, list[int]], op: str, host: bool) -> Any:
         data = self.xfer_stats.data
         before = len(data["bytes_transferred"])
         done = super()._pop_done_transfers(transfers)  # type: ignore[misc]
         moved = data["bytes_transferred"][before:]
         if moved:
-            op = "write" if transfers is getattr(self, "_sending_transfers", None) else "read"
             seconds = data["transfer_duration"][before:]
             self.xfer_stats.record(f"turnkv_{op}_bytes", sum(moved))
             self.xfer_stats.record(f"turnkv_{op}_seconds", rank_seconds(sum(seconds), self._turnkv_tp_size()))
             if op == "read":
-                self._turnkv_reads.extend(zip(moved, seconds, strict=False))
+                (self._turnkv_host_read_samples if host else self._turnkv_reads).extend(
+                    zip(moved, seconds, strict=False))
         return done
 
     def _turnkv_tp_size(self) -> int:
@@ -220,11 +237,12 @@ class TurnkvWorkerMixin:
         if self._turnkv_host_tier is not None and not self._turnkv_host_tier_reported:
             self._turnkv_host_tier_reported = True
             granted = [self._turnkv_host_tier]
+        host_reads, self._turnkv_host_read_samples = self._turnkv_host_read_samples, []
         if step is None and not reads and not handshakes and not released and not renewed and not pools \
-                and not fork_held and not granted:
+                and not fork_held and not granted and not host_reads:
             return None
         return TurnkvWorkerMeta([step] if step is not None else [], reads, handshakes, pools, released, renewed,
-                                fork_held, granted)
+                                fork_held, granted, host_reads)
 
     # host tier (connector.host_tier) -------------------------------------------------------------
 
@@ -651,3 +669,10 @@ def _cuda_device(worker: Any) -> int | None:
         if getattr(device, "type", "") == "cuda":
             return int(device.index or 0)
     return None
+
+
+def _merged(a: Any, b: Any) -> Any:
+    """Two results of upstream's ``_pop_done_transfers``: (done, failed) sets on vLLM 0.32, a done set on 0.29."""
+    if isinstance(a, tuple):
+        return tuple(x | y for x, y in zip(a, b, strict=True))
+    return a | b
