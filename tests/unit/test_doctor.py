@@ -677,6 +677,6 @@ def test_host_tier_is_skipped_where_there_is_none_to_check():
     prefill = FakeNode(files={doctor.ENGINE_ENV_FILE: ENGINE_ENV})
     assert "decode's" in run(doctor.check_host_tier, prefill)[0].detail
     assert run(doctor.check_host_tier, image=True)[0].status is Status.SKIP
-    result, fake = run(doctor.check_host_tier, decode_node(pool_result(2, 2), '{"host_kv_budget_mib": 0}'),
+    result, _ = run(doctor.check_host_tier, decode_node(pool_result(2, 2), '{"host_kv_budget_mib": 0}'),
                        host_tier_mib=2048)
     assert result.status is Status.PASS and "--host-tier-mib=2048" in result.detail
