@@ -13,7 +13,8 @@ NUMA node, and the regions it is registered as, each inside the fabric's limits 
 - **Exact size.** The pinned bytes are the slots' bytes, allocated as such (rounded up to the page size only), not
   PyTorch's power-of-two rounding.
 - **Fitting** (:func:`fit`): the node may register less than cited; the engine tries the plan and, refused, halves
-  the pool and tries again, down to ``MIN_POOL_BYTES``, below which it runs without the tier.
+  the pool and tries again, down to ``MIN_POOL_BYTES``, below which it runs without the tier (a smaller configured
+  pool is tried as configured, once).
 """
 
 from __future__ import annotations
@@ -202,9 +203,10 @@ class Fitted:
 def fit(plan: PoolPlan, attempt: Callable[[PoolPlan], None], limits: FabricLimits,
         min_bytes: int = MIN_POOL_BYTES) -> Fitted:
     """Try ``plan`` (``attempt`` allocates, pins and registers it, raising when refused and leaving nothing
-    behind); refused, halve the pool and try again; none below ``min_bytes``: no tier."""
+    behind); refused, halve the pool and try again, not below ``min_bytes`` (a smaller configured pool is tried as
+    it is, once); none left: no tier."""
     fitted = Fitted(None)
-    while plan.blocks > 0 and plan.pool_bytes >= min_bytes:
+    while plan.blocks > 0 and (not fitted.refused or plan.pool_bytes >= min_bytes):
         try:
             attempt(plan)
         except Exception as error:  # whatever the node refused with: reported, then halved

@@ -271,9 +271,9 @@ class TurnkvWorkerMixin:
         for plan, error in fitted.refused:
             logger.error("turnkv: host tier: the node refused %s: %s", host_pool_plan.describe(plan), error)
         if self._turnkv_pool is None:
-            self._turnkv_host_tier_off(budget, configured, "no pool of at least "
-                                       f"{host_pool_plan.MIN_POOL_BYTES // host_tier.MIB} MiB could be allocated, "
-                                       "pinned and registered (see the refusals above)")
+            self._turnkv_host_tier_off(budget, configured, "no pool could be allocated, pinned and registered, "
+                                       f"down to {host_pool_plan.MIN_POOL_BYTES // host_tier.MIB} MiB a rank (see "
+                                       "the refusals above)" if fitted.refused else "the plan holds no slot")
             return
         pool = self._turnkv_pool
         self._turnkv_host_tier = (int(getattr(self, "tp_rank", 0)), configured, pool.plan.pool_bytes, "")

@@ -193,3 +193,16 @@ def test_an_exact_size_host_buffer_is_bound_to_its_numa_node_without_rounding():
 def test_runs_pair_consecutive_blocks_with_consecutive_slots():
     assert host_tier.runs([4, 5, 6, 9, 10, 2], [0, 1, 2, 3, 4, 9]) == [(4, 0, 3), (9, 3, 2), (2, 9, 1)]
     assert host_tier.runs([], []) == []
+
+
+def test_a_configured_pool_below_the_shrink_floor_is_tried_as_configured_once():
+    plan = hp.plan_rank(64 * fl.MIB, [4096] * 4, fl.PAGE_4K, hp.NumaLayout.single(1 << 40), fl.UNLIMITED)
+    tried: list[int] = []
+    assert hp.fit(plan, lambda p: tried.append(p.pool_bytes), fl.UNLIMITED).granted_bytes == 64 * fl.MIB
+    refused: list[int] = []
+
+    def refuse(p: hp.PoolPlan) -> None:
+        refused.append(p.pool_bytes)
+        raise MemoryError("no")
+
+    assert hp.fit(plan, refuse, fl.UNLIMITED).plan is None and refused == [64 * fl.MIB]
