@@ -341,8 +341,12 @@ class TurnkvWorkerMixin:
         if getattr(self, "_has_mamba", False) or getattr(self, "_mixed_mem_types", False):
             return "hybrid (Mamba) or mixed-memory KV caches are not supported by the host tier"
         if getattr(self, "use_mla", False):
-            return ("MLA models are not supported by the host tier: every rank holds the same latent KV, and one pool "
-                    "read through rank 0 (as upstream's tp_mapping reads MLA from one rank) is not built yet")
+            # Every rank holds the same latent KV, so a pool per rank pins TP copies of it. Upstream reads MLA from one
+            # remote rank per local rank because the cache is duplicated (vLLM 0.32 nixl/tp_mapping.py, lines 88-97:
+            # attn_ranks = [tp_rank * remote_tp_size // tp_size]); one pool on rank 0 read by every prefill rank would
+            # leave that mapping, so it is refused until built and verified.
+            return ("MLA models are not supported by the host tier: every rank holds the same latent KV (TP copies "
+                    "of each turn), and one pool shared through rank 0 is not built")
         if getattr(self, "_physical_blocks_per_logical_kv_block", 1) != 1:
             return (f"the attention kernel's block ({getattr(self, 'block_size', '?')} // "
                     f"{self._physical_blocks_per_logical_kv_block} tokens, e.g. FLASHMLA's 64) is smaller than vLLM's "
