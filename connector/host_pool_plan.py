@@ -223,10 +223,14 @@ def page_size_for(hugepages_free: int, pool_bytes: int) -> int:
     return PAGE_2M if hugepages_free * PAGE_2M >= pool_bytes > 0 else PAGE_4K
 
 
+def size(nbytes: int) -> str:
+    """Bytes in GiB from 1 GiB up, else MiB."""
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.2f} MiB"
+
+
 def describe(plan: PoolPlan) -> str:
     """One line for logs and reports."""
     largest = max((r.nbytes for r in plan.regions), default=0)
     return (f"rank {plan.rank} (GPU {plan.device}, NUMA {plan.numa_node}): {plan.blocks} slots x {plan.slot_bytes} B "
-            f"= {plan.pool_bytes / GIB:.2f} GiB pinned of {plan.configured_bytes / GIB:.2f} GiB configured "
-            f"({plan.limited_by}); {len(plan.regions)} regions, largest {largest / GIB:.2f} GiB, {plan.pages} pages "
-            f"of {plan.page_size // 1024} KiB")
+            f"= {size(plan.pool_bytes)} pinned of {size(plan.configured_bytes)} configured ({plan.limited_by}); "
+            f"{len(plan.regions)} regions, largest {size(largest)}, {plan.pages} pages of {plan.page_size // 1024} KiB")

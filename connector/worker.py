@@ -272,7 +272,7 @@ class TurnkvWorkerMixin:
             logger.error("turnkv: host tier: the node refused %s: %s", host_pool_plan.describe(plan), error)
         if self._turnkv_pool is None:
             self._turnkv_host_tier_off(budget, configured, "no pool could be allocated, pinned and registered, "
-                                       f"down to {host_pool_plan.MIN_POOL_BYTES // host_tier.MIB} MiB a rank (see "
+                                       f"down to {host_pool_plan.size(host_pool_plan.MIN_POOL_BYTES)} a rank (see "
                                        "the refusals above)" if fitted.refused else "the plan holds no slot")
             return
         pool = self._turnkv_pool
@@ -313,7 +313,7 @@ class TurnkvWorkerMixin:
             self._turnkv_pool = host_tier.HostPool(self, p)
             self._registered_descs.extend(self._turnkv_pool.registered)
 
-        return host_pool_plan.fit(plan, attempt, limits)
+        return host_pool_plan.fit(plan, attempt, limits, host_pool_plan.MIN_POOL_BYTES)
 
     def _turnkv_drop_pool(self) -> None:
         pool, self._turnkv_pool = self._turnkv_pool, None

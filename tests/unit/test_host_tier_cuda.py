@@ -134,3 +134,80 @@ def test_the_doctor_pool_probe_registers_and_reads_between_two_nixl_agents(capsy
     assert "error" not in result, result
     assert result["granted_bytes"] == result["configured_bytes"] == 1024 * fl.MIB
     assert [r["read_descriptors"] for r in result["ranks"]] == [2, 2]
+
+
+class RefusingAgent(RecordingAgent):
+    """A NIXL agent whose fabric refuses a region over ``limit`` bytes (as EFA's fi_mr_reg does past its limits)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit, self.refused = limit, []
+
+    def register_memory(self, descs, backends=None):
+        for _address, nbytes in descs:
+            if nbytes > self.limit:
+                self.refused.append(nbytes)
+                raise RuntimeError(f"NIXL_ERR_BACKEND: fi_mr_reg({nbytes}): Cannot allocate memory")
+        super().register_memory(descs, backends)
+
+    def get_agent_metadata(self):
+        return b"agent-with-pool"
+
+
+def engine_worker(agent, budget_mib: int = 1):
+    """A decode rank's worker as vLLM 0.32's NIXL worker leaves it after registering its KV caches (CPU)."""
+    import msgspec
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata, NixlHandshakePayload
+
+    from connector.worker import TurnkvWorkerMixin
+
+    caches = fake_worker("cpu", layers=3, blocks=10, block_len=256)
+
+    class Upstream:
+        def __init__(self) -> None:
+            self.__dict__.update(vars(caches))
+            self.nixl_wrapper = agent
+            self.vllm_config = types.SimpleNamespace(
+                kv_transfer_config=types.SimpleNamespace(kv_connector_extra_config={"host_kv_budget_mib": budget_mib}),
+                parallel_config=types.SimpleNamespace(tensor_parallel_size=1))
+            self._registered_descs, self.dst_num_blocks, self.dst_region_num_blocks = [], {}, {}
+            meta = NixlAgentMetadata("decode-0", b"agent", [1], 0, 10, [256] * 3, [256] * 3, "NHD", 16, (0, 0), "x", 1)
+            self.xfer_handshake_metadata = NixlHandshakePayload(
+                compatibility_hash="h", agent_metadata_bytes=msgspec.msgpack.Encoder().encode(meta))
+
+        def register_kv_caches(self, kv_caches):
+            pass
+
+    class Worker(TurnkvWorkerMixin, Upstream):
+        pass
+
+    return Worker()
+
+
+def test_a_refused_registration_shrinks_the_pool_loudly_and_the_engine_keeps_serving(monkeypatch, caplog):
+    monkeypatch.setattr(hp, "MIN_POOL_BYTES", 64 * 1024)
+    agent = RefusingAgent(limit=300 * 1024)
+    w = engine_worker(agent)
+    with caplog.at_level("INFO", logger="vllm.turnkv.connector"):
+        w.register_kv_caches({})
+    assert agent.refused == [1365 * 768, 682 * 768]  # 1 MiB in whole 768-byte slots, then halved
+    assert w._turnkv_pool is not None and w._turnkv_pool.blocks == 341
+    assert agent.registered == [(w._turnkv_pool.base, 341 * 768)]
+    assert w._turnkv_host_tier == (0, fl.MIB, 341 * 768, "")
+    assert sum("the node refused" in r.message for r in caplog.records) == 2
+    assert any("LESS THAN HALF THE CONFIGURED BUDGET" in r.message for r in caplog.records)
+    meta = w.build_turnkv_meta()
+    assert meta.host_tier == [(0, fl.MIB, 341 * 768, "")] and meta.host_pools == [(0, w._turnkv_pool.base, 341)]
+
+
+def test_a_node_that_registers_nothing_serves_without_the_tier_and_says_so(monkeypatch, caplog):
+    monkeypatch.setattr(hp, "MIN_POOL_BYTES", 64 * 1024)
+    agent = RefusingAgent(limit=1024)
+    w = engine_worker(agent)
+    with caplog.at_level("INFO", logger="vllm.turnkv.connector"):
+        w.register_kv_caches({})  # no exception: the engine starts, no restart loop
+    assert w._turnkv_pool is None and agent.registered == []
+    rank, configured, granted, why = w._turnkv_host_tier
+    assert (rank, configured, granted) == (0, fl.MIB, 0) and "down to 0.06 MiB a rank" in why and "refusals" in why
+    assert any(r.levelname == "ERROR" and "HOST TIER OFF" in r.message for r in caplog.records)
+    assert w.build_turnkv_meta().host_tier == [(0, fl.MIB, 0, why)]
