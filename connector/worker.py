@@ -313,7 +313,14 @@ class TurnkvWorkerMixin:
             self._turnkv_pool = host_tier.HostPool(self, p)
             self._registered_descs.extend(self._turnkv_pool.registered)
 
-        return host_pool_plan.fit(plan, attempt, limits, host_pool_plan.MIN_POOL_BYTES)
+        fitted = host_pool_plan.fit(plan, attempt, limits, host_pool_plan.MIN_POOL_BYTES)
+        if fitted.plan is None and plan.page_size != fabric_limits.PAGE_4K:
+            # The node's hugepages ran out (ranks of a node take them at once): regular pages, planned anew.
+            regular = host_pool_plan.plan_rank(configured, plan.block_lens, fabric_limits.PAGE_4K,
+                                               host_tier.numa_layout(), limits, rank=plan.rank, device=plan.device)
+            again = host_pool_plan.fit(regular, attempt, limits, host_pool_plan.MIN_POOL_BYTES)
+            fitted = host_pool_plan.Fitted(again.plan, fitted.refused + again.refused)
+        return fitted
 
     def _turnkv_drop_pool(self) -> None:
         pool, self._turnkv_pool = self._turnkv_pool, None
