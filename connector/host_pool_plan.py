@@ -228,9 +228,9 @@ def size(nbytes: int) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.2f} MiB"
 
 
-def describe(plan: PoolPlan) -> str:
-    """One line for logs and reports."""
+def describe(plan: PoolPlan, held: str = "pinned") -> str:
+    """One line for logs and reports (``held``: "pinned" on CUDA, "allocated" on CPU engines)."""
     largest = max((r.nbytes for r in plan.regions), default=0)
     return (f"rank {plan.rank} (GPU {plan.device}, NUMA {plan.numa_node}): {plan.blocks} slots x {plan.slot_bytes} B "
-            f"= {size(plan.pool_bytes)} pinned of {size(plan.configured_bytes)} configured ({plan.limited_by}); "
+            f"= {size(plan.pool_bytes)} {held} of {size(plan.configured_bytes)} configured ({plan.limited_by}); "
             f"{len(plan.regions)} regions, largest {size(largest)}, {plan.pages} pages of {plan.page_size // 1024} KiB")

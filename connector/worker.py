@@ -287,7 +287,8 @@ class TurnkvWorkerMixin:
         self.xfer_handshake_metadata = dataclasses.replace(
             payload, agent_metadata_bytes=msgspec.msgpack.Encoder().encode(agent))
         level = logging.INFO if pool.plan.pool_bytes * 2 > configured else logging.WARNING
-        logger.log(level, "turnkv: host tier: %s; registered with NIXL at %#x%s", host_pool_plan.describe(pool.plan),
+        logger.log(level, "turnkv: host tier: %s; registered with NIXL at %#x%s",
+                   host_pool_plan.describe(pool.plan, "pinned" if pool.cuda else "allocated"),
                    pool.base, "" if level == logging.INFO else " (LESS THAN HALF THE CONFIGURED BUDGET)")
 
     def _turnkv_limits(self) -> Any:
