@@ -184,11 +184,36 @@ def engine_worker(agent, budget_mib: int = 1):
     return Worker()
 
 
-def test_a_refused_registration_shrinks_the_pool_loudly_and_the_engine_keeps_serving(monkeypatch, caplog):
+class Records(list):
+    """Records of the connector's logger (vLLM 0.29's logging config does not propagate to pytest's caplog)."""
+
+    def __enter__(self):
+        import logging
+
+        self._handler = logging.Handler(logging.INFO)
+        self._handler.emit = self.append
+        self._logger = logging.getLogger("vllm.turnkv.connector")
+        self._level = self._logger.level
+        self._logger.setLevel(logging.INFO)
+        self._logger.addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        self._logger.removeHandler(self._handler)
+        self._logger.setLevel(self._level)
+
+    @property
+    def records(self):
+        for record in self:
+            record.message = record.getMessage()
+        return self
+
+
+def test_a_refused_registration_shrinks_the_pool_loudly_and_the_engine_keeps_serving(monkeypatch):
     monkeypatch.setattr(hp, "MIN_POOL_BYTES", 64 * 1024)
     agent = RefusingAgent(limit=300 * 1024)
     w = engine_worker(agent)
-    with caplog.at_level("INFO", logger="vllm.turnkv.connector"):
+    with Records() as caplog:
         w.register_kv_caches({})
     assert agent.refused == [1365 * 768, 682 * 768]  # 1 MiB in whole 768-byte slots, then halved
     assert w._turnkv_pool is not None and w._turnkv_pool.blocks == 341
@@ -200,11 +225,11 @@ def test_a_refused_registration_shrinks_the_pool_loudly_and_the_engine_keeps_ser
     assert meta.host_tier == [(0, fl.MIB, 341 * 768, "")] and meta.host_pools == [(0, w._turnkv_pool.base, 341)]
 
 
-def test_a_node_that_registers_nothing_serves_without_the_tier_and_says_so(monkeypatch, caplog):
+def test_a_node_that_registers_nothing_serves_without_the_tier_and_says_so(monkeypatch):
     monkeypatch.setattr(hp, "MIN_POOL_BYTES", 64 * 1024)
     agent = RefusingAgent(limit=1024)
     w = engine_worker(agent)
-    with caplog.at_level("INFO", logger="vllm.turnkv.connector"):
+    with Records() as caplog:
         w.register_kv_caches({})  # no exception: the engine starts, no restart loop
     assert w._turnkv_pool is None and agent.registered == []
     rank, configured, granted, why = w._turnkv_host_tier
