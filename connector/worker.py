@@ -286,10 +286,11 @@ class TurnkvWorkerMixin:
         agent = dataclasses.replace(agent, agent_metadata=self.nixl_wrapper.get_agent_metadata())
         self.xfer_handshake_metadata = dataclasses.replace(
             payload, agent_metadata_bytes=msgspec.msgpack.Encoder().encode(agent))
-        level = logging.INFO if pool.plan.pool_bytes * 2 > configured else logging.WARNING
-        logger.log(level, "turnkv: host tier: %s; registered with NIXL at %#x%s",
-                   host_pool_plan.describe(pool.plan, "pinned" if pool.cuda else "allocated"),
-                   pool.base, "" if level == logging.INFO else " (LESS THAN HALF THE CONFIGURED BUDGET)")
+        whole = pool.plan.pool_bytes + pool.plan.slot_bytes > configured  # the budget, in whole slots
+        logger.log(logging.INFO if whole else logging.WARNING, "turnkv: host tier: %s; registered with NIXL at %#x%s",
+                   host_pool_plan.describe(pool.plan, "pinned" if pool.cuda else "allocated"), pool.base,
+                   "" if whole else f" (SHRUNK: {host_pool_plan.size(pool.plan.pool_bytes)} of the configured "
+                                    f"{host_pool_plan.size(configured)}; vllm:turnkv_host_tier_granted_bytes)")
 
     def _turnkv_limits(self) -> Any:
         """The fabric limits a pool is planned within: EFA's where NIXL reads over LIBFABRIC on a CUDA node."""

@@ -220,7 +220,8 @@ def test_a_refused_registration_shrinks_the_pool_loudly_and_the_engine_keeps_ser
     assert agent.registered == [(w._turnkv_pool.base, 341 * 768)]
     assert w._turnkv_host_tier == (0, fl.MIB, 341 * 768, "")
     assert sum("the node refused" in r.message for r in caplog.records) == 2
-    assert any("LESS THAN HALF THE CONFIGURED BUDGET" in r.message for r in caplog.records)
+    assert any(r.levelname == "WARNING" and "SHRUNK: 0.25 MiB of the configured 1.00 MiB" in r.message
+               for r in caplog.records)
     meta = w.build_turnkv_meta()
     assert meta.host_tier == [(0, fl.MIB, 341 * 768, "")] and meta.host_pools == [(0, w._turnkv_pool.base, 341)]
 
