@@ -31,15 +31,6 @@ from typing import Any
 from connector import host_pool_plan
 from turnkv import fabric_limits, wire
 
-MIB = 1024 * 1024
-
-
-def pool_blocks(budget_mib: int, tp_size: int, bytes_per_block: int) -> int:
-    """Slots of one rank's pool: its share of the engine's budget over the bytes a block takes on that rank."""
-    if budget_mib <= 0 or bytes_per_block <= 0:
-        return 0
-    return (budget_mib * MIB // max(1, tp_size)) // bytes_per_block
-
 
 def region_bases(base: int, blocks: int, block_lens: list[int]) -> list[int]:
     """Each region's start in a pool of ``blocks`` slots: the regions one after another, each a run of slots."""
