@@ -118,7 +118,9 @@ GPU_CHECK_OUT ?= results/gpu-check
 GPU_UNIT_TESTS := tests/unit/test_platform_paths.py tests/unit/test_push_scheduler.py \
   tests/unit/test_connector_units.py tests/unit/test_policy.py tests/unit/test_token_proof.py \
   tests/unit/test_tunables_file.py tests/unit/test_versions.py \
-  tests/unit/test_shapes.py
+  tests/unit/test_shapes.py \
+  tests/unit/test_host_pool_plan.py tests/unit/test_host_tier_cuda.py tests/unit/test_host_tier_race.py \
+  tests/unit/test_tier_costs.py
 gpu-check: setup
 	@mkdir -p $(GPU_CHECK_OUT)
 	@test -x $(VENV_GPU)/bin/python || $(PYTHON) -m venv $(VENV_GPU)
@@ -132,7 +134,9 @@ gpu-check: setup
 	  print("vllm", vllm.__version__, "from", vllm.__file__, "| dist", m.version("vllm")); \
 	  assert "+cpu" not in m.version("vllm") and "$(abspath $(VENV_GPU))" in vllm.__file__, "not the CUDA wheel"'
 	PYTHONPATH=$(CURDIR) $(VENV_GPU)/bin/python -m turnkv.vllm_files
-	PYTHONPATH=$(CURDIR) $(VENV_GPU)/bin/python -m pytest -q -p no:cacheprovider $(GPU_UNIT_TESTS)
+	@# The host tier's CUDA branch (pool, registration plan, pinning, copy) runs as far as the CUDA wheel allows
+	@# without a GPU; -rs prints what it could not run and why (the side-stream copy needs a device).
+	PYTHONPATH=$(CURDIR) $(VENV_GPU)/bin/python -m pytest -q -rs -p no:cacheprovider $(GPU_UNIT_TESTS)
 	@# PyPI alone, as a fresh GPU image resolves: no machine config, no local wheel folder (its CPU torch).
 	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(BIN)/python -m pip install --disable-pip-version-check --dry-run -q \
 	  --ignore-installed --report $(GPU_CHECK_OUT)/gpu-requirements.json \

@@ -24,19 +24,12 @@ knows of decode's regions (block lengths) plus the pool's base address and size,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
-from turnkv import wire
-
-MIB = 1024 * 1024
-
-
-def pool_blocks(budget_mib: int, tp_size: int, bytes_per_block: int) -> int:
-    """Slots of one rank's pool: its share of the engine's budget over the bytes a block takes on that rank."""
-    if budget_mib <= 0 or bytes_per_block <= 0:
-        return 0
-    return (budget_mib * MIB // max(1, tp_size)) // bytes_per_block
+from connector import host_pool_plan
+from turnkv import fabric_limits, wire
 
 
 def region_bases(base: int, blocks: int, block_lens: list[int]) -> list[int]:
@@ -80,29 +73,154 @@ def remote_pool_meta(meta: Any, base: int, blocks: int) -> Any:
         region_mem_types=["DRAM"] * count)
 
 
-class HostPool:
-    """One rank's pool: allocated, registered with the worker's NIXL agent, and filled from device blocks."""
+def register_regions(agent: Any, base: int, plan: host_pool_plan.PoolPlan, backends: Any = None) -> list[Any]:
+    """Register the pool at ``base`` with NIXL as ``plan``'s regions, one registration each (a refused one leaves
+    nothing registered: the ones before it are deregistered, then the refusal is raised)."""
+    done: list[Any] = []
+    try:
+        for region in plan.regions:
+            descs = agent.get_reg_descs([(base + region.offset, region.nbytes, 0, "")], "DRAM")
+            if backends is None:
+                agent.register_memory(descs)
+            else:
+                agent.register_memory(descs, backends=backends)
+            done.append(descs)
+    except Exception:
+        for descs in done:
+            with contextlib.suppress(Exception):
+                agent.deregister_memory(descs)
+        raise
+    return done
 
-    def __init__(self, worker: Any, blocks: int) -> None:
+
+class HostBuffer:
+    """Host memory of exactly ``nbytes`` (whole pages), not through PyTorch's caching host allocator (which rounds a
+    pinned allocation up to a power of two: ``turnkv.fabric_limits``): an anonymous mapping, on 2 MiB hugepages when
+    asked, bound to ``numa_node`` before its pages are touched (the rank's GPU's node: NIXL registers DRAM on that
+    node's rails), pinned with ``cudaHostRegister`` when ``pin``."""
+
+    def __init__(self, nbytes: int, page_size: int = fabric_limits.PAGE_4K, numa_node: int | None = None,
+                 pin: bool = False) -> None:
+        import mmap
+
         import torch
 
-        self.blocks = blocks
+        self.nbytes, self.page_size, self.pinned = nbytes, page_size, False
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        if page_size == fabric_limits.PAGE_2M:
+            flags |= getattr(mmap, "MAP_HUGETLB", MAP_HUGETLB)
+        length = -(-max(1, nbytes) // page_size) * page_size
+        self._map = mmap.mmap(-1, length, flags=flags)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes)
+        self.base = int(self.tensor.data_ptr())
+        self.numa_bound = numa_node is not None and bind_numa(self.base, length, numa_node)
+        if pin:
+            code = int(getattr(status := _cudart().cudaHostRegister(self.base, length, 0), "value", status))
+            if code != 0:
+                self.close()
+                raise MemoryError(f"cudaHostRegister of {length} bytes failed (CUDA error {code})")
+            self.pinned = True
+
+    def close(self) -> None:
+        if self.pinned:
+            with contextlib.suppress(Exception):
+                _cudart().cudaHostUnregister(self.base)
+            self.pinned = False
+        self.tensor = None
+        with contextlib.suppress(BufferError, ValueError):
+            self._map.close()
+
+
+#: Linux's MAP_HUGETLB (Python's mmap module names it from 3.13 on only).
+MAP_HUGETLB = 0x40000
+#: mbind(2)'s syscall number by machine, and its MPOL_BIND mode.
+_MBIND = {"x86_64": 237, "aarch64": 235}
+MPOL_BIND = 2
+
+
+def bind_numa(address: int, length: int, node: int) -> bool:
+    """Bind ``length`` bytes at ``address`` (not touched yet) to NUMA node ``node`` (mbind); False where it cannot."""
+    import ctypes
+    import platform
+
+    number = _MBIND.get(platform.machine())
+    if number is None or node < 0:
+        return False
+    bits = 8 * ctypes.sizeof(ctypes.c_ulong)
+    mask = (ctypes.c_ulong * (node // bits + 1))()
+    mask[node // bits] = 1 << (node % bits)
+    libc = ctypes.CDLL(None, use_errno=True)
+    result = libc.syscall(ctypes.c_long(number), ctypes.c_void_p(address), ctypes.c_ulong(length),
+                          ctypes.c_int(MPOL_BIND), mask, ctypes.c_ulong(len(mask) * bits + 1), ctypes.c_uint(0))
+    return result == 0
+
+
+def _cudart() -> Any:
+    import torch
+
+    return torch.cuda.cudart()
+
+
+@dataclasses.dataclass
+class Copy:
+    """One turn's device-to-pool copy in flight: done once ``event`` (CUDA) has completed; None: already done."""
+
+    event: Any = None
+
+    def done(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+
+class HostPool:
+    """One rank's pool: allocated, registered with the worker's NIXL agent, and filled from device blocks.
+
+    ``plan`` (``connector.host_pool_plan``) gives its slots, page size, NUMA node and registered regions. On CUDA the
+    pool is an exact-size :class:`HostBuffer`, pinned, and copies run on a side stream: :meth:`copy_in` returns a
+    :class:`Copy` whose event tells when the turn is hosted. On CPU engines it is a ``torch.zeros`` tensor and copies
+    are done when :meth:`copy_in` returns."""
+
+    def __init__(self, worker: Any, plan: host_pool_plan.PoolPlan, agent: Any = None, backends: Any = None) -> None:
+        import torch
+
+        self.plan = plan
+        self.blocks = plan.blocks
         self.block_lens = list(worker.block_len_per_layer)
+        if tuple(self.block_lens) != plan.block_lens:
+            raise ValueError(f"the plan's block lengths {plan.block_lens} are not the worker's {self.block_lens}")
         strides = list(worker.block_stride_per_layer)
         bases = list(worker.kv_caches_base_addr[worker.engine_id][worker.tp_rank])
         caches = [t for t in worker.device_kv_caches.values() if isinstance(t, torch.Tensor)]
-        pin = caches[0].device.type == "cuda"
-        self.tensor = torch.zeros(blocks * sum(self.block_lens), dtype=torch.uint8, pin_memory=pin)
+        self.cuda = caches[0].device.type == "cuda"
+        self._buffer: HostBuffer | None = None
+        if self.cuda:
+            self._buffer = HostBuffer(plan.pool_bytes, plan.page_size, plan.numa_node, pin=True)
+            self.tensor = self._buffer.tensor
+            self._stream = torch.cuda.Stream(device=caches[0].device)
+        else:
+            self.tensor = torch.zeros(plan.pool_bytes, dtype=torch.uint8)
+            self._stream = None
         self.base = int(self.tensor.data_ptr())
         # Per region: the device cache's blocks and the pool's slots as (rows, block bytes) byte views.
         self._device = [self._view(caches, base, worker.region_num_blocks[i], strides[i], self.block_lens[i])
                         for i, base in enumerate(bases)]
-        self._host = [self.tensor.as_strided((blocks, length), (length, 1), offset)
-                      for offset, length in zip(region_bases(0, blocks, self.block_lens), self.block_lens,
+        self._host = [self.tensor.as_strided((self.blocks, length), (length, 1), offset)
+                      for offset, length in zip(region_bases(0, self.blocks, self.block_lens), self.block_lens,
                                                 strict=True)]
-        descs = worker.nixl_wrapper.get_reg_descs([(self.base, self.tensor.nbytes, 0, "")], "DRAM")
-        worker.nixl_wrapper.register_memory(descs, backends=worker.nixl_backends)
-        worker._registered_descs.append(descs)
+        agent = worker.nixl_wrapper if agent is None else agent
+        backends = getattr(worker, "nixl_backends", None) if backends is None else backends
+        try:
+            self.registered = register_regions(agent, self.base, plan, backends)
+        except Exception:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Free the memory (after its registrations were dropped, or none were made)."""
+        self._device, self._host = [], []
+        self.tensor = None
+        if self._buffer is not None:
+            self._buffer.close()
+            self._buffer = None
 
     @staticmethod
     def _view(caches: list[Any], base: int, num_blocks: int, stride: int, length: int) -> Any:
@@ -116,14 +234,126 @@ class HostPool:
                 return raw.as_strided((num_blocks, length), (stride, 1), base - start)
         raise ValueError(f"no KV cache tensor holds region base {base:#x}")
 
-    def copy_in(self, device_blocks: list[int], slots: list[int]) -> None:
-        """Device blocks -> pool slots, every region (synchronous: the blocks are freed right after)."""
+    def copy_in(self, device_blocks: list[int], slots: list[int]) -> Copy:
+        """Device blocks -> pool slots, every region. CUDA: asynchronous on the pool's side stream, after the work
+        queued so far on the engine's stream (the turn's last KV writes), each run of consecutive blocks into
+        consecutive slots one copy into pinned memory; the returned :class:`Copy` completes with the last one. CPU:
+        done on return."""
         import torch
 
         if len(device_blocks) != len(slots):
             raise ValueError(f"{len(device_blocks)} device blocks for {len(slots)} host slots")
-        for device, host in zip(self._device, self._host, strict=True):
-            src = torch.tensor(device_blocks, dtype=torch.long, device=device.device)
-            host[torch.tensor(slots, dtype=torch.long)] = device.index_select(0, src).to("cpu")
-        if self._device and self._device[0].device.type == "cuda":
-            torch.cuda.synchronize(self._device[0].device)
+        if not self.cuda:
+            for device, host in zip(self._device, self._host, strict=True):
+                src = torch.tensor(device_blocks, dtype=torch.long, device=device.device)
+                host[torch.tensor(slots, dtype=torch.long)] = device.index_select(0, src).to("cpu")
+            return Copy()
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream):
+            for device, host in zip(self._device, self._host, strict=True):
+                for block, slot, count in runs(device_blocks, slots):
+                    host[slot:slot + count].copy_(device[block:block + count], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return Copy(event)
+
+
+def runs(blocks: list[int], slots: list[int]) -> list[tuple[int, int, int]]:
+    """(first block, first slot, count) of each run where both blocks and slots go up by one (pure)."""
+    out: list[tuple[int, int, int]] = []
+    for block, slot in zip(blocks, slots, strict=True):
+        if out and out[-1][0] + out[-1][2] == block and out[-1][1] + out[-1][2] == slot:
+            first, first_slot, count = out[-1]
+            out[-1] = (first, first_slot, count + 1)
+        else:
+            out.append((block, slot, 1))
+    return out
+
+
+# the node, read at engine start ------------------------------------------------------------------------------------
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _node_ids(sys_root: str) -> list[int]:
+    import os
+
+    try:
+        names = os.listdir(f"{sys_root}/devices/system/node")
+    except OSError:
+        return []
+    return sorted(int(n[4:]) for n in names if n.startswith("node") and n[4:].isdigit())
+
+
+def node_memory_bytes(node: int, sys_root: str = "/sys") -> int | None:
+    """MemTotal of NUMA node ``node`` (``/sys/devices/system/node/nodeN/meminfo``)."""
+    text = _read(f"{sys_root}/devices/system/node/node{node}/meminfo") or ""
+    for line in text.splitlines():
+        if "MemTotal:" in line:
+            return int(line.split("MemTotal:")[1].split()[0]) * 1024
+    return None
+
+
+def host_memory_bytes(proc_root: str = "/proc") -> int:
+    for line in (_read(f"{proc_root}/meminfo") or "").splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def free_hugepages(node: int, sys_root: str = "/sys") -> int:
+    """Free 2 MiB hugepages reserved on NUMA node ``node`` (0 without any)."""
+    text = _read(f"{sys_root}/devices/system/node/node{node}/hugepages/hugepages-2048kB/free_hugepages")
+    return int(text.strip()) if text and text.strip().isdigit() else 0
+
+
+def gpu_numa_nodes(pci_ids: list[str], sys_root: str = "/sys") -> tuple[int, ...]:
+    """Each GPU's NUMA node from its PCI device (``/sys/bus/pci/devices/<id>/numa_node``; -1 or unknown: 0)."""
+    out = []
+    for pci in pci_ids:
+        text = (_read(f"{sys_root}/bus/pci/devices/{pci.lower()}/numa_node") or "").strip()
+        out.append(max(0, int(text)) if text.lstrip("-").isdigit() else 0)
+    return tuple(out)
+
+
+def cuda_pci_ids() -> list[str]:
+    """The PCI address of each visible CUDA device, as sysfs names it (``0000:53:00.0``)."""
+    import torch
+
+    ids = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        ids.append(f"{getattr(props, 'pci_domain_id', 0):04x}:{getattr(props, 'pci_bus_id', 0):02x}:"
+                   f"{getattr(props, 'pci_device_id', 0):02x}.0")
+    return ids
+
+
+def numa_layout(pci_ids: list[str] | None = None, sys_root: str = "/sys") -> host_pool_plan.NumaLayout:
+    """This node's NUMA layout: memory per node and the node of each CUDA device (one node when /sys says none)."""
+    nodes = _node_ids(sys_root)
+    sizes = tuple(node_memory_bytes(n, sys_root) or 0 for n in range(max(nodes) + 1)) if nodes else ()
+    if not sizes or not any(sizes):
+        sizes = (host_memory_bytes(),)
+    gpus = gpu_numa_nodes(cuda_pci_ids() if pci_ids is None else pci_ids, sys_root)
+    return host_pool_plan.NumaLayout(sizes, tuple(min(n, len(sizes) - 1) for n in gpus) or (0,))
+
+
+def agree_blocks(blocks: int, tp_size: int) -> int:
+    """The smallest pool of the tensor-parallel ranks (every rank calls this once, at the same point): an offer
+    names one slot count for every rank's pool. One rank: its own."""
+    if tp_size <= 1:
+        return blocks
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    value = torch.tensor([int(blocks)], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
+    return int(value.item())

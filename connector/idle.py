@@ -9,9 +9,9 @@ millisecond, scheduling nothing, until the blocks are read or expire: a whole co
    queue for up to ``TURNKV_IDLE_TICK_MS`` (default 100 ms) between steps instead: a new request
    still wakes it at once, and retained blocks are still released when read or expired, a tick later;
 2. every step wakes the model worker, whose shared-memory queue then spins for 1 s after each read
-   before it sleeps, so steps closer than a second keep it spinning for good. The spin window is cut
-   to ``TURNKV_WORKER_SPIN_MS`` (default 2 ms); under load the next step follows within a millisecond
-   and it still spins.
+   before it sleeps, so steps closer than a second keep it spinning for good. On CPU engines the spin
+   window is cut to ``TURNKV_WORKER_SPIN_MS`` (default 2 ms); under load the next step follows within a
+   millisecond and it still spins. Not on GPUs (:func:`spin_cut_applies`).
 
 Measured with ``python -m bench.idle_cpu`` (decode CPU over the minute after a burst of conversations):
 a 1 s tick saved the most CPU but let a peer's pull wait up to a tick for this engine's transfer
@@ -54,8 +54,19 @@ def only_holding_blocks(core: Any) -> bool:
             and not (connector is not None and connector.has_pending_push_work()))
 
 
-def apply() -> list[str]:
-    return _shorter_worker_spin() + _idle_engine_tick()
+def spin_cut_applies(platform: str) -> bool:
+    """The worker spin cut is for CPU engines only. There a step is a few milliseconds and a spinning reader is a
+    core taken from the engine; on a GPU a step takes 20-50 ms of kernel time, the worker's spin is what takes the
+    next step's broadcast without a wake-up, and cutting it to 2 ms would add a sleep-and-wake to every step."""
+    return platform == "cpu"
+
+
+def apply(platform: str | None = None) -> list[str]:
+    if platform is None:
+        from connector.compat import current_platform_name
+
+        platform = current_platform_name()
+    return (_shorter_worker_spin() if spin_cut_applies(platform) else []) + _idle_engine_tick()
 
 
 def _shorter_worker_spin() -> list[str]:

@@ -9,7 +9,8 @@ decaying least squares (recent samples weigh most):
   which stays right when steps overlap (async scheduling schedules step N+1 before step N's output).
 - **transfer**: seconds of each NIXL READ the worker posted (NIXL's own telemetry) against the tokens it
   moved (one READ far slower than predicted is fitted only if the next is too: ``TRANSFER_OUTLIER``); the
-  intercept is the per-READ fixed cost, the slope the bandwidth. The first READ from an
+  intercept is the per-READ fixed cost, the slope the bandwidth. Reads of decode's host tier are
+  fitted apart (``host_transfers``) and an offer from the host tier is predicted at that rate. The first READ from an
   engine also pays the NIXL handshake: that is learned apart (``handshake``) and added only to an offer
   from an engine not handshaken yet. Time a pulling request then waits for the engine's next step is
   the engine's queue, not the transfer: it is kept apart (``observe_wait``, exported, never compared).
@@ -40,6 +41,8 @@ STEP_SPREAD = 0.2
 TRANSFER_OUTLIER = 3.0
 #: Every reason a decision can give (one Prometheus label value each).
 REASONS = ("floor", "no-estimate", "faster", "load", "slower", "probe")
+#: Decode's tiers an offer is read from (``turnkv.metric_names.TIERS``): each has its own transfer fit.
+DEVICE, HOST = "device", "host"
 
 
 @dataclass
@@ -148,8 +151,12 @@ class CostModel:
     probe_every: int = 20
     #: Engine step seconds against scheduled tokens (slope: marginal compute per token).
     steps: DecayingLine = field(default_factory=lambda: DecayingLine(decay=0.95))
-    #: READ seconds against tokens moved (intercept: per-READ fixed cost; slope: per token).
+    #: READ seconds against tokens moved (intercept: per-READ fixed cost; slope: per token): reads of decode's
+    #: device cache.
     transfers: DecayingLine = field(default_factory=DecayingLine)
+    #: The same for reads of decode's host tier (pinned host memory: another rate over the fabric, PCIe on neither
+    #: side's GPU), learned apart so neither tier's samples skew the other's predictions.
+    host_transfers: DecayingLine = field(default_factory=DecayingLine)
     #: NIXL handshake seconds (first READ from an engine).
     handshake: Ewma = field(default_factory=Ewma)
     #: Seconds a pulling request waited for the engine beyond its transfer (the queue; shown, not compared).
@@ -165,8 +172,11 @@ class CostModel:
         if scheduled_tokens > 0 and seconds > 0:
             self.steps.update(scheduled_tokens, seconds)
 
-    def observe_transfer(self, seconds: float, tokens: float) -> None:
+    def observe_transfer(self, seconds: float, tokens: float, tier: str = DEVICE) -> None:
         if tokens <= 0 or seconds <= 0:
+            return
+        if tier == HOST:
+            self.host_transfers.update(tokens, seconds)
             return
         predicted = self.predicted_pull(int(tokens))
         slow = bool(predicted) and seconds > TRANSFER_OUTLIER * predicted  # type: ignore[operator]
@@ -180,6 +190,9 @@ class CostModel:
             self._slow_run = False
         self._held = None
         self.transfers.update(tokens, seconds)
+
+    def _line(self, tier: str) -> DecayingLine:
+        return self.host_transfers if tier == HOST else self.transfers
 
     def observe_handshake(self, seconds: float) -> None:
         if seconds > 0:
@@ -210,8 +223,19 @@ class CostModel:
         fit = self.transfers.fit()
         return None if fit is None else fit[1]
 
-    def predicted_pull(self, tokens: int, new_engine: bool = False) -> float | None:
-        fit = self.transfers.fit()
+    @property
+    def host_pull_overhead(self) -> float | None:
+        fit = self.host_transfers.fit()
+        return None if fit is None else fit[0]
+
+    @property
+    def host_pull_per_token(self) -> float | None:
+        fit = self.host_transfers.fit()
+        return None if fit is None else fit[1]
+
+    def predicted_pull(self, tokens: int, new_engine: bool = False, tier: str = DEVICE) -> float | None:
+        """Seconds to READ ``tokens`` from ``tier`` of decode (its own fit: none until that tier was read)."""
+        fit = self._line(tier).fit()
         if fit is None:
             return None
         handshake = (self.handshake.value or 0.0) if new_engine else 0.0
@@ -223,10 +247,11 @@ class CostModel:
 
     # the decision ------------------------------------------------------------------------------
 
-    def decide(self, tokens: int, floor: int, load: Load = Load(), new_engine: bool = False) -> Decision:
+    def decide(self, tokens: int, floor: int, load: Load = Load(), new_engine: bool = False,
+               tier: str = DEVICE) -> Decision:
         if tokens <= 0 or (floor > 0 and tokens < floor):
             return Decision(False, "floor", tokens, load=load)
-        pull_s, compute_s = self.predicted_pull(tokens, new_engine), self.predicted_compute(tokens)
+        pull_s, compute_s = self.predicted_pull(tokens, new_engine, tier), self.predicted_compute(tokens)
         if pull_s is None or compute_s is None:
             return Decision(True, "no-estimate", tokens, pull_s, compute_s, load=load)
         queue_s = compute_s * load.requests

@@ -162,6 +162,8 @@ class TurnkvSchedulerMixin:
         self._host_bases: dict[int, int] = {}
         self._host_pool_blocks = 0
         self._host_started_mib = 0
+        # Host tier as each rank's worker granted it at start: rank -> (configured bytes, granted bytes, why off).
+        self._host_granted: dict[int, tuple[int, int, str]] = {}
         self._to_host: dict[str, tuple[list[int], list[int], float]] = {}
         self._host_released: dict[str, int] = {}
         # When decode last refused a turn for lack of room (forks are single use for FORK_PRESSURE_COOLDOWN after).
@@ -274,7 +276,8 @@ class TurnkvSchedulerMixin:
         if self._adaptive:
             engine = str(wire.KVParams(params).engine_id)
             decision = self.cost.decide(count, self.kv_recompute_threshold, self._load(request.request_id),
-                                        new_engine=engine not in self._handshaken)
+                                        new_engine=engine not in self._handshaken,
+                                        tier=Tier.HOST if request.request_id in self._host_reads else Tier.DEVICE)
         if count > 0 and decision is not None and not decision.pull:
             count, asynchronous = 0, False
         self.turnkv_stats.record_label("turnkv_decisions", "pull" if count > 0 else "recompute")
@@ -399,6 +402,8 @@ class TurnkvSchedulerMixin:
         tokens_per_byte = self.block_size / self._bytes_per_block if self._bytes_per_block else 0.0
         for moved, seconds in meta.reads:
             self.cost.observe_transfer(seconds, moved * tokens_per_byte)
+        for moved, seconds in getattr(meta, "host_reads", ()):
+            self.cost.observe_transfer(seconds, moved * tokens_per_byte, Tier.HOST)
         for engine, seconds in meta.handshakes:
             self.cost.observe_handshake(seconds)
             self._handshaken.add(engine)
@@ -411,6 +416,9 @@ class TurnkvSchedulerMixin:
         if cost.pull_per_token is not None:
             s.data["turnkv_pull_seconds_per_token"] = [cost.pull_per_token]
             s.data["turnkv_pull_overhead_seconds"] = [cost.pull_overhead or 0.0]
+        if cost.host_pull_per_token is not None:
+            s.data["turnkv_host_pull_seconds_per_token"] = [cost.host_pull_per_token]
+            s.data["turnkv_host_pull_overhead_seconds"] = [cost.host_pull_overhead or 0.0]
         if cost.handshake.value is not None:
             s.data["turnkv_handshake_seconds"] = [cost.handshake.value]
         if cost.wait.value is not None:
@@ -418,6 +426,12 @@ class TurnkvSchedulerMixin:
 
     def _observe_host(self, meta: TurnkvWorkerMeta) -> None:
         """Host tier news from the workers: pools registered, host turns done with, leases renewed."""
+        for rank, configured, granted, why in getattr(meta, "host_tier", ()):
+            self._host_granted[int(rank)] = (int(configured), int(granted), str(why))
+            if len(self._host_granted) >= self._tp_size:
+                s = self.turnkv_stats
+                s.data["turnkv_host_tier_configured_bytes"] = [sum(c for c, _, _ in self._host_granted.values())]
+                s.data["turnkv_host_tier_granted_bytes"] = [sum(g for _, g, _ in self._host_granted.values())]
         for rank, base, blocks in meta.host_pools:
             self._host_bases[int(rank)] = int(base)
             if not self._host_pool_blocks:

@@ -114,6 +114,11 @@ GAUGES: dict[str, tuple[str, str]] = {
         "vllm:turnkv_pull_seconds_per_token", "NIXL READ time per token moved (slope over the READs posted)."),
     "turnkv_pull_overhead_seconds": (
         "vllm:turnkv_pull_overhead_seconds", "Fixed time per NIXL READ (intercept of the same fit)."),
+    "turnkv_host_pull_seconds_per_token": (
+        "vllm:turnkv_host_pull_seconds_per_token",
+        "NIXL READ time per token moved from decode's host tier (slope over those READs; fitted apart)."),
+    "turnkv_host_pull_overhead_seconds": (
+        "vllm:turnkv_host_pull_overhead_seconds", "Fixed time per NIXL READ of decode's host tier."),
     "turnkv_handshake_seconds": (
         "vllm:turnkv_handshake_seconds", "NIXL handshake time, paid by the first READ from an engine (EWMA)."),
     "turnkv_pull_wait_seconds": (
@@ -145,6 +150,13 @@ GAUGES: dict[str, tuple[str, str]] = {
     "turnkv_host_pool_bytes": (
         "vllm:turnkv_host_pool_bytes",
         "Size of decode's host-tier pool (0: no host tier, or no step run since start)."),
+    "turnkv_host_tier_configured_bytes": (
+        mn.VLLM_HOST_TIER_CONFIGURED_BYTES,
+        "Host-tier bytes host_kv_budget_mib asked for at engine start (every rank's share, whole slots or not)."),
+    "turnkv_host_tier_granted_bytes": (
+        mn.VLLM_HOST_TIER_GRANTED_BYTES,
+        "Host-tier bytes the engine allocated, pinned and registered at start (all ranks): below the configured "
+        "bytes when the node refused the plan (shrunk) or the tier is off (0; the engine log says why)."),
 }
 
 

@@ -26,17 +26,18 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
-from connector import boot, compat, host_tier
+from connector import boot, compat, host_pool_plan, host_tier
 from connector.stats import TurnkvKVConnectorStats, counts_on_rank, rank_seconds
-from turnkv import platforms, wire
+from turnkv import fabric_limits, platforms, wire
 
 logger = logging.getLogger("vllm.turnkv.connector")
 
@@ -47,7 +48,7 @@ class TurnkvWorkerMeta(KVConnectorWorkerMetadata):
 
     #: Numbers of the steps this output belongs to (``turnkv_step`` of the scheduler's metadata).
     steps: list[int] = field(default_factory=list)
-    #: (bytes, seconds) of each finished NIXL READ this worker posted.
+    #: (bytes, seconds) of each finished NIXL READ this worker posted of a decode's device cache.
     reads: list[tuple[int, float]] = field(default_factory=list)
     #: (remote engine id, seconds) of each NIXL handshake this worker finished.
     handshakes: list[tuple[str, float]] = field(default_factory=list)
@@ -59,6 +60,10 @@ class TurnkvWorkerMeta(KVConnectorWorkerMetadata):
     renewed: list[str] = field(default_factory=list)
     #: Fork-readable turns read by prefill and kept for further readers (until the scheduler evicts them).
     fork_held: list[str] = field(default_factory=list)
+    #: Host tier as granted at start, once per rank: (rank, configured bytes, granted bytes, why off or "").
+    host_tier: list[tuple[int, int, int, str]] = field(default_factory=list)
+    #: (bytes, seconds) of each finished NIXL READ of a decode's host tier (their own rate in the cost model).
+    host_reads: list[tuple[int, float]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Tensor-parallel ranks: one step, every rank's reads and handshakes."""
@@ -70,7 +75,56 @@ class TurnkvWorkerMeta(KVConnectorWorkerMetadata):
             self.host_released = [*self.host_released, *other.host_released]
             self.renewed = sorted({*self.renewed, *other.renewed})
             self.fork_held = sorted({*self.fork_held, *other.fork_held})
+            self.host_tier = [*self.host_tier, *other.host_tier]
+            self.host_reads = [*self.host_reads, *other.host_reads]
         return self
+
+
+class PerThreadCounts(dict):  # type: ignore[type-arg]
+    """A per-engine dict upstream's NIXL worker reads to lay out descriptors (``dst_num_blocks``,
+    ``dst_region_num_blocks``), where one thread may see an engine's value replaced for the length of a call and every
+    other thread keeps seeing the shared one.
+
+    A host-tier READ addresses decode's pool, laid out like its device cache but with the pool's slot count per region;
+    upstream's ``_read_blocks`` takes the count from these dicts. Swapping the shared value for the READ (as turnkv did)
+    let upstream's push writer thread, which reads the same dicts in ``_compute_desc_ids`` for its WRITEs into decode's
+    device cache, compute a WRITE in that window with pool-sized regions: the KV landed in another layer or block of
+    decode's cache. Upstream writes these dicts from several threads (handshakes, cleanup): the shared dict stays
+    theirs; only reads on the overriding thread change."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._here = threading.local()
+
+    def _overrides(self) -> dict[Any, Any]:
+        return getattr(self._here, "values", None) or {}
+
+    def __getitem__(self, key: Any) -> Any:
+        overrides = self._overrides()
+        return overrides[key] if key in overrides else super().__getitem__(key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        overrides = self._overrides()
+        return overrides[key] if key in overrides else super().get(key, default)
+
+    @contextlib.contextmanager
+    def seen_here(self, key: Any, value: Any) -> Iterator[None]:
+        """``value`` for ``key`` on this thread until the block ends (None: no override)."""
+        before = getattr(self._here, "values", None)
+        if value is not None:
+            self._here.values = {**(before or {}), key: value}
+        try:
+            yield
+        finally:
+            self._here.values = before
+
+
+def share_block_counts(worker: Any) -> None:
+    """Make the worker's per-engine block counts :class:`PerThreadCounts` (at construction, before other threads)."""
+    for name in ("dst_num_blocks", "dst_region_num_blocks"):
+        current = getattr(worker, name, None)
+        if isinstance(current, dict) and not isinstance(current, PerThreadCounts):
+            setattr(worker, name, PerThreadCounts(current))
 
 
 class TurnkvWorkerMixin:
@@ -79,6 +133,7 @@ class TurnkvWorkerMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        share_block_counts(self)  # before any READ; upstream's writer thread starts at register_kv_caches
         # turnkv's counters count as news: upstream's stats report a step only when it moved or lost KV.
         self.xfer_stats = TurnkvKVConnectorStats()
         # engine id -> {remote tensor-parallel rank: fingerprint of the agent handshaken there}
@@ -91,6 +146,7 @@ class TurnkvWorkerMixin:
         # Cost model samples, taken by build_turnkv_meta once per step (handshakes finish in a NIXL thread).
         self._turnkv_step: int | None = None
         self._turnkv_reads: list[tuple[int, float]] = []
+        self._turnkv_host_read_samples: list[tuple[int, float]] = []
         self._turnkv_handshakes: list[tuple[str, float]] = []
         # Evictions announced (request id -> (announcement number, offer's wall expiry)), kept until the offer
         # expires; the epoch tells a router reading the feed that this process restarted (numbers start over).
@@ -103,6 +159,12 @@ class TurnkvWorkerMixin:
         self._turnkv_pool: host_tier.HostPool | None = None
         self._turnkv_pool_reported = False
         self._turnkv_hosted: dict[str, float] = {}
+        # Copies in flight (request id -> (copy, offer's wall expiry, bytes)); those upstream finished meanwhile.
+        self._turnkv_copying: dict[str, tuple[host_tier.Copy, float, int]] = {}
+        self._turnkv_copy_ended: set[str] = set()
+        # Host tier as granted at start: (rank, configured bytes, granted bytes, why off), reported once.
+        self._turnkv_host_tier: tuple[int, int, int, str] | None = None
+        self._turnkv_host_tier_reported = False
         self._turnkv_device_done: set[str] = set()
         self._turnkv_host_released: list[tuple[str, bool]] = []
         self._turnkv_notified: set[str] = set()
@@ -117,18 +179,31 @@ class TurnkvWorkerMixin:
 
     # transfer metrics ---------------------------------------------------------------------------
 
-    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
+    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> Any:
+        op = "write" if transfers is getattr(self, "_sending_transfers", None) else "read"
+        host_reads = getattr(self, "_turnkv_host_reads", {})
+        # Host-tier READs polled apart, so their telemetry is told from device reads (the cost model fits each).
+        host = {r: transfers.pop(r) for r in list(transfers) if r in host_reads} if op == "read" and host_reads else {}
+        done = self._turnkv_pop(transfers, op, False)
+        if host:
+            try:
+                done = _merged(done, self._turnkv_pop(host, op, True))
+            finally:
+                transfers.update(host)  # the ones still in flight
+        return done
+
+    def _turnkv_pop(self, transfers: dict[str, list[int]], op: str, host: bool) -> Any:
         data = self.xfer_stats.data
         before = len(data["bytes_transferred"])
         done = super()._pop_done_transfers(transfers)  # type: ignore[misc]
         moved = data["bytes_transferred"][before:]
         if moved:
-            op = "write" if transfers is getattr(self, "_sending_transfers", None) else "read"
             seconds = data["transfer_duration"][before:]
             self.xfer_stats.record(f"turnkv_{op}_bytes", sum(moved))
             self.xfer_stats.record(f"turnkv_{op}_seconds", rank_seconds(sum(seconds), self._turnkv_tp_size()))
             if op == "read":
-                self._turnkv_reads.extend(zip(moved, seconds, strict=False))
+                (self._turnkv_host_read_samples if host else self._turnkv_reads).extend(
+                    zip(moved, seconds, strict=False))
         return done
 
     def _turnkv_tp_size(self) -> int:
@@ -160,11 +235,16 @@ class TurnkvWorkerMixin:
         if self._turnkv_pool is not None and not self._turnkv_pool_reported:
             self._turnkv_pool_reported = True
             pools = [(int(getattr(self, "tp_rank", 0)), self._turnkv_pool.base, self._turnkv_pool.blocks)]
+        granted = []
+        if self._turnkv_host_tier is not None and not self._turnkv_host_tier_reported:
+            self._turnkv_host_tier_reported = True
+            granted = [self._turnkv_host_tier]
+        host_reads, self._turnkv_host_read_samples = self._turnkv_host_read_samples, []
         if step is None and not reads and not handshakes and not released and not renewed and not pools \
-                and not fork_held:
+                and not fork_held and not granted and not host_reads:
             return None
         return TurnkvWorkerMeta([step] if step is not None else [], reads, handshakes, pools, released, renewed,
-                                fork_held)
+                                fork_held, granted, host_reads)
 
     # host tier (connector.host_tier) -------------------------------------------------------------
 
@@ -173,15 +253,32 @@ class TurnkvWorkerMixin:
         budget = int(_extra_config(self).get("host_kv_budget_mib") or 0)
         if budget <= 0:
             return
+        tp = int(getattr(getattr(self.vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
+        configured = host_pool_plan.rank_share_bytes(budget, tp)
         why = self._turnkv_host_tier_unsupported()
         if why:
-            logger.warning("turnkv: host_kv_budget_mib=%d ignored: %s", budget, why)
+            self._turnkv_host_tier_off(budget, configured, why)
             return
-        tp = int(getattr(getattr(self.vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
-        blocks = host_tier.pool_blocks(budget, tp, sum(self.block_len_per_layer))
-        if blocks <= 0:
+        fitted = self._turnkv_fit_pool(configured)
+        blocks = fitted.plan.blocks if fitted.plan is not None else 0
+        agreed = host_tier.agree_blocks(blocks, tp)  # every rank's pool holds the same slots (one offer layout)
+        if agreed < blocks:
+            logger.warning("turnkv: host tier: rank %s holds %d slots, another rank only %d: shrinking to match",
+                           getattr(self, "tp_rank", 0), blocks, agreed)
+            self._turnkv_drop_pool()
+            plan = fitted.plan
+            fitted = self._turnkv_fit_pool(configured, host_pool_plan.shrunk(plan, agreed * plan.slot_bytes,
+                                                                              self._turnkv_limits())) \
+                if agreed > 0 and plan is not None else host_pool_plan.Fitted(None, fitted.refused)
+        for plan, error in fitted.refused:
+            logger.error("turnkv: host tier: the node refused %s: %s", host_pool_plan.describe(plan), error)
+        if self._turnkv_pool is None:
+            self._turnkv_host_tier_off(budget, configured, "no pool could be allocated, pinned and registered, "
+                                       f"down to {host_pool_plan.size(host_pool_plan.MIN_POOL_BYTES)} a rank (see "
+                                       "the refusals above)" if fitted.refused else "the plan holds no slot")
             return
-        self._turnkv_pool = host_tier.HostPool(self, blocks)
+        pool = self._turnkv_pool
+        self._turnkv_host_tier = (int(getattr(self, "tp_rank", 0)), configured, pool.plan.pool_bytes, "")
         # The pool is in this agent's metadata only if the handshake payload is made again after registering it.
         import msgspec
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
@@ -191,8 +288,62 @@ class TurnkvWorkerMixin:
         agent = dataclasses.replace(agent, agent_metadata=self.nixl_wrapper.get_agent_metadata())
         self.xfer_handshake_metadata = dataclasses.replace(
             payload, agent_metadata_bytes=msgspec.msgpack.Encoder().encode(agent))
-        logger.info("turnkv: host tier: %d slots (%.1f MiB) registered with NIXL at %#x", blocks,
-                    self._turnkv_pool.tensor.nbytes / host_tier.MIB, self._turnkv_pool.base)
+        whole = pool.plan.pool_bytes + pool.plan.slot_bytes > configured  # the budget, in whole slots
+        logger.log(logging.INFO if whole else logging.WARNING, "turnkv: host tier: %s; registered with NIXL at %#x%s",
+                   host_pool_plan.describe(pool.plan, "pinned" if pool.cuda else "allocated"), pool.base,
+                   "" if whole else f" (SHRUNK: {host_pool_plan.size(pool.plan.pool_bytes)} of the configured "
+                                    f"{host_pool_plan.size(configured)}; vllm:turnkv_host_tier_granted_bytes)")
+
+    def _turnkv_limits(self) -> Any:
+        """The fabric limits a pool is planned within: EFA's where NIXL reads over LIBFABRIC on a CUDA node."""
+        backends = [str(b).upper() for b in (getattr(self, "nixl_backends", None) or ())]
+        return fabric_limits.EFA_P5EN if _caches_on_cuda(self) and "LIBFABRIC" in backends else fabric_limits.UNLIMITED
+
+    def _turnkv_fit_pool(self, configured: int, plan: Any = None) -> Any:
+        """Plan this rank's pool (NUMA node, page size, regions), then allocate, pin and register the largest that
+        the node takes (``host_pool_plan.fit``); the pool, if any, becomes ``self._turnkv_pool``."""
+        limits = self._turnkv_limits()
+        if plan is None:
+            device = _cuda_device(self)
+            layout = host_tier.numa_layout() if device is not None else \
+                host_pool_plan.NumaLayout.single(host_tier.host_memory_bytes())
+            node = layout.node_of(device or 0)
+            page = host_pool_plan.page_size_for(host_tier.free_hugepages(node), configured) \
+                if device is not None else fabric_limits.PAGE_4K
+            plan = host_pool_plan.plan_rank(configured, self.block_len_per_layer, page, layout, limits,
+                                            rank=int(getattr(self, "tp_rank", 0)), device=device or 0)
+
+        def attempt(p: Any) -> None:
+            self._turnkv_pool = host_tier.HostPool(self, p)
+            self._registered_descs.extend(self._turnkv_pool.registered)
+
+        fitted = host_pool_plan.fit(plan, attempt, limits, host_pool_plan.MIN_POOL_BYTES)
+        if fitted.plan is None and plan.page_size != fabric_limits.PAGE_4K:
+            # The node's hugepages ran out (ranks of a node take them at once): regular pages, planned anew.
+            regular = host_pool_plan.plan_rank(configured, plan.block_lens, fabric_limits.PAGE_4K,
+                                               host_tier.numa_layout(), limits, rank=plan.rank, device=plan.device)
+            again = host_pool_plan.fit(regular, attempt, limits, host_pool_plan.MIN_POOL_BYTES)
+            fitted = host_pool_plan.Fitted(again.plan, fitted.refused + again.refused)
+        return fitted
+
+    def _turnkv_drop_pool(self) -> None:
+        pool, self._turnkv_pool = self._turnkv_pool, None
+        if pool is None:
+            return
+        for descs in pool.registered:
+            with contextlib.suppress(Exception):
+                self.nixl_wrapper.deregister_memory(descs)
+            with contextlib.suppress(ValueError):
+                self._registered_descs.remove(descs)
+        pool.close()
+
+    def _turnkv_host_tier_off(self, budget_mib: int, configured: int, why: str) -> None:
+        """The engine serves without a host tier: said in the log (error), on /metrics (granted 0 of the configured
+        budget: ``vllm:turnkv_host_tier_granted_bytes``), hence by ``turnkv doctor`` and the CloudWatch alarm."""
+        logger.error("turnkv: HOST TIER OFF: host_kv_budget_mib=%d configured, 0 granted on rank %s: %s. The engine "
+                     "serves without it (retained turns that do not fit retained_kv_share are not retained).",
+                     budget_mib, getattr(self, "tp_rank", 0), why)
+        self._turnkv_host_tier = (int(getattr(self, "tp_rank", 0)), configured, 0, why)
 
     def _turnkv_host_tier_unsupported(self) -> str | None:
         if not hasattr(self, "region_num_blocks"):
@@ -200,8 +351,17 @@ class TurnkvWorkerMixin:
                     "tier needs vLLM 0.32 (the GPU image's)")
         if getattr(self, "_has_mamba", False) or getattr(self, "_mixed_mem_types", False):
             return "hybrid (Mamba) or mixed-memory KV caches are not supported by the host tier"
+        if getattr(self, "use_mla", False):
+            # Every rank holds the same latent KV, so a pool per rank pins TP copies of it. Upstream reads MLA from one
+            # remote rank per local rank because the cache is duplicated (vLLM 0.32 nixl/tp_mapping.py, lines 88-97:
+            # attn_ranks = [tp_rank * remote_tp_size // tp_size]); one pool on rank 0 read by every prefill rank would
+            # leave that mapping, so it is refused until built and verified.
+            return ("MLA models are not supported by the host tier: every rank holds the same latent KV (TP copies "
+                    "of each turn), and one pool shared through rank 0 is not built")
         if getattr(self, "_physical_blocks_per_logical_kv_block", 1) != 1:
-            return "kernel blocks smaller than vLLM's blocks are not supported by the host tier"
+            return (f"the attention kernel's block ({getattr(self, 'block_size', '?')} // "
+                    f"{self._physical_blocks_per_logical_kv_block} tokens, e.g. FLASHMLA's 64) is smaller than vLLM's "
+                    "--block-size: kernel blocks smaller than vLLM's blocks are not supported by the host tier")
         if getattr(self, "use_host_buffer", False):
             return "the KV cache is already staged through a host buffer"
         if len(set(getattr(self, "region_num_blocks", []) or [0])) != 1:
@@ -209,24 +369,42 @@ class TurnkvWorkerMixin:
         return None
 
     def _turnkv_copy_to_host(self, to_host: dict[str, tuple[list[int], list[int], float]]) -> None:
-        """Copy each turn placed on the host tier into its slots; its device blocks are then reported as sent."""
+        """Start copying each turn placed on the host tier into its slots. A turn counts as hosted (listed on the
+        feed, its device blocks reported sent) only once its copy is done (:meth:`_turnkv_finish_copies`): at once
+        on CPU engines, when the side stream's event completes on CUDA."""
         for request_id, (blocks, slots, until) in to_host.items():
-            self._turnkv_device_done.add(request_id)
             if self._turnkv_pool is None or request_id not in getattr(self, "_reqs_to_send", {}):
                 # Never copied, so never listed as hosted: no router clears its offer. Its slots go back.
+                self._turnkv_device_done.add(request_id)
                 self._turnkv_host_released.append((request_id, False))
                 continue
             try:
-                self._turnkv_pool.copy_in(blocks, slots)
+                copy = self._turnkv_pool.copy_in(blocks, slots)
             except Exception:
                 logger.exception("turnkv: could not copy request %s to the host tier; not retained", request_id)
                 self._reqs_to_send.pop(request_id, None)
                 self._reqs_to_process.discard(request_id)
+                self._turnkv_device_done.add(request_id)
+                self._turnkv_host_released.append((request_id, False))
+                continue
+            self._turnkv_copying[request_id] = (copy, until, len(slots) * sum(self._turnkv_pool.block_lens))
+        self._turnkv_finish_copies()
+
+    def _turnkv_finish_copies(self) -> None:
+        """Turns whose copy is done: hosted, and their device blocks reported sent (vLLM frees them). A turn upstream
+        finished meanwhile (its lease ran out during the copy) gets its slots back instead."""
+        for request_id, (copy, until, nbytes) in list(self._turnkv_copying.items()):
+            if not copy.done():
+                continue
+            del self._turnkv_copying[request_id]
+            self._turnkv_device_done.add(request_id)
+            if request_id in self._turnkv_copy_ended:
+                self._turnkv_copy_ended.discard(request_id)
                 self._turnkv_host_released.append((request_id, False))
                 continue
             self._turnkv_hosted[request_id] = until
             self._turnkv_count("turnkv_host_moves")
-            self.xfer_stats.record("turnkv_host_move_bytes", len(slots) * sum(self._turnkv_pool.block_lens))
+            self.xfer_stats.record("turnkv_host_move_bytes", nbytes)
 
     #: Pull: this (the engine) thread is the only one that takes NIXL notifications, so the fork-readable turns'
     #: are filtered from the agent's; push (``connector.push_worker``) filters them off its writer's hand-over queue.
@@ -245,6 +423,10 @@ class TurnkvWorkerMixin:
         expired) is the pool's, not vLLM's: those slots go back to the scheduler's ledger instead."""
         results = super().get_transfer_results()  # type: ignore[misc]
         sending = set(results.finished_sending)
+        self._turnkv_finish_copies()
+        for request_id in [r for r in sending if r in self._turnkv_copying]:
+            sending.discard(request_id)  # its device blocks are still being copied from: freed once done
+            self._turnkv_copy_ended.add(request_id)
         for request_id in [r for r in sending if r in self._turnkv_hosted]:
             del self._turnkv_hosted[request_id]
             read = request_id in self._turnkv_notified
@@ -274,16 +456,15 @@ class TurnkvWorkerMixin:
             args = (*args[:3], handle, *args[4:])  # remote_request_id, local handle, local dram handle, REMOTE
         else:
             kwargs["remote_xfer_side_handle"] = handle
-        num, regions = self.dst_num_blocks.get(dst_engine_id), self.dst_region_num_blocks.get(dst_engine_id)
-        self.dst_num_blocks[dst_engine_id] = blocks
-        if regions:
-            self.dst_region_num_blocks[dst_engine_id] = [blocks] * len(regions)
-        try:
+        # The pool's slot counts, seen by this thread alone: upstream's push writer thread reads the same per-engine
+        # counts for its WRITEs into decode's device cache meanwhile (``PerThreadCounts``).
+        counts, regions = self.dst_num_blocks, self.dst_region_num_blocks
+        if not isinstance(counts, PerThreadCounts) or not isinstance(regions, PerThreadCounts):
+            raise RuntimeError("turnkv: the per-engine block counts are not per-thread views; see share_block_counts")
+        region_count = len(regions.get(dst_engine_id) or ())
+        with counts.seen_here(dst_engine_id, blocks), \
+                regions.seen_here(dst_engine_id, [blocks] * region_count if region_count else None):
             return super()._read_blocks(read_spec, dst_engine_id, request_id, *args, **kwargs)  # type: ignore[misc]
-        finally:
-            self.dst_num_blocks[dst_engine_id] = num
-            if regions:
-                self.dst_region_num_blocks[dst_engine_id] = regions
 
     def _turnkv_host_handle(self, engine_id: str, rank: int, base: int, blocks: int) -> int | None:
         """Prepared descriptors of decode rank ``rank``'s pool, laid out like its device cache (cached)."""
@@ -535,3 +716,24 @@ class ForkReads:
 def _extra_config(worker: Any) -> dict[str, Any]:
     config = getattr(getattr(worker, "vllm_config", None), "kv_transfer_config", None)
     return dict(getattr(config, "kv_connector_extra_config", None) or {})
+
+
+def _caches_on_cuda(worker: Any) -> bool:
+    caches = getattr(worker, "device_kv_caches", None) or {}
+    return any(getattr(getattr(t, "device", None), "type", "") == "cuda" for t in caches.values())
+
+
+def _cuda_device(worker: Any) -> int | None:
+    """The CUDA device index of the worker's KV cache; None on CPU engines."""
+    for cache in (getattr(worker, "device_kv_caches", None) or {}).values():
+        device = getattr(cache, "device", None)
+        if getattr(device, "type", "") == "cuda":
+            return int(device.index or 0)
+    return None
+
+
+def _merged(a: Any, b: Any) -> Any:
+    """Two results of upstream's ``_pop_done_transfers``: (done, failed) sets on vLLM 0.32, a done set on 0.29."""
+    if isinstance(a, tuple):
+        return tuple(x | y for x, y in zip(a, b, strict=True))
+    return a | b

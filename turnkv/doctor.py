@@ -78,6 +78,8 @@ class Options:
     retry_interval: float = 5.0
     #: CUDA memory the gpu-memory-registration check registers with LIBFABRIC (the issue asks for >= 1 GiB).
     vram_mib: int = 1024
+    #: The host tier the host-tier-registration check plans (None: the node's host_kv_budget_mib).
+    host_tier_mib: int | None = None
 
 
 # --- the real machine --------------------------------------------------------------------------------------
@@ -352,6 +354,73 @@ def check_gpu_memory(node: Node, opts: Options) -> CheckResult:
         fix += "; dma-buf or peer memory looks present, so check the EFA installer version and dmesg"
     return CheckResult(name, Status.FAIL, f"LIBFABRIC could not register {where}: {result.get('error', 'unknown')}; "
                        f"{gdr}", fix)
+
+
+def _engine_host_tier(node: Node, opts: Options) -> tuple[int, int, str, str] | str:
+    """(budget MiB, TP size, NIXL backend, where the budget came from) of this node's decode engine, or why there
+    is no host tier to check."""
+    from turnkv import engine_run
+
+    text = node.read_text(ENGINE_ENV_FILE)
+    if text is None:
+        return f"{ENGINE_ENV_FILE} not written yet"
+    try:
+        variables = node_env.parse(text)
+        env = node_env.EngineEnv.from_variables(variables)
+        tunables_file = variables.get(node_env.TUNABLES_FILE_VAR) or node_env.TUNABLES_FILE
+        budget, source = (opts.host_tier_mib, "--host-tier-mib") if opts.host_tier_mib is not None else (
+            int(engine_run.load_tunables(tunables_file, node.read_text)[0].get("host_kv_budget_mib", 0)),
+            f"host_kv_budget_mib ({tunables_file})")
+    except Exception as exc:  # engine-env reports the env file's errors
+        return f"the engine's settings do not load ({exc}; see engine-env)"
+    if env.role.value != "decode":
+        return f"a {env.role.value} node: the host tier is decode's"
+    if budget <= 0:
+        return f"{source} is 0: no host tier"
+    backend = "LIBFABRIC" if "LIBFABRIC" in [b.upper() for b in env.backends] else "UCX"
+    return budget, env.tp_size, backend, source
+
+
+def check_host_tier(node: Node, opts: Options) -> CheckResult:
+    """The decode engine's host tier as it will start: the per-rank pool plan (NUMA node, page size, regions within
+    the fabric's limits), allocated, pinned and registered on one NUMA node's ranks as the engine does, and READ
+    between two NIXL agents (``connector.pool_probe``). Says what the node grants against what is configured."""
+    name = "host-tier-registration"
+    if opts.flavor == "neuron":
+        return CheckResult(name, Status.SKIP, "Neuron image: the host tier needs vLLM 0.32's NIXL worker")
+    if opts.image:
+        return CheckResult(name, Status.SKIP, "image build: no EFA interface and no engine settings; run turnkv "
+                           "doctor on a decode node")
+    engine = _engine_host_tier(node, opts)
+    if isinstance(engine, str):
+        return CheckResult(name, Status.SKIP, engine)
+    budget, tp, backend, source = engine
+    env = parse_env_file(node.read_text(NIXL_ENV_FILE))
+    probe = node.run([node.python, "-m", "connector.pool_probe", "--budget-mib", str(budget), "--tp", str(tp),
+                      "--backend", backend], env, 900)
+    result = _last_json(probe.stdout)
+    if probe.returncode != 0 or result is None:
+        return CheckResult(name, Status.FAIL, f"the pool probe failed: {_tail(probe.stderr or probe.stdout)}",
+                           f"run it by hand: {node.python} -m connector.pool_probe --budget-mib {budget} --tp {tp}")
+    granted, configured = int(result.get("granted_bytes", 0)), int(result.get("configured_bytes", 0))
+    ranks = result.get("ranks", [])
+    reads = sum(int(r.get("read_descriptors", 0)) for r in ranks)
+    seen = (f"{source}={budget} MiB at TP {tp}: the {len(ranks)} rank(s) on NUMA node {result.get('numa_node')} "
+            f"registered {granted / 2**30:.2f} of {configured / 2**30:.2f} GiB ({backend}, "
+            f"{int(result.get('page_size', 4096)) // 1024} KiB pages); {reads} slots READ back by a second agent")
+    refused = [line for r in ranks for line in r.get("refused", [])]
+    if result.get("error"):
+        return CheckResult(name, Status.FAIL, f"{seen}; {result['error']}",
+                           "check NIXL's LIBFABRIC backend (nixl-libfabric) and the engine log's host tier lines")
+    # Whole slots: a rank may pin up to one slot less than its share.
+    short = configured - granted > len(ranks) * 64 * 2**20
+    if granted <= 0 or short:
+        fix = ("reserve 2 MiB hugepages on each NUMA node (vm.nr_hugepages; 4 KiB pages cap a p5en rank near "
+               "21 GiB of EFA page entries), raise the locked-memory limit (ulimit -l unlimited), or lower "
+               "host_kv_budget_mib to what the node grants")
+        detail = f"{seen}; refused: {refused[0] if refused else 'planned smaller (see the plan)'}"
+        return CheckResult(name, Status.FAIL, ("NO HOST TIER: " if granted <= 0 else "SHRUNK: ") + detail, fix)
+    return CheckResult(name, Status.PASS, seen)
 
 
 TORCH_PROBE = "import torch; print(torch.version.cuda or '')"
@@ -693,8 +762,8 @@ def check_neuron_platform(node: Node, opts: Options) -> CheckResult:
 
 Check = Callable[[Node, Options], CheckResult | Sequence[CheckResult]]
 CHECKS: tuple[Check, ...] = (
-    check_libfabric, check_efa_device, check_nixl, check_gdr, check_driver, check_gpu_memory, check_neuron_platform,
-    check_versions, check_connector_code, check_engine_env, check_engine_slots,
+    check_libfabric, check_efa_device, check_nixl, check_gdr, check_driver, check_gpu_memory, check_host_tier,
+    check_neuron_platform, check_versions, check_connector_code, check_engine_env, check_engine_slots,
 )
 
 

@@ -60,6 +60,8 @@ SPECS: tuple[Spec, ...] = (
     Spec(mn.VLLM_RETAINED_BYTES, "gauge", ((mn.RETAINED_BYTES, "value", "Bytes"),)),
     Spec(mn.VLLM_HOST_RETAINED_BYTES, "gauge", ((mn.HOST_RETAINED_BYTES, "value", "Bytes"),)),
     Spec(mn.VLLM_HOST_POOL_BYTES, "gauge", ((mn.HOST_POOL_BYTES, "value", "Bytes"),)),
+    Spec(mn.VLLM_HOST_TIER_CONFIGURED_BYTES, "gauge", ((mn.HOST_TIER_CONFIGURED_BYTES, "value", "Bytes"),)),
+    Spec(mn.VLLM_HOST_TIER_GRANTED_BYTES, "gauge", ((mn.HOST_TIER_GRANTED_BYTES, "value", "Bytes"),)),
     Spec(mn.VLLM_HOST_MOVES, "counter", ((mn.HOST_MOVES, "delta", "Count"),)),
     *(Spec(mn.VLLM_PULLS, "counter", ((mn.pulls(t), "delta", "Count"),), labels=(("tier", t),)) for t in mn.TIERS),
     *(Spec(mn.VLLM_RETENTION_PLACED, "counter", ((mn.retained(t), "delta", "Count"),), labels=(("tier", t),))

@@ -73,6 +73,10 @@ VLLM_FORK_HOLDS = "vllm:turnkv_fork_holds"  # counter (decode): read turns kept 
 VLLM_RETAINED_BYTES = "vllm:turnkv_retained_bytes"  # gauge, both tiers (decode)
 VLLM_HOST_RETAINED_BYTES = "vllm:turnkv_host_retained_bytes"  # gauge (decode)
 VLLM_HOST_POOL_BYTES = "vllm:turnkv_host_pool_bytes"  # gauge (decode)
+#: The host tier as configured and as granted at engine start (decode): granted < configured means the node refused
+#: the registration plan and the pool shrank, 0 that the tier is off (connector.host_tier).
+VLLM_HOST_TIER_CONFIGURED_BYTES = "vllm:turnkv_host_tier_configured_bytes"  # gauge (decode)
+VLLM_HOST_TIER_GRANTED_BYTES = "vllm:turnkv_host_tier_granted_bytes"  # gauge (decode)
 VLLM_DECISIONS = "vllm:turnkv_decisions"  # counter, label decision (prefill): offers pulled or recomputed
 TIERS = ("device", "host")
 REFUSAL_REASONS = ("too_large", "full")
@@ -95,6 +99,8 @@ NIXL_EXPIRED = "NixlExpiredReqs"  # [Count] reads declined because D's blocks we
 RETAINED_BYTES = "RetainedBytes"  # [Bytes] decode's retained turns, both tiers
 HOST_RETAINED_BYTES = "HostRetainedBytes"  # [Bytes] decode's retained turns in its host tier
 HOST_POOL_BYTES = "HostPoolBytes"  # [Bytes] decode's host-tier pool
+HOST_TIER_CONFIGURED_BYTES = "HostTierConfiguredBytes"  # [Bytes] host tier asked for at engine start
+HOST_TIER_GRANTED_BYTES = "HostTierGrantedBytes"  # [Bytes] host tier allocated, pinned and registered
 HOST_MOVES = "HostMoves"  # [Count] turns copied from device to host
 
 

@@ -44,7 +44,8 @@ class AlarmsProps:
 
 class DeploymentAlarms:
     """``alarms``: router TTFT and errors, ALB 5xx, unhealthy router tasks, and per role KV cache full, EFA
-    unresponsive peers and engines not registered, and per pool fewer in-service instances than its size."""
+    unresponsive peers and engines not registered, decode's host tier short of its budget, and per pool fewer
+    in-service instances than its size."""
 
     def __init__(self, scope: Construct, props: AlarmsProps) -> None:
         self._scope, self._props = scope, props
@@ -69,6 +70,18 @@ class DeploymentAlarms:
                         f"{role} engines report unresponsive EFA peers for 5 minutes in a row (security group, "
                         "placement or a failing node; a peer replaced in a rolling update shows for a minute or two)",
                         periods=5, datapoints=5)
+        if "decode" in props.wanted:
+            # A decode engine that pinned less host tier than configured (the node refused the registration plan
+            # and the pool shrank) or none (the tier is off): it serves, retaining fewer turns (connector.host_tier).
+            short = cw.MathExpression(
+                expression="configured - granted", label="decode host tier short of its budget (bytes)",
+                period=Duration.minutes(1),
+                using_metrics={"configured": ef.engine(mn.HOST_TIER_CONFIGURED_BYTES, "decode", "Maximum"),
+                               "granted": ef.engine(mn.HOST_TIER_GRANTED_BYTES, "decode", "Minimum")})
+            self._alarm("HostTierShort-decode", short, 0,
+                        "A decode engine registered less host tier than host_kv_budget_mib asks (or none): the node "
+                        "refused the registration plan (EFA page or region limits, locked-memory limit, hugepages). "
+                        "See the engine log's 'turnkv: host tier' lines and `turnkv doctor`.", periods=3)
         for role, want in props.wanted.items():
             # What the group's EC2 health check cannot see: instances that run but whose engines never serve
             # (an engine registers in Cloud Map only once its /health answers). Missing data: no router reports.

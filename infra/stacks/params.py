@@ -7,8 +7,8 @@ from aws_cdk import Stack
 from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
+from infra import host_tier
 from infra.config import DeploymentConfig
-from infra.instances import host_tier_budget_mib
 from turnkv import params
 from turnkv.aws_params import allowed_pattern, description
 from turnkv.engine_args import Role
@@ -36,13 +36,11 @@ class ParamsStack(Stack):
 
 def deployment_defaults(config: DeploymentConfig) -> dict[str, int | float]:
     """The catalog's defaults, with what depends on the deployment's nodes: the host tier of retained turns sized
-    from the decode pool's host memory (``infra.instances.host_tier_budget_mib``; 0 without a decode pool); then
-    the config's ``tunables``."""
+    from the decode pool's host memory (``infra.host_tier.default_mib``; 0 without a decode pool, and for a model
+    the host tier refuses); then the config's ``tunables``."""
     values = params.defaults()
-    decode = next((p for p in config.pools if p.role is Role.DECODE), None)
-    if decode is not None:
-        budget = host_tier_budget_mib(decode.instance_type, config.model.tensor_parallel_size,
-                                      engines=config.engines_per_node(decode))
+    if any(p.role is Role.DECODE for p in config.pools):
+        budget, _ = host_tier.default_mib(config)  # 0 for a model the host tier refuses (infra.host_tier)
         values["host_kv_budget_mib"] = params.get("host_kv_budget_mib").parse(budget)
     # The deploy config's initial tunables over them (validated with the config; cross-checked again here).
     return params.validate(params.fit_router_ttl(config.tunables), values)

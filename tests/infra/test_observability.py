@@ -108,7 +108,8 @@ def vllm_metrics(scale: int) -> str:
         lines += [f"# TYPE {family} gauge", f'{family}{{engine="0",model_name="tiny"}} {value}']
     lines += [f"# TYPE {mn.VLLM_NIXL_EXPIRED} counter", f'{mn.VLLM_NIXL_EXPIRED}_total{{engine="0"}} {scale}']
     # turnkv's retention tiers, as the connector's metrics export them (a label per tier or reason)
-    for family in (mn.VLLM_RETAINED_BYTES, mn.VLLM_HOST_RETAINED_BYTES, mn.VLLM_HOST_POOL_BYTES):
+    for family in (mn.VLLM_RETAINED_BYTES, mn.VLLM_HOST_RETAINED_BYTES, mn.VLLM_HOST_POOL_BYTES,
+                   mn.VLLM_HOST_TIER_CONFIGURED_BYTES, mn.VLLM_HOST_TIER_GRANTED_BYTES):
         lines += [f"# TYPE {family} gauge", f'{family}{{engine="0",model_name="tiny"}} {1024 * scale}']
     lines += [f"# TYPE {mn.VLLM_HOST_MOVES} counter",
               f'{mn.VLLM_HOST_MOVES}_total{{engine="0",model_name="tiny"}} {scale}']

@@ -575,8 +575,8 @@ def test_a_crashing_check_is_a_failure_not_a_crash():
 def test_all_checks_pass_on_a_healthy_node():
     results = doctor.run_checks(FakeNode().node(), Options())
     assert [r.name for r in results] == ["efa-libfabric", "efa-device", "nixl-libfabric", "gpudirect-rdma",
-                                         "driver-cuda", "gpu-memory-registration", "neuron-platform",
-                                         "pinned-versions", "connector-code", "engine-env"]
+                                         "driver-cuda", "gpu-memory-registration", "host-tier-registration",
+                                         "neuron-platform", "pinned-versions", "connector-code", "engine-env"]
     assert all(r.status is not Status.FAIL for r in results) and not doctor.failed(results)
 
 
@@ -594,7 +594,7 @@ def test_cli_json_and_exit_code(cli):
     ok = CliRunner().invoke(app, ["doctor", "--json", "--flavor", "gpu"])
     assert ok.exit_code == 0, ok.output
     body = json.loads(ok.output)
-    assert body["ok"] is True and len(body["checks"]) == 10
+    assert body["ok"] is True and len(body["checks"]) == 11
 
     state["fake"] = FakeNode({f"{EFA}/bin/fi_info -p efa": Completed(61, "", "fi_getinfo: -61")})
     bad = CliRunner().invoke(app, ["doctor", "--json", "--retry-seconds", "0"])
@@ -675,3 +675,51 @@ def test_neuron_platform_fails_without_the_plugin_or_off_neuron():
 
 def test_neuron_platform_is_skipped_on_gpu_images():
     assert run(doctor.check_neuron_platform)[0].status is Status.SKIP
+
+
+# --- host tier (issue #37) ------------------------------------------------------------------------------------
+
+DECODE_ENV = ENGINE_ENV.replace("prefill", "decode").replace("p-1", "d-1")
+POOL_PROBE = "python -m connector.pool_probe"
+GIB = 2**30
+
+
+def pool_result(granted_gib: float, configured_gib: float = 512, **extra) -> Completed:
+    ranks = [{"rank": r, "planned": f"rank {r}", "refused": extra.pop("refused", []) if r == 0 else [],
+              "granted_bytes": int(granted_gib * GIB / 4), "read_descriptors": 2} for r in range(4)]
+    return Completed(0, "NIXL INFO ...\n" + json.dumps({
+        "cuda": True, "backend": "LIBFABRIC", "numa_node": 0, "page_size": 2 * 1024 * 1024, "ranks": ranks,
+        "configured_bytes": int(configured_gib * GIB), "granted_bytes": int(granted_gib * GIB), **extra}) + "\n")
+
+
+def decode_node(probe: Completed, tunables: str = '{"host_kv_budget_mib": 1048576}') -> FakeNode:
+    return FakeNode({POOL_PROBE: probe}, files={doctor.ENGINE_ENV_FILE: DECODE_ENV,
+                                                node_env.TUNABLES_FILE: tunables})
+
+
+def test_host_tier_registers_the_decode_engines_budget_and_reads_it_back():
+    result, fake = run(doctor.check_host_tier, decode_node(pool_result(512)))
+    assert result.status is Status.PASS, result
+    assert "registered 512.00 of 512.00 GiB" in result.detail and "READ back by a second agent" in result.detail
+    line, env = next((c, e) for c, e in fake.calls if c.startswith(POOL_PROBE))
+    assert "--budget-mib 1048576 --tp 8 --backend" in line and env["NIXL_PLUGIN_DIR"] == PLUGIN_DIR
+
+
+def test_host_tier_says_when_the_node_grants_less_or_nothing():
+    refused = ["rank 0: 128.00 GiB: NIXL_ERR_BACKEND: fi_mr_reg: Cannot allocate memory"]
+    result, _ = run(doctor.check_host_tier, decode_node(pool_result(84, refused=refused)))
+    assert result.status is Status.FAIL and result.detail.startswith("SHRUNK: ") and "84.00 of 512.00" in result.detail
+    assert "Cannot allocate memory" in result.detail and "hugepages" in result.fix
+    result, _ = run(doctor.check_host_tier, decode_node(pool_result(0)))
+    assert result.status is Status.FAIL and result.detail.startswith("NO HOST TIER: ")
+
+
+def test_host_tier_is_skipped_where_there_is_none_to_check():
+    assert run(doctor.check_host_tier, decode_node(pool_result(0), '{"host_kv_budget_mib": 0}'))[0].status \
+        is Status.SKIP
+    prefill = FakeNode(files={doctor.ENGINE_ENV_FILE: ENGINE_ENV})
+    assert "decode's" in run(doctor.check_host_tier, prefill)[0].detail
+    assert run(doctor.check_host_tier, image=True)[0].status is Status.SKIP
+    result, _ = run(doctor.check_host_tier, decode_node(pool_result(2, 2), '{"host_kv_budget_mib": 0}'),
+                       host_tier_mib=2048)
+    assert result.status is Status.PASS and "--host-tier-mib=2048" in result.detail

@@ -35,6 +35,12 @@ def validate(file: Annotated[Path, typer.Argument(help="The deploy config, YAML 
         f"{config.router.replicas}..{config.router.max_replicas} replicas, Valkey "
         f"{'yes' if config.router.uses_valkey else 'no'}; AMI "
         f"{config.image.ami_id or 'baked by the deploy'}.", markup=False)
+    from infra import host_tier
+
+    budget, why = host_tier.default_mib(config)
+    Console(highlight=False, soft_wrap=True).print(
+        f"Host tier: {budget} MiB per decode engine by default ({why})." if budget else
+        f"Host tier: off by default ({why}).", markup=False)
 
 
 @app.command("engine-env")

@@ -21,17 +21,22 @@ def doctor(
         "--retry-seconds", min=0, help="How long to wait for late EFA devices.")] = 60.0,
     vram_mib: Annotated[int, typer.Option(
         "--vram-mib", min=1, help="CUDA memory to register with LIBFABRIC (gpu-memory-registration).")] = 1024,
+    host_tier_mib: Annotated[int | None, typer.Option(
+        "--host-tier-mib", min=1, help="Host tier to plan, pin, register and READ (host-tier-registration; default: "
+        "the decode engine's host_kv_budget_mib).")] = None,
     python: Annotated[str | None, typer.Option(
         "--python", help="Interpreter whose vLLM / NIXL / torch to check (default /opt/turnkv/venv).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
 ) -> None:
     """Check EFA, NIXL (LIBFABRIC), GPUDirect RDMA, driver/CUDA, CUDA memory registration with LIBFABRIC, the
-    pinned versions and every engine's env file, devices and ports on this node."""
+    pinned versions, every engine's env file, devices and ports, and decode's host tier (its per-rank pools
+    registered and READ by a second NIXL agent) on this node."""
     node = checks.real_node(python)
     chosen = flavor or checks.detect_flavor(node)
     if chosen not in checks.FLAVORS:
         raise typer.BadParameter(f"{chosen!r} is not one of {', '.join(checks.FLAVORS)}", param_hint="--flavor")
-    opts = checks.Options(flavor=chosen, image=image, retry_seconds=retry_seconds, vram_mib=vram_mib)
+    opts = checks.Options(flavor=chosen, image=image, retry_seconds=retry_seconds, vram_mib=vram_mib,
+                          host_tier_mib=host_tier_mib)
     results = checks.run_checks(node, opts)
     bad = checks.failed(results)
     if as_json:
