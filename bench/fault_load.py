@@ -29,6 +29,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench import engine_metrics
 from turnkv import params, wire
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,15 +192,7 @@ def counter_increase(last: dict, key: tuple, value: float) -> float:
 
 def retention_samples(text: str) -> dict[str, float]:
     """The retention counters of one engine's /metrics text."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    wanted = {name: kind for kind, name in RETENTION_COUNTERS.items()}
-    out = dict.fromkeys(RETENTION_COUNTERS, 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted:
-                out[wanted[sample.name]] += sample.value
-    return out
+    return engine_metrics.totals(text, RETENTION_COUNTERS)
 
 
 async def sample_retention(engines: list[EngineProc], found: list, stop: float, every: float = 2.0) -> None:
@@ -209,11 +202,10 @@ async def sample_retention(engines: list[EngineProc], found: list, stop: float, 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
         while time.monotonic() < stop:
             for e in decode:
-                try:
-                    async with s.get(f"http://127.0.0.1:{e.port}/metrics") as r:
-                        counts = retention_samples(await r.text())
-                except (aiohttp.ClientError, TimeoutError, OSError):
+                text = await engine_metrics.fetch(s, f"http://127.0.0.1:{e.port}")
+                if text is None:
                     continue  # down: its counters start over when it is back
+                counts = retention_samples(text)
                 for kind, value in counts.items():
                     if (rise := counter_increase(last, (e.name, kind), value)) > 0:
                         found.append((time.monotonic(), f"{kind} on {e.name}", rise))

@@ -35,6 +35,7 @@ from typing import Any
 import aiohttp
 import psutil
 
+from bench import engine_metrics
 from bench import pressure_calc as calc
 from bench.client import Result, chat
 from bench.pressure_report import append_results, fit_line, table, table_console, write
@@ -106,11 +107,7 @@ def tokens_per_conversation(opts: PressureOptions) -> int:
 
 
 async def metrics_text(session: aiohttp.ClientSession, decode_url: str) -> str | None:
-    try:
-        async with session.get(decode_url.rstrip("/") + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
-            return await r.text() if r.status == 200 else None
-    except (aiohttp.ClientError, TimeoutError):
-        return None
+    return await engine_metrics.fetch(session, decode_url)
 
 
 def rss_bytes(pid: int | None) -> int | None:

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench import engine_metrics
 from bench.capacity import percentile
 from bench.client import Result
 from bench.workload import Conversation
@@ -153,44 +154,15 @@ DEFAULT_VARIANTS = ("device only=retained_kv_share=0.02",
                     "host tier=retained_kv_share=0.02,host_kv_budget_mib=512")
 
 
-# -- Prometheus text, generically --------------------------------------------------------------------
+# -- Prometheus text: bench.engine_metrics reads it --------------------------------------------------
 
-#: Labels that tell the series apart here; others (engine, model_name) are summed over.
-KEEP_LABELS = ("tier", "reason")
-
-
-def series_key(name: str, labels: dict[str, str]) -> str:
-    kept = ",".join(f'{k}="{labels[k]}"' for k in KEEP_LABELS if k in labels)
-    return f"{name}{{{kept}}}" if kept else name
-
-
-def turnkv_series(text: str, prefix: str = "vllm:turnkv_") -> dict[str, float]:
-    """Every ``prefix`` sample of a /metrics page, summed by tier/reason (``name{tier="host"}`` -> value).
-    Counters keep their ``_total`` name; ``_created`` samples are dropped."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if not s.name.startswith(prefix) or s.name.endswith("_created"):
-                continue
-            key = series_key(s.name, s.labels)
-            out[key] = out.get(key, 0.0) + s.value
-    return out
+turnkv_series = engine_metrics.turnkv_series
 
 
 def cache_config(text: str) -> tuple[int, int] | None:
     """(num_gpu_blocks, block_size) from vLLM's ``vllm:cache_config_info`` labels, or None."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "vllm:cache_config_info":
-                try:
-                    return int(s.labels["num_gpu_blocks"]), int(s.labels["block_size"])
-                except (KeyError, ValueError):
-                    return None
-    return None
+    config = engine_metrics.cache_config(text)
+    return (config.num_gpu_blocks, config.block_size) if config else None
 
 
 def is_counter(key: str) -> bool:
