@@ -31,10 +31,10 @@ from bench import agent_trace, client
 from bench.agent_trace import Agent, Session
 from bench.client import PREFILL_CACHED_HEADER, REUSE_OUTCOME_HEADER, REUSED_TOKENS_HEADER  # noqa: F401
 from bench.runner import discover_model
-from turnkv import router_env
+from turnkv import router_env, wire
 
 ARMS = ("off", "on", "best")
-REUSE_HEADER = "X-TurnKV-Reuse"
+REUSE_HEADER = wire.REUSE_HEADER
 
 
 @dataclass
@@ -126,7 +126,7 @@ async def play(sessions: list[Session], spec: PlaySpec,
             await discover_model(http, spec.best_url)  # reachable before anything is played
         for arm in spec.arms:
             url = spec.best_url if arm == "best" else spec.url
-            headers = dict(auth) if arm == "on" else {**auth, REUSE_HEADER: "off"}
+            headers = dict(auth) if arm == "on" else {**auth, **client.REUSE_OFF_HEADERS}
             origin = time.perf_counter()
 
             async def ask(s: Session, agent: str, step: int, kind: str, messages: list[dict[str, str]],

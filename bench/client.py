@@ -10,6 +10,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from turnkv import wire
+
 
 @dataclass
 class Result:
@@ -34,10 +36,12 @@ class Result:
         return data
 
 
-REUSED_TOKENS_HEADER = "X-TurnKV-Reused-Tokens"
-REUSE_OUTCOME_HEADER = "X-TurnKV-Reuse-Outcome"
-#: Prompt tokens prefill's own prefix cache held (a router that does not send it: 0).
-PREFILL_CACHED_HEADER = "X-TurnKV-Prefill-Cached-Tokens"
+#: The router's headers (turnkv.wire); a router that does not send one reads as 0 / "".
+REUSED_TOKENS_HEADER = wire.REUSED_TOKENS_HEADER
+REUSE_OUTCOME_HEADER = wire.REUSE_OUTCOME_HEADER
+PREFILL_CACHED_HEADER = wire.PREFILL_CACHED_HEADER
+#: The headers of a request with reuse switched off.
+REUSE_OFF_HEADERS = {wire.REUSE_HEADER: wire.REUSE_OFF}
 
 
 def int_header(headers: Any, name: str) -> int:

@@ -89,8 +89,8 @@ async def conversation(session, url, idx, args, stats: Counter, outcomes: Counte
         text, error, reused = "", None, 0
         try:
             async with session.post(url + "/v1/chat/completions", json=body) as resp:
-                outcome = resp.headers.get("X-TurnKV-Reuse-Outcome", "?")
-                reused = int(resp.headers.get("X-TurnKV-Reused-Tokens") or 0)
+                outcome = resp.headers.get(wire.REUSE_OUTCOME_HEADER, "?")
+                reused = int(resp.headers.get(wire.REUSED_TOKENS_HEADER) or 0)
                 if resp.status != 200:
                     error = f"http_{resp.status}"
                     await resp.read()
@@ -236,7 +236,7 @@ async def verify(url: str, checks: list, limit: int, budget_s: float = 180.0) ->
                 continue
             try:
                 async with s.post(url + "/v1/chat/completions", json=body,
-                                  headers={"X-TurnKV-Reuse": "off"}) as r:
+                                  headers={wire.REUSE_HEADER: wire.REUSE_OFF}) as r:
                     if r.status != 200:
                         result["unverifiable"] += 1
                         continue

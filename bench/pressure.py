@@ -37,7 +37,7 @@ import psutil
 
 from bench import engine_metrics
 from bench import pressure_calc as calc
-from bench.client import Result, chat
+from bench.client import REUSE_OFF_HEADERS, Result, chat
 from bench.pressure_report import append_results, fit_line, table, table_console, write
 from bench.workload import Conversation, WorkloadSpec, build, from_workload_file
 
@@ -168,7 +168,7 @@ async def play(session: aiohttp.ClientSession, target: Target, convs: list[Conve
     for the deadline."""
     results: list[Result] = []
     skipped = 0
-    headers = {"X-TurnKV-Reuse": "off"} if arm == "off" else {}
+    headers = dict(REUSE_OFF_HEADERS) if arm == "off" else {}
     think_seed = opts.workload.seed
 
     async def converse(conv: Conversation) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from bench.client import Result, chat
+from bench.client import REUSE_OFF_HEADERS, Result, chat
 from bench.workload import Conversation, WorkloadSpec, build
 
 
@@ -92,7 +92,7 @@ async def run(spec: RunSpec, on_result: Callable[[Result], None] = lambda r: Non
             arm_headers = dict(headers)
             url = spec.url
             if arm in ("off", "best"):
-                arm_headers["X-TurnKV-Reuse"] = "off"
+                arm_headers.update(REUSE_OFF_HEADERS)
             if arm == "best":
                 assert spec.best_url
                 url = spec.best_url
