@@ -38,23 +38,16 @@ REUSE_HEADER = wire.REUSE_HEADER
 
 
 @dataclass
-class Record:
+class Record(client.Reply):
+    """One request of an agent trace: where it sits in the session, what it measured (``client.Reply``), and when
+    it ran."""
+
     arm: str
     session: int
     agent: str  # "main", or "sub<step>.<i>"
     step: int
     kind: str  # task, tool, user, fork, subagent (a subagent's first turn), join (the parent resuming)
     branch: int = 0
-    ttft_ms: float | None = None
-    latency_ms: float | None = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    reused_tokens: int = 0
-    prefill_cached_tokens: int = 0
-    reuse_outcome: str = ""
-    reply: str = ""
-    reply_sha: str = ""
-    error: str | None = None
     #: Seconds since the arm started, when the request was sent and when its answer ended.
     started_s: float = 0.0
     ended_s: float = 0.0
