@@ -79,13 +79,23 @@ def parse_levels(text: str) -> list[float]:
 # -- think times -------------------------------------------------------------------------------------
 
 
+#: Mooncake's public FAST'25 conversation trace: time between a session's turns, p50 126 s and p90 486 s (as quoted
+#: in issue 36). ``mooncake:SCALE`` plays a log-normal with these quantiles times SCALE.
+MOONCAKE_THINK_P50_S = 126.0
+MOONCAKE_THINK_P90_S = 486.0
+#: The standard normal's 90th percentile (a log-normal's sigma from its p50 and p90).
+Z90 = 1.2815515655446004
+
+
 @dataclass(frozen=True)
 class Think:
-    """Pause before each later turn: ``fixed`` seconds, ``exp`` (exponential, this mean, seeded per conversation)
-    or ``file`` (the workload file's own per-turn think times)."""
+    """Pause before each later turn: ``fixed`` seconds, ``exp`` (exponential, this mean, seeded per conversation),
+    ``lognormal`` (median ``seconds``, 90th percentile ``p90``, seeded) or ``file`` (the workload file's own
+    per-turn think times)."""
 
     kind: str
     seconds: float = 0.0
+    p90: float = 0.0
 
     def delays(self, conv: Conversation, seed: int) -> list[float]:
         """Seconds to wait before each turn of ``conv`` (0 before the first)."""
@@ -96,14 +106,24 @@ class Think:
         if self.kind == "fixed":
             return [0.0] + [self.seconds] * (n - 1)
         rng = random.Random(f"{seed}-{conv.index}")
+        if self.kind == "lognormal":
+            sigma = math.log(self.p90 / self.seconds) / Z90 if self.seconds > 0 else 0.0
+            return [0.0] + [self.seconds * math.exp(sigma * rng.gauss(0.0, 1.0)) if self.seconds > 0 else 0.0
+                            for _ in range(n - 1)]
         return [0.0] + [rng.expovariate(1 / self.seconds) if self.seconds > 0 else 0.0 for _ in range(n - 1)]
 
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "seconds": self.seconds, **({"p90": self.p90} if self.kind == "lognormal" else {})}
+
     def mean(self) -> float | None:
+        if self.kind == "lognormal":
+            sigma = math.log(self.p90 / self.seconds) / Z90 if self.seconds > 0 else 0.0
+            return self.seconds * math.exp(sigma**2 / 2)
         return None if self.kind == "file" else self.seconds
 
 
 def parse_think(text: str) -> Think:
-    """``fixed:35``, ``exp:35`` or ``file`` (with --workload)."""
+    """``fixed:35``, ``exp:35``, ``mooncake:SCALE`` (Mooncake's think times times SCALE) or ``file``."""
     kind, _, value = text.partition(":")
     if kind == "file" and not value:
         return Think("file")
@@ -111,8 +131,10 @@ def parse_think(text: str) -> Think:
         seconds = float(value)
     except ValueError:
         seconds = -1.0
+    if kind == "mooncake" and seconds > 0:
+        return Think("lognormal", MOONCAKE_THINK_P50_S * seconds, MOONCAKE_THINK_P90_S * seconds)
     if kind not in ("fixed", "exp") or seconds < 0:
-        raise ValueError(f"--think {text!r}: expected fixed:SECONDS, exp:MEAN_SECONDS or file")
+        raise ValueError(f"--think {text!r}: expected fixed:SECONDS, exp:MEAN_SECONDS, mooncake:SCALE (> 0) or file")
     return Think(kind, seconds)
 
 
