@@ -223,7 +223,7 @@ async def play(session: aiohttp.ClientSession, target: Target, convs: list[Conve
                     "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
                     "conversation_id": f"pressure-{tag}-{conv.index}-{arm}",
                     **({"min_tokens": max_tokens} if opts.exact_replies else {}),
-                    **(arms.body_extras(arm) if opts.arms else {})}
+                    **arms.body_extras(arm)}  # off: a salt of its own (prefill may cache)
             result = await chat(session, url, body, headers, Result(conv.index, turn, arm), opts.timeout)
             replies.append(result.reply)
             results.append(result)
