@@ -50,7 +50,7 @@ def test_the_stack_at_target_ratios_starts_exact_block_counts_and_the_peer_arm()
         return argv[argv.index("--num-gpu-blocks-override") + 1]
 
     assert (override("prefill-0"), override("prefill-peer"), override("decode-0")) == ("16", "35", "80")
-    assert all(procs[n].argv[procs[n].argv.index("--max-model-len") + 1] == "2048"
+    assert all(procs[n].argv[procs[n].argv.index("--max-model-len") + 1] == "1920"
                for n in ("prefill-0", "decode-0", "prefill-peer"))
     peer = procs["prefill-peer"].argv
     assert "--enable-prefix-caching" in peer and procs["prefill-peer"].port == config.peer_prefill_port
