@@ -646,7 +646,8 @@ def main(argv: list[str] | None = None, on_result: Callable[[Result], None] = la
     console = table_console()
 
     def level_start(name: str, level: float, n: int) -> None:
-        console.print(f"{name} {level:g}x: {n} conversations, {n * opts.turns * 2} requests at most")
+        requests = n * opts.turns * max(2, len(opts.arms))
+        console.print(f"{name} {level:g}x: {n} conversations, {requests} requests at most")
         on_level_start(name, level, n)
 
     result = run(opts, variants, args.out, url=target, state_dir=args.state_dir, port_base=args.port_base,
