@@ -107,12 +107,16 @@ def arm_summary(arm: str, results: list[Result], off: list[Result] | None, prefi
 
 
 def capacity(levels: list[dict[str, Any]], arm: str, target_ms: float) -> int:
-    """The most live conversations an arm served with its TTFT p90 on turns 2+ within ``target_ms`` and no errors
-    (0: not at any level played). Levels are the sweep's, so capacity is known to the level's resolution."""
-    met = [lv["conversations"] for lv in levels if arm in lv.get("arms", {})
-           and (a := lv["arms"][arm])["later_p90_ms"] is not None and a["later_p90_ms"] <= target_ms
-           and not a["errors"]]
-    return max(met, default=0)
+    """The most live conversations an arm served with its TTFT p90 on turns 2+ within ``target_ms`` and no errors,
+    at that level and at every smaller level played (0: not even the smallest). Levels are the sweep's, so capacity is
+    known to the level's resolution."""
+    served = 0
+    for lv in sorted((lv for lv in levels if arm in lv.get("arms", {})), key=lambda lv: lv["conversations"]):
+        a = lv["arms"][arm]
+        if a["later_p90_ms"] is None or a["later_p90_ms"] > target_ms or a["errors"]:
+            break
+        served = lv["conversations"]
+    return served
 
 
 def verdict(levels: list[dict[str, Any]], target_ms: float) -> dict[str, Any]:

@@ -63,6 +63,8 @@ def test_capacity_and_the_verdict_of_issue_36():
     assert arms.capacity(levels, "on", 1000) == 16 and arms.capacity(levels, "peer", 1000) == 4
     v = arms.verdict(levels, 1000)
     assert v["matches_at_1x"] and v["twice_at_4x"] and v["capacity_ratio"] == 4.0
+    gap = [level(1, 4, on=300, peer=320), level(2, 8, on=1200, peer=900), level(4, 16, on=900, peer=3000)]
+    assert arms.capacity(gap, "on", 1000) == 4  # 4x within the target does not count past a level that missed it
     worse = [level(1, 4, on=400, peer=320), level(4, 16, on=3000, peer=3000)]
     v = arms.verdict(worse, 1000)
     assert not v["matches_at_1x"] and not v["twice_at_4x"] and v["at_1x_p90_on_over_peer"] == 1.25
