@@ -69,3 +69,19 @@ def test_a_plain_stack_is_unchanged_and_bad_counts_are_refused():
         plan(StackConfig(decode_blocks=0))
     with pytest.raises(StackError, match="peer"):
         plan(StackConfig(peer=True, prefill_engines=3))
+
+
+def test_turnkv_local_up_starts_the_peer_arm_at_target_ratios(monkeypatch):
+    from typer.testing import CliRunner
+
+    from turnkv.cli import app
+    from turnkv.commands import local
+
+    seen = []
+    monkeypatch.setattr(local, "start_stack", lambda config, console: seen.append(config) or {
+        "components": {"router": {"url": "http://127.0.0.1:8000"}}})
+    result = CliRunner().invoke(app, ["local", "up", "--peer", "--target-ratios", "--prefill-blocks", "32"])
+    assert result.exit_code == 0, result.output
+    config = seen[0]
+    assert config.peer and (config.prefill_blocks, config.peer_prefill_blocks, config.decode_blocks) == (32, 69, 160)
+    assert config.tunables["host_kv_budget_mib"] == 186 and config.max_model_len == 31 * 128
