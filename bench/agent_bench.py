@@ -31,30 +31,23 @@ from bench import agent_trace, client
 from bench.agent_trace import Agent, Session
 from bench.client import PREFILL_CACHED_HEADER, REUSE_OUTCOME_HEADER, REUSED_TOKENS_HEADER  # noqa: F401
 from bench.runner import discover_model
-from turnkv import router_env
+from turnkv import router_env, wire
 
 ARMS = ("off", "on", "best")
-REUSE_HEADER = "X-TurnKV-Reuse"
+REUSE_HEADER = wire.REUSE_HEADER
 
 
 @dataclass
-class Record:
+class Record(client.Reply):
+    """One request of an agent trace: where it sits in the session, what it measured (``client.Reply``), and when
+    it ran."""
+
     arm: str
     session: int
     agent: str  # "main", or "sub<step>.<i>"
     step: int
     kind: str  # task, tool, user, fork, subagent (a subagent's first turn), join (the parent resuming)
     branch: int = 0
-    ttft_ms: float | None = None
-    latency_ms: float | None = None
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    reused_tokens: int = 0
-    prefill_cached_tokens: int = 0
-    reuse_outcome: str = ""
-    reply: str = ""
-    reply_sha: str = ""
-    error: str | None = None
     #: Seconds since the arm started, when the request was sent and when its answer ended.
     started_s: float = 0.0
     ended_s: float = 0.0
@@ -126,7 +119,7 @@ async def play(sessions: list[Session], spec: PlaySpec,
             await discover_model(http, spec.best_url)  # reachable before anything is played
         for arm in spec.arms:
             url = spec.best_url if arm == "best" else spec.url
-            headers = dict(auth) if arm == "on" else {**auth, REUSE_HEADER: "off"}
+            headers = dict(auth) if arm == "on" else {**auth, **client.REUSE_OFF_HEADERS}
             origin = time.perf_counter()
 
             async def ask(s: Session, agent: str, step: int, kind: str, messages: list[dict[str, str]],

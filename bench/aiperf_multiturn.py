@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.variants import stack_with_env
+from turnkv import wire
 
 ROOT = Path(__file__).resolve().parent.parent
 PULLED = "vllm:prompt_tokens_by_source_total"
@@ -178,7 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         hf_home = args.state_dir.resolve() / "hf"
         tokenizer = hub_alias(Path(state["model_dir"]).resolve(), hf_home)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(hf_home)}
-        for arm, headers in (("on", {}), ("off", {"X-TurnKV-Reuse": "off"})):
+        for arm, headers in (("on", {}), ("off", {wire.REUSE_HEADER: wire.REUSE_OFF})):
             out = args.out / arm
             shutil.rmtree(out, ignore_errors=True)
             offset = log.stat().st_size

@@ -10,16 +10,19 @@ from typing import Any
 import aiohttp
 import orjson
 
+from turnkv import wire
 
-@dataclass
-class Result:
-    conversation: int
-    turn: int
-    arm: str
+
+@dataclass(kw_only=True)
+class Reply:
+    """What one request measured: the fields every benchmark's record shares (``Result``, ``agent_bench.Record``),
+    filled by :func:`chat`."""
+
     ttft_ms: float | None = None
     latency_ms: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    #: Prompt tokens prefill pulled from decode (the router's X-TurnKV-Reused-Tokens).
     reused_tokens: int = 0
     #: Prompt tokens prefill found in its own prefix cache (the router's X-TurnKV-Prefill-Cached-Tokens).
     prefill_cached_tokens: int = 0
@@ -28,16 +31,27 @@ class Result:
     reply_sha: str = ""
     error: str | None = None
 
+
+@dataclass
+class Result(Reply):
+    """One turn of a conversation benchmark (bench.runner, capacity, pressure)."""
+
+    conversation: int
+    turn: int
+    arm: str
+
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data.pop("reply")
         return data
 
 
-REUSED_TOKENS_HEADER = "X-TurnKV-Reused-Tokens"
-REUSE_OUTCOME_HEADER = "X-TurnKV-Reuse-Outcome"
-#: Prompt tokens prefill's own prefix cache held (a router that does not send it: 0).
-PREFILL_CACHED_HEADER = "X-TurnKV-Prefill-Cached-Tokens"
+#: The router's headers (turnkv.wire); a router that does not send one reads as 0 / "".
+REUSED_TOKENS_HEADER = wire.REUSED_TOKENS_HEADER
+REUSE_OUTCOME_HEADER = wire.REUSE_OUTCOME_HEADER
+PREFILL_CACHED_HEADER = wire.PREFILL_CACHED_HEADER
+#: The headers of a request with reuse switched off.
+REUSE_OFF_HEADERS = {wire.REUSE_HEADER: wire.REUSE_OFF}
 
 
 def int_header(headers: Any, name: str) -> int:
@@ -49,9 +63,9 @@ def int_header(headers: Any, name: str) -> int:
 
 
 async def chat(session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str],
-               result: Any, timeout: float) -> Any:
-    """POST a streaming chat completion and fill ``result`` (a :class:`Result`, or any record with its fields;
-    errors are recorded, not raised)."""
+               result: Reply, timeout: float) -> Reply:
+    """POST a streaming chat completion and fill ``result`` (any :class:`Reply`; errors are recorded, not
+    raised)."""
     started = time.perf_counter()
     parts: list[str] = []
     try:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench import engine_metrics
 from turnkv import params, wire
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,8 +89,8 @@ async def conversation(session, url, idx, args, stats: Counter, outcomes: Counte
         text, error, reused = "", None, 0
         try:
             async with session.post(url + "/v1/chat/completions", json=body) as resp:
-                outcome = resp.headers.get("X-TurnKV-Reuse-Outcome", "?")
-                reused = int(resp.headers.get("X-TurnKV-Reused-Tokens") or 0)
+                outcome = resp.headers.get(wire.REUSE_OUTCOME_HEADER, "?")
+                reused = int(resp.headers.get(wire.REUSED_TOKENS_HEADER) or 0)
                 if resp.status != 200:
                     error = f"http_{resp.status}"
                     await resp.read()
@@ -196,15 +197,7 @@ LATE_COUNTERS = {"late": "vllm:turnkv_offers_late_total"}
 
 def retention_samples(text: str, counters: dict[str, str] = RETENTION_COUNTERS) -> dict[str, float]:
     """The retention counters (or other ``counters``) of one engine's /metrics text."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    wanted = {name: kind for kind, name in counters.items()}
-    out = dict.fromkeys(counters, 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted:
-                out[wanted[sample.name]] += sample.value
-    return out
+    return engine_metrics.totals(text, counters)
 
 
 async def sample_retention(engines: list[EngineProc], found: list, stop: float, every: float = 2.0,
@@ -216,11 +209,10 @@ async def sample_retention(engines: list[EngineProc], found: list, stop: float, 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
         while time.monotonic() < stop:
             for e in decode:
-                try:
-                    async with s.get(f"http://127.0.0.1:{e.port}/metrics") as r:
-                        counts = retention_samples(await r.text(), counters or RETENTION_COUNTERS)
-                except (aiohttp.ClientError, TimeoutError, OSError):
+                text = await engine_metrics.fetch(s, f"http://127.0.0.1:{e.port}")
+                if text is None:
                     continue  # down: its counters start over when it is back
+                counts = retention_samples(text, counters or RETENTION_COUNTERS)
                 for kind, value in counts.items():
                     if (rise := counter_increase(last, (e.name, kind), value)) > 0:
                         found.append((time.monotonic(), f"{kind} on {e.name}", rise))
@@ -252,7 +244,7 @@ async def verify(url: str, checks: list, limit: int, budget_s: float = 180.0) ->
                 continue
             try:
                 async with s.post(url + "/v1/chat/completions", json=body,
-                                  headers={"X-TurnKV-Reuse": "off"}) as r:
+                                  headers={wire.REUSE_HEADER: wire.REUSE_OFF}) as r:
                     if r.status != 200:
                         result["unverifiable"] += 1
                         continue

@@ -35,9 +35,10 @@ from typing import Any
 import aiohttp
 import psutil
 
+from bench import arms, engine_metrics
 from bench import pressure_calc as calc
-from bench.client import Result, chat
-from bench.pressure_report import append_results, fit_line, table, table_console, write
+from bench.client import REUSE_OFF_HEADERS, Result, chat
+from bench.pressure_report import append_results, fit_line, played, table, table_console, write
 from bench.workload import Conversation, WorkloadSpec, build, from_workload_file
 
 SAMPLE_EVERY_S = 2.0
@@ -63,6 +64,20 @@ class PressureOptions:
     max_conversations: int = 256
     sample_every: float = SAMPLE_EVERY_S
     words: list[str] | None = None
+    #: The three-arm mode (``bench.arms``): the arms played per level, in ``arms.PLAY_ORDER``; empty: reuse on then
+    #: off (the retention-pressure sweep).
+    arms: tuple[str, ...] = ()
+    #: Replies of exactly ``max_tokens`` (vLLM's ``min_tokens``): agent-sized replies the tiny model does not end
+    #: early.
+    exact_replies: bool = False
+    #: What a level's 1x is: the conversations decode's retention room holds ("decode"), or the conversations the
+    #: peer's prefill cache (device + offload memory) holds ("prefill", the three-arm mode).
+    fit_from: str = "decode"
+    #: The three-arm mode's stack: at the target fleet's memory ratios (turnkv.plan.ratios) from this many turnkv
+    #: prefill blocks.
+    prefill_blocks: int = 16
+    #: Capacity is counted at this TTFT p90 of turns 2+.
+    ttft_target_ms: float = 1000.0
 
 
 @dataclass
@@ -75,6 +90,9 @@ class Target:
     model: str | None = None
     #: prefill's base URL: its pulls by tier (``vllm:turnkv_pulls_total{tier}``) over the reuse-on phase.
     prefill_url: str | None = None
+    #: The peer-best arm's router and prefill engine (``StackConfig.peer``).
+    peer_url: str | None = None
+    peer_prefill_url: str | None = None
 
 
 # -- conversations -----------------------------------------------------------------------------------
@@ -106,11 +124,7 @@ def tokens_per_conversation(opts: PressureOptions) -> int:
 
 
 async def metrics_text(session: aiohttp.ClientSession, decode_url: str) -> str | None:
-    try:
-        async with session.get(decode_url.rstrip("/") + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
-            return await r.text() if r.status == 200 else None
-    except (aiohttp.ClientError, TimeoutError):
-        return None
+    return await engine_metrics.fetch(session, decode_url)
 
 
 def rss_bytes(pid: int | None) -> int | None:
@@ -151,6 +165,8 @@ async def sample_until(session: aiohttp.ClientSession, target: Target, stop: asy
 
 
 async def read_fit(session: aiohttp.ClientSession, target: Target, share: float, opts: PressureOptions) -> calc.Fit:
+    if opts.fit_from == "prefill" and opts.fit is None:
+        return await prefill_fit(session, target, opts)
     if opts.fit is not None:
         return calc.Fit(opts.fit, "given", retained_kv_share=share,
                         last_turn_tokens=tokens_per_conversation(opts))
@@ -162,6 +178,21 @@ async def read_fit(session: aiohttp.ClientSession, target: Target, share: float,
     return calc.compute_fit(config[0], config[1], share, tokens_per_conversation(opts))
 
 
+async def prefill_fit(session: aiohttp.ClientSession, target: Target, opts: PressureOptions) -> calc.Fit:
+    """1x of the three-arm mode: the conversations whose last turn the peer's prefill cache holds (its device
+    blocks plus the offload tier's, from its ``vllm:cache_config_info``)."""
+    from turnkv.plan import ratios
+
+    url = target.peer_prefill_url or target.prefill_url
+    config = engine_metrics.cache_config(await engine_metrics.fetch(session, url)) if url else None
+    if config is None:
+        raise RuntimeError(f"no vllm:cache_config_info on {url}/metrics: pass --fit N")
+    per = tokens_per_conversation(opts)
+    n = ratios.fit(per, config.num_gpu_blocks, config.block_size)
+    blocks = -(-per // config.block_size)
+    return calc.Fit(n, "prefill", config.num_gpu_blocks, config.block_size, 1.0, config.num_gpu_blocks, per, blocks)
+
+
 # -- playing a level ---------------------------------------------------------------------------------
 
 
@@ -171,7 +202,9 @@ async def play(session: aiohttp.ClientSession, target: Target, convs: list[Conve
     for the deadline."""
     results: list[Result] = []
     skipped = 0
-    headers = {"X-TurnKV-Reuse": "off"} if arm == "off" else {}
+    headers = arms.headers(arm) if opts.arms else dict(REUSE_OFF_HEADERS) if arm == "off" else {}
+    url = target.peer_url if arm == "peer" else target.url
+    assert url, f"the {arm} arm has no router URL"
     think_seed = opts.workload.seed
 
     async def converse(conv: Conversation) -> None:
@@ -185,11 +218,13 @@ async def play(session: aiohttp.ClientSession, target: Target, convs: list[Conve
             if time.monotonic() > deadline:
                 skipped += len(conv.user_turns) - turn
                 return
-            body = {"model": target.model, "messages": conv.messages_for(turn, replies),
-                    "max_tokens": conv.max_tokens[turn] if conv.max_tokens else opts.workload.max_tokens,
+            max_tokens = conv.max_tokens[turn] if conv.max_tokens else opts.workload.max_tokens
+            body = {"model": target.model, "messages": conv.messages_for(turn, replies), "max_tokens": max_tokens,
                     "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-                    "conversation_id": f"pressure-{tag}-{conv.index}-{arm}"}
-            result = await chat(session, target.url, body, headers, Result(conv.index, turn, arm), opts.timeout)
+                    "conversation_id": f"pressure-{tag}-{conv.index}-{arm}",
+                    **({"min_tokens": max_tokens} if opts.exact_replies else {}),
+                    **arms.body_extras(arm)}  # off: a salt of its own (prefill may cache)
+            result = await chat(session, url, body, headers, Result(conv.index, turn, arm), opts.timeout)
             replies.append(result.reply)
             results.append(result)
             on_result(result)
@@ -239,6 +274,61 @@ async def run_level(target: Target, convs: list[Conversation], opts: PressureOpt
     return summary, on + off
 
 
+async def prompt_sources(session: aiohttp.ClientSession, url: str | None) -> dict[str, float]:
+    """An engine's prompt tokens by source so far (``vllm:prompt_tokens_by_source``)."""
+    text = await engine_metrics.fetch(session, url) if url else None
+    return {s: engine_metrics.total(text, arms.PROMPT_TOKENS_BY_SOURCE, source=s) for s in arms.PROMPT_SOURCES} \
+        if text else {}
+
+
+async def run_arms_level(target: Target, convs: list[Conversation], opts: PressureOptions, tag: str, deadline: float,
+                         on_result: Callable[[Result], None]) -> tuple[dict[str, Any], list[Result]]:
+    """The three-arm mode: every arm of ``opts.arms`` in turn (``bench.arms``), each arm's prefill engine's prompt
+    tokens by source read before and after its phase, decode's counters over turnkv's."""
+    played: dict[str, list[Result]] = {}
+    found: dict[str, dict[str, Any]] = {}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        if target.model is None:
+            from bench.runner import discover_model
+
+            target.model = await discover_model(session, target.url)
+        for arm in opts.arms:
+            prefill = target.peer_prefill_url if arm == "peer" else target.prefill_url
+            before = await prompt_sources(session, prefill)
+            decode_before = await snapshot(session, target) if arm == "on" else {}
+            pulls_before = await prefill_series(session, target) if arm == "on" else {}
+            started = time.monotonic()
+            results, skipped = await play(session, target, convs, opts, arm, tag, deadline, on_result)
+            seconds = time.monotonic() - started
+            after = await prompt_sources(session, prefill)
+            tiers: dict[str, float] = {}
+            if arm == "on":
+                deltas = calc.counter_deltas(pulls_before, await prefill_series(session, target))
+                tiers = {k.split('"')[1]: v for k, v in deltas.items() if k.startswith("vllm:turnkv_pulls_total{")}
+                decode_deltas = calc.counter_deltas(decode_before, await snapshot(session, target))
+                found["decode_counters"] = decode_deltas
+            played[arm] = results
+            found[arm] = {"skipped": skipped, "seconds": round(seconds, 1),
+                          "prefill": arms.sources_delta(before, after) if before and after else None,
+                          "pulls_by_tier": tiers}
+    off = played.get("off")
+    summary: dict[str, Any] = calc.level_summary(played.get("on", []), off or [])
+    summary["arms"] = {arm: {**arms.arm_summary(arm, played[arm], off, found[arm]["prefill"],
+                                                found[arm]["pulls_by_tier"]),
+                             "phase_s": found[arm]["seconds"], "turns_skipped": found[arm]["skipped"]}
+                       for arm in opts.arms}
+    deltas = found.get("decode_counters", {})
+    summary.update({
+        "turns_skipped": sum(found[a]["skipped"] for a in opts.arms),
+        "decode_counters": deltas,
+        "evictions": calc.sum_by(deltas, "vllm:turnkv_retention_evictions_total"),
+        "refusals": calc.sum_by(deltas, "vllm:turnkv_retention_refusals_total"),
+        "tier_bytes": {}, "prefill_counters": None, "decode_rss_mib": None,
+        "decode_metrics": bool(deltas),
+    })
+    return summary, [r for arm in opts.arms for r in played[arm]]
+
+
 # -- variants: a stack of their own, or the router given ---------------------------------------------
 
 
@@ -259,17 +349,38 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def arms_stack(variant: calc.Variant, prefill_blocks: int) -> dict[str, Any]:
+    """``StackConfig`` fields of the three-arm mode: the peer arm, turnkv's prefill with prefix caching on (as
+    deployed), every pool at the target fleet's ratios (``turnkv.plan.ratios``), the variant's tunables on top."""
+    from turnkv import params
+    from turnkv.local.stack import StackConfig, at_ratios
+    from turnkv.plan import ratios
+
+    sized = at_ratios(StackConfig(), ratios.scale(prefill_blocks=prefill_blocks))
+    tunables = params.fit_router_ttl({**sized.tunables, **variant.tunables})
+    return {"peer": True, "prefill_prefix_caching": True, "prefill_blocks": sized.prefill_blocks,
+            "peer_prefill_blocks": sized.peer_prefill_blocks, "decode_blocks": sized.decode_blocks,
+            "max_model_len": sized.max_model_len, "tunables": params.validate(tunables) and tunables}
+
+
 @contextlib.contextmanager
-def stack_target(variant: calc.Variant, state_dir: Path, port_base: int) -> Iterator[tuple[Target, list[str]]]:
-    """A local stack with the variant's engine tunables; stopped on exit, Ctrl-C included (its own ``down``)."""
+def stack_target(variant: calc.Variant, state_dir: Path, port_base: int,
+                 opts: PressureOptions | None = None) -> Iterator[tuple[Target, list[str]]]:
+    """A local stack with the variant's engine tunables (with the peer arm, at the target's ratios, in the
+    three-arm mode); stopped on exit, Ctrl-C included (its own ``down``)."""
     from bench.variants import stack_with_env
     from turnkv.local.model import load_words
 
-    with sigterm_as_interrupt(), stack_with_env({}, state_dir, port_base=port_base,
-                                                tunables=dict(variant.tunables)) as state:
-        decode = state["components"]["decode-0"]
-        yield (Target(state["components"]["router"]["url"], decode["url"], decode["pid"],
-                      prefill_url=state["components"]["prefill-0"]["url"]), load_words(state["model_dir"]))
+    config = arms_stack(variant, opts.prefill_blocks) if opts is not None and "peer" in opts.arms else {
+        "tunables": dict(variant.tunables)}
+    with sigterm_as_interrupt(), stack_with_env({}, state_dir, port_base=port_base, **config) as state:
+        components = state["components"]
+        decode = components["decode-0"]
+        peer = components.get("router-peer")
+        yield (Target(components["router"]["url"], decode["url"], decode["pid"],
+                      prefill_url=components["prefill-0"]["url"], peer_url=peer["url"] if peer else None,
+                      peer_prefill_url=components["prefill-peer"]["url"] if peer else None),
+               load_words(state["model_dir"]))
 
 
 def _tunables(variant: calc.Variant) -> str:
@@ -297,7 +408,8 @@ async def _fit_and_level(target: Target, variant: calc.Variant, opts: PressureOp
         return skipped(level, n, opts), [], fit
     on_start(n)
     convs = conversations(opts, n, index)
-    summary, results = await run_level(target, convs, opts, f"{run_id}-{index}", deadline, on_result)
+    level_run = run_arms_level if opts.arms else run_level
+    summary, results = await level_run(target, convs, opts, f"{run_id}-{index}", deadline, on_result)
     return {"level": level, "conversations": n, **summary}, results, fit
 
 
@@ -327,7 +439,7 @@ def sweep_variant(variant: calc.Variant, opts: PressureOptions, *, url: Target |
             fit = one(url, i, level, fit)
     elif stack_per == "variant":
         say(f"{variant.name}: starting a local stack ({_tunables(variant)}), about a minute")
-        with stack_target(variant, state_dir, port_base) as (target, words):
+        with stack_target(variant, state_dir, port_base, opts) as (target, words):
             opts.words = opts.words or words
             for i, level in enumerate(opts.levels):
                 if time.monotonic() > deadline:
@@ -342,7 +454,7 @@ def sweep_variant(variant: calc.Variant, opts: PressureOptions, *, url: Target |
                 on_level(levels[-1], [])
                 continue
             say(f"{variant.name} {level:g}x: starting a local stack ({_tunables(variant)}), about a minute")
-            with stack_target(variant, state_dir, port_base) as (target, words):
+            with stack_target(variant, state_dir, port_base, opts) as (target, words):
                 opts.words = opts.words or words
                 fit = one(target, i, level, fit)
     return {"variant": variant.name, "tunables": variant.tunables, "fit": fit.as_dict() if fit else None,
@@ -362,13 +474,22 @@ def run(opts: PressureOptions, variants: list[calc.Variant], out: Path, *, url: 
         raise ValueError("--url runs one variant: name it (and its tunables, for the fit) with one --variant")
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.jsonl").unlink(missing_ok=True)
-    meta = {"levels": opts.levels, "turns": opts.turns, "think": dataclasses.asdict(opts.think),
+    meta = {"levels": opts.levels, "turns": opts.turns, "think": opts.think.as_dict(),
             "workload": opts.workload.__dict__ if opts.planned is None else "file", "stagger_s": opts.stagger,
             "url": url.url if url else None, "decode_url": url.decode_url if url else None,
             "stack_per": None if url else stack_per, "arms": "reuse on, then the same turns with reuse off",
             "reuse_counted_from": "X-TurnKV-Reused-Tokens > 0 (tokens prefill pulled, as the router reports)",
             "decode_window": "counters and gauges over the reuse-on phase of each level",
             "started_at": time.time()}
+    if opts.arms:
+        from turnkv.plan import ratios
+
+        meta.update(arms=list(opts.arms), arm_order="one after the other, in this order (bench.arms)",
+                    exact_replies=opts.exact_replies, fit_from=opts.fit_from, ttft_target_ms=opts.ttft_target_ms,
+                    think_mean_s=opts.think.mean())
+        if "peer" in opts.arms and url is None:
+            meta.update(target=ratios.Target().name, target_pools=ratios.pools().as_dict(),
+                        local_sizes=ratios.scale(prefill_blocks=opts.prefill_blocks).as_dict())
     result: dict[str, Any] = {"meta": meta, "variants": []}
     deadline = time.monotonic() + opts.max_seconds
     for variant in variants:
@@ -418,6 +539,19 @@ def quick(out: Path = Path("results/demo/pressure"), url: str | None = None, dec
     return run(opts, variants, out, url=target, stack_per=args.stack_per, on_result=on_result)
 
 
+#: ``--agent`` (issue 36's three-arm sweep, scaled to 2 cores): flag -> value. Agent traffic after Mooncake's
+#: FAST'25 trace: ~470 new tokens and ~350-token replies per later turn, scaled by 1/4 in tokens (120 new words, 96
+#: reply tokens, exact), think times p50 126 s / p90 486 s scaled by 1/24 (5.3 s / 20.3 s), and the engines'
+#: lifetimes by the same 1/24 where the catalog allows it (decoder_kv_blocks_ttl 480 -> 20 s; expiry_margin and
+#: expiry_skew_margin at their floors, 5 s and 1 s, so the router keeps a conversation 15 s, against 450/24 = 18.75 s
+#: scaled). Three turns per conversation; levels 1x-8x the conversations the peer's prefill cache holds.
+AGENT_TIME_SCALE = 1 / 24
+AGENT = {"levels": "1,2,4,8", "turns": 3, "think": f"mooncake:{AGENT_TIME_SCALE}", "stack_per": "variant",
+         "system_words": 150, "first_user_words": 250, "turn_words": 120, "max_tokens": 96, "exact_replies": True,
+         "arms": "off,peer,on", "fit_from": "prefill", "max_minutes": 9.0}
+AGENT_VARIANT = "as deployed=decoder_kv_blocks_ttl=20,expiry_margin=5,expiry_skew_margin=1"
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--levels", default="0.5,1,2,4,8", help="multiples of the conversations that fit")
@@ -447,6 +581,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", type=Path, default=Path(".turnkv/pressure"))
     p.add_argument("--quick", action="store_true", help="make demo's short mode: levels 1,2, 3 short turns, 1 s "
                    "think, one stack (retained_kv_share 0.01) for both levels; overrides those flags")
+    p.add_argument("--arms", default="", help="three-arm mode: a comma list of off,peer,on (bench.arms); the stack "
+                   "gets the peer arm and the target fleet's memory ratios")
+    p.add_argument("--peer-url", help="with --url: the peer arm's router")
+    p.add_argument("--peer-prefill-url", help="with --url: the peer arm's prefill engine (its prompt tokens by source "
+                                              "and, with --fit-from prefill, the fit)")
+    p.add_argument("--fit-from", choices=("decode", "prefill"), default="decode",
+                   help="1x: what decode's retention room holds, or what the peer's prefill cache holds")
+    p.add_argument("--exact-replies", action="store_true", help="replies of exactly --max-tokens (min_tokens)")
+    p.add_argument("--prefill-blocks", type=int, default=16,
+                   help="three-arm stacks: turnkv's prefill KV blocks; every other pool at the target's ratio to it")
+    p.add_argument("--ttft-target-ms", type=float, default=1000.0, help="capacity is counted at this TTFT p90")
+    p.add_argument("--agent", action="store_true", help="issue 36's three-arm sweep of agent traffic (AGENT); "
+                   "overrides those flags")
     p.add_argument("--out", type=Path, default=Path("results/pressure"))
     return p
 
@@ -456,6 +603,11 @@ def options(args: argparse.Namespace) -> tuple[PressureOptions, list[calc.Varian
     if args.quick:
         args.__dict__.update(QUICK)
         args.variant = args.variant or ([] if args.url else [QUICK_VARIANT])
+    if args.agent:
+        levels = args.levels if args.levels != parser().get_default("levels") else None
+        args.__dict__.update(AGENT)
+        args.levels = levels or args.levels
+        args.variant = args.variant or ([] if args.url else [AGENT_VARIANT])
     think = calc.parse_think(args.think)
     planned = None
     if args.workload is not None:
@@ -468,14 +620,19 @@ def options(args: argparse.Namespace) -> tuple[PressureOptions, list[calc.Varian
                             turn_words=args.turn_words, max_tokens=args.max_tokens, seed=args.seed)
     opts = PressureOptions(levels=calc.parse_levels(args.levels), turns=args.turns, think=think, workload=workload,
                    planned=planned, fit=args.fit, stagger=args.stagger, timeout=args.timeout,
-                   max_seconds=args.max_minutes * 60, max_conversations=args.max_conversations)
+                   max_seconds=args.max_minutes * 60, max_conversations=args.max_conversations,
+                   arms=arms.parse_arms(args.arms) if args.arms else (), exact_replies=args.exact_replies,
+                   fit_from=args.fit_from, prefill_blocks=args.prefill_blocks, ttft_target_ms=args.ttft_target_ms)
+    if "peer" in opts.arms and args.url and not args.peer_url:
+        raise ValueError("--arms with peer and --url: pass the peer's router with --peer-url")
     if args.fit is not None and args.fit < 1:
         raise ValueError("--fit must be at least 1")
     texts = args.variant or (["reuse on"] if args.url else list(calc.DEFAULT_VARIANTS))
     variants = [calc.parse_variant(t) for t in texts]
     if args.url and len(variants) != 1:
         raise ValueError("--url runs one variant: pass one --variant (its name, and its tunables for the fit)")
-    target = Target(args.url, args.decode_url, args.decode_pid, prefill_url=args.prefill_url) if args.url else None
+    target = Target(args.url, args.decode_url, args.decode_pid, prefill_url=args.prefill_url, peer_url=args.peer_url,
+                    peer_prefill_url=args.peer_prefill_url) if args.url else None
     return opts, variants, target
 
 
@@ -489,12 +646,17 @@ def main(argv: list[str] | None = None, on_result: Callable[[Result], None] = la
     console = table_console()
 
     def level_start(name: str, level: float, n: int) -> None:
-        console.print(f"{name} {level:g}x: {n} conversations, {n * opts.turns * 2} requests at most")
+        requests = n * opts.turns * max(2, len(opts.arms))
+        console.print(f"{name} {level:g}x: {n} conversations, {requests} requests at most")
         on_level_start(name, level, n)
 
     result = run(opts, variants, args.out, url=target, state_dir=args.state_dir, port_base=args.port_base,
                  stack_per=args.stack_per, on_result=on_result, on_level_start=level_start, say=console.print)
-    console.print(table(result))
+    if opts.arms:
+        for v in result["variants"]:
+            console.print(f"{v['variant']}:\n" + arms.markdown(played(v["levels"]), opts.ttft_target_ms))
+    else:
+        console.print(table(result))
     for v in result["variants"]:
         console.print(fit_line(v))
     console.print(f"wrote {args.out / 'summary.json'}, {args.out / 'results.jsonl'} and {args.out / 'pressure.png'}")

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench import engine_metrics
 from bench.capacity import percentile
 from bench.client import Result
 from bench.workload import Conversation
@@ -78,13 +79,23 @@ def parse_levels(text: str) -> list[float]:
 # -- think times -------------------------------------------------------------------------------------
 
 
+#: Mooncake's public FAST'25 conversation trace: time between a session's turns, p50 126 s and p90 486 s (as quoted
+#: in issue 36). ``mooncake:SCALE`` plays a log-normal with these quantiles times SCALE.
+MOONCAKE_THINK_P50_S = 126.0
+MOONCAKE_THINK_P90_S = 486.0
+#: The standard normal's 90th percentile (a log-normal's sigma from its p50 and p90).
+Z90 = 1.2815515655446004
+
+
 @dataclass(frozen=True)
 class Think:
-    """Pause before each later turn: ``fixed`` seconds, ``exp`` (exponential, this mean, seeded per conversation)
-    or ``file`` (the workload file's own per-turn think times)."""
+    """Pause before each later turn: ``fixed`` seconds, ``exp`` (exponential, this mean, seeded per conversation),
+    ``lognormal`` (median ``seconds``, 90th percentile ``p90``, seeded) or ``file`` (the workload file's own
+    per-turn think times)."""
 
     kind: str
     seconds: float = 0.0
+    p90: float = 0.0
 
     def delays(self, conv: Conversation, seed: int) -> list[float]:
         """Seconds to wait before each turn of ``conv`` (0 before the first)."""
@@ -95,14 +106,24 @@ class Think:
         if self.kind == "fixed":
             return [0.0] + [self.seconds] * (n - 1)
         rng = random.Random(f"{seed}-{conv.index}")
+        if self.kind == "lognormal":
+            sigma = math.log(self.p90 / self.seconds) / Z90 if self.seconds > 0 else 0.0
+            return [0.0] + [self.seconds * math.exp(sigma * rng.gauss(0.0, 1.0)) if self.seconds > 0 else 0.0
+                            for _ in range(n - 1)]
         return [0.0] + [rng.expovariate(1 / self.seconds) if self.seconds > 0 else 0.0 for _ in range(n - 1)]
 
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "seconds": self.seconds, **({"p90": self.p90} if self.kind == "lognormal" else {})}
+
     def mean(self) -> float | None:
+        if self.kind == "lognormal":
+            sigma = math.log(self.p90 / self.seconds) / Z90 if self.seconds > 0 else 0.0
+            return self.seconds * math.exp(sigma**2 / 2)
         return None if self.kind == "file" else self.seconds
 
 
 def parse_think(text: str) -> Think:
-    """``fixed:35``, ``exp:35`` or ``file`` (with --workload)."""
+    """``fixed:35``, ``exp:35``, ``mooncake:SCALE`` (Mooncake's think times times SCALE) or ``file``."""
     kind, _, value = text.partition(":")
     if kind == "file" and not value:
         return Think("file")
@@ -110,8 +131,10 @@ def parse_think(text: str) -> Think:
         seconds = float(value)
     except ValueError:
         seconds = -1.0
+    if kind == "mooncake" and seconds > 0:
+        return Think("lognormal", MOONCAKE_THINK_P50_S * seconds, MOONCAKE_THINK_P90_S * seconds)
     if kind not in ("fixed", "exp") or seconds < 0:
-        raise ValueError(f"--think {text!r}: expected fixed:SECONDS, exp:MEAN_SECONDS or file")
+        raise ValueError(f"--think {text!r}: expected fixed:SECONDS, exp:MEAN_SECONDS, mooncake:SCALE (> 0) or file")
     return Think(kind, seconds)
 
 
@@ -153,44 +176,15 @@ DEFAULT_VARIANTS = ("device only=retained_kv_share=0.02",
                     "host tier=retained_kv_share=0.02,host_kv_budget_mib=512")
 
 
-# -- Prometheus text, generically --------------------------------------------------------------------
+# -- Prometheus text: bench.engine_metrics reads it --------------------------------------------------
 
-#: Labels that tell the series apart here; others (engine, model_name) are summed over.
-KEEP_LABELS = ("tier", "reason")
-
-
-def series_key(name: str, labels: dict[str, str]) -> str:
-    kept = ",".join(f'{k}="{labels[k]}"' for k in KEEP_LABELS if k in labels)
-    return f"{name}{{{kept}}}" if kept else name
-
-
-def turnkv_series(text: str, prefix: str = "vllm:turnkv_") -> dict[str, float]:
-    """Every ``prefix`` sample of a /metrics page, summed by tier/reason (``name{tier="host"}`` -> value).
-    Counters keep their ``_total`` name; ``_created`` samples are dropped."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if not s.name.startswith(prefix) or s.name.endswith("_created"):
-                continue
-            key = series_key(s.name, s.labels)
-            out[key] = out.get(key, 0.0) + s.value
-    return out
+turnkv_series = engine_metrics.turnkv_series
 
 
 def cache_config(text: str) -> tuple[int, int] | None:
     """(num_gpu_blocks, block_size) from vLLM's ``vllm:cache_config_info`` labels, or None."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "vllm:cache_config_info":
-                try:
-                    return int(s.labels["num_gpu_blocks"]), int(s.labels["block_size"])
-                except (KeyError, ValueError):
-                    return None
-    return None
+    config = engine_metrics.cache_config(text)
+    return (config.num_gpu_blocks, config.block_size) if config else None
 
 
 def is_counter(key: str) -> bool:

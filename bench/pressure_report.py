@@ -81,6 +81,10 @@ def fit_line(variant: dict[str, Any]) -> str:
         return f"{variant['variant']}: no level ran"
     seen = max((lv.get("last_turn_prompt_tokens_max") or 0 for lv in variant["levels"]), default=0)
     measured = f"; largest prompt measured {seen} tokens (+ reply)" if seen else ""
+    if f["source"] == "prefill":
+        return (f"{variant['variant']}: 1x = {f['conversations']} conversations = the peer's prefill cache, "
+                f"{f['num_gpu_blocks']} blocks of {f['block_size']} tokens / {f['blocks_per_conversation']} blocks per "
+                f"conversation (last turn estimated ~{f['last_turn_tokens']} tokens{measured})")
     if f["source"] == "given":
         return (f"{variant['variant']}: fit {f['conversations']} conversations (given); last turn estimated "
                 f"~{f['last_turn_tokens']} tokens{measured}")

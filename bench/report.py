@@ -18,19 +18,17 @@ def _median(values: Iterable[float | None]) -> float | None:
 
 
 def shared_prefill_cache(results: Iterable[Result], threshold: float = 0.05) -> str | None:
-    """Why an A/B is not one: the ``on`` arm found its prompts in prefill's own cache (a prefix-caching prefill engine
-    served the ``off`` arm's identical prompts too). None when it did not, or without both arms."""
-    arms = {r.arm for r in results}
-    if not {"off", "on"} <= arms:
-        return None
-    on = [r for r in results if r.arm == "on" and r.error is None and r.prompt_tokens]
-    prompt = sum(r.prompt_tokens or 0 for r in on)
-    cached = sum(r.prefill_cached_tokens for r in on)
+    """Why an A/B is not one: the ``off`` arm found its prompts in prefill's own cache, though every one of its
+    requests carries a salt of its own (``bench.runner``): something between the client and prefill dropped the
+    salt, and the ``off`` arm is not the seeds' recompute-everything setting. None when it did not."""
+    off = [r for r in results if r.arm == "off" and r.error is None and r.prompt_tokens]
+    prompt = sum(r.prompt_tokens or 0 for r in off)
+    cached = sum(r.prefill_cached_tokens for r in off)
     if not prompt or cached / prompt <= threshold:
         return None
-    return (f"with reuse on, prefill found {100 * cached / prompt:.0f}% of the prompt tokens in its own prefix cache "
-            "(the off arm computed the same prompts on it): this is no A/B of reuse. Start the stack with "
-            "`turnkv local up --no-prefill-prefix-caching` (the seeds' setting) for the A/B.")
+    return (f"with reuse off, prefill found {100 * cached / prompt:.0f}% of the prompt tokens in its own prefix cache "
+            "although every off request carries its own cache_salt: the salt did not reach prefill, so this is no "
+            "A/B of reuse. Start the stack with `turnkv local up --no-prefill-prefix-caching` for the A/B.")
 
 
 def summarize(results: list[Result]) -> dict[str, Any]:
@@ -38,7 +36,7 @@ def summarize(results: list[Result]) -> dict[str, Any]:
     for r in results:
         if r.arm != "warm":
             by_turn[r.turn][r.arm].append(r)
-    arms = sorted({r.arm for r in results if r.arm != "warm"}, key=["off", "on", "best"].index)
+    arms = sorted({r.arm for r in results if r.arm != "warm"}, key=["off", "on", "best", "peer"].index)
     turns = []
     for turn in sorted(by_turn):
         row: dict[str, Any] = {"turn": turn + 1}
@@ -53,6 +51,8 @@ def summarize(results: list[Result]) -> dict[str, Any]:
             row["speedup"] = round(row["ttft_ms_off"] / row["ttft_ms_on"], 2)
         if row.get("ttft_ms_best") and row.get("ttft_ms_on"):
             row["on_vs_best"] = round(row["ttft_ms_on"] / row["ttft_ms_best"], 2)
+        if row.get("ttft_ms_peer") and row.get("ttft_ms_on"):
+            row["on_vs_peer"] = round(row["ttft_ms_on"] / row["ttft_ms_peer"], 2)
         turns.append(row)
     last = turns[-1] if turns else {}
     summary: dict[str, Any] = {
@@ -60,6 +60,7 @@ def summarize(results: list[Result]) -> dict[str, Any]:
         "turns": turns,
         "speedup_last_turn": last.get("speedup"),
         "on_vs_best_last_turn": last.get("on_vs_best"),
+        "on_vs_peer_last_turn": last.get("on_vs_peer"),
         "requests": sum(1 for r in results if r.arm != "warm"),
         "errors": sum(1 for r in results if r.error is not None),
         "error_samples": sorted({r.error for r in results if r.error})[:5],
@@ -88,6 +89,8 @@ def markdown(summary: dict[str, Any]) -> str:
         head.append("speedup")
     if "best" in arms:
         head.append("on / best")
+    if "peer" in arms:
+        head.append("on / peer")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in summary["turns"]:
         cells = [str(row["turn"]), str(row.get("prompt_tokens") or "-")]
@@ -98,6 +101,8 @@ def markdown(summary: dict[str, Any]) -> str:
             cells.append(f"{row['speedup']:.2f}x" if row.get("speedup") else "-")
         if "best" in arms:
             cells.append(f"{row['on_vs_best']:.2f}" if row.get("on_vs_best") else "-")
+        if "peer" in arms:
+            cells.append(f"{row['on_vs_peer']:.2f}" if row.get("on_vs_peer") else "-")
         lines.append("| " + " | ".join(cells) + " |")
     notes = [f"\nrequests: {summary['requests']}, errors: {summary['errors']}"]
     if summary.get("speedup_last_turn"):
@@ -105,6 +110,9 @@ def markdown(summary: dict[str, Any]) -> str:
     if summary.get("on_vs_best_last_turn"):
         notes.append(f"reuse on vs best case (prefix-cached prefill) at the last turn: "
                      f"{summary['on_vs_best_last_turn']:.2f}x")
+    if summary.get("on_vs_peer_last_turn"):
+        notes.append(f"reuse on vs peer-best (prefix-caching prefill, no reuse) at the last turn: "
+                     f"{summary['on_vs_peer_last_turn']:.2f}x")
     if "answers_compared" in summary:
         notes.append(f"identical answers with reuse on and off: {summary['answers_identical']}"
                      f"/{summary['answers_compared']}")
@@ -147,7 +155,8 @@ def points(rows: list[dict[str, Any]], key: str) -> list[tuple[float, float]]:
 
 def chart(summary: dict[str, Any], path: Path) -> Path:
     styles = {"off": ("reuse off (recompute)", "#c0392b", "o"), "on": ("reuse on (pull from decode)", "#27ae60", "s"),
-              "best": ("best case (prefix-cached prefill)", "#2980b9", "^")}
+              "best": ("best case (prefix-cached prefill)", "#2980b9", "^"),
+              "peer": ("peer-best (prefix-caching prefill, no reuse)", "#8e44ad", "D")}
     lines = [(styles[arm][0], points(summary["turns"], f"ttft_ms_{arm}"),
               {"color": styles[arm][1], "marker": styles[arm][2]}) for arm in summary["arms"]]
     return plot_ttft(lines, "Multi-turn TTFT: bi-directional KV reuse", path)

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
+from bench import engine_metrics
 from bench.client import Result, chat
 from bench.variants import report, stack_with_env
 from bench.workload import WorkloadSpec, build
@@ -32,16 +32,11 @@ VARIANTS = {
 
 
 async def decode_kv(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
-    async with session.get(url + "/metrics") as resp:
-        text = await resp.text()
-    usage, capacity = 0.0, 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "vllm:kv_cache_usage_perc":
-                usage = sample.value
-            if sample.name == "vllm:cache_config_info":
-                capacity = float(sample.labels.get("kv_cache_memory_bytes", 0))
-    return usage, capacity
+    """decode's KV usage (0-1) and its KV cache bytes."""
+    text = await engine_metrics.fetch(session, url)
+    config = engine_metrics.cache_config(text)
+    return engine_metrics.total(text, "vllm:kv_cache_usage_perc") if text else 0.0, (
+        config.kv_cache_memory_bytes if config else 0.0)
 
 
 async def workload(state: dict, words: list[str], conversations: int, one_shots: int) -> dict:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from bench.client import Result, chat
+from bench.client import REUSE_OFF_HEADERS, Result, chat
 from bench.workload import Conversation, WorkloadSpec, build
 
 
@@ -28,6 +28,9 @@ class RunSpec:
     ab: bool = False
     #: A router whose prefill engine keeps a prefix cache: the turn is sent there twice, the second timed.
     best_url: str | None = None
+    #: The peer-best arm's router (``bench.arms``: a prefix-caching prefill, no decode-to-prefill reuse); it may be
+    #: ``best_url``'s: the two arms carry cache salts of their own, so neither finds the other's blocks.
+    peer_url: str | None = None
     model: str | None = None
     concurrency: int = 1
     think_time: float = 0.0
@@ -54,7 +57,8 @@ class RunSpec:
         if self.reuse_off:
             return ["off"]
         arms = ["off", "on"] if self.ab else ["on"]
-        return [*arms, "best"] if self.best_url else arms
+        arms += ["best"] if self.best_url else []
+        return [*arms, "peer"] if self.peer_url else arms
 
     @property
     def total_requests(self) -> int:
@@ -91,8 +95,17 @@ async def run(spec: RunSpec, on_result: Callable[[Result], None] = lambda r: Non
             }
             arm_headers = dict(headers)
             url = spec.url
-            if arm in ("off", "best"):
-                arm_headers["X-TurnKV-Reuse"] = "off"
+            if arm in ("off", "best", "peer"):
+                arm_headers.update(REUSE_OFF_HEADERS)
+            # Salts keep the arms' prefill caches apart: off's is new every request (prefill recomputes it all, the
+            # seeds' setting, even where prefill caches), best's and peer's are their own for the run.
+            if arm == "off":
+                body["cache_salt"] = f"off-{uuid.uuid4().hex}"
+            elif arm in ("best", "peer"):
+                body["cache_salt"] = f"{arm}-{run_id}"
+            if arm == "peer":
+                assert spec.peer_url
+                url = spec.peer_url
             if arm == "best":
                 assert spec.best_url
                 url = spec.best_url

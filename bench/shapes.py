@@ -20,9 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import requests
-from prometheus_client.parser import text_string_to_metric_families
-
+from bench import engine_metrics
 from turnkv import smoke
 from turnkv.engine_args import Mode
 from turnkv.local.stack import StackConfig, StackError, Supervisor, tail
@@ -82,22 +80,6 @@ class ShapeRun:
 DRAFTED, ACCEPTED = "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"
 
 
-def _metrics(url: str) -> str | None:
-    """An engine's /metrics page, or None when it does not answer."""
-    try:
-        return requests.get(f"{url}/metrics", timeout=10).text
-    except requests.RequestException:
-        return None
-
-
-def _counter(text: str | None, name: str, **labels: str) -> float:
-    """A counter's sum over the series with these labels (NaN when the engine did not answer)."""
-    if text is None:
-        return float("nan")
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
-
-
 def run_shape(shape: Shape, mode: Mode, state_dir: Path, timeout_s: float,
               play: Callable[[dict[str, str]], dict] | None = None, **stack: object) -> ShapeRun:
     """One shape's stack, played and stopped; ``stack`` overrides :class:`StackConfig` fields, and ``play`` (given
@@ -133,9 +115,11 @@ def run_shape(shape: Shape, mode: Mode, state_dir: Path, timeout_s: float,
         urls = {name: c["url"] for name, c in state["components"].items()}
         result = asyncio.run(smoke.run(urls["router"], timeout_s=timeout_s))
         row.turns = smoke.summary_rows(result)
-        row.pulled_tokens = _counter(_metrics(urls["prefill-0"]), PULLED, source="external_kv_transfer")
-        decode = _metrics(urls["decode-0"])
-        row.drafted_tokens, row.accepted_tokens = _counter(decode, DRAFTED), _counter(decode, ACCEPTED)
+        prefill = engine_metrics.fetch_sync(urls["prefill-0"])
+        row.pulled_tokens = engine_metrics.total(prefill, PULLED, source="external_kv_transfer")
+        decode = engine_metrics.fetch_sync(urls["decode-0"])
+        row.drafted_tokens = engine_metrics.total(decode, DRAFTED)
+        row.accepted_tokens = engine_metrics.total(decode, ACCEPTED)
         row.passed, row.failure = result.ok, result.failure or ""
         if play is not None:
             row.extra = play(urls)

@@ -20,8 +20,8 @@ def stack_with_env(env: dict[str, str], state_dir: Path, port_base: int = 8400, 
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     supervisor = Supervisor(state_dir)
+    config.setdefault("prefill_prefix_caching", False)  # the seeds' setting: the A/B measures reuse
     stack = StackConfig(state_dir=state_dir, router_port=port_base, prefill_port=port_base + 10,
-                        prefill_prefix_caching=False,  # the seeds' setting: the A/B measures reuse
                         decode_port=port_base + 20, side_channel_base=port_base - 2760, **config)
     try:
         state = supervisor.up(stack)

@@ -53,11 +53,12 @@ T = TypeVar("T")
 
 log = logging.getLogger("turnkv.router")
 
-REUSE_HEADER = "X-TurnKV-Reuse"
-REUSED_TOKENS_HEADER = "X-TurnKV-Reused-Tokens"
-PREFILL_CACHED_HEADER = "X-TurnKV-Prefill-Cached-Tokens"
-REUSE_OUTCOME_HEADER = "X-TurnKV-Reuse-Outcome"
-CONVERSATION_HEADER = "X-Conversation-Id"
+# The protocol's header names live in turnkv.wire (clients read them there); bound here for the flow's code.
+REUSE_HEADER = wire.REUSE_HEADER
+REUSED_TOKENS_HEADER = wire.REUSED_TOKENS_HEADER
+PREFILL_CACHED_HEADER = wire.PREFILL_CACHED_HEADER
+REUSE_OUTCOME_HEADER = wire.REUSE_OUTCOME_HEADER
+CONVERSATION_HEADER = wire.CONVERSATION_HEADER
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error",

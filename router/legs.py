@@ -34,7 +34,7 @@ from turnkv import wire
 
 log = logging.getLogger("turnkv.router")
 
-REQUEST_ID_HEADER = "X-Request-Id"
+REQUEST_ID_HEADER = wire.REQUEST_ID_HEADER
 
 
 class UpstreamError(Exception):

@@ -18,8 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from router.flow import REUSE_HEADER, REUSE_OUTCOME_HEADER, REUSED_TOKENS_HEADER
-from router.outcomes import ReuseOutcome
+from turnkv.wire import REUSE_HEADER, REUSE_OFF, REUSE_OUTCOME_HEADER, REUSED_TOKENS_HEADER, ReuseOutcome
 
 #: An agent's standing instructions: long enough that the history a turn reuses is well above the engines'
 #: kv_recompute_threshold (64 tokens by default), as an agent's always is.
@@ -117,7 +116,7 @@ def _headers(api_key: str | None, reuse: bool) -> dict[str, str]:
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     if not reuse:
-        headers[REUSE_HEADER] = "off"
+        headers[REUSE_HEADER] = REUSE_OFF
     return headers
 
 

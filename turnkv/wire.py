@@ -30,11 +30,50 @@ import hashlib
 import hmac
 import os
 from collections.abc import Mapping
+from enum import StrEnum
 from typing import Any
 
 import orjson
 
 from turnkv import lifetime
+
+# -- the router's HTTP protocol with its clients (turnkv.smoke, bench/, users' code) -----------------
+# The router (router/flow.py, router/legs.py) and every client of it read these names from here.
+
+#: A client's switch: ``X-TurnKV-Reuse: off`` (or 0/false/no) recomputes the prompt, nothing pulled or retained.
+REUSE_HEADER = "X-TurnKV-Reuse"
+REUSE_OFF = "off"
+#: Prompt tokens prefill pulled from decode for this request.
+REUSED_TOKENS_HEADER = "X-TurnKV-Reused-Tokens"
+#: Prompt tokens prefill found in its own prefix cache.
+PREFILL_CACHED_HEADER = "X-TurnKV-Prefill-Cached-Tokens"
+#: Why the request did or did not reuse KV: a :class:`ReuseOutcome` value.
+REUSE_OUTCOME_HEADER = "X-TurnKV-Reuse-Outcome"
+#: A client-chosen conversation id (a body field ``conversation_id`` does the same).
+CONVERSATION_HEADER = "X-Conversation-Id"
+#: The request id, echoed back (a client's own when it sent one).
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+class ReuseOutcome(StrEnum):
+    """Why a request did or did not reuse the previous turn's KV (docs/router.md "Reuse outcomes"): the values of
+    ``X-TurnKV-Reuse-Outcome``, the SSE trailer comment, Prometheus labels and EMF fields. A member is its value
+    wherever it leaves the process. The order is the order of the Prometheus label children
+    (``router.telemetry.OUTCOMES``)."""
+
+    HIT = "hit"  # replayed
+    MISS = "miss"  # nothing stored at this history's address
+    MISMATCH = "mismatch"  # the prompt does not extend the stored history
+    EXPIRED = "expired"  # the entry's blocks are (nearly) freed
+    REFUSED = "refused"  # the stored params name an unknown engine (or decode ejected / evicted them since)
+    RECOMPUTE = "recompute"  # replayed, but prefill recomputed (pull failed or below kv_recompute_threshold)
+    TOKEN_MISMATCH = "token_mismatch"  # the text matched but prefill's token proof pulled less
+    DISABLED = "disabled"  # the client turned reuse off
+    STORE_ERROR = "store_error"  # the store was down or slow
+    #: Nothing to look up: a first turn (no assistant message yet), n > 1, a token prompt, a raw-prompt completion
+    #: without a session hint.
+    NONE = "none"
+
 
 # -- upstream's kv_transfer_params keys (vLLM 0.32's NIXL connector) ---------------------------------
 # Named here so the router, the connector and the fake engine spell each one once; the strings are upstream's,

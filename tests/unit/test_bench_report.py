@@ -165,11 +165,48 @@ def test_ab_under_concurrency_runs_the_arms_in_phases(monkeypatch):
     assert arms_sent(concurrency=1) == ["off", "on"] * 6  # one at a time: interleaved turn by turn, as before
 
 
-def test_an_ab_whose_on_arm_hit_prefills_own_cache_is_flagged():
+def test_an_ab_whose_off_arm_hit_prefills_own_cache_is_flagged():
     clean = results()
     assert report.shared_prefill_cache(clean) is None
     for r in clean:
         if r.arm == "on" and r.prompt_tokens:
-            r.prefill_cached_tokens = r.prompt_tokens // 2  # the off arm's identical prompt, cached by prefill
+            r.prefill_cached_tokens = r.prompt_tokens // 2  # turnkv as deployed: its own previous turn, cached
+    assert report.shared_prefill_cache(clean) is None
+    for r in clean:
+        if r.arm == "off" and r.prompt_tokens:
+            r.prefill_cached_tokens = r.prompt_tokens // 2  # the salt did not reach prefill
     assert "--no-prefill-prefix-caching" in report.shared_prefill_cache(clean)
     assert report.shared_prefill_cache([r for r in clean if r.arm != "off"]) is None
+
+
+def test_the_peer_arm_goes_to_its_router_with_reuse_off_and_salts_keep_the_arms_caches_apart(monkeypatch):
+    import asyncio
+
+    from bench import runner
+    from turnkv import wire
+
+    sent = []
+
+    async def fake_chat(session, url, body, headers, result, timeout):
+        sent.append((result.arm, url, body.get("cache_salt"), headers.get(wire.REUSE_HEADER)))
+        result.ttft_ms, result.reply = 1.0, "r"
+        return result
+
+    monkeypatch.setattr(runner, "chat", fake_chat)
+    workload = WorkloadSpec(conversations=1, turns=2, system_words=5, first_user_words=5, turn_words=5)
+    spec = runner.RunSpec(url="http://main", workload=workload, ab=True, model="tiny", best_url="http://best",
+                          peer_url="http://best")
+    assert spec.arms == ["off", "on", "best", "peer"]
+    results = asyncio.run(runner.run(spec))
+    by_arm: dict[str, list] = {}
+    for arm, url, salt, reuse in sent:
+        by_arm.setdefault(arm, []).append((url, salt, reuse))
+    assert {u for u, _, _ in by_arm["peer"]} == {"http://best"} and {r for _, _, r in by_arm["peer"]} == {"off"}
+    off_salts = [s for _, s, _ in by_arm["off"]]
+    assert len(set(off_salts)) == len(off_salts) == 2  # new every request
+    assert {s for _, s, _ in by_arm["on"]} == {None} and {r for _, _, r in by_arm["on"]} == {None}
+    peer_salts, best_salts = {s for _, s, _ in by_arm["peer"]}, {s for _, s, _ in by_arm["warm"] + by_arm["best"]}
+    assert len(peer_salts) == len(best_salts) == 1 and peer_salts != best_salts  # one each, never shared
+    summary = report.summarize(results)
+    assert summary["arms"] == ["off", "on", "best", "peer"] and "ttft_ms_peer" in summary["turns"][0]
+    assert "on / peer" in report.markdown(summary)

@@ -2,7 +2,7 @@
 
 import json
 
-from bench import shapes
+from bench import engine_metrics, shapes
 
 TURNS = [{"turn": 1, "ttft_off_ms": 9.0, "ttft_on_ms": 9.0, "outcome": "none", "reused_tokens": 0, "same_answer": True},
          {"turn": 2, "ttft_off_ms": 9.0, "ttft_on_ms": 5.0, "outcome": "hit", "reused_tokens": 253,
@@ -37,6 +37,6 @@ def test_counters_are_summed_over_matching_series_and_nan_without_a_page():
             'vllm:prompt_tokens_by_source_total{source="external_kv_transfer",engine="0"} 900.0\n'
             'vllm:prompt_tokens_by_source_total{source="external_kv_transfer",engine="1"} 16.0\n'
             'vllm:prompt_tokens_by_source_total{source="local_compute",engine="0"} 40.0\n')
-    assert shapes._counter(page, shapes.PULLED, source="external_kv_transfer") == 916.0
-    assert shapes._counter(page, shapes.PULLED) == 956.0
-    assert shapes._counter(None, shapes.PULLED) != shapes._counter(None, shapes.PULLED)  # NaN
+    assert engine_metrics.total(page, shapes.PULLED, source="external_kv_transfer") == 916.0
+    assert engine_metrics.total(page, shapes.PULLED) == 956.0
+    assert engine_metrics.total(None, shapes.PULLED) != engine_metrics.total(None, shapes.PULLED)  # NaN

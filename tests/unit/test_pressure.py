@@ -318,7 +318,7 @@ def test_stack_mode_starts_a_stack_per_level_and_plays_a_workload_file(tmp_path,
     started: list[dict] = []
 
     @contextmanager
-    def fake_target(variant, state_dir, port_base):
+    def fake_target(variant, state_dir, port_base, opts=None):
         started.append(dict(variant.tunables))
         with fake_stack(retain_limit=0, blocks=1000, block_size=16) as (url, metrics_url):
             yield pressure.Target(url, metrics_url, decode_pid=os.getpid(), prefill_url=metrics_url), None

@@ -366,6 +366,12 @@ def pressure(
     quick: Annotated[bool, typer.Option("--quick", help="make demo's short mode: levels 1,2, 3 short turns, 1 s "
                                                         "think, one stack (retained_kv_share 0.01); overrides those "
                                                         "options.")] = False,
+    agent: Annotated[bool, typer.Option("--agent", help="Issue 36's three arms (seeds' off, peer-best, turnkv as "
+                                                        "deployed) on agent traffic at a 1P5D p5en fleet's memory "
+                                                        "ratios (docs/benchmarks.md); overrides those options, "
+                                                        "--levels aside.")] = False,
+    ttft_target_ms: Annotated[float, typer.Option(min=1, help="With --agent: capacity is counted at this TTFT p90 of "
+                                                              "turns 2+.")] = 1000.0,
     out: Annotated[Path, typer.Option(help="Folder for summary.json, results.jsonl and pressure.png.")] = Path(
         "results/pressure"),
 ) -> None:
@@ -389,7 +395,8 @@ def pressure(
                         ("--workload", workload_file)):
         if value is not None:
             argv += [flag, str(value)]
-    args = bench_pressure.parser().parse_args([*argv, *(["--quick"] if quick else [])])
+    argv += ["--ttft-target-ms", str(ttft_target_ms)]
+    args = bench_pressure.parser().parse_args([*argv, *(["--quick"] if quick else []), *(["--agent"] if agent else [])])
     try:
         opts, variants, target = bench_pressure.options(args)
     except (ValueError, OSError) as exc:
@@ -400,8 +407,8 @@ def pressure(
         current: dict[str, Any] = {}
 
         def on_level_start(name: str, level: float, n: int) -> None:
-            current["task"] = progress.add_task(f"{name} {level:g}x ({n} conversations)", total=n * opts.turns * 2,
-                                                last="")
+            current["task"] = progress.add_task(f"{name} {level:g}x ({n} conversations)",
+                                                total=n * opts.turns * max(2, len(opts.arms)), last="")
 
         def on_result(r) -> None:
             last = (f"conv {r.conversation} turn {r.turn + 1} {r.arm}: "
@@ -421,7 +428,13 @@ def pressure(
             progress.stop()
             console.print(f"interrupted; the levels done so far are in {out / 'summary.json'}")
             raise typer.Exit(130) from None
-    pressure_report.table_console().print(pressure_report.table(result))
+    if opts.arms:
+        from bench import arms
+
+        for v in result["variants"]:
+            Console().print(arms.markdown(pressure_report.played(v["levels"]), opts.ttft_target_ms))
+    else:
+        pressure_report.table_console().print(pressure_report.table(result))
     for v in result["variants"]:
         console.print(pressure_report.fit_line(v), soft_wrap=True)
     console.print(f"wrote {out / 'summary.json'}, {out / 'results.jsonl'} and the chart [bold]{out / 'pressure.png'}"

@@ -1,4 +1,5 @@
-"""`turnkv demo`: local stack up, the multi-turn A/B benchmark with a best case, stack down."""
+"""`turnkv demo`: local stack up, the multi-turn benchmark's three arms (seeds' off, peer-best, turnkv as deployed)
+and the best case, stack down."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def demo(
     pressure: Annotated[bool, typer.Option(help="Then twice the conversations decode's retention room holds, "
                                                 "device only and with the host tier (bench.pressure).")] = True,
 ) -> None:
-    """Show the gain end to end: ~4,000-token agentic conversations, TTFT with reuse off, on, and best case."""
+    """Show the gain end to end: ~4,000-token agentic conversations, TTFT of the three arms (seeds' off, peer-best,
+    turnkv as deployed) and the best case."""
     from bench.runner import RunSpec
     from bench.workload import WorkloadSpec
     from turnkv.commands.bench import run_benchmark
@@ -40,8 +42,11 @@ def demo(
     from turnkv.local.stack import StackConfig, Supervisor, tunables_file
     from turnkv.local.start import start_stack
 
-    # A host tier on decode (allocated at start): the pressure row turns it on and off by reload.
-    config = StackConfig(prefill_prefix_caching=False, state_dir=state_dir, router_port=port, best_case=True,
+    # turnkv as deployed: prefix caching on prefill. The off arm salts every request (prefill recomputes it all, the
+    # seeds' setting); peer-best and best share the prefix-cached prefill engine under salts of their own
+    # (bench.runner), so no arm finds another's blocks. A host tier on decode (allocated at start): the pressure row
+    # turns it on and off by reload.
+    config = StackConfig(prefill_prefix_caching=True, state_dir=state_dir, router_port=port, best_case=True,
                          tunables={"host_kv_budget_mib": PRESSURE_HOST_MIB})
     console.rule("turnkv demo: starting the local stack (prefill, decode, prefix-cached prefill, 2 routers)")
     state = start_stack(config)
@@ -53,10 +58,11 @@ def demo(
                          f"{PRESSURE_SHARE}), device only, then with the host tier")
             pressure_rows(state, config, out / "pressure")
         workload = WorkloadSpec(conversations=conversations, turns=turns)
-        console.rule(f"multi-turn A/B: {conversations} conversations x {turns} turns, "
+        console.rule(f"multi-turn, three arms and the best case: {conversations} conversations x {turns} turns, "
                      f"~{workload.approx_last_prompt()} prompt tokens by the last turn")
-        spec = RunSpec(url=state["components"]["router"]["url"], workload=workload, ab=True,
-                       best_url=state["components"]["router-best"]["url"], words=load_words(config.model_dir))
+        best = state["components"]["router-best"]["url"]
+        spec = RunSpec(url=state["components"]["router"]["url"], workload=workload, ab=True, best_url=best,
+                       peer_url=best, words=load_words(config.model_dir))
         summary = run_benchmark(spec, out, {"stack": "local", "workload": workload.__dict__})
         if load:
             console.rule(f"under load: {load} conversations at once, reuse off then on")

@@ -50,6 +50,16 @@ def up(
     best_case: Annotated[bool, typer.Option(
         help="Also start a prefix-caching prefill engine and a second router on --port+1 (benchmark best case).")]
     = False,
+    peer: Annotated[bool, typer.Option(
+        help="Also start the peer-best arm: a prefix-caching prefill engine of its own (with the offload tier's "
+             "memory as more prefix cache) and a router on --port+2 over the same decode; send it "
+             "X-TurnKV-Reuse: off (docs/benchmarks.md, the three arms).")] = False,
+    target_ratios: Annotated[bool, typer.Option(
+        help="Hold the engines at a 1P5D p5en Qwen3-32B fleet's memory ratios (turnkv.plan.ratios): exact KV block "
+             "counts, decode's retention share and host tier.")] = False,
+    prefill_blocks: Annotated[int, typer.Option(
+        min=2, help="With --target-ratios: turnkv's prefill KV blocks (128 tokens each); the other pools scale "
+                    "from it.")] = 16,
     tunable: Annotated[list[str] | None, typer.Option(
         "--set", help="Tunable NAME=VALUE, e.g. decoder_kv_blocks_ttl=120 (see `turnkv params catalog`).")] = None,
     model_config: Annotated[Path | None, typer.Option(
@@ -91,7 +101,12 @@ def up(
                          decode_port=engine_port_base + router_env.DECODE_PORT_OFFSET,
                          side_channel_base=side_channel_base, mode=mode,
                          prefill_prefix_caching=prefill_prefix_caching, best_case=best_case, tunables=tunables,
-                         accelerator=accelerator, engine_settings=settings)
+                         accelerator=accelerator, engine_settings=settings, peer=peer)
+    if target_ratios:
+        from turnkv.local.stack import at_ratios
+        from turnkv.plan import ratios
+
+        config = at_ratios(config, ratios.scale(prefill_blocks=prefill_blocks))
     state = start_stack(config, console)
     router = state["components"]["router"]["url"]
     console.print(f"[green]local stack up[/green]: router {router} (OpenAI API: {router}/v1), "

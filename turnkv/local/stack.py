@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from turnkv.engine_args import EngineSpec, Mode, Role
 from turnkv.engine_settings import EngineSettings
 from turnkv.local import engine_env
 from turnkv.local import model as model_maker
+from turnkv.plan import ratios
 
 DEFAULT_STATE_DIR = Path(".turnkv")
 SERVED_MODEL_NAME = "tiny"
@@ -109,6 +110,19 @@ class StackConfig:
     #: ``--enforce-eager``: on for the CPU suites (the CPU backend's graph compile only costs start-up time);
     #: ``make gpu-smoke`` turns it off, so CUDA graphs and the attention backend vLLM picks run as on a p5en.
     enforce_eager: bool = True
+    #: Also start the peer-best arm (what a user would run instead of turnkv): a prefill engine of its own with
+    #: prefix caching on and ``peer_prefill_blocks`` of KV cache (its device cache plus the memory vLLM's CPU
+    #: offloading tier would take: that tier does not run on vLLM's CPU build), behind a router of its own over the
+    #: same decode engines; its clients send ``X-TurnKV-Reuse: off`` (no decode-to-prefill reuse).
+    peer: bool = False
+    #: Exact KV block counts (vLLM ``--num-gpu-blocks-override``) per engine kind, to hold the stack at a target
+    #: fleet's memory ratios (``turnkv.plan.ratios``); None: what the KV cache space holds.
+    prefill_blocks: int | None = None
+    peer_prefill_blocks: int | None = None
+    decode_blocks: int | None = None
+    #: Every engine's ``--max-model-len`` (None: the model's): small block counts need a short maximum, since vLLM
+    #: refuses a cache that cannot hold one request of the maximum length.
+    max_model_len: int | None = None
 
     @property
     def best_router_port(self) -> int:
@@ -119,8 +133,33 @@ class StackConfig:
         return self.prefill_port + 1
 
     @property
+    def peer_router_port(self) -> int:
+        return self.router_port + 2
+
+    @property
+    def peer_prefill_port(self) -> int:
+        return self.prefill_port + 2
+
+    @property
+    def peer_side_channel_port(self) -> int:
+        """Unused by the others: prefill i >= 1 takes base + 2 + 2i, decode i >= 1 base + 3 + 2i."""
+        return self.side_channel_base + 3
+
+    @property
     def model_dir(self) -> Path:
         return self.state_dir / "models" / f"tiny-{self.model_spec.fingerprint}"
+
+
+def at_ratios(config: StackConfig, sizes: ratios.LocalSizes) -> StackConfig:
+    """``config`` held at a target fleet's memory ratios (``turnkv.plan.ratios.scale``): exact block counts per
+    engine kind, decode's retention share and host tier, and a maximum model length the smallest cache can hold
+    (vLLM refuses a cache shorter than one request of the maximum length). Other tunables are kept."""
+    fields = sizes.stack_fields()
+    # vLLM keeps one block back (its null block): 16 blocks of 128 serve a request of 1,920 tokens, not 2,048.
+    longest = min(config.model_spec.max_position_embeddings, (sizes.prefill_blocks - 1) * sizes.block_tokens)
+    return replace(config, prefill_blocks=fields["prefill_blocks"], peer_prefill_blocks=fields["peer_prefill_blocks"],
+                   decode_blocks=fields["decode_blocks"], max_model_len=longest,
+                   tunables={**config.tunables, **fields["tunables"]})  # type: ignore[dict-item]
 
 
 @dataclass
@@ -263,10 +302,18 @@ def plan(config: StackConfig) -> list[ProcessSpec]:
                        if params.BY_NAME[k].scope is params.Scope.ROUTER or k == "decoder_kv_blocks_ttl"}
     common = dict(model=str(config.model_dir.resolve()), served_model_name=SERVED_MODEL_NAME, mode=config.mode,
                   enforce_eager=config.enforce_eager, tunables=engine_tunables, dtype=config.model_spec.dtype,
-                  max_model_len=config.model_spec.max_position_embeddings, extra_args=config.engine_extra_args,
-                  settings=config.engine_settings)
+                  max_model_len=config.max_model_len or config.model_spec.max_position_embeddings,
+                  extra_args=config.engine_extra_args, settings=config.engine_settings)
     if config.best_case and config.prefill_engines > 1:
         raise StackError("best_case uses prefill_port + 1: run it with one prefill engine")
+    if config.peer and config.prefill_engines > 2:
+        raise StackError("peer uses prefill_port + 2: run it with at most two prefill engines")
+    for name in ("prefill_blocks", "peer_prefill_blocks", "decode_blocks"):
+        if (value := getattr(config, name)) is not None and value < 1:
+            raise StackError(f"{name} {value} must be at least 1")
+
+    def blocks(count: int | None) -> tuple[str, ...]:
+        return ("--num-gpu-blocks-override", str(count)) if count is not None else ()
     if config.connector:
         common["connector"] = config.connector
         common["bidirectional"] = False
@@ -276,12 +323,14 @@ def plan(config: StackConfig) -> list[ProcessSpec]:
     prefills = [EngineSpec(role=Role.PREFILL, engine_id=f"prefill-{i}", port=config.prefill_port + i,
                            side_channel_port=config.side_channel_base + (0 if i == 0 else 2 + 2 * i),
                            prefix_caching=config.prefill_prefix_caching,
-                           **shape(config.prefill_tp, config.prefill_block_size), **common)
+                           **shape(config.prefill_tp, config.prefill_block_size),
+                           **{**common, "extra_args": (*config.engine_extra_args, *blocks(config.prefill_blocks))})
                 for i in range(config.prefill_engines)]
     decodes = [EngineSpec(role=Role.DECODE, engine_id=f"decode-{i}", port=config.decode_port + i,
                           side_channel_port=config.side_channel_base + (1 if i == 0 else 3 + 2 * i),
                           prefix_caching=True, **shape(config.decode_tp, config.decode_block_size),
-                          **{**common, "extra_args": (*config.engine_extra_args, *config.decode_extra_args)})
+                          **{**common, "extra_args": (*config.engine_extra_args, *config.decode_extra_args,
+                                                      *blocks(config.decode_blocks))})
                for i in range(config.decode_engines)]
     procs = [_engine_process(config, spec, prefill_core) for spec in prefills]
     procs += [_engine_process(config, spec, decode_core) for spec in decodes]
@@ -289,6 +338,12 @@ def plan(config: StackConfig) -> list[ProcessSpec]:
         cached = EngineSpec(role=Role.PREFILL, engine_id="prefill-cached", port=config.best_prefill_port,
                             side_channel_port=config.side_channel_base + 2, prefix_caching=True, **common)
         procs.append(_engine_process(config, cached, prefill_core))
+    if config.peer:
+        peer = EngineSpec(role=Role.PREFILL, engine_id="prefill-peer", port=config.peer_prefill_port,
+                          side_channel_port=config.peer_side_channel_port, prefix_caching=True,
+                          **shape(config.prefill_tp, config.prefill_block_size),
+                          **{**common, "extra_args": (*config.engine_extra_args, *blocks(config.peer_prefill_blocks))})
+        procs.append(_engine_process(config, peer, prefill_core))
 
     def prefill_url(spec: EngineSpec) -> str:
         url = f"http://127.0.0.1:{spec.port}"
@@ -308,6 +363,9 @@ def plan(config: StackConfig) -> list[ProcessSpec]:
     if config.best_case:
         procs.append(_router_process(config, "router-best", config.best_router_port,
                                      [f"http://127.0.0.1:{config.best_prefill_port}"], decode_urls, router_tunables))
+    if config.peer:
+        procs.append(_router_process(config, "router-peer", config.peer_router_port,
+                                     [f"http://127.0.0.1:{config.peer_prefill_port}"], decode_urls, router_tunables))
     for extra in config.extra_routers:
         if wrong := sorted(k for k in extra.tunables if params.get(k).scope is not params.Scope.ROUTER):
             raise StackError(f"extra router {extra.name}: {', '.join(wrong)} are not router tunables; set them in "
