@@ -181,12 +181,12 @@ class Transfers:
 
 
 def transfers(urls: dict[str, str]) -> Transfers:
-    from bench.shapes import _counter, _metrics
+    from bench import engine_metrics
 
-    pages = [_metrics(urls[name]) for name in ("prefill-0", "decode-0")]
-    return Transfers(sum(_counter(p, f"{mn.VLLM_NIXL_XFER_TIME}_count") for p in pages),
-                     sum(_counter(p, f"{mn.VLLM_NIXL_XFER_TIME}_sum") for p in pages),
-                     sum(_counter(p, f"{mn.VLLM_NIXL_BYTES}_sum") for p in pages))
+    pages = [engine_metrics.fetch_sync(urls[name]) for name in ("prefill-0", "decode-0")]
+    return Transfers(sum(engine_metrics.total(p, f"{mn.VLLM_NIXL_XFER_TIME}_count") for p in pages),
+                     sum(engine_metrics.total(p, f"{mn.VLLM_NIXL_XFER_TIME}_sum") for p in pages),
+                     sum(engine_metrics.total(p, f"{mn.VLLM_NIXL_BYTES}_sum") for p in pages))
 
 
 @dataclass
@@ -282,9 +282,10 @@ def play_stages(mode: Mode, state_dir: Path, timeout_s: float):
         result = asyncio.run(smoke.run(urls["router"], timeout_s=timeout_s))
         host = conversation_stage(mode.value, "host", smoke.summary_rows(result), result.ok, result.failure or "",
                                   transfers(urls) - before)
-        from bench.shapes import _counter, _metrics
+        from bench import engine_metrics
 
-        read_host = _counter(_metrics(urls["prefill-0"]), f"{mn.VLLM_PULLS}_total", tier="host")
+        read_host = engine_metrics.total(engine_metrics.fetch_sync(urls["prefill-0"]), f"{mn.VLLM_PULLS}_total",
+                                         tier="host")
         if host.passed and not read_host > 0:
             host.passed, host.detail = False, "no pull from the host tier (vllm:turnkv_pulls_total{tier=host} is 0)"
         out["host"] = asdict(host)

@@ -43,6 +43,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from turnkv import wire
+
 #: Prometheus families read per request (sample names, summed over labels).
 ROUTER_LEG_SUM = "turnkv_router_leg_seconds_sum"
 ROUTER_STORE_SUM = "turnkv_router_store_seconds_sum"
@@ -244,7 +246,7 @@ async def run_batches(args: argparse.Namespace, ends: Endpoints, words: list[str
         replies = {arm: {c.index: [] for c in conversations} for arm in ARMS}
         for t in range(args.turns):
             for arm in ARMS:
-                headers = {"X-TurnKV-Reuse": "off"} if arm == "recompute" else {}
+                headers = {wire.REUSE_HEADER: wire.REUSE_OFF} if arm == "recompute" else {}
 
                 def body(conv: Any, arm: str = arm, t: int = t) -> dict[str, Any]:
                     return {"model": model, "messages": conv.messages_for(t, replies[arm][conv.index]),
@@ -306,7 +308,7 @@ async def run(args: argparse.Namespace, ends: Endpoints, words: list[str]) -> li
                             "max_tokens": args.reply_tokens, "min_tokens": args.reply_tokens, "temperature": 0,
                             "stream": True, "stream_options": {"include_usage": True},
                             "cache_salt": f"pull-cost-{arm}-{args.salt}"}
-                    headers = {"X-TurnKV-Reuse": "off"} if arm == "recompute" else {}
+                    headers = {wire.REUSE_HEADER: wire.REUSE_OFF} if arm == "recompute" else {}
                     await asyncio.sleep(args.settle)  # the engines publish stats per step
                     before = await scrape(session, ends)
                     result = await chat(session, ends.router, body, headers, Result(conv.index, t, arm), 300)
