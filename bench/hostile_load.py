@@ -73,23 +73,15 @@ async def bystander(url: str, duration: float, conversations: int, turns: int) -
                     return
                 body = {"model": "tiny", "messages": messages, "max_tokens": 16, "stream": True}
                 t0 = time.perf_counter()
-                text, first = "", None
                 try:
                     async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as resp:
                         if resp.status != 200:
                             errors[f"http_{resp.status}"] += 1
                             await resp.read()
                             break
-                        async for line in resp.content:
-                            if line.startswith(b"data: {"):
-                                event = orjson.loads(line[6:])
-                                if "error" in event:
-                                    errors["stream_error"] += 1
-                                for c in event.get("choices") or ():
-                                    piece = (c.get("delta") or {}).get("content") or ""
-                                    if piece and first is None:
-                                        first = time.perf_counter() - t0
-                                    text += piece
+                        text, first, stream_errors = await _read_stream(resp, t0)
+                        if stream_errors:
+                            errors["stream_error"] += stream_errors
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     errors[type(exc).__name__] += 1
                     break
@@ -102,6 +94,22 @@ async def bystander(url: str, duration: float, conversations: int, turns: int) -
         await asyncio.gather(*(one(session, i) for i in range(conversations)))
     return {"turns": len(ttfts), "ttft_p50_ms": _ms(percentile(ttfts, 0.5)), "ttft_p90_ms": _ms(percentile(ttfts, 0.9)),
             "errors": dict(errors)}
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, t0: float) -> tuple[str, float | None, int]:
+    """A streamed chat answer: its text, the seconds from ``t0`` to its first content piece (None: no content), and
+    how many error events it carried."""
+    text, first, stream_errors = "", None, 0
+    async for line in resp.content:
+        if line.startswith(b"data: {"):
+            event = orjson.loads(line[6:])
+            stream_errors += "error" in event
+            for c in event.get("choices") or ():
+                piece = (c.get("delta") or {}).get("content") or ""
+                if piece and first is None:
+                    first = time.perf_counter() - t0
+                text += piece
+    return text, first, stream_errors
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -213,19 +221,12 @@ async def honest(port: int, duration: float, conversations: int = 16, turns: int
                     return
                 body = {"model": "tiny", "messages": messages, "max_tokens": 16, "stream": True}
                 t0 = time.perf_counter()
-                text, first = "", None
                 async with session.post(url, json=body, headers=_auth(HONEST)) as resp:
                     if resp.status != 200:
                         counts[f"{resp.status}:{(await _err(resp)).get('limit', '')}"] += 1
                         await asyncio.sleep(min(1.0, float(resp.headers.get("Retry-After", "1"))))
                         continue
-                    async for line in resp.content:
-                        if line.startswith(b"data: {"):
-                            for c in orjson.loads(line[6:]).get("choices") or ():
-                                piece = (c.get("delta") or {}).get("content") or ""
-                                if piece and first is None:
-                                    first = time.perf_counter() - t0
-                                text += piece
+                    text, first, _ = await _read_stream(resp, t0)
                 counts["200"] += 1
                 if first is not None:
                     ttfts.append(first)
