@@ -162,7 +162,11 @@ def test_two_tenants_with_one_conversation_id_never_share(prod):
     assert other.status_code == 200 and other.headers["X-TurnKV-Reuse-Outcome"] == "miss"
     assert pulled(prod) == before
     own = post(router, follow, key=ACME, conversation="shared-id")
-    assert own.headers["X-TurnKV-Reuse-Outcome"] == "hit"
+    # ACME's own entry is found and replayed. Whether prefill then pulls depends on which prefill the router
+    # picked: the one that served turn 1 holds the prompt in its prefix cache, and decode's tail (the 16-token
+    # reply) is below kv_recompute_threshold, so it recomputes; the other prefill pulls. Both are not a miss.
+    assert own.status_code == 200 and own.headers["X-TurnKV-Reuse-Outcome"] in ("hit", "recompute")
+    assert own.json()["choices"][0]["token_ids"] == other.json()["choices"][0]["token_ids"]
 
 
 def test_forged_params_are_stripped(prod):
