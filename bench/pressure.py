@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import math
 import signal
 import threading
 import time
@@ -541,15 +542,29 @@ def quick(out: Path = Path("results/demo/pressure"), url: str | None = None, dec
 
 #: ``--agent`` (issue 36's three-arm sweep, scaled to 2 cores): flag -> value. Agent traffic after Mooncake's
 #: FAST'25 trace: ~470 new tokens and ~350-token replies per later turn, scaled by 1/4 in tokens (120 new words, 96
-#: reply tokens, exact), think times p50 126 s / p90 486 s scaled by 1/24 (5.3 s / 20.3 s), and the engines'
-#: lifetimes by the same 1/24 where the catalog allows it (decoder_kv_blocks_ttl 480 -> 20 s; expiry_margin and
-#: expiry_skew_margin at their floors, 5 s and 1 s, so the router keeps a conversation 15 s, against 450/24 = 18.75 s
-#: scaled). Three turns per conversation; levels 1x-8x the conversations the peer's prefill cache holds.
+#: reply tokens, exact), think times p50 126 s / p90 486 s scaled by 1/24 (5.3 s / 20.3 s). Three turns per
+#: conversation; levels 1x-8x the conversations the peer's prefill cache holds.
 AGENT_TIME_SCALE = 1 / 24
 AGENT = {"levels": "1,2,4,8", "turns": 3, "think": f"mooncake:{AGENT_TIME_SCALE}", "stack_per": "variant",
          "system_words": 150, "first_user_words": 250, "turn_words": 120, "max_tokens": 96, "exact_replies": True,
-         "arms": "off,peer,on", "fit_from": "prefill", "max_minutes": 9.0}
-AGENT_VARIANT = "as deployed=decoder_kv_blocks_ttl=20,expiry_margin=5,expiry_skew_margin=1"
+         "arms": "off,peer,on", "fit_from": "prefill", "max_minutes": 20.0}
+#: Share of the workload's pauses turnkv's retention is sized to outlast: Mooncake's p90 (486 s) is past the 480 s
+#: default TTL, so a deployment serving such traffic sets the TTL from the think-time tail, as `turnkv plan` does.
+AGENT_TTL_QUANTILE = 0.95
+#: expiry_margin and expiry_skew_margin at their catalog floors (the margins do not scale with time).
+AGENT_EXPIRY_MARGIN_S = 5
+
+
+def agent_ttl_s(think: str = AGENT["think"], quantile: float = AGENT_TTL_QUANTILE) -> int:
+    """``decoder_kv_blocks_ttl`` for the agent sweep: the router keeps a conversation past the think times'
+    ``quantile`` (713 s at full scale, 30 s scaled), decode ``expiry_margin`` longer."""
+    pause = calc.parse_think(str(think)).quantile(quantile)
+    assert pause is not None
+    return math.ceil(pause) + AGENT_EXPIRY_MARGIN_S
+
+
+AGENT_VARIANT = (f"as deployed=decoder_kv_blocks_ttl={agent_ttl_s()},expiry_margin={AGENT_EXPIRY_MARGIN_S},"
+                 "expiry_skew_margin=1")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from statistics import NormalDist
 from typing import Any
 
 from bench import engine_metrics
@@ -114,6 +115,17 @@ class Think:
 
     def as_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "seconds": self.seconds, **({"p90": self.p90} if self.kind == "lognormal" else {})}
+
+    def quantile(self, q: float) -> float | None:
+        """The ``q`` quantile of the pause (None for ``file`` and ``exp``-free kinds it cannot say)."""
+        if self.kind == "fixed":
+            return self.seconds
+        if self.kind == "exp":
+            return -self.seconds * math.log(1 - q)
+        if self.kind == "lognormal":
+            sigma = math.log(self.p90 / self.seconds) / Z90 if self.seconds > 0 else 0.0
+            return self.seconds * math.exp(sigma * NormalDist().inv_cdf(q))
+        return None
 
     def mean(self) -> float | None:
         if self.kind == "lognormal":

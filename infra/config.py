@@ -33,12 +33,12 @@ from pydantic import (
 
 from turnkv import engine_settings as es
 from turnkv import neuron, params, platforms
-from turnkv.engine_args import Mode, Role
+from turnkv.engine_args import OFFLOAD_PLATFORMS, Mode, Role
 from turnkv.engine_settings import EngineSettings
-from turnkv.node_env import MAX_ENGINES_PER_NODE, MODEL, check_value
+from turnkv.node_env import MAX_ENGINES_PER_NODE, MAX_PREFILL_OFFLOAD_GIB, MODEL, check_value
 from turnkv.plan.hardware import INSTANCES as PRICED_INSTANCES
 
-from .instances import INSTANCE_TYPES, Flavor
+from .instances import HOST_TIER_SHARE, INSTANCE_TYPES, Flavor
 
 LOG_RETENTION_DAYS = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557, 2922,
                       3288, 3653)
@@ -334,6 +334,11 @@ class ConnectorConfig(_Model):
     #: Platforms whose engines start although turnkv's connector is unverified there (``turnkv.platforms``):
     #: Neuron pools need ``[neuron]``, written to each engine's env as ``TURNKV_ALLOW_UNVERIFIED``.
     allow_unverified: tuple[Literal["neuron"], ...] = ()
+    #: GiB of each prefill engine's host memory for vLLM's native CPU offloading tier, run beside turnkv's
+    #: connector (``turnkv.engine_args``: a MultiConnector), so prefill keeps shared prefixes its HBM has lost while
+    #: decode's retained turns bring each conversation's tail. 0: none. GPU pools only (the tier runs on CUDA).
+    prefill_offload_gib: Annotated[StrictInt, _range(0, MAX_PREFILL_OFFLOAD_GIB,
+                                                     f"use 0 .. {MAX_PREFILL_OFFLOAD_GIB} GiB")] = 0
 
 
 class RouterDeploymentConfig(_Model):
@@ -550,6 +555,19 @@ def _cross_checks(c: DeploymentConfig) -> list[tuple[str, str]]:
         refused = neuron.MODE_REFUSALS.get(c.connector.mode.value)
         if refused:
             fail(("connector.mode", refused))
+        if c.connector.prefill_offload_gib:
+            fail(("connector.prefill_offload_gib", f"{OFFLOAD_PLATFORMS}; set it to 0 on Neuron pools"))
+    offload = c.connector.prefill_offload_gib
+    for i, pool in enumerate(c.pools):
+        if offload and pool.role is Role.PREFILL:
+            host_gib = INSTANCE_TYPES[pool.instance_type].host_memory_gib
+            engines = c.engines_per_node(pool)
+            most = int(host_gib * HOST_TIER_SHARE) // engines
+            if offload > most:
+                fail(("connector.prefill_offload_gib",
+                      f"{offload} GiB x {engines} engine(s) per node exceeds {HOST_TIER_SHARE:g} of "
+                      f"{pool.instance_type}'s {host_gib} GiB of host memory (pools[{i}]; the rest is the OS's, the "
+                      f"engines' and pinned buffers'): use at most {most}"))
 
     rt = c.router
     if rt.max_replicas < rt.replicas:

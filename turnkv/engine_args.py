@@ -78,13 +78,52 @@ class EngineSpec:
     #: the engine needs the plugin's platform allow-listed, device-memory KV buffers and the settings in
     #: ``turnkv.neuron``.
     flavor: str = ""
+    #: Prefill only: GiB of host memory for vLLM's native CPU offloading tier (``--kv-offloading-size``'s
+    #: ``OffloadingConnector``), run beside turnkv's connector in a ``MultiConnector`` (OFFLOAD_CONNECTOR). 0: none.
+    prefill_offload_gib: float = 0.0
 
     @property
     def on_neuron(self) -> bool:
         return self.flavor == neuron.PLATFORM_PLUGIN
 
 
+#: vLLM's native CPU offloading tier (what ``--kv-offloading-backend native --kv-offloading-size`` configures:
+#: ``VllmConfig._post_init_kv_transfer_config``), with its one required key. Spelled out here because
+#: ``--kv-offloading-size`` alone *replaces* a ``--kv-transfer-config`` connector: beside turnkv's it must be a
+#: child of a ``MultiConnector``.
+OFFLOAD_CONNECTOR = "OffloadingConnector"
+OFFLOAD_BYTES_KEY = "cpu_bytes_to_use"
+MULTI_CONNECTOR = "MultiConnector"
+#: Why an offload tier is refused where it is (vLLM 0.32 ``vllm/v1/kv_offload/cpu/spec.py`` raises at start on
+#: any other platform).
+OFFLOAD_PLATFORMS = "vLLM's CPU offloading tier runs on CUDA-alike and XPU GPUs only ('CPU Offloading is " \
+                    "currently only supported on CUDA-alike and XPU GPUs')"
+
+
 def kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
+    """The engine's ``--kv-transfer-config``: turnkv's connector; on a prefill engine with an offload tier, a
+    ``MultiConnector`` of turnkv's connector first and vLLM's ``OffloadingConnector`` second. vLLM lets the
+    first child that matches load a request: turnkv's matches only a replayed offer (decode's retained turn,
+    everything past prefill's own prefix-cache hit), so every other request falls through to the offload tier's
+    prefix lookup; a declined pull (below the threshold, or the cost model's recompute) does too."""
+    turnkv_config = _turnkv_connector_config(spec)
+    if spec.prefill_offload_gib <= 0:
+        return turnkv_config
+    if spec.role is not Role.PREFILL:
+        raise ValueError("prefill_offload_gib is a prefill engine's setting: decode keeps finished turns in turnkv's "
+                         "own host tier (host_kv_budget_mib)")
+    if spec.on_neuron:
+        raise ValueError(f"prefill_offload_gib on Neuron: {OFFLOAD_PLATFORMS}")
+    child = {k: v for k, v in turnkv_config.items() if k not in ("engine_id", "kv_load_failure_policy")}
+    offload = {"kv_connector": OFFLOAD_CONNECTOR, "kv_role": "kv_both",
+               "kv_connector_extra_config": {OFFLOAD_BYTES_KEY: int(spec.prefill_offload_gib * 2**30)}}
+    return {"kv_connector": MULTI_CONNECTOR, "kv_role": "kv_both", "engine_id": spec.engine_id,
+            "kv_load_failure_policy": turnkv_config["kv_load_failure_policy"],
+            **({"kv_buffer_device": turnkv_config["kv_buffer_device"]} if "kv_buffer_device" in turnkv_config else {}),
+            "kv_connector_extra_config": {"connectors": [child, offload]}}
+
+
+def _turnkv_connector_config(spec: EngineSpec) -> dict[str, object]:
     connector, module_path = (spec.connector, None) if spec.connector else CONNECTORS[spec.mode]
     refused = neuron.MODE_REFUSALS.get(spec.mode.value) if spec.on_neuron else None
     if refused:

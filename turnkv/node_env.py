@@ -73,6 +73,11 @@ HF_TOKEN_SECRET = "TURNKV_HF_TOKEN_SECRET"
 #: router reads the same variable (``turnkv.router_env.MEDIA_DOMAINS``). Unset: any internet host, checked by the
 #: router (docs/router.md, Media URLs).
 MEDIA_DOMAINS = "TURNKV_MEDIA_DOMAINS"
+#: A prefill engine's vLLM CPU offloading tier, GiB of host memory (``EngineSpec.prefill_offload_gib``); written
+#: only when set (deploy config ``connector.prefill_offload_gib``).
+PREFILL_OFFLOAD_GIB = "TURNKV_PREFILL_OFFLOAD_GIB"
+#: The most an engine's offload tier may take: every host memory size of the instance table fits below it.
+MAX_PREFILL_OFFLOAD_GIB = 4096
 #: vLLM reads this itself; written too so the engine advertises a routable address even if started by hand.
 VLLM_SIDE_CHANNEL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 
@@ -222,6 +227,7 @@ class EngineEnv:
     #: only when set, so a GPU node's engine.env keeps its bytes.
     allow_unverified: tuple[str, ...] = ()
     media_domains: tuple[str, ...] = ()
+    prefill_offload_gib: int = 0
 
     def variables(self) -> dict[str, str]:
         out = {
@@ -250,6 +256,8 @@ class EngineEnv:
             out[platforms.ALLOW_ENV] = ",".join(self.allow_unverified)
         if self.media_domains:
             out[MEDIA_DOMAINS] = ",".join(self.media_domains)
+        if self.prefill_offload_gib and Role(self.role) is Role.PREFILL:
+            out[PREFILL_OFFLOAD_GIB] = str(int(self.prefill_offload_gib))
         return out
 
     @classmethod
@@ -273,6 +281,11 @@ class EngineEnv:
         tp = _int(env, TP_SIZE, 1, 64, errors)
         max_len = _int(env, MAX_MODEL_LEN, 16, 10_000_000, errors)
         port = _int(env, PORT, 1, 65535, errors)
+        offload = _int(env, PREFILL_OFFLOAD_GIB, 0, MAX_PREFILL_OFFLOAD_GIB, errors) if env.get(PREFILL_OFFLOAD_GIB) \
+            else 0
+        if offload and role != Role.PREFILL.value:
+            errors.append(f"{PREFILL_OFFLOAD_GIB} is a prefill engine's setting (decode keeps turns in turnkv's host "
+                          "tier: host_kv_budget_mib)")
         side_port = _int(env, SIDE_CHANNEL_PORT, 1, 65535, errors)
         if port == side_port:
             errors.append(f"{PORT} and {SIDE_CHANNEL_PORT} are both {port}")
@@ -299,7 +312,7 @@ class EngineEnv:
                    side_channel_port=side_port, backends=backends, tunables_file=env[TUNABLES_FILE_VAR],
                    model_s3_uri=env.get(MODEL_S3_URI) or None,
                    offer_secret_file=env.get(OFFER_SECRET_FILE_VAR) or wire.DEFAULT_OFFER_SECRET_FILE,
-                   media_domains=domains)
+                   media_domains=domains, prefill_offload_gib=offload)
 
     def spec(self, tunables: Mapping[str, int | float] | None = None, model_path: str | None = None,
              flavor: str = "") -> EngineSpec:
@@ -313,7 +326,7 @@ class EngineEnv:
             mode=Mode(self.mode), bidirectional=self.bidirectional, tensor_parallel_size=self.tp_size,
             max_model_len=self.max_model_len, backends=tuple(self.backends), tunables=engine_tunables,
             offer_secret_file=self.offer_secret_file, settings=self.settings, flavor=flavor,
-            allowed_media_domains=tuple(self.media_domains))
+            allowed_media_domains=tuple(self.media_domains), prefill_offload_gib=float(self.prefill_offload_gib))
 
 
 def settings_variables(settings: EngineSettings) -> dict[str, str]:

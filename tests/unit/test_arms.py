@@ -82,6 +82,8 @@ def test_mooncake_think_times_have_the_traces_quantiles_scaled():
     assert delays[1000] == pytest.approx(63.0, rel=0.1) and delays[1800] == pytest.approx(243.0, rel=0.15)
     with pytest.raises(ValueError):
         calc.parse_think("mooncake:0")
+    assert calc.parse_think("mooncake:1").quantile(0.9) == pytest.approx(486.0)
+    assert calc.parse_think("mooncake:1").quantile(0.95) == pytest.approx(712.6, abs=0.1)
 
 
 def test_the_agent_preset_is_three_arms_at_target_ratios():
@@ -89,8 +91,10 @@ def test_the_agent_preset_is_three_arms_at_target_ratios():
     assert opts.arms == ("off", "peer", "on") and opts.levels == [1.0, 4.0] and opts.exact_replies
     assert opts.fit_from == "prefill" and target is None
     config = pressure.arms_stack(variants[0], opts.prefill_blocks)
-    assert (config["prefill_blocks"], config["peer_prefill_blocks"], config["decode_blocks"]) == (16, 35, 80)
-    assert config["tunables"]["decoder_kv_blocks_ttl"] == 20 and config["tunables"]["host_kv_budget_mib"] == 93
+    assert (config["prefill_blocks"], config["peer_prefill_blocks"], config["decode_blocks"]) == (35, 35, 80)
+    # the TTL outlasts the think times' p95 (Mooncake's 713 s scaled by 1/24: 29.7 s) by the expiry margin
+    assert config["tunables"]["decoder_kv_blocks_ttl"] == 35 and config["tunables"]["host_kv_budget_mib"] == 93
+    assert config["tunables"]["conversation_ttl"] == 30
     assert config["peer"] and config["prefill_prefix_caching"]
     with pytest.raises(ValueError, match="peer-url"):
         pressure.options(pressure.parser().parse_args(["--arms", "off,peer,on", "--url", "http://x"]))

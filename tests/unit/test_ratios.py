@@ -27,7 +27,10 @@ def test_the_target_pools_come_from_the_planners_tables():
 def test_scaling_keeps_the_ratios_in_whole_blocks():
     s = ratios.scale(prefill_blocks=16)
     assert s.block_bytes == 8192 * 128  # the tiny model: 4 layers x 4 KV heads x 64 x K,V x fp32
-    assert (s.prefill_blocks, s.peer_prefill_blocks, s.decode_blocks) == (16, 35, 80)
+    # turnkv's prefill runs the offloading tier too (as deployed): both prefills hold HBM + offload
+    assert (s.prefill_hbm_blocks, s.prefill_blocks, s.peer_prefill_blocks, s.decode_blocks) == (16, 35, 35, 80)
+    hbm_only = ratios.scale(prefill_blocks=16, prefill_offload=False)
+    assert (hbm_only.prefill_blocks, hbm_only.peer_prefill_blocks, hbm_only.decode_blocks) == (16, 35, 80)
     assert s.host_kv_budget_mib == 93  # 5.79 x 16 blocks of 1 MiB, rounded up
     assert ratios.scale(prefill_blocks=32).decode_blocks == 160
     with pytest.raises(ValueError):
@@ -49,8 +52,9 @@ def test_the_stack_at_target_ratios_starts_exact_block_counts_and_the_peer_arm()
         argv = procs[name].argv
         return argv[argv.index("--num-gpu-blocks-override") + 1]
 
-    assert (override("prefill-0"), override("prefill-peer"), override("decode-0")) == ("16", "35", "80")
-    assert all(procs[n].argv[procs[n].argv.index("--max-model-len") + 1] == "1920"
+    assert (override("prefill-0"), override("prefill-peer"), override("decode-0")) == ("35", "35", "80")
+    # vLLM keeps one block back: 35 blocks of 128 serve a request of 34 x 128 tokens
+    assert all(procs[n].argv[procs[n].argv.index("--max-model-len") + 1] == str(34 * 128)
                for n in ("prefill-0", "decode-0", "prefill-peer"))
     peer = procs["prefill-peer"].argv
     assert "--enable-prefix-caching" in peer and procs["prefill-peer"].port == config.peer_prefill_port
@@ -80,8 +84,12 @@ def test_turnkv_local_up_starts_the_peer_arm_at_target_ratios(monkeypatch):
     seen = []
     monkeypatch.setattr(local, "start_stack", lambda config, console: seen.append(config) or {
         "components": {"router": {"url": "http://127.0.0.1:8000"}}})
-    result = CliRunner().invoke(app, ["local", "up", "--peer", "--target-ratios", "--prefill-blocks", "32"])
+    result = CliRunner().invoke(app, ["local", "up", "--peer", "--target-ratios", "--prefill-blocks", "32",
+                                      "--no-prefill-offload"])
     assert result.exit_code == 0, result.output
     config = seen[0]
     assert config.peer and (config.prefill_blocks, config.peer_prefill_blocks, config.decode_blocks) == (32, 69, 160)
     assert config.tunables["host_kv_budget_mib"] == 186 and config.max_model_len == 31 * 128
+    result = CliRunner().invoke(app, ["local", "up", "--peer", "--target-ratios", "--prefill-blocks", "32"])
+    assert result.exit_code == 0, result.output
+    assert (seen[1].prefill_blocks, seen[1].peer_prefill_blocks) == (69, 69)  # as deployed: the offload tier too

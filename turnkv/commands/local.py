@@ -58,8 +58,11 @@ def up(
         help="Hold the engines at a 1P5D p5en Qwen3-32B fleet's memory ratios (turnkv.plan.ratios): exact KV block "
              "counts, decode's retention share and host tier.")] = False,
     prefill_blocks: Annotated[int, typer.Option(
-        min=2, help="With --target-ratios: turnkv's prefill KV blocks (128 tokens each); the other pools scale "
+        min=2, help="With --target-ratios: the prefill HBM's KV blocks (128 tokens each); the other pools scale "
                     "from it.")] = 16,
+    prefill_offload: Annotated[bool, typer.Option(
+        "--prefill-offload/--no-prefill-offload", help="With --target-ratios: turnkv's prefill also holds what vLLM's "
+        "CPU offloading tier would (as deployed with engines.prefill_offload_gib; the peer always does).")] = True,
     tunable: Annotated[list[str] | None, typer.Option(
         "--set", help="Tunable NAME=VALUE, e.g. decoder_kv_blocks_ttl=120 (see `turnkv params catalog`).")] = None,
     model_config: Annotated[Path | None, typer.Option(
@@ -106,7 +109,7 @@ def up(
         from turnkv.local.stack import at_ratios
         from turnkv.plan import ratios
 
-        config = at_ratios(config, ratios.scale(prefill_blocks=prefill_blocks))
+        config = at_ratios(config, ratios.scale(prefill_blocks=prefill_blocks, prefill_offload=prefill_offload))
     state = start_stack(config, console)
     router = state["components"]["router"]["url"]
     console.print(f"[green]local stack up[/green]: router {router} (OpenAI API: {router}/v1), "

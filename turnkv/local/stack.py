@@ -156,7 +156,8 @@ def at_ratios(config: StackConfig, sizes: ratios.LocalSizes) -> StackConfig:
     (vLLM refuses a cache shorter than one request of the maximum length). Other tunables are kept."""
     fields = sizes.stack_fields()
     # vLLM keeps one block back (its null block): 16 blocks of 128 serve a request of 1,920 tokens, not 2,048.
-    longest = min(config.model_spec.max_position_embeddings, (sizes.prefill_blocks - 1) * sizes.block_tokens)
+    smallest = min(sizes.prefill_blocks, sizes.peer_prefill_blocks, sizes.decode_blocks)
+    longest = min(config.model_spec.max_position_embeddings, (smallest - 1) * sizes.block_tokens)
     return replace(config, prefill_blocks=fields["prefill_blocks"], peer_prefill_blocks=fields["peer_prefill_blocks"],
                    decode_blocks=fields["decode_blocks"], max_model_len=longest,
                    tunables={**config.tunables, **fields["tunables"]})  # type: ignore[dict-item]

@@ -106,7 +106,11 @@ class LocalSizes:
 
     block_tokens: int
     block_bytes: int
-    #: turnkv's prefill (prefix caching on, as deployed): the target prefill's HBM KV cache.
+    #: The stand-in for the target prefill's HBM KV cache: every other pool scales from it.
+    prefill_hbm_blocks: int
+    #: turnkv's prefill (prefix caching on, as deployed): its HBM, plus vLLM's CPU offloading tier as more prefix
+    #: cache when it runs one (``prefill_offload``: a ``MultiConnector`` of turnkv's connector and the
+    #: ``OffloadingConnector``, ``turnkv.engine_args``), the same as the peer's: "combine what helps".
     prefill_blocks: int
     #: The peer's prefill: HBM plus the offload tier as more prefix cache (vLLM's CPU offloading does not run on
     #: its CPU build: ``CPU Offloading is currently only supported on CUDA-alike and XPU GPUs``).
@@ -128,18 +132,21 @@ class LocalSizes:
 
 
 def scale(target: Target = Target(), prefill_blocks: int = 16, block_tokens: int = 128,
-          local_kv_bytes_per_token: float | None = None) -> LocalSizes:
-    """The target's pools for a local turnkv prefill of ``prefill_blocks`` blocks of ``block_tokens`` tokens of the
-    tiny model (``architectures.tiny_local``, float32 as the engines run it)."""
+          local_kv_bytes_per_token: float | None = None, prefill_offload: bool = True) -> LocalSizes:
+    """The target's pools for a local prefill HBM cache of ``prefill_blocks`` blocks of ``block_tokens`` tokens of the
+    tiny model (``architectures.tiny_local``, float32 as the engines run it). ``prefill_offload``: turnkv's prefill
+    runs the CPU offloading tier the peer runs (as deployed by default), so both prefills hold the same cache and
+    what differs is decode's retention and the pull."""
     if prefill_blocks < 1 or block_tokens < 1:
         raise ValueError("prefill_blocks and block_tokens must be at least 1")
     p = pools(target)
     per_token = local_kv_bytes_per_token or architectures.tiny_local().kv_bytes_per_token()
     block_bytes = int(per_token * block_tokens)
     host_blocks = prefill_blocks * p.ratio(p.decode_host_tokens)
+    with_offload = round(prefill_blocks * (1 + p.ratio(p.prefill_offload_tokens)))
     return LocalSizes(
-        block_tokens=block_tokens, block_bytes=block_bytes, prefill_blocks=prefill_blocks,
-        peer_prefill_blocks=round(prefill_blocks * (1 + p.ratio(p.prefill_offload_tokens))),
+        block_tokens=block_tokens, block_bytes=block_bytes, prefill_hbm_blocks=prefill_blocks,
+        prefill_blocks=with_offload if prefill_offload else prefill_blocks, peer_prefill_blocks=with_offload,
         decode_blocks=round(prefill_blocks * p.ratio(p.decode_hbm_tokens)),
         retained_kv_share=target.retained_kv_share,
         host_kv_budget_mib=math.ceil(host_blocks * block_bytes / MIB))
