@@ -109,9 +109,12 @@ async def run(spec: RunSpec, on_result: Callable[[Result], None] = lambda r: Non
             if arm == "best":
                 assert spec.best_url
                 url = spec.best_url
-                # Best case: a prefill engine whose prefix cache already holds this turn's history (every
-                # message before the new user/tool message), as if it had served the conversation so far.
-                warm = dict(body, messages=body["messages"][:-1], max_tokens=1, add_generation_prompt=False)
+                # Best case: a P/D prefill engine whose prefix cache holds everything it computed for this
+                # conversation so far, with room for all of it: the previous turn's prompt (the history up to the
+                # last user/tool message and the assistant header). Not decode's reply: in P/D decode computes it
+                # and no prefill ever sees it (turnkv's pull is what brings it back). Turn 1: the system prompt.
+                warm = dict(body, messages=body["messages"][:-2], max_tokens=1) if turn else dict(
+                    body, messages=body["messages"][:-1], max_tokens=1, add_generation_prompt=False)
                 warm.pop("conversation_id")
                 await chat(session, url, warm, arm_headers, Result(conv.index, turn, "warm"), spec.timeout)
             return await chat(session, url, body, arm_headers, Result(conv.index, turn, arm), spec.timeout)

@@ -62,6 +62,12 @@ def fail_read(worker: object, req_id: str) -> None:
         handle_failed(req_id, None, worker._recv_failures, record_failed_transfer=False)  # type: ignore[attr-defined]
 
 
+def reads_inline() -> bool:
+    """0.32's NIXL worker keeps what an inline read waits on (``_recv_failures``, notify-only receives that are never
+    reported); 0.29's does not, so every pull there stays asynchronous (``connector.inline``)."""
+    return release() >= (0, 32)
+
+
 def reports_prefill_cached_tokens() -> bool:
     """0.32's scheduler adds ``remote_prefill_cached_tokens`` (local hits + pulled) to prefill's answer; 0.29's
     does not, so the connector adds it there (the router counts reused tokens from it)."""

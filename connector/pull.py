@@ -37,7 +37,10 @@ class TurnkvPullScheduler(TurnkvSchedulerMixin, NixlPullConnectorScheduler):
 
 
 class TurnkvPullWorker(TurnkvWorkerMixin, NixlPullConnectorWorker):
-    """Upstream's pull worker, with transfer metrics by direction and the decode-boot check on reads."""
+    """Upstream's pull worker, with transfer metrics by direction, the decode-boot check on reads and inline reads
+    of short pulls (``connector.inline``)."""
+
+    turnkv_reads_inline = True
 
 
 class TurnkvPullConnector(TurnkvStatsReporting, NixlPullConnector):

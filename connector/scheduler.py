@@ -18,7 +18,7 @@ import os
 import time
 from typing import Any
 
-from connector import boot, compat, host_tier, token_proof
+from connector import boot, compat, host_tier, inline, token_proof
 from connector.offers import ReplayGuard, model_fields
 from connector.policy import CostModel, Decision, Load, StepClock
 from connector.retention import EvictReason, Held, HostSlots, ReadDelays, RetentionLedger, Tier
@@ -42,7 +42,7 @@ RELOADED_INTO = {"decoder_kv_blocks_ttl": "decoder_kv_blocks_ttl", "kv_recompute
                  "expiry_skew_margin": "_expiry_skew", "retained_kv_share": "_retained_share",
                  "retention_eviction_grace": "_eviction_grace", "host_kv_budget_mib": "_host_budget_mib",
                  "retention_idle_evict": "_idle_evict", "retention_idle_floor": "_idle_floor",
-                 "fork_window": "_fork_window"}
+                 "fork_window": "_fork_window", "inline_pull_max_ms": "_inline_max_ms"}
 
 #: Offers are fork-readable only while the device tier, this turn included, is at most this share full: a read
 #: turn kept for forks frees its room only after the eviction grace, so under pressure the room goes to newer turns
@@ -193,6 +193,10 @@ class TurnkvSchedulerMixin:
         self._handshaken: set[str] = set()
         # Engines pulled from: the first pull's wait also holds the handshake, so it is no wait sample.
         self._pulled_from: set[str] = set()
+        # Decode engines every worker handshook with and reads from without converting blocks (connector.inline),
+        # and the requests whose pull is read inside the step that computes them (until their metadata is built).
+        self._inline_engines: set[str] = set()
+        self._inline_reqs: set[str] = set()
         self._bytes_per_block = _bytes_per_block(self.kv_cache_config)
         # This engine's boot fingerprint (decode stamps its params), and the ones prefill's reads expect.
         self._boot: str | None = None
@@ -271,7 +275,7 @@ class TurnkvSchedulerMixin:
                 self._expected_boots[request.request_id] = params[boot.PARAMS_KEY]
         count, asynchronous = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if not first_look:
-            return count, asynchronous
+            return self._inline_or_not(request, num_computed_tokens, count, asynchronous)
         decision = None
         if self._adaptive:
             engine = str(wire.KVParams(params).engine_id)
@@ -295,7 +299,25 @@ class TurnkvSchedulerMixin:
                             "probing a pull of" if decision.pull else "recomputing", decision.tokens,
                             1000 * (decision.predicted_pull_s or 0), 1000 * (decision.predicted_compute_s or 0),
                             1000 * decision.queue_delay_s, decision.load.requests)
-        return count, asynchronous
+        return self._inline_or_not(request, num_computed_tokens, count, asynchronous)
+
+    def _inline_or_not(self, request: Any, num_computed_tokens: int, count: int,
+                       asynchronous: bool) -> tuple[int, bool]:
+        """A pull short enough is read inside the step that computes the request (``connector.inline``)."""
+        self._inline_reqs.discard(request.request_id)
+        if count <= 0 or not asynchronous:
+            return count, asynchronous
+        params = request.kv_transfer_params or {}
+        host = request.request_id in self._host_reads
+        remaining = int(getattr(request, "num_prompt_tokens", 0) or 0) - int(num_computed_tokens)
+        engine = str(wire.KVParams(params).engine_id)
+        predicted = self.cost.predicted_pull(count, tier=Tier.HOST if host else Tier.DEVICE)
+        planned = inline.plan(count, remaining, predicted, float(self._inline_max_ms), engine in self._inline_engines)
+        self.turnkv_stats.record_label("turnkv_inline_plans", planned.reason)
+        if not planned.inline:
+            return count, asynchronous
+        self._inline_reqs.add(request.request_id)
+        return count, False
 
     def _load(self, exclude: str) -> Load:
         """Prefill work of the other requests this engine has seen and not finished (a lower bound: requests
@@ -354,6 +376,14 @@ class TurnkvSchedulerMixin:
         # Host-tier reads: where decode's pool is (connector.host_tier).
         meta.turnkv_host_reads = {rid: self._host_reads.pop(rid) for rid in meta.reqs_to_recv
                                   if rid in self._host_reads}
+        # Reads the workers finish before this step's forward (connector.inline): never reported as received, so
+        # their start is no wait sample either.
+        meta.turnkv_inline = {rid for rid in meta.reqs_to_recv if rid in self._inline_reqs}
+        self._inline_reqs -= meta.turnkv_inline
+        for rid in meta.turnkv_inline:
+            started = self._pulls_started.pop(rid, None)
+            if started is not None:
+                self._pulled_from.add(started[2])
         # Finished turns placed on the host tier: the workers copy their device blocks into the slots now.
         meta.turnkv_to_host, self._to_host = self._to_host, {}
         # Turns retained with a fork-readable offer: the workers keep them after a read (until evicted).
@@ -407,6 +437,8 @@ class TurnkvSchedulerMixin:
         for engine, seconds in meta.handshakes:
             self.cost.observe_handshake(seconds)
             self._handshaken.add(engine)
+        self._inline_engines.update(getattr(meta, "inline_engines", ()))
+        self._inline_engines.difference_update(getattr(meta, "inline_dropped", ()))
 
     def _export_estimates(self) -> None:
         s, cost = self.turnkv_stats, self.cost
@@ -617,6 +649,7 @@ class TurnkvSchedulerMixin:
             delay, out = super().request_finished(request, block_ids)
         verdict = self._verdicts.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
+        self._inline_reqs.discard(request.request_id)
         self._pulls_started.pop(request.request_id, None)
         self._expected_boots.pop(request.request_id, None)
         self._read_deadlines.pop(request.request_id, None)

@@ -101,6 +101,11 @@ LABELLED: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         mn.VLLM_DECISIONS, "Offers prefill decided on, by decision: pull, or recompute (refused before any READ, "
         "below the floor, or slower to pull even counting the queue; see vllm:turnkv_decision_reasons for why).",
         "decision", mn.DECISIONS),
+    "turnkv_inline_plans": (
+        mn.VLLM_INLINE_PLANS, "Pulls prefill decided to make, by how they are read: inline (inside the step that "
+        "computes the request, connector.inline) or why not: off (inline_pull_max_ms 0), engine (not handshaken yet, "
+        "or blocks converted after the READ), no-estimate (no READ timed yet), slow (predicted above "
+        "inline_pull_max_ms), whole-prompt (nothing left to compute in the step).", "reason", mn.INLINE_REASONS),
 }
 
 #: stats key -> (Prometheus gauge name, help). The last value of an interval is exported.

@@ -35,7 +35,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
-from connector import boot, compat, host_pool_plan, host_tier
+from connector import boot, compat, host_pool_plan, host_tier, inline
 from connector.stats import TurnkvKVConnectorStats, counts_on_rank, rank_seconds
 from turnkv import fabric_limits, platforms, wire
 
@@ -64,6 +64,10 @@ class TurnkvWorkerMeta(KVConnectorWorkerMetadata):
     host_tier: list[tuple[int, int, int, str]] = field(default_factory=list)
     #: (bytes, seconds) of each finished NIXL READ of a decode's host tier (their own rate in the cost model).
     host_reads: list[tuple[int, float]] = field(default_factory=list)
+    #: Decode engines handshaken whose blocks land ready to use (``connector.inline``): pulls may be read inline.
+    inline_engines: list[str] = field(default_factory=list)
+    #: Decode engines whose handshake was dropped (a restart): their next pull handshakes again, asynchronously.
+    inline_dropped: list[str] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Tensor-parallel ranks: one step, every rank's reads and handshakes."""
@@ -77,6 +81,8 @@ class TurnkvWorkerMeta(KVConnectorWorkerMetadata):
             self.fork_held = sorted({*self.fork_held, *other.fork_held})
             self.host_tier = [*self.host_tier, *other.host_tier]
             self.host_reads = [*self.host_reads, *other.host_reads]
+            self.inline_engines = sorted({*self.inline_engines, *other.inline_engines})
+            self.inline_dropped = sorted({*self.inline_dropped, *other.inline_dropped})
         return self
 
 
@@ -130,6 +136,9 @@ def share_block_counts(worker: Any) -> None:
 class TurnkvWorkerMixin:
     xfer_stats: Any
     _remote_agents: dict[str, Any]
+    #: Whether this worker reads pulls inline (``connector.inline``): upstream's pull worker, whose receive path the
+    #: wait follows. The push worker's prefill reads stay asynchronous.
+    turnkv_reads_inline: bool = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -176,6 +185,11 @@ class TurnkvWorkerMixin:
         # them (the blocks stay until their lease, cut by the scheduler's eviction, runs out).
         self._turnkv_fork_reads = ForkReads()
         self._turnkv_notifs_filtered = False
+        # Inline reads (connector.inline): requests whose READ this worker finished before the step's forward, until
+        # upstream's completion report (filtered out: the scheduler never parked them); engines to report.
+        self._turnkv_inline: set[str] = set()
+        self._turnkv_inline_engines: list[str] = []
+        self._turnkv_inline_dropped: list[str] = []
 
     # transfer metrics ---------------------------------------------------------------------------
 
@@ -240,11 +254,13 @@ class TurnkvWorkerMixin:
             self._turnkv_host_tier_reported = True
             granted = [self._turnkv_host_tier]
         host_reads, self._turnkv_host_read_samples = self._turnkv_host_read_samples, []
+        inline_engines, self._turnkv_inline_engines = self._turnkv_inline_engines, []
+        inline_dropped, self._turnkv_inline_dropped = self._turnkv_inline_dropped, []
         if step is None and not reads and not handshakes and not released and not renewed and not pools \
-                and not fork_held and not granted and not host_reads:
+                and not fork_held and not granted and not host_reads and not inline_engines and not inline_dropped:
             return None
         return TurnkvWorkerMeta([step] if step is not None else [], reads, handshakes, pools, released, renewed,
-                                fork_held, granted, host_reads)
+                                fork_held, granted, host_reads, inline_engines, inline_dropped)
 
     # host tier (connector.host_tier) -------------------------------------------------------------
 
@@ -439,6 +455,15 @@ class TurnkvWorkerMixin:
             self._turnkv_host_reads.pop(request_id, None)
             self._turnkv_read_by.pop(request_id, None)
         self._turnkv_fork_reads.forget(sending)
+        # Inline reads were computed in the step they were read in: the scheduler never parked them, and a request
+        # it did not park must not be reported received (it asserts). A failed one reported its blocks instead
+        # (invalid_block_ids): the scheduler recomputes them.
+        done_inline = set(results.finished_recving) & self._turnkv_inline
+        self._turnkv_inline -= done_inline
+        if done_inline:
+            return dataclasses.replace(
+                results, finished_sending=sending, finished_recving=set(results.finished_recving) - done_inline,
+                failed_recving=set(getattr(results, "failed_recving", None) or ()) - done_inline)
         return dataclasses.replace(results, finished_sending=sending)
 
     def _read_blocks(self, read_spec: Any, dst_engine_id: str, request_id: str, *args: Any, **kwargs: Any) -> Any:
@@ -504,6 +529,8 @@ class TurnkvWorkerMixin:
             raise RuntimeError(why)
         name = super().add_remote_agent(nixl_agent_meta, remote_tp_rank, *args, **kwargs)  # type: ignore[misc]
         self._turnkv_remote_meta[(nixl_agent_meta.engine_id, int(remote_tp_rank))] = nixl_agent_meta
+        if self._turnkv_reads_inline(nixl_agent_meta):
+            self._turnkv_inline_engines.append(str(nixl_agent_meta.engine_id))
         for key in [k for k in self._turnkv_host_handles if k[:2] == (nixl_agent_meta.engine_id, remote_tp_rank)]:
             del self._turnkv_host_handles[key]  # a new process: its pool is elsewhere (NIXL dropped the old agent)
         # Every rank this worker reads from (with TP > 1, rank i reads decode's rank i, not rank 0).
@@ -518,6 +545,10 @@ class TurnkvWorkerMixin:
         self._turnkv_host_reads.update(getattr(metadata, "turnkv_host_reads", None) or {})
         self._turnkv_step = getattr(metadata, "turnkv_step", None)
         super().start_load_kv(metadata)  # type: ignore[misc]
+        reads_inline = getattr(metadata, "turnkv_inline", None)
+        if reads_inline:
+            self._turnkv_inline |= set(reads_inline)
+            self._turnkv_wait_inline(set(reads_inline))
         self._turnkv_fork_reads.forkable.update(getattr(metadata, "turnkv_forkable", None) or ())
         to_host = getattr(metadata, "turnkv_to_host", None)
         if to_host:
@@ -525,6 +556,67 @@ class TurnkvWorkerMixin:
         evict = getattr(metadata, "turnkv_evict", None)
         if evict:
             self.turnkv_evict(evict)
+
+    # inline reads (connector.inline) ----------------------------------------------------------------
+
+    def _turnkv_reads_inline(self, remote: Any) -> bool:
+        """Whether a READ from ``remote`` (its handshake metadata) needs no conversion after it lands: upstream
+        converts after the step's forward, too late for a read that step computes with."""
+        if not (self.turnkv_reads_inline and compat.reads_inline()):
+            return False
+        converts = bool(getattr(self, "use_host_buffer", False) or getattr(self, "enable_permute_local_kv", False)
+                        or getattr(self, "enable_heterogeneous_attn_post_process", False))
+        return inline.same_layout(
+            int(getattr(self, "block_size", 0) or 0), int(getattr(remote, "block_size", -1) or -1),
+            getattr(self, "kv_cache_layout", None), getattr(remote, "kv_cache_layout", None),
+            int(getattr(self, "_physical_blocks_per_logical_kv_block", 1) or 1),
+            int(getattr(remote, "physical_blocks_per_logical_kv_block", 1) or 1), converts)
+
+    def _turnkv_wait_inline(self, request_ids: set[str]) -> None:
+        """Hold the step until the inline READs of ``request_ids`` are done (or failed: upstream then reports their
+        blocks as not loaded and the scheduler recomputes them). Reads whose handshake finishes meanwhile are posted
+        here: upstream posts them only at its next ``start_load_kv``, a step too late."""
+        started = time.perf_counter()
+        while True:
+            ready = getattr(self, "_ready_requests", None)
+            while ready is not None and not ready.empty():
+                self._read_blocks_for_req(*ready.get_nowait())
+            waiting = [r for r in request_ids if self._turnkv_inline_in_flight(r)]
+            if not waiting:
+                return
+            if time.perf_counter() - started > inline.WAIT_LIMIT_S:
+                logger.error("turnkv: inline READs of %s not done after %.0f s; recomputing them", waiting,
+                             inline.WAIT_LIMIT_S)
+                for request_id in waiting:
+                    if request_id not in self._recving_transfers:  # type: ignore[attr-defined]
+                        compat.fail_read(self, request_id)  # never posted: upstream reports it failed
+                    else:
+                        self._turnkv_inline_failed(request_id)
+                return
+            time.sleep(inline.POLL_S)
+
+    def _turnkv_inline_in_flight(self, request_id: str) -> bool:
+        if request_id not in self._recving_metadata:  # type: ignore[attr-defined]
+            return False  # reported already (a read of nothing) or dropped
+        if request_id in self._recv_failures:  # type: ignore[attr-defined]
+            return False  # failed before or while posting: reported with its blocks after the forward
+        handles = self._recving_transfers.get(request_id)  # type: ignore[attr-defined]
+        if handles is None:
+            return True  # not posted yet: its handshake is still running
+        for handle in handles:
+            try:
+                if self.nixl_wrapper.check_xfer_state(handle) == "PROC":  # type: ignore[attr-defined]
+                    return True
+            except Exception:  # upstream's poll after the forward sees it too and reports the failure
+                return False
+        return False
+
+    def _turnkv_inline_failed(self, request_id: str) -> None:
+        """A READ still in flight past the limit: its blocks are reported not loaded now (the scheduler recomputes
+        them); the handle stays with upstream, released when NIXL ends it."""
+        meta = self._recving_metadata.get(request_id)  # type: ignore[attr-defined]
+        if meta is not None and getattr(meta, "local_block_ids", None):
+            self._invalid_block_ids.put(set(meta.local_block_ids[0]))  # type: ignore[attr-defined]
 
     def _turnkv_drop_handshake(self, engine_id: str, seen: dict[int, str], offered: str) -> None:
         """Have upstream release its state for ``engine_id`` once reads drain, so the next read handshakes with
@@ -538,6 +630,7 @@ class TurnkvWorkerMixin:
         if key in self._turnkv_dropped or mark is None:
             return
         self._turnkv_dropped.add(key)
+        self._turnkv_inline_dropped.append(engine_id)
         try:
             mark(engine_id, time.perf_counter())
         except Exception:  # the read is refused anyway; only the recovery is lost

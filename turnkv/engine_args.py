@@ -106,7 +106,7 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
     first child that matches load a request: turnkv's matches only a replayed offer (decode's retained turn,
     everything past prefill's own prefix-cache hit), so every other request falls through to the offload tier's
     prefix lookup; a declined pull (below the threshold, or the cost model's recompute) does too."""
-    turnkv_config = _turnkv_connector_config(spec)
+    turnkv_config = turnkv_connector_config(spec)
     if spec.prefill_offload_gib <= 0:
         return turnkv_config
     if spec.role is not Role.PREFILL:
@@ -114,16 +114,23 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
                          "own host tier (host_kv_budget_mib)")
     if spec.on_neuron:
         raise ValueError(f"prefill_offload_gib on Neuron: {OFFLOAD_PLATFORMS}")
-    child = {k: v for k, v in turnkv_config.items() if k not in ("engine_id", "kv_load_failure_policy")}
     offload = {"kv_connector": OFFLOAD_CONNECTOR, "kv_role": "kv_both",
                "kv_connector_extra_config": {OFFLOAD_BYTES_KEY: int(spec.prefill_offload_gib * 2**30)}}
-    return {"kv_connector": MULTI_CONNECTOR, "kv_role": "kv_both", "engine_id": spec.engine_id,
-            "kv_load_failure_policy": turnkv_config["kv_load_failure_policy"],
-            **({"kv_buffer_device": turnkv_config["kv_buffer_device"]} if "kv_buffer_device" in turnkv_config else {}),
-            "kv_connector_extra_config": {"connectors": [child, offload]}}
+    return multi_connector(turnkv_config, [offload])
 
 
-def _turnkv_connector_config(spec: EngineSpec) -> dict[str, object]:
+def multi_connector(turnkv_config: dict[str, object], others: list[dict[str, object]]) -> dict[str, object]:
+    """A ``MultiConnector`` of turnkv's connector (first) and ``others``; the engine-wide keys (engine id, the load
+    failure policy, the KV buffer's device) stay at the top, where vLLM reads them."""
+    top = ("engine_id", "kv_load_failure_policy", "kv_buffer_device")
+    child = {k: v for k, v in turnkv_config.items() if k not in top}
+    return {"kv_connector": MULTI_CONNECTOR, "kv_role": "kv_both",
+            **{k: turnkv_config[k] for k in top if k in turnkv_config},
+            "kv_connector_extra_config": {"connectors": [child, *others]}}
+
+
+def turnkv_connector_config(spec: EngineSpec) -> dict[str, object]:
+    """turnkv's own connector's ``--kv-transfer-config`` (alone, or as a ``MultiConnector``'s first child)."""
     connector, module_path = (spec.connector, None) if spec.connector else CONNECTORS[spec.mode]
     refused = neuron.MODE_REFUSALS.get(spec.mode.value) if spec.on_neuron else None
     if refused:

@@ -78,10 +78,13 @@ VLLM_HOST_POOL_BYTES = "vllm:turnkv_host_pool_bytes"  # gauge (decode)
 VLLM_HOST_TIER_CONFIGURED_BYTES = "vllm:turnkv_host_tier_configured_bytes"  # gauge (decode)
 VLLM_HOST_TIER_GRANTED_BYTES = "vllm:turnkv_host_tier_granted_bytes"  # gauge (decode)
 VLLM_DECISIONS = "vllm:turnkv_decisions"  # counter, label decision (prefill): offers pulled or recomputed
+VLLM_INLINE_PLANS = "vllm:turnkv_inline_plans"  # counter, label reason (prefill): pulls read inline or why not
 TIERS = ("device", "host")
 REFUSAL_REASONS = ("too_large", "full")
 EVICTION_REASONS = ("idle", "shrunk", "read")
 DECISIONS = ("pull", "recompute")
+#: connector.inline.REASONS (kept equal by tests/unit/test_inline.py: the connector is not imported here).
+INLINE_REASONS = ("inline", "off", "engine", "no-estimate", "slow", "whole-prompt")
 
 #: What the bridge publishes per interval (dims Deployment, Role; and Deployment, Role, EngineId on a node of
 #: several engines), units in brackets.

@@ -71,6 +71,11 @@ CATALOG: tuple[Tunable, ...] = (
             reloadable=True),
     Tunable("kv_recompute_threshold", 64, 0, 1_000_000, "tokens", Scope.ENGINE,
             "Prefill recomputes instead of pulling when fewer tokens than this would be reused.", reloadable=True),
+    Tunable("inline_pull_max_ms", 25, 0, 10_000, "ms", Scope.ENGINE,
+            "Prefill reads a pull predicted to take at most this long inside the step that computes the request (a "
+            "synchronous KV load, connector.inline), instead of parking the request for two engine steps (the READ "
+            "posted after one step, its end seen after the next). Only from decode engines already handshaken and "
+            "laid out alike; 0: every pull asynchronous, as upstream.", float, reloadable=True),
     Tunable("kv_lease_duration", 30, 5, 600, "s", Scope.ENGINE,
             "How long prefill holds blocks for decode to read (extended by decode heartbeats)."),
     Tunable("expiry_skew_margin", 5, 0, 120, "s", Scope.ENGINE,

@@ -122,3 +122,16 @@ def test_engine_env_refuses_the_tier_on_decode():
         node_env.EngineEnv.from_variables(env)
     prefill = node_env.EngineEnv.from_variables({**env, node_env.ROLE: "prefill"})
     assert prefill.prefill_offload_gib == 8 and prefill.spec().prefill_offload_gib == 8
+
+
+def test_turnkvs_connectors_are_in_vllms_registry_after_the_plugin_loads():
+    """A MultiConnector rebuilds its children's stats in the API server by registered class name; unregistered,
+    every metrics interval raised there and the server answered 500 (found by tests/e2e/test_multi_connector.py)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from connector import plugin
+
+    plugin.register_connectors()
+    assert plugin.register_connectors() == []  # once per process
+    for name, _ in engine_args.CONNECTORS.values():
+        assert KVConnectorFactory.get_connector_class_by_name(name).__name__ == name

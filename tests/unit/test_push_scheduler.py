@@ -172,7 +172,7 @@ def test_the_first_pull_from_an_engine_pays_the_handshake_and_is_no_cost_sample(
     s = TurnkvPushScheduler.__new__(TurnkvPushScheduler)
     s.__dict__.update(scheduler().__dict__)
     s.__dict__.update(cost=CostModel(), _pulls_started={}, _pulled_from=set(), _handshaken=set(), _steps=StepClock(),
-                      _retained=RetentionLedger(), _fork_window=30.0,
+                      _retained=RetentionLedger(), _fork_window=30.0, _inline_engines=set(), _inline_reqs=set(),
                       turnkv_stats=TurnkvKVConnectorStats(), _bytes_per_block=128 * 4096)
     for rid in ("first", "second"):
         s._pulls_started[rid] = (time.perf_counter() - 0.05, 500, "decode-0")
@@ -200,7 +200,7 @@ def turnkv_push_scheduler(monkeypatch, release: tuple[int, int, int]):
     s.__dict__.update(cost=CostModel(), _pulls_started={}, _pulled_from=set(), _handshaken=set(), _steps=StepClock(),
                       _pending={}, _bytes_per_block=128 * 4096, _retained={},
                       turnkv_stats=TurnkvKVConnectorStats(), _verdicts={}, _expected_boots={}, _prefill_cached={},
-                      _read_deadlines={},
+                      _read_deadlines={}, _inline_engines=set(), _inline_reqs=set(), _inline_max_ms=25.0,
                       _prefill_local={},
                       _retain_on_demand=True, _adaptive=False, _require_proof=False, _boot=None,
                       _offer_secret=None, _require_signed=False, _require_cleared=True, _model=None, _expiry_skew=5.0,

@@ -27,6 +27,9 @@ def demo(
     port: Annotated[int, typer.Option(help="Router port (the best-case router uses port+1).")] = router_env.PORT,
     conversations: Annotated[int, typer.Option(min=1)] = 3,
     turns: Annotated[int, typer.Option(min=2)] = 8,
+    reply_tokens: Annotated[int, typer.Option(
+        min=1, help="Tokens of each reply: agent-sized (tool calls, code), Mooncake's ~350-token replies scaled "
+                    "by 1/4 as in bench.pressure --agent.")] = 96,
     state_dir: Annotated[Path, typer.Option(help="State folder of the local stack.")] = Path(".turnkv"),
     load: Annotated[int, typer.Option(min=0, help="Then this many shorter conversations at once, reuse off "
                                                   "and on (0: skip).")] = 8,
@@ -57,7 +60,7 @@ def demo(
             console.rule("retention pressure: twice the conversations decode's room holds (retained_kv_share "
                          f"{PRESSURE_SHARE}), device only, then with the host tier")
             pressure_rows(state, config, out / "pressure")
-        workload = WorkloadSpec(conversations=conversations, turns=turns)
+        workload = WorkloadSpec(conversations=conversations, turns=turns, max_tokens=reply_tokens)
         console.rule(f"multi-turn, three arms and the best case: {conversations} conversations x {turns} turns, "
                      f"~{workload.approx_last_prompt()} prompt tokens by the last turn")
         best = state["components"]["router-best"]["url"]

@@ -1,0 +1,161 @@
+"""connector.inline: which pulls are read inside the step that computes them, and the worker's wait for them."""
+
+from __future__ import annotations
+
+import queue
+import types
+
+import pytest
+
+from connector import compat, inline
+from connector.worker import TurnkvWorkerMixin
+from turnkv import metric_names as mn
+
+
+def test_a_short_pull_from_a_ready_engine_is_read_inline():
+    assert inline.plan(200, 300, 0.004, 25.0, True) == inline.Plan(True, "inline")
+    assert inline.plan(200, 300, 0.004, 0.0, True).reason == "off"
+    assert inline.plan(200, 300, 0.004, 25.0, False).reason == "engine"  # no handshake yet, or blocks converted
+    assert inline.plan(300, 300, 0.004, 25.0, True).reason == "whole-prompt"  # the step must compute a token
+    assert inline.plan(200, 300, None, 25.0, True).reason == "no-estimate"  # the first READ is timed async
+    assert inline.plan(200, 300, 0.030, 25.0, True).reason == "slow"  # holding the whole batch's step for it
+    assert set(inline.REASONS) == set(mn.INLINE_REASONS)
+
+
+def test_only_reads_that_land_ready_to_use_are_inline():
+    assert inline.same_layout(128, 128, "NHD", "NHD", 1, 1, converts=False)
+    assert not inline.same_layout(128, 64, "NHD", "NHD", 1, 1, converts=False)  # block-size ratio: converted after
+    assert not inline.same_layout(128, 128, "NHD", "HND", 1, 1, converts=False)
+    assert not inline.same_layout(128, 128, "NHD", "NHD", 1, 2, converts=False)
+    assert not inline.same_layout(128, 128, "NHD", "NHD", 1, 1, converts=True)  # a host buffer, a permutation
+
+
+class FakeNixl:
+    """NIXL's transfer states as the agent reports them: PROC until the bytes moved, then DONE (or ERR)."""
+
+    def __init__(self, polls_until_done: dict[int, int], fail: set[int] = frozenset()):
+        self.left, self.fail, self.checked = dict(polls_until_done), set(fail), 0
+
+    def check_xfer_state(self, handle: int) -> str:
+        self.checked += 1
+        if handle in self.fail:
+            return "ERR"
+        self.left[handle] -= 1
+        return "PROC" if self.left[handle] > 0 else "DONE"
+
+
+class Upstream:
+    """The parts of vLLM 0.32's pull worker the wait reads (base_worker.py): metadata of receives, their handles,
+    failures, requests whose handshake finished, blocks that failed to load."""
+
+    def __init__(self, nixl: FakeNixl):
+        self.nixl_wrapper = nixl
+        self._recving_metadata: dict = {}
+        self._recving_transfers: dict = {}
+        self._recv_failures: set = set()
+        self._ready_requests: queue.Queue = queue.Queue()
+        self._invalid_block_ids: queue.Queue = queue.Queue()
+        self.posted: list[str] = []
+        self.failed: list[str] = []
+
+    def _read_blocks_for_req(self, req_id, meta):
+        self.posted.append(req_id)
+        self._recving_transfers[req_id] = [meta.handle]
+
+    def _handle_failed_transfer(self, req_id, handle, failed=None, record_failed_transfer=True):
+        self.failed.append(req_id)
+        if failed is not None:
+            failed.add(req_id)
+
+
+class Worker(TurnkvWorkerMixin, Upstream):
+    turnkv_reads_inline = True
+
+    def __init__(self, nixl: FakeNixl):
+        Upstream.__init__(self, nixl)  # the mixin's own state, as far as the wait and the READ's checks read it
+        self._turnkv_read_by, self._turnkv_expected, self._remote_agents = {}, {}, {"decode-0": {}}
+
+
+def meta(handle: int, blocks=(4, 5)):
+    return types.SimpleNamespace(handle=handle, local_block_ids=[list(blocks)],
+                                 remote=types.SimpleNamespace(engine_id="decode-0"))
+
+
+def test_the_step_waits_until_the_read_is_done(monkeypatch):
+    monkeypatch.setattr(compat, "release", lambda: (0, 32))
+    w = Worker(FakeNixl({7: 3}))
+    w._recving_metadata["r"] = meta(7)
+    w._recving_transfers["r"] = [7]
+    w._turnkv_wait_inline({"r"})
+    assert w.nixl_wrapper.left[7] == 0  # polled until DONE, not past it
+    assert w._invalid_block_ids.empty()
+
+
+def test_a_read_whose_handshake_finishes_during_the_wait_is_posted_then():
+    w = Worker(FakeNixl({9: 2}))
+    w._recving_metadata["r"] = meta(9)
+    w._ready_requests.put(("r", meta(9)))  # upstream would post it only at its next start_load_kv
+    w._turnkv_wait_inline({"r"})
+    assert w.posted == ["r"] and w.nixl_wrapper.left[9] == 0
+
+
+def test_a_failed_read_ends_the_wait_and_is_left_to_upstreams_report():
+    w = Worker(FakeNixl({3: 1}, fail={3}))
+    w._recving_metadata["r"] = meta(3)
+    w._recving_transfers["r"] = [3]
+    w._turnkv_wait_inline({"r"})  # ERR: upstream's poll after the forward reports it, with its blocks
+    w._recv_failures.add("q")
+    w._recving_metadata["q"] = meta(4)
+    w._turnkv_wait_inline({"q"})  # failed before posting (a late deadline): nothing to wait for
+    assert w.nixl_wrapper.checked == 1
+
+
+def test_a_read_past_the_limit_reports_its_blocks_not_loaded(monkeypatch):
+    monkeypatch.setattr(inline, "WAIT_LIMIT_S", 0.01)
+    monkeypatch.setattr(compat, "release", lambda: (0, 32))
+    w = Worker(FakeNixl({5: 10**9}))
+    w._recving_metadata["r"] = meta(5, blocks=(11, 12))
+    w._recving_transfers["r"] = [5]
+    w._recving_metadata["s"] = meta(6)  # never posted (its handshake hangs)
+    w._turnkv_wait_inline({"r", "s"})
+    assert w._invalid_block_ids.get_nowait() == {11, 12}  # the scheduler recomputes them
+    assert w.failed == ["s"] and "s" in w._recv_failures  # upstream reports it failed, with its blocks
+
+
+def test_inline_reads_are_never_reported_received():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+    class Reporting(Worker):
+        def __init__(self):
+            super().__init__(FakeNixl({}))
+            self._turnkv_copying, self._turnkv_hosted, self._turnkv_device_done = {}, {}, set()
+            self._turnkv_copy_ended, self._turnkv_host_reads, self._turnkv_read_by = set(), {}, {}
+            self._turnkv_fork_reads = types.SimpleNamespace(forget=lambda ids: None)
+            self._turnkv_inline = {"inline-1", "inline-2"}
+
+        def _turnkv_finish_copies(self):
+            pass
+
+    class Base:
+        def get_transfer_results(self):
+            return KVConnectorTransferResults(finished_sending=set(), finished_recving={"inline-1", "async-1"},
+                                              failed_recving={"inline-1"})
+
+    class W(Reporting, Base):
+        pass
+
+    w = W()
+    results = w.get_transfer_results()
+    assert results.finished_recving == {"async-1"} and not results.failed_recving
+    assert w._turnkv_inline == {"inline-2"}  # still in flight elsewhere: filtered when upstream reports it
+
+
+@pytest.mark.parametrize(("release", "reads"), [((0, 32, 0), True), ((0, 29, 0), False)])
+def test_workers_offer_inline_engines_only_where_the_release_keeps_what_the_wait_reads(monkeypatch, release, reads):
+    monkeypatch.setattr(compat, "release", lambda: release)
+    w = Worker(FakeNixl({}))
+    w.block_size, w.kv_cache_layout, w._physical_blocks_per_logical_kv_block = 128, "NHD", 1
+    remote = types.SimpleNamespace(block_size=128, kv_cache_layout="NHD", physical_blocks_per_logical_kv_block=1)
+    assert w._turnkv_reads_inline(remote) is reads
+    w.use_host_buffer = True
+    assert not w._turnkv_reads_inline(remote)
