@@ -2,7 +2,9 @@
 
 Arms: ``off`` (``X-TurnKV-Reuse: off``: every prompt recomputed, unless prefill's own prefix cache holds part of
 it), ``on`` (the router pulls the previous turn's KV back from decode), ``best`` (a second router, ``--best-url``,
-whose prefill engine keeps a prefix cache, played with reuse off: what a sticky prefix-caching prefill gets). The
+whose prefill engine keeps a prefix cache, played with reuse off: what a sticky prefix-caching prefill gets) and
+``peer`` (peer-best of ``bench.arms``: ``--peer-url``, the router of ``turnkv local up --peer``, reuse off). ``off``
+salts every request (``bench.arms.body_extras``), so a prefill with prefix caching on recomputes it all. The
 arms run one after the other, every session of an arm at once (sessions of two arms interleaved would queue behind
 each other in one prefill engine, and each TTFT would measure that queue). Within an arm each session waits its
 steps' think times (times ``time_scale``), a fork sends its branches at once and subagents run at once while their
@@ -27,13 +29,13 @@ from typing import Any
 
 import aiohttp
 
-from bench import agent_trace, client
+from bench import agent_trace, arms, client
 from bench.agent_trace import Agent, Session
 from bench.client import PREFILL_CACHED_HEADER, REUSE_OUTCOME_HEADER, REUSED_TOKENS_HEADER  # noqa: F401
 from bench.runner import discover_model
 from turnkv import router_env, wire
 
-ARMS = ("off", "on", "best")
+ARMS = ("off", "on", "best", "peer")
 REUSE_HEADER = wire.REUSE_HEADER
 
 
@@ -78,6 +80,8 @@ class PlaySpec:
     url: str = router_env.LOCAL_URL
     arms: tuple[str, ...] = ("off", "on")
     best_url: str | None = None
+    #: The peer-best arm's router (``turnkv local up --peer``: a prefix-caching prefill of its own, reuse off).
+    peer_url: str | None = None
     model: str | None = None
     api_key: str | None = None
     #: Think times are multiplied by this (0: no pauses).
@@ -91,6 +95,8 @@ class PlaySpec:
             raise ValueError(f"unknown arm {bad[0] if bad else '(none)'!r}: arms are {', '.join(ARMS)}")
         if "best" in self.arms and not self.best_url:
             raise ValueError("the best arm needs a second router: --best-url")
+        if "peer" in self.arms and not self.peer_url:
+            raise ValueError("the peer arm needs the peer-best router: --peer-url (turnkv local up --peer)")
         if self.time_scale < 0:
             raise ValueError("time_scale must be >= 0")
 
@@ -115,10 +121,11 @@ async def play(sessions: list[Session], spec: PlaySpec,
     auth = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         model = spec.model or await discover_model(http, spec.url)
-        if spec.best_url and "best" in spec.arms:
-            await discover_model(http, spec.best_url)  # reachable before anything is played
+        for extra, name in ((spec.best_url, "best"), (spec.peer_url, "peer")):
+            if extra and name in spec.arms:
+                await discover_model(http, extra)  # reachable before anything is played
         for arm in spec.arms:
-            url = spec.best_url if arm == "best" else spec.url
+            url = {"best": spec.best_url, "peer": spec.peer_url}.get(arm) or spec.url
             headers = dict(auth) if arm == "on" else {**auth, **client.REUSE_OFF_HEADERS}
             origin = time.perf_counter()
 
@@ -127,7 +134,8 @@ async def play(sessions: list[Session], spec: PlaySpec,
                           origin: float = origin) -> Record:
                 body = {"model": model, "messages": messages, "max_tokens": s.max_tokens, "temperature": 0,
                         "stream": True, "stream_options": {"include_usage": True},
-                        "conversation_id": f"agent-{spec.run_id}-{arm}-{s.index}-{agent}"}
+                        "conversation_id": f"agent-{spec.run_id}-{arm}-{s.index}-{agent}",
+                        **(arms.body_extras(arm) if arm == "off" else {})}
                 record = Record(arm, s.index, agent, step, kind, branch)
                 await post_chat(http, url, body, headers, record, spec.timeout, origin)
                 records.append(record)
@@ -164,6 +172,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default="agent-coding", help="a trace file, or a shipped trace's name")
     p.add_argument("--url", default=router_env.LOCAL_URL, help="the router")
     p.add_argument("--best-url", default=None, help="a router over a prefix-caching prefill (the best arm)")
+    p.add_argument("--peer-url", default=None, help="the peer-best router (turnkv local up --peer: port + 2)")
     p.add_argument("--arms", default=None, help="comma list of off,on,best (default: off,on, plus best with "
                                                 "--best-url)")
     p.add_argument("--time-scale", type=float, default=1.0, help="multiply every think time (0: none)")
@@ -173,8 +182,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def default_arms(best_url: str | None) -> str:
-    return "off,on,best" if best_url else "off,on"
+def default_arms(best_url: str | None, peer_url: str | None = None) -> str:
+    return ",".join(["off", "on", *(["best"] if best_url else []), *(["peer"] if peer_url else [])])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         trace = agent_trace.load(args.trace)
-        spec = PlaySpec(url=args.url, arms=parse_arms(args.arms or default_arms(args.best_url)),
-                        best_url=args.best_url, model=args.model, api_key=args.api_key, time_scale=args.time_scale)
+        spec = PlaySpec(url=args.url, arms=parse_arms(args.arms or default_arms(args.best_url, args.peer_url)),
+                        best_url=args.best_url, peer_url=args.peer_url, model=args.model, api_key=args.api_key,
+                        time_scale=args.time_scale)
     except ValueError as exc:
         print(f"error: {exc}")
         return 2

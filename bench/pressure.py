@@ -543,11 +543,13 @@ def quick(out: Path = Path("results/demo/pressure"), url: str | None = None, dec
 #: ``--agent`` (issue 36's three-arm sweep, scaled to 2 cores): flag -> value. Agent traffic after Mooncake's
 #: FAST'25 trace: ~470 new tokens and ~350-token replies per later turn, scaled by 1/4 in tokens (120 new words, 96
 #: reply tokens, exact), think times p50 126 s / p90 486 s scaled by 1/24 (5.3 s / 20.3 s). Three turns per
-#: conversation; levels 1x-8x the conversations the peer's prefill cache holds.
+#: conversation; levels 1x-8x the conversations the peer's prefill cache holds. Conversations arrive 0.75 s apart (32
+#: over 24 s at 8x), not in one burst: 32 first turns at once need 160 blocks of decode's 80 and every arm queues
+#: on decode (turnkv's most, its retained turns holding half of decode's cache: docs/benchmarks.md).
 AGENT_TIME_SCALE = 1 / 24
 AGENT = {"levels": "1,2,4,8", "turns": 3, "think": f"mooncake:{AGENT_TIME_SCALE}", "stack_per": "variant",
          "system_words": 150, "first_user_words": 250, "turn_words": 120, "max_tokens": 96, "exact_replies": True,
-         "arms": "off,peer,on", "fit_from": "prefill", "max_minutes": 20.0}
+         "arms": "off,peer,on", "fit_from": "prefill", "max_minutes": 25.0, "stagger": 0.75}
 #: Share of the workload's pauses turnkv's retention is sized to outlast: Mooncake's p90 (486 s) is past the 480 s
 #: default TTL, so a deployment serving such traffic sets the TTL from the think-time tail, as `turnkv plan` does.
 AGENT_TTL_QUANTILE = 0.95

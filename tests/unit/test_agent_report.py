@@ -100,6 +100,11 @@ def test_arms_parse_and_need_their_router():
         agent_bench.parse_arms("on,fast")
     with pytest.raises(ValueError, match="--best-url"):
         agent_bench.PlaySpec(arms=("on", "best"))
+    # the peer-best arm of bench.arms (issue #36's three arms: off, peer, on)
+    assert agent_bench.default_arms(None, "http://p") == "off,on,peer"
+    assert agent_bench.parse_arms("peer,on,off") == ("off", "on", "peer")
+    with pytest.raises(ValueError, match="--peer-url"):
+        agent_bench.PlaySpec(arms=("on", "peer"))
 
 
 def test_cli_refuses_a_bad_trace_naming_the_field(tmp_path):
@@ -114,6 +119,8 @@ def test_cli_refuses_a_bad_trace_naming_the_field(tmp_path):
     assert missing.exit_code == 2 and "no such trace file" in missing.output and "agent-coding" in missing.output
     best = CliRunner().invoke(app, ["bench", "agent", "--arms", "best"], env={"COLUMNS": "300"})
     assert best.exit_code == 2 and "--best-url" in best.output
+    peer = CliRunner().invoke(app, ["bench", "agent", "--arms", "off,peer,on"], env={"COLUMNS": "300"})
+    assert peer.exit_code == 2 and "--peer-url" in peer.output
 
 
 def test_cli_says_when_the_router_is_unreachable(tmp_path):

@@ -125,8 +125,11 @@ def agent(
     best_url: Annotated[str | None, typer.Option(help="Router over a prefix-caching prefill engine (the best arm).")]
     = None,
     best_router: Annotated[str | None, typer.Option("--best-router", hidden=True)] = None,
-    arms: Annotated[str | None, typer.Option(help="Comma list of off, on, best, played in that order (default: off,on; "
-                                                  "with --best-url also best).")] = None,
+    peer_url: Annotated[str | None, typer.Option(help="The peer-best router (`turnkv local up --peer`: port + 2): "
+                                                      "a prefix-caching prefill of its own, no reuse.")] = None,
+    arms: Annotated[str | None, typer.Option(help="Comma list of off, on, best, peer, played in that order (default: "
+                                                  "off,on, plus best with --best-url and peer with --peer-url).")]
+    = None,
     time_scale: Annotated[float, typer.Option(min=0, help="Multiply every think time of the trace (0: no pauses).")]
     = 1.0,
     model: Annotated[str | None, typer.Option(help="Model name (default: the first of /v1/models).")] = None,
@@ -143,8 +146,9 @@ def agent(
     best_url = renamed(ctx, "best_url", "best_router")
     try:
         loaded = agent_trace.load(trace)
-        spec = agent_bench.PlaySpec(url=url, arms=agent_bench.parse_arms(arms or agent_bench.default_arms(best_url)),
-                                    best_url=best_url, model=model, api_key=api_key, time_scale=time_scale)
+        spec = agent_bench.PlaySpec(url=url, arms=agent_bench.parse_arms(
+            arms or agent_bench.default_arms(best_url, peer_url)), best_url=best_url, peer_url=peer_url, model=model,
+            api_key=api_key, time_scale=time_scale)
     except ValueError as exc:  # a bad trace (agent_trace.TraceError) or arms
         console.print(str(exc), soft_wrap=True, markup=False, style="red")
         raise typer.Exit(2) from None
@@ -170,7 +174,8 @@ def agent(
                           soft_wrap=True, markup=False, style="red")
             raise typer.Exit(1) from None
     summary = agent_report.write(records, out, {"trace": loaded.name, "trace_file": str(agent_trace.resolve(trace)),
-                                                "url": spec.url, "best_url": spec.best_url, "arms": list(spec.arms),
+                                                "url": spec.url, "best_url": spec.best_url,
+                                                "peer_url": spec.peer_url, "arms": list(spec.arms),
                                                 "time_scale": time_scale})
     print(agent_report.markdown(summary), flush=True)  # plain: a table is not wrapped at the terminal's width
     console.print(f"wrote {out / 'summary.md'}, {out / 'summary.json'} and {out / 'results.jsonl'}")
