@@ -197,6 +197,12 @@ class TurnkvSchedulerMixin:
         # and the requests whose pull is read inside the step that computes them (until their metadata is built).
         self._inline_engines: set[str] = set()
         self._inline_reqs: set[str] = set()
+        # Decode side: vLLM's block pool (bound by the connector) and the incoming requests looked at but not yet
+        # given blocks (request id -> blocks their prompt needs): while they outnumber the free blocks, finished
+        # turns are not retained on the device (they go to the host tier, or are not retained), so retention never
+        # holds the room running requests wait for.
+        self._block_pool: Any = None
+        self._decode_waiting: dict[str, int] = {}
         self._bytes_per_block = _bytes_per_block(self.kv_cache_config)
         # This engine's boot fingerprint (decode stamps its params), and the ones prefill's reads expect.
         self._boot: str | None = None
@@ -244,11 +250,29 @@ class TurnkvSchedulerMixin:
         return bool(params and params.get(wire.DO_REMOTE_DECODE) and params.get(wire.REMOTE_BLOCK_IDS)
                     and not params.get(wire.REMOTE_BLOCKS_PROCESSED))
 
+    def turnkv_bind_block_pool(self, pool: Any) -> None:
+        """vLLM's block pool (``KVConnectorBase_V1.bind_gpu_block_pool``): decode reads its free blocks."""
+        self._block_pool = pool
+
+    def _device_pressure(self) -> bool:
+        """Whether incoming decode requests wait for more blocks than are free (they are looked at every step they
+        wait, and leave the count once given blocks)."""
+        if self._block_pool is None or not self._decode_waiting:
+            return False
+        try:
+            free = int(self._block_pool.get_num_free_blocks())
+        except Exception:
+            return False
+        return sum(self._decode_waiting.values()) > free
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         self._tunables.poll()
         self._pending[request.request_id] = request
         self._prefill_local[request.request_id] = int(num_computed_tokens)
         params = request.kv_transfer_params
+        if params and params.get(wire.DO_REMOTE_PREFILL) and not self._decode_waiting.get(request.request_id):
+            tokens = int(getattr(request, "num_tokens", 0) or 0) - int(num_computed_tokens)
+            self._decode_waiting[request.request_id] = max(1, -(-tokens // max(1, int(self.block_size))))
         if params and params.get(wire.DO_REMOTE_DECODE) and params.get(wire.REMOTE_BLOCKS_PROCESSED):
             # The one READ of decode's blocks was already tried: it failed (decode died, lease gone) or the
             # request was preempted after it. Upstream would report the tokens as loadable again without
@@ -345,6 +369,7 @@ class TurnkvSchedulerMixin:
             s.data["turnkv_decision_queue_delay_seconds"] = [decision.queue_delay_s]
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._decode_waiting.pop(request.request_id, None)
         cached = compat.prefill_cached_tokens(request)
         if cached is not None:  # as of this admission (a failed READ is admitted again, loading nothing)
             self._prefill_cached[request.request_id] = cached
@@ -650,6 +675,7 @@ class TurnkvSchedulerMixin:
         verdict = self._verdicts.pop(request.request_id, None)
         self._pending.pop(request.request_id, None)
         self._inline_reqs.discard(request.request_id)
+        self._decode_waiting.pop(request.request_id, None)
         self._pulls_started.pop(request.request_id, None)
         self._expected_boots.pop(request.request_id, None)
         self._read_deadlines.pop(request.request_id, None)
@@ -725,7 +751,12 @@ class TurnkvSchedulerMixin:
             return self._read_delays.idle_after(self._idle_evict, ttl, of, self._idle_floor)
 
         host_ok = len(block_ids or ()) == 1  # one KV cache group: the pool's layout
-        placement = self._retained.place(adding, time.time(), self._retention_capacity(), self._host_room(),
+        device_room = self._retention_capacity()
+        if self._device_pressure():
+            # Requests wait for room: no new device retention (the host tier, else not retained) until they run.
+            device_room = min(device_room, float(self._retained.used(Tier.DEVICE)))
+            self.turnkv_stats.record("turnkv_retention_yielded", 1)
+        placement = self._retained.place(adding, time.time(), device_room, self._host_room(),
                                          idle_after, host_ok=host_ok, tenant=tenant)
         for request_id, held in placement.evicted:
             reason = EvictReason.READ if held.read_at is not None else EvictReason.IDLE

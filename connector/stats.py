@@ -78,6 +78,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
                                      "over tensor-parallel ranks, which write at the same time)."),
     "turnkv_host_moves": (
         "vllm:turnkv_host_moves", "Finished turns decode copied from its device cache into its host tier."),
+    "turnkv_retention_yielded": (
+        "vllm:turnkv_retention_yielded", "Finished turns decode kept off its device cache because incoming requests "
+                                         "waited for more blocks than were free (host tier instead, or not retained)."),
     "turnkv_host_move_bytes": (
         "vllm:turnkv_host_move_bytes", "KV bytes decode copied from its device cache into its host tier."),
 }
@@ -256,6 +259,13 @@ class TurnkvStatsReporting:
 
     connector_scheduler: Any
     connector_worker: Any
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """vLLM's block pool, for the scheduler's decode-side pressure check (``turnkv_bind_block_pool``)."""
+        super().bind_gpu_block_pool(gpu_block_pool)  # type: ignore[misc]
+        scheduler = getattr(self, "connector_scheduler", None)
+        if scheduler is not None and hasattr(scheduler, "turnkv_bind_block_pool"):
+            scheduler.turnkv_bind_block_pool(gpu_block_pool)
 
     def build_connector_worker_meta(self) -> Any:
         """The worker's cost-model samples of this step (``connector.worker.TurnkvWorkerMeta``)."""

@@ -200,7 +200,7 @@ def turnkv_push_scheduler(monkeypatch, release: tuple[int, int, int]):
     s.__dict__.update(cost=CostModel(), _pulls_started={}, _pulled_from=set(), _handshaken=set(), _steps=StepClock(),
                       _pending={}, _bytes_per_block=128 * 4096, _retained={},
                       turnkv_stats=TurnkvKVConnectorStats(), _verdicts={}, _expected_boots={}, _prefill_cached={},
-                      _read_deadlines={}, _inline_engines=set(), _inline_reqs=set(), _inline_max_ms=25.0,
+                      _read_deadlines={}, _inline_engines=set(), _inline_reqs=set(), _inline_max_ms=25.0, _decode_waiting={},
                       _prefill_local={},
                       _retain_on_demand=True, _adaptive=False, _require_proof=False, _boot=None,
                       _offer_secret=None, _require_signed=False, _require_cleared=True, _model=None, _expiry_skew=5.0,
