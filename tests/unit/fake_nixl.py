@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Memory types each plugin reports, by the runtime NIXL's LIBFABRIC topology detects (hwloc: Neuron or NVIDIA
-#: accelerators next to the EFA devices). 1.5.1's plugin logs "Neuron runtime detected, adding VRAM support".
+#: accelerators next to the EFA devices). 1.5.1's plugin logs "Neuron runtime detected, adding VRAM support". The
+#: only plugin the Neuron path uses; what UCX would do with Neuron memory is not modelled (it is not offered).
 PLUGIN_MEMS: dict[str, dict[str, tuple[str, ...]]] = {
     "LIBFABRIC": {"neuron": ("DRAM", "VRAM"), "cuda": ("DRAM", "VRAM"), "system": ("DRAM",)},
-    "UCX": {"neuron": ("DRAM",), "cuda": ("DRAM", "VRAM"), "system": ("DRAM",)},
 }
 
 
@@ -92,8 +92,11 @@ class FakeNixlCore:
     def getAvailPlugins(self) -> list[str]:
         return sorted(PLUGIN_MEMS)
 
+    def _mems(self, plugin: str) -> list[str]:
+        return [f"{m}_SEG" for m in PLUGIN_MEMS[plugin][self.fabric.runtime]]  # as the bindings name them
+
     def getPluginParams(self, plugin: str) -> tuple[dict[str, str], list[str]]:
-        return {}, list(PLUGIN_MEMS[plugin][self.fabric.runtime])
+        return {}, self._mems(plugin)
 
     def createBackend(self, plugin: str, params: dict[str, str]) -> str:
         if plugin not in PLUGIN_MEMS:
@@ -104,7 +107,7 @@ class FakeNixlCore:
         return handle
 
     def getBackendParams(self, handle: str) -> tuple[dict[str, str], list[str]]:
-        return {}, list(PLUGIN_MEMS[self.backends[handle]][self.fabric.runtime])
+        return {}, self._mems(self.backends[handle])
 
     def _supports(self, backend: str, mem: str) -> bool:
         return mem in PLUGIN_MEMS[self.backends[backend]][self.fabric.runtime]

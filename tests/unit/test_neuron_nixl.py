@@ -43,9 +43,9 @@ NEURON_VLLM = pytest.mark.skipif(
 LAYERS, KV_HEADS, HEAD_DIM, BLOCKS = 2, 4, 64, 16
 
 
-def neuron_spec(role: engine_args.Role, engine_id: str) -> engine_args.EngineSpec:
+def neuron_spec(role: engine_args.Role, engine_id: str, **tunables: object) -> engine_args.EngineSpec:
     return engine_args.EngineSpec(role=role, engine_id=engine_id, model="m", port=8000, side_channel_port=5600,
-                                  backends=neuron.NIXL_BACKENDS, flavor="neuron")
+                                  backends=neuron.NIXL_BACKENDS, flavor="neuron", tunables=tunables)
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +63,10 @@ def configs(tmp_path_factory):
         "vocab_size": 1000, "torch_dtype": "bfloat16"}))
     model_config = ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024)
     made = {}
-    for role, engine in ((engine_args.Role.PREFILL, "prefill-0"), (engine_args.Role.DECODE, "decode-0")):
-        spec = neuron_spec(role, engine)
+    engines = ((engine_args.Role.PREFILL, "prefill-0", {}), (engine_args.Role.DECODE, "decode-0", {}),
+               (engine_args.Role.DECODE, "decode-host-tier", {"host_kv_budget_mib": 64}))
+    for role, engine, tunables in engines:
+        spec = neuron_spec(role, engine, **tunables)
         transfer = KVTransferConfig(**engine_args.kv_transfer_config(spec))
         config = VllmConfig(model_config=model_config, cache_config=CacheConfig(block_size=spec.block_size),
                             kv_transfer_config=transfer)
@@ -225,6 +227,31 @@ def test_start_up_registers_the_kv_cache_as_neuron_device_memory(configs, neuron
     assert engine.worker.kv_cache_layout == neuron.KV_LAYOUT
     assert engine.worker.backend_name == neuron.ATTENTION_BACKEND
     assert engine.worker.nixl_memory_type == neuron.NIXL_MEMORY_TYPE
+
+
+@NEURON_VLLM
+def test_decodes_host_tier_stays_off_on_the_neuron_image(configs, neuron_fabric, caplog):
+    """``turnkv.neuron.HOST_TIER_NOTE``: vLLM 0.29's NIXL worker has no per-region layout, so a decode configured
+    with a host budget registers its device cache only, and says so (the granted-bytes gauge reads 0)."""
+    engine = start_engine(configs["decode-host-tier"], "decode-host-tier")
+    assert [mem for mem, _, _ in calls(core(neuron_fabric, engine), "registerMem")] == [neuron.NIXL_MEMORY_TYPE]
+    rank, configured, granted, why = engine.worker._turnkv_host_tier
+    assert (rank, configured, granted) == (0, 64 << 20, 0) and "vLLM 0.29" in why
+    assert any("HOST TIER OFF" in r.getMessage() for r in caplog.records)
+
+
+@NEURON_VLLM
+def test_without_a_neuron_runtime_start_up_stops_naming_the_fix(configs):
+    """NIXL's LIBFABRIC plugin offers VRAM only where it finds a Neuron runtime; elsewhere NIXL refuses the KV cache
+    with NIXL_ERR_BACKEND, and the engine stops saying what the node lacks instead."""
+    with on_neuron(runtime="system") as fabric:
+        with pytest.raises(RuntimeError, match="refused to register") as refused:
+            start_engine(configs["decode-0"], "decode-0")
+        (agent,) = fabric.agents.values()
+        assert calls(agent, "prepXferDlist") == []  # nothing after the refused registration
+    message = str(refused.value)
+    assert "VRAM on LIBFABRIC" in message and "NIXL_ERR_BACKEND" in message and "doctor --flavor neuron" in message
+    assert type(refused.value.__cause__).__name__ == "nixlBackendError"
 
 
 @NEURON_VLLM
