@@ -50,10 +50,11 @@ def neuron_spec(role: engine_args.Role, engine_id: str, **tunables: object) -> e
 
 @pytest.fixture(scope="module")
 def configs(tmp_path_factory):
-    """The two engines' vLLM configs, made once (on this machine's platform: vLLM's own config checks need it)."""
+    """The engines' vLLM configs by name, made once (on this machine's platform: vLLM's own config checks need it);
+    ``/tp2`` ones at tensor parallelism 2 (a trn2 engine runs TP 16: every rank takes the same path)."""
     import json
 
-    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
 
     model = tmp_path_factory.mktemp("model")
     (model / "config.json").write_text(json.dumps({
@@ -63,15 +64,16 @@ def configs(tmp_path_factory):
         "vocab_size": 1000, "torch_dtype": "bfloat16"}))
     model_config = ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024)
     made = {}
-    engines = ((engine_args.Role.PREFILL, "prefill-0", {}), (engine_args.Role.DECODE, "decode-0", {}),
-               (engine_args.Role.DECODE, "decode-host-tier", {"host_kv_budget_mib": 64}))
-    for role, engine, tunables in engines:
+    engines = ((engine_args.Role.PREFILL, "prefill-0", 1, {}), (engine_args.Role.DECODE, "decode-0", 1, {}),
+               (engine_args.Role.DECODE, "decode-host-tier", 1, {"host_kv_budget_mib": 64}),
+               (engine_args.Role.PREFILL, "prefill-0", 2, {}), (engine_args.Role.DECODE, "decode-0", 2, {}))
+    for role, engine, tp, tunables in engines:
         spec = neuron_spec(role, engine, **tunables)
         transfer = KVTransferConfig(**engine_args.kv_transfer_config(spec))
         config = VllmConfig(model_config=model_config, cache_config=CacheConfig(block_size=spec.block_size),
-                            kv_transfer_config=transfer)
+                            kv_transfer_config=transfer, parallel_config=ParallelConfig(tensor_parallel_size=tp))
         config.cache_config.kv_cache_layout = neuron.KV_LAYOUT  # what the engine core resolves for the plugin
-        made[engine] = config
+        made[engine if tp == 1 else f"{engine}/tp2"] = config
     return made
 
 
@@ -109,8 +111,9 @@ def neuron_fabric():
         yield fabric
 
 
-def start_engine(config, engine_id: str):
-    """What a worker process does at start: build the connector's worker, allocate the KV cache, register it."""
+def start_engine(config, engine_id: str, kv_heads: int = KV_HEADS):
+    """What a worker process does at start: build the connector's worker, allocate the KV cache, register it
+    (``kv_heads``: this rank's share of the model's KV heads)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
@@ -118,7 +121,7 @@ def start_engine(config, engine_id: str):
 
     from connector.pull import TurnkvPullConnector
 
-    spec = FullAttentionSpec(block_size=config.cache_config.block_size, num_kv_heads=KV_HEADS, head_size=HEAD_DIM,
+    spec = FullAttentionSpec(block_size=config.cache_config.block_size, num_kv_heads=kv_heads, head_size=HEAD_DIM,
                              dtype=torch.bfloat16)
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     kv_config = get_kv_cache_config_from_groups(config, [KVCacheGroupSpec(layers, spec)],
@@ -139,15 +142,17 @@ def calls(agent: fake_nixl.FakeNixlCore, name: str) -> list:
 
 
 @contextlib.contextmanager
-def side_channel(engine):
-    """Upstream's handshake listener serving ``engine``'s metadata on 127.0.0.1, as its scheduler process does."""
+def side_channel(*ranks):
+    """Upstream's handshake listener serving the metadata of an engine's tensor-parallel ``ranks`` (in rank order) on
+    127.0.0.1, as its scheduler process does."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import NixlBaseConnectorScheduler
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ready, stop = threading.Event(), threading.Event()
-    payload = {(0, 0): msgspec.msgpack.Encoder().encode(engine.worker.xfer_handshake_metadata)}
+    payload = {(0, rank): msgspec.msgpack.Encoder().encode(engine.worker.xfer_handshake_metadata)
+               for rank, engine in enumerate(ranks)}
     thread = threading.Thread(target=NixlBaseConnectorScheduler._nixl_handshake_listener,
                               args=(payload, ready, stop, "127.0.0.1", port), daemon=True)
     thread.start()
@@ -169,14 +174,15 @@ def offer(engine, request_id: str):
     engine.worker.start_load_kv(meta)
 
 
-def pull(reader, holder, port: int, local: list[int], remote: list[int], request_id: str, remote_request_id: str):
+def pull(reader, holder, port: int, local: list[int], remote: list[int], request_id: str, remote_request_id: str,
+         tp_size: int = 1):
     """The reader's scheduler handing its worker one READ (as for a remote prefill), then the next steps."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 
     meta = NixlConnectorMetadata()
     meta.add_new_req_to_recv(request_id, (local,), {
         "remote_block_ids": (remote,), "remote_engine_id": holder.engine_id, "remote_request_id": remote_request_id,
-        "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1})
+        "remote_host": "127.0.0.1", "remote_port": port, "tp_size": tp_size})
     reader.worker.start_load_kv(meta)  # the first read of an engine handshakes in the background
     deadline = time.monotonic() + 30
     while holder.engine_id not in reader.worker._remote_agents and time.monotonic() < deadline:
@@ -297,6 +303,40 @@ def test_a_pull_then_the_bidirectional_read_back_move_exactly_the_offered_blocks
         assert torch.equal(block(prefill, name, 1), block(decode, name, 7))
     assert prefill.worker.get_finished()[1] == {"p-2"}
     assert decode.worker.get_finished()[0] == {"d-1"}
+
+
+@NEURON_VLLM
+def test_at_tensor_parallelism_each_decode_rank_reads_its_prefill_rank(configs):
+    """TP 2 on both sides (a trn2 engine runs TP 16 over its NeuronCores): every rank registers its own KV heads with
+    its own agent, device id 0 (each worker sees one device), and decode rank r reads prefill rank r's blocks."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    tp, heads = 2, KV_HEADS // 2
+    with on_neuron() as fabric, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(base_worker, "get_tensor_model_parallel_world_size", lambda: tp)
+        ranks: dict[str, list] = {"prefill-0": [], "decode-0": []}
+        for engine, started in ranks.items():
+            for rank in range(tp):
+                mp.setattr(base_worker, "get_tensor_model_parallel_rank", lambda rank=rank: rank)
+                started.append(start_engine(configs[f"{engine}/tp2"], engine, kv_heads=heads))
+        for rank, engine in enumerate(ranks["prefill-0"]):
+            fill(engine, 10 + rank)
+        with side_channel(*ranks["prefill-0"]) as port:
+            for engine in ranks["prefill-0"]:
+                offer(engine, "p-1")
+            for decode in ranks["decode-0"]:
+                pull(decode, ranks["prefill-0"][0], port, [2, 4], [6, 8], "d-1", "p-1", tp_size=tp)
+        for rank, (prefill, decode) in enumerate(zip(ranks["prefill-0"], ranks["decode-0"], strict=True)):
+            (registered,) = calls(core(fabric, decode), "registerMem")
+            assert registered[0] == neuron.NIXL_MEMORY_TYPE and {d for _, _, d in registered[1]} == {0}
+            (op, remote_agent, pairs, notif), = calls(core(fabric, decode), "makeXferReq")
+            assert remote_agent == prefill.worker.nixl_wrapper.name, f"decode rank {rank} read another rank"
+            assert pairs == expected_pairs(decode, prefill, [2, 4], [6, 8]) and notif == b"p-1:1"
+            for name in decode.caches:
+                assert torch.equal(block(decode, name, 2), block(prefill, name, 6))
+                assert torch.equal(block(decode, name, 4), block(prefill, name, 8))
+            assert decode.worker.get_finished()[1] == {"d-1"}
+            assert prefill.worker.get_finished()[0] == {"p-1"}
 
 
 @NEURON_VLLM
