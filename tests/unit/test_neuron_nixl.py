@@ -330,7 +330,7 @@ def test_at_tensor_parallelism_each_decode_rank_reads_its_prefill_rank(configs):
             (registered,) = calls(core(fabric, decode), "registerMem")
             assert registered[0] == neuron.NIXL_MEMORY_TYPE and {d for _, _, d in registered[1]} == {0}
             (op, remote_agent, pairs, notif), = calls(core(fabric, decode), "makeXferReq")
-            assert remote_agent == prefill.worker.nixl_wrapper.name, f"decode rank {rank} read another rank"
+            assert op == "READ" and remote_agent == prefill.worker.nixl_wrapper.name, f"rank {rank} read another"
             assert pairs == expected_pairs(decode, prefill, [2, 4], [6, 8]) and notif == b"p-1:1"
             for name in decode.caches:
                 assert torch.equal(block(decode, name, 2), block(prefill, name, 6))
