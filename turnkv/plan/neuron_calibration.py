@@ -25,8 +25,6 @@ from turnkv.plan import closed_form, gpu_calibration, hardware
 
 #: The instance these figures price (the rows' instance type).
 INSTANCE = "trn2.48xlarge"
-#: What the planner states on every trn2 TTFT when the held-out rows say less: the held-out error is the evidence.
-MIN_BAND = 0.10
 
 
 def load_data() -> dict[str, Any]:
@@ -93,7 +91,7 @@ def fitted() -> dict[str, Any]:
                     "error": round(ttft / row["measured_ms"] - 1, 4), "tpot_measured_ms": row["tpot_ms"],
                     "tpot_predicted_ms": round(tpot, 1), "tpot_error": round(tpot / row["tpot_ms"] - 1, 4)})
     held = [abs(r["error"]) for r in out if r["split"] == "held_out"]
-    band = max([MIN_BAND, *(math.ceil(e * 100) / 100 for e in held)])
+    band = max(math.ceil(e * 100) / 100 for e in held) if held else None  # the held-out error is the evidence
     return {"dense": dense, "decode_bandwidth": decode, "request_overhead_s": eff.request_overhead_s,
             "moe": eff.moe, "rows": out, "band": band, "sources": data["sources"]}
 
@@ -107,8 +105,9 @@ def calibrated(inst: hardware.Instance) -> hardware.Instance:
     cal = ", ".join(r["model"] for r in f["rows"] if r["split"] == "calibration")
     eff = replace(inst.efficiency, dense=f["dense"], decode_bandwidth=f["decode_bandwidth"],
                   request_overhead_s=f["request_overhead_s"], moe=f["moe"], ttft_band=f["band"],
-                  ttft_band_source=f"±{f['band']:.0%}: the held-out published trn2 TTFT ({held}); "
-                                   "turnkv/plan/data/neuron_measurements.json",
+                  ttft_band_source=(f"±{f['band']:.0%}: the held-out published trn2 TTFT ({held}); "
+                                    "turnkv/plan/data/neuron_measurements.json") if f["band"] else
+                  "none: no held-out trn2 row",
                   source=f"prefill factor and decode bandwidth fitted to published Neuron TTFT/TPOT ({cal}; "
                          "turnkv/plan/data/neuron_measurements.json); per-hop cost and MoE factor from the GPU fit; "
                          "all-reduces at the NeuronLink prior")
@@ -118,8 +117,9 @@ def calibrated(inst: hardware.Instance) -> hardware.Instance:
 def markdown() -> str:
     """docs/planning.md's trn2 table (``python -m turnkv.plan.neuron_calibration``)."""
     f = fitted()
+    band = f"±{f['band']:.0%}" if f["band"] else "none"
     lines = [f"Fitted: prefill {f['dense']:.3f} of BF16 peak, decode {f['decode_bandwidth']:.3f} of HBM bandwidth; "
-             f"per hop {f['request_overhead_s'] * 1000:.0f} ms (GPU fit); band ±{f['band']:.0%}.", "",
+             f"per hop {f['request_overhead_s'] * 1000:.0f} ms (GPU fit); band {band}.", "",
              "| measurement | source | TTFT measured | TTFT predicted | error | TPOT measured | TPOT predicted | "
              "error | split |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in f["rows"]:
