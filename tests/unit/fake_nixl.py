@@ -244,6 +244,8 @@ class FakeNixlCore:
         self.xfers.pop(int(handle), None)
 
     def genNotif(self, remote: str, message: bytes, *backend: Any) -> None:
+        if remote not in self.remote_sections or remote not in self.fabric.agents:
+            raise self._b.nixlNotFoundError(f"NIXL_ERR_NOT_FOUND: remote agent '{remote}' not found")
         self.fabric.agents[remote].notifs.setdefault(self.name, []).append(bytes(message))
 
     def getNotifs(self, into: dict[str, list[bytes]], handles: list[str]) -> dict[str, list[bytes]]:
