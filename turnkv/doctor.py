@@ -252,7 +252,7 @@ def check_nixl(node: Node, opts: Options) -> CheckResult:
         # vLLM registers the KV cache as VRAM (kv_buffer_device cuda); without it the engine stops at start.
         return CheckResult(name, Status.FAIL, f"the LIBFABRIC backend offers {', '.join(mems) or 'no'} memory, not "
                            "VRAM: it found no Neuron runtime, so NIXL will refuse the engines' KV cache",
-                           neuron.DEVICE_MEMORY_FIX.split(". Run ")[0])
+                           neuron.DEVICE_MEMORY_NEEDS)
     what = "plugin loads" if opts.image else "backend instantiated"
     offers = f", offers {'/'.join(mems)}" if mems else ""
     return CheckResult(name, Status.PASS, f"LIBFABRIC {what}{offers}; linked to {node.efa_prefix}/lib/libfabric.so.1")

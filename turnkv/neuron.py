@@ -52,10 +52,11 @@ NIXL_DEVICE_ID = 0
 ATTENTION_BACKEND = "CUSTOM"
 KV_LAYOUT = "LBHNC"
 #: What a node needs for NIXL to register Neuron HBM, said when it refuses (connector/worker.py, turnkv doctor).
-DEVICE_MEMORY_FIX = ("NIXL's LIBFABRIC plugin offers device memory (VRAM) only where its topology finds the Neuron "
-                     "runtime next to the EFA devices (the pinned NIXL's plugin; the 0.10 to 1.0 releases offered DRAM "
-                     "only on Neuron): libnrt.so.1 loadable and the instance's Neuron devices visible. Run turnkv "
-                     "doctor --flavor neuron on the node (nixl-libfabric)")
+DEVICE_MEMORY_NEEDS = ("NIXL's LIBFABRIC plugin offers device memory (VRAM) only where its topology finds the Neuron "
+                       "runtime next to the EFA devices: libnrt.so.1 loadable and the instance's Neuron devices "
+                       "visible (the pinned NIXL's plugin does; NIXL's sources from 0.10 to 1.0.1 offered DRAM only "
+                       "on Neuron)")
+DEVICE_MEMORY_FIX = f"{DEVICE_MEMORY_NEEDS}. Run turnkv doctor --flavor neuron on the node (nixl-libfabric)"
 #: NIXL backend for KV over EFA.
 NIXL_BACKENDS = ("LIBFABRIC",)
 #: Engines sharing a node must keep libfabric off its shared-memory transport, or answers can be wrong.
