@@ -32,9 +32,9 @@ VLLM029_LAYOUT = ("vLLM 0.29 v1/attention/backends/utils.py resolve_kv_cache_lay
 VLLM029_NIXL_WORKER = ("vLLM 0.29 nixl/base_worker.py: get_nixl_memory_type() None and kv_buffer_device cuda -> "
                        "VRAM; one registration per allocation, device id max(cache.get_device(), 0)")
 NIXL_LIBFABRIC = ("NIXL 1.5.1 wheel, libplugin_LIBFABRIC.so: \"Neuron runtime detected, adding VRAM support\" / \"No "
-                  "accelerator runtime, skipping VRAM support\"; NIXL's sources from 0.10 to 1.0.1 offered DRAM only on "
-                  "Neuron, fixed by \"libfabric: Fix Neuron mem type support regression\" (read in yexiang-aws/nixl, "
-                  "a7283b8)")
+                  "accelerator runtime, skipping VRAM support\"; NIXL's sources from 0.10 to 1.0.1 offered DRAM "
+                  "only on Neuron, fixed by \"libfabric: Fix Neuron mem type support regression\" (read in "
+                  "yexiang-aws/nixl, a7283b8)")
 EC2_SPECS = ("EC2 accelerated computing instance specifications (trn2.48xlarge: 16 Trainium2, 16 EFA; "
              "trn1.32xlarge: 16 Trainium, 8 EFA)")
 
