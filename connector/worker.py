@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 
 from connector import boot, compat, host_pool_plan, host_tier, inline
 from connector.stats import TurnkvKVConnectorStats, counts_on_rank, rank_seconds
-from turnkv import fabric_limits, platforms, wire
+from turnkv import fabric_limits, neuron, platforms, wire
 
 logger = logging.getLogger("vllm.turnkv.connector")
 
@@ -265,7 +265,14 @@ class TurnkvWorkerMixin:
     # host tier (connector.host_tier) -------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: Any) -> None:
-        super().register_kv_caches(kv_caches)  # type: ignore[misc]
+        try:
+            super().register_kv_caches(kv_caches)  # type: ignore[misc]
+        except Exception as exc:
+            why = registration_refusal(self, exc)
+            if why is None:
+                raise
+            logger.error(why)
+            raise RuntimeError(why) from exc
         budget = int(_extra_config(self).get("host_kv_budget_mib") or 0)
         if budget <= 0:
             return
@@ -804,6 +811,16 @@ class ForkReads:
         self.forkable.difference_update(request_ids)
         for request_id in request_ids:
             self._counts.pop(request_id, None)
+
+
+def registration_refusal(worker: Any, exc: BaseException) -> str | None:
+    """What to say when NIXL refuses a Neuron engine's KV cache at start (None: not that case). NIXL's own error
+    ("NIXL_ERR_BACKEND") does not say that its LIBFABRIC plugin offers Neuron HBM only under a Neuron runtime."""
+    if not type(exc).__module__.startswith("nixl") or compat.current_platform_name() != "neuron":
+        return None
+    backends = ", ".join(str(b) for b in getattr(worker, "nixl_backends", None) or ()) or "NIXL's default"
+    return (f"turnkv: NIXL refused to register this engine's KV cache as {getattr(worker, 'nixl_memory_type', '?')} "
+            f"on {backends}: {exc}. {neuron.DEVICE_MEMORY_FIX}.")
 
 
 def _extra_config(worker: Any) -> dict[str, Any]:

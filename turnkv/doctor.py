@@ -214,7 +214,9 @@ import json, sys
 from nixl._api import nixl_agent, nixl_agent_config
 backends = [] if sys.argv[1] == "image" else ["LIBFABRIC"]
 agent = nixl_agent("turnkv-doctor", nixl_agent_config(enable_prog_thread=False, backends=backends))
-print(json.dumps({"plugins": sorted(agent.plugin_list), "backends": sorted(agent.backends)}))
+mems = {b: sorted(getattr(m, "name", str(m)).removesuffix("_SEG") for m in agent.get_backend_mem_types(b))
+        for b in agent.backends}
+print(json.dumps({"plugins": sorted(agent.plugin_list), "backends": sorted(agent.backends), "mems": mems}))
 """
 
 
@@ -245,8 +247,15 @@ def check_nixl(node: Node, opts: Options) -> CheckResult:
     if not opts.image and "LIBFABRIC" not in result.get("backends", []):
         return CheckResult(name, Status.FAIL, "the LIBFABRIC plugin loads but no LIBFABRIC backend was instantiated",
                            "check 'fi_info -p efa' and GPUDirect RDMA (the plugin requires it)")
+    mems = (result.get("mems") or {}).get("LIBFABRIC", [])
+    if opts.flavor == "neuron" and not opts.image and "VRAM" not in mems:
+        # vLLM registers the KV cache as VRAM (kv_buffer_device cuda); without it the engine stops at start.
+        return CheckResult(name, Status.FAIL, f"the LIBFABRIC backend offers {', '.join(mems) or 'no'} memory, not "
+                           "VRAM: it found no Neuron runtime, so NIXL will refuse the engines' KV cache",
+                           neuron.DEVICE_MEMORY_NEEDS)
     what = "plugin loads" if opts.image else "backend instantiated"
-    return CheckResult(name, Status.PASS, f"LIBFABRIC {what}; linked to {node.efa_prefix}/lib/libfabric.so.1")
+    offers = f", offers {'/'.join(mems)}" if mems else ""
+    return CheckResult(name, Status.PASS, f"LIBFABRIC {what}{offers}; linked to {node.efa_prefix}/lib/libfabric.so.1")
 
 
 def check_gdr(node: Node, opts: Options) -> CheckResult:

@@ -25,6 +25,16 @@ PLUGIN_PYPROJECT = "vllm-neuron pyproject.toml, [project.entry-points.\"vllm.pla
 VLLM_PLUGINS_LOADER = ("vllm/plugins/__init__.py load_plugins_by_group (vLLM 0.29 and 0.32): VLLM_PLUGINS "
                        "filters every group, platform plugins included")
 DLAMI_GUIDE = "Neuron SDK docs, dlami/index.rst, 'SSM Parameter Prefix' (only .../latest/image_id is published)"
+PLUGIN_ATTENTION = ("vllm_neuron/vllm/attention/attn.py, NeuronAttentionBackend (vllm-project/vllm-neuron main, "
+                    "commit 3992707): get_name() \"CUSTOM\"; KV pages \"HND layout\"")
+VLLM029_LAYOUT = ("vLLM 0.29 v1/attention/backends/utils.py resolve_kv_cache_layout (legacy HND is LBHNC) and "
+                  "v1/worker/utils.py allocate_kv_cache (one backing allocation, [B, H, N, C] views per layer)")
+VLLM029_NIXL_WORKER = ("vLLM 0.29 nixl/base_worker.py: get_nixl_memory_type() None and kv_buffer_device cuda -> "
+                       "VRAM; one registration per allocation, device id max(cache.get_device(), 0)")
+NIXL_LIBFABRIC = ("NIXL 1.5.1 wheel, libplugin_LIBFABRIC.so: \"Neuron runtime detected, adding VRAM support\" / \"No "
+                  "accelerator runtime, skipping VRAM support\"; NIXL's sources from 0.10 to 1.0.1 offered DRAM "
+                  "only on Neuron, fixed by \"libfabric: Fix Neuron mem type support regression\" (read in "
+                  "yexiang-aws/nixl, a7283b8)")
 EC2_SPECS = ("EC2 accelerated computing instance specifications (trn2.48xlarge: 16 Trainium2, 16 EFA; "
              "trn1.32xlarge: 16 Trainium, 8 EFA)")
 
@@ -36,6 +46,18 @@ DEVICE_TYPE = "neuron"
 VISIBLE_DEVICES = "NEURON_VISIBLE_DEVICES"
 #: ``kv_buffer_device`` NIXL registers on Neuron: "cuda" there means device memory (get_nixl_supported_devices).
 KV_BUFFER_DEVICE = "cuda"
+#: NIXL memory type the KV cache is registered as on Neuron (device memory), and the device id on every rank.
+NIXL_MEMORY_TYPE = "VRAM"
+NIXL_DEVICE_ID = 0
+#: vllm-neuron's attention backend name, and its KV page order (heads, tokens, K|V): vLLM 0.29 calls it LBHNC.
+ATTENTION_BACKEND = "CUSTOM"
+KV_LAYOUT = "LBHNC"
+#: What a node needs for NIXL to register Neuron HBM, said when it refuses (connector/worker.py, turnkv doctor).
+DEVICE_MEMORY_NEEDS = ("NIXL's LIBFABRIC plugin offers device memory (VRAM) only where its topology finds the Neuron "
+                       "runtime next to the EFA devices: libnrt.so.1 loadable and the instance's Neuron devices "
+                       "visible (the pinned NIXL's plugin does; NIXL's sources from 0.10 to 1.0.1 offered DRAM only "
+                       "on Neuron)")
+DEVICE_MEMORY_FIX = f"{DEVICE_MEMORY_NEEDS}. Run turnkv doctor --flavor neuron on the node (nixl-libfabric)"
 #: NIXL backend for KV over EFA.
 NIXL_BACKENDS = ("LIBFABRIC",)
 #: Engines sharing a node must keep libfabric off its shared-memory transport, or answers can be wrong.
@@ -86,6 +108,13 @@ FACTS: tuple[Fact, ...] = (
     Fact("NIXL kv_buffer_device", f"{KV_BUFFER_DEVICE} (device memory, registered as VRAM)",
          f"{PLUGIN_PLATFORM} get_nixl_supported_devices; {DI_DESIGN}, Configuration Reference"),
     Fact("NIXL backend", ",".join(NIXL_BACKENDS), f"{DI_DESIGN}; {DI_TUTORIAL}"),
+    Fact("NIXL registration", f"{NIXL_MEMORY_TYPE}, device id {NIXL_DEVICE_ID} on every rank (a worker sees one "
+                              "device), one region per KV allocation", f"{VLLM029_NIXL_WORKER}; {PLUGIN_PLATFORM} "
+                                                                        "set_device_count"),
+    Fact("LIBFABRIC and device memory", "VRAM offered only where NIXL's topology finds a Neuron (or CUDA) runtime; "
+                                        "else registration fails (NIXL_ERR_BACKEND)", NIXL_LIBFABRIC),
+    Fact("KV layout", f"attention backend {ATTENTION_BACKEND}; HND pages = {KV_LAYOUT} in vLLM 0.29: block b of layer "
+                      "l at base_l + b * block_len", f"{PLUGIN_ATTENTION}; {VLLM029_LAYOUT}"),
     Fact("connector", "upstream NixlConnector (NeuronNixlConnector for DCP and sliding-window models)", DI_DESIGN),
     Fact("modes", "read (decode pulls) by default; bi-directional D->P for multi-turn; write described for "
                   "upstream only", DI_DESIGN),

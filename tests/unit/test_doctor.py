@@ -32,7 +32,8 @@ class FakeNode:
             f"ldd {PLUGIN_DIR}/libplugin_LIBFABRIC.so": Completed(
                 0, f"\tlibfabric.so.1 => {EFA}/lib/libfabric.so.1 (0x00007f)\n"),
             "python -c \nimport json, sys\nfrom nixl": Completed(
-                0, json.dumps({"plugins": ["LIBFABRIC", "POSIX", "UCX"], "backends": ["LIBFABRIC"]}) + "\n"),
+                0, json.dumps({"plugins": ["LIBFABRIC", "POSIX", "UCX"], "backends": ["LIBFABRIC"],
+                               "mems": {"LIBFABRIC": ["DRAM", "VRAM"]}}) + "\n"),
             "nvidia-smi --query-gpu": Completed(0, "580.95.05\n580.95.05\n"),
             "nvidia-smi": Completed(0, SMI_HEADER),
             "python -c import torch": Completed(0, "13.0\n"),
@@ -198,6 +199,37 @@ def test_nixl_is_checked_on_neuron_too():
     """The Neuron image ships NIXL's LIBFABRIC plugin (the Neuron disaggregated-inference setup)."""
     result, fake = run(doctor.check_nixl, flavor="neuron")
     assert result.status is Status.PASS and any(line.startswith("ldd ") for line, _ in fake.calls)
+    assert "offers DRAM/VRAM" in result.detail
+
+
+def test_nixl_fails_on_neuron_when_libfabric_offers_no_device_memory():
+    """Without a Neuron runtime NIXL's LIBFABRIC plugin offers DRAM only, and vLLM registers the KV cache as VRAM:
+    every engine would stop at start (connector.worker.registration_refusal)."""
+    dram_only = Completed(0, json.dumps({"plugins": ["LIBFABRIC"], "backends": ["LIBFABRIC"],
+                                         "mems": {"LIBFABRIC": ["DRAM"]}}))
+    fake = FakeNode({"python -c \nimport json, sys\nfrom nixl": dram_only})
+    result, _ = run(doctor.check_nixl, fake, flavor="neuron")
+    assert result.status is Status.FAIL and "not VRAM" in result.detail and "libnrt.so.1" in result.fix
+    result, _ = run(doctor.check_nixl, fake)  # a GPU node's VRAM is checked by gpu-memory-registration
+    assert result.status is Status.PASS
+
+
+def test_the_nixl_probe_reports_libfabric_memory_types_through_nixls_api(monkeypatch, capsys):
+    """The probe as it runs on a node, through NIXL's real Python API over a fake of its C++ agent
+    (tests.unit.fake_nixl): the memory types come back as the bindings name them, normalised."""
+    pytest.importorskip("nixl")
+    import sys
+
+    import nixl._api as nixl_api
+
+    from tests.unit import fake_nixl
+
+    for runtime, mems in (("neuron", ["DRAM", "VRAM"]), ("system", ["DRAM"])):
+        monkeypatch.setattr(nixl_api, "nixlBind", fake_nixl.FakeBindings(nixl_api.nixlBind, fake_nixl.Fabric(runtime)))
+        monkeypatch.setattr(sys, "argv", ["-c", "node"])
+        exec(compile(doctor.NIXL_PROBE, "<probe>", "exec"), {})  # the probe as the node runs it
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert out["backends"] == ["LIBFABRIC"] and out["mems"] == {"LIBFABRIC": mems}
 
 
 # --- GPUDirect RDMA ---------------------------------------------------------------------------------------

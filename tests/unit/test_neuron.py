@@ -10,33 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.neuron_standin import NativeNeuronPlatform
 from turnkv import engine_args, neuron, node_env, platforms
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-class NativeNeuronPlatform:
-    """What the native plugin's ``NeuronPlatform`` declares (turnkv.neuron, PLUGIN_PLATFORM): device type ``neuron``,
-    device memory registered with NIXL under the name "cuda", no pinned host memory."""
-
-    device_type = neuron.DEVICE_TYPE
-    device_name = neuron.DEVICE_TYPE
-    device_control_env_var = neuron.VISIBLE_DEVICES
-
-    @classmethod
-    def get_nixl_supported_devices(cls) -> dict[str, set[str]]:
-        return {neuron.DEVICE_TYPE: {neuron.KV_BUFFER_DEVICE}}
-
-    @classmethod
-    def get_nixl_memory_type(cls) -> None:
-        return None
-
-    @classmethod
-    def is_pin_memory_available(cls) -> bool:
-        return False
-
-
-NativeNeuronPlatform.__module__ = "vllm_neuron.vllm.platform"
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from turnkv import params
 from turnkv.commands import renamed
@@ -334,7 +335,8 @@ def print_tables(result: dict[str, Any]) -> None:
         f"decode's on; {per['prefill']} prefill / {per['decode']} decode engine(s) per node; "
         f"${a['price_per_node_hour']:.2f}/hour per node on demand", soft_wrap=True)
     if inp["deployable_note"]:  # not deployable, or deployable with a caveat (trn2: unverified, behind an opt-in)
-        out.print(f"[yellow]{inp['instance']} is {inp['deployable_note']}[/yellow]", soft_wrap=True)
+        # escaped: the note names "connector.allow_unverified: [neuron]", which rich would take for a style tag
+        out.print(f"[yellow]{inp['instance']} is {escape(inp['deployable_note'])}[/yellow]", soft_wrap=True)
     if max(per.values()) > 1:
         out.print(f"{per['prefill']}/{per['decode']} engines share a node here; the CDK stack runs them so by "
                   "default (pools[].engines_per_node: the node's accelerators over the TP size, each engine on its "

@@ -196,6 +196,11 @@ CATALOG: dict[str, ModelArch] = {
     "Llama-3.3-70B-Instruct": ModelArch("Llama-3.3-70B-Instruct", layers=80, hidden=8192, heads=64, kv_heads=8,
                                         head_dim=128, v_head_dim=128, intermediate=28672, vocab=128256,
                                         max_context=131072),
+    # meta-llama/Llama-3.1-405B-Instruct: 126 layers, 16384 hidden, 128 heads / 8 KV heads, MLP 53248. The held-out
+    # trn2 row (turnkv/plan/data/neuron_measurements.json).
+    "Llama-3.1-405B-Instruct": ModelArch("Llama-3.1-405B-Instruct", layers=126, hidden=16384, heads=128, kv_heads=8,
+                                         head_dim=128, v_head_dim=128, intermediate=53248, vocab=128256,
+                                         max_context=131072),
     # Qwen/Qwen3-32B: 64 layers, 5120 hidden, 64 heads / 8 KV heads of 128, MLP 25600
     "Qwen3-32B": ModelArch("Qwen3-32B", layers=64, hidden=5120, heads=64, kv_heads=8, head_dim=128,
                            v_head_dim=128, intermediate=25600, vocab=151936,
@@ -242,6 +247,7 @@ def names() -> list[str]:
 #: Hugging Face ids of the catalog's models, as a deploy config's ``model.id`` names them (infra/config.py).
 HF_IDS = {"Qwen/Qwen3-32B": "Qwen3-32B", "Qwen/Qwen3-8B": "Qwen3-8B",
           "meta-llama/Llama-3.3-70B-Instruct": "Llama-3.3-70B-Instruct", "zai-org/GLM-5-FP8": "GLM-5-FP8",
+          "meta-llama/Llama-3.1-405B-Instruct": "Llama-3.1-405B-Instruct",
           "meta-llama/Llama-2-7b-hf": "Llama-2-7B", "meta-llama/Llama-2-70b-hf": "Llama-2-70B"}
 
 

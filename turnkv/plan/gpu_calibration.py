@@ -33,8 +33,9 @@ COLUMNS = ("dense_compute", "moe_compute", "hops", "pull")
 COMPUTE = ("dense_compute", "moe_compute")
 #: The prior terms each row's known part sums (the ablation drops them one at a time).
 KNOWN = ("transfers", "handover", "first_decode_step", "allreduce")
-#: Instances whose achieved factors are the GPU ones (Trainium runs them as a what-if, see hardware.py).
-GPU_FACTOR_INSTANCES = ("p5en.48xlarge", "p5e.48xlarge", "p5.48xlarge", "trn2.48xlarge", "trn1.32xlarge")
+#: Instances whose achieved factors are the GPU ones: trn1 runs them as a what-if (it is not deployable); trn2 has
+#: its own, fitted to published Neuron measurements (turnkv.plan.neuron_calibration).
+GPU_FACTOR_INSTANCES = ("p5en.48xlarge", "p5e.48xlarge", "p5.48xlarge", "trn1.32xlarge")
 #: Columns never fitted: held at their priors. The pull's fixed cost is the sum of named components, each from a
 #: published measurement (hardware.GPU_PULL); fitting it to the seeds' two reuse-on cells gave 246 ms that named
 #: nothing (issue #39).

@@ -193,12 +193,15 @@ class Instance:
 
 H100_SRC = "NVIDIA H100 Tensor Core GPU datasheet (SXM: 989 TFLOPS BF16, 1,979 TFLOPS FP8 dense, 80 GB, 3.35 TB/s)"
 H200_SRC = "NVIDIA H200 Tensor Core GPU datasheet (SXM: 989 TFLOPS BF16, 1,979 TFLOPS FP8 dense, 141 GB, 4.8 TB/s)"
+TRN2_SRC_URL = "https://awsdocs-neuron.readthedocs-hosted.com/en/latest/about-neuron/arch/neuron-hardware/trainium2.html"
+TRN2_SRC = (f"AWS Neuron docs, Trainium2 Architecture ({TRN2_SRC_URL}): per chip 667 BF16 / 1,299 FP8 / 181 FP32 "
+            "dense TFLOPS, 96 GiB HBM at 2.9 TB/s; 16 chips per trn2.48xlarge")
 PRICE_SRC = ("aws.amazon.com/ec2/pricing/on-demand (us-east-1, Linux; P5 prices after AWS's June 2025 cut); "
              "prices change: pass --price to override")
 
 TRN2_UNVERIFIED = ("unverified: deployable only behind connector.allow_unverified: [neuron]: turnkv's connector "
-                   "has not read KV on a Trn2 node yet (docs/trainium.md); figures are a what-if on GPU efficiency "
-                   "factors (no published vLLM-neuron prefill MFU)")
+                   "has not read KV on a Trn2 node yet (docs/trainium.md); its compute is priced from published "
+                   "Neuron TTFT (NxD Inference behind vLLM, colocated), not from a P/D run")
 TRN1_NOT_DEPLOYABLE = f"not deployable: {neuron.TRN1_REFUSAL}"
 
 INSTANCES: dict[str, Instance] = {
@@ -219,11 +222,14 @@ INSTANCES: dict[str, Instance] = {
         {"accelerator": H100_SRC, "network": "aws.amazon.com/ec2/instance-types/p5: 3,200 Gbps EFAv2, "
          "32 EFA interfaces (4 per GPU)", "price": PRICE_SRC}),
     "trn2.48xlarge": Instance(
-        "trn2.48xlarge", "16 x AWS Trainium2", 16, {"bf16": 10.7e15 / 16, "fp8": 20.8e15 / 16, "fp32": 2.9e15 / 16},
+        "trn2.48xlarge", "16 x AWS Trainium2", 16, {"bf16": 667e12, "fp8": 1299e12, "fp32": 181e12},
         96 * GIB, 2.9e12, 3200e9, 44.70,
-        {"accelerator": "awsdocs-neuron trn2-arch: 16 chips, 10.7 PFLOPS BF16 / 20.8 PFLOPS FP8 dense, "
-         "1.5 TiB HBM, 46 TB/s", "network": "3.2 Tbps EFAv3, 16 interfaces", "price": PRICE_SRC,
-         "efficiency": "no public vLLM-neuron prefill MFU: the GPU factors are used; calibrate on the cluster"},
+        {"accelerator": TRN2_SRC, "network": "3.2 Tbps EFAv3, 16 interfaces", "price": PRICE_SRC,
+         "interconnect": f"NeuronLink-v3 1.28 TB/s per chip ({TRN2_SRC_URL}); all-reduces at 0.8 of it, the "
+                         "fraction NCCL reaches of NVLink (the GPU prior's 360 of 450 GB/s)",
+         "efficiency": "prefill factor and decode bandwidth fitted to published Neuron TTFT/TPOT "
+                       "(turnkv/plan/data/neuron_measurements.json, turnkv.plan.neuron_calibration)"},
+        Efficiency(allreduce_bus_bytes_s=0.8 * 1.28e12),
         deployable=True, deployable_note=TRN2_UNVERIFIED),
     "trn1.32xlarge": Instance(
         "trn1.32xlarge", "16 x AWS Trainium", 16, {"bf16": 190e12, "fp8": 190e12, "fp32": 47.5e12}, 32 * GIB,
@@ -264,14 +270,17 @@ def transfer_efficiency(eff: Efficiency, message_bytes: float) -> float:
 
 
 def load(name: str, state_dir: Path | None = None) -> Instance:
-    """An instance by name: GPU factors fitted to the published measurements (turnkv.plan.gpu_calibration),
-    local-cpu's from a calibration file when present. ``INSTANCES`` holds the priors."""
+    """An instance by name: GPU factors fitted to the published measurements (turnkv.plan.gpu_calibration), trn2's
+    to the published Neuron ones (turnkv.plan.neuron_calibration), local-cpu's from a calibration file when
+    present. ``INSTANCES`` holds the priors."""
     from turnkv.plan import gpu_calibration
 
     name = {n.lower(): n for n in INSTANCES}.get(name.strip().lower(), name)
     if name not in INSTANCES:
         raise ValueError(f"unknown instance {name!r}: use one of {', '.join(INSTANCES)}")
-    inst = gpu_calibration.calibrated(INSTANCES[name])
+    from turnkv.plan import neuron_calibration
+
+    inst = neuron_calibration.calibrated(gpu_calibration.calibrated(INSTANCES[name]))
     if state_dir is not None and (state_dir / CALIBRATION_FILE).is_file():
         data = json.loads((state_dir / CALIBRATION_FILE).read_text())
         if data.get("instance") == name:

@@ -1,0 +1,67 @@
+"""trn2 priced from published AWS Neuron figures (turnkv/plan/data/neuron_measurements.json): the chip constants
+are the Trainium2 architecture page's, the prefill factor and decode bandwidth are fitted to the calibration row,
+and the held-out published row checks the planner's prediction."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from turnkv.plan import gpu_calibration, hardware, neuron_calibration
+
+REPO = Path(__file__).resolve().parents[2]
+#: How far the planner's trn2 TTFT may be from a held-out published one: the GPU fit's own held-out rows (other
+#: engines, colocated) land within about this (docs/planning.md), and the trn2 row is another engine too.
+TTFT_TOLERANCE = 0.25
+
+
+def held_out() -> list[dict]:
+    return [r for r in neuron_calibration.fitted()["rows"] if r["split"] == "held_out"]
+
+
+def test_trn2_constants_are_the_published_chip_figures():
+    trn2 = hardware.INSTANCES["trn2.48xlarge"]
+    source = neuron_calibration.load_data()["sources"]["trainium2-arch"]["what"]
+    for figure in ("667 BF16", "1,299 FP8", "181 FP32", "96 GiB HBM at 2.9 TB/s", "1.28 TB/s"):
+        assert figure in source
+    assert (trn2.peak("bfloat16"), trn2.peak("fp8"), trn2.peak("float32")) == (667e12, 1299e12, 181e12)
+    assert (trn2.hbm_bytes, trn2.hbm_bytes_s, trn2.devices) == (96 * hardware.GIB, 2.9e12, 16)
+    assert trn2.efficiency.allreduce_bus_bytes_s == pytest.approx(0.8 * 1.28e12)
+    assert "trainium2.html" in trn2.sources["accelerator"]
+
+
+def test_the_planner_prices_trn2_from_the_neuron_fit_not_the_gpu_one():
+    trn2, gpu = hardware.load("trn2.48xlarge"), hardware.load("p5en.48xlarge")
+    fit = neuron_calibration.fitted()
+    assert trn2.efficiency.dense == pytest.approx(fit["dense"]) and trn2.efficiency.dense != gpu.efficiency.dense
+    assert trn2.efficiency.decode_bandwidth == pytest.approx(fit["decode_bandwidth"])
+    assert "neuron_measurements.json" in trn2.efficiency.source
+    assert trn2.efficiency.ttft_band == fit["band"] and "held-out" in trn2.efficiency.ttft_band_source
+    assert "trn2.48xlarge" not in gpu_calibration.GPU_FACTOR_INSTANCES
+    # The calibration row is reproduced by construction; it is the held-out row that says anything.
+    (calibration,) = [r for r in fit["rows"] if r["split"] == "calibration"]
+    assert calibration["error"] == pytest.approx(0, abs=1e-3)
+    assert calibration["tpot_error"] == pytest.approx(0, abs=1e-3)
+    assert 0 < fit["dense"] <= 0.75  # at most the kernel bound the GPU fit respects
+
+
+@pytest.mark.parametrize("row", held_out(), ids=lambda r: r["id"])
+def test_held_out_published_ttft_is_predicted_within_the_tolerance(row):
+    """Llama-3.1-405B, 10,000 prompt tokens on one trn2.48xlarge: published 2,442 ms; the planner, fitted on the
+    Llama-3.3-70B row only, predicts 2,706 ms (+11%)."""
+    assert abs(row["error"]) <= TTFT_TOLERANCE, (row["predicted_ms"], row["measured_ms"])
+
+
+@pytest.mark.xfail(strict=True, reason="held-out TPOT +190% (110.0 ms predicted against 37.9 ms published for "
+                                       "Llama-3.1-405B): one fraction of HBM bandwidth fitted to the 70B's 19.8 ms "
+                                       "does not carry to a model 5.8x larger at the same TP 64 (the 70B's step is "
+                                       "mostly fixed cost, not weight reads); decode is priced from it anyway")
+@pytest.mark.parametrize("row", held_out(), ids=lambda r: r["id"])
+def test_held_out_published_tpot_is_predicted_within_the_tolerance(row):
+    assert abs(row["tpot_error"]) <= TTFT_TOLERANCE, (row["tpot_predicted_ms"], row["tpot_measured_ms"])
+
+
+def test_docs_show_the_neuron_table():
+    assert neuron_calibration.markdown() in (REPO / "docs/planning.md").read_text(), \
+        "regenerate: python -m turnkv.plan.neuron_calibration"
