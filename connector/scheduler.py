@@ -335,8 +335,10 @@ class TurnkvSchedulerMixin:
         host = request.request_id in self._host_reads
         remaining = int(getattr(request, "num_prompt_tokens", 0) or 0) - int(num_computed_tokens)
         engine = str(wire.KVParams(params).engine_id)
+        groups = getattr(getattr(self, "kv_cache_config", None), "kv_cache_groups", None) or [None]
         predicted = self.cost.predicted_pull(count, tier=Tier.HOST if host else Tier.DEVICE)
-        planned = inline.plan(count, remaining, predicted, float(self._inline_max_ms), engine in self._inline_engines)
+        ready = engine in self._inline_engines and len(groups) == 1  # hybrid models: upstream's async path
+        planned = inline.plan(count, remaining, predicted, float(self._inline_max_ms), ready)
         self.turnkv_stats.record_label("turnkv_inline_plans", planned.reason)
         if not planned.inline:
             return count, asynchronous
@@ -380,6 +382,27 @@ class TurnkvSchedulerMixin:
             self._pulls_started[request.request_id] = (time.perf_counter(), num_external_tokens,
                                                        str(wire.KVParams(params).engine_id))
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if request.request_id in self._inline_reqs and num_external_tokens > 0:
+            self._inline_destination(request.request_id, blocks, num_external_tokens)
+
+    def _inline_destination(self, request_id: str, blocks: Any, num_external_tokens: int) -> None:
+        """Where an inline read lands: the blocks after prefill's own prefix hit that hold the pulled tokens.
+
+        Upstream takes a pull's destination as the request's blocks not yet hashed, which for its asynchronous load
+        (blocks cached only once the load is done) are exactly those. A synchronous load is allocated for the whole
+        prompt and its full blocks up to the pulled tokens' end are hashed at once, so "not hashed" would start one
+        block late (after the last full pulled block) and run into the blocks of the tokens the step computes: the
+        READ would write decode's blocks one block off, and answers differ (the three-arm sweep: 5 of 6 inline pulls
+        answered differently before this)."""
+        entry = self._reqs_need_recv.get(request_id)
+        if entry is None:
+            return
+        first = self._prefill_local.get(request_id, 0) // int(self.block_size)
+        count = -(-num_external_tokens // int(self.block_size))
+        groups = blocks.get_block_ids()
+        local = tuple(list(group[first:first + count]) for group in groups)
+        self._reqs_need_recv[request_id] = (entry[0], self.get_exchange_clipped_blocks(local),
+                                            tuple(first for _ in groups), *entry[3:])
 
     # cost model inputs: step compute time, transfers, handshakes ---------------------------------------
 

@@ -159,3 +159,22 @@ def test_workers_offer_inline_engines_only_where_the_release_keeps_what_the_wait
     assert w._turnkv_reads_inline(remote) is reads
     w.use_host_buffer = True
     assert not w._turnkv_reads_inline(remote)
+
+
+def test_an_inline_read_lands_in_the_blocks_of_the_pulled_tokens():
+    """Upstream's destination is the request's unhashed blocks; a synchronous load hashes its full blocks at once, so
+    that would start one block late (the three-arm sweep: 5 of 6 inline pulls answered differently)."""
+    from connector.scheduler import TurnkvSchedulerMixin
+
+    class Scheduler(TurnkvSchedulerMixin):
+        def __init__(self):  # only what the destination reads
+            self.block_size, self._prefill_local = 128, {"r": 384}
+            self._reqs_need_recv = {"r": ("request", [[15]], (5,), True)}  # upstream's: unhashed blocks only
+
+        def get_exchange_clipped_blocks(self, block_ids):
+            return block_ids
+
+    s = Scheduler()
+    blocks = types.SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13, 14, 15],))
+    s._inline_destination("r", blocks, 132)  # tokens 384..515: block 3 (full) and block 4 (4 tokens)
+    assert s._reqs_need_recv["r"] == ("request", ([13, 14],), (3,), True)
