@@ -261,7 +261,7 @@ def decode_scheduler():
                       _retained=RetentionLedger(), _read_delays=ReadDelays(), _idle_evict=0.0, _retained_share=0.5,
                       kv_cache_config=types.SimpleNamespace(num_blocks=1000), _host_pool_blocks=0, _host_bases={},
                       _host_started_mib=0, _host_budget_mib=0, _tp_size=1, _evictions={}, _to_host={},
-                      _refused_at=float("-inf"))
+                      _refused_at=float("-inf"), _block_pool=None, _decode_waiting={}, _inline_reqs=set())
     return s
 
 
