@@ -218,7 +218,8 @@ class Flow:
         if entry.fork_until:  # decode frees a read turn FORK_READ_SLACK after its window (plus the clocks' margin)
             read_by = min(read_by, entry.fork_until + wire.FORK_READ_SLACK)
         # The clearance names the tenant the replay is for: prefill reads an offer retained for a tenant only under a
-        # clearance for that tenant (wire.CLEARED_TENANT); the prefill engine is chosen later, so none is named.
+        # clearance for that tenant (wire.CLEARED_TENANT); the prefill engine, chosen later, is named by the leg that
+        # sends it there (router.legs.bind_clearance).
         return wire.clear_offer(self.config.offer_secret, entry.params, read_by, reader, tenant=d.tenant_tag or None)
 
     async def _take_entry(self, d: Dispatch) -> Entry | None:
