@@ -117,6 +117,8 @@ class NodeBootstrap:
     settings: EngineSettings = field(default_factory=EngineSettings)
     #: Secrets Manager secret (name or ARN, as configured) the engine reads its Hugging Face token from at start.
     hf_token_secret: str = ""
+    #: Hosts the engines may fetch media from (deploy config ``media_domains``; vLLM ``--allowed-media-domains``).
+    media_domains: tuple[str, ...] = ()
 
     @property
     def slots(self) -> tuple[node_env.EngineSlot, ...]:
@@ -128,7 +130,8 @@ class NodeBootstrap:
             side_channel_host=host, mode=self.mode, bidirectional=self.bidirectional, tp_size=self.tp_size,
             max_model_len=self.max_model_len, port=self.port, side_channel_port=self.side_channel_port,
             backends=node_env.EFA_BACKENDS, model_s3_uri=self.model_s3_uri, settings=self.settings,
-            hf_token_secret=self.hf_token_secret or None, allow_unverified=self.allow_unverified)
+            hf_token_secret=self.hf_token_secret or None, allow_unverified=self.allow_unverified,
+            media_domains=self.media_domains)
 
 
 def pool_bootstrap(config: DeploymentConfig, pool: PoolConfig, *, cloudmap_service_id: str = "", log_group: str = "",
@@ -145,7 +148,7 @@ def pool_bootstrap(config: DeploymentConfig, pool: PoolConfig, *, cloudmap_servi
         model_s3_uri=model.s3_uri, signal_stack=signal_stack, signal_resource=signal_resource,
         offer_secret_id=offer_secret_id, engines=config.engines_per_node(pool), accelerators=profile.accelerators,
         settings=model.engine_settings, hf_token_secret=model.hf_token_secret or "",
-        allow_unverified=config.connector.allow_unverified)
+        allow_unverified=config.connector.allow_unverified, media_domains=config.media_domains)
 
 
 def static_engine_env(b: NodeBootstrap) -> str:
