@@ -8,8 +8,10 @@ requests in flight goes ahead of everyone who comes after them).
 
 Rules, for a tenant ``t`` asking for ``cost``:
 
-- granted at once when nobody waits and the pool has room (``total + cost <= capacity``), when ``t`` is the only
-  tenant with work held or waiting (a tenant alone is never queued here: work-conserving), when nothing is held
+- granted at once when nobody waits and the pool has room (``total + cost <= capacity``), when ``t`` is alone (no
+  other tenant has work held or waiting, or asked within ``ALONE_WINDOW`` s: a tenant alone is never queued here,
+  work-conserving; a light tenant between two turns still counts, so a heavy one cannot refill the pool in every
+  gap between them), when nothing is held
   (a request larger than the capacity still goes, alone), or when ``t`` stays within the max-min fair level
   (``router.fair``) of the capacity among everyone's asks (held + waiting). So a light tenant never waits behind a
   heavy one, whatever the heavy one holds: the pool may then hold more than ``capacity`` for a while (at most about
@@ -28,9 +30,14 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.fair import water_level
+
+#: Seconds a tenant counts as present after its last request (the window of "asking lately" in ``router.limits``).
+ALONE_WINDOW = 2.0
 
 
 @dataclass(eq=False)
@@ -55,10 +62,14 @@ class _Tenant:
 class FairQueue:
     """Units held by granted requests, per tenant and in all, and the requests waiting for room (see the module)."""
 
-    def __init__(self, capacity: float) -> None:
+    def __init__(self, capacity: float, clock: Callable[[], float] = time.monotonic,
+                 alone_window: float = ALONE_WINDOW) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, not {capacity}")
         self.capacity = float(capacity)
+        self._clock = clock
+        self._alone_window = alone_window
+        self._seen: dict[str, float] = {}  # tenant -> when it last asked
         self.total = 0.0
         self._tenants: dict[str, _Tenant] = {}
         self._waiting = 0  # tickets waiting, all tenants
@@ -88,9 +99,21 @@ class FairQueue:
     def _level(self) -> float:
         return water_level(self.capacity, (t.held + t.waiting_cost for t in self._tenants.values()))
 
-    def _may_go(self, t: _Tenant, cost: float, first_in_line: bool) -> bool:
+    def _alone(self, name: str) -> bool:
+        """Whether ``name`` is the only tenant with work here and the only one that asked lately."""
+        if len(self._tenants) != 1:
+            return False
+        horizon = self._clock() - self._alone_window
+        for other, at in list(self._seen.items()):
+            if at < horizon:
+                del self._seen[other]  # forgotten: the map holds only the tenants of the last window
+            elif other != name:
+                return False
+        return True
+
+    def _may_go(self, name: str, t: _Tenant, cost: float, first_in_line: bool) -> bool:
         """Whether ``t`` may send a request of ``cost`` now (its ask, held + waiting, counts this request)."""
-        if self.total <= 0 or len(self._tenants) == 1:
+        if self.total <= 0 or self._alone(name):
             return True
         if first_in_line and self.total + cost <= self.capacity:
             return True
@@ -110,12 +133,13 @@ class FairQueue:
         """A ticket for ``cost`` units (clipped to 1..capacity), granted now or waiting (see the module's rules)."""
         cost = min(max(1.0, float(cost)), self.capacity) if math.isfinite(cost) else self.capacity
         ticket = Ticket(tenant, cost, next(self._seq))
+        self._seen[tenant] = self._clock()
         t = self._tenants.setdefault(tenant, _Tenant())
         if not t.waiting:  # a tenant's own requests keep their order
             lightest = self._lightest() if self._waiting else None
             first = lightest is None or (t.held, ticket.seq) < lightest[1]
             t.waiting_cost += cost  # counted as asked while the level is worked out
-            go = self._may_go(t, cost, first)
+            go = self._may_go(tenant, t, cost, first)
             t.waiting_cost -= cost
             if go:
                 self._grant(t, ticket)
@@ -176,7 +200,7 @@ class FairQueue:
             assert lightest is not None  # someone waits
             t = self._tenants[lightest[0]]
             head = t.waiting[0]
-            if not self._may_go(t, head.cost, first_in_line=True):
+            if not self._may_go(lightest[0], t, head.cost, first_in_line=True):
                 break  # the lightest waits: nobody heavier goes before it
             t.waiting.popleft()
             t.waiting_cost -= head.cost

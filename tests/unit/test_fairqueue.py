@@ -24,6 +24,21 @@ def test_a_lone_tenant_is_never_held_whatever_it_asks():
     assert big.granted and big.cost == 4
 
 
+def test_a_tenant_between_two_turns_still_counts_so_the_heavy_one_is_not_alone():
+    """A light tenant with nothing in flight right now (thinking between turns) asked a moment ago: the heavy tenant
+    is not alone, so it gets the pool's room, not more; once the light one has been quiet for the window it is."""
+    now = [100.0]
+    q = FairQueue(4, clock=lambda: now[0])
+    q.done(q.acquire("light", 1))  # a turn, answered
+    now[0] += 0.5
+    heavy = take(q, "heavy", 6)
+    assert [t.granted for t in heavy] == [True] * 4 + [False] * 2
+    for t in heavy:
+        q.done(t)
+    now[0] += 2.5  # the light tenant has been quiet for longer than the window
+    assert all(t.granted for t in take(q, "heavy", 6))
+
+
 def test_room_is_first_come_until_the_pool_is_full():
     q = FairQueue(4)
     assert all(t.granted for t in take(q, "a", 2) + take(q, "b", 2))
