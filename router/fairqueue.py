@@ -12,10 +12,12 @@ Rules, for a tenant ``t`` asking for ``cost``:
   other tenant has work held or waiting, or asked within ``ALONE_WINDOW`` s: a tenant alone is never queued here,
   work-conserving; a light tenant between two turns still counts, so a heavy one cannot refill the pool in every
   gap between them), when nothing is held
-  (a request larger than the capacity still goes, alone), or when ``t`` stays within the max-min fair level
-  (``router.fair``) of the capacity among everyone's asks (held + waiting). So a light tenant never waits behind a
-  heavy one, whatever the heavy one holds: the pool may then hold more than ``capacity`` for a while (at most about
-  twice), and the heavier tenants get nothing more until it drains back.
+  (a request larger than the capacity still goes, alone), or when ``t`` holds less than the max-min fair level
+  (``router.fair``) of the capacity among everyone's asks (held + waiting). Requests are whole, so a tenant under
+  its level may send one more even where that takes it over (every tenant may have at least one request in
+  flight). So a light tenant never waits behind a heavy one, whatever the heavy one holds: the pool may then hold
+  more than ``capacity`` for a while (by at most one request per tenant, plus what a tenant took while alone), and
+  the heavier tenants get nothing more until it drains back.
 - otherwise it waits. When work is released, waiting tenants are served lightest first (fewest units held; then
   the longest waiting), each tenant's own requests in order, while the lightest one's next request fits one of the
   rules above. The heaviest is cut first, and a waiting request is never starved: nothing heavier than it is granted
@@ -117,7 +119,7 @@ class FairQueue:
             return True
         if first_in_line and self.total + cost <= self.capacity:
             return True
-        return t.held + cost <= self._level()
+        return t.held < self._level()
 
     def _lightest(self) -> tuple[str, tuple[float, int]] | None:
         """The waiting tenant served next and its rank: fewest units held, then the oldest head of its queue."""

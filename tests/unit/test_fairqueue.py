@@ -62,17 +62,18 @@ def test_a_light_tenant_never_waits_behind_a_heavy_one():
 
 
 def test_the_heaviest_is_cut_first_and_released_room_goes_to_the_lightest():
-    q = FairQueue(4)
-    heavy = take(q, "heavy", 2)
+    q = FairQueue(7)
+    heavy = take(q, "heavy", 5)  # alone: all go
     middle = take(q, "middle", 1)
-    light = take(q, "light", 1)
-    assert all(t.granted for t in heavy + middle + light) and q.total == 4
+    light = take(q, "light", 3)  # under its level each time: all go (the pool holds 9 of 7)
+    assert all(t.granted for t in heavy + middle + light) and q.total == 9
     wait_heavy = q.acquire("heavy", 1)  # first to wait, but it holds the most
     wait_light = q.acquire("light", 1)
-    assert not wait_heavy.granted and not wait_light.granted  # each at its fair level of a full pool
+    assert not wait_heavy.granted and not wait_light.granted  # each at its fair level (3) of a full pool
     assert q.done(middle[0]) == [wait_light], "the room goes to the tenant with the fewest in flight"
-    assert not wait_heavy.granted  # heavy (2) is over the level (2) of light (2) and heavy (3) asking for 4
-    assert q.done(light[0]) == [wait_heavy]
+    assert not wait_heavy.granted  # the level is now 3.5: heavy (5) is over it
+    assert q.done(heavy[0]) == []
+    assert q.done(heavy[1]) == [wait_heavy]  # heavy (3) under the level again
 
 
 def test_each_tenant_keeps_its_own_order():
@@ -105,14 +106,27 @@ def test_shares_converge_to_max_min_under_contention():
     assert q.total == 12
 
 
+def test_a_tenant_holding_nothing_always_gets_one_request_however_large():
+    """Requests are whole: a tenant under its fair level may send one more even if it takes it over the level, so
+    every tenant may have one request in flight whatever it asks."""
+    q = FairQueue(100)
+    take(q, "a", 2, cost=60)  # alone: both go
+    huge = q.acquire("b", 10**9)
+    assert huge.cost == 100 and huge.granted  # b held nothing: under its level (50)
+    assert not q.acquire("b", 1).granted  # b (100) is now over it
+    assert q.acquire("c", 80).granted
+
+
 def test_a_large_request_is_not_starved_by_small_ones():
-    """A waiting request of 6 units beside a stream of small ones from a lighter tenant: nothing goes before it once
-    it is first in line, so it is granted within a bounded number of releases."""
+    """A waiting request of 6 units beside a stream of small ones from a tenant that keeps asking: it is granted
+    once its tenant is under its level again (its first request ended), though the other keeps the pool full."""
     q = FairQueue(8)
     small = take(q, "small", 8)
+    first = q.acquire("big", 4)
+    assert first.granted  # it held nothing
     big = q.acquire("big", 6)
-    assert not big.granted  # over its fair level (4) and the pool is full
-    held = list(small)
+    assert not big.granted  # big (4) is at its fair level (4) and the pool is full
+    held = [*small[:3], first, *small[3:]]  # requests end in the order they started
     releases = 0
     while not big.granted and releases < 100:
         woken = q.done(held.pop(0))
@@ -122,18 +136,6 @@ def test_a_large_request_is_not_starved_by_small_ones():
         if t.granted:
             held.append(t)
     assert big.granted and releases <= 6, releases
-
-
-def test_an_ask_larger_than_the_pool_goes_when_the_pool_drains():
-    q = FairQueue(100)
-    a = take(q, "a", 2, cost=60)  # alone: both go
-    huge = q.acquire("b", 10**9)
-    assert huge.cost == 100 and not huge.granted  # over its fair level (half the pool), and the pool is full
-    assert q.done(a[0]) == []
-    assert q.done(a[1]) == [huge]  # the pool drained: it goes, alone
-    c = q.acquire("c", 80)
-    assert not c.granted
-    assert q.done(huge) == [c]
 
 
 def test_done_is_idempotent_and_leaves_nothing_behind():
