@@ -186,8 +186,8 @@ CATALOG: tuple[Tunable, ...] = (
             "before further requests wait in the router's fair queue (router.fairqueue) instead of the engines' own "
             "first-come queue: a tenant alone is never held, one under the max-min fair level of this goes at once, "
             "and the tenant with the most in flight waits first. About one prefill step: set it to the engines' "
-            "max_num_batched_tokens (vLLM's default is 2048 on GPUs under 70 GiB, 8192 on H100/H200). The maximum "
-            "switches it off."),
+            "max_num_batched_tokens (vLLM's default is 2048 on GPUs under 70 GiB, 8192 on H100/H200), two steps if "
+            "prefill engines idle under contention. The maximum switches it off."),
     Tunable("tenant_max_response_bytes", 32 * 1024 * 1024, 1024, 64 * 1024 * 1024 * 1024, "bytes", Scope.ROUTER,
             "Bytes of kept /v1/responses histories one tenant may hold (memory and Valkey, per router process); "
             "above it new answers are not kept (previous_response_id then answers not found)."),
