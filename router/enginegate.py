@@ -8,15 +8,17 @@ grant gives its units back: either way ``leave`` runs exactly once per ticket (`
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from router.fairqueue import FairQueue, Ticket
 
 
 class EngineGate:
-    def __init__(self, capacity: float) -> None:
+    def __init__(self, capacity: float, on_wait: Callable[[], None] | None = None) -> None:
         self.queue = FairQueue(capacity)
         self._wakers: dict[Ticket, asyncio.Future[None]] = {}
         self.waits = 0  # requests that waited for room, since start
+        self._on_wait = on_wait  # counted as it starts waiting (the router's metric)
 
     async def enter(self, tenant: str, cost: float, capacity: float | None = None) -> Ticket:
         """Wait for room for ``cost`` units (``capacity``: the pool's now, when it changed); ``leave`` when done."""
@@ -26,6 +28,8 @@ class EngineGate:
         if ticket.granted:
             return ticket
         self.waits += 1
+        if self._on_wait is not None:
+            self._on_wait()
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._wakers[ticket] = future
         try:

@@ -115,7 +115,9 @@ class Flow:
         self.retention = limits.TenantRetentionLedger()
         self.media = media.MediaChecker()  # media hosts resolved and checked (tests swap in a fake resolver)
         self.lease_rate = limits.TokenBucket()
-        self.engine_gate = EngineGate(self._gate_capacity())  # the prefill pool's fair queue (prefill_fair_tokens)
+        # the prefill pool's fair queue (prefill_fair_tokens)
+        self.engine_gate = EngineGate(self._gate_capacity(), on_wait=metrics.fair_queue_waits.inc)
+        metrics.fair_queue_waiting.set_function(lambda: self.engine_gate.queue.waiting)
         self.hint_sources = hints.parse_sources(config.session_hints)
         self._hint_counts = {s: metrics.session_hints.labels(s.label) for s in self.hint_sources}
 

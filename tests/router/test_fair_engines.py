@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from router.app import FLOW
+from router.app import FLOW, METRICS
 from router.auth import ApiKeys, parse_keys
 from tests.router.conftest import engines, router_over
 from tests.router.test_flow_fake import MSGS, chat
@@ -24,7 +24,7 @@ def ask(s, headers, i: int):
                                     headers=headers))
 
 
-async def _burst(fair_tokens: int) -> tuple[int, int, list[int], float]:
+async def _burst(fair_tokens: int) -> tuple[int, int, list[int], float, tuple[float, float]]:
     """A light request in flight, a heavy burst of 8, then a second light request: the prefill engine's requests in
     flight and the router's waiters just after, every status, and the second light request's seconds."""
     p, d = engines(1, "prefill"), engines(1, "decode")
@@ -39,26 +39,29 @@ async def _burst(fair_tokens: int) -> tuple[int, int, list[int], float]:
         second = ask(s, LIGHT, 99)
         await asyncio.sleep(0.15)
         running, waiting = p[0].stats["running"], app[FLOW].engine_gate.queue.waiting
+        sample = app[METRICS].registry.get_sample_value
+        metrics = (sample("turnkv_router_fair_queue_waiting"), sample("turnkv_router_fair_queue_waits_total"))
         second_status = (await second)["status"]
         light_seconds = asyncio.get_running_loop().time() - t0
         statuses = [second_status, (await first)["status"], *[(await h)["status"] for h in heavy]]
         gate = app[FLOW].engine_gate.queue
         assert gate.total == 0 and gate.waiting == 0, "every slot came back"
-        return running, waiting, statuses, light_seconds
+        return running, waiting, statuses, light_seconds, metrics
 
 
 async def test_a_light_tenant_goes_ahead_of_a_heavy_tenants_burst():
-    running, waiting, statuses, light_seconds = await _burst(2000)
+    running, waiting, statuses, light_seconds, metrics = await _burst(2000)
     # light 2 + heavy 6 (the sixth took heavy from under its level, 1,675 tokens, to 1,950); its other 2 wait
     assert (running, waiting) == (8, 2)
+    assert metrics == (2, 2)  # turnkv_router_fair_queue_waiting, turnkv_router_fair_queue_waits_total
     assert statuses == [200] * 10
     assert light_seconds < 1.0, "the second light request went at once, not after the heavy burst"
 
 
 async def test_with_the_queue_off_the_burst_goes_to_the_engine_first_come():
     off = params.get("prefill_fair_tokens").maximum
-    running, waiting, statuses, _ = await _burst(int(off))
-    assert (running, waiting) == (10, 0) and statuses == [200] * 10
+    running, waiting, statuses, _, metrics = await _burst(int(off))
+    assert (running, waiting) == (10, 0) and statuses == [200] * 10 and metrics == (0, 0)
 
 
 async def test_a_lone_tenant_is_never_queued():
