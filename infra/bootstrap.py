@@ -119,6 +119,8 @@ class NodeBootstrap:
     hf_token_secret: str = ""
     #: ``connector.prefill_offload_gib`` (prefill pools only: decode's engine.env never carries it).
     prefill_offload_gib: int = 0
+    #: Hosts the engines may fetch media from (deploy config ``media_domains``; vLLM ``--allowed-media-domains``).
+    media_domains: tuple[str, ...] = ()
 
     @property
     def slots(self) -> tuple[node_env.EngineSlot, ...]:
@@ -131,7 +133,8 @@ class NodeBootstrap:
             max_model_len=self.max_model_len, port=self.port, side_channel_port=self.side_channel_port,
             backends=node_env.EFA_BACKENDS, model_s3_uri=self.model_s3_uri, settings=self.settings,
             hf_token_secret=self.hf_token_secret or None, allow_unverified=self.allow_unverified,
-            prefill_offload_gib=self.prefill_offload_gib if Role(self.role) is Role.PREFILL else 0)
+            prefill_offload_gib=self.prefill_offload_gib if Role(self.role) is Role.PREFILL else 0,
+            media_domains=self.media_domains)
 
 
 def pool_bootstrap(config: DeploymentConfig, pool: PoolConfig, *, cloudmap_service_id: str = "", log_group: str = "",
@@ -148,7 +151,8 @@ def pool_bootstrap(config: DeploymentConfig, pool: PoolConfig, *, cloudmap_servi
         model_s3_uri=model.s3_uri, signal_stack=signal_stack, signal_resource=signal_resource,
         offer_secret_id=offer_secret_id, engines=config.engines_per_node(pool), accelerators=profile.accelerators,
         settings=model.engine_settings, hf_token_secret=model.hf_token_secret or "",
-        allow_unverified=config.connector.allow_unverified, prefill_offload_gib=config.connector.prefill_offload_gib)
+        allow_unverified=config.connector.allow_unverified, prefill_offload_gib=config.connector.prefill_offload_gib,
+        media_domains=config.media_domains)
 
 
 def static_engine_env(b: NodeBootstrap) -> str:

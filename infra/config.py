@@ -32,7 +32,7 @@ from pydantic import (
 )
 
 from turnkv import engine_settings as es
-from turnkv import neuron, params, platforms
+from turnkv import media, neuron, params, platforms
 from turnkv.engine_args import OFFLOAD_PLATFORMS, Mode, Role
 from turnkv.engine_settings import EngineSettings
 from turnkv.node_env import MAX_ENGINES_PER_NODE, MAX_PREFILL_OFFLOAD_GIB, MODEL, check_value
@@ -202,6 +202,19 @@ Email = Annotated[StrictStr, _pattern(r"^[^@\s]+@[^@\s]+\.[^@\s]+$",
                                       "is not an e-mail address; "
                                       "write one such as oncall@example.com")]
 ModelText = Annotated[StrictStr, AfterValidator(_model_text)]
+
+
+def _media_domain(value: str) -> str:
+    host = value.strip().lower().rstrip(".")
+    if not re.fullmatch(r"(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z][a-z0-9-]{0,61}[a-z0-9]", host):
+        raise ValueError(f"{value!r} is not a DNS host name; write exact names such as images.example.com (no scheme, "
+                         "port, path or wildcard: vLLM's --allowed-media-domains compares whole names)")
+    if media.internal_host(host):
+        raise ValueError(f"{value!r} names this network's inside; engines must not fetch media from it")
+    return host
+
+
+MediaDomain = Annotated[StrictStr, AfterValidator(_media_domain)]
 
 
 class _Model(BaseModel):
@@ -412,6 +425,12 @@ class DeploymentConfig(_Model):
     account: Account | None = None
     alarm_email: Email | None = None
     alarms: AlarmsConfig = Field(default_factory=AlarmsConfig)
+    #: Hosts media URLs (image_url, audio_url, video_url) may name: the router refuses any other (400) and the
+    #: engines fetch from no other (vLLM ``--allowed-media-domains``), both from ``TURNKV_MEDIA_DOMAINS``. Exact
+    #: names. Empty: any host on the internet, every name resolved and every address checked by the router
+    #: (docs/router.md, Media URLs); a name that resolves differently for the engine (DNS rebinding) is closed only
+    #: by a list.
+    media_domains: tuple[MediaDomain, ...] = ()
     #: Initial tunables (``turnkv params catalog``), NAME: VALUE, written to SSM by the params stack in place of the
     #: catalog's defaults; validated against the catalog and its cross-checks (decoder_kv_blocks_ttl alone fits
     #: conversation_ttl). ``turnkv params set`` changes them afterwards.

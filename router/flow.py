@@ -39,6 +39,7 @@ from router import apis, guard, hints, intake, limits, media, migrate, retry, sa
 from router.apis import stored
 from router.config import RouterConfig
 from router.dispatch import Dispatch
+from router.enginegate import EngineGate
 from router.engines import Engine, EnginePool, NoEngineError, evictions
 from router.errors import public_message
 from router.keepalive import Keepalive
@@ -114,6 +115,9 @@ class Flow:
         self.retention = limits.TenantRetentionLedger()
         self.media = media.MediaChecker()  # media hosts resolved and checked (tests swap in a fake resolver)
         self.lease_rate = limits.TokenBucket()
+        # the prefill pool's fair queue (prefill_fair_tokens)
+        self.engine_gate = EngineGate(self._gate_capacity(), on_wait=metrics.fair_queue_waits.inc)
+        metrics.fair_queue_waiting.set_function(lambda: self.engine_gate.queue.waiting)
         self.hint_sources = hints.parse_sources(config.session_hints)
         self._hint_counts = {s: metrics.session_hints.labels(s.label) for s in self.hint_sources}
 
@@ -216,7 +220,8 @@ class Flow:
         if entry.fork_until:  # decode frees a read turn FORK_READ_SLACK after its window (plus the clocks' margin)
             read_by = min(read_by, entry.fork_until + wire.FORK_READ_SLACK)
         # The clearance names the tenant the replay is for: prefill reads an offer retained for a tenant only under a
-        # clearance for that tenant (wire.CLEARED_TENANT); the prefill engine is chosen later, so none is named.
+        # clearance for that tenant (wire.CLEARED_TENANT); the prefill engine, chosen later, is named by the leg that
+        # sends it there (router.legs.bind_clearance).
         return wire.clear_offer(self.config.offer_secret, entry.params, read_by, reader, tenant=d.tenant_tag or None)
 
     async def _take_entry(self, d: Dispatch) -> Entry | None:
@@ -325,6 +330,19 @@ class Flow:
         """Both legs, with the retry budgets; returns the opened decode leg or raises UpstreamError."""
         params = await self._take(d)
         d.retain = self._may_retain(d)
+        # Until decode's first token the request holds its share of the prefill pool (router.fairqueue): the tokens
+        # prefill will compute, its estimate less what the replayed offer pulls.
+        offered = wire.KVParams(params).num_tokens if params else 0
+        ticket = await self.engine_gate.enter(d.tenant, d.tokens - offered, self._gate_capacity())
+        try:
+            return await self._attempts(d, request, params)
+        finally:
+            self.engine_gate.leave(ticket)
+
+    def _gate_capacity(self) -> float:
+        return float(self.config.prefill_fair_tokens) * max(1, len(self.pool.prefill))
+
+    async def _attempts(self, d: Dispatch, request: web.Request, params: dict[str, Any] | None) -> Opened:
         tried: dict[str, list[Engine]] = {"prefill": [], "decode": list(d.avoid_decode)}
         budget = {"prefill": int(self.config.prefill_retries), "decode": int(self.config.decode_retries)}
         attempt = self.legs.push if self.config.mode == "push" else self.legs.pull

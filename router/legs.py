@@ -96,6 +96,16 @@ def push_identity(kv: Mapping[str, Any]) -> PushIdentity | None:
     return PushIdentity(str(p.engine_id), str(p.host), p.port, p.tp_size, p.pp_size)
 
 
+def bind_clearance(secret: bytes | None, params: Mapping[str, Any], target: str) -> Mapping[str, Any]:
+    """A cleared replay made again for the prefill engine it is sent to (``turnkv.wire.CLEARED_FOR``: any other
+    engine refuses it), same read-by instant, reader and tenant; unchanged when it carries no clearance (fresh, or
+    no secret) or the engine's NIXL id is unknown."""
+    if not target or secret is None or wire.CLEARANCE not in params or wire.READ_BY not in params:
+        return params
+    return wire.clear_offer(secret, params, float(params[wire.READ_BY]), params.get(wire.READER),
+                            tenant=params.get(wire.CLEARED_TENANT), prefill=target)
+
+
 def push_decode_params(p: PushIdentity, request_id: str, transfer_id: str) -> dict[str, Any]:
     """What decode is sent in push mode: P's identity, not P's output (no block ids)."""
     return {wire.DO_REMOTE_PREFILL: True, wire.DO_REMOTE_DECODE: False, wire.REMOTE_ENGINE_ID: p.engine_id,
@@ -203,6 +213,7 @@ class Legs:
         """The prefill leg on ``engine``: its answer's ``kv_transfer_params`` (what decode is sent in pull mode)."""
         t0 = time.perf_counter()
         d.prefill_engine = engine.name
+        params = bind_clearance(self.config.offer_secret, params, engine.nixl_id)
         try:
             with self.pool.lease(engine, d.tokens):
                 resp = await self.client.post(engine.url, d.path, prefill_body(d, params), self._headers(d, request),
@@ -238,6 +249,9 @@ class Legs:
         ident = push_identity(kv)
         if ident is not None:
             engine.learned = ident
+        named = wire.KVParams(kv).engine_id
+        if isinstance(named, str) and named:
+            engine.answered_id = named
         return kv
 
     def _account_reuse(self, d: Dispatch, prefill_params: Mapping[str, Any], engine: Engine) -> None:

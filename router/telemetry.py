@@ -131,6 +131,11 @@ class Metrics:
                                          "Requests refused by a router limit (429, 413, 408), by the limit's name "
                                          "(router: max_inflight, tenant: tenant_max_inflight, else the tunable).",
                                          ["limit"], registry=r)
+        self.fair_queue_waits = Counter("turnkv_router_fair_queue_waits",
+                                        "Requests that waited in the prefill pool's fair queue (prefill_fair_tokens) "
+                                        "before going to the engines.", registry=r)
+        self.fair_queue_waiting = Gauge("turnkv_router_fair_queue_waiting",
+                                        "Requests waiting in the prefill pool's fair queue now.", registry=r)
         self.router_errors = Counter("turnkv_router_resource_errors",
                                      "Legs the router could not open for want of its own resources (EMFILE, ENFILE, "
                                      "EADDRNOTAVAIL, ENOBUFS): answered 503, the engine not counted as failed.",

@@ -185,6 +185,14 @@ CATALOG: tuple[Tunable, ...] = (
             "A ceiling of one tenant's requests per second whatever the others do (token bucket, burst of 2x, at "
             "least 10); above it 429. The default (the maximum) sets none: tenants share router_request_rate "
             "max-min.", float),
+    Tunable("prefill_fair_tokens", 2048, 64, 100_000_000, "tokens", Scope.ROUTER,
+            "Prompt tokens to compute (the request's estimate less the tokens its replayed offer would pull) each "
+            "prefill engine of the pool is sent at once, counted from a request's prefill until decode's first token, "
+            "before further requests wait in the router's fair queue (router.fairqueue) instead of the engines' own "
+            "first-come queue: a tenant alone is never held, one under the max-min fair level of this goes at once, "
+            "and the tenant with the most in flight waits first. About one prefill step: set it to the engines' "
+            "max_num_batched_tokens (vLLM's default is 2048 on GPUs under 70 GiB, 8192 on H100/H200), two steps if "
+            "prefill engines idle under contention. The maximum switches it off."),
     Tunable("tenant_max_response_bytes", 32 * 1024 * 1024, 1024, 64 * 1024 * 1024 * 1024, "bytes", Scope.ROUTER,
             "Bytes of kept /v1/responses histories one tenant may hold (memory and Valkey, per router process); "
             "above it new answers are not kept (previous_response_id then answers not found)."),

@@ -63,6 +63,9 @@ class RouterServiceProps:
     #: USD per prefill engine-hour (``DeploymentConfig.prefill_engine_price_per_hour``): the router prices the
     #: prefill time reuse saves at it; 0: unknown, seconds only.
     prefill_price_per_hour: float = 0.0
+    #: Hosts media URLs may name (``DeploymentConfig.media_domains``, ``TURNKV_MEDIA_DOMAINS``); empty: any internet
+    #: host, resolved and checked (router.media).
+    media_domains: tuple[str, ...] = ()
 
 
 class RouterService:
@@ -105,6 +108,8 @@ class RouterService:
                        router_env.METRICS_NAMESPACE: mn.ROUTER_NAMESPACE}
         if props.prefill_price_per_hour > 0:
             environment[router_env.PREFILL_PRICE] = f"{props.prefill_price_per_hour:g}"
+        if props.media_domains:
+            environment[router_env.MEDIA_DOMAINS] = ",".join(props.media_domains)
         if props.store is not None:
             container_secrets[STORE_PASSWORD_ENV] = ecs.Secret.from_secrets_manager(
                 props.store.credentials, "password")

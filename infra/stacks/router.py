@@ -73,7 +73,7 @@ class RouterStack(Stack):
             subnets=private, security_group=self.router_sg, api_keys=self.api_keys,
             offer_secret=serving.offer_secret, namespace_name=serving.namespace.namespace_name,
             cloudmap_service=CLOUDMAP_SERVICE, store=self.store,
-            prefill_price_per_hour=config.prefill_engine_price_per_hour()))
+            prefill_price_per_hour=config.prefill_engine_price_per_hour(), media_domains=config.media_domains))
         self.container = router.container
         self.service = router.service
 

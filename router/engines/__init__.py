@@ -55,6 +55,8 @@ class Engine:
     returned_at: float = 0.0  # when it last came back (slow start), pool clock
     down_at_wall: float = 0.0  # wall clock of its last ejection: blocks it held before may be gone
     learned: PushIdentity | None = None  # identity learned from a push answer
+    #: The NIXL engine id this prefill engine's last answer named (its own word; a restart may change it).
+    answered_id: str = ""
     feed: EvictionFeed = field(default_factory=EvictionFeed)  # decode: the turns it evicted (router.engines.evictions)
     name: str = field(default="")
 
@@ -69,6 +71,12 @@ class Engine:
     @property
     def host(self) -> str:
         return urlsplit(self.url).hostname or ""
+
+    @property
+    def nixl_id(self) -> str:
+        """The engine's NIXL engine id as far as the router knows: what its answers name, else its listed
+        ``engine_id`` ("": unknown). A clearance names it (``turnkv.wire.CLEARED_FOR``)."""
+        return self.answered_id or self.engine_id
 
     @property
     def push_identity(self) -> PushIdentity | None:

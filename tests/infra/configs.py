@@ -49,6 +49,8 @@ PUSH = {
         {"name": "decode", "role": "decode", "instance_type": "p5en.48xlarge", "count": 1, "allow_on_demand": True},
     ],
     "router": {"replicas": 1, "max_replicas": 1},
+    # media URLs only from these hosts (the router's intake and the engines' --allowed-media-domains)
+    "media_domains": ["Images.Example.com.", "cdn.example.net"],
 }
 
 

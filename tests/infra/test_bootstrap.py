@@ -552,3 +552,21 @@ def test_the_models_engine_settings_reach_every_engines_argv_through_engine_env(
         assert env[engine_run.HF_TOKEN] == engine_run.REDACTED
     plain = node_env.parse(_heredoc(bootstrap.user_data(_node()), f"{node_env.ENGINE_ENV_FILE}.new"))
     assert not {node_env.KV_CACHE_DTYPE, node_env.TOOL_CALL_PARSER, node_env.HF_TOKEN_SECRET} & set(plain)
+
+
+def test_the_deploy_configs_media_allow_list_reaches_every_engine():
+    """``media_domains`` of the deploy config: engine.env's TURNKV_MEDIA_DOMAINS (vLLM --allowed-media-domains on
+    every engine), as the router's environment carries it; none set, none written."""
+    from infra.config import DeploymentConfig
+    from tests.infra import configs
+
+    config = DeploymentConfig.model_validate(configs.PUSH)
+    assert config.media_domains == ("images.example.com", "cdn.example.net")
+    node = bootstrap.pool_bootstrap(config, config.pools[0])
+    static = node_env.parse(_heredoc(bootstrap.user_data(node), f"{node_env.ENGINE_ENV_FILE}.new"))
+    assert static[node_env.MEDIA_DOMAINS] == "images.example.com,cdn.example.net"
+    assert node.engine_env().spec().allowed_media_domains == ("images.example.com", "cdn.example.net")
+    plain = DeploymentConfig.model_validate(configs.GPU)
+    static = node_env.parse(_heredoc(bootstrap.user_data(bootstrap.pool_bootstrap(plain, plain.pools[0])),
+                                     f"{node_env.ENGINE_ENV_FILE}.new"))
+    assert node_env.MEDIA_DOMAINS not in static

@@ -106,6 +106,10 @@ def _problems(raw) -> dict[str, str]:
     ({"alarms.errors_per_minute": -1}, "alarms.errors_per_minute", "0 .. 1000000"),
     ({"network.flow_log_retention_days": 100}, "network.flow_log_retention_days", "one of 1, 3, 5"),
     ({"router.replicas": "two"}, "router.replicas", "is not an integer"),
+    ({"media_domains": ["https://images.example.com/"]}, "media_domains[0]", "not a DNS host name"),
+    ({"media_domains": ["*.example.com"]}, "media_domains[0]", "no scheme, port, path or wildcard"),
+    ({"media_domains": ["169.254.169.254"]}, "media_domains[0]", "not a DNS host name"),
+    ({"media_domains": ["metadata.google.internal"]}, "media_domains[0]", "names this network's inside"),
 ])
 def test_bad_values_name_the_field_and_the_fix(changes, field, fix):
     problems = _problems(configs.variant(configs.GPU, **changes))

@@ -86,6 +86,10 @@ def test_container_runs_discovery_and_store_flags(gpu, push):
     assert {s["Name"] for s in _container(push)["Secrets"]} == {"TURNKV_API_KEYS", "TURNKV_OFFER_SECRET"}
     c = _container(gpu)
     assert c["User"] == "10001" and c["ReadonlyRootFilesystem"] is True
+    # the deploy config's media allow-list reaches the router (absent: any internet host, checked)
+    push_env = {e["Name"]: e["Value"] for e in _container(push)["Environment"]}
+    assert push_env["TURNKV_MEDIA_DOMAINS"] == "images.example.com,cdn.example.net"
+    assert "TURNKV_MEDIA_DOMAINS" not in env
     assert "/health" in " ".join(c["HealthCheck"]["Command"])
 
 

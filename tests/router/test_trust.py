@@ -462,7 +462,8 @@ async def test_the_router_clears_what_it_replays_and_prefill_reads_nothing_it_di
         assert p[0].refused_offers == {} and p[0].stats["pulled"] > 0
         replayed = next(kv for kv in p[0].seen_params if isinstance(kv, dict) and kv.get(wire.CLEARANCE))
         assert 0 < replayed[wire.READ_BY] - time.time() <= 10  # replay_window
-        assert wire.check_clearance(FAKE_SECRET, replayed, time.time(), required=True) == "ok"
+        assert wire.check_clearance(FAKE_SECRET, replayed, time.time(), required=True,
+                                    engine_id=p[0].engine_id) == "ok"
 
 
 async def test_a_host_tier_offer_is_replayed_only_once_decode_lists_its_copy_as_done(monkeypatch):
@@ -540,8 +541,34 @@ async def test_the_retain_request_names_the_tenant_by_a_tag_and_each_replay_is_c
             assert second["headers"]["X-TurnKV-Reuse-Outcome"] == "hit"
             replayed = next(kv for kv in reversed(p[0].seen_params) if isinstance(kv, dict) and kv.get(wire.CLEARANCE))
             assert replayed[wire.TENANT] == replayed[wire.CLEARED_TENANT] == tag
-            assert wire.check_clearance(FAKE_SECRET, replayed, time.time(), required=True) == "ok"
-            other = wire.clear_offer(FAKE_SECRET, replayed, replayed[wire.READ_BY], tenant="another-tenant-tag")
+            assert wire.check_clearance(FAKE_SECRET, replayed, time.time(), required=True,
+                                        engine_id=p[0].engine_id) == "ok"
+            other = wire.clear_offer(FAKE_SECRET, replayed, replayed[wire.READ_BY], tenant="another-tenant-tag",
+                                     prefill=p[0].engine_id)
             assert wire.check_clearance(FAKE_SECRET, other, time.time(), required=True) == "uncleared"
             tags.append(tag)
         assert tags[0] != tags[1] and p[0].stats["stale_reads"] == 0
+
+
+async def test_each_replay_is_cleared_for_the_prefill_engine_it_is_sent_to():
+    """The router names the prefill engine a replay is dispatched to in its clearance (wire.CLEARED_FOR: the NIXL
+    engine id the engine's own answers name), so the same replay sent to another prefill engine is refused there;
+    reuse works as before."""
+    p, d = engines(2, "prefill"), engines(1, "decode")
+    async with router_over(p, d, policy="round_robin") as (s, app):
+        for i in range(4):  # every prefill engine answers: the router learns their ids
+            await chat(s, [{"role": "user", "content": f"warm {i}"}], conversation=None)
+        assert sorted(e.nixl_id for e in app[POOL].prefill) == sorted(e.engine_id for e in p)
+        messages = MSGS
+        for _ in range(3):
+            reply = await chat(s, messages, conversation=None)
+            assert reply["status"] == 200
+            messages = next_turn(messages, reply["text"])
+        assert reply["headers"]["X-TurnKV-Reuse-Outcome"] == "hit"
+        cleared = [(e, kv) for e in p for kv in e.seen_params if isinstance(kv, dict) and kv.get(wire.CLEARANCE)]
+        assert len(cleared) == 2
+        for engine, kv in cleared:
+            assert kv[wire.CLEARED_FOR] == engine.engine_id
+            other = p[1] if engine is p[0] else p[0]
+            assert other._admit_offer(dict(kv)) == "uncleared"  # the same replay sent elsewhere is not read
+        assert p[0].stats["stale_reads"] == p[1].stats["stale_reads"] == 0
