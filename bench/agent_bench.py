@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {type(exc).__name__}: {exc} (is the router at {args.url} up?)")
         return 1
     summary = agent_report.write(records, args.out, {"trace": trace.name, "url": args.url, "best_url": args.best_url,
-                                                     "time_scale": args.time_scale})
+                                                     "peer_url": args.peer_url, "time_scale": args.time_scale,
+                                                     "off_salted": True})
     print(agent_report.markdown(summary))
     return 1 if summary["errors"] else 0
 

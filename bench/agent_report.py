@@ -108,9 +108,13 @@ def summarize(records: list[Record]) -> dict[str, Any]:
 
 def shared_prefill_cache(summary: dict[str, Any], threshold: float = 0.05) -> str | None:
     """Why the A/B is not one, when the ``on`` arm found prompts in prefill's own cache after the ``off`` arm played the
-    same prompts through the same router: a prefix-caching prefill engine served both (None otherwise)."""
+    same prompts through the same router: a prefix-caching prefill engine served both (None otherwise). An off arm
+    that salted its requests (``meta.off_salted``: ``bench.arms.body_extras``, every run since issue #36) left
+    nothing the on arm could find: what the on arm found there is its own sessions' history, as deployed."""
     per_arm = summary.get("per_arm", {})
     arms = summary.get("arms", [])
+    if (summary.get("meta") or {}).get("off_salted"):
+        return None
     if "off" not in arms or "on" not in arms or arms.index("off") > arms.index("on"):
         return None
     share = (per_arm.get("on", {}).get("tokens") or {}).get("share_prefill_cache") or 0.0

@@ -144,3 +144,5 @@ def test_an_ab_whose_on_arm_found_the_off_arms_prompts_in_prefills_cache_is_flag
     assert "no-prefill-prefix-caching" in shared_prefill_cache(summary(0.8))
     assert shared_prefill_cache(summary(0.0)) is None
     assert shared_prefill_cache(summary(0.8, arms=("on", "best"))) is None  # no off arm played before
+    # an off arm with a fresh cache_salt per request (every run since issue #36) left nothing for the on arm to find
+    assert shared_prefill_cache({**summary(0.8), "meta": {"off_salted": True}}) is None

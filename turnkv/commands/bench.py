@@ -176,6 +176,7 @@ def agent(
     summary = agent_report.write(records, out, {"trace": loaded.name, "trace_file": str(agent_trace.resolve(trace)),
                                                 "url": spec.url, "best_url": spec.best_url,
                                                 "peer_url": spec.peer_url, "arms": list(spec.arms),
+                                                "off_salted": True,
                                                 "time_scale": time_scale})
     print(agent_report.markdown(summary), flush=True)  # plain: a table is not wrapped at the terminal's width
     console.print(f"wrote {out / 'summary.md'}, {out / 'summary.json'} and {out / 'results.jsonl'}")
