@@ -515,9 +515,11 @@ def run(opts: PressureOptions, variants: list[calc.Variant], out: Path, *, url: 
 
 #: ``--quick`` (make demo's row): flag -> value. One stack for both levels, so 2x starts with what 1x left
 #: retained: a demo row, not a measurement. retained_kv_share 0.01 keeps room for about four of its short
-#: conversations (2 GiB of KV on the tiny model).
+#: conversations (2 GiB of KV on the tiny model). Replies are agent-sized and exact (96 tokens, as the demo's): with
+#: prefill's prefix caching on, a pull brings the reply and the partial block, and 32-token replies left that tail
+#: under kv_recompute_threshold, so the row pulled nothing (every later turn recomputed, reason ``floor``).
 QUICK = {"levels": "1,2", "turns": 3, "think": "fixed:1", "stack_per": "variant", "system_words": 100,
-         "first_user_words": 200, "turn_words": 100, "max_minutes": 10.0}
+         "first_user_words": 200, "turn_words": 100, "max_tokens": 96, "exact_replies": True, "max_minutes": 10.0}
 QUICK_VARIANT = "device only=retained_kv_share=0.01"
 
 
