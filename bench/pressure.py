@@ -525,7 +525,8 @@ QUICK_VARIANT = "device only=retained_kv_share=0.01"
 
 def quick(out: Path = Path("results/demo/pressure"), url: str | None = None, decode_url: str | None = None,
           fit: int | None = None, on_result: Callable[[Result], None] = lambda r: None, *,
-          variant: str = "demo stack", levels: str | None = None, prefill_url: str | None = None) -> dict[str, Any]:
+          variant: str = "demo stack", levels: str | None = None, prefill_url: str | None = None,
+          seed: int | None = None) -> dict[str, Any]:
     """The short row for ``make demo`` (``--quick``): 1x and 2x of what fits, 3 turns, 1 s think. Without ``url``
     it starts one stack of its own (``QUICK_VARIANT``); with the demo's running stack pass ``fit`` unless its
     share is small (at the default 0.5 the fit is dozens of conversations), or a ``variant`` naming the share the
@@ -535,6 +536,7 @@ def quick(out: Path = Path("results/demo/pressure"), url: str | None = None, dec
     argv += ["--decode-url", decode_url] if decode_url else []
     argv += ["--prefill-url", prefill_url] if prefill_url else []
     argv += ["--fit", str(fit)] if fit is not None else []
+    argv += ["--seed", str(seed)] if seed is not None else []  # rows on one stack: words of their own
     args = parser().parse_args(argv)
     opts, variants, target = options(args)
     if levels is not None:

@@ -111,13 +111,16 @@ def pressure_rows(state: dict, config: StackConfig, out: Path) -> None:
     components = state["components"]
     tunables = tunables_file(config)
     try:
-        for name, host_mib in (("device only", 0), ("host tier", PRESSURE_HOST_MIB)):
+        for row, (name, host_mib) in enumerate((("device only", 0), ("host tier", PRESSURE_HOST_MIB))):
             tunables.write_text(json.dumps({"retained_kv_share": PRESSURE_SHARE, "host_kv_budget_mib": host_mib}))
             time.sleep(1.5)  # the connector re-reads the file at most once a second
             result = pressure.quick(out / name.replace(" ", "-"), url=components["router"]["url"],
                                     decode_url=components["decode-0"]["url"],
                                     prefill_url=components["prefill-0"]["url"],
-                                    variant=f"{name}=retained_kv_share={PRESSURE_SHARE}", levels="2")
+                                    variant=f"{name}=retained_kv_share={PRESSURE_SHARE}", levels="2",
+                                    # each row its own words: the second row would otherwise find the first row's
+                                    # prompts, replies included, in prefill's prefix cache and pull nothing
+                                    seed=7 + 100 * row)
             pressure_report.table_console().print(pressure_report.table(result))
     finally:
         write_tunables_file(config)
