@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from turnkv import metric_names as mn
+
 #: The longest a worker holds a step for inline READs before it gives up on them (they then count as failed: the
 #: scheduler recomputes their blocks). A READ normally ends in milliseconds; this covers a handshake redone after
 #: decode restarted (upstream's handshake runs in a background thread, ~2 s on GPUs) and a stalled progress thread.
@@ -36,8 +38,8 @@ class Plan:
     reason: str
 
 
-#: Every reason a plan can give (``turnkv.metric_names.INLINE_REASONS``).
-REASONS = ("inline", "off", "engine", "no-estimate", "slow", "whole-prompt")
+#: Every reason a plan can give: the label values of ``vllm:turnkv_inline_plans_total``.
+REASONS = mn.INLINE_REASONS
 
 
 def plan(tokens: int, remaining: int, predicted_s: float | None, max_ms: float, engine_ready: bool) -> Plan:

@@ -83,7 +83,7 @@ TIERS = ("device", "host")
 REFUSAL_REASONS = ("too_large", "full")
 EVICTION_REASONS = ("idle", "shrunk", "read")
 DECISIONS = ("pull", "recompute")
-#: connector.inline.REASONS (kept equal by tests/unit/test_inline.py: the connector is not imported here).
+#: Why a pull is or is not read inline (connector.inline.plan's reasons).
 INLINE_REASONS = ("inline", "off", "engine", "no-estimate", "slow", "whole-prompt")
 
 #: What the bridge publishes per interval (dims Deployment, Role; and Deployment, Role, EngineId on a node of

@@ -11,9 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import requests
 
-from tests.e2e.client import OFF, OUTCOME, REUSED, engine_stack, metric, pulled_tokens, words
+from tests.e2e.client import OUTCOME, REUSED, chat, engine_stack, metric, pulled_tokens, words
 from turnkv import engine_args
 from turnkv.engine_args import Role
 from turnkv.local.stack import StackConfig
@@ -44,10 +43,9 @@ def multi_stack():
         patch.undo()
 
 
-def _ask(router: str, messages: list[dict], conversation: str | None, reuse: bool = True) -> requests.Response:
-    body = {"model": "tiny", "messages": messages, "max_tokens": 96, "min_tokens": 96, "temperature": 0,
-            "return_token_ids": True, **({"conversation_id": conversation} if conversation else {})}
-    return requests.post(f"{router}/v1/chat/completions", json=body, headers={} if reuse else dict(OFF), timeout=120)
+def _ask(router: str, messages: list[dict], conversation: str | None, reuse: bool = True):
+    """An agent-sized turn: 96 tokens exactly (the pulled tail is the reply decode computed)."""
+    return chat(router, messages, conversation=conversation, reuse=reuse, max_tokens=96, min_tokens=96)
 
 
 def test_the_prefill_engine_runs_a_multiconnector(multi_stack):
@@ -61,17 +59,17 @@ def test_a_later_turn_pulls_decodes_tail_through_the_multiconnector(multi_stack)
     messages = [{"role": "system", "content": words(model_dir, 150, 301)},
                 {"role": "user", "content": words(model_dir, 300, 302)}]
     first = _ask(router, messages, "multi-1")
-    assert first.status_code == 200, first.text
-    messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+    assert first.status == 200, first.body
+    messages += [{"role": "assistant", "content": first.text},
                  {"role": "user", "content": words(model_dir, 60, 303)}]
     before = pulled_tokens(multi_stack)
     second = _ask(router, messages, "multi-1")
-    assert second.status_code == 200 and second.headers[OUTCOME] == "hit", second.headers
+    assert second.status == 200 and second.headers[OUTCOME] == "hit", second.headers
     reused = int(second.headers[REUSED])
     # prefill's own prefix cache served the first prompt; the pull brought the reply decode computed (96 tokens)
     assert reused >= 96 and pulled_tokens(multi_stack) - before == reused
     off = _ask(router, messages, None, reuse=False)
-    assert second.json()["choices"][0]["token_ids"] == off.json()["choices"][0]["token_ids"]
+    assert second.token_ids == off.token_ids
 
 
 def test_once_a_read_is_timed_the_next_pull_is_read_inside_its_step(multi_stack):
@@ -90,10 +88,9 @@ def test_once_a_read_is_timed_the_next_pull_is_read_inside_its_step(multi_stack)
     for turn in range(5):
         reply = _ask(router, messages, "multi-inline")
         off = _ask(router, messages, None, reuse=False)
-        assert reply.status_code == 200 and off.status_code == 200, reply.text
-        assert reply.json()["choices"][0]["token_ids"] == off.json()["choices"][0]["token_ids"], (
-            turn, reply.headers[OUTCOME], reply.headers[REUSED])
-        messages += [{"role": "assistant", "content": reply.json()["choices"][0]["message"]["content"]},
+        assert reply.status == 200 and off.status == 200, reply.body
+        assert reply.token_ids == off.token_ids, (turn, reply.headers[OUTCOME], reply.headers[REUSED])
+        messages += [{"role": "assistant", "content": reply.text},
                      {"role": "user", "content": words(model_dir, 60 + 20 * turn, 313 + turn)}]
     assert reply.headers[OUTCOME] == "hit" and int(reply.headers[REUSED]) > 0
     assert metric(prefill, "vllm:turnkv_inline_plans_total", reason="inline") - inline_before >= 3

@@ -9,7 +9,6 @@ import pytest
 
 from connector import compat, inline
 from connector.worker import TurnkvWorkerMixin
-from turnkv import metric_names as mn
 
 
 def test_a_short_pull_from_a_ready_engine_is_read_inline():
@@ -19,7 +18,6 @@ def test_a_short_pull_from_a_ready_engine_is_read_inline():
     assert inline.plan(300, 300, 0.004, 25.0, True).reason == "whole-prompt"  # the step must compute a token
     assert inline.plan(200, 300, None, 25.0, True).reason == "no-estimate"  # the first READ is timed async
     assert inline.plan(200, 300, 0.030, 25.0, True).reason == "slow"  # holding the whole batch's step for it
-    assert set(inline.REASONS) == set(mn.INLINE_REASONS)
 
 
 def test_only_reads_that_land_ready_to_use_are_inline():
