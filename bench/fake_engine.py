@@ -14,7 +14,9 @@ error whose message echoes the request's ``kv_transfer_params``, as vLLM's valid
 ``{"midstream_error": true}`` (an in-stream error event after the second token), ``{"sse_nospace": true}``
 (the params chunk as ``data:{...}``), ``{"endless_line": N}`` (N bytes of a line that never ends), ``{}`` to clear.
 ``GET /stats`` returns counters, including requests aborted by a client that went away. Several engines can run
-in one process. Run: ``python -m bench.fake_engine --port 28100 --role prefill``.
+in one process. Run: ``python -m bench.fake_engine --port 28100 --role prefill``. By default it answers at once;
+``--compute NAME`` (``bench.engine_clock``) gives it a modelled GPU engine's time instead: prefill legs wait for their
+tokens' steps, decode streams one token per batched step.
 
 It returns what real vLLM + turnkv's connector return, and keeps what they keep, so router tests mean something:
 - decode's ``remote_blocks_expiry_time`` is decode's ``perf_counter`` plus the TTL (with a per-engine origin, as
@@ -40,12 +42,14 @@ import hashlib
 import itertools
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from bench.engine_clock import ComputeModel, DecodeClock, PrefillClock, compute_model
 from turnkv import params as catalog
 from turnkv import wire
 
@@ -125,6 +129,9 @@ class FakeEngine:
     #: one write per SSE event with a yield between them, as a real engine emits one event per step; otherwise a
     #: whole stream goes out in one write (the cheapest case for whoever relays it)
     event_writes: bool = False
+    #: Engine time (``bench.engine_clock``): prefill legs wait for their tokens' steps and decode streams a token per
+    #: step, as on the modelled GPU engine. None: answers at once (the CPU is the only capacity).
+    compute: ComputeModel | None = None
     stats: dict[str, int] = field(default_factory=lambda: {"requests": 0, "prefill": 0, "decode": 0, "running": 0,
                                                            "aborted": 0, "pulled": 0, "errors": 0,
                                                            "wrong_reuse": 0, "stale_reads": 0, "push_timeouts": 0})
@@ -147,6 +154,8 @@ class FakeEngine:
         # perf_counter's origin differs per host: make it differ per engine, as on separate machines
         self.clock_origin = random.uniform(1e4, 1e6)
         LOCAL_ENGINES.add(self.engine_id)
+        self._prefill_clock = PrefillClock(self.compute) if self.compute else None
+        self._decode_clock = DecodeClock(self.compute) if self.compute else None
 
     def monotonic(self) -> float:
         return time.perf_counter() + self.clock_origin
@@ -288,6 +297,9 @@ class FakeEngine:
                 cached = max(0, min(view.num_tokens, prompt_tokens) - 1)
                 params[wire.REMOTE_PREFILL_CACHED_TOKENS] = cached
                 self.stats["pulled"] += cached
+            if self._prefill_clock is not None:  # the tokens not pulled are computed, in the engine's steps
+                await self._prefill_clock.prefill(prompt_tokens - int(params.get(wire.REMOTE_PREFILL_CACHED_TOKENS)
+                                                                      or 0))
             if self.mode == "push":  # hand the KV to decode's registration under this request id
                 waiting = PUSH_REGISTRATIONS.pop(request_id, None)
                 if waiting is not None and not waiting.done():
@@ -332,6 +344,10 @@ class FakeEngine:
         out_params = (self._decode_params(request_id, prompt_tokens + n, wire.tenant_tag(kv))
                       if self.bidirectional and kv else None)
         if not body.get("stream"):
+            if self._decode_clock is not None:
+                async with contextlib.aclosing(self._decode_clock.tokens(len(words))) as steps:
+                    async for _ in steps:
+                        pass
             message = ({"index": 0, "message": {"role": "assistant", "content": "".join(words)},
                         "finish_reason": "length"} if chat else
                        {"index": 0, "text": "".join(words), "finish_reason": "length"})
@@ -346,9 +362,25 @@ class FakeEngine:
         await response.prepare(request)
         head = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": created, "model": body.get("model", "fake")}
-        parts = []
         die_after = 1 if fault.get("die_after_first") else int(fault.get("die_after") or 0)
+        steps = self._decode_clock.tokens(len(words)) if self._decode_clock is not None else None
+        async with contextlib.AsyncExitStack() as stack:
+            if steps is not None:
+                await stack.enter_async_context(contextlib.aclosing(steps))
+            return await self._stream(request, response, words, tokens, ids, head, chat, with_ids, fault, die_after,
+                                      out_params, steps)
+        raise AssertionError("not reached")
+
+    async def _stream(self, request: web.Request, response: web.StreamResponse, words: list[str], tokens: list[int],
+                      ids: list[int], head: dict[str, Any], chat: bool, with_ids: bool, fault: dict[str, Any],
+                      die_after: int, out_params: dict[str, Any] | None,
+                      steps: AsyncIterator[int] | None) -> web.StreamResponse:
+        """Stream ``words`` as SSE events: one write per event (``event_writes``, a token delay, or engine time,
+        where each token waits for its decode step), else all at once."""
+        parts: list[bytes] = []
         for i, word in enumerate(words):
+            if steps is not None:
+                await anext(steps)
             last = "length" if i == len(words) - 1 else None
             if chat:
                 choice = {"index": 0, "delta": ({"role": "assistant", "content": word} if i == 0 else
@@ -372,7 +404,7 @@ class FakeEngine:
                 await asyncio.sleep(0.01)
                 request.transport.close()  # type: ignore[union-attr]
                 return response
-            if fault.get("token_delay") or self.event_writes:
+            if fault.get("token_delay") or self.event_writes or steps is not None:
                 await response.write(b"".join(parts))
                 parts.clear()
                 await asyncio.sleep(float(fault.get("token_delay") or 0))
@@ -449,7 +481,12 @@ class FakeEngine:
             return web.json_response({"renewed": renewed, "missing": missing})
 
         async def stats(_: web.Request) -> web.Response:
-            return web.json_response(self.stats)
+            clocks = {}
+            if self._prefill_clock is not None and self._decode_clock is not None:
+                p, d = self._prefill_clock, self._decode_clock
+                clocks = {"prefill_steps": p.steps, "prefill_busy_s": p.busy_s, "prefill_tokens": p.tokens,
+                          "decode_steps": d.steps, "decode_busy_s": d.busy_s, "decode_batched": d.batched}
+            return web.json_response({**self.stats, **clocks})
 
         async def evictions(request: web.Request) -> web.Response:
             """turnkv's evictions feed (connector.leases): announcements after ``since``."""
@@ -498,7 +535,13 @@ def main() -> None:
     parser.add_argument("--mode", default="pull", choices=("pull", "push"))
     parser.add_argument("--no-bidirectional", action="store_true")
     parser.add_argument("--event-writes", action="store_true", help="one write per streamed event (as a real engine)")
+    parser.add_argument("--compute", default="instant", help="engine time (bench.engine_clock.COMPUTE_MODELS), or "
+                                                             "instant: answer at once")
     args = parser.parse_args()
+    try:
+        compute = compute_model(args.compute)
+    except ValueError as exc:
+        parser.error(str(exc))
     with contextlib.suppress(ImportError):
         import uvloop
 
@@ -506,7 +549,7 @@ def main() -> None:
 
     async def run() -> None:
         engines = [FakeEngine(p, mode=args.mode, bidirectional=not args.no_bidirectional,
-                              event_writes=args.event_writes) for p in args.port]
+                              event_writes=args.event_writes, compute=compute) for p in args.port]
         await start(engines)
         await asyncio.Event().wait()
 
