@@ -33,6 +33,7 @@ import aiohttp
 import orjson
 import psutil
 
+from bench.engine_clock import COMPUTE_MODELS
 from bench.fake_engine import FAKE_SECRET
 from turnkv import router_env, wire
 
@@ -41,6 +42,10 @@ TASK_MEMORY_MIB = 2048  # the router's Fargate task (infra)
 BYSTANDER = "bystander-key-0001"
 ATTACKERS = [f"attacker-key-{i:04d}" for i in range(4)]
 HONEST = "honest-heavy-key-0001"
+#: The deploy config's default engine: Qwen3-32B at TP 8 on p5en, as the planner prices it.
+DEFAULT_COMPUTE = next(iter(COMPUTE_MODELS))
+#: The bystander's client under ``--isolate``: ahead of the fake engines on their shared core (see ``main``).
+BYSTANDER_NICE = -10
 
 
 def free_port() -> int:
@@ -93,7 +98,18 @@ async def bystander(url: str, duration: float, conversations: int, turns: int) -
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         await asyncio.gather(*(one(session, i) for i in range(conversations)))
     return {"turns": len(ttfts), "ttft_p50_ms": _ms(percentile(ttfts, 0.5)), "ttft_p90_ms": _ms(percentile(ttfts, 0.9)),
-            "errors": dict(errors)}
+            "errors": dict(errors), "ttfts_ms": [_ms(t) for t in ttfts]}
+
+
+def pooled(phases: list[dict[str, Any]]) -> dict[str, Any]:
+    """One phase's figures over its rounds: every round's TTFTs together, errors summed."""
+    ttfts = [t / 1000 for ph in phases for t in ph["ttfts_ms"]]
+    errors: Counter = Counter()
+    for ph in phases:
+        errors.update(ph["errors"])
+    return {"turns": len(ttfts), "ttft_p50_ms": _ms(percentile(ttfts, 0.5)), "ttft_p90_ms": _ms(percentile(ttfts, 0.9)),
+            "errors": dict(errors), "rounds": [{k: ph[k] for k in ("turns", "ttft_p50_ms", "ttft_p90_ms")}
+                                               for ph in phases]}
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, t0: float) -> tuple[str, float | None, int]:
@@ -196,10 +212,13 @@ async def attack(port: int, duration: float, max_body: int) -> dict[str, int]:
     return dict(counts)
 
 
-async def attack_and_honest(port: int, duration: float, max_body: int, honest_conversations: int
-                            ) -> tuple[dict[str, int], dict[str, Any]]:
-    """The attacker and the heavy-but-honest tenant at once (both in this process)."""
-    counts, heavy = await asyncio.gather(attack(port, duration, max_body),
+async def attack_and_honest(port: int, duration: float, max_body: int, honest_conversations: int,
+                            attacker: bool = True) -> tuple[dict[str, int], dict[str, Any]]:
+    """The attacker (unless ``attacker`` is false) and the heavy-but-honest tenant at once (both in this process)."""
+    async def no_attack() -> dict[str, int]:
+        return {}
+
+    counts, heavy = await asyncio.gather(attack(port, duration, max_body) if attacker else no_attack(),
                                          honest(port, duration, honest_conversations))
     return counts, heavy
 
@@ -240,7 +259,23 @@ async def honest(port: int, duration: float, conversations: int = 16, turns: int
     elapsed = max(1e-3, time.monotonic() - started)
     return {"conversations": conversations, "served": counts["200"], "served_per_s": round(counts["200"] / elapsed, 1),
             "ttft_p50_ms": _ms(percentile(ttfts, 0.5)), "ttft_p90_ms": _ms(percentile(ttfts, 0.9)),
-            "answers": dict(counts)}
+            "answers": dict(counts), "elapsed_s": elapsed, "ttfts_ms": [_ms(t) for t in ttfts]}
+
+
+def pooled_honest(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The heavy-but-honest tenant over the rounds: served per second of its hostile phases, TTFTs together."""
+    rounds = [r for r in rounds if r]
+    if not rounds:
+        return {}
+    answers: Counter = Counter()
+    for r in rounds:
+        answers.update(r["answers"])
+    ttfts = [t / 1000 for r in rounds for t in r["ttfts_ms"]]
+    served = sum(r["served"] for r in rounds)
+    return {"conversations": rounds[0]["conversations"], "served": served,
+            "served_per_s": round(served / sum(r["elapsed_s"] for r in rounds), 1),
+            "ttft_p50_ms": _ms(percentile(ttfts, 0.5)), "ttft_p90_ms": _ms(percentile(ttfts, 0.9)),
+            "answers": dict(answers)}
 
 
 async def _guarded(coro, counts: Counter) -> None:
@@ -315,6 +350,33 @@ async def refused_by_limit(url: str) -> dict[str, int]:
     return out
 
 
+async def engine_clocks(urls: list[str]) -> Counter:
+    """The fake engines' step counters (``bench.engine_clock``), summed over ``urls``: empty when they answer at
+    once."""
+    total: Counter = Counter()
+    async with aiohttp.ClientSession() as s:
+        for u in urls:
+            async with s.get(u + "/stats") as r:
+                stats = await r.json()
+            total.update({k: v for k, v in stats.items() if k.startswith(("prefill_", "decode_"))})
+    return total
+
+
+def _minus(after: Counter, before: Counter) -> Counter:
+    return Counter({k: after[k] - before.get(k, 0) for k in after})
+
+
+def engine_load(c: Counter, seconds: float) -> dict[str, float | None]:
+    """What the modelled engines did in a phase: the prefill engine's busy share and tokens per second, decode's
+    mean batch and step."""
+    if not c.get("decode_steps"):
+        return {}
+    return {"prefill_busy_share": round(c["prefill_busy_s"] / seconds, 3),
+            "prefill_tokens_per_s": round(c["prefill_tokens"] / seconds),
+            "decode_mean_batch": round(c["decode_batched"] / c["decode_steps"], 1),
+            "decode_mean_step_ms": round(1000 * c["decode_busy_s"] / c["decode_steps"], 2)}
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -323,7 +385,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
            router_env.API_KEYS: json.dumps({"tenants": {"bystander": BYSTANDER, "honest": HONEST,
                                                       **{f"attacker{i}": k for i, k in enumerate(ATTACKERS)}}})}
     py = sys.executable
-    procs = [subprocess.Popen([py, "-m", "bench.fake_engine", "--port", str(p_port), "--port", str(d_port)],
+    procs = [subprocess.Popen([py, "-m", "bench.fake_engine", "--port", str(p_port), "--port", str(d_port),
+                               "--compute", args.compute],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     with open(out / "router.log", "wb") as log:
         router = subprocess.Popen([py, "-m", "turnkv.cli", "router", "serve", "--prefill",
@@ -338,26 +401,50 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             os.sched_setaffinity(router.pid, {cores[0]})
             for proc in (procs[0], None):
                 os.sched_setaffinity(proc.pid if proc else 0, set(cores[1:]))
+        # The bystander's client is another machine in a deployment: here it shares a core with the fake engines,
+        # and its own waits for that core would be counted as the router's. It runs ahead of them (root only).
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, BYSTANDER_NICE)
+        except PermissionError:
+            print("note: not root, the bystander's client runs at the engines' priority", file=sys.stderr)
+    quiet_rounds: list[dict[str, Any]] = []
+    hostile_rounds: list[dict[str, Any]] = []
+    honest_rounds: list[dict[str, Any]] = []
+    attacker_counts: Counter = Counter()
+    engines_by_phase: dict[str, Counter] = {"quiet": Counter(), "hostile": Counter()}
+    engine_urls = [f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"]
     try:
         await wait_ready(url)
         sampler = Sampler(router.pid)
         sampling = asyncio.create_task(sampler.run(time.monotonic()))
-        sampler.phase = "quiet"
-        quiet = await bystander(url, args.duration, args.conversations, args.turns)
-        sampler.phase = "hostile"
-        attacker = subprocess.Popen([py, "-m", "bench.hostile_load", "--attack", str(r_port), "--duration",
-                                     str(args.duration), "--out", str(out), "--honest-conversations",
-                                     str(args.honest_conversations)], env=env,
-                                    preexec_fn=(lambda: os.nice(19)) if args.isolate else None)
-        procs.append(attacker)
-        await asyncio.sleep(1.0)  # the attack under way
-        hostile = await bystander(url, args.duration, args.conversations, args.turns)
-        await asyncio.get_running_loop().run_in_executor(None, attacker.wait, args.duration + 60)
+        # Quiet and hostile phases alternate, ``rounds`` times: a drift in this machine's load (other work on the
+        # cores) then falls on both phases alike, and each phase's figures pool its rounds.
+        for n in range(args.rounds):
+            sampler.phase = "quiet"
+            before = await engine_clocks(engine_urls)
+            quiet_rounds.append(await bystander(url, args.duration, args.conversations, args.turns))
+            engines_by_phase["quiet"].update(_minus(await engine_clocks(engine_urls), before))
+            sampler.phase = "hostile"
+            round_out = out / f"round{n}"
+            round_out.mkdir(exist_ok=True)
+            attacker = subprocess.Popen([py, "-m", "bench.hostile_load", "--attack", str(r_port), "--duration",
+                                         str(args.duration + 1.0), "--out", str(round_out), "--honest-conversations",
+                                         str(args.honest_conversations),
+                                         *(() if args.attacker else ("--no-attacker",))], env=env,
+                                        preexec_fn=(lambda: os.setpriority(os.PRIO_PROCESS, 0, 19)) if args.isolate
+                                        else None)
+            procs.append(attacker)
+            await asyncio.sleep(1.0)  # the attack under way
+            before = await engine_clocks(engine_urls)
+            hostile_rounds.append(await bystander(url, args.duration, args.conversations, args.turns))
+            engines_by_phase["hostile"].update(_minus(await engine_clocks(engine_urls), before))
+            await asyncio.get_running_loop().run_in_executor(None, attacker.wait, args.duration + 60)
+            attacker_counts.update(json.loads((round_out / "attacker.json").read_text()))
+            honest_rounds.append(json.loads((round_out / "honest.json").read_text()))
+            sampler.phase = "between"
+            await asyncio.sleep(2.0)  # the attacker's connections closed, its parked bodies dropped
         sampler.phase = "after"
-        await asyncio.sleep(2.0)
         sampling.cancel()
-        refusals = json.loads((out / "attacker.json").read_text())
-        heavy = json.loads((out / "honest.json").read_text())
         router_refusals = await refused_by_limit(url)
     finally:
         for p in procs:
@@ -368,11 +455,14 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+    quiet, hostile = pooled(quiet_rounds), pooled(hostile_rounds)
+    refusals = dict(attacker_counts)
+    heavy = pooled_honest(honest_rounds)
     rows = sampler.rows
     peak = max((r["rss_mib"] for r in rows), default=0.0)
     report = {
-        "duration_s_per_phase": args.duration, "bystander_conversations": args.conversations,
-        "isolate": args.isolate,
+        "duration_s_per_phase": args.duration, "rounds": args.rounds, "bystander_conversations": args.conversations,
+        "isolate": args.isolate, "compute": args.compute, "attacking": args.attacker,
         "router_rss_mib": {"start": rows[0]["rss_mib"] if rows else None, "peak": peak,
                            "end": rows[-1]["rss_mib"] if rows else None, "task_mib": TASK_MEMORY_MIB,
                            "peak_share_of_task": round(peak / TASK_MEMORY_MIB, 3)},
@@ -385,21 +475,40 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "attacker": refusals,
         "honest_heavy": heavy,
         "router_refusals": router_refusals,
+        "engines": {ph: engine_load(c, args.duration * args.rounds) for ph, c in engines_by_phase.items()},
         "samples": rows,
     }
     (out / "hostile_load.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k != "samples"}, indent=1))
+    print(summary_line(report))
     return report
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    """The run in one line: the bystander quiet -> hostile, the ratio, the honest tenant served."""
+    b, h = report["bystander"], report["honest_heavy"] or {}
+    honest = (f"; honest tenant {h['served_per_s']}/s, TTFT p50/p90 {h['ttft_p50_ms']}/{h['ttft_p90_ms']} ms"
+              if h else "")
+    return (f"bystander TTFT p50/p90 quiet {b['quiet']['ttft_p50_ms']}/{b['quiet']['ttft_p90_ms']} ms "
+            f"({b['quiet']['turns']} turns) -> hostile {b['hostile']['ttft_p50_ms']}/{b['hostile']['ttft_p90_ms']} "
+            f"ms ({b['hostile']['turns']} turns): p90 {report['ttft_p90_ratio']}x{honest}")
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--duration", type=float, default=30, help="Seconds per phase (quiet, hostile).")
+    p.add_argument("--duration", type=float, default=15, help="Seconds per phase (quiet, hostile) and round.")
+    p.add_argument("--rounds", type=int, default=3, help="Quiet and hostile phases, alternated this many times.")
     p.add_argument("--conversations", type=int, default=8, help="Bystander conversations at once.")
     p.add_argument("--turns", type=int, default=6, help="Turns per bystander conversation.")
     p.add_argument("--honest-conversations", type=int, default=16,
                    help="Conversations the heavy-but-honest tenant runs at once in the hostile phase (0: none).")
+    p.add_argument("--no-attacker", dest="attacker", action="store_false",
+                   help="The hostile phase without the attacker (the heavy-but-honest tenant alone beside the "
+                        "bystander): what the honest tenant's load costs the bystander by itself.")
     p.add_argument("--set", action="append", default=[], help="Router tunable NAME=VALUE (repeatable).")
+    p.add_argument("--compute", default=DEFAULT_COMPUTE,
+                   help="The fake engines' time (bench.engine_clock): a modelled GPU engine's step loops, or instant "
+                        "(answers at once: then the engines' only capacity is this machine's CPU).")
     p.add_argument("--isolate", action="store_true",
                    help="Model the deployment on one host: the router pinned to its own core, the engines and both "
                         "clients on the others, the attacker process at nice 19 (its own CPU is another host's).")
@@ -412,7 +521,7 @@ if __name__ == "__main__":
     a = parser().parse_args()
     if a.attack:
         counts, heavy = asyncio.run(attack_and_honest(a.attack, a.duration, 8 * 1024 * 1024,
-                                                      a.honest_conversations))
+                                                      a.honest_conversations, a.attacker))
         Path(a.out, "attacker.json").write_text(json.dumps(counts, indent=1, sort_keys=True))
         Path(a.out, "honest.json").write_text(json.dumps(heavy, indent=1, sort_keys=True))
     else:

@@ -451,18 +451,26 @@ def pressure(
 
 @app.command("hostile")
 def hostile(
-    duration: Annotated[float, typer.Option(help="Seconds per phase (quiet, then hostile).")] = 30,
+    duration: Annotated[float, typer.Option(help="Seconds per phase (quiet, hostile) and round.")] = 15,
+    rounds: Annotated[int, typer.Option(help="Quiet and hostile phases, alternated this many times.")] = 3,
     conversations: Annotated[int, typer.Option(help="Bystander conversations at once.")] = 8,
+    honest_conversations: Annotated[int, typer.Option(
+        help="Conversations of the heavy-but-honest tenant in the hostile phase (0: none).")] = 16,
+    compute: Annotated[str, typer.Option(
+        help="The fake engines' time (bench.engine_clock): a modelled GPU engine, or instant.")] = "",
+    isolate: Annotated[bool, typer.Option(help="The router on a core of its own, the attacker at nice 19.")] = True,
     out: Annotated[Path, typer.Option(help="Folder for hostile_load.json.")] = Path("results/hostile"),
 ) -> None:
-    """One tenant attacks the router (fake engines, loopback) while another runs multi-turn streams: router RSS and
-    CPU, the bystander's TTFT against a quiet run and its errors, the attacker's refusals by limit."""
+    """One tenant attacks the router (fake engines with modelled GPU time, loopback) while a heavy-but-honest one
+    streams as fast as it is served and a third runs multi-turn streams: router RSS and CPU, the bystander's TTFT
+    against quiet phases and its errors, the attacker's refusals by limit, the honest tenant's turns per second."""
     import asyncio as aio
 
     from bench import hostile_load as hl
 
-    args = hl.parser().parse_args(["--duration", str(duration), "--conversations", str(conversations),
-                                   "--out", str(out)])
+    argv = ["--duration", str(duration), "--rounds", str(rounds), "--conversations", str(conversations),
+            "--honest-conversations", str(honest_conversations), "--out", str(out), *(["--isolate"] if isolate else [])]
+    args = hl.parser().parse_args([*argv, *(["--compute", compute] if compute else [])])
     report = aio.run(hl.main(args))
     if report["bystander"]["hostile"]["errors"] or report["router_rss_mib"]["peak_share_of_task"] > 0.5:
         raise typer.Exit(1)
