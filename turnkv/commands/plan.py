@@ -543,6 +543,15 @@ def twin(
     fit_decode: Annotated[Path | None, typer.Option(help="A calibration run's capacity.json (of this command's "
                                                          "workload): fit the decode cost to it and print it.")]
     = None,
+    fit: Annotated[Path | None, typer.Option(help="A calibration run's folder (`turnkv bench capacity --records`: "
+                                                  "capacity.json and records.jsonl): fit the event simulation's "
+                                                  "constants to it and write them to --out.")] = None,
+    constants: Annotated[Path | None, typer.Option(help="The event simulation's constants (from --fit): predict by "
+                                                        "simulating the run event by event (turnkv.plan.twin_sim) "
+                                                        "instead of the closed form's mean value analysis.")]
+    = None,
+    stagger: Annotated[float, typer.Option(min=0, help="Seconds between conversation starts, as the run's "
+                                                       "--stagger.")] = 0.2,
 ) -> None:
     """Predict what `turnkv bench capacity` measures on the local stack (TTFT p50/p90 per level and arm, reuse
     share, the level sustained) from `turnkv plan calibrate`'s constants, before it runs; --measured compares."""
@@ -563,6 +572,9 @@ def twin(
     fleet = closed_form.Fleet(architectures.tiny_local(), inst, inst, 1, 1, block_size=EngineSpec.block_size,
                               prefill_prefix_caching=prefill_prefix_caching, host_kv_gib=0.0)
     spec = tw.CapacitySpec(turns, system_words, first_user_words, turn_words, max_tokens)
+    if fit is not None or constants is not None:
+        _twin_sim(fleet, spec, level_list, stagger, fit, constants, measured, out, inst.efficiency.source)
+        return
     if fit_decode is not None:
         token_s = tw.fit_decode(fleet, spec, json.loads(fit_decode.read_text()))
         Console().print(f"decode_token_ms={token_s * 1000:.3f}")
@@ -586,3 +598,64 @@ def twin(
         if c["error"] is not None:
             console_out.print(f"  {c['concurrency']:>3} {c['arm']:>3} {c['stat']}: predicted {c['predicted']:,.0f}, "
                               f"measured {c['measured']:,.0f} ({c['error']:+.0%})")
+
+
+def _twin_sim(fleet, spec, levels: list[int], stagger: float, fit: Path | None, constants: Path | None,
+              measured: Path | None, out: Path | None, source: str) -> None:
+    """`plan twin --fit` / `--constants`: the event simulation's constants from a calibration run, or its
+    prediction (and, with --measured, the comparison)."""
+    import dataclasses
+
+    from turnkv.plan import twin as tw
+    from turnkv.plan import twin_sim as ts
+
+    say = Console()
+    if fit is not None:
+        cap_file, rec_file = fit / "capacity.json", fit / "records.jsonl"
+        if not cap_file.is_file() or not rec_file.is_file():
+            _fail(f"--fit {fit}: expected capacity.json and records.jsonl there (run `turnkv bench capacity "
+                  "--records --out` for the calibration run)")
+        run = json.loads(cap_file.read_text())
+        w = run["meta"]["workload"]
+        convs = [ts.conversation(w["turns"], w["system_words"], w["first_user_words"], w["turn_words"],
+                                 w["max_tokens"])] * max(lv["concurrency"] for lv in run["levels"])
+        rows = [json.loads(line) for line in rec_file.read_text().splitlines() if line.strip()]
+        run_levels = [lv["concurrency"] for lv in run["levels"]]
+        fitted = ts.fit(fleet, convs, run_levels, rows, w["system_words"] + ts.SYSTEM_EXTRA - 1,
+                        run["meta"].get("stagger_s", stagger))
+        text = json.dumps(dataclasses.asdict(fitted) | {"fitted_to": str(fit), "calibration": source}, indent=2)
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text)
+        say.print(text)
+        return
+    assert constants is not None
+    try:
+        data = json.loads(constants.read_text())
+        consts = ts.SimConstants(**{f.name: data[f.name] for f in dataclasses.fields(ts.SimConstants)})
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        _fail(f"--constants {constants}: not the event simulation's constants ({exc}); make them with --fit")
+    convs = [ts.conversation(spec.turns, spec.system_words, spec.first_user_words, spec.turn_words,
+                             spec.max_tokens)] * max(levels)
+    result = ts.simulate(fleet, consts, convs, levels, spec.system_words + ts.SYSTEM_EXTRA - 1, stagger)
+    result |= {"spec": spec.__dict__, "stagger_s": stagger, "constants": dataclasses.asdict(consts),
+               "calibration": source, "model": "event simulation (turnkv.plan.twin_sim)"}
+    if measured is not None:
+        result["comparison"] = tw.compare(result, json.loads(measured.read_text()))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+    say.print(f"event twin of `turnkv bench capacity` ({source}); target {result['target_ms']:,.0f} ms; sustained "
+              f"off {result['sustained_off']}, on {result['sustained_on']}")
+    for row in result["levels"]:
+        say.print(f"  {row['concurrency']:>3} at once: off p50/p90 {row['off']['ttft_p50_ms']:,.0f}/"
+                  f"{row['off']['ttft_p90_ms']:,.0f} ms, on {row['on']['ttft_p50_ms']:,.0f}/"
+                  f"{row['on']['ttft_p90_ms']:,.0f} ms, reuse share {row['on']['reuse_share']:.0%} "
+                  f"({row['off']['samples']} turns per arm)")
+    for c in result.get("comparison", []):
+        if c["error"] is not None:
+            say.print(f"  {c['concurrency']:>3} {c['arm']:>3} {c['stat']}: predicted {c['predicted']:,.0f}, "
+                      f"measured {c['measured']:,.0f} ({c['error']:+.0%})")
+        elif c["stat"] == "reuse_share":
+            say.print(f"  {c['concurrency']:>3} {c['arm']:>3} reuse share: predicted {c['predicted']:.0%}, "
+                      f"measured {c['measured']:.0%}")

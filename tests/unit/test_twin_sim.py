@@ -1,0 +1,129 @@
+"""The event-simulation twin of `turnkv bench capacity` (turnkv.plan.twin_sim): pure, deterministic."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from turnkv.engine_args import EngineSpec
+from turnkv.plan import architectures, hardware
+from turnkv.plan import closed_form as m
+from turnkv.plan import twin_sim as ts
+
+
+def fleet() -> m.Fleet:
+    inst = hardware.load("local-cpu")
+    return m.Fleet(architectures.tiny_local(), inst, inst, 1, 1, block_size=EngineSpec.block_size,
+                   prefill_prefix_caching=True, host_kv_gib=0.0)
+
+
+CONSTS = ts.SimConstants(decode_step_s=0.009, decode_seq_s=0.001, contention=0.0)
+#: The calibration run of 2026-12-06-c: 10 turns, 150/250/150 words, 32-token replies (bench capacity --seed 101).
+CALIB = ts.conversation(10, 150, 250, 150, 32)
+SYSTEM = 150 + ts.SYSTEM_EXTRA - 1
+
+
+def records(levels, consts=CONSTS, conv=CALIB, **kw):
+    sim = ts.Simulation(fleet(), consts, system_tokens=SYSTEM, **kw)
+    return sim.run([conv] * max(levels), levels)
+
+
+def test_conversations_in_tokens_match_what_the_engines_counted():
+    # prompt_tokens and the decode-held history the calibration run's router reported, turn by turn
+    assert [t.prompt for t in CALIB] == [421, 612, 802, 993, 1183, 1374, 1564, 1755, 1945, 2136]
+    assert CALIB[1].history == 421 + 32 - 1  # 384 cached + 68 pulled in the measured run
+
+
+def test_one_conversation_is_the_closed_form():
+    f = fleet()
+    conv = ts.conversation(4, 200, 300, 200, 16)
+    got = [r.ttft_ms for r in records([1], conv=conv) if r.arm == "off"]
+    prompt = np.array([t.prompt for t in conv])
+    # reuse off: a fresh cache salt every request, so decode too reads the whole prompt (no history it holds)
+    costs = m.turn_costs(f, prompt, np.zeros_like(prompt))
+    # decode's first step: the fitted one in place of the closed form's (the hop held the rest)
+    want = (costs.ttft_off - m.decode_step_s(f, prompt)) * 1000
+    assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_the_reuse_arm_pulls_what_the_measured_run_pulled():
+    rs = [r for r in records([1, 2]) if r.arm == "on"]
+    one = [r for r in rs if r.level == 1]
+    # measured: prefill's cache held whole blocks of the turn before; turns 2-5, 7 and 9 pulled a tail of >= 64
+    assert [r.prefill_cached_tokens for r in one] == [0, 384, 512, 768, 896, 1152, 1280, 1536, 1664, 1920]
+    assert [r.reused_tokens for r in one] == [0, 68, 131, 65, 128, 0, 125, 0, 122, 0]
+    replayed = [r for r in rs if r.level == 2 and r.conv == 0]
+    assert [r.prefill_cached_tokens for r in replayed][:2] == [384, 512] and not any(r.reused_tokens for r in replayed)
+    newcomer = [r for r in rs if r.level == 2 and r.conv == 1]
+    assert newcomer[0].prefill_cached_tokens == 128  # the shared system prompt's block
+    assert all(r.reused_tokens == 0 and r.prefill_cached_tokens == 0 for r in records([1]) if r.arm == "off")
+
+
+def test_more_conversations_never_lower_a_turn():
+    solo = {(r.arm, r.turn): r.ttft_ms for r in records([1]) if r.conv == 0}
+    crowd = {(r.arm, r.turn): r.ttft_ms for r in ts.Simulation(fleet(), CONSTS, system_tokens=SYSTEM).run(
+        [CALIB] * 4, [4]) if r.conv == 0}
+    assert all(crowd[k] >= solo[k] - 1e-9 for k in solo)
+    assert sum(crowd.values()) > sum(solo.values())
+
+
+def test_decode_batches_concurrent_sequences_in_one_step():
+    conv = ts.conversation(2, 50, 50, 50, 32)
+    solo = ts.summarize(records([1], conv=conv, stagger_s=0.0), [1])["levels"][0]["off"]["token_ms"]
+    two = ts.summarize(ts.Simulation(fleet(), CONSTS, stagger_s=0.0).run([conv] * 2, [2]), [2])
+    pair = two["levels"][0]["off"]["token_ms"]
+    assert solo == pytest.approx(10.0)  # 9 + 1 ms per step at one sequence
+    assert solo < pair <= 11.0 + 1e-9  # both in each step: 9 + 2 x 1 ms, not 2 x 10
+
+
+def test_prefill_steps_take_a_chunk_budget_and_charge_later_chunks():
+    sim = ts.Simulation(fleet(), CONSTS)
+    one = sim.prefill_step_s([(1000, 0)], continuing_only=False)
+    both = sim.prefill_step_s([(1000, 0), (1000, 0)], continuing_only=False)
+    assert both == pytest.approx(2 * one)
+    step = fleet().prefill.efficiency.step_overhead_s
+    assert sim.prefill_step_s([(1000, 0)], continuing_only=True) == pytest.approx(one + step)
+
+
+def test_a_small_prefill_cache_evicts_least_recently_used_blocks():
+    roomy = [r for r in records([1, 2]) if r.arm == "on" and r.level == 2 and r.conv == 0]
+    tight = [r for r in records([1, 2], prefill_blocks=4) if r.arm == "on" and r.level == 2 and r.conv == 0]
+    assert roomy[0].prefill_cached_tokens == 384 and tight[0].prefill_cached_tokens < 384
+
+
+def test_contention_slows_steps_only_when_both_engines_are_busy():
+    slow = dataclasses.replace(CONSTS, contention=1.0)
+    assert [r.ttft_ms for r in records([1], slow)] == [r.ttft_ms for r in records([1])]  # never overlap alone
+    assert (ts.summarize(records([1, 4], slow), [1, 4])["levels"][1]["off"]["ttft_mean_ms"]
+            > ts.summarize(records([1, 4]), [1, 4])["levels"][1]["off"]["ttft_mean_ms"])
+
+
+def test_the_simulation_is_deterministic():
+    a = ts.simulate(fleet(), CONSTS, [CALIB] * 8, [1, 2, 4, 8], SYSTEM)
+    b = ts.simulate(fleet(), CONSTS, [CALIB] * 8, [1, 2, 4, 8], SYSTEM)
+    assert a == b
+    assert [lv["off"]["samples"] for lv in a["levels"]] == [10, 20, 40, 80]
+
+
+def test_fit_recovers_the_constants_of_a_simulated_calibration_run():
+    truth = ts.SimConstants(decode_step_s=0.008, decode_seq_s=0.0015, contention=0.3)
+    levels = [1, 2, 4, 8]
+    rows = [dataclasses.asdict(r) | {"conversation": r.conv, "error": None} for r in records(levels, truth)]
+    got = ts.fit(fleet(), [CALIB] * 8, levels, rows, SYSTEM)
+    assert got.salt_scope == "request"
+    assert got.decode_step_s + got.decode_seq_s == pytest.approx(0.0095, rel=1e-3)
+    assert got.decode_seq_s == pytest.approx(0.0015, rel=0.1)
+    # the contention barely moves a prefill-bound top level, so the check is that the fit reproduces what it saw
+    want = ts.summarize(records(levels, truth), levels)["levels"][-1]["off"]["ttft_mean_ms"]
+    assert ts.summarize(records(levels, got), levels)["levels"][-1]["off"]["ttft_mean_ms"] == pytest.approx(want,
+                                                                                                          rel=0.03)
+
+
+def test_fit_reads_the_salt_scope_off_the_records():
+    base = {"arm": "off", "error": None, "prefill_cached_tokens": 0}
+    rows = [base | {"level": 1, "turn": t, "conversation": 0} for t in range(3)]
+    assert ts.salt_scope(rows) == "request"
+    own = [r | {"prefill_cached_tokens": 128 * r["turn"]} for r in rows]
+    assert ts.salt_scope(own) == "conversation"
