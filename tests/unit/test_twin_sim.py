@@ -111,7 +111,7 @@ def test_fit_recovers_the_constants_of_a_simulated_calibration_run():
     truth = ts.SimConstants(decode_step_s=0.008, decode_seq_s=0.0015, contention=0.3)
     levels = [1, 2, 4, 8]
     rows = [dataclasses.asdict(r) | {"conversation": r.conv, "error": None} for r in records(levels, truth)]
-    got = ts.fit(fleet(), [CALIB] * 8, levels, rows, SYSTEM)
+    got = ts.fit(fleet(), [CALIB] * 8, levels, rows, SYSTEM, shares_core=False)
     assert got.salt_scope == "request"
     assert got.decode_step_s + got.decode_seq_s == pytest.approx(0.0095, rel=1e-3)
     assert got.decode_seq_s == pytest.approx(0.0015, rel=0.1)
@@ -127,3 +127,25 @@ def test_fit_reads_the_salt_scope_off_the_records():
     assert ts.salt_scope(rows) == "request"
     own = [r | {"prefill_cached_tokens": 128 * r["turn"]} for r in rows]
     assert ts.salt_scope(own) == "conversation"
+
+
+def test_fit_recovers_the_hops_cost_per_prompt_token():
+    truth = ts.SimConstants(decode_step_s=0.008, decode_seq_s=0.0015, hop_per_token_s=4e-6, hop_shares_core=True)
+    levels = [1, 2, 4]
+    rows = [dataclasses.asdict(r) | {"conversation": r.conv, "error": None} for r in records(levels, truth)]
+    got = ts.fit(fleet(), [CALIB] * 4, levels, rows, SYSTEM)
+    assert got.hop_shares_core and got.hop_per_token_s == pytest.approx(4e-6, rel=0.05)
+
+
+def test_hops_cost_per_prompt_token_and_share_a_busy_core():
+    long = ts.conversation(2, 150, 1000, 150, 16)
+    plain = [r.ttft_ms for r in records([1], conv=long)]
+    per_token = [r.ttft_ms for r in records([1], dataclasses.replace(CONSTS, hop_per_token_s=1e-5), conv=long)]
+    # two hops of 1e-5 s per prompt token each
+    assert [b - a for a, b in zip(plain, per_token, strict=True)] == pytest.approx(
+        [2 * 1e-5 * t.prompt * 1000 for t in long] * 2, rel=1e-6)
+    alone = [r.ttft_ms for r in records([1], dataclasses.replace(CONSTS, hop_shares_core=True))]
+    assert alone == [r.ttft_ms for r in records([1])]  # one conversation: no hop meets a busy engine
+    shared = dataclasses.replace(CONSTS, hop_shares_core=True)
+    assert (ts.summarize(records([1, 4], shared), [1, 4])["levels"][1]["on"]["ttft_mean_ms"]
+            > ts.summarize(records([1, 4]), [1, 4])["levels"][1]["on"]["ttft_mean_ms"])

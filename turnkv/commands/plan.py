@@ -546,6 +546,9 @@ def twin(
     fit: Annotated[Path | None, typer.Option(help="A calibration run's folder (`turnkv bench capacity --records`: "
                                                   "capacity.json and records.jsonl): fit the event simulation's "
                                                   "constants to it and write them to --out.")] = None,
+    hops_share_core: Annotated[bool, typer.Option(help="With --fit: engine hops share their engine's core and cost "
+                                                       "per prompt token (attempt 4's model); off: attempt 3's.")]
+    = True,
     constants: Annotated[Path | None, typer.Option(help="The event simulation's constants (from --fit): predict by "
                                                         "simulating the run event by event (turnkv.plan.twin_sim) "
                                                         "instead of the closed form's mean value analysis.")]
@@ -573,7 +576,8 @@ def twin(
                               prefill_prefix_caching=prefill_prefix_caching, host_kv_gib=0.0)
     spec = tw.CapacitySpec(turns, system_words, first_user_words, turn_words, max_tokens)
     if fit is not None or constants is not None:
-        _twin_sim(fleet, spec, level_list, stagger, fit, constants, measured, out, inst.efficiency.source)
+        _twin_sim(fleet, spec, level_list, stagger, fit, constants, measured, out, inst.efficiency.source,
+                  hops_share_core)
         return
     if fit_decode is not None:
         token_s = tw.fit_decode(fleet, spec, json.loads(fit_decode.read_text()))
@@ -601,7 +605,7 @@ def twin(
 
 
 def _twin_sim(fleet, spec, levels: list[int], stagger: float, fit: Path | None, constants: Path | None,
-              measured: Path | None, out: Path | None, source: str) -> None:
+              measured: Path | None, out: Path | None, source: str, hops_share_core: bool = True) -> None:
     """`plan twin --fit` / `--constants`: the event simulation's constants from a calibration run, or its
     prediction (and, with --measured, the comparison)."""
     import dataclasses
@@ -622,7 +626,7 @@ def _twin_sim(fleet, spec, levels: list[int], stagger: float, fit: Path | None, 
         rows = [json.loads(line) for line in rec_file.read_text().splitlines() if line.strip()]
         run_levels = [lv["concurrency"] for lv in run["levels"]]
         fitted = ts.fit(fleet, convs, run_levels, rows, w["system_words"] + ts.SYSTEM_EXTRA - 1,
-                        run["meta"].get("stagger_s", stagger))
+                        run["meta"].get("stagger_s", stagger), hops_share_core)
         text = json.dumps(dataclasses.asdict(fitted) | {"fitted_to": str(fit), "calibration": source}, indent=2)
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -632,7 +636,8 @@ def _twin_sim(fleet, spec, levels: list[int], stagger: float, fit: Path | None, 
     assert constants is not None
     try:
         data = json.loads(constants.read_text())
-        consts = ts.SimConstants(**{f.name: data[f.name] for f in dataclasses.fields(ts.SimConstants)})
+        consts = ts.SimConstants(**{f.name: data[f.name] for f in dataclasses.fields(ts.SimConstants)
+                                    if f.name in data})
     except (OSError, ValueError, KeyError, TypeError) as exc:
         _fail(f"--constants {constants}: not the event simulation's constants ({exc}); make them with --fit")
     convs = [ts.conversation(spec.turns, spec.system_words, spec.first_user_words, spec.turn_words,

@@ -63,6 +63,12 @@ class SimConstants:
     decode_seq_s: float = 0.0005
     contention: float = 0.0
     salt_scope: str = "request"
+    #: Seconds per prompt token each engine hop spends beyond the calibrated one-token hop (rendering, tokenizing
+    #: and routing a long prompt), fitted to the calibration run's level 1 (attempt 4 on; 0 before).
+    hop_per_token_s: float = 0.0
+    #: A hop's work runs in the engine's API server, pinned to the engine's core: while the engine steps, the two
+    #: processes share the core and the hop takes twice as long (attempt 4 on; off before).
+    hop_shares_core: bool = False
 
 
 @dataclass(frozen=True)
@@ -191,6 +197,10 @@ class Simulation:
         step = self.fleet.prefill.efficiency.step_overhead_s if continuing_only else 0.0
         return max(float(compute.sum()), memory) + step
 
+    def _shared(self, engine: _Engine) -> float:
+        """How much longer a hop takes on ``engine``'s core now (processor sharing with its step loop)."""
+        return 2.0 if self.consts.hop_shares_core and engine.busy else 1.0
+
     def decode_step_s(self, batch: int) -> float:
         return self.consts.decode_step_s + self.consts.decode_seq_s * batch
 
@@ -228,7 +238,8 @@ class Simulation:
             scope = self.consts.salt_scope
             salt = ("on" if arm == "on" or scope == "none" else f"off-{level}-{conv}" if scope == "conversation"
                     else f"off-{next(self._salt)}")
-            push(t + self.hop_p, "prefill_arrive", _Request(conv, turn, arm, level, spec, t, salt))
+            hop = (self.hop_p + self.consts.hop_per_token_s * spec.prompt) * self._shared(prefill)
+            push(t + hop, "prefill_arrive", _Request(conv, turn, arm, level, spec, t, salt))
 
         def start_prefill(t: float) -> None:
             if prefill.busy or not waiting:
@@ -291,7 +302,8 @@ class Simulation:
                         # Decode reads the tokens it lacks (all of them when the salt is new) before its first step.
                         own = arm == "on" or self.consts.salt_scope != "request"
                         lacks = req.spec.prompt - (req.spec.history if own else 0)
-                        push(now + self.hop_d + float(m.transfer_s(self.fleet, lacks, setup=self.fleet.mode != "push")),
+                        hop = (self.hop_d + self.consts.hop_per_token_s * req.spec.prompt) * self._shared(decode)
+                        push(now + hop + float(m.transfer_s(self.fleet, lacks, setup=self.fleet.mode != "push")),
                              "decode_arrive", req)
                 start_prefill(now)
                 start_decode(now)
@@ -392,12 +404,13 @@ def salt_scope(rows: list[dict[str, Any]]) -> str:
 
 
 def fit(fleet: m.Fleet, conversations: list[list[Turn]], levels: list[int], rows: list[dict[str, Any]],
-        system_tokens: int = 0, stagger_s: float = 0.2) -> SimConstants:
+        system_tokens: int = 0, stagger_s: float = 0.2, shares_core: bool = True) -> SimConstants:
     """The simulation's own constants from a *calibration* capacity run's records.jsonl (never a predicted run's):
     the reuse-off arm's cache scope; decode's step cost at one sequence (level 1's time per token: one sequence
     per step, the engines never busy together); its cost per extra sequence (the top level's time per token);
     the contention (the top level's mean reuse-off TTFT: smoother in it than a percentile). The last two by
-    bisection on the simulation."""
+    bisection on the simulation. ``shares_core`` (attempt 4's model): hops share their engine's core, and their cost
+    per prompt token is fitted to level 1 first; off: attempt 3's model."""
     ok = [r for r in rows if r.get("error") is None]
     scope = salt_scope(ok)
     low, top = min(levels), max(levels)
@@ -405,11 +418,23 @@ def fit(fleet: m.Fleet, conversations: list[list[Turn]], levels: list[int], rows
     top_rows = [r for r in ok if r["level"] == top]
     want_token = float(np.mean(token_ms(top_rows)))
     want_off = float(np.mean([r["ttft_ms"] for r in top_rows if r["arm"] == "off"]))
-    consts = SimConstants(one, 0.0, 0.0, scope)
+    consts = SimConstants(one, 0.0, 0.0, scope, hop_shares_core=shares_core)
+
+    def simulated(c: SimConstants, at: list[int]) -> list[Record]:
+        return Simulation(fleet, c, stagger_s, system_tokens=system_tokens).run(conversations, at)
 
     def run(c: SimConstants) -> dict[str, Any]:
-        sim = Simulation(fleet, c, stagger_s, system_tokens=system_tokens)
-        return summarize(sim.run(conversations, levels), levels)["levels"][-1]
+        return summarize(simulated(c, levels), levels)["levels"][-1]
+
+    if shares_core:
+        # Level 1's TTFT beyond the simulated one against prompt length: both hops' cost per prompt token
+        # (least squares through the origin: the one-token hop is calibrated).
+        measured = {(r["arm"], r["conversation"], r["turn"]): r["ttft_ms"] / 1000 for r in ok if r["level"] == low}
+        pairs = [(rec.ttft_ms / 1000, measured[(rec.arm, rec.conv, rec.turn)], conversations[rec.conv][rec.turn].prompt)
+                 for rec in simulated(consts, [low]) if (rec.arm, rec.conv, rec.turn) in measured]
+        num = sum((want - got) * n for got, want, n in pairs)
+        den = sum(n * n for _, _, n in pairs)
+        consts = replace(consts, hop_per_token_s=max(num / den / 2, 0.0) if den else 0.0)
 
     for _ in range(3):
         b = _bisect(lambda x, c=consts: np.mean([run(replace(c, decode_step_s=max(one - x, 0.0), decode_seq_s=x))[a]
