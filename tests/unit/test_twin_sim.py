@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -149,3 +150,46 @@ def test_hops_cost_per_prompt_token_and_share_a_busy_core():
     shared = dataclasses.replace(CONSTS, hop_shares_core=True)
     assert (ts.summarize(records([1, 4], shared), [1, 4])["levels"][1]["on"]["ttft_mean_ms"]
             > ts.summarize(records([1, 4]), [1, 4])["levels"][1]["on"]["ttft_mean_ms"])
+
+
+# -- bench pressure ----------------------------------------------------------------------------------------------
+
+PRESSURE = ts.conversation(4, 100, 200, 100, 96, think_s=1.0)
+
+
+def pressure(counts, room, consts=CONSTS):
+    return ts.simulate_pressure(fleet(), consts, PRESSURE, counts, room, 100 + ts.SYSTEM_EXTRA - 1)
+
+
+def test_the_pressure_fit_counts_as_the_benchmark_does():
+    from bench import pressure_calc
+    from bench.workload import WorkloadSpec, build
+
+    conv = build(WorkloadSpec(conversations=1, turns=4, system_words=100, first_user_words=200, turn_words=100,
+                              max_tokens=96))[0]
+    tokens = pressure_calc.last_turn_tokens(conv, 96)
+    want = pressure_calc.compute_fit(2048, 128, 0.01, tokens).conversations
+    assert ts.pressure_fit(4, 100, 200, 100, 96, 20, 128) == want
+
+
+def test_a_read_turn_frees_its_room_for_the_next():
+    # room for one conversation's largest turn: one conversation pulls every later turn
+    room = math.ceil((PRESSURE[-1].prompt + 95) / 128)
+    (row,) = pressure([1], room)
+    assert row["reuse_share"] == 1.0 and row["later_turns"] == 3
+
+
+def test_a_full_retention_room_refuses_newcomers_instead_of_evicting_the_oldest():
+    room = math.ceil((PRESSURE[-1].prompt + 95) / 128)
+    one, four = pressure([1, 4], room)
+    assert one["reuse_share"] == 1.0
+    # the first level's last turn is held (never read, not idle within the floor): little room for the next level
+    assert four["reuse_share"] < 0.5
+    roomy = pressure([1, 4], 10_000)
+    assert [r["reuse_share"] for r in roomy] == [1.0, 1.0]
+    assert roomy[1]["ttft_on_later_p50_ms"] < four["ttft_on_later_p50_ms"]  # pulls beat recomputing the tail
+
+
+def test_the_reuse_off_phase_neither_pulls_nor_finds_a_cache():
+    (row,) = pressure([2], 10_000)
+    assert row["ttft_off_later_p50_ms"] > row["ttft_on_later_p50_ms"]

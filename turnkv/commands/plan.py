@@ -664,3 +664,86 @@ def _twin_sim(fleet, spec, levels: list[int], stagger: float, fit: Path | None, 
         elif c["stat"] == "reuse_share":
             say.print(f"  {c['concurrency']:>3} {c['arm']:>3} reuse share: predicted {c['predicted']:.0%}, "
                       f"measured {c['measured']:.0%}")
+
+
+@app.command("twin-pressure")
+def twin_pressure(
+    constants: Annotated[Path, typer.Option(help="The event simulation's constants (`turnkv plan twin --fit` on a "
+                                                 "calibration capacity run).")],
+    levels: Annotated[str, typer.Option(help="Multiples of the conversations that fit, as `bench.pressure --levels`.")]
+    = "1,2,4,8",
+    turns: Annotated[int, typer.Option(min=2, help="Turns per conversation.")] = 4,
+    think_s: Annotated[float, typer.Option(min=0, help="Fixed think time before each later turn (--think fixed:S).")]
+    = 1.0,
+    system_words: Annotated[int, typer.Option(min=0)] = 100,
+    first_user_words: Annotated[int, typer.Option(min=1)] = 200,
+    turn_words: Annotated[int, typer.Option(min=1)] = 100,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Reply length (exact: --exact-replies).")] = 96,
+    retained_kv_share: Annotated[float, typer.Option(min=0, max=1, help="The variant's retained_kv_share.")] = 0.01,
+    kv_cache_gib: Annotated[float, typer.Option(min=0, help="Decode's KV cache (the local stack's "
+                                                           "VLLM_CPU_KVCACHE_SPACE).")] = 2.0,
+    stagger: Annotated[float, typer.Option(min=0)] = 0.2,
+    state_dir: Annotated[Path, typer.Option(help="Where `turnkv plan calibrate` stored local-cpu constants.")]
+    = Path(".turnkv"),
+    out: Annotated[Path | None, typer.Option(help="Write the prediction here (JSON).")] = None,
+    measured: Annotated[Path | None, typer.Option(help="A `bench.pressure` summary.json to compare with.")] = None,
+) -> None:
+    """Predict what `python -m bench.pressure --stack-per variant` measures on one local stack (reuse share and
+    TTFT p50/p90 of later turns per arm and level) by the event simulation, before it runs."""
+    import dataclasses
+
+    from turnkv.engine_args import EngineSpec
+    from turnkv.plan import architectures, closed_form, hardware
+    from turnkv.plan import twin_sim as ts
+
+    if not (state_dir / hardware.CALIBRATION_FILE).is_file():
+        _fail(f"no local-cpu calibration in {state_dir}: run `turnkv plan calibrate` first")
+    try:
+        multiples = [float(x) for x in levels.split(",") if x.strip()]
+        data = json.loads(constants.read_text())
+        consts = ts.SimConstants(**{f.name: data[f.name] for f in dataclasses.fields(ts.SimConstants)
+                                    if f.name in data})
+    except (OSError, ValueError, TypeError) as exc:
+        _fail(f"--levels {levels!r} / --constants {constants}: {exc}")
+    inst = hardware.load("local-cpu", state_dir)
+    arch = architectures.tiny_local()
+    block = EngineSpec.block_size
+    fleet = closed_form.Fleet(arch, inst, inst, 1, 1, block_size=block, prefill_prefix_caching=True, host_kv_gib=0.0)
+    blocks = int(kv_cache_gib * 2**30 // (block * arch.kv_bytes_per_token_rank(1)))
+    room = int(retained_kv_share * blocks)
+    fit = ts.pressure_fit(turns, system_words, first_user_words, turn_words, max_tokens, room, block)
+    counts = sorted({max(1, round(x * fit)) for x in multiples})
+    conv = ts.conversation(turns, system_words, first_user_words, turn_words, max_tokens, think_s)
+    rows = ts.simulate_pressure(fleet, consts, conv, counts, room, system_words + ts.SYSTEM_EXTRA - 1, stagger)
+    result: dict[str, Any] = {"fit": fit, "room_blocks": room, "decode_blocks": blocks, "levels": rows,
+                              "constants": dataclasses.asdict(consts), "calibration": inst.efficiency.source,
+                              "model": "event simulation (turnkv.plan.twin_sim)"}
+    say = Console()
+    say.print(f"event twin of bench pressure: {fit} conversation(s) fit in {room} blocks of decode's {blocks}")
+    keys = ("reuse_share", "ttft_on_later_p50_ms", "ttft_on_later_p90_ms", "ttft_off_later_p50_ms",
+            "ttft_off_later_p90_ms")
+    if measured is not None:
+        got = json.loads(measured.read_text())
+        levels_measured = {lv["conversations"]: lv for v in got["variants"] for lv in v["levels"]
+                           if lv.get("conversations")}
+        result["comparison"] = []
+        for row in rows:
+            lv = levels_measured.get(row["conversations"])
+            for k in keys:
+                want = None if lv is None else lv.get(k)
+                err = None if not want or k == "reuse_share" or row[k] is None else round(row[k] / want - 1, 4)
+                result["comparison"].append({"conversations": row["conversations"], "stat": k,
+                                             "predicted": row[k], "measured": want, "error": err})
+    for row in rows:
+        say.print(f"  {row['conversations']:>3} conversations: reuse share {row['reuse_share']:.0%}, later turns "
+                  f"on p50/p90 {row['ttft_on_later_p50_ms']:,.0f}/{row['ttft_on_later_p90_ms']:,.0f} ms, off "
+                  f"{row['ttft_off_later_p50_ms']:,.0f}/{row['ttft_off_later_p90_ms']:,.0f} ms "
+                  f"({row['later_turns']} later turns per arm)")
+    for c in result.get("comparison", []):
+        if c["measured"] is None:
+            continue
+        err = "" if c["error"] is None else f" ({c['error']:+.0%})"
+        say.print(f"  {c['conversations']:>3} {c['stat']}: predicted {c['predicted']}, measured {c['measured']}{err}")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))

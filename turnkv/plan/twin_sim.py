@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from connector.retention import Held, ReadDelays, RetentionLedger
 from turnkv.plan import closed_form as m
 
 #: bench.workload's system prompt opens with 13 words and the chat template adds 3 tokens per message and one to
@@ -142,6 +143,17 @@ class Simulation:
     consts: SimConstants
     stagger_s: float = 0.2
     prefill_blocks: int = 1 << 20
+    #: Decode's retention room in blocks (``retained_kv_share`` x its KV blocks), run by the connector's own ledger
+    #: (``connector.retention``: a newcomer is refused when the room is full unless turns idle past ``idle_after``
+    #: or read ones can go; evicted room frees ``eviction_grace_s`` later). None: room for every turn (a capacity
+    #: run on the local stack holds a few dozen blocks of its 2,048).
+    retention_blocks: float | None = None
+    eviction_grace_s: float = 30.0
+    idle_floor_s: float = 10.0
+    ttl_s: float = 480.0
+    #: Each level plays conversations with text of its own (bench pressure's seed per level): no block is shared
+    #: between levels, the system prompt's included.
+    per_level_content: bool = False
     #: Tokens every conversation shares (the system prompt with its template tokens): blocks wholly inside it are
     #: one cache entry for all conversations.
     system_tokens: int = 0
@@ -159,12 +171,17 @@ class Simulation:
         self.per_token = float(m.linear_compute_s(f, 1.0))
         self.cache: OrderedDict[tuple[Any, ...], None] = OrderedDict()
         self._salt = itertools.count()
+        self.ledger = RetentionLedger() if self.retention_blocks is not None else None
+        self.read_delays = ReadDelays()
+        self._frees: list[tuple[float, str]] = []  # (when, request id) of announced turns
 
     # -- prefill's prefix cache ---------------------------------------------------------------------------------
     def _key(self, req: _Request, block: int) -> tuple[Any, ...]:
         # Blocks inside the shared system prompt are the same for every conversation; later ones are the
         # conversation's own (its first message differs).
-        owner = "system" if (block + 1) * self.block <= self.system_tokens else req.conv
+        owner: Any = "system" if (block + 1) * self.block <= self.system_tokens else req.conv
+        if self.per_level_content:
+            owner = (req.level, owner)
         return (req.salt, owner, block)
 
     def _hit(self, req: _Request) -> int:
@@ -203,6 +220,48 @@ class Simulation:
 
     def decode_step_s(self, batch: int) -> float:
         return self.consts.decode_step_s + self.consts.decode_seq_s * batch
+
+    # -- decode's retention ---------------------------------------------------------------------------------------
+    @staticmethod
+    def _rid(req: _Request, turn: int | None = None) -> str:
+        return f"{req.level}-{req.conv}-{req.turn if turn is None else turn}"
+
+    def _free_due(self, now: float) -> None:
+        """Free announced turns past their grace, and live ones past their TTL."""
+        assert self.ledger is not None
+        for when, rid in [f for f in self._frees if f[0] <= now]:
+            self._frees.remove((when, rid))
+            self.ledger.release(rid)
+        for rid in [r for r, h in self.ledger.live.items() if h.expires_at <= now]:
+            self.ledger.release(rid)
+
+    def _offer(self, req: _Request, now: float) -> Any:
+        """The previous turn decode still retains and offers (not announced: the router refuses those), else None."""
+        if self.ledger is None:
+            return True
+        self._free_due(now)
+        return self.ledger.live.get(self._rid(req, req.turn - 1))
+
+    def _read(self, req: _Request, now: float) -> None:
+        """A pull read the previous turn: single use, so freed (``fork_window`` 0), and its wait is a read delay."""
+        if self.ledger is None:
+            return
+        held = self.ledger.release(self._rid(req, req.turn - 1))
+        if held is not None:
+            self.read_delays.observe(now - held.since)
+
+    def _retain(self, req: _Request, now: float) -> None:
+        """Decode finished a reuse-on turn: the ledger places it, or refuses it (and announces idle turns)."""
+        if self.ledger is None:
+            return
+        self._free_due(now)
+        blocks = math.ceil((req.spec.prompt + req.spec.out - 1) / self.block)
+        placement = self.ledger.place(blocks, now, float(self.retention_blocks or 0.0), 0.0,
+                                      lambda _t: self.read_delays.idle_after(0.0, self.ttl_s, None, self.idle_floor_s))
+        for rid, _held in placement.evicted:
+            self._frees.append((now + self.eviction_grace_s, rid))
+        if placement.tier is not None:
+            self.ledger.hold(self._rid(req), Held(blocks, now + self.ttl_s, placement.tier, now))
 
     def _pull_decision(self, tail: int, waiting: int) -> bool:
         """``connector.policy``: pull when the transfer beats recomputing, which also delays the waiting requests."""
@@ -276,9 +335,10 @@ class Simulation:
             if kind == "prefill_arrive":
                 req = payload
                 cached = self._hit(req)
+                held = self._offer(req, now) if arm == "on" and req.spec.history else None
                 req.cached = cached
                 tail = req.spec.history - min(cached, req.spec.history)
-                if arm == "on" and req.spec.history and self._pull_decision(tail, len(waiting)):
+                if held is not None and self._pull_decision(tail, len(waiting)):
                     req.pulled = tail
                     req.context = req.spec.history
                     req.remaining = req.spec.prompt - req.spec.history
@@ -288,6 +348,7 @@ class Simulation:
                 waiting.append(req)
                 start_prefill(now)
             elif kind == "pulled":
+                self._read(payload, now)
                 waiting.append(payload)
                 start_prefill(now)
             elif kind == "prefill_step":
@@ -318,6 +379,8 @@ class Simulation:
                         req.ttft = now - req.sent
                     if req.produced >= req.spec.out:
                         running_d.remove(req)
+                        if arm == "on":
+                            self._retain(req, now)
                         self.records.append(Record(level, arm, req.conv, req.turn, req.ttft * 1000,
                                                    (now - req.sent) * 1000, req.pulled, req.cached,
                                                    req.spec.out))
@@ -443,3 +506,53 @@ def fit(fleet: m.Fleet, conversations: list[list[Turn]], levels: list[int], rows
         k = _bisect(lambda x, c=consts: run(replace(c, contention=x))["off"]["ttft_mean_ms"], want_off, 0.0, 3.0)
         consts = replace(consts, contention=k)
     return consts
+
+
+# -- bench pressure --------------------------------------------------------------------------------------------
+
+#: bench.pressure_calc.last_turn_tokens: the system prompt opens with 13 words; every message carries 3 template
+#: tokens (system, each user turn, each reply).
+PRESSURE_SYSTEM_OPENING = 13
+
+
+def pressure_fit(turns: int, system_words: int, first_user_words: int, turn_words: int, max_tokens: int,
+                 room_blocks: int, block: int) -> int:
+    """Conversations whose last turn fits decode's retention room, as ``bench.pressure_calc.compute_fit`` counts
+    them (a conversation's last turn: every word, every reply, the template's tokens per message)."""
+    words = (system_words + PRESSURE_SYSTEM_OPENING + first_user_words
+             + sum(turn_words + (3 if t % 2 else 2) for t in range(1, turns)) + turns * max_tokens)
+    last = words + (1 + turns + turns - 1) * TEMPLATE_PER_MESSAGE
+    return max(1, room_blocks // math.ceil(last / block))
+
+
+def summarize_pressure(records: list[Record], counts: list[int]) -> list[dict[str, Any]]:
+    """Per level as ``bench.pressure_calc.level_summary`` reports it: the reuse share of later turns (reuse on),
+    TTFT p50/p90 of later turns and of every turn per arm, and how many turns each figure has."""
+    rows = []
+    for n in counts:
+        on = [r for r in records if r.level == n and r.arm == "on"]
+        off = [r for r in records if r.level == n and r.arm == "off"]
+        later_on, later_off = [r for r in on if r.turn > 0], [r for r in off if r.turn > 0]
+        rows.append({
+            "conversations": n, "later_turns": len(later_on),
+            "reuse_share": round(sum(r.reused_tokens > 0 for r in later_on) / len(later_on), 3) if later_on else None,
+            "ttft_on_later_p50_ms": percentile([r.ttft_ms for r in later_on], 50),
+            "ttft_on_later_p90_ms": percentile([r.ttft_ms for r in later_on], 90),
+            "ttft_off_later_p50_ms": percentile([r.ttft_ms for r in later_off], 50),
+            "ttft_off_later_p90_ms": percentile([r.ttft_ms for r in later_off], 90),
+            "ttft_on_p50_ms": percentile([r.ttft_ms for r in on], 50),
+            "ttft_on_p90_ms": percentile([r.ttft_ms for r in on], 90),
+            "ttft_off_p50_ms": percentile([r.ttft_ms for r in off], 50),
+            "ttft_off_p90_ms": percentile([r.ttft_ms for r in off], 90),
+        })
+    return rows
+
+
+def simulate_pressure(fleet: m.Fleet, consts: SimConstants, conversation_turns: list[Turn], counts: list[int],
+                      room_blocks: float, system_tokens: int = 0, stagger_s: float = 0.2) -> list[dict[str, Any]]:
+    """`bench pressure` on one stack (``--stack-per variant``): each level's ``n`` conversations (text of their own)
+    reuse on, then the same turns reuse off (a new cache salt every request, as in bench capacity; decode retains
+    nothing for them), with the retention room ``room_blocks``."""
+    sim = Simulation(fleet, consts, stagger_s, system_tokens=system_tokens, retention_blocks=room_blocks,
+                     per_level_content=True)
+    return summarize_pressure(sim.run([conversation_turns] * max(counts), counts, arms=("on", "off")), counts)
