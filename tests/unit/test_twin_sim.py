@@ -157,8 +157,9 @@ def test_hops_cost_per_prompt_token_and_share_a_busy_core():
 PRESSURE = ts.conversation(4, 100, 200, 100, 96, think_s=1.0)
 
 
-def pressure(counts, room, consts=CONSTS):
-    return ts.simulate_pressure(fleet(), consts, PRESSURE, counts, room, 100 + ts.SYSTEM_EXTRA - 1)
+def pressure(counts, room, consts=CONSTS, prefix_caching=True):
+    f = dataclasses.replace(fleet(), prefill_prefix_caching=prefix_caching)
+    return ts.simulate_pressure(f, consts, PRESSURE, counts, room, 100 + ts.SYSTEM_EXTRA - 1)
 
 
 def test_the_pressure_fit_counts_as_the_benchmark_does():
@@ -193,3 +194,15 @@ def test_a_full_retention_room_refuses_newcomers_instead_of_evicting_the_oldest(
 def test_the_reuse_off_phase_neither_pulls_nor_finds_a_cache():
     (row,) = pressure([2], 10_000)
     assert row["ttft_off_later_p50_ms"] > row["ttft_on_later_p50_ms"]
+
+
+def test_without_a_prefill_prefix_cache_a_turn_pulls_or_recomputes_its_whole_history():
+    bare = ts.Simulation(dataclasses.replace(fleet(), prefill_prefix_caching=False), CONSTS, system_tokens=SYSTEM).run(
+        [CALIB], [1])
+    on = [r for r in bare if r.arm == "on"]
+    assert all(r.prefill_cached_tokens == 0 for r in bare)
+    assert [r.reused_tokens for r in on] == [0] + [t.history for t in CALIB[1:]]  # every history is pulled whole
+    room = math.ceil((PRESSURE[-1].prompt + 95) / 128)
+    _, four = pressure([1, 4], room, prefix_caching=False)
+    _, cached_four = pressure([1, 4], room)
+    assert four["ttft_on_later_p50_ms"] > cached_four["ttft_on_later_p50_ms"]  # refused turns recompute it all

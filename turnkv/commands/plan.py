@@ -683,6 +683,10 @@ def twin_pressure(
     kv_cache_gib: Annotated[float, typer.Option(min=0, help="Decode's KV cache (the local stack's "
                                                            "VLLM_CPU_KVCACHE_SPACE).")] = 2.0,
     stagger: Annotated[float, typer.Option(min=0)] = 0.2,
+    prefill_prefix_caching: Annotated[bool, typer.Option(help="Prefill keeps a prefix cache: off on the stacks "
+                                                              "bench pressure starts (bench.variants, the seeds' "
+                                                              "setting); on with --url against `turnkv local up`.")]
+    = False,
     state_dir: Annotated[Path, typer.Option(help="Where `turnkv plan calibrate` stored local-cpu constants.")]
     = Path(".turnkv"),
     out: Annotated[Path | None, typer.Option(help="Write the prediction here (JSON).")] = None,
@@ -708,7 +712,8 @@ def twin_pressure(
     inst = hardware.load("local-cpu", state_dir)
     arch = architectures.tiny_local()
     block = EngineSpec.block_size
-    fleet = closed_form.Fleet(arch, inst, inst, 1, 1, block_size=block, prefill_prefix_caching=True, host_kv_gib=0.0)
+    fleet = closed_form.Fleet(arch, inst, inst, 1, 1, block_size=block, prefill_prefix_caching=prefill_prefix_caching,
+                              host_kv_gib=0.0)
     blocks = int(kv_cache_gib * 2**30 // (block * arch.kv_bytes_per_token_rank(1)))
     room = int(retained_kv_share * blocks)
     fit = ts.pressure_fit(turns, system_words, first_user_words, turn_words, max_tokens, room, block)
@@ -716,6 +721,7 @@ def twin_pressure(
     conv = ts.conversation(turns, system_words, first_user_words, turn_words, max_tokens, think_s)
     rows = ts.simulate_pressure(fleet, consts, conv, counts, room, system_words + ts.SYSTEM_EXTRA - 1, stagger)
     result: dict[str, Any] = {"fit": fit, "room_blocks": room, "decode_blocks": blocks, "levels": rows,
+                              "prefill_prefix_caching": prefill_prefix_caching,
                               "constants": dataclasses.asdict(consts), "calibration": inst.efficiency.source,
                               "model": "event simulation (turnkv.plan.twin_sim)"}
     say = Console()

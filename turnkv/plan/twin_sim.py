@@ -185,7 +185,10 @@ class Simulation:
         return (req.salt, owner, block)
 
     def _hit(self, req: _Request) -> int:
-        """Tokens prefill's cache serves: whole blocks, at most prompt - 1 (vLLM computes the last token)."""
+        """Tokens prefill's cache serves: whole blocks, at most prompt - 1 (vLLM computes the last token); none
+        when prefill runs without prefix caching (bench pressure's own stacks: the seeds' setting)."""
+        if not self.fleet.prefill_prefix_caching:
+            return 0
         n = 0
         for b in range((req.spec.prompt - 1) // self.block):
             key = self._key(req, b)
