@@ -1,4 +1,5 @@
-"""The local twin as a discrete-event simulation of `turnkv bench capacity` on the local stack. Pure, deterministic.
+"""The local twin as a discrete-event simulation of `turnkv bench capacity` and `bench pressure` on the local stack.
+Pure, deterministic.
 
 The closed-form twin (``twin``) prices a turn and queues the mean turn (MVA over one processor-shared station).
 That cannot reproduce what the benchmark does at a level: N conversations started ``stagger`` apart, each playing a
@@ -23,9 +24,13 @@ few turns back to back, on two engines that each run a step loop. This module pl
 - **the CPU**: each engine is pinned to its own core, but the router, the clients and the engines' API servers
   float over both and move every streamed token; a prefill step that starts while decode is busy takes
   ``1 + contention`` times as long (fitted to the calibration run too; decode's own share is in its per-sequence
-  cost).
+  cost);
+- **decode's retention** for `bench pressure` (``retention_blocks``): the connector's own ledger
+  (``connector.retention``) decides which finished turns stay for the next turn's pull, with think times between
+  turns and text of its own per level (``simulate_pressure``).
 
-The engine hops (``request_overhead_s`` each, measured by `turnkv plan calibrate` with one step inside) are delays;
+The engine hops (``request_overhead_s`` each, measured by `turnkv plan calibrate` with one step inside) are delays,
+plus a cost per prompt token and twice as long while their engine steps when ``hop_shares_core`` (attempt 4);
 decode's loses the one decode step it holds, which is simulated. With one conversation the simulated TTFT is the
 closed form's (``turn_costs``) with decode's first step at the fitted cost, checked by a test.
 """
