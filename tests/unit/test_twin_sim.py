@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
+from turnkv.cli import app
 from turnkv.engine_args import EngineSpec
 from turnkv.plan import architectures, hardware
 from turnkv.plan import closed_form as m
@@ -206,3 +210,36 @@ def test_without_a_prefill_prefix_cache_a_turn_pulls_or_recomputes_its_whole_his
     _, four = pressure([1, 4], room, prefix_caching=False)
     _, cached_four = pressure([1, 4], room)
     assert four["ttft_on_later_p50_ms"] > cached_four["ttft_on_later_p50_ms"]  # refused turns recompute it all
+
+
+# -- the commands ------------------------------------------------------------------------------------------------
+
+RUNS = Path(__file__).resolve().parents[2] / "bench" / "twin_runs" / "2026-12-06-d"
+W7 = ["--levels", "1,2,4,8", "--turns", "12", "--system-words", "200", "--first-user-words", "300", "--turn-words",
+      "80", "--max-tokens", "24"]
+
+
+def test_the_committed_prediction_is_what_the_command_prints(tmp_path):
+    """docs/planning.md quotes w7's prediction: the command reproduces it from the committed calibration only."""
+    out = tmp_path / "w7.json"
+    res = CliRunner().invoke(app, ["plan", "twin", "--state-dir", str(RUNS / "state"), "--constants",
+                                   str(RUNS / "sim-constants.json"), *W7, "--out", str(out),
+                                   "--measured", str(RUNS / "w7-capacity" / "capacity.json")])
+    assert res.exit_code == 0, res.output
+    got = json.loads(out.read_text())
+    assert got["levels"] == json.loads((RUNS / "w7-predicted.json").read_text())["levels"]
+    errors = [c["error"] for c in got["comparison"] if c["error"] is not None]
+    assert len(errors) == 16 and sum(abs(e) <= 0.25 for e in errors) == 15
+
+
+def test_the_commands_refuse_what_they_cannot_use(tmp_path):
+    empty = tmp_path / "run"
+    empty.mkdir()
+    res = CliRunner().invoke(app, ["plan", "twin", "--state-dir", str(RUNS / "state"), "--fit", str(empty)])
+    assert res.exit_code == 2 and "records.jsonl" in res.output
+    bad = tmp_path / "c.json"
+    bad.write_text("[1]")
+    res = CliRunner().invoke(app, ["plan", "twin", "--state-dir", str(RUNS / "state"), "--constants", str(bad)])
+    assert res.exit_code == 2 and "--fit" in " ".join(res.output.split())
+    res = CliRunner().invoke(app, ["plan", "twin-pressure", "--state-dir", str(tmp_path), "--constants", str(bad)])
+    assert res.exit_code == 2 and "turnkv plan calibrate" in " ".join(res.output.split())

@@ -635,10 +635,8 @@ def _twin_sim(fleet, spec, levels: list[int], stagger: float, fit: Path | None, 
         return
     assert constants is not None
     try:
-        data = json.loads(constants.read_text())
-        consts = ts.SimConstants(**{f.name: data[f.name] for f in dataclasses.fields(ts.SimConstants)
-                                    if f.name in data})
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        consts = ts.SimConstants.from_dict(json.loads(constants.read_text()))
+    except (OSError, ValueError) as exc:
         _fail(f"--constants {constants}: not the event simulation's constants ({exc}); make them with --fit")
     convs = [ts.conversation(spec.turns, spec.system_words, spec.first_user_words, spec.turn_words,
                              spec.max_tokens)] * max(levels)
@@ -704,11 +702,10 @@ def twin_pressure(
         _fail(f"no local-cpu calibration in {state_dir}: run `turnkv plan calibrate` first")
     try:
         multiples = [float(x) for x in levels.split(",") if x.strip()]
-        data = json.loads(constants.read_text())
-        consts = ts.SimConstants(**{f.name: data[f.name] for f in dataclasses.fields(ts.SimConstants)
-                                    if f.name in data})
-    except (OSError, ValueError, TypeError) as exc:
-        _fail(f"--levels {levels!r} / --constants {constants}: {exc}")
+        consts = ts.SimConstants.from_dict(json.loads(constants.read_text()))
+    except (OSError, ValueError) as exc:
+        _fail(f"--levels {levels!r} / --constants {constants}: {exc} (make the constants with `turnkv plan twin "
+              "--fit`)")
     inst = hardware.load("local-cpu", state_dir)
     arch = architectures.tiny_local()
     block = EngineSpec.block_size

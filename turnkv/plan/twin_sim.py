@@ -37,6 +37,7 @@ closed form's (``turn_costs``) with decode's first step at the fitted cost, chec
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -75,6 +76,19 @@ class SimConstants:
     #: A hop's work runs in the engine's API server, pinned to the engine's core: while the engine steps, the two
     #: processes share the core and the hop takes twice as long (attempt 4 on; off before).
     hop_shares_core: bool = False
+
+    #: What every constants file holds (attempt 3's lacks the hop terms: they default to off).
+    REQUIRED = ("decode_step_s", "decode_seq_s", "contention", "salt_scope")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SimConstants:
+        """Constants as ``plan twin --fit`` writes them; ValueError naming what is wrong otherwise."""
+        if not isinstance(data, dict) or any(k not in data for k in cls.REQUIRED):
+            raise ValueError(f"expected an object with {', '.join(cls.REQUIRED)}")
+        if data["salt_scope"] not in SALT_SCOPES:
+            raise ValueError(f"salt_scope {data['salt_scope']!r}: one of {', '.join(SALT_SCOPES)}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
 
 
 @dataclass(frozen=True)
