@@ -243,3 +243,35 @@ def test_the_commands_refuse_what_they_cannot_use(tmp_path):
     assert res.exit_code == 2 and "--fit" in " ".join(res.output.split())
     res = CliRunner().invoke(app, ["plan", "twin-pressure", "--state-dir", str(tmp_path), "--constants", str(bad)])
     assert res.exit_code == 2 and "turnkv plan calibrate" in " ".join(res.output.split())
+
+
+def test_bench_capacity_records_every_request_under_its_level(monkeypatch, tmp_path):
+    """`bench capacity --records`: what `plan twin --fit` reads, each request under the level that played it."""
+    from bench import capacity
+    from bench.client import Result
+
+    async def sweep(url, workload, levels, stagger, on_result, on_level, **kw):
+        done = []
+        for level in levels:
+            for arm in ("off", "on"):
+                for conv in range(level):
+                    on_result(Result(conv, 0, arm, ttft_ms=10.0 * level, latency_ms=50.0, completion_tokens=16))
+            done.append({"concurrency": level, "off": {"errors": 0}, "on": {"errors": 0}})
+            on_level(done)
+        return done
+
+    monkeypatch.setattr(capacity, "sweep", sweep)
+    monkeypatch.setattr(capacity, "write", lambda levels, out, target, meta: {"levels": levels})
+    monkeypatch.setattr(capacity, "markdown", lambda result: "")
+    res = CliRunner().invoke(app, ["bench", "capacity", "--concurrency-levels", "1,2", "--records", "--out",
+                                   str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert [(r["level"], r["arm"], r["conversation"]) for r in rows] == [
+        (1, "off", 0), (1, "on", 0), (2, "off", 0), (2, "off", 1), (2, "on", 0), (2, "on", 1)]
+    assert all(r["ttft_ms"] == 10.0 * r["level"] and "reply" not in r for r in rows)
+    other = tmp_path / "plain"
+    other.mkdir()
+    plain = CliRunner().invoke(app, ["bench", "capacity", "--concurrency-levels", "1", "--out", str(other)])
+    assert plain.exit_code == 0
+    assert not (other / "records.jsonl").exists()
