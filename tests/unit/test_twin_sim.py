@@ -275,3 +275,14 @@ def test_bench_capacity_records_every_request_under_its_level(monkeypatch, tmp_p
     plain = CliRunner().invoke(app, ["bench", "capacity", "--concurrency-levels", "1", "--out", str(other)])
     assert plain.exit_code == 0
     assert not (other / "records.jsonl").exists()
+
+
+def test_a_kv_load_during_a_busy_decode_step_costs_one_more_step():
+    loaded = dataclasses.replace(CONSTS, kv_load_step=True)
+    assert [r.ttft_ms for r in records([1], loaded)] == [r.ttft_ms for r in records([1])]  # idle decode: no wait
+    conv = ts.conversation(2, 50, 50, 50, 64)
+    plain = ts.Simulation(fleet(), CONSTS, stagger_s=0.0).run([conv] * 4, [4])
+    late = ts.Simulation(fleet(), loaded, stagger_s=0.0).run([conv] * 4, [4])
+    assert sum(r.ttft_ms for r in late) > sum(r.ttft_ms for r in plain)
+    assert all(b.ttft_ms >= a.ttft_ms - 1e-9 for a, b in zip(plain, late, strict=True) if (a.conv, a.turn, a.arm) == (
+        b.conv, b.turn, b.arm))

@@ -76,6 +76,9 @@ class SimConstants:
     #: A hop's work runs in the engine's API server, pinned to the engine's core: while the engine steps, the two
     #: processes share the core and the hop takes twice as long (attempt 4 on; off before).
     hop_shares_core: bool = False
+    #: A turn that reaches decode while it steps loads its KV during the next step and decodes from the one after
+    #: (vLLM's asynchronous KV load); off in attempts 3-4 (a candidate checked in-sample only).
+    kv_load_step: bool = False
 
     #: What every constants file holds (attempt 3's lacks the hop terms: they default to off).
     REQUIRED = ("decode_step_s", "decode_seq_s", "contention", "salt_scope")
@@ -312,6 +315,7 @@ class Simulation:
         waiting: list[_Request] = []  # prefill's queue (arrival order), running ones first
         running_d: list[_Request] = []
         joining: list[_Request] = []
+        loading: list[_Request] = []
         now = start
 
         def send(conv: int, turn: int, t: float) -> None:
@@ -342,7 +346,16 @@ class Simulation:
         def start_decode(t: float) -> None:
             if decode.busy:
                 return
-            running_d.extend(joining)
+            if self.consts.kv_load_step:
+                # Arrived during a step: the scheduler starts its KV load at this boundary and runs it in the next
+                # step only (those loaded during the last step join now); an idle engine just polls the load.
+                running_d.extend(loading)
+                loading[:] = joining
+                if not running_d:
+                    running_d.extend(loading)
+                    loading.clear()
+            else:
+                running_d.extend(joining)
             joining.clear()
             if not running_d:
                 return
@@ -489,7 +502,8 @@ def salt_scope(rows: list[dict[str, Any]]) -> str:
 
 
 def fit(fleet: m.Fleet, conversations: list[list[Turn]], levels: list[int], rows: list[dict[str, Any]],
-        system_tokens: int = 0, stagger_s: float = 0.2, shares_core: bool = True) -> SimConstants:
+        system_tokens: int = 0, stagger_s: float = 0.2, shares_core: bool = True,
+        kv_load_step: bool = False) -> SimConstants:
     """The simulation's own constants from a *calibration* capacity run's records.jsonl (never a predicted run's):
     the reuse-off arm's cache scope; decode's step cost at one sequence (level 1's time per token: one sequence
     per step, the engines never busy together); its cost per extra sequence (the top level's time per token);
@@ -503,7 +517,7 @@ def fit(fleet: m.Fleet, conversations: list[list[Turn]], levels: list[int], rows
     top_rows = [r for r in ok if r["level"] == top]
     want_token = float(np.mean(token_ms(top_rows)))
     want_off = float(np.mean([r["ttft_ms"] for r in top_rows if r["arm"] == "off"]))
-    consts = SimConstants(one, 0.0, 0.0, scope, hop_shares_core=shares_core)
+    consts = SimConstants(one, 0.0, 0.0, scope, hop_shares_core=shares_core, kv_load_step=kv_load_step)
 
     def simulated(c: SimConstants, at: list[int]) -> list[Record]:
         return Simulation(fleet, c, stagger_s, system_tokens=system_tokens).run(conversations, at)
