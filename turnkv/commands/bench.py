@@ -4,6 +4,7 @@ agent trace (forks, subagents, think times) played the same way."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -208,6 +209,9 @@ def capacity(
     = None,
     out: Annotated[Path, typer.Option(help="Folder for capacity.md/json and capacity.png.")] = Path(
         "results/capacity"),
+    records: Annotated[bool, typer.Option(help="Also write every request (level, arm, turn, TTFT, latency, tokens, "
+                                               "reuse) to records.jsonl: what `turnkv plan twin --fit` reads.")]
+    = False,
 ) -> None:
     """Concurrency sweep, reuse off and on in one run: TTFT p50/p90 per level and turn, reuse share, and the
     highest load each variant sustains under a TTFT target."""
@@ -223,12 +227,25 @@ def capacity(
                          turn_words=turn_words, max_tokens=max_tokens, seed=seed)
     workload = cap.workload(args)
     meta = {"url": url, "workload": workload.__dict__, "stagger_s": stagger}
+    rows: list[dict[str, Any]] = []
     with request_progress("capacity") as progress:
-        on_result = result_callback(progress, cap.total_requests(level_list, turns))
+        advance = result_callback(progress, cap.total_requests(level_list, turns))
+
+        def on_result(r) -> None:
+            advance(r)
+            rows.append({"level": level_list[min(len(done_levels), len(level_list) - 1)], **r.to_json()})
+
+        done_levels: list[int] = []
+
+        def on_level(done: list[dict[str, Any]]) -> None:
+            done_levels[:] = [lv["concurrency"] for lv in done]
+            cap.write(done, out, ttft_target_ms, meta)
+            if records:
+                (out / "records.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
         try:
             swept = asyncio.run(cap.sweep(url, workload, level_list, stagger, on_result, model=model,
-                                          api_key=api_key,
-                                          on_level=lambda done: cap.write(done, out, ttft_target_ms, meta)))
+                                          api_key=api_key, on_level=on_level))
         except Exception as exc:  # connection refused, no models, ...
             progress.stop()
             console.print(f"[red]capacity benchmark failed:[/red] {type(exc).__name__}: {exc} "

@@ -543,6 +543,18 @@ def twin(
     fit_decode: Annotated[Path | None, typer.Option(help="A calibration run's capacity.json (of this command's "
                                                          "workload): fit the decode cost to it and print it.")]
     = None,
+    fit: Annotated[Path | None, typer.Option(help="A calibration run's folder (`turnkv bench capacity --records`: "
+                                                  "capacity.json and records.jsonl): fit the event simulation's "
+                                                  "constants to it and write them to --out.")] = None,
+    hops_share_core: Annotated[bool, typer.Option(help="With --fit: engine hops share their engine's core and cost "
+                                                       "per prompt token (attempt 4's model); off: attempt 3's.")]
+    = True,
+    constants: Annotated[Path | None, typer.Option(help="The event simulation's constants (from --fit): predict by "
+                                                        "simulating the run event by event (turnkv.plan.twin_sim) "
+                                                        "instead of the closed form's mean value analysis.")]
+    = None,
+    stagger: Annotated[float, typer.Option(min=0, help="Seconds between conversation starts, as the run's "
+                                                       "--stagger.")] = 0.2,
 ) -> None:
     """Predict what `turnkv bench capacity` measures on the local stack (TTFT p50/p90 per level and arm, reuse
     share, the level sustained) from `turnkv plan calibrate`'s constants, before it runs; --measured compares."""
@@ -563,6 +575,10 @@ def twin(
     fleet = closed_form.Fleet(architectures.tiny_local(), inst, inst, 1, 1, block_size=EngineSpec.block_size,
                               prefill_prefix_caching=prefill_prefix_caching, host_kv_gib=0.0)
     spec = tw.CapacitySpec(turns, system_words, first_user_words, turn_words, max_tokens)
+    if fit is not None or constants is not None:
+        _twin_sim(fleet, spec, level_list, stagger, fit, constants, measured, out, inst.efficiency.source,
+                  hops_share_core)
+        return
     if fit_decode is not None:
         token_s = tw.fit_decode(fleet, spec, json.loads(fit_decode.read_text()))
         Console().print(f"decode_token_ms={token_s * 1000:.3f}")
@@ -586,3 +602,151 @@ def twin(
         if c["error"] is not None:
             console_out.print(f"  {c['concurrency']:>3} {c['arm']:>3} {c['stat']}: predicted {c['predicted']:,.0f}, "
                               f"measured {c['measured']:,.0f} ({c['error']:+.0%})")
+
+
+def _twin_sim(fleet, spec, levels: list[int], stagger: float, fit: Path | None, constants: Path | None,
+              measured: Path | None, out: Path | None, source: str, hops_share_core: bool = True) -> None:
+    """`plan twin --fit` / `--constants`: the event simulation's constants from a calibration run, or its
+    prediction (and, with --measured, the comparison)."""
+    import dataclasses
+
+    from turnkv.plan import twin as tw
+    from turnkv.plan import twin_sim as ts
+
+    say = Console()
+    if fit is not None:
+        cap_file, rec_file = fit / "capacity.json", fit / "records.jsonl"
+        if not cap_file.is_file() or not rec_file.is_file():
+            _fail(f"--fit {fit}: expected capacity.json and records.jsonl there (run `turnkv bench capacity "
+                  "--records --out` for the calibration run)")
+        run = json.loads(cap_file.read_text())
+        w = run["meta"]["workload"]
+        convs = [ts.conversation(w["turns"], w["system_words"], w["first_user_words"], w["turn_words"],
+                                 w["max_tokens"])] * max(lv["concurrency"] for lv in run["levels"])
+        rows = [json.loads(line) for line in rec_file.read_text().splitlines() if line.strip()]
+        run_levels = [lv["concurrency"] for lv in run["levels"]]
+        fitted = ts.fit(fleet, convs, run_levels, rows, w["system_words"] + ts.SYSTEM_EXTRA - 1,
+                        run["meta"].get("stagger_s", stagger), hops_share_core)
+        text = json.dumps(dataclasses.asdict(fitted) | {"fitted_to": str(fit), "calibration": source}, indent=2)
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text)
+        say.print(text)
+        return
+    assert constants is not None
+    try:
+        consts = ts.SimConstants.from_dict(json.loads(constants.read_text()))
+    except (OSError, ValueError) as exc:
+        _fail(f"--constants {constants}: not the event simulation's constants ({exc}); make them with --fit")
+    convs = [ts.conversation(spec.turns, spec.system_words, spec.first_user_words, spec.turn_words,
+                             spec.max_tokens)] * max(levels)
+    result = ts.simulate(fleet, consts, convs, levels, spec.system_words + ts.SYSTEM_EXTRA - 1, stagger)
+    result |= {"spec": spec.__dict__, "stagger_s": stagger, "constants": dataclasses.asdict(consts),
+               "calibration": source, "model": "event simulation (turnkv.plan.twin_sim)"}
+    if measured is not None:
+        result["comparison"] = tw.compare(result, json.loads(measured.read_text()))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+    say.print(f"event twin of `turnkv bench capacity` ({source}); target {result['target_ms']:,.0f} ms; sustained "
+              f"off {result['sustained_off']}, on {result['sustained_on']}")
+    for row in result["levels"]:
+        say.print(f"  {row['concurrency']:>3} at once: off p50/p90 {row['off']['ttft_p50_ms']:,.0f}/"
+                  f"{row['off']['ttft_p90_ms']:,.0f} ms, on {row['on']['ttft_p50_ms']:,.0f}/"
+                  f"{row['on']['ttft_p90_ms']:,.0f} ms, reuse share {row['on']['reuse_share']:.0%} "
+                  f"({row['off']['samples']} turns per arm)")
+    for c in result.get("comparison", []):
+        if c["error"] is not None:
+            say.print(f"  {c['concurrency']:>3} {c['arm']:>3} {c['stat']}: predicted {c['predicted']:,.0f}, "
+                      f"measured {c['measured']:,.0f} ({c['error']:+.0%})")
+        elif c["stat"] == "reuse_share":
+            say.print(f"  {c['concurrency']:>3} {c['arm']:>3} reuse share: predicted {c['predicted']:.0%}, "
+                      f"measured {c['measured']:.0%}")
+
+
+@app.command("twin-pressure")
+def twin_pressure(
+    constants: Annotated[Path, typer.Option(help="The event simulation's constants (`turnkv plan twin --fit` on a "
+                                                 "calibration capacity run).")],
+    levels: Annotated[str, typer.Option(help="Multiples of the conversations that fit, as `bench.pressure --levels`.")]
+    = "1,2,4,8",
+    turns: Annotated[int, typer.Option(min=2, help="Turns per conversation.")] = 4,
+    think_s: Annotated[float, typer.Option(min=0, help="Fixed think time before each later turn (--think fixed:S).")]
+    = 1.0,
+    system_words: Annotated[int, typer.Option(min=0)] = 100,
+    first_user_words: Annotated[int, typer.Option(min=1)] = 200,
+    turn_words: Annotated[int, typer.Option(min=1)] = 100,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Reply length (exact: --exact-replies).")] = 96,
+    retained_kv_share: Annotated[float, typer.Option(min=0, max=1, help="The variant's retained_kv_share.")] = 0.01,
+    kv_cache_gib: Annotated[float, typer.Option(min=0, help="Decode's KV cache (the local stack's "
+                                                           "VLLM_CPU_KVCACHE_SPACE).")] = 2.0,
+    stagger: Annotated[float, typer.Option(min=0)] = 0.2,
+    prefill_prefix_caching: Annotated[bool, typer.Option(help="Prefill keeps a prefix cache: off on the stacks "
+                                                              "bench pressure starts (bench.variants, the seeds' "
+                                                              "setting); on with --url against `turnkv local up`.")]
+    = False,
+    state_dir: Annotated[Path, typer.Option(help="Where `turnkv plan calibrate` stored local-cpu constants.")]
+    = Path(".turnkv"),
+    out: Annotated[Path | None, typer.Option(help="Write the prediction here (JSON).")] = None,
+    measured: Annotated[Path | None, typer.Option(help="A `bench.pressure` summary.json to compare with.")] = None,
+) -> None:
+    """Predict what `python -m bench.pressure --stack-per variant` measures on one local stack (reuse share and
+    TTFT p50/p90 of later turns per arm and level) by the event simulation, before it runs."""
+    import dataclasses
+
+    from turnkv.engine_args import EngineSpec
+    from turnkv.plan import architectures, closed_form, hardware
+    from turnkv.plan import twin_sim as ts
+
+    if not (state_dir / hardware.CALIBRATION_FILE).is_file():
+        _fail(f"no local-cpu calibration in {state_dir}: run `turnkv plan calibrate` first")
+    try:
+        multiples = [float(x) for x in levels.split(",") if x.strip()]
+        consts = ts.SimConstants.from_dict(json.loads(constants.read_text()))
+    except (OSError, ValueError) as exc:
+        _fail(f"--levels {levels!r} / --constants {constants}: {exc} (make the constants with `turnkv plan twin "
+              "--fit`)")
+    inst = hardware.load("local-cpu", state_dir)
+    arch = architectures.tiny_local()
+    block = EngineSpec.block_size
+    fleet = closed_form.Fleet(arch, inst, inst, 1, 1, block_size=block, prefill_prefix_caching=prefill_prefix_caching,
+                              host_kv_gib=0.0)
+    blocks = int(kv_cache_gib * 2**30 // (block * arch.kv_bytes_per_token_rank(1)))
+    room = int(retained_kv_share * blocks)
+    fit = ts.pressure_fit(turns, system_words, first_user_words, turn_words, max_tokens, room, block)
+    counts = sorted({max(1, round(x * fit)) for x in multiples})
+    conv = ts.conversation(turns, system_words, first_user_words, turn_words, max_tokens, think_s)
+    rows = ts.simulate_pressure(fleet, consts, conv, counts, room, system_words + ts.SYSTEM_EXTRA - 1, stagger)
+    result: dict[str, Any] = {"fit": fit, "room_blocks": room, "decode_blocks": blocks, "levels": rows,
+                              "prefill_prefix_caching": prefill_prefix_caching,
+                              "constants": dataclasses.asdict(consts), "calibration": inst.efficiency.source,
+                              "model": "event simulation (turnkv.plan.twin_sim)"}
+    say = Console()
+    say.print(f"event twin of bench pressure: {fit} conversation(s) fit in {room} blocks of decode's {blocks}")
+    keys = ("reuse_share", "ttft_on_later_p50_ms", "ttft_on_later_p90_ms", "ttft_off_later_p50_ms",
+            "ttft_off_later_p90_ms")
+    if measured is not None:
+        got = json.loads(measured.read_text())
+        levels_measured = {lv["conversations"]: lv for v in got["variants"] for lv in v["levels"]
+                           if lv.get("conversations")}
+        result["comparison"] = []
+        for row in rows:
+            lv = levels_measured.get(row["conversations"])
+            for k in keys:
+                want = None if lv is None else lv.get(k)
+                err = None if not want or k == "reuse_share" or row[k] is None else round(row[k] / want - 1, 4)
+                result["comparison"].append({"conversations": row["conversations"], "stat": k,
+                                             "predicted": row[k], "measured": want, "error": err})
+    for row in rows:
+        say.print(f"  {row['conversations']:>3} conversations: reuse share {row['reuse_share']:.0%}, later turns "
+                  f"on p50/p90 {row['ttft_on_later_p50_ms']:,.0f}/{row['ttft_on_later_p90_ms']:,.0f} ms, off "
+                  f"{row['ttft_off_later_p50_ms']:,.0f}/{row['ttft_off_later_p90_ms']:,.0f} ms "
+                  f"({row['later_turns']} later turns per arm)")
+    for c in result.get("comparison", []):
+        if c["measured"] is None:
+            continue
+        err = "" if c["error"] is None else f" ({c['error']:+.0%})"
+        say.print(f"  {c['conversations']:>3} {c['stat']}: predicted {c['predicted']}, measured {c['measured']}{err}")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
