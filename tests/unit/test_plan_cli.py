@@ -73,6 +73,8 @@ def test_bad_inputs_name_the_fix(tmp_path):
     assert res.exit_code == 2 and "exceeds the 8 devices" in res.output
     res = runner.invoke(app, ["plan", "--model", "GLM-5-FP8", "--instance", "p5.48xlarge"])
     assert res.exit_code == 2 and "leave no room for a KV cache" in res.output
+    res = runner.invoke(app, ["plan", "--instance", "local-cpu"])  # the default model on this machine
+    assert res.exit_code == 2 and "--model tiny-local" in res.output and "turnkv plan twin" in res.output
 
 
 def test_bench_plays_the_same_load_the_plan_describes():

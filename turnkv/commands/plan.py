@@ -74,7 +74,9 @@ def build_fleet(model: str, instance: str, tp: int | None, tp_prefill: int | Non
             _fail(f"{arch.name}'s weights ({weights / 1e9:.0f} GB) leave no room for a KV cache on {value} device(s) "
                   f"of {inst.name} ({value * inst.hbm_bytes * inst.memory_utilization / 1e9:.0f} GB usable): "
                   + (f"raise {name}" if value < inst.devices else "pick an instance with more memory")
-                  + ("" if arch.dtype == "fp8" else " or use --dtype fp8"))
+                  + ("" if arch.dtype == "fp8" else " or use --dtype fp8")
+                  + ("; the local stack runs --model tiny-local, and `turnkv plan twin` predicts what `turnkv bench "
+                     "capacity` measures on it" if inst.name == "local-cpu" else ""))
     # The block size turnkv's engines run with, locally and on AWS (turnkv.engine_args: `--block-size`).
     block = block_size or EngineSpec.block_size
     if block % inst.kv_block_multiple:
