@@ -53,12 +53,15 @@ class Reply:
 
 
 def chat(url: str, messages: list[dict], *, conversation: str | None = None, stream: bool = False,
-         reuse: bool = True, max_tokens: int = 16, **extra) -> Reply:
+         reuse: bool = True, max_tokens: int = 16, key: str | None = None, **extra) -> Reply:
+    """One chat completion through ``url`` (``key``: the API key it is sent with, for a keyed router)."""
     body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
             "return_token_ids": True, **extra}
     if conversation:
         body["conversation_id"] = conversation
     headers = {} if reuse else dict(OFF)
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
     resp = requests.post(f"{url}/v1/chat/completions", json=body, headers=headers, stream=stream, timeout=300)
     if resp.status_code != 200 or not stream:
         data = resp.json()

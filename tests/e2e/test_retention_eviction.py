@@ -1,8 +1,9 @@
 """Decode above retained_kv_share on real vLLM CPU engines, no host tier: a newcomer never pushes out a turn still
-likely to be read; an idle one is evicted for it (announced on decode's evictions feed, its lease cut to the
-grace), the router never replays it, the turn kept still reuses, and answers equal reuse-off. On the package's
-engines through its ``router-evict`` (a 3 s replay window, the
-feed read every 0.2 s), with the share and grace hot-reloaded from the tunables file for this module only.
+likely to be read, unless its tenant is under its fair share of the room; an idle one is evicted for it (announced
+on decode's evictions feed, its lease cut to the grace), the router never replays it, the turn kept still reuses,
+and answers equal reuse-off. On the package's engines through its ``router-evict`` (a 3 s replay window, the feed
+read every 0.2 s) and ``router-keyed`` (two tenants), with the share and grace hot-reloaded from the tunables file
+for this module only.
 
 It runs first in the package (conftest.py): decode must hold no other module's turns (checked), and its own
 turns live 25 s (decoder_kv_blocks_ttl, for this module only), so the next module finds decode empty soon."""
@@ -15,7 +16,7 @@ import time
 import pytest
 import requests
 
-from tests.e2e import TUNABLES
+from tests.e2e import ACME, GLOBEX, TUNABLES
 from tests.e2e.client import chat, metric, wait_for, words
 from turnkv import params, wire
 
@@ -87,3 +88,46 @@ def test_decode_keeps_turns_likely_to_be_read_evicts_an_idle_one_and_the_router_
     # the lease was cut to the grace: upstream's reaper freed the blocks long before decoder_kv_blocks_ttl
     time.sleep(GRACE + 2)
     assert metric(decode, "vllm:nixl_num_kv_expired_reqs_total") - expired_before >= 1
+
+
+def test_a_tenant_under_its_share_makes_room_from_the_tenant_over_it(stack):
+    """Two tenants through the keyed router, which names each retained turn's tenant (``turnkv.wire.TENANT``): acme
+    fills decode's share with two turns still likely to be read (idle only after 120 s here); globex's first turn
+    finds it full, and acme's oldest turn is evicted for it though not idle (one tenant alone would be refused with
+    nothing evicted: the test above needs the idle time for that). Once the grace has passed globex's next turn is
+    retained and reuses; acme keeps its other turn; every answer equals reuse off."""
+    router, decode, model_dir = stack["router-keyed"], stack["decode-0"], stack["model_dir"]
+    tunables = stack["state_dir"] / "tunables.json"
+    assert wait_for(lambda: metric(decode, "vllm:turnkv_retained_requests") == 0, TTL + 10), \
+        "the test above's turns outlived their TTL"
+    tunables.write_text(json.dumps({**ENGINE, "retention_idle_evict": 120, "decoder_kv_blocks_ttl": TTL}))
+    time.sleep(1.2)
+    idle_before = metric(decode, "vllm:turnkv_retention_evictions_total", reason="idle")
+    full_before = metric(decode, "vllm:turnkv_retention_refusals_total", reason="full")
+
+    def first(key: str, seed: int) -> list[dict]:
+        messages = [{"role": "user", "content": words(model_dir, 450, seed)}]
+        reply = chat(router, messages, conversation=f"share-{seed}", key=key)
+        assert reply.status == 200, reply.status
+        return [*messages, {"role": "assistant", "content": reply.text},
+                {"role": "user", "content": words(model_dir, 40, seed + 50)}]
+
+    acme = {seed: first(ACME, seed) for seed in (811, 812)}
+    globex_first = first(GLOBEX, 821)
+    # acme held the room, over its half: its oldest went for globex (not idle), globex waits for the grace
+    assert metric(decode, "vllm:turnkv_retention_evictions_total", reason="idle") - idle_before == 1
+    assert metric(decode, "vllm:turnkv_retention_refusals_total", reason="full") - full_before == 1
+    time.sleep(GRACE + 1.5)  # the evicted turn's blocks freed
+    globex = first(GLOBEX, 822)
+    kept = chat(router, acme[812], conversation="share-812", key=ACME)
+    assert kept.outcome == "hit" and kept.reused > 300, (kept.outcome, kept.reused)
+    assert kept.token_ids == chat(router, acme[812], reuse=False, key=ACME).token_ids
+    evicted = chat(router, acme[811], conversation="share-811", key=ACME)
+    assert evicted.outcome in ("refused", "miss") and evicted.reused == 0, (evicted.outcome, evicted.reused)
+    assert evicted.token_ids == chat(router, acme[811], reuse=False, key=ACME).token_ids
+    reused = chat(router, globex, conversation="share-822", key=GLOBEX)
+    assert reused.outcome == "hit" and reused.reused > 300, (reused.outcome, reused.reused)
+    assert reused.token_ids == chat(router, globex, reuse=False, key=GLOBEX).token_ids
+    waited = chat(router, globex_first, conversation="share-821", key=GLOBEX)  # refused at first: nothing to reuse
+    assert waited.outcome == "miss" and waited.token_ids == chat(router, globex_first, reuse=False,
+                                                                  key=GLOBEX).token_ids
