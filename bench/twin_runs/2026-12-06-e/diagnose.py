@@ -27,7 +27,13 @@ from turnkv.plan import twin_sim as ts
 D = Path("bench/twin_runs/2026-12-06-d")
 #: think s, system, first user and turn words, reply tokens, retained_kv_share (the runs' scripts)
 PRESSURE = {"p1": (1.0, 100, 200, 100, 96, 0.01), "p2": (2.0, 80, 150, 120, 64, 0.01),
-            "p3": (3.0, 120, 200, 80, 48, 0.02)}
+            "p3": (3.0, 120, 200, 80, 48, 0.02), "p4": (1.5, 60, 300, 60, 32, 0.015)}
+E = Path("bench/twin_runs/2026-12-06-e")
+
+
+def run_dir(name: str) -> Path:
+    """Where a pressure run's records are (p4: attempt 5's validation run)."""
+    return (E if name == "p4" else D) / f"{name}-pressure"
 CAPACITY = {"w7": (200, 300, 80, 24), "w8": (120, 200, 160, 40), "w9": (60, 100, 60, 64), "w10": (300, 600, 150, 16)}
 
 
@@ -57,7 +63,7 @@ def timeline(rs: list[dict[str, Any]], think: float, level_key: str) -> list[tup
 
 
 def cmd_timeline(name: str, n: str, arm: str) -> None:
-    rs = [r for r in rows(D / f"{name}-pressure/results.jsonl") if r["conversations"] == int(n) and r["arm"] == arm]
+    rs = [r for r in rows(run_dir(name) / "results.jsonl") if r["conversations"] == int(n) and r["arm"] == arm]
     prev = None
     for sent, first, end, r in sorted(timeline(rs, PRESSURE[name][0], "conversations"), key=lambda e: e[1]):
         gap = "" if prev is None else f"{1000 * (first - prev):5.0f}"
@@ -68,7 +74,7 @@ def cmd_timeline(name: str, n: str, arm: str) -> None:
 
 def cmd_decode() -> None:
     runs = [(w, rows(D / f"{w}-capacity/records.jsonl"), 0.0, "level") for w in ["calib", *CAPACITY]]
-    runs += [(p, rows(D / f"{p}-pressure/results.jsonl"), PRESSURE[p][0], "conversations") for p in PRESSURE]
+    runs += [(p, rows(run_dir(p) / "results.jsonl"), PRESSURE[p][0], "conversations") for p in PRESSURE]
     for name, rs, think, key in runs:
         iv = timeline(rs, think, key)
         x, y = [], []
@@ -108,7 +114,7 @@ def cmd_turns(name: str, attempt: str = "5", overrides: str = "{}") -> None:
     sim = ts.Simulation(f, constants(int(attempt), json.loads(overrides)), 0.2, system_tokens=sw + ts.SYSTEM_EXTRA - 1,
                         retention_blocks=room, per_level_content=True)
     recs = sim.run([ts.conversation(4, sw, fw, tw, mt, think)] * max(counts), counts, arms=("on", "off"))
-    meas = rows(D / f"{name}-pressure/results.jsonl")
+    meas = rows(run_dir(name) / "results.jsonl")
     for n in counts:
         for arm in ("on", "off"):
             for t in range(4):
