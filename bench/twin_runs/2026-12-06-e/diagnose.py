@@ -74,6 +74,12 @@ def cmd_timeline(name: str, n: str, arm: str) -> None:
 
 def cmd_decode() -> None:
     runs = [(w, rows(D / f"{w}-capacity/records.jsonl"), 0.0, "level") for w in ["calib", *CAPACITY]]
+    # one conversation (level 1) of the capacity runs: a reply's decode time against its length, both arms' means
+    means = [(rs[0]["completion_tokens"] - 1, float(np.mean([r["latency_ms"] - r["ttft_ms"] for r in rs
+                                                             if r["level"] == 1 and r["arm"] == arm])))
+             for _, rs, _, _ in runs for arm in ("on", "off")]
+    per_token, per_reply = np.polyfit([m[0] for m in means], [m[1] for m in means], 1)
+    print(f"level 1 of the capacity runs: {per_reply:.0f} ms a reply + {per_token:.2f} ms a token after the first")
     runs += [(p, rows(run_dir(p) / "results.jsonl"), PRESSURE[p][0], "conversations") for p in PRESSURE]
     for name, rs, think, key in runs:
         iv = timeline(rs, think, key)
