@@ -31,8 +31,10 @@ few turns back to back, on two engines that each run a step loop. This module pl
 
 The engine hops (``request_overhead_s`` each, measured by `turnkv plan calibrate` with one step inside) are delays,
 plus a cost per prompt token and twice as long while their engine steps when ``hop_shares_core`` (attempt 4);
-decode's loses the one decode step it holds, which is simulated. With one conversation the simulated TTFT is the
-closed form's (``turn_costs``) with decode's first step at the fitted cost, checked by a test.
+decode's loses the one decode step it holds, which is simulated. Attempt 5 (``hop_steals_step``, ``hop_when_sent``;
+`twin-pressure --attempt 5`): a hop sharing a busy engine's core also delays that engine's next step by its own work,
+and is priced as the engine is when the turn is sent, not when it was scheduled. With one conversation the simulated
+TTFT is the closed form's (``turn_costs``) with decode's first step at the fitted cost, checked by a test.
 """
 
 from __future__ import annotations
