@@ -286,3 +286,69 @@ def test_a_kv_load_during_a_busy_decode_step_costs_one_more_step():
     assert sum(r.ttft_ms for r in late) > sum(r.ttft_ms for r in plain)
     assert all(b.ttft_ms >= a.ttft_ms - 1e-9 for a, b in zip(plain, late, strict=True) if (a.conv, a.turn, a.arm) == (
         b.conv, b.turn, b.arm))
+
+
+def _steal_run(consts: ts.SimConstants) -> dict[int, float]:
+    """Two one-turn conversations, reuse off, the second sent while prefill computes the first's long prompt."""
+    conv = ts.conversation(1, 150, 1000, 150, 16)
+    sim = ts.Simulation(fleet(), consts, stagger_s=0.05, system_tokens=SYSTEM)
+    return {r.conv: r.ttft_ms for r in sim.run([conv] * 2, [2], arms=("off",))}
+
+
+def test_a_hop_on_a_busy_core_delays_its_engines_next_step_by_its_own_work():
+    shared = dataclasses.replace(CONSTS, hop_shares_core=True, hop_when_sent=True)
+    base, steal = _steal_run(shared), _steal_run(dataclasses.replace(shared, hop_steals_step=True))
+    work_ms = fleet().prefill.efficiency.request_overhead_s * 1000  # the second turn's prefill hop (no per-token part)
+    assert steal[0] == pytest.approx(base[0])  # the first turn's step started before the hop: untouched
+    assert steal[1] - base[1] == pytest.approx(work_ms, rel=1e-6)  # the second's own step pays the hop's work
+    # without core sharing no hop meets its engine's step loop, so nothing is taken from it
+    assert (_steal_run(dataclasses.replace(CONSTS, hop_steals_step=True, hop_when_sent=True))
+            == _steal_run(dataclasses.replace(CONSTS, hop_when_sent=True)))
+    # one conversation: no hop meets a busy engine
+    alone = dataclasses.replace(shared, hop_steals_step=True)
+    assert [r.ttft_ms for r in records([1], alone)] == [r.ttft_ms for r in records([1], shared)]
+
+
+def test_a_hops_share_of_a_step_that_ended_is_not_charged_to_a_later_one():
+    sim = ts.Simulation(fleet(), dataclasses.replace(CONSTS, hop_shares_core=True, hop_steals_step=True))
+    engine = ts._Engine(busy=True)
+    assert sim._hop(engine, 0.01) == pytest.approx(0.02) and engine.debt == pytest.approx(0.01)
+    idle = ts._Engine()
+    assert sim._hop(idle, 0.01) == pytest.approx(0.01) and idle.debt == 0.0
+    # a pressure run with think times: engines idle between turns, so debts are dropped, and every turn still ends
+    rows = ts.simulate_pressure(dataclasses.replace(fleet(), prefill_prefix_caching=False),
+                                dataclasses.replace(CONSTS, hop_shares_core=True, hop_steals_step=True),
+                                PRESSURE, [2, 4], 20, 100 + ts.SYSTEM_EXTRA - 1)
+    assert [r["later_turns"] for r in rows] == [6, 12]
+
+
+def test_a_turn_meets_its_engine_as_it_is_when_the_turn_is_sent():
+    shared = dataclasses.replace(CONSTS, hop_shares_core=True)
+    short = ts.conversation(1, 20, 50, 20, 4)
+
+    def ttfts(consts: ts.SimConstants) -> dict[int, float]:
+        sim = ts.Simulation(fleet(), consts, stagger_s=0.02, system_tokens=20 + ts.SYSTEM_EXTRA - 1)
+        return {r.conv: r.ttft_ms for r in sim.run([short] * 2, [2], arms=("off",))}
+
+    # attempt 4 priced both first turns' hops at the phase's start, with prefill idle; sent 20 ms later, the
+    # second meets the first's prefill step, so its hop shares the core and ends after that short step
+    at_start, when_sent = ttfts(shared), ttfts(dataclasses.replace(shared, hop_when_sent=True))
+    assert when_sent[0] == pytest.approx(at_start[0])
+    assert when_sent[1] > at_start[1] + 1.0
+    # nothing changes without core sharing
+    assert ttfts(CONSTS) == ttfts(dataclasses.replace(CONSTS, hop_when_sent=True))
+
+
+def test_the_committed_pressure_prediction_is_what_attempt_5_prints(tmp_path):
+    """docs/planning.md quotes p4's prediction (attempt 5): the command reproduces it from the committed calibration."""
+    runs = RUNS.parent / "2026-12-06-e"
+    out = tmp_path / "p4.json"
+    res = CliRunner().invoke(app, ["plan", "twin-pressure", "--state-dir", str(RUNS / "state"), "--constants",
+                                   str(RUNS / "sim-constants.json"), "--levels", "1,2,4,8", "--turns", "4",
+                                   "--think-s", "1.5", "--system-words", "60", "--first-user-words", "300",
+                                   "--turn-words", "60", "--max-tokens", "32", "--retained-kv-share", "0.015",
+                                   "--attempt", "5", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    got = json.loads(out.read_text())
+    assert got["levels"] == json.loads((runs / "p4-predicted.json").read_text())["levels"]
+    assert got["constants"]["hop_steals_step"] and got["constants"]["hop_when_sent"]

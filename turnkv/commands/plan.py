@@ -687,6 +687,10 @@ def twin_pressure(
                                                               "bench pressure starts (bench.variants, the seeds' "
                                                               "setting); on with --url against `turnkv local up`.")]
     = False,
+    attempt: Annotated[int, typer.Option(min=4, max=5, help="The simulation's model: 4 (as the constants say) or 5 "
+                                                           "(a hop on a busy core also delays its engine's next step, "
+                                                           "and meets the engine as it is when the turn is sent).")]
+    = 4,
     state_dir: Annotated[Path, typer.Option(help="Where `turnkv plan calibrate` stored local-cpu constants.")]
     = Path(".turnkv"),
     out: Annotated[Path | None, typer.Option(help="Write the prediction here (JSON).")] = None,
@@ -708,6 +712,8 @@ def twin_pressure(
     except (OSError, ValueError) as exc:
         _fail(f"--levels {levels!r} / --constants {constants}: {exc} (make the constants with `turnkv plan twin "
               "--fit`)")
+    if attempt == 5:
+        consts = dataclasses.replace(consts, hop_steals_step=True, hop_when_sent=True)
     inst = hardware.load("local-cpu", state_dir)
     arch = architectures.tiny_local()
     block = EngineSpec.block_size

@@ -31,8 +31,10 @@ few turns back to back, on two engines that each run a step loop. This module pl
 
 The engine hops (``request_overhead_s`` each, measured by `turnkv plan calibrate` with one step inside) are delays,
 plus a cost per prompt token and twice as long while their engine steps when ``hop_shares_core`` (attempt 4);
-decode's loses the one decode step it holds, which is simulated. With one conversation the simulated TTFT is the
-closed form's (``turn_costs``) with decode's first step at the fitted cost, checked by a test.
+decode's loses the one decode step it holds, which is simulated. Attempt 5 (``hop_steals_step``, ``hop_when_sent``;
+`twin-pressure --attempt 5`): a hop sharing a busy engine's core also delays that engine's next step by its own work,
+and is priced as the engine is when the turn is sent, not when it was scheduled. With one conversation the simulated
+TTFT is the closed form's (``turn_costs``) with decode's first step at the fitted cost, checked by a test.
 """
 
 from __future__ import annotations
@@ -79,6 +81,14 @@ class SimConstants:
     #: A turn that reaches decode while it steps loads its KV during the next step and decodes from the one after
     #: (vLLM's asynchronous KV load); off in attempts 3-4 (a candidate checked in-sample only).
     kv_load_step: bool = False
+    #: Processor sharing is symmetric: a hop that shares its engine's core (``hop_shares_core``) takes the engine's
+    #: step as much CPU time as the hop's own work, so the engine's next step ends that much later (attempt 5 on:
+    #: under saturation each request's hop then adds to the engine's service time, not only to its own TTFT).
+    hop_steals_step: bool = False
+    #: A turn's first hop meets its engine as the engine is when the turn is sent (attempt 5 on). Off (attempts
+    #: 3-4): as it was when the turn was scheduled, i.e. at the phase's start for first turns and when the turn
+    #: before ended for later ones, before the think time: under `bench pressure`'s think times a different moment.
+    hop_when_sent: bool = False
 
     #: What every constants file holds (attempt 3's lacks the hop terms: they default to off).
     REQUIRED = ("decode_step_s", "decode_seq_s", "contention", "salt_scope")
@@ -155,6 +165,7 @@ class Record:
 class _Engine:
     busy_until: float = 0.0
     busy: bool = False
+    debt: float = 0.0  # CPU seconds hops took from this engine's core while it stepped: its next step pays them
 
 
 @dataclass
@@ -243,6 +254,14 @@ class Simulation:
         """How much longer a hop takes on ``engine``'s core now (processor sharing with its step loop)."""
         return 2.0 if self.consts.hop_shares_core and engine.busy else 1.0
 
+    def _hop(self, engine: _Engine, work: float) -> float:
+        """A hop of ``work`` CPU seconds on ``engine``'s core: its wall time, and (``hop_steals_step``) the time
+        it takes from the engine's stepping, paid by the engine's next step."""
+        shared = self._shared(engine)
+        if shared > 1.0 and self.consts.hop_steals_step:
+            engine.debt += work
+        return work * shared
+
     def decode_step_s(self, batch: int) -> float:
         return self.consts.decode_step_s + self.consts.decode_seq_s * batch
 
@@ -317,17 +336,22 @@ class Simulation:
         joining: list[_Request] = []
         loading: list[_Request] = []
         now = start
+        now_box = [start]  # the event loop's clock, for send()
 
         def send(conv: int, turn: int, t: float) -> None:
+            if self.consts.hop_when_sent and t > now_box[0]:
+                push(t, "send", (conv, turn))  # the hop is priced when the turn is sent
+                return
             spec = convs[conv][turn]
             scope = self.consts.salt_scope
             salt = ("on" if arm == "on" or scope == "none" else f"off-{level}-{conv}" if scope == "conversation"
                     else f"off-{next(self._salt)}")
-            hop = (self.hop_p + self.consts.hop_per_token_s * spec.prompt) * self._shared(prefill)
+            hop = self._hop(prefill, self.hop_p + self.consts.hop_per_token_s * spec.prompt)
             push(t + hop, "prefill_arrive", _Request(conv, turn, arm, level, spec, t, salt))
 
         def start_prefill(t: float) -> None:
             if prefill.busy or not waiting:
+                prefill.debt = 0.0 if not prefill.busy else prefill.debt  # idle: the hop's share was the step's
                 return
             budget, chunks, parts = self.chunk, [], []
             for req in waiting:
@@ -339,7 +363,8 @@ class Simulation:
                 budget -= n
             continuing = all(not r.first_chunk for r, _ in parts)
             # Decode streaming tokens (its API server, the router, the clients) takes CPU from prefill's core.
-            dur = self.prefill_step_s(chunks, continuing) * (1 + self.consts.contention * decode.busy)
+            dur = self.prefill_step_s(chunks, continuing) * (1 + self.consts.contention * decode.busy) + prefill.debt
+            prefill.debt = 0.0
             prefill.busy = True
             push(t + dur, "prefill_step", parts)
 
@@ -358,8 +383,10 @@ class Simulation:
                 running_d.extend(joining)
             joining.clear()
             if not running_d:
+                decode.debt = 0.0  # idle: the hop's share fell in the step that just ended
                 return
-            dur = self.decode_step_s(len(running_d))
+            dur = self.decode_step_s(len(running_d)) + decode.debt
+            decode.debt = 0.0
             decode.busy = True
             push(t + dur, "decode_step", list(running_d))
 
@@ -367,7 +394,10 @@ class Simulation:
             send(i, 0, start + i * self.stagger_s)
         while events:
             now, _, kind, payload = heapq.heappop(events)
-            if kind == "prefill_arrive":
+            now_box[0] = now
+            if kind == "send":
+                send(*payload, now)
+            elif kind == "prefill_arrive":
                 req = payload
                 cached = self._hit(req)
                 held = self._offer(req, now) if arm == "on" and req.spec.history else None
@@ -398,7 +428,7 @@ class Simulation:
                         # Decode reads the tokens it lacks (all of them when the salt is new) before its first step.
                         own = arm == "on" or self.consts.salt_scope != "request"
                         lacks = req.spec.prompt - (req.spec.history if own else 0)
-                        hop = (self.hop_d + self.consts.hop_per_token_s * req.spec.prompt) * self._shared(decode)
+                        hop = self._hop(decode, self.hop_d + self.consts.hop_per_token_s * req.spec.prompt)
                         push(now + hop + float(m.transfer_s(self.fleet, lacks, setup=self.fleet.mode != "push")),
                              "decode_arrive", req)
                 start_prefill(now)
