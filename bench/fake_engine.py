@@ -363,13 +363,11 @@ class FakeEngine:
         head = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": created, "model": body.get("model", "fake")}
         die_after = 1 if fault.get("die_after_first") else int(fault.get("die_after") or 0)
-        steps = self._decode_clock.tokens(len(words)) if self._decode_clock is not None else None
-        async with contextlib.AsyncExitStack() as stack:
-            if steps is not None:
-                await stack.enter_async_context(contextlib.aclosing(steps))
-            return await self._stream(request, response, words, tokens, ids, head, chat, with_ids, fault, die_after,
-                                      out_params, steps)
-        raise AssertionError("not reached")
+        stream = (request, response, words, tokens, ids, head, chat, with_ids, fault, die_after, out_params)
+        if self._decode_clock is None:
+            return await self._stream(*stream, None)
+        async with contextlib.aclosing(self._decode_clock.tokens(len(words))) as steps:
+            return await self._stream(*stream, steps)
 
     async def _stream(self, request: web.Request, response: web.StreamResponse, words: list[str], tokens: list[int],
                       ids: list[int], head: dict[str, Any], chat: bool, with_ids: bool, fault: dict[str, Any],

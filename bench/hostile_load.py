@@ -97,7 +97,7 @@ async def bystander(url: str, duration: float, conversations: int, turns: int) -
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         await asyncio.gather(*(one(session, i) for i in range(conversations)))
-    return {"turns": len(ttfts), "ttft_p50_ms": _ms(percentile(ttfts, 0.5)), "ttft_p90_ms": _ms(percentile(ttfts, 0.9)),
+    return {"turns": len(ttfts), **ttft_percentiles(ttfts),
             "errors": dict(errors), "ttfts_ms": [_ms(t) for t in ttfts]}
 
 
@@ -107,7 +107,7 @@ def pooled(phases: list[dict[str, Any]]) -> dict[str, Any]:
     errors: Counter = Counter()
     for ph in phases:
         errors.update(ph["errors"])
-    return {"turns": len(ttfts), "ttft_p50_ms": _ms(percentile(ttfts, 0.5)), "ttft_p90_ms": _ms(percentile(ttfts, 0.9)),
+    return {"turns": len(ttfts), **ttft_percentiles(ttfts),
             "errors": dict(errors), "rounds": [{k: ph[k] for k in ("turns", "ttft_p50_ms", "ttft_p90_ms")}
                                                for ph in phases]}
 
@@ -126,6 +126,11 @@ async def _read_stream(resp: aiohttp.ClientResponse, t0: float) -> tuple[str, fl
                     first = time.perf_counter() - t0
                 text += piece
     return text, first, stream_errors
+
+
+def ttft_percentiles(ttfts: list[float]) -> dict[str, float | None]:
+    """TTFT p50 and p90 in ms of ``ttfts`` (seconds)."""
+    return {"ttft_p50_ms": _ms(percentile(ttfts, 0.5)), "ttft_p90_ms": _ms(percentile(ttfts, 0.9))}
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -258,7 +263,7 @@ async def honest(port: int, duration: float, conversations: int = 16, turns: int
         await asyncio.gather(*(_guarded(one(session, i), counts) for i in range(conversations)))
     elapsed = max(1e-3, time.monotonic() - started)
     return {"conversations": conversations, "served": counts["200"], "served_per_s": round(counts["200"] / elapsed, 1),
-            "ttft_p50_ms": _ms(percentile(ttfts, 0.5)), "ttft_p90_ms": _ms(percentile(ttfts, 0.9)),
+            **ttft_percentiles(ttfts),
             "answers": dict(counts), "elapsed_s": elapsed, "ttfts_ms": [_ms(t) for t in ttfts]}
 
 
@@ -274,7 +279,7 @@ def pooled_honest(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     served = sum(r["served"] for r in rounds)
     return {"conversations": rounds[0]["conversations"], "served": served,
             "served_per_s": round(served / sum(r["elapsed_s"] for r in rounds), 1),
-            "ttft_p50_ms": _ms(percentile(ttfts, 0.5)), "ttft_p90_ms": _ms(percentile(ttfts, 0.9)),
+            **ttft_percentiles(ttfts),
             "answers": dict(answers)}
 
 
@@ -362,10 +367,6 @@ async def engine_clocks(urls: list[str]) -> Counter:
     return total
 
 
-def _minus(after: Counter, before: Counter) -> Counter:
-    return Counter({k: after[k] - before.get(k, 0) for k in after})
-
-
 def engine_load(c: Counter, seconds: float) -> dict[str, float | None]:
     """What the modelled engines did in a phase: the prefill engine's busy share and tokens per second, decode's
     mean batch and step."""
@@ -423,7 +424,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             sampler.phase = "quiet"
             before = await engine_clocks(engine_urls)
             quiet_rounds.append(await bystander(url, args.duration, args.conversations, args.turns))
-            engines_by_phase["quiet"].update(_minus(await engine_clocks(engine_urls), before))
+            engines_by_phase["quiet"].update(await engine_clocks(engine_urls) - before)
             sampler.phase = "hostile"
             round_out = out / f"round{n}"
             round_out.mkdir(exist_ok=True)
@@ -437,7 +438,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.sleep(1.0)  # the attack under way
             before = await engine_clocks(engine_urls)
             hostile_rounds.append(await bystander(url, args.duration, args.conversations, args.turns))
-            engines_by_phase["hostile"].update(_minus(await engine_clocks(engine_urls), before))
+            engines_by_phase["hostile"].update(await engine_clocks(engine_urls) - before)
             await asyncio.get_running_loop().run_in_executor(None, attacker.wait, args.duration + 60)
             attacker_counts.update(json.loads((round_out / "attacker.json").read_text()))
             honest_rounds.append(json.loads((round_out / "honest.json").read_text()))
