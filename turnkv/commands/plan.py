@@ -592,18 +592,27 @@ def twin(
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
-    console_out = Console()
-    console_out.print(f"twin of `turnkv bench capacity` ({inst.efficiency.source}); target "
-                      f"{result['target_ms']:,.0f} ms; sustained off {result['sustained_off']}, on "
-                      f"{result['sustained_on']}")
+    _print_twin(result, f"twin of `turnkv bench capacity` ({inst.efficiency.source})")
+
+
+def _print_twin(result: dict[str, Any], title: str, reuse_lines: bool = False) -> None:
+    """A capacity twin's prediction per level (with the simulated turns per arm, where it counts them) and, with
+    --measured, each TTFT cell's error (``reuse_lines``: the reuse share's comparison too)."""
+    say = Console()
+    say.print(f"{title}; target {result['target_ms']:,.0f} ms; sustained off {result['sustained_off']}, on "
+              f"{result['sustained_on']}")
     for row in result["levels"]:
-        console_out.print(f"  {row['concurrency']:>3} at once: off p50/p90 {row['off']['ttft_p50_ms']:,.0f}/"
-                          f"{row['off']['ttft_p90_ms']:,.0f} ms, on {row['on']['ttft_p50_ms']:,.0f}/"
-                          f"{row['on']['ttft_p90_ms']:,.0f} ms, reuse share {row['on']['reuse_share']:.0%}")
+        samples = f" ({row['off']['samples']} turns per arm)" if "samples" in row["off"] else ""
+        say.print(f"  {row['concurrency']:>3} at once: off p50/p90 {row['off']['ttft_p50_ms']:,.0f}/"
+                  f"{row['off']['ttft_p90_ms']:,.0f} ms, on {row['on']['ttft_p50_ms']:,.0f}/"
+                  f"{row['on']['ttft_p90_ms']:,.0f} ms, reuse share {row['on']['reuse_share']:.0%}{samples}")
     for c in result.get("comparison", []):
         if c["error"] is not None:
-            console_out.print(f"  {c['concurrency']:>3} {c['arm']:>3} {c['stat']}: predicted {c['predicted']:,.0f}, "
-                              f"measured {c['measured']:,.0f} ({c['error']:+.0%})")
+            say.print(f"  {c['concurrency']:>3} {c['arm']:>3} {c['stat']}: predicted {c['predicted']:,.0f}, "
+                      f"measured {c['measured']:,.0f} ({c['error']:+.0%})")
+        elif reuse_lines and c["stat"] == "reuse_share":
+            say.print(f"  {c['concurrency']:>3} {c['arm']:>3} reuse share: predicted {c['predicted']:.0%}, "
+                      f"measured {c['measured']:.0%}")
 
 
 def _twin_sim(fleet, spec, levels: list[int], stagger: float, fit: Path | None, constants: Path | None,
@@ -650,20 +659,7 @@ def _twin_sim(fleet, spec, levels: list[int], stagger: float, fit: Path | None, 
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
-    say.print(f"event twin of `turnkv bench capacity` ({source}); target {result['target_ms']:,.0f} ms; sustained "
-              f"off {result['sustained_off']}, on {result['sustained_on']}")
-    for row in result["levels"]:
-        say.print(f"  {row['concurrency']:>3} at once: off p50/p90 {row['off']['ttft_p50_ms']:,.0f}/"
-                  f"{row['off']['ttft_p90_ms']:,.0f} ms, on {row['on']['ttft_p50_ms']:,.0f}/"
-                  f"{row['on']['ttft_p90_ms']:,.0f} ms, reuse share {row['on']['reuse_share']:.0%} "
-                  f"({row['off']['samples']} turns per arm)")
-    for c in result.get("comparison", []):
-        if c["error"] is not None:
-            say.print(f"  {c['concurrency']:>3} {c['arm']:>3} {c['stat']}: predicted {c['predicted']:,.0f}, "
-                      f"measured {c['measured']:,.0f} ({c['error']:+.0%})")
-        elif c["stat"] == "reuse_share":
-            say.print(f"  {c['concurrency']:>3} {c['arm']:>3} reuse share: predicted {c['predicted']:.0%}, "
-                      f"measured {c['measured']:.0%}")
+    _print_twin(result, f"event twin of `turnkv bench capacity` ({source})", reuse_lines=True)
 
 
 @app.command("twin-pressure")
@@ -680,8 +676,8 @@ def twin_pressure(
     turn_words: Annotated[int, typer.Option(min=1)] = 100,
     max_tokens: Annotated[int, typer.Option(min=1, help="Reply length (exact: --exact-replies).")] = 96,
     retained_kv_share: Annotated[float, typer.Option(min=0, max=1, help="The variant's retained_kv_share.")] = 0.01,
-    kv_cache_gib: Annotated[float, typer.Option(min=0, help="Decode's KV cache (the local stack's "
-                                                           "VLLM_CPU_KVCACHE_SPACE).")] = 2.0,
+    kv_cache_gib: Annotated[float | None, typer.Option(min=0, help="Decode's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE; "
+                                                                  "default: the local stack's).")] = None,
     stagger: Annotated[float, typer.Option(min=0)] = 0.2,
     prefill_prefix_caching: Annotated[bool, typer.Option(help="Prefill keeps a prefix cache: off on the stacks "
                                                               "bench pressure starts (bench.variants, the seeds' "
@@ -701,9 +697,12 @@ def twin_pressure(
     import dataclasses
 
     from turnkv.engine_args import EngineSpec
+    from turnkv.local.stack import StackConfig
     from turnkv.plan import architectures, closed_form, hardware
     from turnkv.plan import twin_sim as ts
 
+    if kv_cache_gib is None:
+        kv_cache_gib = float(StackConfig.kv_cache_gib)
     if not (state_dir / hardware.CALIBRATION_FILE).is_file():
         _fail(f"no local-cpu calibration in {state_dir}: run `turnkv plan calibrate` first")
     try:
