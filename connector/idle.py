@@ -12,6 +12,13 @@ millisecond, scheduling nothing, until the blocks are read or expire: a whole co
    before it sleeps, so steps closer than a second keep it spinning for good. On CPU engines the spin
    window is cut to ``TURNKV_WORKER_SPIN_MS`` (default 2 ms); under load the next step follows within a
    millisecond and it still spins. Not on GPUs (:func:`spin_cut_applies`).
+   A reader past its spin waits on a zmq wake-up, and the writer's socket drops a wake-up sent while the
+   previous one is unacknowledged (``SNDHWM`` 1; zmq applies the acknowledgement at most about once a
+   millisecond): vLLM sends ``execute_model`` and ``sample_tokens`` that close together. A reader descheduled
+   past its 2 ms spin between its look at the buffer and its wait then slept until its recheck, 5 s upstream:
+   the whole engine stood still (``bench pressure`` p4 at 40 conversations: 27 requests held 5.6 s, the CPU
+   idle). With the spin cut the recheck is cut to ``TURNKV_WORKER_RECHECK_MS`` (default 10 ms), which bounds a
+   lost wake-up; an idle reader wakes 100 times a second for it.
 
 Measured with ``python -m bench.idle_cpu`` (decode CPU over the minute after a burst of conversations):
 a 1 s tick saved the most CPU but let a peer's pull wait up to a tick for this engine's transfer
@@ -46,6 +53,11 @@ def worker_spin_seconds() -> float:
     return _ms_setting("TURNKV_WORKER_SPIN_MS", 2)
 
 
+def worker_recheck_ms() -> int:
+    """How long an idle shared-memory reader waits for a wake-up before it looks at the buffer again."""
+    return max(1, round(_ms_setting("TURNKV_WORKER_RECHECK_MS", 10) * 1000))
+
+
 def only_holding_blocks(core: Any) -> bool:
     """True when the engine has no request to compute, only connector bookkeeping."""
     scheduler = core.scheduler
@@ -70,12 +82,16 @@ def apply(platform: str | None = None) -> list[str]:
 
 
 def _shorter_worker_spin() -> list[str]:
+    from vllm.distributed.device_communicators import shm_broadcast
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
     spin = worker_spin_seconds()
     init = SpinCondition.__init__
     if getattr(init, "_turnkv_wrapped", False):
         return []
+    # Read at every wait (``ReadTimeoutWithWarnings.timeout_ms``), so the module constant is the setting.
+    recheck = min(int(shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS), worker_recheck_ms())
+    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = recheck
 
     @functools.wraps(init)
     def spin_condition_init(self: Any, is_reader: bool, *args: Any, **kwargs: Any) -> None:
@@ -85,7 +101,7 @@ def _shorter_worker_spin() -> list[str]:
 
     spin_condition_init._turnkv_wrapped = True  # type: ignore[attr-defined]
     SpinCondition.__init__ = spin_condition_init
-    return [f"worker-spin({spin * 1000:.0f}ms)"]
+    return [f"worker-spin({spin * 1000:.0f}ms, recheck {recheck}ms)"]
 
 
 def _idle_engine_tick() -> list[str]:
