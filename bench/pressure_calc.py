@@ -208,10 +208,14 @@ def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[st
     return {k: round(v - before.get(k, 0.0), 3) for k, v in sorted(after.items()) if is_counter(k)}
 
 
+#: Decode's retained bytes as its connector exports them (``connector.stats``): both tiers, the host tier, and the host
+#: pool's size. Not the host tier's configured or granted size (settings) nor its pull costs (seconds).
+TIER_GAUGES = ("vllm:turnkv_retained_bytes", "vllm:turnkv_host_retained_bytes", "vllm:turnkv_host_pool_bytes")
+
+
 def is_tier_gauge(key: str) -> bool:
-    """Retained bytes per tier: ``vllm:turnkv_retained_bytes`` and every ``vllm:turnkv_host_*`` gauge."""
-    name = key.split("{")[0]
-    return not is_counter(key) and (name == "vllm:turnkv_retained_bytes" or name.startswith("vllm:turnkv_host_"))
+    """Retained bytes per tier (``TIER_GAUGES``)."""
+    return key.split("{")[0] in TIER_GAUGES
 
 
 def gauge_peaks(samples: list[dict[str, float]]) -> dict[str, dict[str, float]]:

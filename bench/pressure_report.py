@@ -21,14 +21,17 @@ def _ms(v: float | None) -> str:
 
 
 def short_gauge(key: str) -> str:
-    """``vllm:turnkv_retained_bytes{tier="host"}`` -> ``host``; ``vllm:turnkv_host_pool_bytes`` -> ``host_pool``."""
+    """``vllm:turnkv_pulls_total{tier="host"}`` -> ``host``; ``vllm:turnkv_host_pool_bytes`` -> ``host_pool``;
+    ``vllm:turnkv_retained_bytes`` (both tiers) -> ``all``."""
     if "{" in key:
         return key.split('"')[1]
-    return key.removeprefix("vllm:turnkv_").removesuffix("_bytes")
+    name = key.removeprefix("vllm:turnkv_").removesuffix("_bytes")
+    return {"retained": "all", "host_retained": "host"}.get(name, name)
 
 
 def _mib(level: dict[str, Any]) -> str:
-    peaks = [f"{short_gauge(k)} {v['peak'] / 2**20:,.1f}" for k, v in level["tier_bytes"].items()]
+    gauges = sorted(level["tier_bytes"].items(), key=lambda kv: calc.TIER_GAUGES.index(kv[0].split("{")[0]))
+    peaks = [f"{short_gauge(k)} {v['peak'] / 2**20:,.1f}" for k, v in gauges]
     return ", ".join(peaks) or "-"
 
 

@@ -92,16 +92,22 @@ vllm:turnkv_retention_evictions_created{engine="0",reason="idle"} 1.7e9
 vllm:turnkv_retention_refusals_total{engine="0",reason="full"} 1.0
 vllm:turnkv_retention_refusals_total{engine="1",reason="full"} 3.0
 # TYPE vllm:turnkv_retained_bytes gauge
-vllm:turnkv_retained_bytes{engine="0",tier="device"} 1048576.0
-vllm:turnkv_retained_bytes{engine="0",tier="host"} 0.0
+vllm:turnkv_retained_bytes{engine="0",model_name="tiny"} 1048576.0
+# TYPE vllm:turnkv_host_retained_bytes gauge
+vllm:turnkv_host_retained_bytes{engine="0",model_name="tiny"} 0.0
+# TYPE vllm:turnkv_host_pull_overhead_seconds gauge
+vllm:turnkv_host_pull_overhead_seconds{engine="0",model_name="tiny"} 0.004
+# TYPE vllm:turnkv_host_tier_configured_bytes gauge
+vllm:turnkv_host_tier_configured_bytes{engine="0",model_name="tiny"} 536870912.0
 # TYPE vllm:num_requests_running gauge
 vllm:num_requests_running 0.0
 """
 
 METRICS_AFTER = METRICS_BEFORE.replace('reason="idle"} 2.0', 'reason="idle"} 7.0').replace(
-    'tier="host"} 0.0', 'tier="host"} 4194304.0') + """\
+    'host_retained_bytes{engine="0",model_name="tiny"} 0.0',
+    'host_retained_bytes{engine="0",model_name="tiny"} 4194304.0') + """\
 # TYPE vllm:turnkv_host_pool_bytes gauge
-vllm:turnkv_host_pool_bytes{engine="0"} 536870912.0
+vllm:turnkv_host_pool_bytes{engine="0",model_name="tiny"} 536870912.0
 # TYPE vllm:turnkv_retention_evicted_total counter
 vllm:turnkv_retention_evicted_total{engine="0"} 4.0
 """
@@ -110,7 +116,7 @@ vllm:turnkv_retention_evicted_total{engine="0"} 4.0
 def test_metrics_are_summed_by_tier_and_reason():
     series = calc.turnkv_series(METRICS_BEFORE)
     assert series['vllm:turnkv_retention_refusals_total{reason="full"}'] == 4.0  # two engines, one reason
-    assert series['vllm:turnkv_retained_bytes{tier="device"}'] == 1048576.0
+    assert series["vllm:turnkv_retained_bytes"] == 1048576.0
     assert not any("created" in k or "num_requests" in k for k in series)
     assert calc.cache_config(METRICS_BEFORE) == (8192, 16)
     assert calc.cache_config("vllm:num_requests_running 0\n") is None
@@ -120,9 +126,11 @@ def test_metrics_are_summed_by_tier_and_reason():
                       'vllm:turnkv_retention_refusals_total{reason="full"}': 0.0}
     assert calc.sum_by(deltas, "vllm:turnkv_retention_evictions_total") == 5.0
     peaks = calc.gauge_peaks([series, calc.turnkv_series(METRICS_AFTER), series])
-    assert peaks['vllm:turnkv_retained_bytes{tier="host"}'] == {"peak": 4194304.0, "last": 0.0}
+    assert peaks["vllm:turnkv_host_retained_bytes"] == {"peak": 4194304.0, "last": 0.0}
     assert peaks["vllm:turnkv_host_pool_bytes"] == {"peak": 536870912.0, "last": 0.0}
-    assert sorted(report.short_gauge(k) for k in peaks) == ["device", "host", "host_pool"]
+    # bytes held, not the host tier's settings or its pull costs (the table printed those as "MiB" before)
+    assert sorted(report.short_gauge(k) for k in peaks) == ["all", "host", "host_pool"]
+    assert report._mib({"tier_bytes": peaks}) == "all 1.0, host 4.0, host_pool 512.0"
     pulls = {'vllm:turnkv_pulls_total{tier="device"}': 3.0, 'vllm:turnkv_pulls_total{tier="host"}': 9.0,
              "vllm:turnkv_read_bytes_total": 5.0}
     assert report._pulls({"prefill_counters": pulls}) == "device 3, host 9"
