@@ -27,6 +27,8 @@ VARIANTS = {
     "upstream loops": {"TURNKV_IDLE_TICK_MS": "0", "TURNKV_WORKER_SPIN_MS": "1000", "TURNKV_NIXL_PROGRESS_US": "0"},
     "turnkv: 100 ms idle tick, 2 ms worker spin": {},
     "turnkv, 1 s idle tick, 50 ms spin": {"TURNKV_IDLE_TICK_MS": "1000", "TURNKV_WORKER_SPIN_MS": "50"},
+    # What the shared-memory recheck (10 ms with the spin cut: a lost wake-up's bound) costs an idle engine.
+    "turnkv, upstream's 5 s recheck": {"TURNKV_WORKER_RECHECK_MS": "5000"},
 }
 
 
