@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -146,10 +147,13 @@ class PrefillClock:
 
 class DecodeClock:
     """A decode engine's step loop: every running sequence gets one token per step, each step ``decode_s(batch)``
-    long; a request joins at the next step after it arrives and leaves the batch with its last token."""
+    long; a request joins at the next step after it arrives and leaves the batch with its last token. At most
+    ``max_seqs`` run at once (vLLM's ``max_num_seqs``; 0: no bound): the others wait, first come first served, for a
+    sequence to finish, as in the engine's waiting queue."""
 
-    def __init__(self, model: ComputeModel) -> None:
+    def __init__(self, model: ComputeModel, max_seqs: int = 0) -> None:
         self.model = model
+        self.max_seqs = max_seqs
         self._members: dict[int, tuple[asyncio.Queue[None], list[int]]] = {}  # key -> (ticks, [tokens left])
         self._loop: asyncio.Task[None] | None = None
         self._ids = 0
@@ -175,7 +179,8 @@ class DecodeClock:
 
     async def _run(self) -> None:
         while self._members:
-            batch = list(self._members.items())
+            # the oldest arrivals still here: the running set (the dict keeps arrival order)
+            batch = list(itertools.islice(self._members.items(), self.max_seqs or None))
             cost = self.model.decode_s(len(batch))
             await asyncio.sleep(cost)
             self.steps += 1

@@ -132,6 +132,8 @@ class FakeEngine:
     #: Engine time (``bench.engine_clock``): prefill legs wait for their tokens' steps and decode streams a token per
     #: step, as on the modelled GPU engine. None: answers at once (the CPU is the only capacity).
     compute: ComputeModel | None = None
+    #: Decode sequences running at once under ``compute`` (vLLM's ``max_num_seqs``; 0: no bound); the others wait.
+    max_num_seqs: int = 0
     stats: dict[str, int] = field(default_factory=lambda: {"requests": 0, "prefill": 0, "decode": 0, "running": 0,
                                                            "aborted": 0, "pulled": 0, "errors": 0,
                                                            "wrong_reuse": 0, "stale_reads": 0, "push_timeouts": 0})
@@ -155,7 +157,7 @@ class FakeEngine:
         self.clock_origin = random.uniform(1e4, 1e6)
         LOCAL_ENGINES.add(self.engine_id)
         self._prefill_clock = PrefillClock(self.compute) if self.compute else None
-        self._decode_clock = DecodeClock(self.compute) if self.compute else None
+        self._decode_clock = DecodeClock(self.compute, self.max_num_seqs) if self.compute else None
 
     def monotonic(self) -> float:
         return time.perf_counter() + self.clock_origin
@@ -535,6 +537,8 @@ def main() -> None:
     parser.add_argument("--event-writes", action="store_true", help="one write per streamed event (as a real engine)")
     parser.add_argument("--compute", default="instant", help="engine time (bench.engine_clock.COMPUTE_MODELS), or "
                                                              "instant: answer at once")
+    parser.add_argument("--max-num-seqs", type=int, default=0,
+                        help="decode sequences running at once under --compute (vLLM's max_num_seqs; 0: no bound)")
     args = parser.parse_args()
     try:
         compute = compute_model(args.compute)
@@ -547,7 +551,8 @@ def main() -> None:
 
     async def run() -> None:
         engines = [FakeEngine(p, mode=args.mode, bidirectional=not args.no_bidirectional,
-                              event_writes=args.event_writes, compute=compute) for p in args.port]
+                              event_writes=args.event_writes, compute=compute, max_num_seqs=args.max_num_seqs)
+                   for p in args.port]
         await start(engines)
         await asyncio.Event().wait()
 

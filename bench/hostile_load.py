@@ -10,7 +10,9 @@ many conversations at once, no think time: as much as the router gives it) from 
 are max-min fair shares, so the honest tenant is served (cut only to its fair share when it is the heaviest) and the
 bystander, the lightest, never is. Reported: the router's peak RSS against the Fargate task's 2 GiB, its CPU, the
 bystander's TTFT p50/p90 in both phases and its errors, the attacker's refusals by limit, and the honest tenant's
-requests/s, TTFT and refusals.
+requests/s, TTFT and refusals. ``--batch-streams N`` adds a batch tenant in the hostile phase: N long unary
+generations at once, against a decode engine that runs ``--decode-seqs`` of them (the decode pool's fair queue,
+``decode_fair_sequences``).
 
 Run: ``python -m bench.hostile_load --duration 30 --out results/hostile`` (or ``turnkv bench hostile``).
 """
@@ -21,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -36,12 +39,16 @@ import psutil
 from bench.engine_clock import COMPUTE_MODELS
 from bench.fake_engine import FAKE_SECRET
 from turnkv import router_env, wire
+from turnkv.engine_settings import VLLM_MAX_NUM_SEQS_LARGE_GPU
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK_MEMORY_MIB = 2048  # the router's Fargate task (infra)
 BYSTANDER = "bystander-key-0001"
 ATTACKERS = [f"attacker-key-{i:04d}" for i in range(4)]
 HONEST = "honest-heavy-key-0001"
+BATCH = "batch-long-key-0001"
+#: A batch tenant's generations: as many tokens as a seeded draw in this range (unary: batch jobs seldom stream).
+BATCH_TOKENS = (64, 1024)
 #: The deploy config's default engine: Qwen3-32B at TP 8 on p5en, as the planner prices it.
 DEFAULT_COMPUTE = next(iter(COMPUTE_MODELS))
 #: The bystander's client under ``--isolate``: ahead of the fake engines on their shared core (see ``main``).
@@ -218,14 +225,75 @@ async def attack(port: int, duration: float, max_body: int) -> dict[str, int]:
 
 
 async def attack_and_honest(port: int, duration: float, max_body: int, honest_conversations: int,
-                            attacker: bool = True) -> tuple[dict[str, int], dict[str, Any]]:
-    """The attacker (unless ``attacker`` is false) and the heavy-but-honest tenant at once (both in this process)."""
+                            attacker: bool = True, batch_streams: int = 0,
+                            seed: int = 0) -> tuple[dict[str, int], dict[str, Any], dict[str, Any]]:
+    """The attacker (unless ``attacker`` is false), the heavy-but-honest tenant and the batch tenant (``batch_streams``
+    long generations at once; 0: none) at once, all in this process."""
     async def no_attack() -> dict[str, int]:
         return {}
 
-    counts, heavy = await asyncio.gather(attack(port, duration, max_body) if attacker else no_attack(),
-                                         honest(port, duration, honest_conversations))
-    return counts, heavy
+    counts, heavy, long = await asyncio.gather(attack(port, duration, max_body) if attacker else no_attack(),
+                                               honest(port, duration, honest_conversations),
+                                               batch(port, duration, batch_streams, seed))
+    return counts, heavy, long
+
+
+async def batch(port: int, duration: float, streams: int, seed: int = 0) -> dict[str, Any]:
+    """A batch tenant: ``streams`` unary requests at once, each generating a seeded ``BATCH_TOKENS`` draw of tokens,
+    the next as soon as one ends. More of them than decode runs at once queue somewhere: in decode's first-come
+    queue, ahead of everyone who comes after, or in the router's fair queue (``decode_fair_sequences``). Its
+    answers per second, tokens generated and refusals by limit (a 429 retried after its Retry-After, capped at 1 s).
+    Requests still running at the phase's end are dropped (the router aborts both legs)."""
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    stop = time.monotonic() + duration
+    counts: Counter = Counter()
+    tokens = 0
+    rng = random.Random(seed)
+
+    async def one(session: aiohttp.ClientSession, idx: int) -> None:
+        nonlocal tokens
+        while time.monotonic() < stop:
+            n = rng.randint(*BATCH_TOKENS)
+            body = {"model": "tiny", "max_tokens": n, "ignore_eos": True,
+                    "messages": [{"role": "user", "content": f"batch {idx}: " + "label this record " * 40}]}
+            async with session.post(url, json=body, headers=_auth(BATCH)) as resp:
+                if resp.status != 200:
+                    counts[f"{resp.status}:{(await _err(resp)).get('limit', '')}"] += 1
+                    await asyncio.sleep(min(1.0, float(resp.headers.get("Retry-After", "1"))))
+                    continue
+                usage = (await resp.json()).get("usage") or {}
+            counts["200"] += 1
+            tokens += int(usage.get("completion_tokens") or 0)
+
+    if streams <= 0:
+        return {}
+    started = time.monotonic()
+    # aiohttp's default connector opens at most 100 connections: the batch would hold no more requests in flight
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=duration + 5),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        workers = [asyncio.create_task(_guarded(one(session, i), counts)) for i in range(streams)]
+        await asyncio.sleep(duration)
+        for w in workers:  # the phase is over: what is still generating is dropped
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    elapsed = max(1e-3, time.monotonic() - started)
+    return {"streams": streams, "served": counts["200"], "served_per_s": round(counts["200"] / elapsed, 2),
+            "tokens_per_s": round(tokens / elapsed), "answers": dict(counts), "elapsed_s": elapsed}
+
+
+def pooled_batch(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The batch tenant over the rounds: answers and tokens per second of its hostile phases."""
+    rounds = [r for r in rounds if r]
+    if not rounds:
+        return {}
+    answers: Counter = Counter()
+    for r in rounds:
+        answers.update(r["answers"])
+    elapsed = sum(r["elapsed_s"] for r in rounds)
+    return {"streams": rounds[0]["streams"], "served": answers["200"],
+            "served_per_s": round(answers["200"] / elapsed, 2),
+            "tokens_per_s": round(sum(r["tokens_per_s"] * r["elapsed_s"] for r in rounds) / elapsed),
+            "answers": dict(answers)}
 
 
 async def honest(port: int, duration: float, conversations: int = 16, turns: int = 6) -> dict[str, Any]:
@@ -383,16 +451,17 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     p_port, d_port, r_port = free_port(), free_port(), free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), wire.OFFER_SECRET_ENV: FAKE_SECRET.decode(),
-           router_env.API_KEYS: json.dumps({"tenants": {"bystander": BYSTANDER, "honest": HONEST,
+           router_env.API_KEYS: json.dumps({"tenants": {"bystander": BYSTANDER, "honest": HONEST, "batch": BATCH,
                                                       **{f"attacker{i}": k for i, k in enumerate(ATTACKERS)}}})}
     py = sys.executable
     procs = [subprocess.Popen([py, "-m", "bench.fake_engine", "--port", str(p_port), "--port", str(d_port),
-                               "--compute", args.compute],
+                               "--compute", args.compute, "--max-num-seqs", str(args.decode_seqs)],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     with open(out / "router.log", "wb") as log:
         router = subprocess.Popen([py, "-m", "turnkv.cli", "router", "serve", "--prefill",
                                    f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}", "--port",
-                                   str(r_port), "--no-emf", *(x for kv in args.set for x in ("--set", kv))],
+                                   str(r_port), "--no-emf", "--set", f"decode_fair_sequences={args.decode_seqs}",
+                                   *(x for kv in args.set for x in ("--set", kv))],
                                   env=env, stdout=log, stderr=subprocess.STDOUT)
     procs.append(router)
     url = f"http://127.0.0.1:{r_port}"
@@ -411,6 +480,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     quiet_rounds: list[dict[str, Any]] = []
     hostile_rounds: list[dict[str, Any]] = []
     honest_rounds: list[dict[str, Any]] = []
+    batch_rounds: list[dict[str, Any]] = []
     attacker_counts: Counter = Counter()
     engines_by_phase: dict[str, Counter] = {"quiet": Counter(), "hostile": Counter()}
     engine_urls = [f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"]
@@ -430,8 +500,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             round_out.mkdir(exist_ok=True)
             attacker = subprocess.Popen([py, "-m", "bench.hostile_load", "--attack", str(r_port), "--duration",
                                          str(args.duration + 1.0), "--out", str(round_out), "--honest-conversations",
-                                         str(args.honest_conversations),
-                                         *(() if args.attacker else ("--no-attacker",))], env=env,
+                                         str(args.honest_conversations), "--batch-streams", str(args.batch_streams),
+                                         "--seed", str(n), *(() if args.attacker else ("--no-attacker",))], env=env,
                                         preexec_fn=(lambda: os.setpriority(os.PRIO_PROCESS, 0, 19)) if args.isolate
                                         else None)
             procs.append(attacker)
@@ -442,6 +512,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             await asyncio.get_running_loop().run_in_executor(None, attacker.wait, args.duration + 60)
             attacker_counts.update(json.loads((round_out / "attacker.json").read_text()))
             honest_rounds.append(json.loads((round_out / "honest.json").read_text()))
+            batch_rounds.append(json.loads((round_out / "batch.json").read_text()))
             sampler.phase = "between"
             await asyncio.sleep(2.0)  # the attacker's connections closed, its parked bodies dropped
         sampler.phase = "after"
@@ -475,6 +546,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                            if quiet["ttft_p90_ms"] and hostile["ttft_p90_ms"] else None),
         "attacker": refusals,
         "honest_heavy": heavy,
+        "batch": pooled_batch(batch_rounds), "decode_seqs": args.decode_seqs,
         "router_refusals": router_refusals,
         "engines": {ph: engine_load(c, args.duration * args.rounds) for ph, c in engines_by_phase.items()},
         "samples": rows,
@@ -487,9 +559,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
 
 def summary_line(report: dict[str, Any]) -> str:
     """The run in one line: the bystander quiet -> hostile, the ratio, the honest tenant served."""
-    b, h = report["bystander"], report["honest_heavy"] or {}
+    b, h, lb = report["bystander"], report["honest_heavy"] or {}, report.get("batch") or {}
     honest = (f"; honest tenant {h['served_per_s']}/s, TTFT p50/p90 {h['ttft_p50_ms']}/{h['ttft_p90_ms']} ms"
               if h else "")
+    honest += (f"; batch tenant {lb['served_per_s']} answers/s, {lb['tokens_per_s']:,} tokens/s" if lb else "")
     return (f"bystander TTFT p50/p90 quiet {b['quiet']['ttft_p50_ms']}/{b['quiet']['ttft_p90_ms']} ms "
             f"({b['quiet']['turns']} turns) -> hostile {b['hostile']['ttft_p50_ms']}/{b['hostile']['ttft_p90_ms']} "
             f"ms ({b['hostile']['turns']} turns): p90 {report['ttft_p90_ratio']}x{honest}")
@@ -506,6 +579,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-attacker", dest="attacker", action="store_false",
                    help="The hostile phase without the attacker (the heavy-but-honest tenant alone beside the "
                         "bystander): what the honest tenant's load costs the bystander by itself.")
+    p.add_argument("--batch-streams", type=int, default=0,
+                   help="Long generations a batch tenant keeps running in the hostile phase (0: none).")
+    p.add_argument("--decode-seqs", type=int, default=VLLM_MAX_NUM_SEQS_LARGE_GPU,
+                   help="Sequences the fake decode engine runs at once under --compute (vLLM's max_num_seqs; its "
+                        "default on H100/H200); the router's decode_fair_sequences follows it unless --set.")
     p.add_argument("--set", action="append", default=[], help="Router tunable NAME=VALUE (repeatable).")
     p.add_argument("--compute", default=DEFAULT_COMPUTE,
                    help="The fake engines' time (bench.engine_clock): a modelled GPU engine's step loops, or instant "
@@ -515,15 +593,18 @@ def parser() -> argparse.ArgumentParser:
                         "clients on the others, the attacker process at nice 19 (its own CPU is another host's).")
     p.add_argument("--out", default="results/hostile")
     p.add_argument("--attack", type=int, default=0, help=argparse.SUPPRESS)  # the attacker process: router port
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # the attacker process: its round
     return p
 
 
 if __name__ == "__main__":
     a = parser().parse_args()
     if a.attack:
-        counts, heavy = asyncio.run(attack_and_honest(a.attack, a.duration, 8 * 1024 * 1024,
-                                                      a.honest_conversations, a.attacker))
+        counts, heavy, long = asyncio.run(attack_and_honest(a.attack, a.duration, 8 * 1024 * 1024,
+                                                            a.honest_conversations, a.attacker, a.batch_streams,
+                                                            a.seed))
         Path(a.out, "attacker.json").write_text(json.dumps(counts, indent=1, sort_keys=True))
         Path(a.out, "honest.json").write_text(json.dumps(heavy, indent=1, sort_keys=True))
+        Path(a.out, "batch.json").write_text(json.dumps(long, indent=1, sort_keys=True))
     else:
         asyncio.run(main(a))

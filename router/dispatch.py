@@ -6,11 +6,13 @@ without importing the flow: no import cycle.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from router import apis, guard, hints
 from router.engines import Engine
+from router.fairqueue import Ticket
 from router.outcomes import RequestKind, ReuseOutcome
 
 
@@ -63,3 +65,9 @@ class Dispatch:
     #: Another API translated to chat completions (``router.apis``): its answers are translated back.
     api: apis.Translation | None = None
     route: str = ""  # the client's route when it differs from ``path`` (translated APIs)
+    #: Its place in the decode pool's fair queue (``decode_fair_sequences``), held until the answer ends; a stream
+    #: migration's continuation shares it.
+    decode_slot: Ticket | None = None
+    #: Gives the request's share of the prefill pool back (``router.flow``): an answer that is not streamed shows no
+    #: first token, so its share goes back when prefill has answered instead of when the whole answer has.
+    prefill_share_done: Callable[[], None] | None = None

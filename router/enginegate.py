@@ -14,8 +14,8 @@ from router.fairqueue import FairQueue, Ticket
 
 
 class EngineGate:
-    def __init__(self, capacity: float, on_wait: Callable[[], None] | None = None) -> None:
-        self.queue = FairQueue(capacity)
+    def __init__(self, capacity: float, on_wait: Callable[[], None] | None = None, alone_exempt: bool = True) -> None:
+        self.queue = FairQueue(capacity, alone_exempt=alone_exempt)
         self._wakers: dict[Ticket, asyncio.Future[None]] = {}
         self.waits = 0  # requests that waited for room, since start
         self._on_wait = on_wait  # counted as it starts waiting (the router's metric)

@@ -65,10 +65,14 @@ class FairQueue:
     """Units held by granted requests, per tenant and in all, and the requests waiting for room (see the module)."""
 
     def __init__(self, capacity: float, clock: Callable[[], float] = time.monotonic,
-                 alone_window: float = ALONE_WINDOW) -> None:
+                 alone_window: float = ALONE_WINDOW, alone_exempt: bool = True) -> None:
+        """``alone_exempt`` False: a tenant alone is held to the capacity too (the rules otherwise unchanged), where
+        the engines run no more than it at once anyway (decode's sequences) and what waits in the router instead of
+        the engine's queue costs that tenant nothing but is not ahead of the next tenant to come."""
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, not {capacity}")
         self.capacity = float(capacity)
+        self._alone_exempt = alone_exempt
         self._clock = clock
         self._alone_window = alone_window
         self._seen: dict[str, float] = {}  # tenant -> when it last asked
@@ -115,7 +119,7 @@ class FairQueue:
 
     def _may_go(self, name: str, t: _Tenant, cost: float, first_in_line: bool) -> bool:
         """Whether ``t`` may send a request of ``cost`` now (its ask, held + waiting, counts this request)."""
-        if self.total <= 0 or self._alone(name):
+        if self.total <= 0 or (self._alone_exempt and self._alone(name)):
             return True
         if first_in_line and self.total + cost <= self.capacity:
             return True

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import secrets
 import time
@@ -118,6 +119,12 @@ class Flow:
         # the prefill pool's fair queue (prefill_fair_tokens)
         self.engine_gate = EngineGate(self._gate_capacity(), on_wait=metrics.fair_queue_waits.inc)
         metrics.fair_queue_waiting.set_function(lambda: self.engine_gate.queue.waiting)
+        # the decode pool's fair queue (decode_fair_sequences): a request holds one unit until its answer ends. A
+        # tenant alone is held to it too: decode runs no more sequences at once, so what waits here instead of in
+        # decode's first-come queue costs it nothing, and the next tenant to come is not behind it there.
+        self.decode_gate = EngineGate(self._decode_capacity(), on_wait=metrics.decode_queue_waits.inc,
+                                      alone_exempt=False)
+        metrics.decode_queue_waiting.set_function(lambda: self.decode_gate.queue.waiting)
         self.hint_sources = hints.parse_sources(config.session_hints)
         self._hint_counts = {s: metrics.session_hints.labels(s.label) for s in self.hint_sources}
 
@@ -328,19 +335,25 @@ class Flow:
 
     async def _dispatch(self, d: Dispatch, request: web.Request) -> Opened:
         """Both legs, with the retry budgets; returns the opened decode leg or raises UpstreamError."""
+        if d.decode_slot is None:  # a migration's continuation runs on the slot of the stream it continues
+            d.decode_slot = await self.decode_gate.enter(d.tenant, 1, self._decode_capacity())
         params = await self._take(d)
         d.retain = self._may_retain(d)
         # Until decode's first token the request holds its share of the prefill pool (router.fairqueue): the tokens
         # prefill will compute, its estimate less what the replayed offer pulls.
         offered = wire.KVParams(params).num_tokens if params else 0
         ticket = await self.engine_gate.enter(d.tenant, d.tokens - offered, self._gate_capacity())
+        d.prefill_share_done = functools.partial(self.engine_gate.leave, ticket)
         try:
             return await self._attempts(d, request, params)
         finally:
-            self.engine_gate.leave(ticket)
+            self.engine_gate.leave(ticket)  # once per ticket: a second leave does nothing
 
     def _gate_capacity(self) -> float:
         return float(self.config.prefill_fair_tokens) * max(1, len(self.pool.prefill))
+
+    def _decode_capacity(self) -> float:
+        return float(self.config.decode_fair_sequences) * max(1, len(self.pool.decode))
 
     async def _attempts(self, d: Dispatch, request: web.Request, params: dict[str, Any] | None) -> Opened:
         tried: dict[str, list[Engine]] = {"prefill": [], "decode": list(d.avoid_decode)}
@@ -396,6 +409,8 @@ class Flow:
             log.info("client disconnected: both legs aborted")
             raise
         finally:
+            if d.decode_slot is not None:
+                self.decode_gate.leave(d.decode_slot)
             self._finish(d)
             telemetry.request_id.reset(token)
 

@@ -241,6 +241,8 @@ class Legs:
         d.prompt_tokens = int(usage.get("prompt_tokens") or 0)
         d.prefill_cached_tokens = prefill_cached_tokens(kv)
         self.pool.report_success(engine)
+        if not d.stream and d.prefill_share_done is not None:
+            d.prefill_share_done()  # a whole answer shows no first token: prefill's work is what the share was for
         if d.outcome == ReuseOutcome.HIT:
             self._account_reuse(d, kv, engine)
         elif d.outcome in (ReuseOutcome.MISS, ReuseOutcome.NONE, ReuseOutcome.DISABLED):

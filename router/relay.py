@@ -172,7 +172,8 @@ class Relay:
             c = Dispatch(RequestKind.COMPLETION, "/v1/completions", body, d.request_id, None, None, started=d.started,
                          tenant=d.tenant, tokens=d.tokens + len(state.generated), stream=True,
                          leg_request_id=new_leg_id(), avoid_decode=list(avoid),
-                         prefix_key=d.prefix_key)  # the rendered prompt's ids: the same leading blocks
+                         prefix_key=d.prefix_key,  # the rendered prompt's ids: the same leading blocks
+                         decode_slot=d.decode_slot)
             try:
                 opened = await self._dispatch(c, request)
             except (UpstreamError, NoEngineError) as exc:

@@ -136,6 +136,11 @@ class Metrics:
                                         "before going to the engines.", registry=r)
         self.fair_queue_waiting = Gauge("turnkv_router_fair_queue_waiting",
                                         "Requests waiting in the prefill pool's fair queue now.", registry=r)
+        self.decode_queue_waits = Counter("turnkv_router_decode_queue_waits",
+                                          "Requests that waited in the decode pool's fair queue "
+                                          "(decode_fair_sequences) before going to the engines.", registry=r)
+        self.decode_queue_waiting = Gauge("turnkv_router_decode_queue_waiting",
+                                          "Requests waiting in the decode pool's fair queue now.", registry=r)
         self.router_errors = Counter("turnkv_router_resource_errors",
                                      "Legs the router could not open for want of its own resources (EMFILE, ENFILE, "
                                      "EADDRNOTAVAIL, ENOBUFS): answered 503, the engine not counted as failed.",

@@ -109,6 +109,11 @@ def gpu_memory_utilization(value: float) -> float:
 
 
 MAX_NUM_SEQS = (1, 65536)
+#: vLLM's ``max_num_seqs`` for ``vllm serve`` when none is set (``EngineArgs``' usage-context defaults): GPUs of 70 GiB
+#: or more but A100 (H100, H200: the target's p5en), other GPUs, and CPU per tensor-parallel rank.
+VLLM_MAX_NUM_SEQS_LARGE_GPU = 1024
+VLLM_MAX_NUM_SEQS_GPU = 256
+VLLM_MAX_NUM_SEQS_CPU_PER_RANK = 128
 
 
 def max_num_seqs(value: int) -> int:

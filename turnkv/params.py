@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from turnkv import lifetime
+from turnkv.engine_settings import VLLM_MAX_NUM_SEQS_LARGE_GPU
 
 SSM_PREFIX = "/turnkv"
 
@@ -193,6 +194,15 @@ CATALOG: tuple[Tunable, ...] = (
             "and the tenant with the most in flight waits first. About one prefill step: set it to the engines' "
             "max_num_batched_tokens (vLLM's default is 2048 on GPUs under 70 GiB, 8192 on H100/H200), two steps if "
             "prefill engines idle under contention. The maximum switches it off."),
+    Tunable("decode_fair_sequences", VLLM_MAX_NUM_SEQS_LARGE_GPU, 1, 100_000_000, "requests", Scope.ROUTER,
+            "Requests each decode engine of the pool is sent at once, counted from a request's dispatch until its "
+            "answer ends, before further requests wait in the router's fair queue (router.fairqueue, a request one "
+            "unit) instead of the engine's own first-come waiting queue, where a tenant with more requests in flight "
+            "than the engine runs sequences goes ahead of everyone after them for as long as its generations last: a "
+            "tenant under the max-min fair level goes at once, the tenant with the most in flight waits first, and a "
+            "tenant alone gets all of it (not more: the engines run no more at once). Per router process. Set it to "
+            "the decode engines' max_num_seqs (vLLM's default is 1024 on H100/H200, 256 on smaller GPUs, 128 on "
+            "CPU). The maximum switches it off."),
     Tunable("tenant_max_response_bytes", 32 * 1024 * 1024, 1024, 64 * 1024 * 1024 * 1024, "bytes", Scope.ROUTER,
             "Bytes of kept /v1/responses histories one tenant may hold (memory and Valkey, per router process); "
             "above it new answers are not kept (previous_response_id then answers not found)."),

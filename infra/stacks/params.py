@@ -37,11 +37,14 @@ class ParamsStack(Stack):
 def deployment_defaults(config: DeploymentConfig) -> dict[str, int | float]:
     """The catalog's defaults, with what depends on the deployment's nodes: the host tier of retained turns sized
     from the decode pool's host memory (``infra.host_tier.default_mib``; 0 without a decode pool, and for a model
-    the host tier refuses); then the config's ``tunables``."""
+    the host tier refuses), the router's decode share from the engines' ``model.max_num_seqs`` when set (the
+    catalog's is vLLM's default on the supported GPUs); then the config's ``tunables``."""
     values = params.defaults()
     if any(p.role is Role.DECODE for p in config.pools):
         budget, _ = host_tier.default_mib(config)  # 0 for a model the host tier refuses (infra.host_tier)
         values["host_kv_budget_mib"] = params.get("host_kv_budget_mib").parse(budget)
+    if config.model.max_num_seqs is not None:
+        values["decode_fair_sequences"] = params.get("decode_fair_sequences").parse(config.model.max_num_seqs)
     # The deploy config's initial tunables over them (validated with the config; cross-checked again here).
     return params.validate(params.fit_router_ttl(config.tunables), values)
 

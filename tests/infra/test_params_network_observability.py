@@ -47,6 +47,22 @@ def test_the_host_tier_budget_is_sized_from_the_decode_nodes_host_memory():
     assert all(host_tier_budget_mib(t, 8) <= params.get("host_kv_budget_mib").maximum for t in INSTANCE_TYPES)
 
 
+def test_the_routers_decode_share_follows_the_engines_max_num_seqs():
+    """decode_fair_sequences is the decode engines' max_num_seqs: vLLM's default on the GPUs turnkv deploys (H100,
+    H200: 1024) unless ``model.max_num_seqs`` sets theirs; the config's ``tunables`` over both."""
+    import copy
+
+    from infra.config import DeploymentConfig
+    from infra.stacks.params import deployment_defaults
+
+    assert deployment_defaults(DeploymentConfig.model_validate(configs.GPU))["decode_fair_sequences"] == 1024
+    raw = copy.deepcopy(configs.GPU)
+    raw["model"]["max_num_seqs"] = 256
+    assert deployment_defaults(DeploymentConfig.model_validate(raw))["decode_fair_sequences"] == 256
+    raw["tunables"] = {**raw.get("tunables", {}), "decode_fair_sequences": 224}  # headroom for a newcomer
+    assert deployment_defaults(DeploymentConfig.model_validate(raw))["decode_fair_sequences"] == 224
+
+
 def test_vpc_flow_logs_and_endpoints_without_internet_path(gpu):
     t = gpu.assertions("network")
     t.has_resource_properties("AWS::EC2::FlowLog", {"TrafficType": "ALL", "LogDestinationType": "cloud-watch-logs"})

@@ -1,11 +1,13 @@
-"""The prefill pool's fair queue over fake engines (router.fairqueue, prefill_fair_tokens): a light tenant's request
-goes to the engines while a heavy tenant's wait in the router, and nothing stays held when a waiting client goes
-away or the engines fail."""
+"""The engine pools' fair queues over fake engines (router.fairqueue): prefill's (prefill_fair_tokens), where a light
+tenant's request goes to the engines while a heavy tenant's wait in the router, and nothing stays held when a waiting
+client goes away or the engines fail; decode's (decode_fair_sequences), where a light request is not queued at the
+engine behind a heavy tenant's long generations."""
 
 from __future__ import annotations
 
 import asyncio
 
+from bench.engine_clock import ComputeModel
 from router.app import FLOW, METRICS
 from router.auth import ApiKeys, parse_keys
 from tests.router.conftest import engines, router_over
@@ -67,11 +69,35 @@ async def test_with_the_queue_off_the_burst_goes_to_the_engine_first_come():
 async def test_a_lone_tenant_is_never_queued():
     p, d = engines(1, "prefill"), engines(1, "decode")
     async with router_over(p, d, tunables={"prefill_fair_tokens": 64}) as (s, app):
-        p[0].fault = {"delay": 0.3}
+        p[0].fault = {"delay": 1.0}
         burst = [ask(s, {}, i) for i in range(6)]
-        await asyncio.sleep(0.15)
+        # all six at the prefill engine at once (each held there 1 s): none waited for another's room. A new router's
+        # first requests take 0.15-0.2 s to get there on this machine: polled, not a fixed sleep
+        for _ in range(40):
+            if p[0].stats["running"] == 6:
+                break
+            await asyncio.sleep(0.02)
         assert p[0].stats["running"] == 6 and app[FLOW].engine_gate.waits == 0
         assert [(await b)["status"] for b in burst] == [200] * 6
+
+
+async def test_an_unstreamed_answer_gives_its_prefill_share_back_when_prefill_has_answered():
+    """A unary answer shows no first token: its share of the prefill pool goes back when prefill has answered, not
+    when decode has generated it all, so a tenant's long unary generations do not hold prefill (idle here) from it."""
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d, keys=ApiKeys(parse_keys(KEYS)), tunables=FAIR) as (s, app):
+        d[0].fault = {"delay": 1.0}  # every generation takes a second
+        light = ask(s, LIGHT, 0)  # the heavy tenant is not alone
+        await asyncio.sleep(0.05)
+        heavy = [ask(s, HEAVY, i) for i in range(10)]  # 3,250 tokens: more than the pool's 2,000 at once
+        for _ in range(40):
+            if p[0].stats["requests"] == 11:
+                break
+            await asyncio.sleep(0.02)
+        # within 0.8 s, while the first generations still run: some of the burst waited for room, only for prefill
+        assert p[0].stats["requests"] == 11, "all prefilled while the first ones decode"
+        assert [(await r)["status"] for r in [light, *heavy]] == [200] * 11
+        assert app[FLOW].engine_gate.queue.total == 0
 
 
 async def test_a_waiting_client_that_goes_away_and_failing_engines_leave_nothing_held():
@@ -98,3 +124,51 @@ async def test_a_waiting_client_that_goes_away_and_failing_engines_leave_nothing
         failed = await asyncio.gather(*(ask(s, HEAVY if i % 2 else LIGHT, i) for i in range(6)))
         assert {f["status"] for f in failed} == {502}
         assert gate.total == 0 and gate.waiting == 0 and gate._tenants == {}
+
+
+# -- the decode pool's fair queue (decode_fair_sequences) -------------------------------------------------------------
+
+#: decode steps of 10 ms plus 1 ms per sequence; prefill answers at once (no prefill clock)
+DECODE_TIME = ComputeModel("test-decode", (0, 1000), (0.0, 0.0), 8192, 0.010, 0.001)
+
+
+async def _long_generations(decode_fair_sequences: int) -> tuple[list[str], float | None]:
+    """A tenant's six 40-token generations on a decode engine that runs two sequences at once, then another
+    tenant's 4-token request: the order the answers end in, and the decode pool's waits."""
+    p = engines(1, "prefill")
+    d = engines(1, "decode", compute=DECODE_TIME, max_num_seqs=2)
+    keys = ApiKeys(parse_keys(KEYS))
+    tunables = {"decode_fair_sequences": decode_fair_sequences, "prefill_fair_tokens": PREFILL_OFF}
+    async with router_over(p, d, keys=keys, tunables=tunables) as (s, app):
+        ended: list[str] = []
+
+        async def one(name: str, headers: dict[str, str], tokens: int) -> None:
+            body = [{"role": "user", "content": f"{name} " + MSGS[0]["content"]}]
+            assert (await chat(s, body, conversation=None, headers=headers, max_tokens=tokens))["status"] == 200
+            ended.append(name)
+
+        heavy = [asyncio.create_task(one(f"heavy{i}", HEAVY, 40)) for i in range(6)]
+        await asyncio.sleep(0.1)  # heavy's first two generating
+        await one("light", LIGHT, 4)
+        await asyncio.gather(*heavy)
+        gate = app[FLOW].decode_gate.queue
+        assert gate.total == 0 and gate.waiting == 0 and gate._tenants == {}, "every slot came back"
+        return ended, app[METRICS].registry.get_sample_value("turnkv_router_decode_queue_waits_total")
+
+
+PREFILL_OFF = int(params.get("prefill_fair_tokens").maximum)
+
+
+async def test_a_light_tenant_is_not_queued_behind_a_heavy_tenants_long_generations():
+    """With the decode pool's fair queue the heavy tenant's surplus (4 of 6, past the engine's 2 sequences) waits in
+    the router, and the light request goes to decode ahead of it: it ends right after the first two generations."""
+    ended, waits = await _long_generations(2)
+    assert ended.index("light") <= 2, ended
+    assert waits == 4
+
+
+async def test_without_it_the_light_request_waits_behind_every_generation_first_come():
+    """Off (the maximum), all six go to decode at once and its first-come queue puts the light request last."""
+    ended, waits = await _long_generations(int(params.get("decode_fair_sequences").maximum))
+    assert ended[-1] == "light", ended
+    assert waits == 0

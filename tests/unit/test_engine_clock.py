@@ -82,6 +82,21 @@ async def test_decode_step_time_grows_with_the_batch():
     assert time.perf_counter() - t0 >= clock.busy_s - 0.002
 
 
+async def test_decode_runs_at_most_max_seqs_and_the_others_wait_first_come():
+    clock = DecodeClock(FAST, max_seqs=2)
+    first: dict[str, int] = {}
+
+    async def run(name: str, n: int, after: float = 0.0) -> None:
+        await asyncio.sleep(after)
+        async for _ in clock.tokens(n):
+            first.setdefault(name, clock.steps)
+
+    # a and b fill the two slots; c waits for a's slot (a ends at step 2), d for b's (step 4)
+    await asyncio.gather(run("a", 2), run("b", 4), run("c", 3, after=0.001), run("d", 1, after=0.002))
+    assert first == {"a": 1, "b": 1, "c": 3, "d": 5}
+    assert clock.steps == 5 and clock.batched == 10  # two sequences in every step, never three
+
+
 def test_the_named_models_come_from_the_planner():
     model = compute_model("qwen3-32b-p5en-tp8")
     assert model is not None and model.max_batched_tokens == 8192

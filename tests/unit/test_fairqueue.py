@@ -24,6 +24,21 @@ def test_a_lone_tenant_is_never_held_whatever_it_asks():
     assert big.granted and big.cost == 4
 
 
+def test_without_the_lone_exemption_a_lone_tenant_gets_the_capacity_and_a_newcomer_goes_first():
+    """Decode's queue (``alone_exempt=False``): the engine runs ``capacity`` sequences at once, so a lone tenant's
+    surplus waits here, not in the engine's first-come queue, and the next tenant to come goes ahead of it."""
+    q = FairQueue(4, alone_exempt=False)
+    solo = take(q, "solo", 6)
+    assert [t.granted for t in solo] == [True] * 4 + [False] * 2
+    newcomer = q.acquire("new", 1)
+    assert newcomer.granted, "under the fair level: it goes at once (the pool over capacity by one request)"
+    assert q.done(solo[0]) == [] and q.total == 4, "solo's room goes back to the pool: solo is over its fair share"
+    assert q.done(newcomer) == [solo[4]] and q.done(solo[1]) == [solo[5]]
+    for t in solo:
+        q.done(t)
+    assert q.total == 0 and q.waiting == 0
+
+
 def test_a_tenant_between_two_turns_still_counts_so_the_heavy_one_is_not_alone():
     """A light tenant with nothing in flight right now (thinking between turns) asked a moment ago: the heavy tenant
     is not alone, so it gets the pool's room, not more; once the light one has been quiet for the window it is."""

@@ -271,3 +271,20 @@ def test_a_run_starts_with_its_own_tunables_file_so_set_wins_over_one_left_behin
     engines = {p.name: p for p in stack.plan(config)}
     assert engines["decode-0"].env[params.TUNABLES_FILE_ENV] == str(left.resolve())
     assert not left.with_suffix(".json.new").exists()
+
+
+def test_the_routers_decode_share_is_what_the_local_decode_engines_run_at_once(tmp_path):
+    """decode_fair_sequences on the local router: vLLM's CPU default max_num_seqs (128 per rank), the engines' own
+    max_num_seqs when set, and a --set over both."""
+    from turnkv.engine_settings import EngineSettings
+
+    def router_set(config: StackConfig) -> list[str]:
+        argv = next(p for p in stack.plan(config) if p.name == "router").argv
+        return [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+
+    assert "decode_fair_sequences=128" in router_set(StackConfig(state_dir=tmp_path))
+    assert "decode_fair_sequences=256" in router_set(StackConfig(state_dir=tmp_path, decode_tp=2))
+    assert "decode_fair_sequences=8" in router_set(StackConfig(state_dir=tmp_path,
+                                                               engine_settings=EngineSettings(max_num_seqs=8)))
+    assert "decode_fair_sequences=5" in router_set(StackConfig(state_dir=tmp_path,
+                                                               tunables={"decode_fair_sequences": 5}))

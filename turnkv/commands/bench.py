@@ -476,6 +476,11 @@ def hostile(
     compute: Annotated[str, typer.Option(
         help="The fake engines' time (bench.engine_clock): a modelled GPU engine, or instant.")] = "",
     isolate: Annotated[bool, typer.Option(help="The router on a core of its own, the attacker at nice 19.")] = True,
+    batch_streams: Annotated[int, typer.Option(
+        help="Long unary generations a batch tenant keeps running in the hostile phase (0: none).")] = 0,
+    decode_seqs: Annotated[int | None, typer.Option(
+        help="Sequences the fake decode engine runs at once (max_num_seqs; default vLLM's on H100/H200); the "
+             "router's decode_fair_sequences follows it.")] = None,
     out: Annotated[Path, typer.Option(help="Folder for hostile_load.json.")] = Path("results/hostile"),
 ) -> None:
     """One tenant attacks the router (fake engines with modelled GPU time, loopback) while a heavy-but-honest one
@@ -486,7 +491,8 @@ def hostile(
     from bench import hostile_load as hl
 
     argv = ["--duration", str(duration), "--rounds", str(rounds), "--conversations", str(conversations),
-            "--honest-conversations", str(honest_conversations), "--out", str(out), *(["--isolate"] if isolate else [])]
+            "--honest-conversations", str(honest_conversations), "--out", str(out), *(["--isolate"] if isolate else []),
+            "--batch-streams", str(batch_streams), *(["--decode-seqs", str(decode_seqs)] if decode_seqs else [])]
     args = hl.parser().parse_args([*argv, *(["--compute", compute] if compute else [])])
     report = aio.run(hl.main(args))
     if report["bystander"]["hostile"]["errors"] or report["router_rss_mib"]["peak_share_of_task"] > 0.5:

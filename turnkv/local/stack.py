@@ -25,6 +25,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from turnkv import engine_args, params, router_env, wire
+from turnkv import engine_settings as es
 from turnkv.engine_args import EngineSpec, Mode, Role
 from turnkv.engine_settings import EngineSettings
 from turnkv.local import engine_env
@@ -288,6 +289,17 @@ def write_tunables_file(config: StackConfig) -> None:
     tmp.replace(path)
 
 
+def decode_sequences(config: StackConfig) -> int:
+    """Sequences each decode engine of the stack runs at once (the router's ``decode_fair_sequences`` unless set):
+    its ``max_num_seqs``, else vLLM's default for the accelerator (CPU: per tensor-parallel rank; a GPU here is
+    taken as under 70 GiB, the smaller default)."""
+    if config.engine_settings.max_num_seqs is not None:
+        return config.engine_settings.max_num_seqs
+    if config.accelerator == Accelerator.CPU:
+        return es.VLLM_MAX_NUM_SEQS_CPU_PER_RANK * config.decode_tp
+    return es.VLLM_MAX_NUM_SEQS_GPU
+
+
 def plan(config: StackConfig) -> list[ProcessSpec]:
     """Every process of the stack, in start order. Pure: reads only the CPU affinity mask."""
     if config.accelerator not in ACCELERATORS:
@@ -301,6 +313,8 @@ def plan(config: StackConfig) -> list[ProcessSpec]:
     engine_tunables = engine_tunables_of(config)
     router_tunables = {k: v for k, v in values.items()
                        if params.BY_NAME[k].scope is params.Scope.ROUTER or k == "decoder_kv_blocks_ttl"}
+    if "decode_fair_sequences" not in config.tunables:  # values holds every default: set only if not --set
+        router_tunables["decode_fair_sequences"] = decode_sequences(config)
     common = dict(model=str(config.model_dir.resolve()), served_model_name=SERVED_MODEL_NAME, mode=config.mode,
                   enforce_eager=config.enforce_eager, tunables=engine_tunables, dtype=config.model_spec.dtype,
                   max_model_len=config.max_model_len or config.model_spec.max_position_embeddings,
