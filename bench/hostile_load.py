@@ -53,6 +53,10 @@ BATCH_TOKENS = (64, 1024)
 DEFAULT_COMPUTE = next(iter(COMPUTE_MODELS))
 #: The bystander's client under ``--isolate``: ahead of the fake engines on their shared core (see ``main``).
 BYSTANDER_NICE = -10
+#: The fake engines' niceness under --isolate: behind the bystander's client, ahead of the attacker's process (19),
+#: whatever niceness the bench itself was started with (under ``nice -n 19`` the engines would otherwise share the
+#: attacker's priority, and their modelled steps would wait for its CPU).
+ENGINES_NICE = 0
 
 
 def free_port() -> int:
@@ -474,6 +478,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         # The bystander's client is another machine in a deployment: here it shares a core with the fake engines,
         # and its own waits for that core would be counted as the router's. It runs ahead of them (root only).
         try:
+            os.setpriority(os.PRIO_PROCESS, procs[0].pid, ENGINES_NICE)
             os.setpriority(os.PRIO_PROCESS, 0, BYSTANDER_NICE)
         except PermissionError:
             print("note: not root, the bystander's client runs at the engines' priority", file=sys.stderr)
