@@ -282,22 +282,26 @@ async def batch(port: int, duration: float, streams: int, seed: int = 0) -> dict
         await asyncio.gather(*workers, return_exceptions=True)
     elapsed = max(1e-3, time.monotonic() - started)
     return {"streams": streams, "served": counts["200"], "served_per_s": round(counts["200"] / elapsed, 2),
-            "tokens_per_s": round(tokens / elapsed), "answers": dict(counts), "elapsed_s": elapsed}
+            "tokens": tokens, "tokens_per_s": round(tokens / elapsed), "answers": dict(counts), "elapsed_s": elapsed}
+
+
+def _pooled_answers(rounds: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], Counter, float]:
+    """A tenant's hostile phases over the rounds (those it ran in), its answers by status or limit, their seconds."""
+    rounds = [r for r in rounds if r]
+    answers: Counter = Counter()
+    for r in rounds:
+        answers.update(r["answers"])
+    return rounds, answers, sum(r["elapsed_s"] for r in rounds)
 
 
 def pooled_batch(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """The batch tenant over the rounds: answers and tokens per second of its hostile phases."""
-    rounds = [r for r in rounds if r]
+    rounds, answers, elapsed = _pooled_answers(rounds)
     if not rounds:
         return {}
-    answers: Counter = Counter()
-    for r in rounds:
-        answers.update(r["answers"])
-    elapsed = sum(r["elapsed_s"] for r in rounds)
     return {"streams": rounds[0]["streams"], "served": answers["200"],
             "served_per_s": round(answers["200"] / elapsed, 2),
-            "tokens_per_s": round(sum(r["tokens_per_s"] * r["elapsed_s"] for r in rounds) / elapsed),
-            "answers": dict(answers)}
+            "tokens_per_s": round(sum(r["tokens"] for r in rounds) / elapsed), "answers": dict(answers)}
 
 
 async def honest(port: int, duration: float, conversations: int = 16, turns: int = 6) -> dict[str, Any]:
@@ -341,16 +345,13 @@ async def honest(port: int, duration: float, conversations: int = 16, turns: int
 
 def pooled_honest(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """The heavy-but-honest tenant over the rounds: served per second of its hostile phases, TTFTs together."""
-    rounds = [r for r in rounds if r]
+    rounds, answers, elapsed = _pooled_answers(rounds)
     if not rounds:
         return {}
-    answers: Counter = Counter()
-    for r in rounds:
-        answers.update(r["answers"])
     ttfts = [t / 1000 for r in rounds for t in r["ttfts_ms"]]
     served = sum(r["served"] for r in rounds)
     return {"conversations": rounds[0]["conversations"], "served": served,
-            "served_per_s": round(served / sum(r["elapsed_s"] for r in rounds), 1),
+            "served_per_s": round(served / elapsed, 1),
             **ttft_percentiles(ttfts),
             "answers": dict(answers)}
 

@@ -219,8 +219,10 @@ def is_tier_gauge(key: str) -> bool:
 
 
 def gauge_peaks(samples: list[dict[str, float]]) -> dict[str, dict[str, float]]:
-    """Peak and last value of each tier gauge over a level's samples (taken every few seconds)."""
-    keys = sorted({k for s in samples for k in s if is_tier_gauge(k)})
+    """Peak and last value of each tier gauge over a level's samples (taken every few seconds), in
+    ``TIER_GAUGES``' order."""
+    keys = sorted({k for s in samples for k in s if is_tier_gauge(k)},
+                  key=lambda k: (TIER_GAUGES.index(k.split("{")[0]), k))
     return {k: {"peak": max(s.get(k, 0.0) for s in samples), "last": samples[-1].get(k, 0.0)} for k in keys}
 
 

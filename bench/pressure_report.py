@@ -30,8 +30,7 @@ def short_gauge(key: str) -> str:
 
 
 def _mib(level: dict[str, Any]) -> str:
-    gauges = sorted(level["tier_bytes"].items(), key=lambda kv: calc.TIER_GAUGES.index(kv[0].split("{")[0]))
-    peaks = [f"{short_gauge(k)} {v['peak'] / 2**20:,.1f}" for k, v in gauges]
+    peaks = [f"{short_gauge(k)} {v['peak'] / 2**20:,.1f}" for k, v in level["tier_bytes"].items()]
     return ", ".join(peaks) or "-"
 
 

@@ -128,6 +128,7 @@ async def test_a_waiting_client_that_goes_away_and_failing_engines_leave_nothing
 
 # -- the decode pool's fair queue (decode_fair_sequences) -------------------------------------------------------------
 
+PREFILL_OFF = int(params.get("prefill_fair_tokens").maximum)
 #: decode steps of 10 ms plus 1 ms per sequence; prefill answers at once (no prefill clock)
 DECODE_TIME = ComputeModel("test-decode", (0, 1000), (0.0, 0.0), 8192, 0.010, 0.001)
 
@@ -155,8 +156,6 @@ async def _long_generations(decode_fair_sequences: int) -> tuple[list[str], floa
         assert gate.total == 0 and gate.waiting == 0 and gate._tenants == {}, "every slot came back"
         return ended, app[METRICS].registry.get_sample_value("turnkv_router_decode_queue_waits_total")
 
-
-PREFILL_OFF = int(params.get("prefill_fair_tokens").maximum)
 
 
 async def test_a_light_tenant_is_not_queued_behind_a_heavy_tenants_long_generations():
