@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from connector import boot, compat, host_tier, inline, token_proof
+from connector.admission import Admission, Admissions, ReadPlan, Verdict
 from connector.offers import ReplayGuard, model_fields
 from connector.policy import CostModel, Decision, Load, StepClock
 from connector.retention import EvictReason, Held, HostSlots, ReadDelays, RetentionLedger, Tier
@@ -135,7 +136,10 @@ class TurnkvSchedulerMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.turnkv_stats = TurnkvKVConnectorStats()
-        self._verdicts: dict[str, token_proof.Verdict] = {}
+        # Prefill side: each request carrying decode's offer, admitted once at its first look (connector.admission):
+        # refused, pulled (from which tier, by when, inline or not) or recomputed; later looks, the allocation, the
+        # workers' read plans and the request's end read this record alone.
+        self._admissions = Admissions()
         # Offers without a valid proof are recomputed unless TURNKV_REQUIRE_TOKEN_PROOF=0.
         self._require_proof = _flag("TURNKV_REQUIRE_TOKEN_PROOF", True)
         # Decode retains a finished request's blocks only when the request asks (TURNKV_RETAIN_ON_DEMAND=0:
@@ -161,6 +165,10 @@ class TurnkvSchedulerMixin:
         self._tp_size = int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
         self._host_bases: dict[int, int] = {}
         self._host_pool_blocks = 0
+        # Each rank's pool slots as reported: the tier is used only once every rank reported the same count (one
+        # offer names one slot list for all ranks), and is off on every rank, loudly, when they differ.
+        self._host_rank_slots: dict[int, int] = {}
+        self._host_disagree = False
         self._host_started_mib = 0
         # Host tier as each rank's worker granted it at start: rank -> (configured bytes, granted bytes, why off).
         self._host_granted: dict[int, tuple[int, int, str]] = {}
@@ -168,11 +176,6 @@ class TurnkvSchedulerMixin:
         self._host_released: dict[str, int] = {}
         # When decode last refused a turn for lack of room (forks are single use for FORK_PRESSURE_COOLDOWN after).
         self._refused_at = float("-inf")
-        # Prefill side: host-tier offers admitted, for the workers' READs (request id -> (bases, pool slots)).
-        self._host_reads: dict[str, tuple[list[int], int]] = {}
-        # Prefill side: when each admitted offer's READ must have started (wire.read_deadline), checked at every
-        # look while the request waits and by the workers right before the READ (request id -> wall instant).
-        self._read_deadlines: dict[str, float] = {}
         # Start-up values: every engine tunable the engine was started with (kv_connector_extra_config), then the
         # tunables file (hot reload) over them.
         self._apply_tunables(start_values(vllm_config))
@@ -193,10 +196,9 @@ class TurnkvSchedulerMixin:
         self._handshaken: set[str] = set()
         # Engines pulled from: the first pull's wait also holds the handshake, so it is no wait sample.
         self._pulled_from: set[str] = set()
-        # Decode engines every worker handshook with and reads from without converting blocks (connector.inline),
-        # and the requests whose pull is read inside the step that computes them (until their metadata is built).
-        self._inline_engines: set[str] = set()
-        self._inline_reqs: set[str] = set()
+        # Decode engines handshaken by a worker that reads from them without converting blocks (connector.inline), by
+        # the ranks that have: a pull is read inline only from an engine every rank is ready for.
+        self._inline_engines: dict[str, set[int]] = {}
         # Decode side: vLLM's block pool (bound by the connector) and the incoming requests looked at but not yet
         # given blocks (request id -> blocks their prompt needs): while they outnumber the free blocks, finished
         # turns are not retained on the device (they go to the host tier, or are not retained), so retention never
@@ -204,9 +206,8 @@ class TurnkvSchedulerMixin:
         self._block_pool: Any = None
         self._decode_waiting: dict[str, int] = {}
         self._bytes_per_block = _bytes_per_block(self.kv_cache_config)
-        # This engine's boot fingerprint (decode stamps its params), and the ones prefill's reads expect.
+        # This engine's boot fingerprint (decode stamps its params).
         self._boot: str | None = None
-        self._expected_boots: dict[str, str] = {}
         # Signed offers (turnkv.wire): decode signs what it returns, prefill reads only valid, live, unread offers.
         self._offer_secret = wire.offer_secret()
         self._model = wire.model_fingerprint(model_fields(getattr(self, "vllm_config", None)
@@ -267,83 +268,91 @@ class TurnkvSchedulerMixin:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         self._tunables.poll()
-        self._pending[request.request_id] = request
-        self._prefill_local[request.request_id] = int(num_computed_tokens)
+        request_id = request.request_id
+        self._pending[request_id] = request
+        self._prefill_local[request_id] = int(num_computed_tokens)
         params = request.kv_transfer_params
-        if params and params.get(wire.DO_REMOTE_PREFILL) and not self._decode_waiting.get(request.request_id):
+        if params and params.get(wire.DO_REMOTE_PREFILL) and not self._decode_waiting.get(request_id):
             tokens = int(getattr(request, "num_tokens", 0) or 0) - int(num_computed_tokens)
-            self._decode_waiting[request.request_id] = max(1, -(-tokens // max(1, int(self.block_size))))
+            self._decode_waiting[request_id] = max(1, -(-tokens // max(1, int(self.block_size))))
         if params and params.get(wire.DO_REMOTE_DECODE) and params.get(wire.REMOTE_BLOCKS_PROCESSED):
             # The one READ of decode's blocks was already tried: it failed (decode died, lease gone) or the
             # request was preempted after it. Upstream would report the tokens as loadable again without
             # queueing a transfer, and the request would wait for remote KV forever. Compute them instead.
             return 0, False
-        offer = self._is_decode_offer(params)
-        first_look = offer and request.request_id not in self._verdicts
-        if offer and not first_look and self._late(request, params):
+        admission = self._admissions.get(request_id)
+        if admission is None and self._is_decode_offer(params):
+            return self._first_look(request, params, num_computed_tokens)
+        if admission is not None and self._admissions.past_deadline(request_id, time.time()):
             # Admitted at an earlier look, but the request waited (no KV room) past the offer's deadline: decode
             # may have freed and reused the blocks since. Computed instead, as a late offer at the first look.
-            return super().get_num_new_matched_tokens(request, num_computed_tokens)
-        if first_look and ((host_tier.is_host_offer(params) and not self._admit_host_offer(request, params))
-                           or not self._offer_admitted(request, params)):
+            self._refuse(request, params, "late")
+        # Upstream alone for a request that is no pull: the record's verdict already cut its params to nothing.
+        count, asynchronous = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if admission is None or not admission.pulls:
+            return count, asynchronous
+        return self._inline_or_not(request, admission, num_computed_tokens, count, asynchronous)
+
+    def _first_look(self, request: Any, params: dict[str, Any], num_computed_tokens: int) -> tuple[int, bool]:
+        """Decide once whether, what and how decode's offer is read (``connector.admission``)."""
+        request_id = request.request_id
+        host = self._admit_host_offer(request, params) if host_tier.is_host_offer(params) else None
+        if (host_tier.is_host_offer(params) and host is None) or not self._offer_admitted(request, params):
             # Refused before any READ: the request is an ordinary prefill now (nothing read, no peer contacted).
-            self._host_reads.pop(request.request_id, None)
             self.turnkv_stats.record_label("turnkv_decisions", "recompute")
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
-        if first_look:
-            deadline = wire.read_deadline(params, self._expiry_skew)
-            if deadline is not None:
-                self._read_deadlines[request.request_id] = deadline
-            self._check_offer(request, params)
-            if isinstance(params.get(boot.PARAMS_KEY), str):
-                self._expected_boots[request.request_id] = params[boot.PARAMS_KEY]
+        stamp = params.get(boot.PARAMS_KEY)
+        plan = ReadPlan(deadline=wire.read_deadline(params, self._expiry_skew),
+                        boot=stamp if isinstance(stamp, str) else None,
+                        host=(tuple(host[0]), host[1]) if host is not None else None)
+        proof = self._check_offer(request, params)
         count, asynchronous = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        if not first_look:
-            return self._inline_or_not(request, num_computed_tokens, count, asynchronous)
         decision = None
         if self._adaptive:
             engine = str(wire.KVParams(params).engine_id)
-            decision = self.cost.decide(count, self.kv_recompute_threshold, self._load(request.request_id),
-                                        new_engine=engine not in self._handshaken,
-                                        tier=Tier.HOST if request.request_id in self._host_reads else Tier.DEVICE)
-        if count > 0 and decision is not None and not decision.pull:
+            decision = self.cost.decide(count, self.kv_recompute_threshold, self._load(request_id),
+                                        new_engine=engine not in self._handshaken, tier=plan.tier)
+        pull = count > 0 and (decision is None or decision.pull)
+        if not pull:
+            # Decided for good: upstream is given no token to pull at a later look either. The block ids stay, so
+            # decode is still notified at the allocation and frees the turn.
+            self._limit_offer(params, 0)
             count, asynchronous = 0, False
-        self.turnkv_stats.record_label("turnkv_decisions", "pull" if count > 0 else "recompute")
-        if count > 0:
-            self.turnkv_stats.record_label("turnkv_pulls", Tier.HOST if request.request_id in self._host_reads
-                                           else Tier.DEVICE)
-        else:
-            # The deadline stays until the request is allocated: a later look asks upstream again, which may pull.
-            self._host_reads.pop(request.request_id, None)
+        reason = decision.reason if decision is not None else ("ok" if pull else "nothing")
+        admission = self._admissions.decide(request_id, Admission(Verdict.PULL if pull else Verdict.RECOMPUTE,
+                                                                  reason, plan if pull else ReadPlan(), proof))
+        self.turnkv_stats.record_label("turnkv_decisions", "pull" if pull else "recompute")
+        if pull:
+            self.turnkv_stats.record_label("turnkv_pulls", plan.tier)
         if decision is not None:
             self._export_decision(decision)
             if decision.reason in ("slower", "probe"):
                 logger.info("turnkv: request %s: %s %d tokens (pull ~%.1f ms vs compute ~%.1f ms + %.1f ms of "
-                            "delay to %d waiting requests)", request.request_id,
+                            "delay to %d waiting requests)", request_id,
                             "probing a pull of" if decision.pull else "recomputing", decision.tokens,
                             1000 * (decision.predicted_pull_s or 0), 1000 * (decision.predicted_compute_s or 0),
                             1000 * decision.queue_delay_s, decision.load.requests)
-        return self._inline_or_not(request, num_computed_tokens, count, asynchronous)
+        if not pull:
+            return count, asynchronous
+        return self._inline_or_not(request, admission, num_computed_tokens, count, asynchronous)
 
-    def _inline_or_not(self, request: Any, num_computed_tokens: int, count: int,
+    def _inline_or_not(self, request: Any, admission: Admission, num_computed_tokens: int, count: int,
                        asynchronous: bool) -> tuple[int, bool]:
-        """A pull short enough is read inside the step that computes the request (``connector.inline``)."""
-        self._inline_reqs.discard(request.request_id)
+        """A pull short enough is read inside the step that computes the request (``connector.inline``); planned
+        anew at each look (the look that gets the request allocated is the one that counts)."""
         if count <= 0 or not asynchronous:
+            self._admissions.set_inline(request.request_id, False)
             return count, asynchronous
         params = request.kv_transfer_params or {}
-        host = request.request_id in self._host_reads
         remaining = int(getattr(request, "num_prompt_tokens", 0) or 0) - int(num_computed_tokens)
         engine = str(wire.KVParams(params).engine_id)
         groups = getattr(getattr(self, "kv_cache_config", None), "kv_cache_groups", None) or [None]
-        predicted = self.cost.predicted_pull(count, tier=Tier.HOST if host else Tier.DEVICE)
-        ready = engine in self._inline_engines and len(groups) == 1  # hybrid models: upstream's async path
+        predicted = self.cost.predicted_pull(count, tier=admission.plan.tier)
+        ready = len(self._inline_engines.get(engine, ())) >= self._tp_size and len(groups) == 1  # hybrid: async
         planned = inline.plan(count, remaining, predicted, float(self._inline_max_ms), ready)
         self.turnkv_stats.record_label("turnkv_inline_plans", planned.reason)
-        if not planned.inline:
-            return count, asynchronous
-        self._inline_reqs.add(request.request_id)
-        return count, False
+        self._admissions.set_inline(request.request_id, planned.inline)
+        return (count, False) if planned.inline else (count, asynchronous)
 
     def _load(self, exclude: str) -> Load:
         """Prefill work of the other requests this engine has seen and not finished (a lower bound: requests
@@ -376,13 +385,13 @@ class TurnkvSchedulerMixin:
         if cached is not None:  # as of this admission (a failed READ is admitted again, loading nothing)
             self._prefill_cached[request.request_id] = cached
         params = request.kv_transfer_params
-        if num_external_tokens <= 0:
-            self._read_deadlines.pop(request.request_id, None)  # nothing read from decode's blocks
+        # Allocated for nothing to read: the workers get no read plan (decode is only notified).
+        admission = self._admissions.allocated(request.request_id, num_external_tokens)
         if num_external_tokens > 0 and self._is_decode_offer(params):
             self._pulls_started[request.request_id] = (time.perf_counter(), num_external_tokens,
                                                        str(wire.KVParams(params).engine_id))
         super().update_state_after_alloc(request, blocks, num_external_tokens)
-        if request.request_id in self._inline_reqs and num_external_tokens > 0:
+        if admission is not None and admission.pulls and admission.plan.inline and num_external_tokens > 0:
             self._inline_destination(request.request_id, blocks, num_external_tokens)
 
     def _inline_destination(self, request_id: str, blocks: Any, num_external_tokens: int) -> None:
@@ -415,23 +424,16 @@ class TurnkvSchedulerMixin:
         meta = super().build_connector_meta(scheduler_output)
         # The worker echoes the step number with the step's output (connector.worker.TurnkvWorkerMeta).
         meta.turnkv_step = step
-        # The worker checks each read's expected boot against the engine it handshook with.
-        meta.turnkv_boots = {rid: self._expected_boots.pop(rid) for rid in meta.reqs_to_recv
-                             if rid in self._expected_boots}
-        # Each read's deadline: the worker posts no READ from then on (after a handshake either), prefill recomputes.
-        meta.turnkv_read_by = {rid: self._read_deadlines.pop(rid) for rid in meta.reqs_to_recv
-                               if rid in self._read_deadlines}
-        # Host-tier reads: where decode's pool is (connector.host_tier).
-        meta.turnkv_host_reads = {rid: self._host_reads.pop(rid) for rid in meta.reqs_to_recv
-                                  if rid in self._host_reads}
-        # Reads the workers finish before this step's forward (connector.inline): never reported as received, so
-        # their start is no wait sample either.
-        meta.turnkv_inline = {rid for rid in meta.reqs_to_recv if rid in self._inline_reqs}
-        self._inline_reqs -= meta.turnkv_inline
-        for rid in meta.turnkv_inline:
-            started = self._pulls_started.pop(rid, None)
-            if started is not None:
-                self._pulled_from.add(started[2])
+        # Each READ's plan from its admission record (connector.admission): the deadline after which the worker
+        # posts no READ (after a handshake either), decode's expected boot, decode's host pool for a host-tier
+        # offer, and whether the worker finishes it before this step's forward (inline). A receive with no plan only
+        # notifies decode.
+        meta.turnkv_reads = self._admissions.for_workers(meta.reqs_to_recv)
+        for rid, plan in meta.turnkv_reads.items():
+            if plan.inline:  # never reported as received, so its start is no wait sample either
+                started = self._pulls_started.pop(rid, None)
+                if started is not None:
+                    self._pulled_from.add(started[2])
         # Finished turns placed on the host tier: the workers copy their device blocks into the slots now.
         meta.turnkv_to_host, self._to_host = self._to_host, {}
         # Turns retained with a fork-readable offer: the workers keep them after a read (until evicted).
@@ -485,8 +487,9 @@ class TurnkvSchedulerMixin:
         for engine, seconds in meta.handshakes:
             self.cost.observe_handshake(seconds)
             self._handshaken.add(engine)
-        self._inline_engines.update(getattr(meta, "inline_engines", ()))
-        self._inline_engines.difference_update(getattr(meta, "inline_dropped", ()))
+        for engine, rank, ready in getattr(meta, "inline_engines", ()):
+            ranks = self._inline_engines.setdefault(engine, set())
+            (ranks.add if ready else ranks.discard)(rank)
 
     def _export_estimates(self) -> None:
         s, cost = self.turnkv_stats, self.cost
@@ -511,13 +514,13 @@ class TurnkvSchedulerMixin:
             if len(self._host_granted) >= self._tp_size:
                 s = self.turnkv_stats
                 s.data["turnkv_host_tier_configured_bytes"] = [sum(c for c, _, _ in self._host_granted.values())]
-                s.data["turnkv_host_tier_granted_bytes"] = [sum(g for _, g, _ in self._host_granted.values())]
+                s.data["turnkv_host_tier_granted_bytes"] = [0 if self._host_disagree else
+                                                            sum(g for _, g, _ in self._host_granted.values())]
         for rank, base, blocks in meta.host_pools:
             self._host_bases[int(rank)] = int(base)
-            if not self._host_pool_blocks:
-                self._host_pool_blocks = int(blocks)
-                self._retained.host = HostSlots(int(blocks))
-                self._export_retained()
+            self._host_rank_slots[int(rank)] = int(blocks)
+        if meta.host_pools or getattr(meta, "host_tier", ()):
+            self._settle_host_pools()
         wall = time.time()
         for request_id in meta.renewed:
             self._retained.touch(request_id, wall)
@@ -546,6 +549,30 @@ class TurnkvSchedulerMixin:
             # No router replays it past its window (plus FORK_READ_SLACK for prefill to start the READ): the short
             # grace, not the one that waits for routers to read the evictions feed.
             self._announce_eviction(request_id, held, EvictReason.READ, wire.FORK_READ_SLACK + self._expiry_skew)
+
+    def _settle_host_pools(self) -> None:
+        """Once every rank has reported its pool (or that it has none): the pool's slots if every rank registered a
+        pool of the same slot count, else the tier off on every rank (a rank re-fitted after
+        ``host_tier.agree_blocks``, or one without a pool: an offer's one slot list would address beyond, or outside,
+        a rank's pool)."""
+        if self._host_pool_blocks or self._host_disagree:
+            return
+        without = {rank for rank, (_, g, _) in self._host_granted.items() if g <= 0}
+        if len(set(self._host_rank_slots) | without) < self._tp_size or len(without) >= self._tp_size:
+            return  # a rank's news is still on its way, or the tier is off on every rank (each said why)
+        slots = set(self._host_rank_slots.values())
+        if not without and len(slots) == 1:
+            self._host_pool_blocks = slots.pop()
+            self._retained.host = HostSlots(self._host_pool_blocks)
+            self._export_retained()
+            return
+        self._host_disagree = True
+        s = self.turnkv_stats
+        s.data["turnkv_host_tier_granted_bytes"] = [0]  # the HostTierShort alarm and `turnkv doctor` see it
+        s.record("turnkv_host_tier_rank_mismatches", 1)
+        logger.error("turnkv: HOST TIER OFF on every rank: the ranks' pools differ (slots by rank %s, ranks without a "
+                     "pool %s); one offer addresses the same slots on every rank, so no turn is placed on the host "
+                     "tier", dict(sorted(self._host_rank_slots.items())), sorted(without))
 
     def _release(self, request_id: str, read: bool, wall: float) -> None:
         held = self._retained.release(request_id)
@@ -591,11 +618,15 @@ class TurnkvSchedulerMixin:
         return False
 
     def _refuse(self, request: Any, params: dict[str, Any], reason: str) -> None:
-        offered = wire.KVParams(params).num_tokens
-        self._verdicts[request.request_id] = token_proof.Verdict(offered, 0, reason)
+        """Refuse an offer for good, at its first look or a later one: its record says so, nothing is read and no
+        peer is contacted (the params are neutralized)."""
+        request_id = request.request_id
+        proof = token_proof.Verdict(wire.KVParams(params).num_tokens, 0, reason)
+        admission = self._admissions.refuse(request_id, reason) or \
+            self._admissions.decide(request_id, Admission(Verdict.REFUSED, reason))
+        admission.proof = proof
         self.turnkv_stats.record(f"turnkv_offers_{reason}", 1)
-        logger.warning("turnkv: request %s: decode's offer is %s; recomputing without reading it",
-                       request.request_id, reason)
+        logger.warning("turnkv: request %s: decode's offer is %s; recomputing without reading it", request_id, reason)
         wire.neutralize(params)
 
     def _engine_id(self) -> str | None:
@@ -603,21 +634,10 @@ class TurnkvSchedulerMixin:
         engine_id = getattr(self, "engine_id", None)
         return str(engine_id) if engine_id is not None else None
 
-    def _late(self, request: Any, params: dict[str, Any]) -> bool:
-        """A later look at an admitted offer (vLLM asks again on each step while the request waits for KV room):
-        past its read deadline it is refused as ``late`` (neutralized, nothing read) and the request is computed."""
-        rid = request.request_id
-        deadline = self._read_deadlines.get(rid)
-        if deadline is None or time.time() < deadline:
-            return False
-        for pending in (self._read_deadlines, self._host_reads, self._expected_boots):
-            pending.pop(rid, None)
-        self._refuse(request, params, "late")
-        return True
-
-    def _admit_host_offer(self, request: Any, params: dict[str, Any]) -> bool:
+    def _admit_host_offer(self, request: Any, params: dict[str, Any]) -> tuple[list[int], int] | None:
         """A host-tier offer is read only when a router cleared it (the router checked that decode's copy is done),
-        whatever ``TURNKV_REQUIRE_CLEARED_OFFERS`` says, and only with a well-formed pool field."""
+        whatever ``TURNKV_REQUIRE_CLEARED_OFFERS`` says, and only with a well-formed pool field: decode's pool
+        (bases, slots), or None when refused."""
         parsed = host_tier.parse_offer_field(params.get(wire.HOST_TIER))
         reason = "ok" if parsed is not None else "forged"
         if parsed is not None and self._offer_secret is not None:
@@ -626,21 +646,17 @@ class TurnkvSchedulerMixin:
         elif parsed is not None:
             reason = "unsigned"
         if reason == "ok":
-            self._host_reads[request.request_id] = parsed  # type: ignore[assignment]
-            return True
-        self._verdicts[request.request_id] = token_proof.Verdict(wire.KVParams(params).num_tokens, 0, reason)
-        self.turnkv_stats.record(f"turnkv_offers_{reason}", 1)
-        logger.warning("turnkv: request %s: decode's host-tier offer is %s; recomputing", request.request_id, reason)
-        wire.neutralize(params)
-        return False
+            return parsed
+        self._refuse(request, params, reason)
+        return None
 
-    def _check_offer(self, request: Any, params: dict[str, Any]) -> None:
+    def _check_offer(self, request: Any, params: dict[str, Any]) -> token_proof.Verdict:
+        """The token proof against this prompt; the offer is cut to the verified prefix."""
         remote = wire.KVParams(params).num_tokens
         proof = params.get(token_proof.PARAMS_KEY)
         verdict = token_proof.verify(proof, request.prompt_token_ids or [], remote)
         if verdict.reason in ("no-proof", "bad-proof") and not self._require_proof:
             verdict = token_proof.Verdict(verdict.offered, verdict.offered, "unverified")
-        self._verdicts[request.request_id] = verdict
         s = self.turnkv_stats
         s.record("turnkv_proof_offered_tokens", verdict.offered)
         s.record("turnkv_proof_verified_tokens", verdict.verified)
@@ -656,6 +672,7 @@ class TurnkvSchedulerMixin:
                            verdict.reason)
         if verdict.verified < remote:
             self._limit_offer(params, verdict.verified)
+        return verdict
 
     def _limit_offer(self, params: dict[str, Any], verified: int) -> None:
         """Make decode's offer cover only the verified prefix (upstream then pulls just that). Decode's block ids are
@@ -695,13 +712,11 @@ class TurnkvSchedulerMixin:
                 self.is_bidirectional_kv_xfer_enabled = True
         else:
             delay, out = super().request_finished(request, block_ids)
-        verdict = self._verdicts.pop(request.request_id, None)
+        admission = self._admissions.drop(request.request_id)
+        verdict = admission.proof if admission is not None else None
         self._pending.pop(request.request_id, None)
-        self._inline_reqs.discard(request.request_id)
         self._decode_waiting.pop(request.request_id, None)
         self._pulls_started.pop(request.request_id, None)
-        self._expected_boots.pop(request.request_id, None)
-        self._read_deadlines.pop(request.request_id, None)
         cached = self._prefill_cached.pop(request.request_id, None)
         local = self._prefill_local.pop(request.request_id, 0)
         if out is None:

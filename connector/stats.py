@@ -58,6 +58,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:turnkv_offers_uncleared", "Offers no router cleared (sent straight to prefill; not read)."),
     "turnkv_offers_late": (
         "vllm:turnkv_offers_late", "Offers replayed by a router whose read-by instant had passed (not read)."),
+    "turnkv_host_tier_rank_mismatches": (
+        "vllm:turnkv_host_tier_rank_mismatches", "Host tiers turned off on every rank because the ranks' pools "
+                                                 "differ in slots, or a rank has none (decode side; logged)."),
     "turnkv_retention_refused": (
         "vllm:turnkv_retention_refused", "Finished turns decode did not retain: larger than retained_kv_share."),
     "turnkv_retention_evicted": (

@@ -36,6 +36,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
 from connector import boot, compat, host_pool_plan, host_tier, inline
+from connector.admission import ReadPlan
 from connector.stats import TurnkvKVConnectorStats, counts_on_rank, rank_seconds
 from turnkv import fabric_limits, neuron, platforms, wire
 
@@ -64,10 +65,11 @@ class TurnkvWorkerMeta(KVConnectorWorkerMetadata):
     host_tier: list[tuple[int, int, int, str]] = field(default_factory=list)
     #: (bytes, seconds) of each finished NIXL READ of a decode's host tier (their own rate in the cost model).
     host_reads: list[tuple[int, float]] = field(default_factory=list)
-    #: Decode engines handshaken whose blocks land ready to use (``connector.inline``): pulls may be read inline.
-    inline_engines: list[str] = field(default_factory=list)
-    #: Decode engines whose handshake was dropped (a restart): their next pull handshakes again, asynchronously.
-    inline_dropped: list[str] = field(default_factory=list)
+    #: Inline readiness news of decode engines (``connector.inline``), in the order it happened on each rank:
+    #: (engine, this rank, True) once the rank has handshaken an engine whose blocks land ready to use; (engine, this
+    #: rank, False) once that handshake is dropped (a restart, a failed READ's invalidation, upstream's idle eviction).
+    #: The scheduler reads a pull inline only from an engine every rank is ready for.
+    inline_engines: list[tuple[str, int, bool]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Tensor-parallel ranks: one step, every rank's reads and handshakes."""
@@ -81,8 +83,7 @@ class TurnkvWorkerMeta(KVConnectorWorkerMetadata):
             self.fork_held = sorted({*self.fork_held, *other.fork_held})
             self.host_tier = [*self.host_tier, *other.host_tier]
             self.host_reads = [*self.host_reads, *other.host_reads]
-            self.inline_engines = sorted({*self.inline_engines, *other.inline_engines})
-            self.inline_dropped = sorted({*self.inline_dropped, *other.inline_dropped})
+            self.inline_engines = [*self.inline_engines, *other.inline_engines]  # per rank, each in its order
         return self
 
 
@@ -147,9 +148,9 @@ class TurnkvWorkerMixin:
         self.xfer_stats = TurnkvKVConnectorStats()
         # engine id -> {remote tensor-parallel rank: fingerprint of the agent handshaken there}
         self._turnkv_boots: dict[str, dict[int, str]] = {}
-        self._turnkv_expected: dict[str, str] = {}  # request id -> boot its offer came from
-        # request id -> wall instant from which its READ must not be posted (connector.scheduler, wire.read_deadline)
-        self._turnkv_read_by: dict[str, float] = {}
+        # Prefill: each READ's plan from its admission record (connector.admission: deadline, decode's boot, host
+        # pool, inline), from the step that hands it over until upstream reports the READ done or failed.
+        self._turnkv_plans: dict[str, ReadPlan] = {}
         self._turnkv_dropped: set[tuple[str, tuple[tuple[int, str], ...]]] = set()  # handshakes dropped once
         self._turnkv_met: set[tuple[str, int, str]] = set()  # (engine, rank, fingerprint) ever handshaken with
         # Cost model samples, taken by build_turnkv_meta once per step (handshakes finish in a NIXL thread).
@@ -180,24 +181,22 @@ class TurnkvWorkerMixin:
         self._turnkv_renewed: list[str] = []
         self._turnkv_remote_meta: dict[tuple[str, int], Any] = {}
         self._turnkv_host_handles: dict[tuple[str, int, int, int], int] = {}
-        self._turnkv_host_reads: dict[str, tuple[list[int], int]] = {}
         # Forks: the read notifications of retained turns with a fork-readable offer, taken before upstream sees
         # them (the blocks stay until their lease, cut by the scheduler's eviction, runs out).
         self._turnkv_fork_reads = ForkReads()
         self._turnkv_notifs_filtered = False
-        # Inline reads (connector.inline): requests whose READ this worker finished before the step's forward, until
-        # upstream's completion report (filtered out: the scheduler never parked them); engines to report.
-        self._turnkv_inline: set[str] = set()
-        self._turnkv_inline_engines: list[str] = []
-        self._turnkv_inline_dropped: list[str] = []
+        # Inline reads (connector.inline, ``ReadPlan.inline``) are finished before the step's forward; upstream's
+        # completion report of them is filtered out (the scheduler never parked them). Engines to report.
+        self._turnkv_inline_engines: list[tuple[str, int, bool]] = []
 
     # transfer metrics ---------------------------------------------------------------------------
 
     def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> Any:
         op = "write" if transfers is getattr(self, "_sending_transfers", None) else "read"
-        host_reads = getattr(self, "_turnkv_host_reads", {})
+        plans = getattr(self, "_turnkv_plans", {})
         # Host-tier READs polled apart, so their telemetry is told from device reads (the cost model fits each).
-        host = {r: transfers.pop(r) for r in list(transfers) if r in host_reads} if op == "read" and host_reads else {}
+        host = {r: transfers.pop(r) for r in list(transfers) if r in plans and plans[r].host is not None} \
+            if op == "read" and plans else {}
         done = self._turnkv_pop(transfers, op, False)
         if host:
             try:
@@ -255,12 +254,11 @@ class TurnkvWorkerMixin:
             granted = [self._turnkv_host_tier]
         host_reads, self._turnkv_host_read_samples = self._turnkv_host_read_samples, []
         inline_engines, self._turnkv_inline_engines = self._turnkv_inline_engines, []
-        inline_dropped, self._turnkv_inline_dropped = self._turnkv_inline_dropped, []
         if step is None and not reads and not handshakes and not released and not renewed and not pools \
-                and not fork_held and not granted and not host_reads and not inline_engines and not inline_dropped:
+                and not fork_held and not granted and not host_reads and not inline_engines:
             return None
         return TurnkvWorkerMeta([step] if step is not None else [], reads, handshakes, pools, released, renewed,
-                                fork_held, granted, host_reads, inline_engines, inline_dropped)
+                                fork_held, granted, host_reads, inline_engines)
 
     # host tier (connector.host_tier) -------------------------------------------------------------
 
@@ -458,15 +456,14 @@ class TurnkvWorkerMixin:
             sending.discard(request_id)
         sending |= self._turnkv_device_done
         self._turnkv_device_done = set()
-        for request_id in results.finished_recving:
-            self._turnkv_host_reads.pop(request_id, None)
-            self._turnkv_read_by.pop(request_id, None)
         self._turnkv_fork_reads.forget(sending)
         # Inline reads were computed in the step they were read in: the scheduler never parked them, and a request
         # it did not park must not be reported received (it asserts). A failed one reported its blocks instead
         # (invalid_block_ids): the scheduler recomputes them.
-        done_inline = set(results.finished_recving) & self._turnkv_inline
-        self._turnkv_inline -= done_inline
+        ended = set(results.finished_recving) | set(getattr(results, "failed_recving", None) or ())
+        done_inline = {r for r in ended if r in self._turnkv_plans and self._turnkv_plans[r].inline}
+        for request_id in ended:
+            self._turnkv_plans.pop(request_id, None)  # the one place a READ's plan is forgotten
         if done_inline:
             return dataclasses.replace(
                 results, finished_sending=sending, finished_recving=set(results.finished_recving) - done_inline,
@@ -475,7 +472,8 @@ class TurnkvWorkerMixin:
 
     def _read_blocks(self, read_spec: Any, dst_engine_id: str, request_id: str, *args: Any, **kwargs: Any) -> Any:
         """A host-tier offer: the same READ, against decode's pool (slot ids in place of block ids)."""
-        host = self._turnkv_host_reads.get(request_id)
+        plan = self._turnkv_plans.get(request_id)
+        host = plan.host if plan is not None else None
         if host is None:
             return super()._read_blocks(read_spec, dst_engine_id, request_id, *args, **kwargs)  # type: ignore[misc]
         bases, blocks = host
@@ -537,7 +535,7 @@ class TurnkvWorkerMixin:
         name = super().add_remote_agent(nixl_agent_meta, remote_tp_rank, *args, **kwargs)  # type: ignore[misc]
         self._turnkv_remote_meta[(nixl_agent_meta.engine_id, int(remote_tp_rank))] = nixl_agent_meta
         if self._turnkv_reads_inline(nixl_agent_meta):
-            self._turnkv_inline_engines.append(str(nixl_agent_meta.engine_id))
+            self._turnkv_inline_engines.append((str(nixl_agent_meta.engine_id), self._turnkv_rank(), True))
         for key in [k for k in self._turnkv_host_handles if k[:2] == (nixl_agent_meta.engine_id, remote_tp_rank)]:
             del self._turnkv_host_handles[key]  # a new process: its pool is elsewhere (NIXL dropped the old agent)
         # Every rank this worker reads from (with TP > 1, rank i reads decode's rank i, not rank 0).
@@ -547,15 +545,13 @@ class TurnkvWorkerMixin:
         return name
 
     def start_load_kv(self, metadata: Any) -> None:
-        self._turnkv_expected.update(getattr(metadata, "turnkv_boots", None) or {})
-        self._turnkv_read_by.update(getattr(metadata, "turnkv_read_by", None) or {})
-        self._turnkv_host_reads.update(getattr(metadata, "turnkv_host_reads", None) or {})
+        plans: dict[str, ReadPlan] = getattr(metadata, "turnkv_reads", None) or {}
+        self._turnkv_plans.update(plans)
         self._turnkv_step = getattr(metadata, "turnkv_step", None)
         super().start_load_kv(metadata)  # type: ignore[misc]
-        reads_inline = getattr(metadata, "turnkv_inline", None)
+        reads_inline = {rid for rid, plan in plans.items() if plan.inline}
         if reads_inline:
-            self._turnkv_inline |= set(reads_inline)
-            self._turnkv_wait_inline(set(reads_inline))
+            self._turnkv_wait_inline(reads_inline)
         self._turnkv_fork_reads.forkable.update(getattr(metadata, "turnkv_forkable", None) or ())
         to_host = getattr(metadata, "turnkv_to_host", None)
         if to_host:
@@ -579,6 +575,24 @@ class TurnkvWorkerMixin:
             int(getattr(self, "_physical_blocks_per_logical_kv_block", 1) or 1),
             int(getattr(remote, "physical_blocks_per_logical_kv_block", 1) or 1), converts)
 
+    def _turnkv_rank(self) -> int:
+        return int(getattr(self, "tp_rank", 0) or 0)
+
+    def _turnkv_inline_lost(self, engine_id: str) -> None:
+        """This rank's handshake with ``engine_id`` is gone or about to be: no pull from it is read inline until
+        every rank has handshaken it again (the first READ after a re-handshake waits for it: asynchronous)."""
+        self._turnkv_inline_engines.append((str(engine_id), self._turnkv_rank(), False))
+
+    def _mark_remote_engine_invalid(self, engine_id: str, now: float) -> None:
+        # A READ from it failed and its NIXL metadata is gone: reads of it fail fast until it is handshaken again.
+        self._turnkv_inline_lost(engine_id)
+        super()._mark_remote_engine_invalid(engine_id, now)  # type: ignore[misc]
+
+    def _cleanup_remote_engine(self, engine_id: str, *args: Any, **kwargs: Any) -> None:
+        # Every way upstream lets go of a peer (idle TTL eviction, a replaced or invalid peer, shutdown).
+        self._turnkv_inline_lost(engine_id)
+        super()._cleanup_remote_engine(engine_id, *args, **kwargs)  # type: ignore[misc]
+
     def _turnkv_wait_inline(self, request_ids: set[str]) -> None:
         """Hold the step until the inline READs of ``request_ids`` are done (or failed: upstream then reports their
         blocks as not loaded and the scheduler recomputes them). Reads whose handshake finishes meanwhile are posted
@@ -594,12 +608,13 @@ class TurnkvWorkerMixin:
             if time.perf_counter() - started > inline.WAIT_LIMIT_S:
                 logger.error("turnkv: inline READs of %s not done after %.0f s; recomputing them", waiting,
                              inline.WAIT_LIMIT_S)
-                for request_id in waiting:
-                    if request_id not in self._recving_transfers:  # type: ignore[attr-defined]
-                        compat.fail_read(self, request_id)  # never posted: upstream reports it failed
-                    else:
-                        self._turnkv_inline_failed(request_id)
-                return
+                still = [r for r in waiting if not self._turnkv_abort_inline(r)]
+                if not still:
+                    return
+                # A READ NIXL would not release may still write into the blocks: the step (and the scheduler's
+                # recompute into those blocks) waits for it, as upstream retains a handle it cannot release.
+                logger.error("turnkv: NIXL would not release the inline READs of %s: the step waits for them", still)
+                request_ids, started = set(still), time.perf_counter()
             time.sleep(inline.POLL_S)
 
     def _turnkv_inline_in_flight(self, request_id: str) -> bool:
@@ -618,12 +633,23 @@ class TurnkvWorkerMixin:
                 return False
         return False
 
-    def _turnkv_inline_failed(self, request_id: str) -> None:
-        """A READ still in flight past the limit: its blocks are reported not loaded now (the scheduler recomputes
-        them); the handle stays with upstream, released when NIXL ends it."""
-        meta = self._recving_metadata.get(request_id)  # type: ignore[attr-defined]
-        if meta is not None and getattr(meta, "local_block_ids", None):
-            self._invalid_block_ids.put(set(meta.local_block_ids[0]))  # type: ignore[attr-defined]
+    def _turnkv_abort_inline(self, request_id: str) -> bool:
+        """End an inline READ past the wait limit: its handles released (NIXL stops the transfer), then failed, so
+        upstream reports its blocks not loaded once, after the step's forward, and the scheduler recomputes them.
+        False when a handle could not be released: the READ may still write into the blocks.
+
+        Reporting the blocks at once and leaving the handle in flight (as before) let the READ land later in blocks
+        the scheduler had recomputed, or given to another request, and upstream reported them failed a second
+        time when NIXL ended it (issue 50)."""
+        if request_id in self._recving_transfers:  # type: ignore[attr-defined]
+            handles = self._recving_transfers[request_id]  # type: ignore[attr-defined]
+            kept = [h for h in handles if not self._try_release_xfer_handle(request_id, h)]  # type: ignore[attr-defined]
+            if kept:
+                self._recving_transfers[request_id] = kept  # type: ignore[attr-defined]
+                return False
+            del self._recving_transfers[request_id]  # type: ignore[attr-defined]
+        compat.fail_read(self, request_id)  # reported failed with its blocks by upstream's next poll
+        return True
 
     def _turnkv_drop_handshake(self, engine_id: str, seen: dict[int, str], offered: str) -> None:
         """Have upstream release its state for ``engine_id`` once reads drain, so the next read handshakes with
@@ -637,7 +663,7 @@ class TurnkvWorkerMixin:
         if key in self._turnkv_dropped or mark is None:
             return
         self._turnkv_dropped.add(key)
-        self._turnkv_inline_dropped.append(engine_id)
+        self._turnkv_inline_lost(engine_id)
         try:
             mark(engine_id, time.perf_counter())
         except Exception:  # the read is refused anyway; only the recovery is lost
@@ -737,21 +763,18 @@ class TurnkvWorkerMixin:
 
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         engine_id = meta.remote.engine_id
-        deadline = self._turnkv_read_by.get(req_id)
+        plan = self._turnkv_plans.get(req_id)
+        deadline = plan.deadline if plan is not None else None
         if deadline is not None and time.time() >= deadline:
             # Checked right before every READ (called again once a handshake finishes): decode may have freed the
             # blocks (an eviction's grace, a fork window's end) and given them to another request since.
             logger.warning("turnkv: request %s: the READ from %s would start %.1f s after its deadline; recomputing",
                            req_id, engine_id, time.time() - deadline)
-            self._turnkv_read_by.pop(req_id, None)
-            self._turnkv_expected.pop(req_id, None)
             self._turnkv_count("turnkv_offers_late")
             compat.fail_read(self, req_id)
             return
-        if engine_id in self._remote_agents:
-            self._turnkv_read_by.pop(req_id, None)  # posted now (or refused below): checked for the last time
-        if req_id in self._turnkv_expected and engine_id in self._remote_agents:
-            expected = self._turnkv_expected.pop(req_id)
+        if plan is not None and plan.boot is not None and engine_id in self._remote_agents:
+            expected = plan.boot
             current = self._turnkv_boots.get(engine_id)
             if not boot.same_boot(expected, current):
                 logger.warning("turnkv: request %s: decode engine %s has restarted since it offered its KV "

@@ -30,6 +30,7 @@ if Version(version("vllm")).release < (0, 32):  # vLLM 0.29: no per-region layou
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import ReadSpec
 
 from connector import worker as worker_module
+from connector.admission import ReadPlan
 from connector.push_worker import PushBidiWorker
 
 DECODE, PREFILL = "decode-A", "prefill-0"
@@ -95,7 +96,7 @@ def prefill_worker(nixl: FakeNixl) -> PushBidiWorker:
     w._push_finished_blocks, w._pending_d_registrations = {}, {}
     w._pending_completion_notifs = queue.Queue()
     # the host-tier READ: decode's pool (one rank) and its prepared descriptors
-    w._turnkv_host_reads = {"turn-2": ([POOL_BASE], POOL_SLOTS)}
+    w._turnkv_plans = {"turn-2": ReadPlan(host=((POOL_BASE,), POOL_SLOTS))}
     w._turnkv_host_handles = {(DECODE, 0, POOL_BASE, POOL_SLOTS): 99}
     w._turnkv_remote_meta = {}
     # As the mixin's constructor does (the code before the fix had no such step and swapped the plain dicts).

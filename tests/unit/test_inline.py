@@ -8,6 +8,7 @@ import types
 import pytest
 
 from connector import compat, inline
+from connector.admission import ReadPlan
 from connector.worker import TurnkvWorkerMixin
 
 
@@ -31,8 +32,14 @@ def test_only_reads_that_land_ready_to_use_are_inline():
 class FakeNixl:
     """NIXL's transfer states as the agent reports them: PROC until the bytes moved, then DONE (or ERR)."""
 
-    def __init__(self, polls_until_done: dict[int, int], fail: set[int] = frozenset()):
+    def __init__(self, polls_until_done: dict[int, int], fail: set[int] = frozenset(), stuck: set[int] = frozenset()):
         self.left, self.fail, self.checked = dict(polls_until_done), set(fail), 0
+        self.stuck, self.released = set(stuck), []  # handles NIXL will not release while in flight
+
+    def release_xfer_handle(self, handle: int) -> None:
+        if handle in self.stuck and self.left.get(handle, 0) > 0:
+            raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
+        self.released.append(handle)
 
     def check_xfer_state(self, handle: int) -> str:
         self.checked += 1
@@ -65,13 +72,20 @@ class Upstream:
         if failed is not None:
             failed.add(req_id)
 
+    def _try_release_xfer_handle(self, req_id, handle):
+        try:
+            self.nixl_wrapper.release_xfer_handle(handle)
+        except RuntimeError:
+            return False
+        return True
+
 
 class Worker(TurnkvWorkerMixin, Upstream):
     turnkv_reads_inline = True
 
     def __init__(self, nixl: FakeNixl):
         Upstream.__init__(self, nixl)  # the mixin's own state, as far as the wait and the READ's checks read it
-        self._turnkv_read_by, self._turnkv_expected, self._remote_agents = {}, {}, {"decode-0": {}}
+        self._turnkv_plans, self._remote_agents = {}, {"decode-0": {}}
 
 
 def meta(handle: int, blocks=(4, 5)):
@@ -108,7 +122,7 @@ def test_a_failed_read_ends_the_wait_and_is_left_to_upstreams_report():
     assert w.nixl_wrapper.checked == 1
 
 
-def test_a_read_past_the_limit_reports_its_blocks_not_loaded(monkeypatch):
+def test_a_read_past_the_limit_is_released_then_failed_so_its_blocks_are_reported_once(monkeypatch):
     monkeypatch.setattr(inline, "WAIT_LIMIT_S", 0.01)
     monkeypatch.setattr(compat, "release", lambda: (0, 32))
     w = Worker(FakeNixl({5: 10**9}))
@@ -116,8 +130,22 @@ def test_a_read_past_the_limit_reports_its_blocks_not_loaded(monkeypatch):
     w._recving_transfers["r"] = [5]
     w._recving_metadata["s"] = meta(6)  # never posted (its handshake hangs)
     w._turnkv_wait_inline({"r", "s"})
-    assert w._invalid_block_ids.get_nowait() == {11, 12}  # the scheduler recomputes them
-    assert w.failed == ["s"] and "s" in w._recv_failures  # upstream reports it failed, with its blocks
+    # NIXL stopped r's READ; both are failed with no handle left, so upstream's next poll reports each once, with
+    # its blocks (the scheduler recomputes them), and no READ lands in them later
+    assert w.nixl_wrapper.released == [5] and "r" not in w._recving_transfers
+    assert sorted(w.failed) == ["r", "s"] and w._recv_failures == {"r", "s"}
+    assert w._invalid_block_ids.empty()  # not reported ahead of upstream's report (it would come twice)
+
+
+def test_a_read_nixl_will_not_release_holds_the_step_until_it_ends(monkeypatch):
+    monkeypatch.setattr(inline, "WAIT_LIMIT_S", 0.001)
+    monkeypatch.setattr(inline, "POLL_S", 0.001)
+    w = Worker(FakeNixl({5: 40}, stuck={5}))
+    w._recving_metadata["r"] = meta(5, blocks=(11, 12))
+    w._recving_transfers["r"] = [5]
+    w._turnkv_wait_inline({"r"})
+    # the READ could not be stopped: the step waited for it rather than let it write into recomputed blocks
+    assert w.nixl_wrapper.left[5] == 0 and w.failed == [] and w._recving_transfers["r"] == [5]
 
 
 def test_inline_reads_are_never_reported_received():
@@ -127,9 +155,10 @@ def test_inline_reads_are_never_reported_received():
         def __init__(self):
             super().__init__(FakeNixl({}))
             self._turnkv_copying, self._turnkv_hosted, self._turnkv_device_done = {}, {}, set()
-            self._turnkv_copy_ended, self._turnkv_host_reads, self._turnkv_read_by = set(), {}, {}
+            self._turnkv_copy_ended = set()
             self._turnkv_fork_reads = types.SimpleNamespace(forget=lambda ids: None)
-            self._turnkv_inline = {"inline-1", "inline-2"}
+            self._turnkv_plans = {"inline-1": ReadPlan(inline=True), "inline-2": ReadPlan(inline=True),
+                                  "async-1": ReadPlan()}
 
         def _turnkv_finish_copies(self):
             pass
@@ -145,7 +174,7 @@ def test_inline_reads_are_never_reported_received():
     w = W()
     results = w.get_transfer_results()
     assert results.finished_recving == {"async-1"} and not results.failed_recving
-    assert w._turnkv_inline == {"inline-2"}  # still in flight elsewhere: filtered when upstream reports it
+    assert set(w._turnkv_plans) == {"inline-2"}  # still in flight elsewhere: filtered when upstream reports it
 
 
 @pytest.mark.parametrize(("release", "reads"), [((0, 32, 0), True), ((0, 29, 0), False)])
@@ -176,3 +205,58 @@ def test_an_inline_read_lands_in_the_blocks_of_the_pulled_tokens():
     blocks = types.SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13, 14, 15],))
     s._inline_destination("r", blocks, 132)  # tokens 384..515: block 3 (full) and block 4 (4 tokens)
     assert s._reqs_need_recv["r"] == ("request", ([13, 14],), (3,), True)
+
+
+def test_an_engine_is_inline_ready_only_while_every_rank_holds_its_handshake(monkeypatch, tmp_path):
+    """Issue 50: readiness was the union over ranks (one rank's handshake made every rank's READ inline, the others
+    waiting for theirs inside the step), and it was never withdrawn when a READ failed and upstream invalidated the
+    engine, or when upstream evicted an idle handshake."""
+    from connector.scheduler import TurnkvSchedulerMixin
+    from connector.worker import TurnkvWorkerMeta
+    from tests.unit.test_wire import SECRET, _Upstream
+    from turnkv import wire
+
+    monkeypatch.setenv(wire.OFFER_SECRET_ENV, SECRET.decode())
+    monkeypatch.setenv("TURNKV_TUNABLES_FILE", str(tmp_path / "none.json"))
+
+    class Scheduler(TurnkvSchedulerMixin, _Upstream):
+        pass
+
+    class Base:
+        def _mark_remote_engine_invalid(self, engine_id, now):
+            pass
+
+        def _cleanup_remote_engine(self, engine_id, *, log_eviction=True):
+            pass
+
+    class RankWorker(TurnkvWorkerMixin, Base):
+        def __init__(self, rank):
+            self.tp_rank, self._turnkv_inline_engines = rank, []
+
+    s = Scheduler(None, "prefill-0", None)
+    s._tp_size = 2
+    ranks = [RankWorker(0), RankWorker(1)]
+
+    def step(*events_per_rank):
+        for w, events in zip(ranks, events_per_rank, strict=True):
+            w._turnkv_inline_engines.extend((engine, w.tp_rank, True) for engine in events)
+        metas = [TurnkvWorkerMeta(inline_engines=w._turnkv_inline_engines) for w in ranks]
+        for w in ranks:
+            w._turnkv_inline_engines = []
+        s._observe_worker(metas[0].aggregate(metas[1]), 0.0)
+
+    def ready(engine):
+        return len(s._inline_engines.get(engine, ())) >= s._tp_size
+
+    step(["decode-0"], [])
+    assert not ready("decode-0")  # rank 1 has not handshaken yet
+    step([], ["decode-0"])
+    assert ready("decode-0")
+    ranks[1]._mark_remote_engine_invalid("decode-0", 0.0)  # a READ of rank 1 failed: its peer is invalidated
+    step([], [])
+    assert not ready("decode-0")
+    step([], ["decode-0"])  # handshaken again
+    assert ready("decode-0")
+    ranks[0]._cleanup_remote_engine("decode-0")  # upstream's idle eviction on rank 0
+    step([], [])
+    assert not ready("decode-0")

@@ -103,7 +103,8 @@ class _UpstreamPullWorker:
         if meta.remote.engine_id not in self._remote_agents:
             self._handshaking.append((req_id, meta))
             return
-        place = self.memory.host if req_id in self._turnkv_host_reads else self.memory.device
+        plan = self._turnkv_plans.get(req_id)
+        place = self.memory.host if plan is not None and plan.host is not None else self.memory.device
         self.read[req_id] = [place[b] for b in meta.remote.block_ids[0]]
 
     def finish_handshakes(self) -> None:
@@ -311,3 +312,29 @@ def test_a_request_first_decided_for_recompute_is_still_held_to_its_deadline_at_
     _admit_and_run(e, request, count)
     _only_own_kv(e, "p1")
     assert count == 0 and "p1" not in e.worker.read
+
+
+def test_a_host_tier_offer_declined_at_its_first_look_is_never_read_at_a_later_one(engines):
+    """Issue 50: the cost model declines a host-tier offer at the first look (a pull of it is slower than
+    recomputing), and prefill has no KV room that step. At the next look the offer must still be declined: before
+    the admission record, the later look asked upstream again, upstream pulled, and with the host entry dropped at
+    the decline the worker READ decode's device blocks at the host pool's slot numbers (another tenant's KV)."""
+    e = engines
+    _handshaken(e)
+    e.decode._retained_share = 0.03  # one 3-block turn on the device, the next on the host
+    e.decode._host_budget_mib = e.decode._host_started_mib = 64
+    _worker_news(e.decode, pools=[(0, 0x7F0000, 8)])
+    tokens = list(range(300))
+    assert _retain(e, "c0", "C", [0, 1, 2], tokens) is not None  # tenant C's turn in device blocks 0-2
+    offer = _retain(e, "a1", "A", [4, 5, 6], tokens)
+    assert offer[wire.HOST_TIER] and offer[wire.REMOTE_BLOCK_IDS] == [[0, 1, 2]]  # host slots 0-2
+    _freed(e.decode, "a1")
+    request = _request("p1", tokens + PROMPT_TAIL, wire.clear_offer(SECRET, offer, time.time() + 10))
+    e.prefill.kv_recompute_threshold = 10_000  # the cost model declines: recompute
+    assert _look(e, request) == 0
+    e.clock.advance(1)  # no room that step: the request waits and is looked at again, well within its read-by
+    e.prefill.kv_recompute_threshold = 0
+    count = _look(e, request)
+    _admit_and_run(e, request, count)
+    _only_own_kv(e, "p1")
+    assert count == 0 and "p1" not in e.worker.read  # decided once: recomputed

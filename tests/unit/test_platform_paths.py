@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgent
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
 
 from connector import cpu, plugin, scheduler
+from connector.admission import ReadPlan
 from connector.push_worker import PushBidiWorker
 from connector.worker import TurnkvWorkerMixin
 from turnkv import platforms
@@ -165,7 +166,7 @@ def test_every_tensor_parallel_rank_refuses_a_restarted_decode(remote_rank):
     stale = Worker()
     stale.add_remote_agent(types.SimpleNamespace(engine_id="decode-0", agent_metadata=restarted[remote_rank]),
                            remote_rank)
-    stale.start_load_kv(types.SimpleNamespace(turnkv_boots={"turn-2": offered}))
+    stale.start_load_kv(types.SimpleNamespace(turnkv_reads={"turn-2": ReadPlan(boot=offered)}))
     stale._read_blocks_for_req("turn-2", meta)
     assert stale.failed == ["turn-2"] and stale.read == []
 
@@ -173,7 +174,7 @@ def test_every_tensor_parallel_rank_refuses_a_restarted_decode(remote_rank):
     same.add_remote_agent(types.SimpleNamespace(engine_id="decode-0",
                                                 agent_metadata=[b"rank0-boot1", b"rank1-boot1"][remote_rank]),
                           remote_rank)
-    same.start_load_kv(types.SimpleNamespace(turnkv_boots={"turn-2": offered}))
+    same.start_load_kv(types.SimpleNamespace(turnkv_reads={"turn-2": ReadPlan(boot=offered)}))
     same._read_blocks_for_req("turn-2", meta)
     assert same.read == ["turn-2"] and same.failed == []
 
@@ -198,14 +199,16 @@ def test_a_handshake_with_a_restarted_decode_is_dropped_once_so_its_new_offers_a
     meta = types.SimpleNamespace(remote=types.SimpleNamespace(engine_id="decode-0"))
     w = Worker()
     w.add_remote_agent(types.SimpleNamespace(engine_id="decode-0", agent_metadata=old[0]), 0)
-    w.start_load_kv(types.SimpleNamespace(turnkv_boots={"t1": new_offer, "t2": new_offer}))
+    w.start_load_kv(types.SimpleNamespace(turnkv_reads={"t1": ReadPlan(boot=new_offer),
+                                                        "t2": ReadPlan(boot=new_offer)}))
     w._read_blocks_for_req("t1", meta)
     w._read_blocks_for_req("t2", meta)
     assert w.failed == ["t1", "t2"] and w.invalidated == ["decode-0"]  # released once, not per read
     # upstream released it; the next read handshook with the new process: its offers are read
     w._remote_agents.clear()
     w.add_remote_agent(types.SimpleNamespace(engine_id="decode-0", agent_metadata=new[0]), 0)
-    w.start_load_kv(types.SimpleNamespace(turnkv_boots={"t3": new_offer, "t4": old_offer, "t5": old_offer}))
+    w.start_load_kv(types.SimpleNamespace(turnkv_reads={"t3": ReadPlan(boot=new_offer), "t4": ReadPlan(boot=old_offer),
+                                                        "t5": ReadPlan(boot=old_offer)}))
     w._read_blocks_for_req("t3", meta)
     assert w.read == ["t3"]
     w._read_blocks_for_req("t4", meta)  # offers of the dead process: refused, the new handshake kept

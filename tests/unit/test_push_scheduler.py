@@ -14,6 +14,7 @@ pytest.importorskip("vllm")
 
 from vllm.v1.request import RequestStatus
 
+from connector.admission import Admissions, ReadPlan
 from connector.push_scheduler import PushBidiScheduler
 from connector.push_worker import is_read_back
 
@@ -151,7 +152,7 @@ def test_reads_go_ahead_only_from_the_boot_that_offered():
     w.add_remote_agent(types.SimpleNamespace(engine_id="decode-0", agent_metadata=b"boot-2"), 0)
     now, before = boot.fingerprint(b"boot-2"), boot.fingerprint(b"boot-1")
     meta = types.SimpleNamespace(remote=types.SimpleNamespace(engine_id="decode-0"))
-    w.start_load_kv(types.SimpleNamespace(turnkv_boots={"old": before, "new": now}))
+    w.start_load_kv(types.SimpleNamespace(turnkv_reads={"old": ReadPlan(boot=before), "new": ReadPlan(boot=now)}))
     w._read_blocks_for_req("old", meta)  # offered by the engine's previous process: refused
     w._read_blocks_for_req("new", meta)
     w._read_blocks_for_req("unstamped", meta)  # params without a fingerprint are read as before
@@ -172,7 +173,7 @@ def test_the_first_pull_from_an_engine_pays_the_handshake_and_is_no_cost_sample(
     s = TurnkvPushScheduler.__new__(TurnkvPushScheduler)
     s.__dict__.update(scheduler().__dict__)
     s.__dict__.update(cost=CostModel(), _pulls_started={}, _pulled_from=set(), _handshaken=set(), _steps=StepClock(),
-                      _retained=RetentionLedger(), _fork_window=30.0, _inline_engines=set(), _inline_reqs=set(),
+                      _retained=RetentionLedger(), _fork_window=30.0, _inline_engines={},
                       turnkv_stats=TurnkvKVConnectorStats(), _bytes_per_block=128 * 4096)
     for rid in ("first", "second"):
         s._pulls_started[rid] = (time.perf_counter() - 0.05, 500, "decode-0")
@@ -199,8 +200,8 @@ def turnkv_push_scheduler(monkeypatch, release: tuple[int, int, int]):
     s.__dict__.update(scheduler().__dict__)
     s.__dict__.update(cost=CostModel(), _pulls_started={}, _pulled_from=set(), _handshaken=set(), _steps=StepClock(),
                       _pending={}, _bytes_per_block=128 * 4096, _retained={},
-                      turnkv_stats=TurnkvKVConnectorStats(), _verdicts={}, _expected_boots={}, _prefill_cached={},
-                      _read_deadlines={}, _inline_engines=set(), _inline_reqs=set(), _inline_max_ms=25.0,
+                      turnkv_stats=TurnkvKVConnectorStats(), _admissions=Admissions(), _prefill_cached={},
+                      _inline_engines={}, _inline_max_ms=25.0,
                       _decode_waiting={},
                       _prefill_local={},
                       _retain_on_demand=True, _adaptive=False, _require_proof=False, _boot=None,

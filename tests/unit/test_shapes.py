@@ -15,6 +15,7 @@ pytest.importorskip("vllm")
 from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
 
+from connector.admission import Admissions, ReadPlan
 from connector.push_worker import PushBidiWorker
 
 
@@ -254,14 +255,14 @@ def decode_scheduler():
     s = TurnkvPullScheduler.__new__(TurnkvPullScheduler)
     s.__dict__.update(scheduler().__dict__)
     s.__dict__.update(block_size=16, cost=CostModel(), _steps=StepClock(), _pending={}, _pulls_started={},
-                      _verdicts={}, _expected_boots={}, _read_deadlines={}, _prefill_cached={}, _prefill_local={},
+                      _admissions=Admissions(), _prefill_cached={}, _prefill_local={},
                       _retain_on_demand=True,
                       _boot=None, _fork_window=0.0, _forkable=set(),
                       _offer_secret=None, _model=None, turnkv_stats=TurnkvKVConnectorStats(), _bytes_per_block=4096,
                       _retained=RetentionLedger(), _read_delays=ReadDelays(), _idle_evict=0.0, _retained_share=0.5,
                       kv_cache_config=types.SimpleNamespace(num_blocks=1000), _host_pool_blocks=0, _host_bases={},
                       _host_started_mib=0, _host_budget_mib=0, _tp_size=1, _evictions={}, _to_host={},
-                      _refused_at=float("-inf"), _block_pool=None, _decode_waiting={}, _inline_reqs=set())
+                      _refused_at=float("-inf"), _block_pool=None, _decode_waiting={})
     return s
 
 
@@ -324,8 +325,8 @@ def test_worker_metrics_count_a_request_once_and_read_bandwidth_is_the_engines_o
     meta = types.SimpleNamespace(remote=types.SimpleNamespace(engine_id="decode-0"))
     for r, w in enumerate(ranks):
         w.add_remote_agent(types.SimpleNamespace(engine_id="decode-0", agent_metadata=f"r{r}-boot2".encode()), r)
-        w.start_load_kv(types.SimpleNamespace(turnkv_boots={"old": boot.stamp([boot.fingerprint(b"r0-boot1"),
-                                                                                 boot.fingerprint(b"r1-boot1")])}))
+        stamp = boot.stamp([boot.fingerprint(b"r0-boot1"), boot.fingerprint(b"r1-boot1")])
+        w.start_load_kv(types.SimpleNamespace(turnkv_reads={"old": ReadPlan(boot=stamp)}))
         w._read_blocks_for_req("old", meta)  # every rank refuses the stale offer
         w._pop_done_transfers({"t": [1]})  # and finishes a READ of its 1 MB shard in 0.5 s
     engine = ranks[0].xfer_stats.aggregate(ranks[1].xfer_stats)  # what vLLM's output aggregator does

@@ -256,7 +256,7 @@ def test_a_turn_past_the_device_share_goes_to_the_host_tier_signed_with_its_slot
     count, _ = prefill.get_num_new_matched_tokens(_request("p1", prompt, dict(b)), 0)
     assert count == 0 and prefill.turnkv_stats.data["turnkv_offers_uncleared"] == [1]
     count, _ = prefill.get_num_new_matched_tokens(_request("p2", prompt, _cleared(b)), 0)
-    assert count == 300 and prefill._host_reads["p2"] == ([0x7F0000], 8)
+    assert count == 300 and prefill._admissions.get("p2").plan.host == ((0x7F0000,), 8)
     assert prefill.turnkv_stats.data["turnkv_pulls"] == [1]  # index of "host"
     # read: the worker hands the slots back
     _worker_news(decode, released=[("b", True)])
@@ -350,3 +350,36 @@ def test_clearance_is_a_mac_over_the_offer_and_its_read_by_instant():
     # without a secret the router adds only the read-by instant
     assert wire.CLEARANCE not in wire.clear_offer(None, good, now + 10)
     assert wire.CLEARANCE not in wire.clear_offer(None, cleared, now + 10)
+
+
+def test_ranks_whose_host_pools_differ_turn_the_tier_off_on_every_rank(scheduler):
+    """Issue 50: one offer names one slot list for every rank; the scheduler took the slot count of whichever rank
+    reported first, so a rank re-fitted to fewer slots after agreeing would be read beyond its pool."""
+    from connector.worker import TurnkvWorkerMeta
+
+    agreed, split, partial = scheduler(), scheduler(), scheduler()
+    for s in (agreed, split, partial):
+        s._tp_size = 2
+        s._host_budget_mib = s._host_started_mib = 64
+    gib = 1 << 30
+
+    def news(s, *, pools=(), granted=()):
+        s.update_connector_output(types.SimpleNamespace(finished_sending=set(), finished_recving=set(),
+                                                        kv_connector_worker_meta=TurnkvWorkerMeta(
+                                                            host_pools=list(pools), host_tier=list(granted))))
+
+    news(agreed, pools=[(0, 0x7F0000, 8)], granted=[(0, gib, gib, "")])
+    assert agreed._host_room() == 0  # rank 1 not heard from yet
+    news(agreed, pools=[(1, 0x8F0000, 8)], granted=[(1, gib, gib, "")])
+    assert agreed._host_room() == 8 and agreed.turnkv_stats.data["turnkv_host_tier_granted_bytes"] == [2 * gib]
+    news(split, pools=[(0, 0x7F0000, 8), (1, 0x8F0000, 6)], granted=[(0, gib, gib, ""), (1, gib, gib * 3 // 4, "")])
+    news(partial, pools=[(0, 0x7F0000, 8)], granted=[(0, gib, gib, ""), (1, gib, 0, "pinning refused")])
+    for s in (split, partial):
+        assert s._host_room() == 0 and s._retained.host is None
+        assert s.turnkv_stats.data["turnkv_host_tier_granted_bytes"] == [0]
+        assert s.turnkv_stats.data["turnkv_host_tier_rank_mismatches"] == [1]
+    tokens = list(range(300))
+    split._retained_share = 0.03
+    assert split.request_finished(_request("a", tokens, dict(RETAIN)), [[1, 2, 3]])[1] is not None
+    _, second = split.request_finished(_request("b", tokens, dict(RETAIN)), [[4, 5, 6]])
+    assert second is None or wire.HOST_TIER not in second  # never offered from the host tier
