@@ -62,6 +62,16 @@ def fail_read(worker: object, req_id: str) -> None:
         handle_failed(req_id, None, worker._recv_failures, record_failed_transfer=False)  # type: ignore[attr-defined]
 
 
+def uses_v2_model_runner(vllm_config: Any) -> bool:
+    """Whether the engine runs vLLM's Model Runner V2 (0.32: the default on CUDA wherever Triton is present;
+    ``VLLM_USE_V2_MODEL_RUNNER=0`` pins V1). Releases without the switch run V1. Asked of the engine's own config,
+    so it answers for the runner this engine will build."""
+    try:
+        return bool(getattr(vllm_config, "use_v2_model_runner", False))
+    except Exception:  # a feature that requires V2 and a setting that refuses it: the engine will not start anyway
+        return True
+
+
 def reads_inline() -> bool:
     """0.32's NIXL worker keeps what an inline read waits on (``_recv_failures``, notify-only receives that are never
     reported); 0.29's does not, so every pull there stays asynchronous (``connector.inline``)."""

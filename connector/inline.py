@@ -42,12 +42,16 @@ class Plan:
 REASONS = mn.INLINE_REASONS
 
 
-def plan(tokens: int, remaining: int, predicted_s: float | None, max_ms: float, engine_ready: bool) -> Plan:
+def plan(tokens: int, remaining: int, predicted_s: float | None, max_ms: float, engine_ready: bool,
+         refused: str | None = None) -> Plan:
     """Read ``tokens`` inline? ``remaining``: prompt tokens not in prefill's own cache (the scheduler must still
     compute at least one token in the step, so a pull of all of them stays asynchronous, as upstream handles it);
-    ``predicted_s``: the cost model's READ time for them; ``engine_ready``: handshaken, laid out alike."""
+    ``predicted_s``: the cost model's READ time for them; ``engine_ready``: handshaken, laid out alike;
+    ``refused``: why this engine never reads inline (:func:`refusal`), if it does not."""
     if max_ms <= 0:
         return Plan(False, "off")
+    if refused:
+        return Plan(False, refused)
     if not engine_ready:
         return Plan(False, "engine")
     if tokens >= remaining:
@@ -57,6 +61,26 @@ def plan(tokens: int, remaining: int, predicted_s: float | None, max_ms: float, 
     if predicted_s * 1000 > max_ms:
         return Plan(False, "slow")
     return Plan(True, "inline")
+
+
+def refusal(uses_v2_model_runner: bool, offload_sibling: bool) -> str | None:
+    """Why an engine reads no pull inline (a plan reason), or None. A failed inline READ reports its blocks after the
+    forward that computed with them, and relies on the scheduler rolling the request back:
+
+    - ``runner``: vLLM's Model Runner V2 (the default on CUDA whenever Triton is present, vLLM 0.32) writes the
+      rolled-back computed-token count only to its CPU copy (upstream issue #49250, open; fixes #49252 and #53298
+      not in 0.32): the recompute would run from the wrong offset and leave garbage KV under cached block hashes.
+      Only inline pulls reach that path (upstream's own are asynchronous). Until a failure-injected GPU run shows the
+      rollback correct, inline is off under V2 (``VLLM_USE_V2_MODEL_RUNNER=0`` pins V1, where it is on).
+    - ``offload``: vLLM's OffloadingConnector beside turnkv's builds its store jobs when the step is scheduled and
+      submits them before the recompute, never cancelled: the CPU tier would keep a failed READ's blocks under the
+      prompt's hashes. An asynchronous pull is computed only after its READ succeeded or its blocks were marked
+      for recompute, so nothing unfilled is stored."""
+    if uses_v2_model_runner:
+        return "runner"
+    if offload_sibling:
+        return "offload"
+    return None
 
 
 def same_layout(local_block_size: int, remote_block_size: int, local_layout: str | None, remote_layout: str | None,

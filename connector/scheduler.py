@@ -182,6 +182,14 @@ class TurnkvSchedulerMixin:
         self._host_started_mib = self._host_budget_mib
         self._tunables = TunablesFile(self._apply_tunables)
         self._tunables.poll()
+        # Why this engine reads no pull inline, if it does not (connector.inline.refusal): Model Runner V2, or an
+        # offloading connector beside turnkv's.
+        extra = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector_extra_config", None) or {}
+        self._inline_refusal = inline.refusal(compat.uses_v2_model_runner(vllm_config),
+                                              bool(dict(extra).get(wire.OFFLOAD_SIBLING_KEY)))
+        if self._inline_refusal:
+            logger.info("turnkv: pulls are read asynchronously, never inline (%s; connector.inline.refusal)",
+                        self._inline_refusal)
         # Pull only when it is expected to beat recomputing (TURNKV_ADAPTIVE_THRESHOLD=0: the threshold alone).
         self._adaptive = _flag("TURNKV_ADAPTIVE_THRESHOLD", True)
         self.cost = CostModel()
@@ -349,7 +357,7 @@ class TurnkvSchedulerMixin:
         groups = getattr(getattr(self, "kv_cache_config", None), "kv_cache_groups", None) or [None]
         predicted = self.cost.predicted_pull(count, tier=admission.plan.tier)
         ready = len(self._inline_engines.get(engine, ())) >= self._tp_size and len(groups) == 1  # hybrid: async
-        planned = inline.plan(count, remaining, predicted, float(self._inline_max_ms), ready)
+        planned = inline.plan(count, remaining, predicted, float(self._inline_max_ms), ready, self._inline_refusal)
         self.turnkv_stats.record_label("turnkv_inline_plans", planned.reason)
         self._admissions.set_inline(request.request_id, planned.inline)
         return (count, False) if planned.inline else (count, asynchronous)

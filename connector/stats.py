@@ -111,7 +111,9 @@ LABELLED: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         mn.VLLM_INLINE_PLANS, "Pulls prefill decided to make, by how they are read: inline (inside the step that "
         "computes the request, connector.inline) or why not: off (inline_pull_max_ms 0), engine (not handshaken yet, "
         "or blocks converted after the READ), no-estimate (no READ timed yet), slow (predicted above "
-        "inline_pull_max_ms), whole-prompt (nothing left to compute in the step).", "reason", mn.INLINE_REASONS),
+        "inline_pull_max_ms), whole-prompt (nothing left to compute in the step), runner (Model Runner V2: its "
+        "rollback of a failed inline READ is not trusted), offload (an offloading connector beside turnkv's would "
+        "store a failed READ's blocks).", "reason", mn.INLINE_REASONS),
 }
 
 #: stats key -> (Prometheus gauge name, help). The last value of an interval is exported.

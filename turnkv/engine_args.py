@@ -124,6 +124,9 @@ def multi_connector(turnkv_config: dict[str, object], others: list[dict[str, obj
     failure policy, the KV buffer's device) stay at the top, where vLLM reads them."""
     top = ("engine_id", "kv_load_failure_policy", "kv_buffer_device")
     child = {k: v for k, v in turnkv_config.items() if k not in top}
+    if others:  # a sibling that stores computed blocks: turnkv's connector reads no pull inline (connector.inline)
+        child["kv_connector_extra_config"] = {**dict(child.get("kv_connector_extra_config") or {}),
+                                              wire.OFFLOAD_SIBLING_KEY: True}
     return {"kv_connector": MULTI_CONNECTOR, "kv_role": "kv_both",
             **{k: turnkv_config[k] for k in top if k in turnkv_config},
             "kv_connector_extra_config": {"connectors": [child, *others]}}

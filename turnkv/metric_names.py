@@ -84,7 +84,7 @@ REFUSAL_REASONS = ("too_large", "full")
 EVICTION_REASONS = ("idle", "shrunk", "read")
 DECISIONS = ("pull", "recompute")
 #: Why a pull is or is not read inline (connector.inline.plan's reasons).
-INLINE_REASONS = ("inline", "off", "engine", "no-estimate", "slow", "whole-prompt")
+INLINE_REASONS = ("inline", "off", "engine", "no-estimate", "slow", "whole-prompt", "runner", "offload")
 
 #: What the bridge publishes per interval (dims Deployment, Role; and Deployment, Role, EngineId on a node of
 #: several engines), units in brackets.

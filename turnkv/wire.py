@@ -153,6 +153,10 @@ VERDICT = "turnkv_proof_verdict"
 #: not start reading it. Bounds how long after the router last checked decode's evictions feed the blocks can be
 #: read (decode frees an evicted turn ``retention_eviction_grace`` after announcing it).
 READ_BY = "turnkv_read_by"
+#: turnkv's connector's ``kv_connector_extra_config`` key, set by ``turnkv.engine_args.multi_connector`` when a
+#: sibling connector stores computed blocks (vLLM's OffloadingConnector): no pull is read inline there
+#: (``connector.inline.refusal``).
+OFFLOAD_SIBLING_KEY = "turnkv_offload_sibling"
 #: The router's MAC over the offer's signature and ``READ_BY`` (see ``clear_offer``): a router cleared this replay.
 CLEARANCE = "turnkv_clearance"
 #: Where decode holds an offer's blocks when not in its device KV cache: ``{"tier": "host", "bases": [pool base

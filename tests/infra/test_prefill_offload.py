@@ -18,7 +18,7 @@ from infra import bootstrap
 from infra.config import ConfigError, from_mapping
 from infra.wheel import REPO_ROOT
 from tests.infra import configs
-from turnkv import engine_args, engine_run, node_env
+from turnkv import engine_args, engine_run, node_env, wire
 from turnkv.engine_args import EngineSpec, Role
 
 pytestmark = pytest.mark.infra
@@ -43,8 +43,11 @@ def test_an_offload_tier_makes_a_multiconnector_vllm_accepts():
     # turnkv's first: vLLM lets the first child that matches load a request, and only turnkv's matches a replayed
     # offer (decode's turn, past prefill's own prefix hit); everything else falls through to the offload tier
     assert classes == ["TurnkvPullConnector", "OffloadingConnector"]
-    assert children[0] == {k: v for k, v in engine_args.kv_transfer_config(_spec()).items()
-                           if k not in ("engine_id", "kv_load_failure_policy")}
+    alone = {k: v for k, v in engine_args.kv_transfer_config(_spec()).items()
+             if k not in ("engine_id", "kv_load_failure_policy")}
+    # the same connector, told that a sibling stores computed blocks: no pull is read inline (connector.inline)
+    alone["kv_connector_extra_config"] = {**alone["kv_connector_extra_config"], wire.OFFLOAD_SIBLING_KEY: True}
+    assert children[0] == alone
     assert children[1]["kv_connector_extra_config"] == {"cpu_bytes_to_use": 64 * 2**30}
 
 

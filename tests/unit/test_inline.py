@@ -260,3 +260,41 @@ def test_an_engine_is_inline_ready_only_while_every_rank_holds_its_handshake(mon
     ranks[0]._cleanup_remote_engine("decode-0")  # upstream's idle eviction on rank 0
     step([], [])
     assert not ready("decode-0")
+
+
+def test_inline_is_off_under_model_runner_v2_and_beside_an_offloading_connector():
+    """Issue 50: a failed inline READ relies on the scheduler's rollback, which Model Runner V2 (vLLM 0.32's CUDA
+    default) gets wrong (upstream #49250), and on nothing having stored the unfilled blocks, which vLLM's
+    OffloadingConnector does (its store jobs are built when the step is scheduled)."""
+    assert inline.refusal(uses_v2_model_runner=False, offload_sibling=False) is None
+    assert inline.refusal(uses_v2_model_runner=True, offload_sibling=False) == "runner"
+    assert inline.refusal(uses_v2_model_runner=False, offload_sibling=True) == "offload"
+    assert inline.plan(200, 300, 0.004, 25.0, True, "runner") == inline.Plan(False, "runner")
+    assert inline.plan(200, 300, 0.004, 0.0, True, "runner").reason == "off"  # switched off says so first
+    assert set(inline.REASONS) >= {"runner", "offload"}
+
+
+def test_the_runner_is_read_from_the_engines_own_config():
+    assert compat.uses_v2_model_runner(types.SimpleNamespace(use_v2_model_runner=True))
+    assert not compat.uses_v2_model_runner(types.SimpleNamespace(use_v2_model_runner=False))
+    assert not compat.uses_v2_model_runner(types.SimpleNamespace())  # a release without the switch runs V1
+
+    class Refusing:
+        @property
+        def use_v2_model_runner(self):
+            raise ValueError("HiSparse requires Model Runner V2; remove VLLM_USE_V2_MODEL_RUNNER=0.")
+
+    assert compat.uses_v2_model_runner(Refusing())
+
+
+def test_turnkvs_child_of_a_multiconnector_with_an_offloading_sibling_is_told_so():
+    from turnkv import engine_args, wire
+
+    own = {"kv_connector": "TurnkvPullConnector", "kv_role": "kv_both", "engine_id": "p0",
+           "kv_connector_extra_config": {"backends": ["UCX"]}}
+    offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+    child = engine_args.multi_connector(own, [offload])["kv_connector_extra_config"]["connectors"][0]
+    assert child["kv_connector_extra_config"] == {"backends": ["UCX"], wire.OFFLOAD_SIBLING_KEY: True}
+    alone = engine_args.multi_connector(own, [])["kv_connector_extra_config"]["connectors"][0]
+    assert wire.OFFLOAD_SIBLING_KEY not in alone["kv_connector_extra_config"]
+    assert own["kv_connector_extra_config"] == {"backends": ["UCX"]}  # the caller's config is not edited

@@ -201,7 +201,7 @@ def turnkv_push_scheduler(monkeypatch, release: tuple[int, int, int]):
     s.__dict__.update(cost=CostModel(), _pulls_started={}, _pulled_from=set(), _handshaken=set(), _steps=StepClock(),
                       _pending={}, _bytes_per_block=128 * 4096, _retained={},
                       turnkv_stats=TurnkvKVConnectorStats(), _admissions=Admissions(), _prefill_cached={},
-                      _inline_engines={}, _inline_max_ms=25.0,
+                      _inline_engines={}, _inline_max_ms=25.0, _inline_refusal=None, _tp_size=1,
                       _decode_waiting={},
                       _prefill_local={},
                       _retain_on_demand=True, _adaptive=False, _require_proof=False, _boot=None,
