@@ -46,6 +46,9 @@ class ReadPlan:
     host: tuple[tuple[int, ...], int] | None = None
     #: Read inside the step that computes the request (``connector.inline``).
     inline: bool = False
+    #: Decode's per-block digests of the KV bytes, one tuple per decode rank, aligned with the offer's block ids
+    #: (``connector.fingerprint``): the workers check every block the READ brought against them. None: unsealed.
+    seal: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def tier(self) -> Tier:

@@ -91,7 +91,8 @@ def evictions_on_worker(worker: Any, since: int) -> dict[str, Any]:
 def merge_feeds(per_worker: list[dict[str, Any]]) -> dict[str, Any]:
     """One feed from every rank's (pure). Ranks announce the same evictions in the same order but may be a step
     apart: every announcement any rank made, and the lowest ``seq``, so the next call misses none. A turn is
-    hosted only once every rank has copied its share to the host tier."""
+    hosted only once every rank has copied its share to the host tier. Each rank's seals (``connector.seals``) are
+    listed as that rank made them; the engine seals only if every rank does."""
     evicted: dict[str, float] = {}
     for feed in per_worker:
         for request_id, until in feed.get("evicted") or ():
@@ -104,7 +105,9 @@ def merge_feeds(per_worker: list[dict[str, Any]]) -> dict[str, Any]:
     return {"epoch": "-".join(str(f.get("epoch", "")) for f in per_worker),
             "seq": min((int(f.get("seq", 0)) for f in per_worker), default=0),
             "evicted": [[rid, until] for rid, until in evicted.items()],
-            "hosted": [[rid, until] for rid, until in (hosted or {}).items() if rid not in evicted]}
+            "hosted": [[rid, until] for rid, until in (hosted or {}).items() if rid not in evicted],
+            "seals": bool(per_worker) and all(bool(f.get("seals")) for f in per_worker),
+            "sealed": [e for f in per_worker for e in f.get("sealed") or () if e and e[0] not in evicted]}
 
 
 T = TypeVar("T")
@@ -207,13 +210,14 @@ class EngineRpcs:
         request's offer's boot stamp (checked by every rank against its own agent)."""
         return await self.renewals.submit((request_ids, ttl, dict(boots or {})))
 
-    async def evictions(self, since: int) -> dict[str, Any]:
+    async def evictions(self, since: int, fresh: bool = False) -> dict[str, Any]:
         """The merged feed after ``since``, with ``age``: 0 when read after this call arrived, else how long
         before it the cached read was sent. It may hold announcements at or before ``since`` (repeated, harmless);
-        it misses none after it: a cached read is used only when its cursor is at most ``since``."""
+        it misses none after it: a cached read is used only when its cursor is at most ``since``. ``fresh``: never
+        from the cache (a router waiting for a turn's host copy or seal, done at the step after the turn ended)."""
         now = self._clock()
         last = self._last
-        if last is not None and last.since <= since and now - last.started <= self.cache_seconds:
+        if not fresh and last is not None and last.since <= since and now - last.started <= self.cache_seconds:
             return {**last.feed, "age": round(now - last.started, 6)}
         read = await self.feeds.submit(since)
         return {**read.feed, "age": 0.0}
@@ -326,7 +330,8 @@ class LeaseEndpoints:
                 since = int(request.query_params.get("since", "0"))
             except ValueError:
                 return _error(400, "'since' must be an integer")
-            return JSONResponse(await _rpcs(request.app.state, client).evictions(since))
+            fresh = request.query_params.get("fresh") == "1"
+            return JSONResponse(await _rpcs(request.app.state, client).evictions(since, fresh))
 
         app.add_api_route(ROUTE, renew, methods=["POST"])
         app.add_api_route(wire.EVICTIONS_ROUTE, evictions, methods=["GET"])

@@ -18,7 +18,7 @@ import os
 import time
 from typing import Any
 
-from connector import boot, compat, host_tier, inline, token_proof
+from connector import boot, compat, fingerprint, host_tier, inline, token_proof
 from connector.admission import Admission, Admissions, ReadPlan, Verdict
 from connector.offers import ReplayGuard, model_fields
 from connector.policy import CostModel, Decision, Load, StepClock
@@ -170,6 +170,11 @@ class TurnkvSchedulerMixin:
         self._host_rank_slots: dict[int, int] = {}
         self._host_disagree = False
         self._host_started_mib = 0
+        # KV seals (connector.fingerprint): whether each rank's worker can digest its KV blocks (reported at start);
+        # decode marks its offers SEALED only when every rank can. Turns retained since the last step, for the
+        # workers to seal (request id -> (device blocks, the offer's signature, its wall expiry)).
+        self._sealing: dict[int, bool] = {}
+        self._to_seal: dict[str, tuple[list[int], str, float]] = {}
         # Host tier as each rank's worker granted it at start: rank -> (configured bytes, granted bytes, why off).
         self._host_granted: dict[int, tuple[int, int, str]] = {}
         self._to_host: dict[str, tuple[list[int], list[int], float]] = {}
@@ -310,10 +315,16 @@ class TurnkvSchedulerMixin:
             self.turnkv_stats.record_label("turnkv_decisions", "recompute")
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
         stamp = params.get(boot.PARAMS_KEY)
+        proof = self._check_offer(request, params)
+        seal = self._seal_of(params)
+        if params.get(wire.SEALED) and seal is None:
+            # Decode promised (signed) a seal of the bytes, and none valid came with the replay: not read.
+            self._refuse(request, params, "unsealed")
+            self.turnkv_stats.record_label("turnkv_decisions", "recompute")
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
         plan = ReadPlan(deadline=wire.read_deadline(params, self._expiry_skew),
                         boot=stamp if isinstance(stamp, str) else None,
-                        host=(tuple(host[0]), host[1]) if host is not None else None)
-        proof = self._check_offer(request, params)
+                        host=(tuple(host[0]), host[1]) if host is not None else None, seal=seal)
         count, asynchronous = super().get_num_new_matched_tokens(request, num_computed_tokens)
         decision = None
         if self._adaptive:
@@ -343,6 +354,22 @@ class TurnkvSchedulerMixin:
         if not pull:
             return count, asynchronous
         return self._inline_or_not(request, admission, num_computed_tokens, count, asynchronous)
+
+    def _seal_of(self, params: dict[str, Any]) -> tuple[tuple[int, ...], ...] | None:
+        """Decode's per-rank block digests from a replay's seals (``wire.SEALS``), each cut to the offer's block ids
+        (the token proof may have cut them to the verified prefix); None when absent, not valid for this offer, or
+        shorter than the blocks offered."""
+        ranks = params.get(wire.TP_SIZE)
+        texts = wire.seal_digests(self._offer_secret, params,
+                                  ranks if isinstance(ranks, int) and not isinstance(ranks, bool) else 1)
+        groups = params.get(wire.REMOTE_BLOCK_IDS) or []
+        if texts is None or len(groups) != 1:
+            return None
+        blocks = len(groups[0])
+        digests = [fingerprint.decode(text) for text in texts]
+        if any(d is None or len(d) < blocks for d in digests):
+            return None
+        return tuple(tuple(d[:blocks]) for d in digests)  # type: ignore[index]
 
     def _inline_or_not(self, request: Any, admission: Admission, num_computed_tokens: int, count: int,
                        asynchronous: bool) -> tuple[int, bool]:
@@ -442,6 +469,8 @@ class TurnkvSchedulerMixin:
                 started = self._pulls_started.pop(rid, None)
                 if started is not None:
                     self._pulled_from.add(started[2])
+        # Retained turns to seal: the workers digest their blocks now (before the host copies below).
+        meta.turnkv_seal, self._to_seal = self._to_seal, {}
         # Finished turns placed on the host tier: the workers copy their device blocks into the slots now.
         meta.turnkv_to_host, self._to_host = self._to_host, {}
         # Turns retained with a fork-readable offer: the workers keep them after a read (until evicted).
@@ -483,6 +512,8 @@ class TurnkvSchedulerMixin:
             return
         self._observe_host(meta)
         self._observe_forks(meta)
+        for rank, can in getattr(meta, "sealing", ()):
+            self._sealing[int(rank)] = bool(can)
         for step in meta.steps:
             sample = self._steps.finished(step, now)
             if sample is not None:
@@ -760,8 +791,15 @@ class TurnkvSchedulerMixin:
                 # Readable by every fork of this history for the window after its first read (connector.retention).
                 fork_window = out[wire.FORK_WINDOW] = self._fork_window
                 self._forkable.add(request.request_id)
+            sealing = self._offer_secret is not None and self._seals_kv() and len(block_ids or ()) == 1
+            if sealing:
+                out[wire.SEALED] = True  # signed: prefill reads this offer only with its seal
             if self._offer_secret is not None:
                 expires_at = wire.sign_offer(self._offer_secret, out, expires_at, self._model)[wire.EXPIRES_AT]
+            if sealing:
+                # The workers digest the blocks at the next step, before any host copy (same bytes on both tiers).
+                blocks = device_blocks if tier is Tier.HOST else list((out.get(wire.REMOTE_BLOCK_IDS) or [[]])[0])
+                self._to_seal[request.request_id] = (blocks, out[wire.SIGNATURE], expires_at)
             if tier is Tier.HOST:
                 self._to_host[request.request_id] = (device_blocks, list(slots), expires_at)
             self._retained.hold(request.request_id, Held(_count_blocks(out.get(wire.REMOTE_BLOCK_IDS)), expires_at,
@@ -774,6 +812,10 @@ class TurnkvSchedulerMixin:
         if verdict is not None:
             out[VERDICT_KEY] = {"offered": verdict.offered, "verified": verdict.verified, "reason": verdict.reason}
         return delay, out
+
+    def _seals_kv(self) -> bool:
+        """Whether every rank's worker digests its KV blocks (connector.fingerprint), as reported at start."""
+        return len(self._sealing) >= self._tp_size and all(self._sealing.values())
 
     def _fork_room(self, adding: int) -> bool:
         """Whether the device tier has room for keeping this turn after its read: no turn refused for lack of room

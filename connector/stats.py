@@ -58,6 +58,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:turnkv_offers_uncleared", "Offers no router cleared (sent straight to prefill; not read)."),
     "turnkv_offers_late": (
         "vllm:turnkv_offers_late", "Offers replayed by a router whose read-by instant had passed (not read)."),
+    "turnkv_offers_unsealed": (
+        "vllm:turnkv_offers_unsealed", "Offers decode sealed that came without a valid seal (the feed had not listed "
+                                       "it, or it was edited): not read, recomputed."),
     "turnkv_host_tier_rank_mismatches": (
         "vllm:turnkv_host_tier_rank_mismatches", "Host tiers turned off on every rank because the ranks' pools "
                                                  "differ in slots, or a rank has none (decode side; logged)."),
@@ -114,6 +117,13 @@ LABELLED: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "inline_pull_max_ms), whole-prompt (nothing left to compute in the step), runner (Model Runner V2: its "
         "rollback of a failed inline READ is not trusted), offload (an offloading connector beside turnkv's would "
         "store a failed READ's blocks).", "reason", mn.INLINE_REASONS),
+    "turnkv_fingerprint_checks": (
+        mn.VLLM_FINGERPRINT_CHECKS, "READs of a sealed offer checked against decode's per-block digests of the KV "
+        "bytes (connector.fingerprint), per rank, by result: ok, mismatch (those blocks recomputed), unverifiable "
+        "(block size or tensor-parallel layout differ: not compared).", "result", mn.FINGERPRINT_RESULTS),
+    "turnkv_fingerprint_mismatches": (
+        mn.VLLM_FINGERPRINT_MISMATCHES, "KV blocks a READ brought whose bytes differ from decode's seal (reported "
+        "invalid: recomputed, never cached), by read path: device, host (tier), inline.", "path", mn.READ_PATHS),
 }
 
 #: stats key -> (Prometheus gauge name, help). The last value of an interval is exported.

@@ -35,7 +35,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
-from connector import boot, compat, host_pool_plan, host_tier, inline
+from connector import boot, compat, fingerprint, host_pool_plan, host_tier, inline, seals
 from connector.admission import ReadPlan
 from connector.stats import TurnkvKVConnectorStats, counts_on_rank, rank_seconds
 from turnkv import fabric_limits, neuron, platforms, wire
@@ -70,6 +70,8 @@ class TurnkvWorkerMeta(KVConnectorWorkerMetadata):
     #: rank, False) once that handshake is dropped (a restart, a failed READ's invalidation, upstream's idle eviction).
     #: The scheduler reads a pull inline only from an engine every rank is ready for.
     inline_engines: list[tuple[str, int, bool]] = field(default_factory=list)
+    #: KV seals (``connector.fingerprint``), once per rank at start: (rank, whether it digests its KV blocks).
+    sealing: list[tuple[int, bool]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Tensor-parallel ranks: one step, every rank's reads and handshakes."""
@@ -84,6 +86,7 @@ class TurnkvWorkerMeta(KVConnectorWorkerMetadata):
             self.host_tier = [*self.host_tier, *other.host_tier]
             self.host_reads = [*self.host_reads, *other.host_reads]
             self.inline_engines = [*self.inline_engines, *other.inline_engines]  # per rank, each in its order
+            self.sealing = [*self.sealing, *other.sealing]
         return self
 
 
@@ -188,6 +191,15 @@ class TurnkvWorkerMixin:
         # Inline reads (connector.inline, ``ReadPlan.inline``) are finished before the step's forward; upstream's
         # completion report of them is filtered out (the scheduler never parked them). Engines to report.
         self._turnkv_inline_engines: list[tuple[str, int, bool]] = []
+        # KV seals (connector.seals): this rank's digest sampler (set when the KV cache is registered; None: off),
+        # whether that was reported, decode's seals of retained turns (on the feed), prefill's READs checked once,
+        # the deployment's offer secret (seals are MACed with it), and the READ fault injected for tests (if any).
+        self._turnkv_sampler: fingerprint.Sampler | None = None
+        self._turnkv_sealing_reported = False
+        self._turnkv_seals = seals.SealBook()
+        self._turnkv_checked: set[str] = set()
+        self._turnkv_secret = wire.offer_secret()
+        self._turnkv_faulted: set[str] = set()  # READs misaddressed on purpose (connector.seals.fault)
 
     # transfer metrics ---------------------------------------------------------------------------
 
@@ -203,6 +215,10 @@ class TurnkvWorkerMixin:
                 done = _merged(done, self._turnkv_pop(host, op, True))
             finally:
                 transfers.update(host)  # the ones still in flight
+        if op == "read":
+            finished, failed = done if isinstance(done, tuple) else (done, set())
+            for request_id in finished - set(failed):
+                self._turnkv_check_read(request_id)  # before the scheduler learns the READ is done
         return done
 
     def _turnkv_pop(self, transfers: dict[str, list[int]], op: str, host: bool) -> Any:
@@ -254,11 +270,15 @@ class TurnkvWorkerMixin:
             granted = [self._turnkv_host_tier]
         host_reads, self._turnkv_host_read_samples = self._turnkv_host_read_samples, []
         inline_engines, self._turnkv_inline_engines = self._turnkv_inline_engines, []
+        sealing = []
+        if not self._turnkv_sealing_reported and getattr(self, "device_kv_caches", None):
+            self._turnkv_sealing_reported = True
+            sealing = [(self._turnkv_rank(), self._turnkv_sampler is not None)]
         if step is None and not reads and not handshakes and not released and not renewed and not pools \
-                and not fork_held and not granted and not host_reads and not inline_engines:
+                and not fork_held and not granted and not host_reads and not inline_engines and not sealing:
             return None
         return TurnkvWorkerMeta([step] if step is not None else [], reads, handshakes, pools, released, renewed,
-                                fork_held, granted, host_reads, inline_engines)
+                                fork_held, granted, host_reads, inline_engines, sealing)
 
     # host tier (connector.host_tier) -------------------------------------------------------------
 
@@ -271,6 +291,7 @@ class TurnkvWorkerMixin:
                 raise
             logger.error(why)
             raise RuntimeError(why) from exc
+        self._turnkv_sampler = seals.sampler_for(self)
         budget = int(_extra_config(self).get("host_kv_budget_mib") or 0)
         if budget <= 0:
             return
@@ -464,6 +485,8 @@ class TurnkvWorkerMixin:
         done_inline = {r for r in ended if r in self._turnkv_plans and self._turnkv_plans[r].inline}
         for request_id in ended:
             self._turnkv_plans.pop(request_id, None)  # the one place a READ's plan is forgotten
+            self._turnkv_checked.discard(request_id)
+            self._turnkv_faulted.discard(request_id)
         if done_inline:
             return dataclasses.replace(
                 results, finished_sending=sending, finished_recving=set(results.finished_recving) - done_inline,
@@ -552,7 +575,13 @@ class TurnkvWorkerMixin:
         reads_inline = {rid for rid, plan in plans.items() if plan.inline}
         if reads_inline:
             self._turnkv_wait_inline(reads_inline)
+            for request_id in reads_inline:  # before this step's forward computes with them
+                if request_id not in self._recv_failures and not self._turnkv_inline_in_flight(request_id):  # type: ignore[attr-defined]
+                    self._turnkv_check_read(request_id)
         self._turnkv_fork_reads.forkable.update(getattr(metadata, "turnkv_forkable", None) or ())
+        to_seal = getattr(metadata, "turnkv_seal", None)
+        if to_seal:
+            self._turnkv_seal(to_seal)  # before the host copies: the digests are of the device blocks' bytes
         to_host = getattr(metadata, "turnkv_to_host", None)
         if to_host:
             self._turnkv_copy_to_host(to_host)
@@ -709,6 +738,7 @@ class TurnkvWorkerMixin:
         for request_id, (_, until) in list(self._turnkv_evicted.items()):
             if until < wall:
                 del self._turnkv_evicted[request_id]
+        self._turnkv_seals.forget(wall, self._turnkv_evicted)
 
     def turnkv_evicted(self, request_id: str) -> bool:
         return request_id in self._turnkv_evicted
@@ -754,15 +784,78 @@ class TurnkvWorkerMixin:
         every turn whose host-tier copy is done and still held (``hosted``; a router clears a host-tier offer only
         once it is listed)."""
         self._forget_evictions(time.time())
-        events = [(seq, rid, until) for rid, (seq, until) in self._turnkv_evicted.items() if seq > since]
-        events = events[:wire.EVICTIONS_MAX]
+        events: list[tuple[int, str, Any]] = [(seq, rid, until) for rid, (seq, until) in self._turnkv_evicted.items()
+                                              if seq > since]
+        events = sorted([*events, *self._turnkv_seals.since(since)], key=lambda e: e[0])[:wire.EVICTIONS_MAX]
         seq = events[-1][0] if events else self._turnkv_evict_seq
         hosted = [[rid, until] for rid, until in self._turnkv_hosted.items() if rid not in self._turnkv_evicted]
-        return {"epoch": self._turnkv_epoch, "seq": seq, "evicted": [[rid, until] for _, rid, until in events],
-                "hosted": hosted[:wire.EVICTIONS_MAX]}
+        rank = self._turnkv_rank()
+        return {"epoch": self._turnkv_epoch, "seq": seq,
+                "evicted": [[rid, e] for _, rid, e in events if not isinstance(e, seals.Seal)],
+                "hosted": hosted[:wire.EVICTIONS_MAX], "seals": self._turnkv_sampler is not None,
+                "sealed": [[rid, rank, e.digests, e.mac, e.until] for _, rid, e in events if isinstance(e, seals.Seal)]}
+
+    def _turnkv_seal(self, to_seal: dict[str, tuple[list[int], str, float]]) -> None:
+        """Decode: digest each retained turn's blocks (its offer says SEALED) and list the seal on the feed."""
+        sampler, secret, rank = self._turnkv_sampler, self._turnkv_secret, self._turnkv_rank()
+        if sampler is None or secret is None:
+            # The scheduler seals only when every rank said it can: a rank that cannot leaves the offer unread.
+            logger.warning("turnkv: cannot seal %d retained turns (%s)", len(to_seal),
+                           "no offer secret" if sampler is not None else "KV seals off on this rank")
+            return
+        for request_id, (blocks, signature, until) in to_seal.items():
+            try:
+                digests = fingerprint.encode(sampler.digests(blocks))
+            except Exception:  # no seal: prefill refuses the offer (unsealed) and recomputes
+                logger.exception("turnkv: could not digest the KV blocks of request %s", request_id)
+                continue
+            self._turnkv_evict_seq += 1
+            self._turnkv_seals.add(request_id, seals.Seal(self._turnkv_evict_seq, digests,
+                                                          wire.seal_mac(secret, signature, rank, digests), until))
+
+    def _turnkv_check_read(self, request_id: str) -> None:
+        """Prefill: compare the blocks a finished READ of a sealed offer brought with decode's digests, once, before
+        any forward uses them. Blocks that differ are reported not loaded (``invalid_block_ids``): vLLM's scheduler
+        recomputes them and never caches their hashes."""
+        plan = self._turnkv_plans.get(request_id)
+        if plan is None or plan.seal is None or request_id in self._turnkv_checked:
+            return
+        meta = self._recving_metadata.get(request_id)  # type: ignore[attr-defined]
+        if meta is None:
+            return
+        self._turnkv_checked.add(request_id)
+        local = list((getattr(meta, "local_block_ids", None) or [[]])[0])
+        if not local:
+            return
+        if seals.fault() == "layer":
+            seals.swap_layers(self.device_kv_caches, int(self.num_blocks), local[0])  # type: ignore[attr-defined]
+        why = seals.unverifiable(self, plan, meta, self._turnkv_sampler)
+        if why:
+            self.xfer_stats.record_label("turnkv_fingerprint_checks", "unverifiable")
+            logger.warning("turnkv: request %s: the READ's blocks are not compared with decode's seal: %s", request_id,
+                           why)
+            return
+        assert self._turnkv_sampler is not None
+        bad = fingerprint.mismatched(plan.seal[self._turnkv_rank()], self._turnkv_sampler.digests(local), local)
+        if not bad:
+            self.xfer_stats.record_label("turnkv_fingerprint_checks", "ok")
+            return
+        path = "inline" if plan.inline else plan.tier
+        self.xfer_stats.record_label("turnkv_fingerprint_checks", "mismatch")
+        for _ in bad:
+            self.xfer_stats.record_label("turnkv_fingerprint_mismatches", path)
+        self._invalid_block_ids.put(set(bad))  # type: ignore[attr-defined]
+        logger.error("turnkv: request %s: %d of %d KV blocks READ from %s (%s) differ from decode's seal: recomputing "
+                     "them", request_id, len(bad), len(local), meta.remote.engine_id, path)
 
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         engine_id = meta.remote.engine_id
+        if req_id in self._turnkv_plans and req_id not in self._turnkv_faulted and seals.fault() == "block":
+            self._turnkv_faulted.add(req_id)  # once: called again when a handshake finishes
+            plan = self._turnkv_plans[req_id]
+            remote_blocks = plan.host[1] if plan.host is not None else int(
+                (getattr(self, "dst_num_blocks", None) or {}).get(engine_id, 0) or 0)
+            meta.remote.block_ids = seals.misaddress(meta.remote.block_ids, remote_blocks)
         plan = self._turnkv_plans.get(req_id)
         deadline = plan.deadline if plan is not None else None
         if deadline is not None and time.time() >= deadline:

@@ -72,6 +72,14 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json", headers=headers)
 
 
+def _sealed_ranks(params: Mapping[str, Any]) -> int:
+    """Decode's tensor-parallel ranks whose seals a sealed offer needs (0: not sealed)."""
+    if not params.get(wire.SEALED):
+        return 0
+    ranks = params.get(wire.TP_SIZE)
+    return ranks if isinstance(ranks, int) and not isinstance(ranks, bool) and ranks > 0 else 1
+
+
 def client_request_id(raw: str | None) -> str:
     """The client's ``X-Request-Id`` to echo and log, or one of ours; RequestError (400) when it is not
     printable ASCII of at most 128 characters (a header we could not echo back)."""
@@ -229,7 +237,8 @@ class Flow:
         # The clearance names the tenant the replay is for: prefill reads an offer retained for a tenant only under a
         # clearance for that tenant (wire.CLEARED_TENANT); the prefill engine, chosen later, is named by the leg that
         # sends it there (router.legs.bind_clearance).
-        return wire.clear_offer(self.config.offer_secret, entry.params, read_by, reader, tenant=d.tenant_tag or None)
+        return wire.clear_offer(self.config.offer_secret, self._with_seals(entry), read_by, reader,
+                                tenant=d.tenant_tag or None)
 
     async def _take_entry(self, d: Dispatch) -> Entry | None:
         """The stored turn for ``d.key``. Single use (taken) unless decode's offer is fork-readable: then the first
@@ -257,19 +266,32 @@ class Flow:
 
     async def _evicted(self, entry: Entry) -> str | None:
         """Why decode may have evicted (or be about to free) the entry's blocks, from its evictions feed. A
-        host-tier offer whose copy the last read did not list yet gets one read of the feed now (the copy takes a
-        step; a fast next turn should not wait for the next interval)."""
+        host-tier offer whose copy, or a sealed one whose seal, the last read did not list yet gets up to
+        ``PENDING_REREADS`` fresh reads of the feed now (decode does both at the step after the turn ended; a fast
+        next turn should not wait for the next interval)."""
         engine = self.pool.find(entry.decode_engine) if entry.decode_engine else None
         if engine is None:
             return None
         request_id = wire.KVParams(entry.params).request_id
         host = entry.params.get(wire.HOST_TIER) is not None
+        sealed = _sealed_ranks(entry.params)
         interval = float(self.config.evictions_interval)
-        why = engine.feed.refuses(request_id, time.time(), interval, host_tier=host)
-        if why == evictions.HOST_COPY_PENDING:
-            await evictions.read_feed(self.session, engine.url, engine.feed, 1.0, time.time)
-            why = engine.feed.refuses(request_id, time.time(), interval, host_tier=host)
+        why = engine.feed.refuses(request_id, time.time(), interval, host_tier=host, sealed_ranks=sealed)
+        for pause in evictions.PENDING_REREADS:
+            if why not in (evictions.HOST_COPY_PENDING, evictions.SEAL_PENDING):
+                break
+            await asyncio.sleep(pause)
+            await evictions.read_feed(self.session, engine.url, engine.feed, 1.0, time.time, fresh=True)
+            why = engine.feed.refuses(request_id, time.time(), interval, host_tier=host, sealed_ranks=sealed)
         return why
+
+    def _with_seals(self, entry: Entry) -> Mapping[str, Any]:
+        """The stored offer with decode's seals of its KV bytes attached (``turnkv.wire.SEALS``), when it is sealed:
+        prefill checks every block its READ brings against them."""
+        ranks = _sealed_ranks(entry.params)
+        engine = self.pool.find(entry.decode_engine) if ranks and entry.decode_engine else None
+        seals = engine.feed.seals_of(wire.KVParams(entry.params).request_id, ranks) if engine is not None else None
+        return {**entry.params, wire.SEALS: seals} if seals is not None else entry.params
 
     async def _remember(self, d: Dispatch, decode: Engine, params: Any, reply: Mapping[str, Any] | str) -> None:
         replay = guard.replayable(params)

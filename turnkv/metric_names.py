@@ -79,6 +79,12 @@ VLLM_HOST_TIER_CONFIGURED_BYTES = "vllm:turnkv_host_tier_configured_bytes"  # ga
 VLLM_HOST_TIER_GRANTED_BYTES = "vllm:turnkv_host_tier_granted_bytes"  # gauge (decode)
 VLLM_DECISIONS = "vllm:turnkv_decisions"  # counter, label decision (prefill): offers pulled or recomputed
 VLLM_INLINE_PLANS = "vllm:turnkv_inline_plans"  # counter, label reason (prefill): pulls read inline or why not
+#: Every check of the bytes a READ brought against decode's seal (connector.fingerprint), per rank: ok, mismatch
+#: (the blocks were recomputed), unverifiable (layouts that cannot be compared).
+VLLM_FINGERPRINT_CHECKS = "vllm:turnkv_fingerprint_checks"  # counter, label result (prefill)
+VLLM_FINGERPRINT_MISMATCHES = "vllm:turnkv_fingerprint_mismatches"  # counter, label path (prefill): blocks refused
+FINGERPRINT_RESULTS = ("ok", "mismatch", "unverifiable")
+READ_PATHS = ("device", "host", "inline")
 TIERS = ("device", "host")
 REFUSAL_REASONS = ("too_large", "full")
 EVICTION_REASONS = ("idle", "shrunk", "read")

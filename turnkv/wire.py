@@ -183,13 +183,20 @@ CLEARED_TENANT = "turnkv_cleared_tenant"
 #: ``engine_id`` attribute in the router's engine list), inside its MAC: any other engine refuses it (``uncleared``).
 CLEARED_FOR = "turnkv_cleared_for"
 #: Why prefill refused an offer, as its ``VERDICT`` names it (each one a ``vllm:turnkv_offers_<reason>`` counter).
-OFFER_REFUSALS = ("unsigned", "forged", "expired", "uncleared", "late", "replayed")
+OFFER_REFUSALS = ("unsigned", "forged", "expired", "uncleared", "late", "replayed", "unsealed")
 #: Prefill reads only cleared offers unless this is "0" (another proxy in front of the engines, which does not
 #: read the evictions feed, can then replay offers; evicted turns are then read until their expiry).
 REQUIRE_CLEARED_ENV = "TURNKV_REQUIRE_CLEARED_OFFERS"
 
+#: Set (signed) in decode's offer when decode seals the turn's KV bytes (``connector.fingerprint``): its workers publish
+#: each block's digest on the evictions feed, under a MAC bound to this offer's signature. Prefill reads such an
+#: offer only with the seal (``SEALS``), and checks every block a READ brought against it.
+SEALED = "turnkv_sealed"
+#: Added by the router to a replay of a ``SEALED`` offer, from decode's feed: ``[[rank, digests, mac], ...]``, one
+#: entry per decode tensor-parallel rank (``connector.fingerprint.encode``; ``seal_mac``).
+SEALS = "turnkv_seals"
 #: Keys of decode's returned params that a router may store and replay to prefill.
-OFFER_KEYS = (TOKEN_PROOF, BOOT, EXPIRES_AT, MODEL, SIGNATURE, HOST_TIER, FORK_WINDOW, TENANT)
+OFFER_KEYS = (TOKEN_PROOF, BOOT, EXPIRES_AT, MODEL, SIGNATURE, HOST_TIER, FORK_WINDOW, TENANT, SEALED)
 
 # -- the engine's lease route ---------------------------------------------------------------------
 
@@ -222,8 +229,10 @@ DEFAULT_OFFER_SECRET_FILE = "/etc/turnkv/offer-secret"
 #: Override of the model fingerprint (e.g. the checkpoint's digest, where the config alone is ambiguous).
 MODEL_FINGERPRINT_ENV = "TURNKV_MODEL_FINGERPRINT"
 
-# v2: the host tier is signed too; v3: the fork window; v4: parallel sizes, block size, transfer mode, tenant
-_VERSION = b"turnkv-offer-v4"
+# v2: the host tier is signed too; v3: the fork window; v4: parallel sizes, block size, transfer mode, tenant;
+# v5: whether decode seals the KV bytes (SEALED)
+_VERSION = b"turnkv-offer-v5"
+_SEAL_VERSION = b"turnkv-seal-v1"
 _CLEARANCE_VERSION = b"turnkv-clearance-v2"  # v2: the tenant and the target prefill
 
 
@@ -263,12 +272,39 @@ def _signed_part(params: Mapping[str, Any]) -> bytes:
         else None,
         params.get(FORK_WINDOW),
         params.get(TP_SIZE), params.get(DCP_SIZE), params.get(PP_SIZE), params.get(REMOTE_BLOCK_SIZE),
-        params.get(TRANSFER_MODE), params.get(TENANT),
+        params.get(TRANSFER_MODE), params.get(TENANT), params.get(SEALED),
     ])
 
 
 def offer_mac(secret: bytes, params: Mapping[str, Any]) -> str:
     return hmac.new(secret, _VERSION + _signed_part(params), hashlib.sha256).hexdigest()
+
+
+def seal_mac(secret: bytes, signature: str, rank: int, digests: str) -> str:
+    """Decode's MAC over one rank's block digests of one offer (its ``SIGNATURE``): a seal cannot be moved to
+    another offer, another rank or edited on its way through the feed and the router."""
+    message = orjson.dumps([signature, int(rank), digests])
+    return hmac.new(secret, _SEAL_VERSION + message, hashlib.sha256).hexdigest()
+
+
+def seal_digests(secret: bytes | None, params: Mapping[str, Any], ranks: int) -> list[str] | None:
+    """Each decode rank's digests (``connector.fingerprint.encode``) from a replay's ``SEALS``, in rank order, when
+    every rank's entry is there with a valid MAC over this offer's signature; None otherwise."""
+    signature, seals = params.get(SIGNATURE), params.get(SEALS)
+    if secret is None or not isinstance(signature, str) or not isinstance(seals, list) or ranks <= 0:
+        return None
+    by_rank: dict[int, str] = {}
+    for entry in seals:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], int)
+                and not isinstance(entry[0], bool) and isinstance(entry[1], str) and isinstance(entry[2], str)):
+            return None
+        rank, digests, mac = entry
+        if not hmac.compare_digest(mac, seal_mac(secret, signature, rank, digests)):
+            return None
+        by_rank[rank] = digests
+    if sorted(by_rank) != list(range(ranks)):
+        return None
+    return [by_rank[r] for r in range(ranks)]
 
 
 def sign_offer(secret: bytes, params: dict[str, Any], expires_at: float, model: str) -> dict[str, Any]:

@@ -29,6 +29,11 @@ log = logging.getLogger("turnkv.router")
 
 #: Why a host-tier offer is not replayed yet: decode's feed does not list its copy as done.
 HOST_COPY_PENDING = "host-tier copy not confirmed"
+#: Why a sealed offer is not replayed yet: decode's feed has not listed every rank's seal of its KV bytes.
+SEAL_PENDING = "KV seal not listed yet"
+#: Pauses (seconds) before each fresh read of the feed for a turn whose host copy or seal is not listed yet: decode
+#: makes both at the step after the turn ended, so a next turn sent at once may ask before that step ran.
+PENDING_REREADS = (0.0, 0.02, 0.1)
 
 
 def max_age(interval: float) -> float:
@@ -47,6 +52,10 @@ class EvictionFeed:
     read_at: float = 0.0  # wall clock when the last successful read was sent; 0: never
     supported: bool | None = None  # None: not read yet; False: the last read answered 404 (asked again each interval)
     hosted: set[str] = field(default_factory=set)  # turns whose host-tier copy is done (the last read's list)
+    #: Seals of retained turns' KV bytes (``turnkv.wire.SEALS``): request id -> {rank: [rank, digests, mac]}, kept
+    #: until the offer's expiry; whether the engine seals at all (its offers then say ``SEALED``).
+    sealed: dict[str, dict[int, list[Any]]] = field(default_factory=dict)
+    sealed_until: dict[str, float] = field(default_factory=dict)
 
     def apply(self, answer: Mapping[str, Any], sent_at: float, since: int = 0) -> bool:
         """A feed answer to a read sent at ``sent_at`` from cursor ``since``; an answer that is not a feed leaves the
@@ -60,6 +69,8 @@ class EvictionFeed:
             # A new process: its numbers start over, and whatever the old one announced was held by blocks a
             # restarted engine no longer has (the pool refuses those entries anyway).
             self.evicted.clear()
+            self.sealed.clear()
+            self.sealed_until.clear()
             if since > 0 and self.epoch:
                 self.epoch, self.seq = epoch, 0  # read_at stays: not read since, until the read from 0
                 return True
@@ -75,21 +86,41 @@ class EvictionFeed:
         hosted = answer.get("hosted")
         self.hosted = {e[0] for e in hosted if isinstance(e, list) and e and isinstance(e[0], str)} \
             if isinstance(hosted, list) else set()
+        for entry in answer.get("sealed") or ():
+            if isinstance(entry, list) and len(entry) == 5 and isinstance(entry[0], str) \
+                    and isinstance(entry[1], int) and isinstance(entry[4], (int, float)):
+                self.sealed.setdefault(entry[0], {})[entry[1]] = [entry[1], entry[2], entry[3]]
+                self.sealed_until[entry[0]] = float(entry[4])
         for request_id, until in list(self.evicted.items()):
             if until < sent_at:
                 del self.evicted[request_id]  # the offer has expired: prefill refuses it anyway
+        for request_id, until in list(self.sealed_until.items()):
+            if until < sent_at or request_id in self.evicted:
+                del self.sealed_until[request_id]
+                self.sealed.pop(request_id, None)
         return False
 
     def unsupported(self) -> None:
         self.supported = False
 
-    def refuses(self, request_id: Any, now: float, interval: float, host_tier: bool = False) -> str | None:
+    def seals_of(self, request_id: Any, ranks: int) -> list[list[Any]] | None:
+        """Every rank's seal of the offer's KV bytes, as a replay carries them (``turnkv.wire.SEALS``), or None."""
+        by_rank = self.sealed.get(request_id) or {}
+        if ranks <= 0 or sorted(by_rank) != list(range(ranks)):
+            return None
+        return [by_rank[r] for r in range(ranks)]
+
+    def refuses(self, request_id: Any, now: float, interval: float, host_tier: bool = False,
+                sealed_ranks: int = 0) -> str | None:
         """Why an offer of this engine must not be replayed now, or None. A host-tier offer also needs its copy
-        listed as done (decode copies at the step after the turn ends: ``connector.host_tier``)."""
+        listed as done (decode copies at the step after the turn ends: ``connector.host_tier``), a sealed one every
+        rank's seal (``sealed_ranks``: decode's tensor-parallel ranks; digested at that step too)."""
         if request_id in self.evicted:
             return "evicted"
         if host_tier and request_id not in self.hosted:
             return HOST_COPY_PENDING
+        if sealed_ranks and self.seals_of(request_id, sealed_ranks) is None:
+            return SEAL_PENDING
         if self.supported is None:
             # Not read yet (a router just started, an engine just discovered): decode may have evicted the turn
             # while this router was not looking. The first read comes within one interval.
@@ -104,11 +135,13 @@ class EvictionFeed:
 
 
 async def read_feed(session: aiohttp.ClientSession, url: str, feed: EvictionFeed, timeout: float,
-                    clock: Callable[[], float]) -> None:
+                    clock: Callable[[], float], fresh: bool = False) -> None:
+    """One read of an engine's feed into ``feed``. ``fresh``: not from the engine's short cache of its last read
+    (``connector.leases``): a read for a turn whose host copy or seal is due at decode's next step."""
     for _ in range(2):  # a second read only after a restart seen mid-cursor (EvictionFeed.apply)
         sent_at, since = clock(), feed.seq
         try:
-            async with session.get(f"{url}{wire.EVICTIONS_ROUTE}?since={since}",
+            async with session.get(f"{url}{wire.EVICTIONS_ROUTE}?since={since}{'&fresh=1' if fresh else ''}",
                                    timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 if resp.status == 404:
                     feed.unsupported()

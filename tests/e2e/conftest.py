@@ -23,12 +23,15 @@ from pathlib import Path
 
 import pytest
 
+from connector import seals
 from tests.e2e import ACME, GLOBEX, TUNABLES
 from tests.e2e.client import engine_stack
 from turnkv.local.stack import ExtraRouter, StackConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 STATE_DIR = ROOT / ".turnkv" / "e2e"  # models stay cached between runs; logs are kept for failures
+#: Where tests/e2e/test_kv_seals.py switches a READ fault on in the running engines (connector.seals; empty: none).
+READ_FAULT = STATE_DIR / "read-fault"
 #: The retention test's router: it must see decode's evictions within its replay window (the catalog's rule:
 #: retention_eviction_grace >= replay_window + 2 x evictions_interval + 1 + expiry_skew_margin).
 EVICT_ROUTER = {"replay_window": 3, "evictions_interval": 0.2}
@@ -41,6 +44,9 @@ def shared_stack():
     keys = STATE_DIR / "api-keys"
     keys.write_text(f"acme:{ACME}\nglobex:{GLOBEX}\n")
     (STATE_DIR / "tunables.json").unlink(missing_ok=True)  # what a test of an earlier run left hot-reloaded
+    READ_FAULT.write_text("")
+    faults = pytest.MonkeyPatch()
+    faults.setenv(seals.FAULT_FILE_ENV, str(READ_FAULT))  # the engines inherit it
     config = StackConfig(
         prefill_prefix_caching=False,  # the seeds' setting: reuse is measured against prefill recomputing
         state_dir=STATE_DIR, router_port=18000, prefill_port=18100, decode_port=18200, side_channel_base=15600,
@@ -51,8 +57,11 @@ def shared_stack():
         extra_routers=(ExtraRouter("router-keyed", 18010, ("--api-keys-file", str(keys))),
                        ExtraRouter("router-evict", 18020, tunables=EVICT_ROUTER)),
     )
-    with engine_stack(config) as running:
-        yield running
+    try:
+        with engine_stack(config) as running:
+            yield running
+    finally:
+        faults.undo()
 
 
 @pytest.fixture(scope="module")

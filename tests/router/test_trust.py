@@ -322,7 +322,7 @@ async def test_stored_entries_keep_decodes_signed_offer_verbatim():
         returned = next(x for x in reversed(d[0].seen_params) if x)  # what decode was sent; its answer is stored
         assert returned.get(wire.RETAIN) is True
         assert all(k in entry.params for k in wire.OFFER_KEYS
-                   if k not in (wire.TOKEN_PROOF, wire.HOST_TIER, wire.FORK_WINDOW, wire.TENANT))
+                   if k not in (wire.TOKEN_PROOF, wire.HOST_TIER, wire.FORK_WINDOW, wire.TENANT, wire.SEALED))
 
 
 async def test_a_stream_survives_its_decode_engine_dying_with_no_token_lost_or_repeated():
@@ -489,7 +489,8 @@ async def test_a_host_tier_offer_is_replayed_only_once_decode_lists_its_copy_as_
     # the same race with the router's check taken out: prefill reads the slots before decode wrote them
     monkeypatch.setattr(evictions, "HOST_COPY_PENDING", "(check disabled)")
     monkeypatch.setattr(evictions.EvictionFeed, "refuses",
-                        lambda self, rid, now, interval, host_tier=False: "evicted" if rid in self.evicted else None)
+                        lambda self, rid, now, interval, host_tier=False, sealed_ranks=0:
+                        "evicted" if rid in self.evicted else None)
     p, d = engines(1, "prefill"), engines(1, "decode", host_copy_delay=0.6)
     async with router_over(p, d, tunables={"evictions_interval": 3}) as (s, _):
         first = await chat(s, alpha, conversation="fast")

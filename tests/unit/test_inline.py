@@ -86,6 +86,7 @@ class Worker(TurnkvWorkerMixin, Upstream):
     def __init__(self, nixl: FakeNixl):
         Upstream.__init__(self, nixl)  # the mixin's own state, as far as the wait and the READ's checks read it
         self._turnkv_plans, self._remote_agents = {}, {"decode-0": {}}
+        self._turnkv_checked, self._turnkv_faulted = set(), set()
 
 
 def meta(handle: int, blocks=(4, 5)):

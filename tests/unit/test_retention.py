@@ -143,7 +143,8 @@ def test_an_evicted_turn_is_announced_its_lease_cut_to_the_grace_and_never_renew
     # ranks a step apart: every announcement, and the lowest number so the next read misses none
     merged = merge_feeds([{"epoch": "x", "seq": 2, "evicted": [["a", 5.0], ["b", 6.0]]},
                           {"epoch": "y", "seq": 1, "evicted": [["a", 5.0]]}])
-    assert merged == {"epoch": "x-y", "seq": 1, "evicted": [["a", 5.0], ["b", 6.0]], "hosted": []}
+    assert merged == {"epoch": "x-y", "seq": 1, "evicted": [["a", 5.0], ["b", 6.0]], "hosted": [], "seals": False,
+                      "sealed": []}
     # a host-tier copy counts as done once every rank made its share (and not once announced as evicted)
     merged = merge_feeds([{"epoch": "x", "seq": 0, "evicted": [], "hosted": [["h", 9.0], ["k", 9.0], ["e", 9.0]]},
                           {"epoch": "y", "seq": 0, "evicted": [["e", 9.0]], "hosted": [["h", 8.0], ["e", 9.0]]}])
