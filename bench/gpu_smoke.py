@@ -6,10 +6,14 @@ weights (the tiny model made here: the GPU box reaches no hub), the attention ba
 (FlashAttention on Hopper; nothing forced), CUDA graphs on (no ``--enforce-eager``), decode's host tier on, forks
 held (``fork_window``), the connector bi-directional in pull then in push. Each mode plays :data:`STAGES` on one
 engine pair: a conversation (as ``turnkv smoke`` plays a deploy: each turn with reuse off then on, answers
-compared), forks of one history at once, and a conversation whose retained turns all live in the host tier
-(``retained_kv_share`` 0, hot-reloaded). The report is a table of TTFT (reuse off and on) and KV transfer time
-(vLLM's NIXL histograms) per stage, the backend and CUDA-graph lines the engines logged, and what it did not run:
-a stage the 8-minute budget left out, and :data:`OUT_OF_REACH` (what one GPU cannot stand in for).
+compared), forks of one history at once, a conversation whose retained turns all live in the host tier
+(``retained_kv_share`` 0, hot-reloaded), and one conversation per READ fault (``connector.seals``: a wrong block, two
+layers swapped, a failed transfer, decode invalidated) with every answer compared to reuse off. Pull mode's prefill
+runs vLLM's CPU offloading tier beside turnkv's connector, as ``connector.prefill_offload_gib`` deploys it; with two
+GPUs both engines run tensor parallelism 2. The report is a table of TTFT (reuse off and on) and KV transfer time
+(vLLM's NIXL histograms) per stage, the backend, CUDA-graph and model-runner (V1 or V2) lines the engines logged,
+and what it did not run: a stage the 8-minute budget left out, and :data:`OUT_OF_REACH` (what one GPU cannot stand
+in for).
 
 On a machine without a CUDA device it starts nothing: it names what is missing and lists the plan as not run
 (exit 2). Nothing here fakes a GPU. The plan is in docs/gpu.md.
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import re
 import secrets
@@ -32,6 +37,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from connector import seals
 from turnkv import metric_names as mn
 from turnkv import versions
 from turnkv.engine_args import Mode
@@ -41,8 +47,8 @@ from turnkv.local.model import ModelSpec
 #: The whole run fits this on one H100 (the issue's bar); a mode that would not fit is reported as not run.
 BUDGET_S = 480.0
 #: One mode's worst case: two engine starts with graph capture (compiled once, then cached in the state dir) and
-#: its three stages.
-MODE_ESTIMATE_S = 210.0
+#: its four stages (the faults stage: four conversations, about 40 s of it).
+MODE_ESTIMATE_S = 250.0
 #: bf16, as the target's weights are (the CPU suites run float32).
 MODEL = ModelSpec(dtype="bfloat16")
 HOST_KV_BUDGET_MIB = 512
@@ -50,6 +56,11 @@ FORK_WINDOW_S = 20
 FORKS = 3
 #: The engines' tunables for every mode: the host tier allocated at start, forks held after a read.
 TUNABLES: dict[str, int | float] = {"host_kv_budget_mib": HOST_KV_BUDGET_MIB, "fork_window": FORK_WINDOW_S}
+#: Pull mode's prefill: vLLM's CPU offloading tier beside turnkv's connector (GiB of host memory).
+PREFILL_OFFLOAD_GIB = 4.0
+#: The READ faults the faults stage injects (connector.seals), and those whose blocks must show as mismatched.
+FAULTS = ("block", "layer", "fail", "invalidate")
+MISADDRESSED = ("block", "layer")
 #: What the host stage hot-reloads: no device room for retained turns, so each goes to the host tier.
 HOST_ONLY: dict[str, int | float] = {"retained_kv_share": 0.0, "host_kv_budget_mib": HOST_KV_BUDGET_MIB,
                                      "fork_window": FORK_WINDOW_S}
@@ -63,6 +74,9 @@ SETTINGS: tuple[tuple[str, str], ...] = (
     ("connector", "bi-directional, pull then push; NIXL over UCX (CUDA IPC on one GPU)"),
     ("forks", f"fork_window {FORK_WINDOW_S} s; {FORKS} branches of one history sent at once"),
     ("answers", "every turn and fork sent with reuse off and on, answers compared"),
+    ("offload tier", f"pull mode: vLLM's OffloadingConnector beside turnkv's on prefill ({PREFILL_OFFLOAD_GIB:g} GiB)"),
+    ("tensor parallelism", "2 on both engines where two GPUs exist, else 1"),
+    ("model runner", "whichever vLLM picks on CUDA (V2 where Triton is present), read from the engine logs"),
 )
 
 
@@ -77,11 +91,14 @@ STAGES = (
     Stage("conversation", "four turns: each later turn reuses the KV of the one before, held in decode's device tier"),
     Stage("forks", f"{FORKS} branches of one history at once each pull the turn decode holds for forks"),
     Stage("host", "four turns with retained_kv_share 0: each later turn is read from decode's host tier"),
+    Stage("faults", f"four turns per READ fault ({', '.join(FAULTS)}): every answer equal to reuse off, and the "
+                    f"misaddressed READs ({', '.join(MISADDRESSED)}) caught by the KV seal"),
 )
 #: What one GPU cannot stand in for: said in every report.
 OUT_OF_REACH = (
     "EFA and NIXL's LIBFABRIC backend (one GPU, no fabric: UCX here)",
-    "tensor parallelism 8 and a node of eight ranks (TP 1 here)",
+    "tensor parallelism 8 and a node of eight ranks (TP 2 at most here)",
+    "a READ that times out in flight (NIXL would have to hold it; the unit suite's fake NIXL does)",
     "a real model's weights, kernels and KV sizes (the tiny model here)",
     "two engines on two nodes (both share one GPU here)",
 )
@@ -142,10 +159,17 @@ def fits(elapsed_s: float, budget_s: float = BUDGET_S, estimate_s: float = MODE_
     return elapsed_s == 0 or elapsed_s + estimate_s <= budget_s
 
 
-def stack_overrides(args: argparse.Namespace) -> dict[str, object]:
-    """The local stack's settings for a mode (``turnkv.local.stack.StackConfig`` fields over bench.shapes')."""
-    return dict(accelerator="cuda", cuda_devices=args.cuda_devices, gpu_memory_utilization=args.gpu_memory_utilization,
-                enforce_eager=False, model_spec=MODEL, tunables=dict(TUNABLES), startup_timeout=args.startup_timeout)
+def stack_overrides(args: argparse.Namespace, mode: Mode | None = None, devices: int = 1) -> dict[str, object]:
+    """The local stack's settings for a mode (``turnkv.local.stack.StackConfig`` fields over bench.shapes'): TP 2
+    on both engines where two GPUs are visible, the offloading tier beside pull mode's prefill."""
+    tp = 2 if devices >= 2 and "," in args.cuda_devices else 1
+    out: dict[str, object] = dict(
+        accelerator="cuda", cuda_devices=args.cuda_devices, gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=False, model_spec=MODEL, tunables=dict(TUNABLES), startup_timeout=args.startup_timeout,
+        prefill_tp=tp, decode_tp=tp)
+    if mode is Mode.PULL:
+        out["prefill_offload_gib"] = PREFILL_OFFLOAD_GIB
+    return out
 
 
 # ---------------------------------------------------------------- reading the engines
@@ -154,14 +178,18 @@ def stack_overrides(args: argparse.Namespace) -> dict[str, object]:
 _BACKEND = re.compile(r"Using (\S+) attention backend out of potential backends")
 _BACKEND_ALONE = re.compile(r"Using (\S+) backend\.")
 _GRAPHS = re.compile(r"Graph capturing finished in (\d+) secs, took ([\d.]+) GiB")
+#: vLLM 0.32 logs this once when it builds Model Runner V2 (vllm/v1/worker/gpu_worker.py); V1 logs nothing.
+_RUNNER_V2 = "Using V2 Model Runner"
 
 
 def engine_log_facts(text: str) -> dict[str, str]:
-    """The attention backend vLLM picked and its CUDA-graph capture, from an engine's log ("" when not logged)."""
+    """The attention backend vLLM picked, its CUDA-graph capture and the model runner, from an engine's log (""
+    when not logged)."""
     backend = _BACKEND.search(text) or _BACKEND_ALONE.search(text)
     graphs = _GRAPHS.search(text)
     return {"attention_backend": backend.group(1) if backend else "",
-            "cuda_graphs": f"captured in {graphs.group(1)} s, {graphs.group(2)} GiB" if graphs else ""}
+            "cuda_graphs": f"captured in {graphs.group(1)} s, {graphs.group(2)} GiB" if graphs else "",
+            "model_runner": "V2" if _RUNNER_V2 in text else "V1"}
 
 
 @dataclass
@@ -252,6 +280,39 @@ def forks_stage(mode: str, pairs: list[tuple[object, object]], moved: Transfers)
                     same_answers=same, transfers=moved)
 
 
+#: The file the engines read their READ fault from (``connector.seals.FAULT_FILE_ENV``), in a mode's state dir.
+READ_FAULT_FILE = "read-fault"
+
+
+def faults_stage(mode: str, urls: dict[str, str], switch: Path, timeout_s: float) -> StageRun:
+    """One conversation per READ fault, switched on in the running prefill: every answer must equal reuse off, and
+    each misaddressed READ must be caught (``vllm:turnkv_fingerprint_mismatches_total`` rises)."""
+    from bench import engine_metrics
+    from turnkv import smoke
+
+    def mismatched() -> float:
+        return engine_metrics.total(engine_metrics.fetch_sync(urls["prefill-0"]),
+                                    f"{mn.VLLM_FINGERPRINT_MISMATCHES}_total")
+
+    same = turns = 0
+    problems = []
+    for fault in FAULTS:
+        before = mismatched()
+        switch.write_text(fault)
+        try:
+            rows = smoke.summary_rows(asyncio.run(smoke.run(urls["router"], timeout_s=timeout_s)))
+        finally:
+            switch.write_text("")
+        turns += len(rows)
+        same += sum(1 for r in rows if r["same_answer"])
+        if not all(r["same_answer"] for r in rows):
+            problems.append(f"{fault}: an answer differs from reuse off")
+        if fault in MISADDRESSED and not mismatched() > before:
+            problems.append(f"{fault}: no block caught by the KV seal")
+    return StageRun(mode, "faults", ran=True, passed=not problems, detail="; ".join(problems), of=turns,
+                    same_answers=same)
+
+
 def play_stages(mode: Mode, state_dir: Path, timeout_s: float):
     """``bench.shapes.run_shape``'s ``play``: after the conversation, the forks and the host stage on the same
     engines, each stage's transfers measured by difference."""
@@ -291,6 +352,9 @@ def play_stages(mode: Mode, state_dir: Path, timeout_s: float):
         out["host"] = asdict(host)
         out["host_pulls"] = read_host
         out["decode_log_tail"] = tail(state_dir / "logs" / "decode-0.log", 3) if not host.passed else ""
+        (state_dir / "tunables.json").write_text(json.dumps(TUNABLES))  # back to the device tier
+        time.sleep(2.0)
+        out["faults"] = asdict(faults_stage(mode.value, urls, state_dir / READ_FAULT_FILE, timeout_s))
         return out
 
     return play
@@ -305,7 +369,7 @@ def table(found: Machine, stages: list[StageRun], engines: dict[str, dict[str, s
     for mode, facts in engines.items():
         for name, fact in facts.items():
             lines.append(f"- {mode} {name}: attention {fact.get('attention_backend') or 'NOT LOGGED'}, CUDA graphs "
-                         f"{fact.get('cuda_graphs') or 'NOT CAPTURED'}")
+                         f"{fact.get('cuda_graphs') or 'NOT CAPTURED'}, model runner {fact.get('model_runner', '?')}")
     lines += ["", "| mode | stage | TTFT off ms | TTFT on ms | off/on | reused | same answers | KV transfers | "
                   "transfer ms (mean) | MiB moved | result |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in stages:
@@ -328,7 +392,7 @@ def stage_rows(mode: Mode, row) -> list[StageRun]:
     extra = row.extra or {}
     moved = Transfers(**extra["conversation_transfers"]) if "conversation_transfers" in extra else Transfers()
     out = [conversation_stage(mode.value, "conversation", row.turns, row.passed, row.failure, moved)]
-    for key in ("forks", "host"):
+    for key in ("forks", "host", "faults"):
         if key in extra:
             data = dict(extra[key])
             data["transfers"] = Transfers(**data["transfers"])
@@ -379,8 +443,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode.value}: prefill and decode on GPU {args.cuda_devices}, bf16, CUDA graphs, host tier ...",
               flush=True)
         state = args.state_dir / mode.value
+        state.mkdir(parents=True, exist_ok=True)
+        (state / READ_FAULT_FILE).write_text("")
+        os.environ[seals.FAULT_FILE_ENV] = str((state / READ_FAULT_FILE).resolve())  # the engines inherit it
         row = shapes.run_shape(shapes.SHAPES[0], mode, state, args.timeout,
-                               play=play_stages(mode, state, args.timeout), **stack_overrides(args))
+                               play=play_stages(mode, state, args.timeout),
+                               **stack_overrides(args, mode, found.devices))
         stages += stage_rows(mode, row)
         engines[mode.value] = row.extra.get("engines", {})
         (args.out / "gpu-smoke.json").write_text(json.dumps(

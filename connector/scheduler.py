@@ -172,7 +172,7 @@ class TurnkvSchedulerMixin:
         self._host_started_mib = 0
         # KV seals (connector.fingerprint): whether each rank's worker can digest its KV blocks (reported at start);
         # decode marks its offers SEALED only when every rank can. Turns retained since the last step, for the
-        # workers to seal (request id -> (device blocks, the offer's signature, its wall expiry)).
+        # workers to seal (request id -> (device blocks, the turn's wire.seal_identity, the offer's wall expiry)).
         self._sealing: dict[int, bool] = {}
         self._to_seal: dict[str, tuple[list[int], str, float]] = {}
         # Host tier as each rank's worker granted it at start: rank -> (configured bytes, granted bytes, why off).
@@ -799,7 +799,7 @@ class TurnkvSchedulerMixin:
             if sealing:
                 # The workers digest the blocks at the next step, before any host copy (same bytes on both tiers).
                 blocks = device_blocks if tier is Tier.HOST else list((out.get(wire.REMOTE_BLOCK_IDS) or [[]])[0])
-                self._to_seal[request.request_id] = (blocks, out[wire.SIGNATURE], expires_at)
+                self._to_seal[request.request_id] = (blocks, wire.seal_identity(out), expires_at)
             if tier is Tier.HOST:
                 self._to_host[request.request_id] = (device_blocks, list(slots), expires_at)
             self._retained.hold(request.request_id, Held(_count_blocks(out.get(wire.REMOTE_BLOCK_IDS)), expires_at,

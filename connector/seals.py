@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,13 +23,15 @@ logger = logging.getLogger("vllm.turnkv.connector")
 
 #: ``0`` turns sealing off on this engine (decode then makes unsealed offers, which prefill reads unchecked).
 ENABLED_ENV = "TURNKV_KV_FINGERPRINTS"
-#: Test hook: misaddress every READ of a retained turn this prefill posts. ``block``: each remote block id (device
+#: Test hook: break every READ of a retained turn this prefill posts. ``block``: each remote block id (device
 #: block or host slot) is replaced by its neighbour; ``layer``: two layers of the first received block are swapped
-#: after the READ. ``FAULT_FILE_ENV`` names a file holding the mode instead, read at every READ (a running engine's
-#: fault changed by a test; empty or absent: none).
+#: after the READ; ``fail``: the READ fails before it is posted (a failed transfer); ``invalidate``: the decode engine
+#: is marked invalid first (as after a transport error: upstream fails its reads and handshakes again).
+#: ``FAULT_FILE_ENV`` names a file holding the mode instead, read at every READ (a running engine's fault changed by
+#: a test or ``bench.gpu_smoke``; empty or absent: none).
 FAULT_ENV = "TURNKV_INJECT_READ_FAULT"
 FAULT_FILE_ENV = "TURNKV_INJECT_READ_FAULT_FILE"
-FAULTS = ("block", "layer")
+FAULTS = ("block", "layer", "fail", "invalidate")
 
 
 def enabled(env: Any = None) -> bool:
@@ -90,8 +93,16 @@ class SealBook:
     def since(self, seq: int) -> list[tuple[int, str, Seal]]:
         return [(s.seq, rid, s) for rid, s in self._by_id.items() if s.seq > seq]
 
+    def renew(self, request_id: str, seq: int, until: float) -> bool:
+        """A lease renewed to ``until``: the seal is listed again (``seq``) with it, so routers keep it as long."""
+        seal = self._by_id.get(request_id)
+        if seal is None or until <= seal.until:
+            return False
+        self._by_id[request_id] = Seal(seq, seal.digests, seal.mac, until)
+        return True
+
     def forget(self, wall: float, request_ids: Any = ()) -> None:
-        """Seals past their offer's expiry, and those of the turns named (evicted: nobody reads them any more)."""
+        """Seals past their (renewed) expiry, and those of the turns named (freed or evicted: nobody reads them)."""
         for request_id in [r for r, s in self._by_id.items() if s.until < wall]:
             del self._by_id[request_id]
         for request_id in request_ids:
@@ -114,6 +125,24 @@ def unverifiable(worker: Any, plan: Any, meta: Any, sampler: Any) -> str | None:
     if remote is not None and int(getattr(remote, "block_size", 0) or 0) != int(getattr(worker, "block_size", 0) or 0):
         return "decode's block size differs"
     return None
+
+
+def inject_before_read(worker: Any, request_id: str, meta: Any, plan: Any) -> bool:
+    """Break the READ ``worker`` is about to post as :func:`fault` says; True when it must not be posted (failed)."""
+    from connector import compat
+
+    mode, engine_id = fault(), meta.remote.engine_id
+    logger.warning("turnkv: request %s: READ fault %r injected on purpose (%s)", request_id, mode, FAULT_ENV)
+    if mode == "fail":
+        compat.fail_read(worker, request_id)
+        return True
+    if mode == "invalidate" and engine_id in getattr(worker, "_remote_agents", {}):
+        worker._mark_remote_engine_invalid(engine_id, time.perf_counter())
+    if mode == "block":
+        remote_blocks = plan.host[1] if plan.host is not None else int(
+            (getattr(worker, "dst_num_blocks", None) or {}).get(engine_id, 0) or 0)
+        meta.remote.block_ids = misaddress(meta.remote.block_ids, remote_blocks)
+    return False
 
 
 def misaddress(remote_block_ids: Any, remote_blocks: int) -> list[list[int]]:

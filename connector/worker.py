@@ -478,6 +478,9 @@ class TurnkvWorkerMixin:
         sending |= self._turnkv_device_done
         self._turnkv_device_done = set()
         self._turnkv_fork_reads.forget(sending)
+        # Freed turns' seals (a host-tier turn's device blocks are reported sent once copied: its seal stays).
+        self._turnkv_seals.forget(time.time(), [r for r in sending if r not in self._turnkv_hosted])
+        self._turnkv_seals.forget(time.time(), [r for r, _ in self._turnkv_host_released])
         # Inline reads were computed in the step they were read in: the scheduler never parked them, and a request
         # it did not park must not be reported received (it asserts). A failed one reported its blocks instead
         # (invalid_block_ids): the scheduler recomputes them.
@@ -778,6 +781,12 @@ class TurnkvWorkerMixin:
         """Leases a router renewed (``connector.leases``): reported to the scheduler, which keeps them off the idle
         list."""
         self._turnkv_renewed.extend(request_ids)
+        held: dict[str, float] = getattr(self, "_reqs_to_send", {})
+        mono, wall = time.perf_counter(), time.time()
+        for request_id in request_ids:  # listed again with the lease's new expiry: routers keep the seal as long
+            if request_id in held and self._turnkv_seals.renew(request_id, self._turnkv_evict_seq + 1,
+                                                               wall + held[request_id] - mono):
+                self._turnkv_evict_seq += 1
 
     def turnkv_evictions(self, since: int) -> dict[str, Any]:
         """The evictions feed of this worker: announcements after number ``since`` (``wire.EVICTIONS_ROUTE``), and
@@ -803,7 +812,7 @@ class TurnkvWorkerMixin:
             logger.warning("turnkv: cannot seal %d retained turns (%s)", len(to_seal),
                            "no offer secret" if sampler is not None else "KV seals off on this rank")
             return
-        for request_id, (blocks, signature, until) in to_seal.items():
+        for request_id, (blocks, identity, until) in to_seal.items():
             try:
                 digests = fingerprint.encode(sampler.digests(blocks))
             except Exception:  # no seal: prefill refuses the offer (unsealed) and recomputes
@@ -811,7 +820,7 @@ class TurnkvWorkerMixin:
                 continue
             self._turnkv_evict_seq += 1
             self._turnkv_seals.add(request_id, seals.Seal(self._turnkv_evict_seq, digests,
-                                                          wire.seal_mac(secret, signature, rank, digests), until))
+                                                          wire.seal_mac(secret, identity, rank, digests), until))
 
     def _turnkv_check_read(self, request_id: str) -> None:
         """Prefill: compare the blocks a finished READ of a sealed offer brought with decode's digests, once, before
@@ -840,7 +849,7 @@ class TurnkvWorkerMixin:
         if not bad:
             self.xfer_stats.record_label("turnkv_fingerprint_checks", "ok")
             return
-        path = "inline" if plan.inline else plan.tier
+        path = "host" if plan.host is not None else ("inline" if plan.inline else "device")
         self.xfer_stats.record_label("turnkv_fingerprint_checks", "mismatch")
         for _ in bad:
             self.xfer_stats.record_label("turnkv_fingerprint_mismatches", path)
@@ -850,12 +859,10 @@ class TurnkvWorkerMixin:
 
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         engine_id = meta.remote.engine_id
-        if req_id in self._turnkv_plans and req_id not in self._turnkv_faulted and seals.fault() == "block":
+        if req_id in self._turnkv_plans and req_id not in self._turnkv_faulted and seals.fault() is not None:
             self._turnkv_faulted.add(req_id)  # once: called again when a handshake finishes
-            plan = self._turnkv_plans[req_id]
-            remote_blocks = plan.host[1] if plan.host is not None else int(
-                (getattr(self, "dst_num_blocks", None) or {}).get(engine_id, 0) or 0)
-            meta.remote.block_ids = seals.misaddress(meta.remote.block_ids, remote_blocks)
+            if seals.inject_before_read(self, req_id, meta, self._turnkv_plans[req_id]):
+                return
         plan = self._turnkv_plans.get(req_id)
         deadline = plan.deadline if plan is not None else None
         if deadline is not None and time.time() >= deadline:

@@ -193,7 +193,8 @@ REQUIRE_CLEARED_ENV = "TURNKV_REQUIRE_CLEARED_OFFERS"
 #: offer only with the seal (``SEALS``), and checks every block a READ brought against it.
 SEALED = "turnkv_sealed"
 #: Added by the router to a replay of a ``SEALED`` offer, from decode's feed: ``[[rank, digests, mac], ...]``, one
-#: entry per decode tensor-parallel rank (``connector.fingerprint.encode``; ``seal_mac``).
+#: entry per decode tensor-parallel rank (``connector.fingerprint.encode``; ``seal_mac``, bound to ``seal_identity``:
+#: the turn, not the signature, which a lease renewal re-signs).
 SEALS = "turnkv_seals"
 #: Keys of decode's returned params that a router may store and replay to prefill.
 OFFER_KEYS = (TOKEN_PROOF, BOOT, EXPIRES_AT, MODEL, SIGNATURE, HOST_TIER, FORK_WINDOW, TENANT, SEALED)
@@ -280,26 +281,33 @@ def offer_mac(secret: bytes, params: Mapping[str, Any]) -> str:
     return hmac.new(secret, _VERSION + _signed_part(params), hashlib.sha256).hexdigest()
 
 
-def seal_mac(secret: bytes, signature: str, rank: int, digests: str) -> str:
-    """Decode's MAC over one rank's block digests of one offer (its ``SIGNATURE``): a seal cannot be moved to
-    another offer, another rank or edited on its way through the feed and the router."""
-    message = orjson.dumps([signature, int(rank), digests])
+def seal_identity(params: Mapping[str, Any]) -> str:
+    """The retained turn an offer names: decode's engine, request and process (boot). A seal is bound to it, so it
+    cannot be moved to another turn, and stays valid when a lease renewal re-signs the offer."""
+    return orjson.dumps([params.get(REMOTE_ENGINE_ID), params.get(REMOTE_REQUEST_ID), params.get(BOOT)]).decode()
+
+
+def seal_mac(secret: bytes, identity: str, rank: int, digests: str) -> str:
+    """Decode's MAC over one rank's block digests of one retained turn (``seal_identity``): a seal cannot be moved
+    to another turn or rank, or edited on its way through the feed and the router."""
+    message = orjson.dumps([identity, int(rank), digests])
     return hmac.new(secret, _SEAL_VERSION + message, hashlib.sha256).hexdigest()
 
 
 def seal_digests(secret: bytes | None, params: Mapping[str, Any], ranks: int) -> list[str] | None:
     """Each decode rank's digests (``connector.fingerprint.encode``) from a replay's ``SEALS``, in rank order, when
-    every rank's entry is there with a valid MAC over this offer's signature; None otherwise."""
-    signature, seals = params.get(SIGNATURE), params.get(SEALS)
-    if secret is None or not isinstance(signature, str) or not isinstance(seals, list) or ranks <= 0:
+    every rank's entry is there with a valid MAC for the turn this offer names; None otherwise."""
+    seals = params.get(SEALS)
+    if secret is None or not isinstance(seals, list) or ranks <= 0:
         return None
+    identity = seal_identity(params)
     by_rank: dict[int, str] = {}
     for entry in seals:
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], int)
                 and not isinstance(entry[0], bool) and isinstance(entry[1], str) and isinstance(entry[2], str)):
             return None
         rank, digests, mac = entry
-        if not hmac.compare_digest(mac, seal_mac(secret, signature, rank, digests)):
+        if not hmac.compare_digest(mac, seal_mac(secret, identity, rank, digests)):
             return None
         by_rank[rank] = digests
     if sorted(by_rank) != list(range(ranks)):

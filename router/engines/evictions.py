@@ -90,7 +90,7 @@ class EvictionFeed:
             if isinstance(entry, list) and len(entry) == 5 and isinstance(entry[0], str) \
                     and isinstance(entry[1], int) and isinstance(entry[4], (int, float)):
                 self.sealed.setdefault(entry[0], {})[entry[1]] = [entry[1], entry[2], entry[3]]
-                self.sealed_until[entry[0]] = float(entry[4])
+                self.sealed_until[entry[0]] = max(float(entry[4]), self.sealed_until.get(entry[0], 0.0))
         for request_id, until in list(self.evicted.items()):
             if until < sent_at:
                 del self.evicted[request_id]  # the offer has expired: prefill refuses it anyway

@@ -30,6 +30,25 @@ def offer_secret(stack) -> bytes:
     return secret
 
 
+def with_seals(decode: str, secret: bytes, params: dict) -> dict:
+    """A replay of a sealed offer as a router makes it: decode's per-rank digests of the turn's KV bytes from its
+    evictions feed (``turnkv.wire.SEALS``), MACed for the turn the offer names as it stands (a test that restamps an
+    offer holds the secret; decode's own MAC is over the same identity otherwise). Unchanged when not sealed, or when
+    decode lists no seal of it within a second (a turn already read and freed: prefill refuses it anyway)."""
+    if not params.get(wire.SEALED):
+        return params
+    request_id = wire.KVParams(params).request_id
+    for _ in range(20):  # decode seals at the step after the turn ended
+        feed = requests.get(f"{decode}{wire.EVICTIONS_ROUTE}?since=0&fresh=1", timeout=10).json()
+        entries = {e[1]: e[2] for e in feed.get("sealed") or () if e[0] == request_id}
+        if entries:
+            identity = wire.seal_identity(params)
+            return {**params, wire.SEALS: [[r, d, wire.seal_mac(secret, identity, r, d)]
+                                           for r, d in sorted(entries.items())]}
+        time.sleep(0.05)
+    return params
+
+
 @dataclass
 class Reply:
     status: int

@@ -2,7 +2,8 @@
 seal to prefill, and prefill checks each block a READ brought before computing with it. READs misaddressed on
 purpose in the running prefill engine (``connector.seals``, switched through ``conftest.READ_FAULT``): a wrong
 decode block, two layers written into each other's place, a stale host-tier slot. Each is caught, its blocks are
-recomputed, and the answer equals reuse off."""
+recomputed, and the answer equals reuse off. And READs that fail (a failed transfer, a decode engine invalidated as
+after a transport error): recomputed, the same answer, and the next pull from that engine handshakes again."""
 
 from __future__ import annotations
 
@@ -69,6 +70,18 @@ def test_a_misaddressed_read_is_caught_and_its_blocks_recomputed(stack, fault, s
     assert counted == {"ok": 0, "mismatch": 1, "unverifiable": 0}
     assert device_reads() > before
     assert on.token_ids == off.token_ids  # recomputed: the same answer as reuse off
+
+
+@pytest.mark.parametrize(("fault", "seed"), [("fail", 1441), ("invalidate", 1451)])
+def test_a_read_that_fails_is_recomputed_and_the_next_pull_reads_again(stack, fault, seed):
+    history = _history(stack["router"], stack["model_dir"], seed)
+    on, off, counted = _turn(stack, history, seed, fault)
+    assert counted == {"ok": 0, "mismatch": 0, "unverifiable": 0}  # nothing landed to check
+    assert on.token_ids == off.token_ids
+    history = _history(stack["router"], stack["model_dir"], seed + 1)
+    again, off, counted = _turn(stack, history, seed + 1)  # no fault: decode's next turn is read and checked
+    assert again.outcome == "hit" and counted["ok"] == 1, (again.outcome, counted)
+    assert again.token_ids == off.token_ids
 
 
 def test_a_read_of_a_stale_host_slot_is_caught(stack):

@@ -7,7 +7,7 @@ import time
 import pytest
 import requests
 
-from tests.e2e.client import chat, metric, offer_secret, words
+from tests.e2e.client import chat, metric, offer_secret, with_seals, words
 from turnkv import wire
 
 pytestmark = pytest.mark.engines
@@ -76,7 +76,7 @@ def _direct_turn(stack, messages, params=None, *, clear: bool = True) -> dict:
              "remote_block_ids": None, "remote_host": None, "remote_port": None}
     if params is not None and clear:
         secret = offer_secret(stack)
-        params = wire.clear_offer(secret, params, time.time() + 30)
+        params = wire.clear_offer(secret, with_seals(stack["decode-0"], secret, params), time.time() + 30)
     base = {"model": "tiny", "messages": messages, "temperature": 0, "return_token_ids": True}
     p = requests.post(f"{stack['prefill-0']}/v1/chat/completions", timeout=120,
                       json={**base, "max_tokens": 1, "kv_transfer_params": params or fresh}).json()

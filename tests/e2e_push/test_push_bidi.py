@@ -17,6 +17,7 @@ import pytest
 import requests
 
 from tests.e2e.client import chat, engine_stack, metric, wait_for, words
+from turnkv import params, wire
 from turnkv.engine_args import Mode
 from turnkv.local.stack import StackConfig
 
@@ -175,12 +176,16 @@ def test_a_turn_decoded_by_the_engine_that_holds_it_reads_and_writes_back_into_i
 
 def test_last_a_dead_decode_engine_costs_a_recompute_not_a_stall(push_stack):
     """Runs last (it kills an engine). Decode dies after a turn; before the router notices, the next turn
-    replays params naming it: prefill's READ fails at once and it recomputes, on the other decode engine."""
+    replays params naming it: prefill's READ fails at once and it recomputes, on the other decode engine. The
+    router has read decode's seal of the turn first (else it would not replay the turn at all: ``refused``)."""
     stack, router, model_dir = push_stack, push_stack["router"], push_stack["model_dir"]
     messages = [{"role": "user", "content": words(model_dir, 500, 90)}]
     before = {name: finished(stack[name]) for name in DECODES}
     first = chat(router, messages, conversation="push-dead")
     holder = next(n for n in DECODES if finished(stack[n]) > before[n])
+    assert wait_for(lambda: requests.get(f"{stack[holder]}{wire.EVICTIONS_ROUTE}?since=0",
+                                         timeout=10).json()["sealed"], 10), "no seal of the turn on decode's feed"
+    time.sleep(2 * params.BY_NAME["evictions_interval"].default + 0.5)  # the router's next periodic read
     failed_before = prefill_side(stack, counter("vllm:nixl_num_failed_transfers_total"))
     os.killpg(stack["pgids"][holder], signal.SIGKILL)
     history = [*messages, {"role": "assistant", "content": first.text}, {"role": "user", "content": "go on"}]

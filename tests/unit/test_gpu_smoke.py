@@ -79,8 +79,10 @@ def test_the_backend_and_the_graph_capture_are_read_from_the_engine_log():
            "['FLASH_ATTN', 'FLASHINFER'].\nINFO gpu_model_runner.py:6582] Graph capturing finished in 7 secs, "
            "took 0.31 GiB\n")
     assert gpu_smoke.engine_log_facts(log) == {"attention_backend": "FLASH_ATTN",
-                                               "cuda_graphs": "captured in 7 s, 0.31 GiB"}
-    assert gpu_smoke.engine_log_facts("eager\n") == {"attention_backend": "", "cuda_graphs": ""}
+                                               "cuda_graphs": "captured in 7 s, 0.31 GiB", "model_runner": "V1"}
+    assert gpu_smoke.engine_log_facts("eager\n") == {"attention_backend": "", "cuda_graphs": "", "model_runner": "V1"}
+    v2 = "INFO 12-06 gpu_worker.py:518] Using V2 Model Runner\n"  # vLLM 0.32's line when it builds V2
+    assert gpu_smoke.engine_log_facts(log + v2)["model_runner"] == "V2"
 
 
 def test_the_report_gives_ttft_and_transfer_time_per_stage_and_what_did_not_run():
@@ -96,13 +98,14 @@ def test_the_report_gives_ttft_and_transfer_time_per_stage_and_what_did_not_run(
                                            "same_answers": 3,
                                            "transfers": {"count": 2.0, "seconds": 0.002, "bytes": 2**20}}})
     stages = gpu_smoke.stage_rows(Mode.PULL, row)
-    assert [s.stage for s in stages] == ["conversation", "forks", "host"]
+    assert [s.stage for s in stages] == ["conversation", "forks", "host", "faults"]
     assert not stages[2].ran and stages[2].detail == "the mode stopped before it"
     stages += [gpu_smoke.StageRun("push", s.key, detail="the time budget") for s in gpu_smoke.STAGES]
-    engines = {"pull": {"decode-0": {"attention_backend": "FLASH_ATTN", "cuda_graphs": "captured in 7 s, 0.31 GiB"}}}
+    engines = {"pull": {"decode-0": {"attention_backend": "FLASH_ATTN", "cuda_graphs": "captured in 7 s, 0.31 GiB",
+                                     "model_runner": "V2"}}}
     text = gpu_smoke.table(GPU, stages, engines, ["push: its 210 s would pass the 480 s budget"])
     assert "1 x NVIDIA H100 80GB HBM3" in text and "model bfloat16" in text
-    assert "- pull decode-0: attention FLASH_ATTN, CUDA graphs captured in 7 s, 0.31 GiB" in text
+    assert "- pull decode-0: attention FLASH_ATTN, CUDA graphs captured in 7 s, 0.31 GiB, model runner V2" in text
     assert "| pull | conversation | 90.0 | 30.0 | 3.00x | 1/1 | 2 | 2 | 2.00 | 3.0 | passed |" in text
     assert "| pull | forks | 80.0 | 40.0 | 2.00x | 2/3 | 3 | 2 | 1.00 | 1.0 | FAILED: 2/3 forks pulled" in text
     assert "| push | host | - | - | - | - | - | - | - | - | not run: the time budget |" in text
@@ -112,7 +115,7 @@ def test_the_report_gives_ttft_and_transfer_time_per_stage_and_what_did_not_run(
 def test_a_mode_whose_engines_did_not_start_reports_every_stage_not_run():
     row = shapes.ShapeRun("equal", "x", "push", started=False, failure="did not start: decode-0 exited")
     stages = gpu_smoke.stage_rows(Mode.PUSH, row)
-    assert [(s.ran, s.detail) for s in stages] == [(False, "engines did not start: did not start: decode-0 exited")] * 3
+    assert [(s.ran, s.detail) for s in stages] == [(False, "engines did not start: did not start: decode-0 exited")] * 4
 
 
 def test_a_play_that_raises_reports_its_error_as_the_stages_not_run(tmp_path):
@@ -122,4 +125,30 @@ def test_a_play_that_raises_reports_its_error_as_the_stages_not_run(tmp_path):
     row = shapes.ShapeRun("equal", "x", "pull", started=True, passed=True, extra=extra)
     stages = gpu_smoke.stage_rows(Mode.PULL, row)
     assert [(s.stage, s.ran, s.detail) for s in stages[1:]] == [("forks", False, extra["error"]),
-                                                                ("host", False, extra["error"])]
+                                                                ("host", False, extra["error"]),
+                                                                ("faults", False, extra["error"])]
+
+
+def test_the_faults_stage_passes_only_when_every_answer_holds_and_misaddressed_reads_are_caught(monkeypatch,
+                                                                                                 tmp_path):
+    from bench import engine_metrics
+    from turnkv import smoke
+
+    caught = iter([0.0, 3.0, 3.0, 5.0, 5.0, 5.0, 5.0, 5.0])  # mismatches before/after each fault, in FAULTS' order
+    seen: list[str] = []
+    monkeypatch.setattr(engine_metrics, "fetch_sync", lambda url: None)
+    monkeypatch.setattr(engine_metrics, "total", lambda page, name, **labels: next(caught))
+
+    async def run(url, timeout_s):
+        seen.append((tmp_path / "fault").read_text())
+        return None
+
+    monkeypatch.setattr(smoke, "run", run)
+    monkeypatch.setattr(smoke, "summary_rows", lambda result: [{"same_answer": True}] * 4)
+    stage = gpu_smoke.faults_stage("pull", {"prefill-0": "p", "router": "r"}, tmp_path / "fault", 1.0)
+    assert seen == list(gpu_smoke.FAULTS) and (tmp_path / "fault").read_text() == ""
+    assert stage.passed and stage.same_answers == stage.of == 16
+    caught = iter([0.0, 0.0] * 4)  # nothing caught
+    monkeypatch.setattr(engine_metrics, "total", lambda page, name, **labels: next(caught))
+    stage = gpu_smoke.faults_stage("pull", {"prefill-0": "p", "router": "r"}, tmp_path / "fault", 1.0)
+    assert not stage.passed and "block: no block caught by the KV seal" in stage.detail

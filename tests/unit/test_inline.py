@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from connector import compat, inline
+from connector import compat, inline, seals
 from connector.admission import ReadPlan
 from connector.worker import TurnkvWorkerMixin
 
@@ -156,7 +156,7 @@ def test_inline_reads_are_never_reported_received():
         def __init__(self):
             super().__init__(FakeNixl({}))
             self._turnkv_copying, self._turnkv_hosted, self._turnkv_device_done = {}, {}, set()
-            self._turnkv_copy_ended = set()
+            self._turnkv_copy_ended, self._turnkv_seals, self._turnkv_host_released = set(), seals.SealBook(), []
             self._turnkv_fork_reads = types.SimpleNamespace(forget=lambda ids: None)
             self._turnkv_plans = {"inline-1": ReadPlan(inline=True), "inline-2": ReadPlan(inline=True),
                                   "async-1": ReadPlan()}

@@ -80,13 +80,18 @@ def test_a_read_that_skips_prefills_own_cached_blocks_is_compared_on_the_tail():
 
 
 def test_a_seal_is_bound_to_its_offer_and_rank():
-    offer = {wire.SIGNATURE: "sig-a", wire.TP_SIZE: 2}
+    offer = {wire.SIGNATURE: "sig-a", wire.TP_SIZE: 2, wire.REMOTE_ENGINE_ID: "decode-0",
+             wire.REMOTE_REQUEST_ID: "d1", wire.BOOT: "boot-1"}
     texts = [fingerprint.encode([1, 2]), fingerprint.encode([3, 4])]
-    entries = [[r, t, wire.seal_mac(SECRET, "sig-a", r, t)] for r, t in enumerate(texts)]
+    entries = [[r, t, wire.seal_mac(SECRET, wire.seal_identity(offer), r, t)] for r, t in enumerate(texts)]
     assert wire.seal_digests(SECRET, {**offer, wire.SEALS: entries}, 2) == texts
+    renewed = {**offer, wire.SIGNATURE: "sig-renewed", wire.SEALS: entries}  # a lease renewal re-signs the offer
+    assert wire.seal_digests(SECRET, renewed, 2) == texts
     assert wire.seal_digests(SECRET, {**offer, wire.SEALS: entries[:1]}, 2) is None  # a rank missing
-    moved = {wire.SIGNATURE: "sig-b", wire.SEALS: entries}
-    assert wire.seal_digests(SECRET, moved, 2) is None  # another offer's seal
+    moved = {**offer, wire.REMOTE_REQUEST_ID: "d2", wire.SEALS: entries}
+    assert wire.seal_digests(SECRET, moved, 2) is None  # another turn's seal
+    restarted = {**offer, wire.BOOT: "boot-2", wire.SEALS: entries}
+    assert wire.seal_digests(SECRET, restarted, 2) is None  # the same request id in a restarted decode
     swapped = [[0, texts[1], entries[0][2]], entries[1]]
     assert wire.seal_digests(SECRET, {**offer, wire.SEALS: swapped}, 2) is None  # edited digests
     assert wire.seal_digests(None, {**offer, wire.SEALS: entries}, 2) is None
@@ -120,19 +125,22 @@ def _worker(monkeypatch, caches, rank=0, world=1):
     return w
 
 
+IDENTITY = {wire.REMOTE_ENGINE_ID: "decode-0", wire.REMOTE_REQUEST_ID: "d1", wire.BOOT: "b1"}
+
+
 def _seal_and_route(monkeypatch, decode_ranks, request_id="d1", blocks=(3, 4, 5)):
     """Decode's ranks seal a retained turn; the router reads their merged feed and attaches the seals to the replay;
     prefill's scheduler turns them into each READ's plan."""
     until = time.time() + 60
     for w in decode_ranks:
-        w._turnkv_seal({request_id: (list(blocks), "sig-1", until)})
+        w._turnkv_seal({request_id: (list(blocks), wire.seal_identity(IDENTITY), until)})
     feed = merge_feeds([w.turnkv_evictions(0) for w in decode_ranks])
     assert feed["seals"] and len(feed["sealed"]) == len(decode_ranks)
     router = EvictionFeed()
     assert router.refuses(request_id, time.time(), 1.0, sealed_ranks=len(decode_ranks)) == SEAL_PENDING
     router.apply(feed, time.time())
     entries = router.seals_of(request_id, len(decode_ranks))
-    params = {wire.SIGNATURE: "sig-1", wire.TP_SIZE: len(decode_ranks), wire.SEALED: True, wire.SEALS: entries,
+    params = {**IDENTITY, wire.TP_SIZE: len(decode_ranks), wire.SEALED: True, wire.SEALS: entries,
               wire.REMOTE_BLOCK_IDS: [list(blocks)]}
     texts = wire.seal_digests(SECRET, params, len(decode_ranks))
     return tuple(tuple(fingerprint.decode(t)) for t in texts)
@@ -159,7 +167,7 @@ def test_prefill_recomputes_exactly_the_blocks_a_read_brought_wrong(monkeypatch)
     assert _received(prefill, "p2", ReadPlan(seal=seal, host=((1,), 8)), [13, 14, 15]) == {14}
     data = prefill.xfer_stats.data
     assert data["turnkv_fingerprint_checks"] == [0, 1]  # ok, mismatch
-    assert data["turnkv_fingerprint_mismatches"] == [1]  # one block, host path
+    assert data["turnkv_fingerprint_mismatches"] == [1]  # one block, host path (the tier names the path)
     # checked once: a second look (upstream's report after an inline read's forward) does not check again
     assert _received(prefill, "p2", ReadPlan(seal=seal), [13, 14, 15]) == set()
 
@@ -180,10 +188,28 @@ def test_each_tensor_parallel_rank_checks_its_own_shard(monkeypatch):
 
 def test_an_evicted_or_expired_turns_seal_leaves_the_feed(monkeypatch):
     decode = _worker(monkeypatch, kv_cache(1))
-    decode._turnkv_seal({"a": ([1], "sig", time.time() + 60), "b": ([2], "sig", time.time() - 1)})
+    decode._turnkv_seal({"a": ([1], "id-a", time.time() + 60), "b": ([2], "id-b", time.time() - 1)})
     decode._turnkv_evicted["a"] = (99, time.time() + 60)
     feed = decode.turnkv_evictions(0)
     assert feed["sealed"] == [] and len(decode._turnkv_seals) == 0
+
+
+def test_a_renewed_lease_lists_the_seal_again_with_its_new_expiry(monkeypatch):
+    decode = _worker(monkeypatch, kv_cache(1))
+    decode._turnkv_renewed = []
+    decode._reqs_to_send = {"a": time.perf_counter() + 300}  # upstream's lease, renewed to 300 s from now
+    decode._turnkv_seal({"a": ([1, 2], "id-a", time.time() + 10)})
+    first = decode.turnkv_evictions(0)
+    [[_, _, _, _, until]] = first["sealed"]
+    assert until == pytest.approx(time.time() + 10, abs=1)
+    decode.turnkv_renewed(["a"])
+    again = decode.turnkv_evictions(first["seq"])  # past the cursor: listed again, with the lease's expiry
+    [[rid, _, _, _, until]] = again["sealed"]
+    assert rid == "a" and until == pytest.approx(time.time() + 300, abs=1)
+    feed = EvictionFeed()
+    feed.apply(first, time.time())
+    feed.apply(again, time.time(), first["seq"])
+    assert feed.sealed_until["a"] == pytest.approx(time.time() + 300, abs=1)
 
 
 def test_the_read_faults_misaddress_as_documented(tmp_path):

@@ -116,6 +116,9 @@ class StackConfig:
     #: offloading tier would take: that tier does not run on vLLM's CPU build), behind a router of its own over the
     #: same decode engines; its clients send ``X-TurnKV-Reuse: off`` (no decode-to-prefill reuse).
     peer: bool = False
+    #: GiB of vLLM's CPU offloading tier beside turnkv's connector on the prefill engines (``MultiConnector``, as
+    #: ``connector.prefill_offload_gib`` deploys it); the tier needs CUDA (``make gpu-smoke``), 0 on CPU engines.
+    prefill_offload_gib: float = 0.0
     #: Exact KV block counts (vLLM ``--num-gpu-blocks-override``) per engine kind, to hold the stack at a target
     #: fleet's memory ratios (``turnkv.plan.ratios``); None: what the KV cache space holds.
     prefill_blocks: int | None = None
@@ -337,7 +340,7 @@ def plan(config: StackConfig) -> list[ProcessSpec]:
 
     prefills = [EngineSpec(role=Role.PREFILL, engine_id=f"prefill-{i}", port=config.prefill_port + i,
                            side_channel_port=config.side_channel_base + (0 if i == 0 else 2 + 2 * i),
-                           prefix_caching=config.prefill_prefix_caching,
+                           prefix_caching=config.prefill_prefix_caching, prefill_offload_gib=config.prefill_offload_gib,
                            **shape(config.prefill_tp, config.prefill_block_size),
                            **{**common, "extra_args": (*config.engine_extra_args, *blocks(config.prefill_blocks))})
                 for i in range(config.prefill_engines)]
