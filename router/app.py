@@ -25,7 +25,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router import apis, guard, intake, limits, telemetry
+from router import apis, encoded, guard, intake, limits, telemetry
 from router.apis import stored
 from router.apis.messages import MessagesTranslation
 from router.apis.responses import ResponsesTranslation
@@ -170,6 +170,7 @@ def _completion_handler(path: str, kind: RequestKind, translation: type[apis.Tra
                 if translation is None:
                     dispatch = flow.prepare(kind, path, request, body, tenant, size)
                 else:
+                    encoded.dumps(body)  # the depth check (400) before a translation serialises any part of it
                     if translation is ResponsesTranslation and isinstance(body, dict) \
                             and body.get("previous_response_id"):
                         prior = await flow.responses.load(tenant, body["previous_response_id"])
@@ -229,6 +230,7 @@ async def _lease(request: web.Request, meter: limits.Meter) -> web.Response:
         charge_budgets(request.app, tenant)  # and the loop and request rate shares, as every tenant route
         body, _ = await read_json(request, tenant, request.app[BODY_BUDGET], flow.config)
         intake.check_messages(body if isinstance(body, dict) else {}, int(flow.config.max_messages))
+        encoded.dumps(body)  # the depth check (400) before its messages are hashed
         return await renew(flow, request, body, tenant)
     except LimitError as exc:
         request.app[METRICS].admission_refused.labels(exc.limit).inc()

@@ -71,3 +71,5 @@ class Dispatch:
     #: Gives the request's share of the prefill pool back (``router.flow``): an answer that is not streamed shows no
     #: first token, so its share goes back when prefill has answered instead of when the whole answer has.
     prefill_share_done: Callable[[], None] | None = None
+    #: The body less the legs' own fields, serialised once (``router.encoded``); None: not yet.
+    encoded: bytes | None = None

@@ -36,7 +36,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router import apis, guard, hints, intake, limits, media, migrate, retry, savings, telemetry, upstream
+from router import apis, encoded, guard, hints, intake, limits, media, migrate, retry, savings, telemetry, upstream
 from router.apis import stored
 from router.config import RouterConfig
 from router.dispatch import Dispatch
@@ -145,6 +145,7 @@ class Flow:
         intake.check_types(body)
         media_names = intake.check_media_urls(body, self.config.media_domains)
         intake.isolate(body, self.config.ensure_secret(), tenant)
+        shared = encoded.base(body)  # the depth check (400 past it), before anything is hashed; the legs' bytes
         turn = guard.parse_turn(kind, body)
         request_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
         key = None
@@ -159,7 +160,7 @@ class Flow:
         d = Dispatch(kind, path, body, request_id, turn, key, started=time.perf_counter(), tenant=tenant,
                      tokens=size // 4, stream=bool(body.get("stream")), leg_request_id=new_leg_id(), hint=hint,
                      storable=storable, media_names=media_names,
-                     tenant_tag=tenant_tag(self.config.ensure_secret(), tenant))
+                     tenant_tag=tenant_tag(self.config.ensure_secret(), tenant), encoded=shared)
         d.migrate = int(self.config.decode_migrations) > 0 and migrate.migratable(kind, body)
         if api is not None:  # the engines speak chat; a continuation is translated like the rest of the stream
             d.api, d.route = api, api.route

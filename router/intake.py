@@ -27,7 +27,8 @@ INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "truncat
 SIGNED_INT_FIELDS = ("seed", "top_k", "truncate_prompt_tokens")
 #: Fields read as finite numbers.
 NUMBER_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
-BOOL_FIELDS = ("stream", "echo", "add_generation_prompt", "continue_final_message", "add_special_tokens")
+BOOL_FIELDS = ("stream", "echo", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+               "return_token_ids")
 STRING_FIELDS = ("model", "cache_salt")
 
 
@@ -60,6 +61,10 @@ def check_types(body: Mapping[str, Any]) -> None:
         value = body.get(name)
         if value is not None and not isinstance(value, str):
             raise RequestError(f"'{name}' must be a string")
+    options = body.get("stream_options")  # a leg's own field (router.encoded): an object of flags, as vLLM reads it
+    if options is not None and (not isinstance(options, dict)
+                                or any(v is not None and not isinstance(v, bool) for v in options.values())):
+        raise RequestError("'stream_options' must be an object of true/false values")
 
 
 def check_messages(body: Mapping[str, Any], max_messages: int) -> None:

@@ -24,7 +24,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router import guard, migrate, sse, telemetry, upstream
+from router import encoded, guard, migrate, sse, telemetry, upstream
 from router.config import RouterConfig
 from router.dispatch import Dispatch
 from router.engines import Engine, EnginePool, Lease, PushIdentity, prefix
@@ -132,34 +132,40 @@ class Opened:
             self.lease.release()
 
 
+def _shared(d: Dispatch) -> bytes:
+    """The client's body less the legs' own fields, serialised once per dispatch (``router.encoded``)."""
+    if d.encoded is None:
+        d.encoded = encoded.base(d.body)
+    return d.encoded
+
+
 def prefill_body(d: Dispatch, params: Mapping[str, Any]) -> bytes:
     """The prefill leg's request: the client's, for one token and no stream, with the KV ``params``."""
-    body = dict(d.body)
-    body["max_tokens"] = 1
-    if "max_completion_tokens" in body:
-        body["max_completion_tokens"] = 1
-    body.pop("min_tokens", None)  # vLLM refuses min_tokens > max_tokens: the prefill leg makes one token
+    fields: dict[str, Any] = {"max_tokens": 1}
+    if "max_completion_tokens" in d.body:
+        fields["max_completion_tokens"] = 1
+    # min_tokens and stream_options left out: vLLM refuses min_tokens > max_tokens, and the leg streams nothing
     if d.migrate:
-        body["return_token_ids"] = True  # the rendered prompt, to continue the stream elsewhere if decode dies
-    body["stream"] = False
-    body.pop("stream_options", None)
-    body["kv_transfer_params"] = params
-    return orjson.dumps(body)
+        fields["return_token_ids"] = True  # the rendered prompt, to continue the stream elsewhere if decode dies
+    elif "return_token_ids" in d.body:
+        fields["return_token_ids"] = d.body["return_token_ids"]
+    fields["stream"] = False
+    fields["kv_transfer_params"] = params
+    return encoded.splice(_shared(d), fields)
 
 
 def decode_body(d: Dispatch, params: Mapping[str, Any]) -> bytes:
     """The decode leg's request: the client's, with prefill's (or push's) ``params``."""
-    body = dict(d.body)
+    fields = {k: d.body[k] for k in encoded.LEG_FIELDS if k in d.body}
+    if d.migrate:
+        fields["return_token_ids"] = True  # the relay counts the tokens sent, to continue right after them
     if d.retain:
         # A turn that can be continued: ask decode to keep its KV for the next turn (others pin nothing).
         params = {**params, wire.RETAIN: True}
         if d.tenant_tag:  # decode shares its retention among tenants by it and signs it into its offer
             params[wire.TENANT] = d.tenant_tag
-    if d.migrate:
-        body["return_token_ids"] = True  # the relay counts the tokens sent, to continue right after them
-    body["kv_transfer_params"] = params
-    return orjson.dumps(body)
-
+    fields["kv_transfer_params"] = params
+    return encoded.splice(_shared(d), fields)
 
 
 class Legs:
