@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router import apis, guard, hints
+from router.choices import ONE, Plan
 from router.engines import Engine
 from router.fairqueue import Ticket
 from router.outcomes import RequestKind, ReuseOutcome
@@ -71,5 +72,8 @@ class Dispatch:
     #: Gives the request's share of the prefill pool back (``router.flow``): an answer that is not streamed shows no
     #: first token, so its share goes back when prefill has answered instead of when the whole answer has.
     prefill_share_done: Callable[[], None] | None = None
+    #: How the request is served and how many sequences it asks decode for (``router.choices``): one P/D pair, decode
+    #: alone, or one P/D pair per prompt.
+    plan: Plan = ONE
     #: The body less the legs' own fields, serialised once (``router.encoded``); None: not yet.
     encoded: bytes | None = None

@@ -36,8 +36,25 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router import apis, encoded, guard, hints, intake, limits, media, migrate, retry, savings, telemetry, upstream
+from router import (
+    apis,
+    choices,
+    encoded,
+    fanout,
+    guard,
+    hints,
+    intake,
+    limits,
+    media,
+    merge,
+    migrate,
+    retry,
+    savings,
+    telemetry,
+    upstream,
+)
 from router.apis import stored
+from router.choices import Serving
 from router.config import RouterConfig
 from router.dispatch import Dispatch
 from router.enginegate import EngineGate
@@ -108,6 +125,7 @@ class Flow:
         self.legs = Legs(config, pool, metrics, self.legs_client, self.prefill_rate, forward_auth=forward_auth)
         self.relay = Relay(config, metrics, dispatch=self._dispatch, store_reply=self._store_reply,
                            first_token=self._first_token)
+        self.fanin = fanout.FanIn(config, metrics, self._first_token)  # a list of prompts' streams, merged
         self.emf = emf or telemetry.EmfWriter()
         # Prometheus children resolved once (labels() takes a lock and a dict lookup per call)
         self._ttft = {o: metrics.ttft.labels(o) for o in telemetry.OUTCOMES}
@@ -127,6 +145,7 @@ class Flow:
         metrics.decode_queue_waiting.set_function(lambda: self.decode_gate.queue.waiting)
         self.hint_sources = hints.parse_sources(config.session_hints)
         self._hint_counts = {s: metrics.session_hints.labels(s.label) for s in self.hint_sources}
+        self._several = {s: metrics.several_sequences.labels(s) for s in Serving if s != Serving.PD}
 
     # -- request intake -------------------------------------------------------------------------
 
@@ -143,10 +162,12 @@ class Flow:
             body.pop(own, None)
         intake.check_messages(body, int(self.config.max_messages))
         intake.check_types(body)
+        plan = choices.plan(kind, body)
         media_names = intake.check_media_urls(body, self.config.media_domains)
         intake.isolate(body, self.config.ensure_secret(), tenant)
         shared = encoded.base(body)  # the depth check (400 past it), before anything is hashed; the legs' bytes
-        turn = guard.parse_turn(kind, body)
+        # a request of several sequences is no conversation turn: one prefill request's KV cannot serve it
+        turn = guard.parse_turn(kind, body) if plan.serving == Serving.PD else None
         request_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
         key = None
         storable = turn is not None
@@ -160,8 +181,11 @@ class Flow:
         d = Dispatch(kind, path, body, request_id, turn, key, started=time.perf_counter(), tenant=tenant,
                      tokens=size // 4, stream=bool(body.get("stream")), leg_request_id=new_leg_id(), hint=hint,
                      storable=storable, media_names=media_names,
-                     tenant_tag=tenant_tag(self.config.ensure_secret(), tenant), encoded=shared)
-        d.migrate = int(self.config.decode_migrations) > 0 and migrate.migratable(kind, body)
+                     tenant_tag=tenant_tag(self.config.ensure_secret(), tenant), plan=plan, encoded=shared)
+        d.migrate = (int(self.config.decode_migrations) > 0 and plan.serving == Serving.PD
+                     and migrate.migratable(kind, body))
+        if plan.serving != Serving.PD:
+            self._several[plan.serving].inc()
         if api is not None:  # the engines speak chat; a continuation is translated like the rest of the stream
             d.api, d.route = api, api.route
         if hint is not None:
@@ -336,8 +360,10 @@ class Flow:
 
     async def _dispatch(self, d: Dispatch, request: web.Request) -> Opened:
         """Both legs, with the retry budgets; returns the opened decode leg or raises UpstreamError."""
-        if d.decode_slot is None:  # a migration's continuation runs on the slot of the stream it continues
+        if d.decode_slot is None:  # a migration's continuation (a prompt of a list) runs on the slot of its request
             d.decode_slot = await self.decode_gate.enter(d.tenant, 1, self._decode_capacity())
+        if d.plan.serving == Serving.DECODE_ALONE:  # no prefill leg: nothing of the prefill pool held
+            return await self._attempts(d, request, None)
         params = await self._take(d)
         d.retain = self._may_retain(d)
         # Until decode's first token the request holds its share of the prefill pool (router.fairqueue): the tokens
@@ -359,7 +385,8 @@ class Flow:
     async def _attempts(self, d: Dispatch, request: web.Request, params: dict[str, Any] | None) -> Opened:
         tried: dict[str, list[Engine]] = {"prefill": [], "decode": list(d.avoid_decode)}
         budget = {"prefill": int(self.config.prefill_retries), "decode": int(self.config.decode_retries)}
-        attempt = self.legs.push if self.config.mode == "push" else self.legs.pull
+        attempt = (self.legs.alone if d.plan.serving == Serving.DECODE_ALONE else
+                   self.legs.push if self.config.mode == "push" else self.legs.pull)
         while True:
             try:
                 opened = await attempt(d, request, params, tried)
@@ -460,14 +487,33 @@ class Flow:
         d.ttft = time.perf_counter() - d.started
         self._ttft[d.outcome].observe(d.ttft)
 
+    async def _open(self, d: Dispatch, request: web.Request) -> Opened | fanout.Fanned:
+        """The request's decode legs, opened: one, or one per prompt of a list (``router.fanout``), which then share
+        the request's unit of the decode pool."""
+        if d.plan.serving != Serving.PER_PROMPT:
+            return await self._dispatch(d, request)
+        d.decode_slot = await self.decode_gate.enter(d.tenant, 1, self._decode_capacity())
+        subs = fanout.parts(d)
+        try:
+            return await fanout.open_all(subs, request, self._dispatch)
+        finally:
+            fanout.tally(d, subs)
+
     async def _run_unary(self, d: Dispatch, request: web.Request) -> web.StreamResponse:
         try:
-            opened = await self._dispatch(d, request)
+            opened = await self._open(d, request)
         except UpstreamError as exc:
             return self._upstream_error(d, exc)
         except NoEngineError as exc:
             d.error = str(exc)
             return error_response(503, str(exc), "service_unavailable", headers=self._reply_headers(d))
+        if isinstance(opened, fanout.Fanned):
+            answers = [orjson.loads(o.raw) for o in opened.opened]
+            for answer in answers:
+                answer.pop("kv_transfer_params", None)
+            self._first_token(d)
+            return web.Response(body=orjson.dumps(merge.unary(answers)), content_type="application/json",
+                                headers=self._reply_headers(d))
         result = orjson.loads(opened.raw)
         kv = result.pop("kv_transfer_params", None)
         self._first_token(d)
@@ -485,10 +531,10 @@ class Flow:
         keepalive = Keepalive(request, {REQUEST_ID_HEADER: d.request_id, "Content-Type": "text/event-stream",
                                         "Cache-Control": "no-cache"}, float(self.config.sse_keepalive),
                               float(self.config.write_timeout))
-        opened: Opened | None = None
+        opened: Opened | fanout.Fanned | None = None
         try:
             try:
-                opened = await self._dispatch(d, request)
+                opened = await self._open(d, request)
             except (UpstreamError, NoEngineError) as exc:
                 response = await keepalive.stop()
                 if response is None:
@@ -507,6 +553,8 @@ class Flow:
                 response = SseResponse(headers={**self._reply_headers(d), "Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
                 await response.prepare(request)
+            if isinstance(opened, fanout.Fanned):
+                return await self.fanin.stream(d, response, opened, early, request)
             return await self.relay.stream(d, response, opened, early, request)
         finally:
             await keepalive.stop()

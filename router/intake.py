@@ -21,14 +21,14 @@ from router.guard import RequestError, keyed_digest
 from turnkv.media import MediaURLError, media_host
 
 #: Fields read as integers (``None`` means unset); a bool is not one.
-INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "truncate_prompt_tokens", "seed",
+INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "best_of", "truncate_prompt_tokens", "seed",
               "top_k", "top_logprobs")  # ``logprobs``: a bool in chat, an int in completions (the engine checks)
 #: Integer fields where a negative value means something to vLLM (-1: off / no limit; any seed).
 SIGNED_INT_FIELDS = ("seed", "top_k", "truncate_prompt_tokens")
 #: Fields read as finite numbers.
 NUMBER_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 BOOL_FIELDS = ("stream", "echo", "add_generation_prompt", "continue_final_message", "add_special_tokens",
-               "return_token_ids")
+               "use_beam_search", "return_token_ids")
 STRING_FIELDS = ("model", "cache_salt")
 
 

@@ -154,17 +154,19 @@ def prefill_body(d: Dispatch, params: Mapping[str, Any]) -> bytes:
     return encoded.splice(_shared(d), fields)
 
 
-def decode_body(d: Dispatch, params: Mapping[str, Any]) -> bytes:
-    """The decode leg's request: the client's, with prefill's (or push's) ``params``."""
+def decode_body(d: Dispatch, params: Mapping[str, Any] | None) -> bytes:
+    """The decode leg's request: the client's, with prefill's (or push's) ``params``; None: decode alone, which
+    computes the prompt itself (``router.choices``)."""
     fields = {k: d.body[k] for k in encoded.LEG_FIELDS if k in d.body}
     if d.migrate:
         fields["return_token_ids"] = True  # the relay counts the tokens sent, to continue right after them
-    if d.retain:
-        # A turn that can be continued: ask decode to keep its KV for the next turn (others pin nothing).
-        params = {**params, wire.RETAIN: True}
-        if d.tenant_tag:  # decode shares its retention among tenants by it and signs it into its offer
-            params[wire.TENANT] = d.tenant_tag
-    fields["kv_transfer_params"] = params
+    if params is not None:
+        if d.retain:
+            # A turn that can be continued: ask decode to keep its KV for the next turn (others pin nothing).
+            params = {**params, wire.RETAIN: True}
+            if d.tenant_tag:  # decode shares its retention among tenants by it and signs it into its offer
+                params[wire.TENANT] = d.tenant_tag
+        fields["kv_transfer_params"] = params
     return encoded.splice(_shared(d), fields)
 
 
@@ -286,7 +288,7 @@ class Legs:
             d.outcome = ReuseOutcome.TOKEN_MISMATCH
 
     async def open_decode(self, d: Dispatch, request: web.Request, engine: Engine,
-                          params: Mapping[str, Any]) -> Opened:
+                          params: Mapping[str, Any] | None) -> Opened:
         """Send the decode leg and wait for its first token (stream) or its whole answer (unary)."""
         t0 = time.perf_counter()
         lease = self.pool.lease(engine, d.tokens)
@@ -344,6 +346,15 @@ class Legs:
                                 tokens=d.tokens)
         d.decode_engine = decode.name
         return await self.open_decode(d, request, decode, kv)
+
+    async def alone(self, d: Dispatch, request: web.Request, params: dict[str, Any] | None,
+                    tried: dict[str, list[Engine]]) -> Opened:
+        """One attempt with decode alone, which computes the prompt itself: a request of several sequences, which
+        one prefill request's KV cannot serve (``router.choices``). No ``kv_transfer_params``, in either mode."""
+        decode = self.pool.pick("decode", exclude=tried["decode"], prefer="" if tried["decode"] else d.affinity,
+                                tokens=d.tokens)
+        d.decode_engine = decode.name
+        return await self.open_decode(d, request, decode, None)
 
     async def push(self, d: Dispatch, request: web.Request, params: dict[str, Any] | None,
                    tried: dict[str, list[Engine]]) -> Opened:
