@@ -14,6 +14,9 @@ Either way decode would answer from the wrong KV. So such a request is never sen
   (``router.merge``, ``router.fanout``): P/D keeps serving the prompts;
 - any other request of several sequences: decode alone, which computes the prompt itself (no ``kv_transfer_params``):
   the same request an engine without P/D would get, so the same answer.
+
+The sequences a request asks for (``choices``: n x prompts) are what it holds of the decode pool's fair share
+(``decode_fair_sequences``) and what ``max_choices`` bounds.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class Serving(StrEnum):
 @dataclass(frozen=True)
 class Plan:
     serving: Serving
-    #: Sequences decode runs for the request (n x prompts).
+    #: Sequences decode runs for the request (n x prompts): its units of the decode pool, what max_choices bounds.
     choices: int
     n: int
     prompts: int

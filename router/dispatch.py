@@ -73,7 +73,7 @@ class Dispatch:
     #: first token, so its share goes back when prefill has answered instead of when the whole answer has.
     prefill_share_done: Callable[[], None] | None = None
     #: How the request is served and how many sequences it asks decode for (``router.choices``): one P/D pair, decode
-    #: alone, or one P/D pair per prompt.
+    #: alone, or one P/D pair per prompt; its ``choices`` are the units it holds of the decode pool.
     plan: Plan = ONE
     #: The body less the legs' own fields, serialised once (``router.encoded``); None: not yet.
     encoded: bytes | None = None

@@ -137,7 +137,8 @@ class Flow:
         # the prefill pool's fair queue (prefill_fair_tokens)
         self.engine_gate = EngineGate(self._gate_capacity(), on_wait=metrics.fair_queue_waits.inc)
         metrics.fair_queue_waiting.set_function(lambda: self.engine_gate.queue.waiting)
-        # the decode pool's fair queue (decode_fair_sequences): a request holds one unit until its answer ends. A
+        # the decode pool's fair queue (decode_fair_sequences): a request holds one unit per sequence it asks for (n x
+        # prompts, router.choices) until its answer ends. A
         # tenant alone is held to it too: decode runs no more sequences at once, so what waits here instead of in
         # decode's first-come queue costs it nothing, and the next tenant to come is not behind it there.
         self.decode_gate = EngineGate(self._decode_capacity(), on_wait=metrics.decode_queue_waits.inc,
@@ -163,6 +164,7 @@ class Flow:
         intake.check_messages(body, int(self.config.max_messages))
         intake.check_types(body)
         plan = choices.plan(kind, body)
+        intake.check_choices(plan, int(self.config.max_choices))
         media_names = intake.check_media_urls(body, self.config.media_domains)
         intake.isolate(body, self.config.ensure_secret(), tenant)
         shared = encoded.base(body)  # the depth check (400 past it), before anything is hashed; the legs' bytes
@@ -361,7 +363,7 @@ class Flow:
     async def _dispatch(self, d: Dispatch, request: web.Request) -> Opened:
         """Both legs, with the retry budgets; returns the opened decode leg or raises UpstreamError."""
         if d.decode_slot is None:  # a migration's continuation (a prompt of a list) runs on the slot of its request
-            d.decode_slot = await self.decode_gate.enter(d.tenant, 1, self._decode_capacity())
+            d.decode_slot = await self.decode_gate.enter(d.tenant, d.plan.choices, self._decode_capacity())
         if d.plan.serving == Serving.DECODE_ALONE:  # no prefill leg: nothing of the prefill pool held
             return await self._attempts(d, request, None)
         params = await self._take(d)
@@ -488,11 +490,11 @@ class Flow:
         self._ttft[d.outcome].observe(d.ttft)
 
     async def _open(self, d: Dispatch, request: web.Request) -> Opened | fanout.Fanned:
-        """The request's decode legs, opened: one, or one per prompt of a list (``router.fanout``), which then share
-        the request's unit of the decode pool."""
+        """The request's decode legs, opened: one, or one per prompt of a list (``router.fanout``), which then holds
+        the decode-pool units of all its prompts at once."""
         if d.plan.serving != Serving.PER_PROMPT:
             return await self._dispatch(d, request)
-        d.decode_slot = await self.decode_gate.enter(d.tenant, 1, self._decode_capacity())
+        d.decode_slot = await self.decode_gate.enter(d.tenant, d.plan.choices, self._decode_capacity())
         subs = fanout.parts(d)
         try:
             return await fanout.open_all(subs, request, self._dispatch)

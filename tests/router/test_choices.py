@@ -1,19 +1,23 @@
-"""Requests of several sequences over fake engines (router.choices; issue #50).
+"""Requests of several sequences over fake engines (router.choices; issue #50, and #51 item 5).
 
 One P/D pair carries the KV of one engine request, so: ``n > 1``, beam search and ``best_of`` go to decode alone (no
 prefill leg, no kv_transfer_params), and a /v1/completions list of prompts is one P/D pair per prompt, the answers
-merged in vLLM's shape (streamed and not)."""
+merged in vLLM's shape (streamed and not). A request holds one unit of the decode pool per sequence it asks for, at
+most ``max_choices`` of them."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
 import pytest
 
 from router.app import FLOW, METRICS
+from router.auth import ApiKeys, parse_keys
 from tests.router.conftest import engines, router_over
 from tests.router.test_flow_fake import MSGS, chat
+from turnkv import params
 
 PROMPTS = ["the first prompt " * 20, "a second, different prompt " * 15, "third " * 40]
 TOKEN_PROMPTS = [[11, 12, 13, 14] * 10, [21, 22, 23] * 12, [31, 32] * 30]
@@ -184,3 +188,63 @@ async def test_the_translated_apis_carry_no_n(path, body):
         async with s.post(path, json=body) as resp:
             assert resp.status == 400 and "'n'" in (await resp.text())
         assert p[0].stats["requests"] == d[0].stats["requests"] == 0
+
+
+# -- max_choices and the decode pool's units ------------------------------------------------------------------------
+
+async def test_more_choices_than_max_choices_are_refused_400_naming_it():
+    default = int(params.get("max_choices").default)
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    async with router_over(p, d) as (s, _):
+        for answer in (await chat(s, conversation=None, n=default + 1),
+                       await complete(s, PROMPTS, n=default // 2),  # 3 prompts x 64
+                       await complete(s, ["p"] * (default + 1))):
+            error = answer["error"].get("error", answer["error"])  # chat() keeps the whole body
+            assert answer["status"] == 400 and error["limit"] == "max_choices", answer
+            assert f"max_choices is {default}" in error["message"]
+        assert (await chat(s, conversation=None, n=default))["status"] == 200
+        assert p[0].stats["requests"] == 0 and d[0].stats["requests"] == 1
+    async with router_over(engines(1, "prefill"), engines(1, "decode"),
+                           tunables={"max_choices": default * 2}) as (s, _):
+        assert (await chat(s, conversation=None, n=default + 1))["status"] == 200
+
+
+KEYS = ApiKeys(parse_keys('{"tenants": {"light": "light-key-0001", "heavy": "heavy-key-0001"}}'))
+LIGHT = {"Authorization": "Bearer light-key-0001"}
+HEAVY = {"Authorization": "Bearer heavy-key-0001"}
+PREFILL_OFF = int(params.get("prefill_fair_tokens").maximum)
+
+
+async def _in_flight(d, count: int) -> None:
+    for _ in range(50):
+        if d.stats["running"] >= count:
+            return
+        await asyncio.sleep(0.02)
+
+
+async def test_a_request_holds_one_decode_unit_per_sequence_it_asks_for():
+    """decode_fair_sequences 4: a heavy tenant's request of n 4 fills the pool, so its next request waits in the router
+    while a light tenant's goes at once (one unit per request let 65,536 sequences in with four requests of n
+    16,384). A list of prompts holds one per prompt; a request asking for more than the pool still goes, alone."""
+    p, d = engines(1, "prefill"), engines(1, "decode")
+    tunables = {"decode_fair_sequences": 4, "prefill_fair_tokens": PREFILL_OFF}
+    async with router_over(p, d, keys=KEYS, tunables=tunables) as (s, app):
+        gate = app[FLOW].decode_gate.queue
+        d[0].fault = {"delay": 0.6}
+        big = asyncio.create_task(chat(s, conversation=None, headers=HEAVY, n=4))
+        await _in_flight(d[0], 1)
+        assert gate.held("heavy") == 4
+        more = asyncio.create_task(chat(s, conversation=None, headers=HEAVY))
+        await asyncio.sleep(0.1)
+        assert gate.waiting_of("heavy") == 1 and d[0].stats["running"] == 1, "the heavy tenant's next one waits"
+        light = asyncio.create_task(chat(s, conversation=None, headers=LIGHT))
+        await _in_flight(d[0], 2)
+        assert d[0].stats["running"] == 2 and gate.waiting_of("light") == 0, "the light tenant's goes at once"
+        assert [(await t)["status"] for t in (big, more, light)] == [200] * 3
+        listed = asyncio.create_task(complete(s, PROMPTS, headers=LIGHT))
+        await _in_flight(d[0], 3)
+        assert gate.held("light") == 3
+        assert (await listed)["status"] == 200
+        d[0].fault = {}
+        assert (await chat(s, conversation=None, headers=HEAVY, n=40))["status"] == 200, "more than the pool: alone"
+        assert gate.total == 0 and gate.waiting == 0
