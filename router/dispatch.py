@@ -75,5 +75,6 @@ class Dispatch:
     #: How the request is served and how many sequences it asks decode for (``router.choices``): one P/D pair, decode
     #: alone, or one P/D pair per prompt; its ``choices`` are the units it holds of the decode pool.
     plan: Plan = ONE
-    #: The body less the legs' own fields, serialised once (``router.encoded``); None: not yet.
+    #: The body less the legs' own fields, serialised once at intake (``router.encoded``); None: not made (a small
+    #: body, serialised whole by each leg).
     encoded: bytes | None = None

@@ -151,7 +151,9 @@ class Flow:
     # -- request intake -------------------------------------------------------------------------
 
     def prepare(self, kind: RequestKind, path: str, request: web.Request, body: Any, tenant: str = "",
-                size: int = 0, api: apis.Translation | None = None) -> Dispatch:
+                size: int = 0, api: apis.Translation | None = None, nesting: int | None = None) -> Dispatch:
+        """The request's dispatch, or RequestError / LimitError; ``nesting``: a bound of the body's depth (its braces
+        and brackets, ``router.body``; None: unknown)."""
         if not isinstance(body, dict):
             raise guard.RequestError("the request body must be a JSON object")
         body.pop("kv_transfer_params", None)  # engine metadata is never accepted from clients
@@ -167,7 +169,11 @@ class Flow:
         intake.check_choices(plan, int(self.config.max_choices))
         media_names = intake.check_media_urls(body, self.config.media_domains)
         intake.isolate(body, self.config.ensure_secret(), tenant)
-        shared = encoded.base(body)  # the depth check (400 past it), before anything is hashed; the legs' bytes
+        # The depth check (400 past it), before anything is hashed: the legs' shared bytes of a body large enough to
+        # splice, or of one that may nest too deep (a translation may nest deeper than the client's body)
+        shared = None
+        if nesting is None or nesting > encoded.MAX_DEPTH or size >= encoded.SHARE_MIN or api is not None:
+            shared = encoded.base(body)
         # a request of several sequences is no conversation turn: one prefill request's KV cannot serve it
         turn = guard.parse_turn(kind, body) if plan.serving == Serving.PD else None
         request_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))

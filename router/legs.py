@@ -132,42 +132,47 @@ class Opened:
             self.lease.release()
 
 
-def _shared(d: Dispatch) -> bytes:
-    """The client's body less the legs' own fields, serialised once per dispatch (``router.encoded``)."""
-    if d.encoded is None:
-        d.encoded = encoded.base(d.body)
-    return d.encoded
+def _shared(d: Dispatch) -> bytes | None:
+    """The bytes a leg's body is spliced into (``router.encoded``); None: the legs serialise the body whole (the intake
+    did not serialise it, or it is too small for splicing to pay)."""
+    return d.encoded if d.encoded is not None and len(d.encoded) >= encoded.SPLICE_MIN else None
 
 
-def prefill_body(d: Dispatch, params: Mapping[str, Any]) -> bytes:
+def prefill_body(d: Dispatch, params: Mapping[str, Any]) -> encoded.Parts:
     """The prefill leg's request: the client's, for one token and no stream, with the KV ``params``."""
-    fields: dict[str, Any] = {"max_tokens": 1}
+    shared = _shared(d)
+    if shared is None:  # the whole body, less what the leg must not send
+        body = dict(d.body)
+        body.pop("min_tokens", None)  # vLLM refuses min_tokens > max_tokens: the prefill leg makes one token
+        body.pop("stream_options", None)
+    else:  # the leg's fields only (the client's min_tokens and stream_options are left out)
+        body = {"return_token_ids": d.body["return_token_ids"]} if "return_token_ids" in d.body else {}
+    body["max_tokens"] = 1
     if "max_completion_tokens" in d.body:
-        fields["max_completion_tokens"] = 1
-    # min_tokens and stream_options left out: vLLM refuses min_tokens > max_tokens, and the leg streams nothing
+        body["max_completion_tokens"] = 1
     if d.migrate:
-        fields["return_token_ids"] = True  # the rendered prompt, to continue the stream elsewhere if decode dies
-    elif "return_token_ids" in d.body:
-        fields["return_token_ids"] = d.body["return_token_ids"]
-    fields["stream"] = False
-    fields["kv_transfer_params"] = params
-    return encoded.splice(_shared(d), fields)
+        body["return_token_ids"] = True  # the rendered prompt, to continue the stream elsewhere if decode dies
+    body["stream"] = False
+    body["kv_transfer_params"] = params
+    return orjson.dumps(body) if shared is None else encoded.splice(shared, body)
 
 
-def decode_body(d: Dispatch, params: Mapping[str, Any] | None) -> bytes:
+def decode_body(d: Dispatch, params: Mapping[str, Any] | None) -> encoded.Parts:
     """The decode leg's request: the client's, with prefill's (or push's) ``params``; None: decode alone, which
     computes the prompt itself (``router.choices``)."""
-    fields = {k: d.body[k] for k in encoded.LEG_FIELDS if k in d.body}
+    shared = _shared(d)
+    # the whole body, or the fields the shared bytes leave out: the client's own values of the legs' fields
+    body = dict(d.body) if shared is None else {k: d.body[k] for k in encoded.LEG_FIELDS if k in d.body}
     if d.migrate:
-        fields["return_token_ids"] = True  # the relay counts the tokens sent, to continue right after them
+        body["return_token_ids"] = True  # the relay counts the tokens sent, to continue right after them
     if params is not None:
         if d.retain:
             # A turn that can be continued: ask decode to keep its KV for the next turn (others pin nothing).
             params = {**params, wire.RETAIN: True}
             if d.tenant_tag:  # decode shares its retention among tenants by it and signs it into its offer
                 params[wire.TENANT] = d.tenant_tag
-        fields["kv_transfer_params"] = params
-    return encoded.splice(_shared(d), fields)
+        body["kv_transfer_params"] = params
+    return orjson.dumps(body) if shared is None else encoded.splice(shared, body)
 
 
 class Legs:
