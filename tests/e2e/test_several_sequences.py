@@ -19,8 +19,11 @@ from tests.e2e.client import OFF, metric, words
 
 pytestmark = pytest.mark.engines
 
-#: Requests the prefill engine has finished (each leg is one).
+#: Requests the prefill engine has finished (each leg is one; a leg of n children counts n).
 FINISHED = "vllm:request_success_total"
+#: What prefill logs when a decode worker reads blocks of a request it no longer holds (NixlConnector): what the n
+#: children of one P/D pair did, reading blocks prefill had freed at the first child's read.
+INVALID_READ = "Potentially invalid KV blocks for unrecognized request"
 
 
 def post(url: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> dict[str, Any]:
@@ -65,6 +68,11 @@ def prefill_legs(stack) -> float:
     return metric(stack["prefill-0"], FINISHED)
 
 
+def invalid_reads(stack) -> int:
+    """Reads of blocks prefill no longer held, as its log counts them so far."""
+    return (stack["state_dir"] / "logs" / "prefill-0.log").read_text(errors="replace").count(INVALID_READ)
+
+
 def single(body: dict[str, Any], **changes: Any) -> dict[str, Any]:
     """The request for one sequence, not streamed."""
     out = {**body, "stream": False, **changes}
@@ -82,7 +90,7 @@ def test_chat_with_n_answers_as_the_engine_alone_child_by_child(stack, n, stream
     body = {"model": "tiny", "messages": messages, "max_tokens": 24, "temperature": 1.0, "seed": seed,
             "return_token_ids": True, "n": n, "stream": stream,
             **({"stream_options": {"include_usage": True}} if stream else {})}
-    before = prefill_legs(stack)
+    before, invalid = prefill_legs(stack), invalid_reads(stack)
     routed = post(stack["router"], "/v1/chat/completions", body)
     legs = prefill_legs(stack) - before
     alone = post(stack["decode-0"], "/v1/chat/completions", body)  # the same request, no P/D
@@ -91,6 +99,7 @@ def test_chat_with_n_answers_as_the_engine_alone_child_by_child(stack, n, stream
         one = post(stack["decode-0"], "/v1/chat/completions", single(body, n=1, seed=seed + i))
         assert answers(routed)[i] == (i, *answers(one)[0][1:]), f"child {i} is the prompt alone with seed + {i}"
     assert legs == 0, "no prefill leg: its one request's KV cannot serve n children"
+    assert invalid_reads(stack) == invalid, "no child read blocks prefill had freed"
     if stream:
         assert routed["done"] == 1 and len(routed["ids"]) == 1
         assert routed["usage"]["completion_tokens"] == alone["usage"]["completion_tokens"]
@@ -109,12 +118,13 @@ def test_a_list_of_three_prompts_answers_as_the_engine_alone(stack, form, stream
                                  timeout=60).json()["tokens"] for t in texts]
     body = {"model": "tiny", "prompt": prompts, "max_tokens": 20, "temperature": 0, "return_token_ids": True,
             "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
-    before = prefill_legs(stack)
+    before, invalid = prefill_legs(stack), invalid_reads(stack)
     routed = post(stack["router"], "/v1/completions", body)
     legs = prefill_legs(stack) - before
     alone = post(stack["decode-0"], "/v1/completions", body)
     assert answers(routed) == answers(alone) and [c["index"] for c in routed["choices"]] == [0, 1, 2]
     assert legs == 3, "one prefill leg per prompt"
+    assert invalid_reads(stack) == invalid
     for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
         assert routed["usage"][key] == alone["usage"][key]
     for i, prompt in enumerate(prompts):
