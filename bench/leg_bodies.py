@@ -18,12 +18,14 @@ import orjson
 from router import encoded, legs
 from router.dispatch import Dispatch
 from router.guard import FRESH_PREFILL_PARAMS
-from router.outcomes import RequestKind
 
 #: What prefill answers in pull mode (decode's leg carries it).
 PREFILL_ANSWER = {**FRESH_PREFILL_PARAMS, "do_remote_prefill": True, "do_remote_decode": False,
                   "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "prefill-0", "remote_host": "10.0.0.1",
                   "remote_port": 5600, "remote_num_tokens": 4000}
+#: The request kind (``router.outcomes.RequestKind.CHAT``'s value: the legs' bodies do not read it; a bench takes no
+#: router internals beyond what it measures, tests/unit/test_client_protocol.py).
+CHAT: Any = "chat"
 #: Rounds, each way in turn (the best of each is printed: the machine's other load only adds).
 ROUNDS = 7
 #: The leg client's request head (``router.upstream``), joined with the body into one write.
@@ -66,7 +68,7 @@ def old_decode_body(d: Dispatch, params: dict[str, Any]) -> bytes:
 
 def whole(body: dict[str, Any], size: int, nesting: int) -> None:
     """Each leg copies the body, sets its fields and serialises it all (the router until 2026-12-07)."""
-    d = Dispatch(RequestKind.CHAT, "/v1/chat/completions", body, "r", None, None)
+    d = Dispatch(CHAT, "/v1/chat/completions", body, "r", None, None)
     for leg in (old_prefill_body(d, FRESH_PREFILL_PARAMS), old_decode_body(d, PREFILL_ANSWER)):
         b"".join([*HEAD, leg])
 
@@ -76,7 +78,7 @@ def spliced(body: dict[str, Any], size: int, nesting: int) -> None:
     head."""
     # as the intake decides (router.flow), from what read_json counted: the body's size and its braces and brackets
     shared = encoded.base(body) if size >= encoded.SHARE_MIN or nesting > encoded.MAX_DEPTH else None
-    d = Dispatch(RequestKind.CHAT, "/v1/chat/completions", body, "r", None, None, encoded=shared)
+    d = Dispatch(CHAT, "/v1/chat/completions", body, "r", None, None, encoded=shared)
     for body_or_parts in (legs.prefill_body(d, FRESH_PREFILL_PARAMS), legs.decode_body(d, PREFILL_ANSWER)):
         if isinstance(body_or_parts, bytes):  # as router.upstream writes it
             b"".join([*HEAD, body_or_parts])
