@@ -138,9 +138,9 @@ class Flow:
         self.engine_gate = EngineGate(self._gate_capacity(), on_wait=metrics.fair_queue_waits.inc)
         metrics.fair_queue_waiting.set_function(lambda: self.engine_gate.queue.waiting)
         # the decode pool's fair queue (decode_fair_sequences): a request holds one unit per sequence it asks for (n x
-        # prompts, router.choices) until its answer ends. A
-        # tenant alone is held to it too: decode runs no more sequences at once, so what waits here instead of in
-        # decode's first-come queue costs it nothing, and the next tenant to come is not behind it there.
+        # prompts, router.choices) until its answer ends. A tenant alone is held to it too: decode runs no more
+        # sequences at once, so what waits here instead of in decode's first-come queue costs it nothing, and the next
+        # tenant to come is not behind it there.
         self.decode_gate = EngineGate(self._decode_capacity(), on_wait=metrics.decode_queue_waits.inc,
                                       alone_exempt=False)
         metrics.decode_queue_waiting.set_function(lambda: self.decode_gate.queue.waiting)
