@@ -30,7 +30,11 @@ It returns what real vLLM + turnkv's connector return, and keeps what they keep,
 - push mode pairs decode's registration with prefill's KV by request id, as upstream does (a second
   registration under the same id replaces the first), so colliding ids cross KV between requests;
 - decode's reply names the KV it decoded from (``kv-<digest of the prompt>``): a crossed push shows;
-- ``min_tokens`` above ``max_tokens`` is refused with 400, as vLLM does.
+- ``min_tokens`` above ``max_tokens`` is refused with 400, as vLLM does;
+- a stream asked for usage (``stream_options.include_usage``) ends with vLLM's usage-only chunk.
+
+It answers one prompt and one sequence per request (a list prompt is one prompt to it, ``n`` is not read): the router
+must split lists and keep ``n`` from P/D pairs itself (``router.choices``), and tests check what the engines were sent.
 """
 
 from __future__ import annotations
@@ -365,16 +369,19 @@ class FakeEngine:
         head = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": created, "model": body.get("model", "fake")}
         die_after = 1 if fault.get("die_after_first") else int(fault.get("die_after") or 0)
+        options = body.get("stream_options") or {}
+        usage = ({"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + n, "completion_tokens": n}
+                 if options.get("include_usage") else None)  # vLLM's last chunk when asked for (before the params')
         stream = (request, response, words, tokens, ids, head, chat, with_ids, fault, die_after, out_params)
         if self._decode_clock is None:
-            return await self._stream(*stream, None)
+            return await self._stream(*stream, None, usage)
         async with contextlib.aclosing(self._decode_clock.tokens(len(words))) as steps:
-            return await self._stream(*stream, steps)
+            return await self._stream(*stream, steps, usage)
 
     async def _stream(self, request: web.Request, response: web.StreamResponse, words: list[str], tokens: list[int],
                       ids: list[int], head: dict[str, Any], chat: bool, with_ids: bool, fault: dict[str, Any],
                       die_after: int, out_params: dict[str, Any] | None,
-                      steps: AsyncIterator[int] | None) -> web.StreamResponse:
+                      steps: AsyncIterator[int] | None, usage: dict[str, int] | None = None) -> web.StreamResponse:
         """Stream ``words`` as SSE events: one write per event (``event_writes``, a token delay, or engine time,
         where each token waits for its decode step), else all at once."""
         parts: list[bytes] = []
@@ -408,6 +415,8 @@ class FakeEngine:
                 await response.write(b"".join(parts))
                 parts.clear()
                 await asyncio.sleep(float(fault.get("token_delay") or 0))
+        if usage is not None:
+            parts.append(b"data: " + orjson.dumps({**head, "choices": [], "usage": usage}) + b"\n\n")
         if out_params:  # ``sse_nospace``: ``data:`` with no space, which the SSE spec allows
             parts.append((b"data:" if fault.get("sse_nospace") else b"data: ")
                          + orjson.dumps({**head, "choices": [], "kv_transfer_params": out_params}) + b"\n\n")

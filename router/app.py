@@ -25,7 +25,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router import apis, guard, intake, limits, telemetry
+from router import apis, encoded, guard, intake, limits, telemetry
 from router.apis import stored
 from router.apis.messages import MessagesTranslation
 from router.apis.responses import ResponsesTranslation
@@ -162,14 +162,16 @@ def _completion_handler(path: str, kind: RequestKind, translation: type[apis.Tra
                 return error_response(429, f"too many requests in flight for {who}; retry shortly",
                                       "rate_limit_exceeded", headers={"Retry-After": "1"})
             try:
-                body, size = await read_json(request, tenant, app[BODY_BUDGET], config, app[BODY_RATE])
+                body, size, nesting = await read_json(request, tenant, app[BODY_BUDGET], config, app[BODY_RATE])
                 if isinstance(body, dict):
                     intake.check_messages(body, int(config.max_messages))  # before translating or hashing them
                 charge_messages(body, tenant, app[MESSAGE_RATE], config)
                 flow = app[FLOW]
                 if translation is None:
-                    dispatch = flow.prepare(kind, path, request, body, tenant, size)
+                    dispatch = flow.prepare(kind, path, request, body, tenant, size, nesting=nesting)
                 else:
+                    if nesting > encoded.MAX_DEPTH:  # the depth check (400) before a translation serialises a part
+                        encoded.dumps(body)
                     if translation is ResponsesTranslation and isinstance(body, dict) \
                             and body.get("previous_response_id"):
                         prior = await flow.responses.load(tenant, body["previous_response_id"])
@@ -227,8 +229,10 @@ async def _lease(request: web.Request, meter: limits.Meter) -> web.Response:
             raise LimitError(429, "tenant_lease_rate", "too many lease renewals for this API key; slow down",
                              retry_after=flow.lease_rate.retry_after(rate))
         charge_budgets(request.app, tenant)  # and the loop and request rate shares, as every tenant route
-        body, _ = await read_json(request, tenant, request.app[BODY_BUDGET], flow.config)
+        body, _, nesting = await read_json(request, tenant, request.app[BODY_BUDGET], flow.config)
         intake.check_messages(body if isinstance(body, dict) else {}, int(flow.config.max_messages))
+        if nesting > encoded.MAX_DEPTH:  # the depth check (400) before its messages are hashed
+            encoded.dumps(body)
         return await renew(flow, request, body, tenant)
     except LimitError as exc:
         request.app[METRICS].admission_refused.labels(exc.limit).inc()

@@ -27,8 +27,10 @@ LINGER_BYTES = 1024 * 1024
 
 
 async def read_json(request: web.Request, tenant: str, budget: ByteBudget, tunables: Any,
-                    byte_rate: FairRate | None = None) -> tuple[Any, int]:
-    """The parsed JSON body and its size; LimitError (413, 429, 408) naming the limit it would break."""
+                    byte_rate: FairRate | None = None) -> tuple[Any, int, int]:
+    """The parsed JSON body, its size, and a bound of its nesting depth (its ``{`` and ``[`` bytes, counted as it
+    arrives: a body with no more of them nests no deeper, ``router.encoded``); LimitError (413, 429, 408) naming the
+    limit it would break."""
     max_body = int(tunables.max_body_bytes)
     length = request.content_length
     if length is not None and length > max_body:
@@ -61,7 +63,7 @@ async def read_json(request: web.Request, tenant: str, budget: ByteBudget, tunab
         if length is not None:
             reserve(length)
         parts: list[bytes] = []
-        size = objects = 0
+        size = objects = arrays = 0
         most = 16 * int(tunables.max_messages)
         try:
             async with asyncio.timeout(float(tunables.body_read_timeout)):
@@ -75,6 +77,7 @@ async def read_json(request: web.Request, tenant: str, budget: ByteBudget, tunab
                     # an upper bound of the objects, counted at C speed as the body arrives: a flood is refused
                     # at its 16 x max_messages-th object, never parsed, and the rest of it never read
                     objects += chunk.count(b"{")
+                    arrays += chunk.count(b"[")
                     if objects > most:
                         raise LimitError(413, "max_messages", f"the request body holds more than {most} JSON "
                                                               f"objects; at most {most} (16 x max_messages) are parsed")
@@ -87,7 +90,7 @@ async def read_json(request: web.Request, tenant: str, budget: ByteBudget, tunab
         if not raw:
             raise RequestError("the request body is empty; send a JSON object")
         try:
-            return orjson.loads(raw), len(raw)
+            return orjson.loads(raw), len(raw), objects + arrays
         except orjson.JSONDecodeError as exc:
             raise RequestError(f"the request body is not valid JSON: {exc}") from None
     finally:

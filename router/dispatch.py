@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router import apis, guard, hints
+from router.choices import ONE, Plan
 from router.engines import Engine
 from router.fairqueue import Ticket
 from router.outcomes import RequestKind, ReuseOutcome
@@ -71,3 +72,9 @@ class Dispatch:
     #: Gives the request's share of the prefill pool back (``router.flow``): an answer that is not streamed shows no
     #: first token, so its share goes back when prefill has answered instead of when the whole answer has.
     prefill_share_done: Callable[[], None] | None = None
+    #: How the request is served and how many sequences it asks decode for (``router.choices``): one P/D pair, decode
+    #: alone, or one P/D pair per prompt; its ``choices`` are the units it holds of the decode pool.
+    plan: Plan = ONE
+    #: The body less the legs' own fields, serialised once at intake (``router.encoded``); None: not made (a small
+    #: body, serialised whole by each leg).
+    encoded: bytes | None = None

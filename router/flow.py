@@ -36,8 +36,25 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router import apis, guard, hints, intake, limits, media, migrate, retry, savings, telemetry, upstream
+from router import (
+    apis,
+    choices,
+    encoded,
+    fanout,
+    guard,
+    hints,
+    intake,
+    limits,
+    media,
+    merge,
+    migrate,
+    retry,
+    savings,
+    telemetry,
+    upstream,
+)
 from router.apis import stored
+from router.choices import Serving
 from router.config import RouterConfig
 from router.dispatch import Dispatch
 from router.enginegate import EngineGate
@@ -116,6 +133,7 @@ class Flow:
         self.legs = Legs(config, pool, metrics, self.legs_client, self.prefill_rate, forward_auth=forward_auth)
         self.relay = Relay(config, metrics, dispatch=self._dispatch, store_reply=self._store_reply,
                            first_token=self._first_token)
+        self.fanin = fanout.FanIn(config, metrics, self._first_token)  # a list of prompts' streams, merged
         self.emf = emf or telemetry.EmfWriter()
         # Prometheus children resolved once (labels() takes a lock and a dict lookup per call)
         self._ttft = {o: metrics.ttft.labels(o) for o in telemetry.OUTCOMES}
@@ -127,19 +145,23 @@ class Flow:
         # the prefill pool's fair queue (prefill_fair_tokens)
         self.engine_gate = EngineGate(self._gate_capacity(), on_wait=metrics.fair_queue_waits.inc)
         metrics.fair_queue_waiting.set_function(lambda: self.engine_gate.queue.waiting)
-        # the decode pool's fair queue (decode_fair_sequences): a request holds one unit until its answer ends. A
-        # tenant alone is held to it too: decode runs no more sequences at once, so what waits here instead of in
-        # decode's first-come queue costs it nothing, and the next tenant to come is not behind it there.
+        # the decode pool's fair queue (decode_fair_sequences): a request holds one unit per sequence it asks for (n x
+        # prompts, router.choices) until its answer ends. A tenant alone is held to it too: decode runs no more
+        # sequences at once, so what waits here instead of in decode's first-come queue costs it nothing, and the next
+        # tenant to come is not behind it there.
         self.decode_gate = EngineGate(self._decode_capacity(), on_wait=metrics.decode_queue_waits.inc,
                                       alone_exempt=False)
         metrics.decode_queue_waiting.set_function(lambda: self.decode_gate.queue.waiting)
         self.hint_sources = hints.parse_sources(config.session_hints)
         self._hint_counts = {s: metrics.session_hints.labels(s.label) for s in self.hint_sources}
+        self._several = {s: metrics.several_sequences.labels(s) for s in Serving if s != Serving.PD}
 
     # -- request intake -------------------------------------------------------------------------
 
     def prepare(self, kind: RequestKind, path: str, request: web.Request, body: Any, tenant: str = "",
-                size: int = 0, api: apis.Translation | None = None) -> Dispatch:
+                size: int = 0, api: apis.Translation | None = None, nesting: int | None = None) -> Dispatch:
+        """The request's dispatch, or RequestError / LimitError; ``nesting``: a bound of the body's depth (its braces
+        and brackets, ``router.body``; None: unknown)."""
         if not isinstance(body, dict):
             raise guard.RequestError("the request body must be a JSON object")
         body.pop("kv_transfer_params", None)  # engine metadata is never accepted from clients
@@ -151,9 +173,17 @@ class Flow:
             body.pop(own, None)
         intake.check_messages(body, int(self.config.max_messages))
         intake.check_types(body)
+        plan = choices.plan(kind, body)
+        intake.check_choices(plan, int(self.config.max_choices))
         media_names = intake.check_media_urls(body, self.config.media_domains)
         intake.isolate(body, self.config.ensure_secret(), tenant)
-        turn = guard.parse_turn(kind, body)
+        # The depth check (400 past it), before anything is hashed: the legs' shared bytes of a body large enough to
+        # splice, or of one that may nest too deep (a translation may nest deeper than the client's body)
+        shared = None
+        if nesting is None or nesting > encoded.MAX_DEPTH or size >= encoded.SHARE_MIN or api is not None:
+            shared = encoded.base(body)
+        # a request of several sequences is no conversation turn: one prefill request's KV cannot serve it
+        turn = guard.parse_turn(kind, body) if plan.serving == Serving.PD else None
         request_id = client_request_id(request.headers.get(REQUEST_ID_HEADER))
         key = None
         storable = turn is not None
@@ -167,8 +197,11 @@ class Flow:
         d = Dispatch(kind, path, body, request_id, turn, key, started=time.perf_counter(), tenant=tenant,
                      tokens=size // 4, stream=bool(body.get("stream")), leg_request_id=new_leg_id(), hint=hint,
                      storable=storable, media_names=media_names,
-                     tenant_tag=tenant_tag(self.config.ensure_secret(), tenant))
-        d.migrate = int(self.config.decode_migrations) > 0 and migrate.migratable(kind, body)
+                     tenant_tag=tenant_tag(self.config.ensure_secret(), tenant), plan=plan, encoded=shared)
+        d.migrate = (int(self.config.decode_migrations) > 0 and plan.serving == Serving.PD
+                     and migrate.migratable(kind, body))
+        if plan.serving != Serving.PD:
+            self._several[plan.serving].inc()
         if api is not None:  # the engines speak chat; a continuation is translated like the rest of the stream
             d.api, d.route = api, api.route
         if hint is not None:
@@ -357,8 +390,10 @@ class Flow:
 
     async def _dispatch(self, d: Dispatch, request: web.Request) -> Opened:
         """Both legs, with the retry budgets; returns the opened decode leg or raises UpstreamError."""
-        if d.decode_slot is None:  # a migration's continuation runs on the slot of the stream it continues
-            d.decode_slot = await self.decode_gate.enter(d.tenant, 1, self._decode_capacity())
+        if d.decode_slot is None:  # a migration's continuation (a prompt of a list) runs on the slot of its request
+            d.decode_slot = await self.decode_gate.enter(d.tenant, d.plan.choices, self._decode_capacity())
+        if d.plan.serving == Serving.DECODE_ALONE:  # no prefill leg: nothing of the prefill pool held
+            return await self._attempts(d, request, None)
         params = await self._take(d)
         d.retain = self._may_retain(d)
         # Until decode's first token the request holds its share of the prefill pool (router.fairqueue): the tokens
@@ -380,7 +415,8 @@ class Flow:
     async def _attempts(self, d: Dispatch, request: web.Request, params: dict[str, Any] | None) -> Opened:
         tried: dict[str, list[Engine]] = {"prefill": [], "decode": list(d.avoid_decode)}
         budget = {"prefill": int(self.config.prefill_retries), "decode": int(self.config.decode_retries)}
-        attempt = self.legs.push if self.config.mode == "push" else self.legs.pull
+        attempt = (self.legs.alone if d.plan.serving == Serving.DECODE_ALONE else
+                   self.legs.push if self.config.mode == "push" else self.legs.pull)
         while True:
             try:
                 opened = await attempt(d, request, params, tried)
@@ -481,14 +517,33 @@ class Flow:
         d.ttft = time.perf_counter() - d.started
         self._ttft[d.outcome].observe(d.ttft)
 
+    async def _open(self, d: Dispatch, request: web.Request) -> Opened | fanout.Fanned:
+        """The request's decode legs, opened: one, or one per prompt of a list (``router.fanout``), which then holds
+        the decode-pool units of all its prompts at once."""
+        if d.plan.serving != Serving.PER_PROMPT:
+            return await self._dispatch(d, request)
+        d.decode_slot = await self.decode_gate.enter(d.tenant, d.plan.choices, self._decode_capacity())
+        subs = fanout.parts(d)
+        try:
+            return await fanout.open_all(subs, request, self._dispatch)
+        finally:
+            fanout.tally(d, subs)
+
     async def _run_unary(self, d: Dispatch, request: web.Request) -> web.StreamResponse:
         try:
-            opened = await self._dispatch(d, request)
+            opened = await self._open(d, request)
         except UpstreamError as exc:
             return self._upstream_error(d, exc)
         except NoEngineError as exc:
             d.error = str(exc)
             return error_response(503, str(exc), "service_unavailable", headers=self._reply_headers(d))
+        if isinstance(opened, fanout.Fanned):
+            answers = [orjson.loads(o.raw) for o in opened.opened]
+            for answer in answers:
+                answer.pop("kv_transfer_params", None)
+            self._first_token(d)
+            return web.Response(body=orjson.dumps(merge.unary(answers)), content_type="application/json",
+                                headers=self._reply_headers(d))
         result = orjson.loads(opened.raw)
         kv = result.pop("kv_transfer_params", None)
         self._first_token(d)
@@ -506,10 +561,10 @@ class Flow:
         keepalive = Keepalive(request, {REQUEST_ID_HEADER: d.request_id, "Content-Type": "text/event-stream",
                                         "Cache-Control": "no-cache"}, float(self.config.sse_keepalive),
                               float(self.config.write_timeout))
-        opened: Opened | None = None
+        opened: Opened | fanout.Fanned | None = None
         try:
             try:
-                opened = await self._dispatch(d, request)
+                opened = await self._open(d, request)
             except (UpstreamError, NoEngineError) as exc:
                 response = await keepalive.stop()
                 if response is None:
@@ -528,6 +583,8 @@ class Flow:
                 response = SseResponse(headers={**self._reply_headers(d), "Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
                 await response.prepare(request)
+            if isinstance(opened, fanout.Fanned):
+                return await self.fanin.stream(d, response, opened, early, request)
             return await self.relay.stream(d, response, opened, early, request)
         finally:
             await keepalive.stop()

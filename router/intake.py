@@ -4,6 +4,8 @@ and the engine cache keys a client may name rewritten per tenant.
 Runs before the conversation store is touched, so a refused request consumes nothing stored:
 - sampling and length fields have the types the router (and vLLM) read them as; otherwise 400 naming the field;
 - at most ``max_messages`` messages (each is hashed on the event loop); otherwise 413 naming the limit;
+- at most ``max_choices`` sequences (n x prompts, ``router.choices``: what the request holds of the decode pool);
+  otherwise 400 naming the limit;
 - media URLs naming a loopback, private, link-local or reserved address in any form a resolver reads
   (``169.254.169.254``, ``2852039166``, ``0xa9fea9fe``, ``127.1``, ``[::ffff:127.0.0.1]``: ``turnkv.media``) are
   refused (400): the engines would fetch them from inside the VPC; DNS names are resolved next (``router.media``);
@@ -17,17 +19,19 @@ import math
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
+from router.choices import Plan
 from router.guard import RequestError, keyed_digest
 from turnkv.media import MediaURLError, media_host
 
 #: Fields read as integers (``None`` means unset); a bool is not one.
-INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "truncate_prompt_tokens", "seed",
+INT_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "best_of", "truncate_prompt_tokens", "seed",
               "top_k", "top_logprobs")  # ``logprobs``: a bool in chat, an int in completions (the engine checks)
 #: Integer fields where a negative value means something to vLLM (-1: off / no limit; any seed).
 SIGNED_INT_FIELDS = ("seed", "top_k", "truncate_prompt_tokens")
 #: Fields read as finite numbers.
 NUMBER_FIELDS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
-BOOL_FIELDS = ("stream", "echo", "add_generation_prompt", "continue_final_message", "add_special_tokens")
+BOOL_FIELDS = ("stream", "echo", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+               "use_beam_search", "return_token_ids")
 STRING_FIELDS = ("model", "cache_salt")
 
 
@@ -60,6 +64,18 @@ def check_types(body: Mapping[str, Any]) -> None:
         value = body.get(name)
         if value is not None and not isinstance(value, str):
             raise RequestError(f"'{name}' must be a string")
+    options = body.get("stream_options")  # a leg's own field (router.encoded): an object of flags, as vLLM reads it
+    if options is not None and (not isinstance(options, dict)
+                                or any(v is not None and not isinstance(v, bool) for v in options.values())):
+        raise RequestError("'stream_options' must be an object of true/false values")
+
+
+def check_choices(plan: Plan, max_choices: int) -> None:
+    """LimitError (400) when a request asks for more than ``max_choices`` sequences (n x prompts)."""
+    if plan.choices > max_choices:
+        how = f"'n' is {plan.n}" if plan.prompts == 1 else f"'n' {plan.n} x {plan.prompts} prompts"
+        raise LimitError(400, "max_choices", f"this request asks for {plan.choices} choices ({how}); max_choices is "
+                                             f"{max_choices}")
 
 
 def check_messages(body: Mapping[str, Any], max_messages: int) -> None:

@@ -24,7 +24,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router import guard, migrate, sse, telemetry, upstream
+from router import encoded, guard, migrate, sse, telemetry, upstream
 from router.config import RouterConfig
 from router.dispatch import Dispatch
 from router.engines import Engine, EnginePool, Lease, PushIdentity, prefix
@@ -132,34 +132,47 @@ class Opened:
             self.lease.release()
 
 
-def prefill_body(d: Dispatch, params: Mapping[str, Any]) -> bytes:
+def _shared(d: Dispatch) -> bytes | None:
+    """The bytes a leg's body is spliced into (``router.encoded``); None: the legs serialise the body whole (the intake
+    did not serialise it, or it is too small for splicing to pay)."""
+    return d.encoded if d.encoded is not None and len(d.encoded) >= encoded.SPLICE_MIN else None
+
+
+def prefill_body(d: Dispatch, params: Mapping[str, Any]) -> encoded.Parts:
     """The prefill leg's request: the client's, for one token and no stream, with the KV ``params``."""
-    body = dict(d.body)
+    shared = _shared(d)
+    if shared is None:  # the whole body, less what the leg must not send
+        body = dict(d.body)
+        body.pop("min_tokens", None)  # vLLM refuses min_tokens > max_tokens: the prefill leg makes one token
+        body.pop("stream_options", None)
+    else:  # the leg's fields only (the client's min_tokens and stream_options are left out)
+        body = {"return_token_ids": d.body["return_token_ids"]} if "return_token_ids" in d.body else {}
     body["max_tokens"] = 1
-    if "max_completion_tokens" in body:
+    if "max_completion_tokens" in d.body:
         body["max_completion_tokens"] = 1
-    body.pop("min_tokens", None)  # vLLM refuses min_tokens > max_tokens: the prefill leg makes one token
     if d.migrate:
         body["return_token_ids"] = True  # the rendered prompt, to continue the stream elsewhere if decode dies
     body["stream"] = False
-    body.pop("stream_options", None)
     body["kv_transfer_params"] = params
-    return orjson.dumps(body)
+    return orjson.dumps(body) if shared is None else encoded.splice(shared, body)
 
 
-def decode_body(d: Dispatch, params: Mapping[str, Any]) -> bytes:
-    """The decode leg's request: the client's, with prefill's (or push's) ``params``."""
-    body = dict(d.body)
-    if d.retain:
-        # A turn that can be continued: ask decode to keep its KV for the next turn (others pin nothing).
-        params = {**params, wire.RETAIN: True}
-        if d.tenant_tag:  # decode shares its retention among tenants by it and signs it into its offer
-            params[wire.TENANT] = d.tenant_tag
+def decode_body(d: Dispatch, params: Mapping[str, Any] | None) -> encoded.Parts:
+    """The decode leg's request: the client's, with prefill's (or push's) ``params``; None: decode alone, which
+    computes the prompt itself (``router.choices``)."""
+    shared = _shared(d)
+    # the whole body, or the fields the shared bytes leave out: the client's own values of the legs' fields
+    body = dict(d.body) if shared is None else {k: d.body[k] for k in encoded.LEG_FIELDS if k in d.body}
     if d.migrate:
         body["return_token_ids"] = True  # the relay counts the tokens sent, to continue right after them
-    body["kv_transfer_params"] = params
-    return orjson.dumps(body)
-
+    if params is not None:
+        if d.retain:
+            # A turn that can be continued: ask decode to keep its KV for the next turn (others pin nothing).
+            params = {**params, wire.RETAIN: True}
+            if d.tenant_tag:  # decode shares its retention among tenants by it and signs it into its offer
+                params[wire.TENANT] = d.tenant_tag
+        body["kv_transfer_params"] = params
+    return orjson.dumps(body) if shared is None else encoded.splice(shared, body)
 
 
 class Legs:
@@ -280,7 +293,7 @@ class Legs:
             d.outcome = ReuseOutcome.TOKEN_MISMATCH
 
     async def open_decode(self, d: Dispatch, request: web.Request, engine: Engine,
-                          params: Mapping[str, Any]) -> Opened:
+                          params: Mapping[str, Any] | None) -> Opened:
         """Send the decode leg and wait for its first token (stream) or its whole answer (unary)."""
         t0 = time.perf_counter()
         lease = self.pool.lease(engine, d.tokens)
@@ -338,6 +351,15 @@ class Legs:
                                 tokens=d.tokens)
         d.decode_engine = decode.name
         return await self.open_decode(d, request, decode, kv)
+
+    async def alone(self, d: Dispatch, request: web.Request, params: dict[str, Any] | None,
+                    tried: dict[str, list[Engine]]) -> Opened:
+        """One attempt with decode alone, which computes the prompt itself: a request of several sequences, which
+        one prefill request's KV cannot serve (``router.choices``). No ``kv_transfer_params``, in either mode."""
+        decode = self.pool.pick("decode", exclude=tried["decode"], prefer="" if tried["decode"] else d.affinity,
+                                tokens=d.tokens)
+        d.decode_engine = decode.name
+        return await self.open_decode(d, request, decode, None)
 
     async def push(self, d: Dispatch, request: web.Request, params: dict[str, Any] | None,
                    tried: dict[str, list[Engine]]) -> Opened:

@@ -91,7 +91,7 @@ class Relay:
         tail: list[bytes] = []
         lines = sse.LineCollector()
         try:
-            async for chunk in _chunks(opened.first, opened.resp):
+            async for chunk in chunks(opened.first, opened.resp):
                 out = []  # one write per chunk received, not per line
                 events = False  # whether this chunk carries an event (not only separators or comments)
                 for line in lines.feed(chunk):
@@ -124,13 +124,13 @@ class Relay:
                 if reply.complete:  # [DONE] seen: the rest goes out with the end of the stream
                     tail.extend(out)
                 elif out:
-                    await _client_write(response, b"".join(out), deadline=deadline)
+                    await client_write(response, b"".join(out), deadline=deadline)
             if rest := lines.flush():
                 fed = reply.feed(rest)
                 if fed:
                     tail.append(fed if api is None else api.stream_line(fed))
-            await _client_write(response, b"".join(tail), eof=True, deadline=deadline)
-        except _ClientGone as gone:
+            await client_write(response, b"".join(tail), eof=True, deadline=deadline)
+        except ClientGone as gone:
             self.metrics.client_disconnects.inc()
             d.status, d.error = 499, "client disconnected"
             if gone.slow:
@@ -144,8 +144,8 @@ class Relay:
             error = f"decode engine {opened.engine.name} failed mid-stream: {exc or type(exc).__name__}"
             log.warning("%s", error)
             if reply.complete:  # [DONE] had arrived: only the end of the stream is missing
-                with contextlib.suppress(_ClientGone):
-                    await _client_write(response, b"".join(tail), eof=True, deadline=deadline)
+                with contextlib.suppress(ClientGone):
+                    await client_write(response, b"".join(tail), eof=True, deadline=deadline)
                 return response
             if state is not None and await self._migrate(d, request, response, opened.engine, state, deadline):
                 return response
@@ -186,7 +186,7 @@ class Relay:
                 if await self._continuation(response, opened, state, deadline, d.api):
                     self.metrics.migrations.labels("continued").inc()
                     return True
-            except _ClientGone:
+            except ClientGone:
                 return True  # the client left: nothing more to send
             finally:
                 opened.close()
@@ -202,7 +202,7 @@ class Relay:
         assert opened.resp is not None
         lines = sse.LineCollector()
         try:
-            async for chunk in _chunks(opened.first, opened.resp):
+            async for chunk in chunks(opened.first, opened.resp):
                 out = []
                 for line in lines.feed(chunk):
                     payload = sse.data_of(line)
@@ -211,7 +211,7 @@ class Relay:
                     if payload == sse.DONE:
                         done = b"data: [DONE]\n\n"
                         out.append(done if api is None else api.stream_line(done))
-                        await _client_write(response, b"".join(out), eof=True, deadline=deadline)
+                        await client_write(response, b"".join(out), eof=True, deadline=deadline)
                         return True
                     try:
                         rewritten = state.rewrite(orjson.loads(payload))
@@ -220,13 +220,13 @@ class Relay:
                     if rewritten is not None:
                         out.append(rewritten if api is None else api.stream_line(rewritten))
                 if out:
-                    await _client_write(response, b"".join(out), deadline=deadline)
+                    await client_write(response, b"".join(out), deadline=deadline)
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("continuation on %s failed too: %s", opened.engine.name, exc or type(exc).__name__)
         return False
 
 
-class _ClientGone(Exception):
+class ClientGone(Exception):
     """Writing to the client failed: it went away, or did not read within the write deadline (``slow``)."""
 
     def __init__(self, slow: bool = False) -> None:
@@ -234,18 +234,18 @@ class _ClientGone(Exception):
         self.slow = slow
 
 
-async def _client_write(response: web.StreamResponse, data: bytes, eof: bool = False, *,
+async def client_write(response: web.StreamResponse, data: bytes, eof: bool = False, *,
                         deadline: WriteDeadline) -> None:
-    """Write to the client within the stream's deadline; _ClientGone when it went away or did not read."""
+    """Write to the client within the stream's deadline; ClientGone when it went away or did not read."""
     try:
         await deadline.run(response.write_eof(data) if eof else response.write(data))
     except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
-        raise _ClientGone() from exc
+        raise ClientGone() from exc
     except TimeoutError as exc:
-        raise _ClientGone(slow=True) from exc
+        raise ClientGone(slow=True) from exc
 
 
-async def _chunks(first: bytes, rest: upstream.EngineResponse) -> AsyncIterator[bytes]:
+async def chunks(first: bytes, rest: upstream.EngineResponse) -> AsyncIterator[bytes]:
     """The stream as it comes: what opening the decode leg already read, then the rest."""
     if first:
         yield first

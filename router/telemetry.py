@@ -161,6 +161,10 @@ class Metrics:
         self.push_dispatch = Counter("turnkv_router_push_dispatches",
                                      "Push-mode dispatches: concurrent (identity known) or serial.", ["kind"],
                                      registry=r)
+        self.several_sequences = Counter(
+            "turnkv_router_several_sequences", "Requests of several sequences (n > 1, beam search, best_of, a list of "
+            "prompts), which one P/D pair cannot serve, by how they were served: decode_alone or per_prompt "
+            "(router.choices).", ["served"], registry=r)
         # What reuse saved (router.savings): prefill seconds and dollars per tenant, and per 1,000 turns.
         self.turns = Counter(mn.PROM_TURNS, "Requests served (turns), by tenant ('default' without API keys): the "
                              "denominator of the savings per 1,000 turns.", ["tenant"], registry=r)

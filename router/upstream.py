@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import errno
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -257,19 +257,24 @@ class LegClient:
             self._targets[base_url] = target
         return target
 
-    async def post(self, base_url: str, path: str, body: bytes, headers: Mapping[str, str], *,
-                   read_timeout: float | None = None, total_timeout: float | None = None) -> EngineResponse:
-        """POST ``body`` to the engine at ``base_url``; returns once the answer's headers are in."""
+    async def post(self, base_url: str, path: str, body: bytes | Sequence[bytes | memoryview],
+                   headers: Mapping[str, str], *, read_timeout: float | None = None,
+                   total_timeout: float | None = None) -> EngineResponse:
+        """POST ``body`` (bytes, or parts joined in order: ``router.encoded``) to the engine at ``base_url``; returns
+        once the answer's headers are in."""
         key, prefix, host = self._target(base_url)
         loop = self._running_loop()
         deadline = None if total_timeout is None else loop.time() + total_timeout
+        parts = (body,) if isinstance(body, bytes) else body
+        size = len(body) if isinstance(body, bytes) else sum(map(len, parts))
         lines = [b"POST ", prefix, path.encode(), b" HTTP/1.1\r\nHost: ", host,
-                 b"\r\nContent-Length: ", str(len(body)).encode(), b"\r\n"]
+                 b"\r\nContent-Length: ", str(size).encode(), b"\r\n"]
         for name, value in headers.items():
             if "\r" in value or "\n" in value:
                 raise ValueError(f"header {name} has a line break")
             lines += [name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n"]
-        lines += [b"\r\n", body]
+        lines.append(b"\r\n")
+        lines.extend(parts)
         request = b"".join(lines)
         for attempt in (0, 1):
             conn, reused = self._idle_connection(key)

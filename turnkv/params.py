@@ -194,15 +194,21 @@ CATALOG: tuple[Tunable, ...] = (
             "and the tenant with the most in flight waits first. About one prefill step: set it to the engines' "
             "max_num_batched_tokens (vLLM's default is 2048 on GPUs under 70 GiB, 8192 on H100/H200), two steps if "
             "prefill engines idle under contention. The maximum switches it off."),
-    Tunable("decode_fair_sequences", VLLM_MAX_NUM_SEQS_LARGE_GPU, 1, 100_000_000, "requests", Scope.ROUTER,
-            "Requests each decode engine of the pool is sent at once, counted from a request's dispatch until its "
-            "answer ends, before further requests wait in the router's fair queue (router.fairqueue, a request one "
-            "unit) instead of the engine's own first-come waiting queue, where a tenant with more requests in flight "
-            "than the engine runs sequences goes ahead of everyone after them for as long as its generations last: a "
-            "tenant under the max-min fair level goes at once, the tenant with the most in flight waits first, and a "
-            "tenant alone gets all of it (not more: the engines run no more at once). Per router process. Set it to "
-            "the decode engines' max_num_seqs (vLLM's default is 1024 on H100/H200, 256 on smaller GPUs, 128 on "
-            "CPU). The maximum switches it off."),
+    Tunable("decode_fair_sequences", VLLM_MAX_NUM_SEQS_LARGE_GPU, 1, 100_000_000, "sequences", Scope.ROUTER,
+            "Sequences each decode engine of the pool is sent at once, counted from a request's dispatch until its "
+            "answer ends, before further requests wait in the router's fair queue (router.fairqueue; a request holds "
+            "one unit per sequence it asks for, n x prompts, at most the whole pool: router.choices) instead of the "
+            "engine's own first-come waiting queue, where a tenant with more requests in flight than the engine runs "
+            "sequences goes ahead of everyone after them for as long as its generations last: a tenant under the "
+            "max-min fair level goes at once, the tenant with the most in flight waits first, and a tenant alone gets "
+            "all of it (not more: the engines run no more at once). Per router process. Set it to the decode engines' "
+            "max_num_seqs (vLLM's default is 1024 on H100/H200, 256 on smaller GPUs, 128 on CPU). The maximum "
+            "switches it off."),
+    Tunable("max_choices", 128, 1, 100_000, "sequences", Scope.ROUTER,
+            "Most sequences one request may ask for: n x prompts (a /v1/completions list of prompts; beam search's "
+            "width is n); above it 400. Each is a sequence decode runs and a unit of decode_fair_sequences the request "
+            "holds, and each prompt of a list is a P/D pair of its own: without a bound one request of n 16,384 "
+            "would put 16,384 sequences on decode. OpenAI's own bound on n is 128."),
     Tunable("tenant_max_response_bytes", 32 * 1024 * 1024, 1024, 64 * 1024 * 1024 * 1024, "bytes", Scope.ROUTER,
             "Bytes of kept /v1/responses histories one tenant may hold (memory and Valkey, per router process); "
             "above it new answers are not kept (previous_response_id then answers not found)."),

@@ -58,6 +58,24 @@ async def test_a_json_answer_then_the_connection_is_reused():
         await runner.cleanup()
 
 
+async def test_a_body_in_parts_arrives_as_one_body():
+    """A large leg body comes as parts (router.encoded: the shared bytes, a comma, the leg's fields): one body, its
+    Content-Length the parts' bytes."""
+    seen: list = []
+    url, runner = await serve(echo_app(seen))
+    client = upstream.LegClient()
+    try:
+        shared = b'{"prompt":"' + "é".encode() * 20_000 + b'"}'
+        resp = await client.post(url, "/v1/echo", (memoryview(shared)[:-1], b",", b'"n":1}'), {})
+        assert resp.status == 200
+        resp.release()
+        [(_, headers, body, _)] = seen
+        assert body == shared[:-1] + b',"n":1}' and int(headers["Content-Length"]) == len(body)
+    finally:
+        client.close()
+        await runner.cleanup()
+
+
 async def test_a_chunked_stream_arrives_whole_and_in_order():
     url, runner = await serve(echo_app([]))
     client = upstream.LegClient()
