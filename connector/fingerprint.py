@@ -8,11 +8,13 @@ its hash never enters the prefix cache). The token proof checks what an offer *c
 half-written block all change the sampled bytes.
 
 The sample: ``SAMPLES`` positions per block and layer view, spread evenly over the block's elements (first and last
-included, so a block written only in part differs) with a fixed seeded jitter, identical on every engine; the bytes
-of the gathered elements, each weighted by a fixed odd 63-bit constant, summed with wrap-around (torch's int64
-arithmetic). Runs as torch ops on the cache's own device (an advanced-index gather of ``blocks x SAMPLES`` elements
-per layer view, then one multiply-add): no copy of a whole block, no kernel of our own, the same code on CPU and
-CUDA. Not a MAC: the bytes are not an adversary's; the seal's integrity is the MAC over it (``turnkv.wire``).
+included, so a block written only in part differs) with a fixed seeded jitter, identical on every engine; the
+gathered elements' bytes as 32-bit words (bytes where a block's sample is not a whole number of words), each
+weighted by a fixed odd 63-bit constant, summed with wrap-around (torch's int64
+arithmetic). Runs as torch ops on the cache's own device (one ``take`` of ``blocks x SAMPLES`` elements per layer
+view, then one stack and one multiply-add for all of them, over 32-bit words): no copy of a whole block, no kernel
+of our own, the same code on CPU and CUDA. Not a MAC: the bytes are not an adversary's; the seal's integrity is the
+MAC over it (``turnkv.wire``).
 
 Both sides must lay the blocks out alike (same block size, layout and tensor-parallel shard); where they do not,
 prefill cannot compare and says so (``vllm:turnkv_fingerprint_checks_total{result="unverifiable"}``).
@@ -45,29 +47,36 @@ def block_major_views(cache: Any, num_blocks: int) -> list[Any]:
 
 
 class Sampler:
-    """The fixed positions and weights for a set of layer views (built once per engine, on the views' devices)."""
+    """The fixed positions and weights for a set of layer views (built once per engine, on the views' devices).
+
+    Views of one shape, dtype and device (every layer of a uniform model) share one flat position vector, so a call
+    costs one ``take`` per view plus a constant few ops for all of them: launch count, not bytes, is what a digest
+    of a few hundred small samples costs on a GPU."""
 
     def __init__(self, views: Sequence[Any]) -> None:
         import torch
 
         self.views = list(views)
         gen = torch.Generator().manual_seed(SEED)
-        self._index: list[tuple[Any, ...]] = []
-        self._weights: list[Any] = []
+        self._groups: list[tuple[list[Any], Any, int, Any]] = []  # (flat views, positions, elems per block, weights)
+        by_kind: dict[tuple[Any, ...], list[Any]] = {}
         for view in self.views:
-            inner = tuple(view.shape[1:])
+            if not view.is_contiguous():
+                raise ValueError("KV seals need each layer view contiguous (vLLM's NIXL layout is)")
+            by_kind.setdefault((tuple(view.shape[1:]), view.dtype, str(view.device)), []).append(view)
+        for (inner, _, _), group in by_kind.items():
             elems = 1
             for size in inner:
                 elems *= int(size)
             spread = torch.linspace(0, max(0, elems - 1), SAMPLES).long()
             jitter = torch.randint(0, max(1, elems // SAMPLES), (SAMPLES,), generator=gen)
-            flat = torch.clamp(spread + jitter * (spread < elems - 1), max=elems - 1)
-            flat[0], flat[-1] = 0, elems - 1
-            coords = torch.unravel_index(flat, inner) if inner else ()
-            self._index.append(tuple(c.to(view.device) for c in coords))
-            width = SAMPLES * view.element_size()
+            positions = torch.clamp(spread + jitter * (spread < elems - 1), max=elems - 1)
+            positions[0], positions[-1] = 0, elems - 1
+            width = len(group) * SAMPLES * group[0].element_size()
+            width = width // 4 if width % 4 == 0 else width  # 32-bit words where a block's sample allows: 4x fewer
             weights = torch.randint(1, 1 << 62, (width,), generator=gen, dtype=torch.int64) * 2 + 1
-            self._weights.append(weights.to(view.device))
+            device = group[0].device
+            self._groups.append(([v.reshape(-1) for v in group], positions.to(device), elems, weights.to(device)))
 
     def __bool__(self) -> bool:
         return bool(self.views)
@@ -79,10 +88,14 @@ class Sampler:
         if not block_ids or not self.views:
             return []
         total = None
-        for view, coords, weights in zip(self.views, self._index, self._weights, strict=True):
-            ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=view.device)
-            gathered = view[(ids[:, None], *(c[None, :] for c in coords))]  # [blocks, SAMPLES], no whole-block copy
-            raw = gathered.contiguous().view(torch.uint8).reshape(len(block_ids), -1).to(torch.int64)
+        for flats, positions, elems, weights in self._groups:
+            ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=positions.device)
+            index = ids[:, None] * elems + positions[None, :]  # [blocks, SAMPLES] flat offsets, one for every view
+            sampled = torch.stack([flat.take(index) for flat in flats], dim=1)  # [blocks, views, SAMPLES]
+            raw = sampled.reshape(len(block_ids), -1).view(torch.uint8).reshape(len(block_ids), -1)
+            if raw.shape[1] == weights.shape[0] * 4:
+                raw = raw.view(torch.int32)
+            raw = raw.to(torch.int64)
             part = (raw * weights[None, :]).sum(dim=1)
             total = part if total is None else total * 31 + part
         assert total is not None
