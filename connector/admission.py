@@ -40,6 +40,10 @@ class ReadPlan:
 
     #: Wall instant from which the READ must not be posted (``turnkv.wire.read_deadline``); None: no deadline.
     deadline: float | None = None
+    #: Wall instant from which decode may have freed the blocks (the deadline plus ``expiry_skew_margin``: decode
+    #: frees an evicted, expired or fork-window-ended turn no earlier): a READ that ends later may have read another
+    #: turn's KV, and its blocks are recomputed. The deadline bounds when a READ starts; this, when it ends.
+    safe_until: float | None = None
     #: Decode's boot stamp the offer came from (``connector.boot``): a READ from another process is refused.
     boot: str | None = None
     #: Host-tier offer: decode's pool base on each rank and the pool's slot count (``connector.host_tier``).

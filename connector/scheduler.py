@@ -322,7 +322,8 @@ class TurnkvSchedulerMixin:
             self._refuse(request, params, "unsealed")
             self.turnkv_stats.record_label("turnkv_decisions", "recompute")
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
-        plan = ReadPlan(deadline=wire.read_deadline(params, self._expiry_skew),
+        deadline = wire.read_deadline(params, self._expiry_skew)
+        plan = ReadPlan(deadline=deadline, safe_until=deadline + self._expiry_skew if deadline is not None else None,
                         boot=stamp if isinstance(stamp, str) else None,
                         host=(tuple(host[0]), host[1]) if host is not None else None, seal=seal)
         count, asynchronous = super().get_num_new_matched_tokens(request, num_computed_tokens)
@@ -709,9 +710,19 @@ class TurnkvSchedulerMixin:
             s.record("turnkv_proof_missing", 1)
             logger.warning("turnkv: request %s: decode's offer has %s; recomputing", request.request_id,
                            verdict.reason)
-        if verdict.verified < remote:
+        if verdict.verified < remote or self._names_spare_blocks(params):
             self._limit_offer(params, verdict.verified)
         return verdict
+
+    def _names_spare_blocks(self, params: dict[str, Any]) -> bool:
+        """Whether decode's offer names more blocks than its tokens fill (with speculative decoding vLLM allocates a
+        running request's lookahead blocks, and upstream offers every block it holds). Upstream pairs decode's blocks
+        with prefill's from the end of the list, so a spare block at the end shifts every block the READ brings by
+        one (found by tests/sim, scenario spec): such an offer is cut to the blocks its tokens fill."""
+        groups = params.get(wire.REMOTE_BLOCK_IDS) or []
+        size = remote_block_size(params)
+        tokens = wire.KVParams(params).num_tokens
+        return size is not None and any(len(group) > -(-tokens // size) for group in groups)
 
     def _limit_offer(self, params: dict[str, Any], verified: int) -> None:
         """Make decode's offer cover only the verified prefix (upstream then pulls just that). Decode's block ids are

@@ -58,6 +58,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:turnkv_offers_uncleared", "Offers no router cleared (sent straight to prefill; not read)."),
     "turnkv_offers_late": (
         "vllm:turnkv_offers_late", "Offers replayed by a router whose read-by instant had passed (not read)."),
+    "turnkv_reads_outlived": (
+        "vllm:turnkv_reads_outlived", "READs that ended after decode may have freed their blocks (the read-by deadline "
+                                      "plus expiry_skew_margin): their blocks recomputed."),
     "turnkv_offers_unsealed": (
         "vllm:turnkv_offers_unsealed", "Offers decode sealed that came without a valid seal (the feed had not listed "
                                        "it, or it was edited): not read, recomputed."),

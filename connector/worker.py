@@ -823,11 +823,12 @@ class TurnkvWorkerMixin:
                                                           wire.seal_mac(secret, identity, rank, digests), until))
 
     def _turnkv_check_read(self, request_id: str) -> None:
-        """Prefill: compare the blocks a finished READ of a sealed offer brought with decode's digests, once, before
-        any forward uses them. Blocks that differ are reported not loaded (``invalid_block_ids``): vLLM's scheduler
-        recomputes them and never caches their hashes."""
+        """Prefill: check the blocks a finished READ brought, once, before any forward uses them: all of them when
+        the READ ended after decode may have freed them (``ReadPlan.safe_until``), and, for a sealed offer, those
+        whose bytes differ from decode's digests. They are reported not loaded (``invalid_block_ids``): vLLM's
+        scheduler recomputes them and never caches their hashes."""
         plan = self._turnkv_plans.get(request_id)
-        if plan is None or plan.seal is None or request_id in self._turnkv_checked:
+        if plan is None or request_id in self._turnkv_checked:
             return
         meta = self._recving_metadata.get(request_id)  # type: ignore[attr-defined]
         if meta is None:
@@ -835,6 +836,15 @@ class TurnkvWorkerMixin:
         self._turnkv_checked.add(request_id)
         local = list((getattr(meta, "local_block_ids", None) or [[]])[0])
         if not local:
+            return
+        if plan.safe_until is not None and time.time() >= plan.safe_until:
+            # Started in time, ended late: decode frees a turn from safe_until on, whatever READ is in flight.
+            self._turnkv_count("turnkv_reads_outlived")
+            self._invalid_block_ids.put(set(local))  # type: ignore[attr-defined]
+            logger.error("turnkv: request %s: the READ from %s ended %.1f s after decode may have freed its blocks; "
+                         "recomputing them", request_id, meta.remote.engine_id, time.time() - plan.safe_until)
+            return
+        if plan.seal is None:
             return
         if seals.fault() == "layer":
             seals.swap_layers(self.device_kv_caches, int(self.num_blocks), local[0])  # type: ignore[attr-defined]

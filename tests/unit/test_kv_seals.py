@@ -224,3 +224,16 @@ def test_the_read_faults_misaddress_as_documented(tmp_path):
         seals.fault({seals.FAULT_ENV: "bits"})
     assert seals.fault({seals.FAULT_FILE_ENV: "/nonexistent/fault"}) is None
     assert not seals.enabled({seals.ENABLED_ENV: "0"})
+
+
+def test_a_read_that_ends_after_decode_may_have_freed_its_blocks_is_recomputed(monkeypatch):
+    """Issue 50, found by tests/sim (scenario stall): the read-by deadline bounds when a READ starts; decode frees an
+    evicted or expired turn expiry_skew_margin after it, whatever READ is still in flight. A READ that ends later
+    may have read the next turn's KV: all its blocks are recomputed, sealed or not."""
+    prefill = _worker(monkeypatch, kv_cache(2))
+    prefill._turnkv_count = lambda key: prefill.xfer_stats.record(key, 1)
+    late = ReadPlan(deadline=time.time() - 10, safe_until=time.time() - 5)
+    assert _received(prefill, "p1", late, [10, 11, 12]) == {10, 11, 12}
+    assert prefill.xfer_stats.data["turnkv_reads_outlived"] == [1]
+    in_time = ReadPlan(deadline=time.time() - 1, safe_until=time.time() + 4)  # started by its deadline, ends in time
+    assert _received(prefill, "p2", in_time, [13, 14, 15]) == set()

@@ -338,3 +338,18 @@ def test_a_host_tier_offer_declined_at_its_first_look_is_never_read_at_a_later_o
     _admit_and_run(e, request, count)
     _only_own_kv(e, "p1")
     assert count == 0 and "p1" not in e.worker.read  # decided once: recomputed
+
+
+def test_an_offer_naming_more_blocks_than_its_tokens_fill_is_read_without_the_spare_ones(engines):
+    """Issue 50, found by tests/sim (scenario spec): with speculative decoding vLLM allocates a running request's
+    lookahead blocks, and decode offered every block it held. Upstream pairs decode's blocks with prefill's from the
+    end of the list, so a spare block at the end shifted every block the READ brought by one."""
+    e = engines
+    _handshaken(e)
+    tokens = list(range(300))  # 3 blocks of 128 hold them; decode also held a lookahead block (9)
+    offer = _retain(e, "a1", "A", [1, 2, 3, 9], tokens)
+    request = _request("p1", tokens + PROMPT_TAIL, wire.clear_offer(SECRET, offer, time.time() + 10))
+    count = _look(e, request)
+    _admit_and_run(e, request, count)
+    assert count == 300 and request.kv_transfer_params[wire.REMOTE_BLOCK_IDS] == [[1, 2, 3]]
+    assert e.worker.read["p1"] == ["A", "A", "A"]

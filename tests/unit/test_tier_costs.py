@@ -68,6 +68,7 @@ def test_the_worker_reports_host_tier_reads_apart_from_device_reads():
     w.xfer_stats, w.world_size = TurnkvKVConnectorStats(), 1
     w._turnkv_reads, w._turnkv_host_read_samples = [], []
     w._turnkv_plans = {"from-host": ReadPlan(host=((0x1000,), 8))}
+    w._turnkv_checked, w._recving_metadata = set(), {}
     w.sizes = {"from-device": (4096, 0.001), "from-host": (8192, 0.004)}
     w._recving_transfers = {"from-device": [1], "from-host": [2]}
     done, failed = w._pop_done_transfers(w._recving_transfers)
