@@ -611,8 +611,9 @@ class DecodeEngine(Engine):
         if out:
             w.router.store(conv, out)
             host = out.get(wire.HOST_TIER)
-            w.note(f"decode finished {dreq.rid} ({conv.cid}, {len(tokens)} tokens): retained on "
-                   f"{'host slots' if host else 'device blocks'} {out[wire.REMOTE_BLOCK_IDS][0]}"
+            w.note(f"decode finished {dreq.rid} ({conv.cid}, {len(tokens)} tokens): offers "
+                   f"{out[wire.REMOTE_NUM_TOKENS]} tokens in {'host slots' if host else 'device blocks'} "
+                   f"{out[wire.REMOTE_BLOCK_IDS][0]}"
                    f"{' fork-readable' if out.get(wire.FORK_WINDOW) else ''}")
         else:
             w.note(f"decode finished {dreq.rid} ({conv.cid}): not retained")
@@ -789,9 +790,9 @@ class World:
         loading = preq is not None and (preq.remote or preq.loading or request_id in self.prefill.orphans)
         foreign = [b for b in blocks if preq is None or b not in preq.blocks]
         if not loading or foreign:
-            self.violate("late-write", request_id, f"its READ landed in prefill blocks {blocks} after "
-                                                   f"{'the request stopped waiting for it' if not loading else ''}"
-                                                   f"{'; blocks ' + str(foreign) + ' are not its own' if foreign else ''}")
+            why = [*(["after the request stopped waiting for it"] if not loading else []),
+                   *([f"blocks {foreign} are not its own"] if foreign else [])]
+            self.violate("late-write", request_id, f"its READ landed in prefill blocks {blocks} {'; '.join(why)}")
 
     # the schedule ------------------------------------------------------------------------------------
 
