@@ -15,6 +15,9 @@ import time
 
 from tests.sim.runner import SCENARIOS, Summary, report, run_many
 
+#: Failing seeds listed per scenario (a soak may find hundreds of one defect).
+LISTED = 20
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.sim", description=__doc__.splitlines()[0])
@@ -51,9 +54,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print(scenario: str, summary: Summary, show: int) -> None:
     print(f"[{scenario}] {summary.describe()}")
-    for seed, violations in summary.failing.items():
-        print(f"  seed {seed}: {violations[0]}   (replay: python -m tests.sim --scenario {scenario} --seed {seed} "
-              f"--trace)")
+    for seed, violations in list(summary.failing.items())[:LISTED]:
+        print(f"  seed {seed}: {violations[0]}   (replay: python -m tests.sim --scenario {scenario} --seed {seed})")
+    if len(summary.failing) > LISTED:
+        print(f"  ... and {len(summary.failing) - LISTED} more failing seeds")
     for seed in list(summary.failing)[:show]:
         print(f"\n--- seed {seed} ({scenario}): the first violation's story ---")
         print(report(seed, False, scenario))

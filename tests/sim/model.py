@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 #: Tokens per KV block in the simulation (both engines; small so that turns span several blocks cheaply).
 BLOCK_SIZE = 4
 #: Trace events kept in every violation's story.
-CONTEXT = ("restarts", "time passes", "fault:", "reload", "VIOLATION", "injected")
+CONTEXT = ("restarts", "time passes", "fault:", "reload", "VIOLATION", "injected", "new requests for")
 
 
 @dataclass(frozen=True)

@@ -119,6 +119,9 @@ class Config:
     p_recompute: float
     p_alloc_fail: float
     lookahead: int  # decode's num_lookahead_tokens (speculative decoding): blocks held past the last token
+    reuse_first: bool  # decode's pool hands freed blocks out first (as a nearly full pool does)
+    starve: float  # how often prefill runs out of KV room for a while (action weight)
+    elsewhere: float  # how often decode gets a turn another prefill engine prefilled (action weight)
     prefix_cache: bool
     tenants: int
     convs: int
@@ -137,7 +140,8 @@ class Config:
                    idle_evict=float(rng.choice([0, 0, 5, 20])), threshold=rng.choice([0, 0, 4, 8, 16]),
                    inline_ms=float(rng.choice([0, 25, 25, 1000])), cost=rng.choice(["learned", "scripted", "scripted"]),
                    p_recompute=rng.choice([0.2, 0.5]), p_alloc_fail=rng.choice([0.0, 0.2, 0.5]),
-                   lookahead=rng.choice([1, 2, 3]) if scenario == "spec" else 0,
+                   lookahead=rng.choice([1, 2, 3]) if scenario == "spec" else 0, reuse_first=rng.random() < 0.4,
+                   starve=rng.choice([0.0, 0.2, 0.6]), elsewhere=rng.choice([0.0, 0.5, 1.5]),
                    prefix_cache=rng.random() < 0.5, tenants=rng.randint(2, 3), convs=rng.randint(3, 6),
                    ticks=rng.randint(60, 140))
 
@@ -147,6 +151,7 @@ class Config:
                 f"skew={self.skew} replay_window={self.replay_window} interval={self.interval} grace={self.grace} "
                 f"ttl={self.ttl} idle_evict={self.idle_evict} threshold={self.threshold} inline_ms={self.inline_ms} "
                 f"cost={self.cost}({self.p_recompute}) alloc_fail={self.p_alloc_fail} lookahead={self.lookahead} "
+                f"reuse_first={self.reuse_first} starve={self.starve} elsewhere={self.elsewhere} "
                 f"prefix_cache={self.prefix_cache} tenants={self.tenants} convs={self.convs}")
 
 
@@ -176,8 +181,8 @@ class BlockPool:
     """vLLM's block pool, as far as a schedule needs it: free blocks (least recently freed first), reference counts,
     and (prefix caching) full blocks findable by the tokens up to their end until they are reused."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self, size: int, reuse_first: bool = False) -> None:
+        self.size, self.reuse_first = size, reuse_first
         self.free: deque[int] = deque(range(size))
         self.refs = [0] * size
         self.key_of: dict[int, tuple[int, ...]] = {}
@@ -223,7 +228,8 @@ class BlockPool:
                 continue
             self.refs[block] -= 1
             if self.refs[block] == 0:
-                self.free.append(block)
+                # a nearly full pool hands a freed block out next (reuse_first): the hazards come sooner
+                (self.free.appendleft if self.reuse_first else self.free.append)(block)
 
 
 @dataclass
@@ -301,7 +307,8 @@ class Aggregator:
 class Engine:
     """What both engine models share: the connector's scheduler and one worker per TP rank, over the fabric."""
 
-    def __init__(self, world: World, engine_id: str, blocks: int, extra: dict[str, Any], boot: int) -> None:
+    def __init__(self, world: World, engine_id: str, blocks: int, extra: dict[str, Any], boot: int,
+                 reuse_first: bool = False) -> None:
         self.world, self.engine_id, self.boot = world, engine_id, boot
         tp = world.cfg.tp
         self.memories: list[Memory] = []
@@ -321,7 +328,7 @@ class Engine:
             self.workers.append(worker)
             metas.append(meta)
         world.directory.engines[engine_id] = metas
-        self.pool = BlockPool(blocks)
+        self.pool = BlockPool(blocks, reuse_first)
         self.scheduler = adapters.SimScheduler(vllm_config(tp, BS, extra), engine_id, kv_cache_config(blocks))
         self.scheduler.set_xfer_handshake_metadata({(0, r): handshake_payload(m) for r, m in enumerate(metas)})
         self.aggregator = Aggregator(tp)
@@ -372,6 +379,7 @@ class PrefillEngine(Engine):
                                                     lambda text: world.note(f"{world.looking}: {text}"))
         self.waiting: list[PReq] = []  # vLLM's waiting queue, in arrival order (remote loads keep their place)
         self.held: dict[str, list[int]] = {}  # finished, blocks kept until decode read them (or the lease ends)
+        self.starved_until = 0.0  # no KV room for new admissions until then (a long queue ahead of them)
         self.orphans: dict[str, list[int]] = {}  # aborted while their READ was in flight
 
     def active(self) -> int:
@@ -401,7 +409,8 @@ class PrefillEngine(Engine):
                        f"[{adapters.admission_note(self.scheduler, preq.rid)}]")
                 upto = local + count if load_async else total
                 fresh = cdiv(upto, BS) - len(hit)
-                blocks = None if w.rng.random() < w.cfg.p_alloc_fail else self.pool.allocate(hit, fresh)
+                starved = w.clock.time() < self.starved_until or w.rng.random() < w.cfg.p_alloc_fail
+                blocks = None if starved else self.pool.allocate(hit, fresh)
                 if blocks is None:
                     w.note(f"prefill: no KV room for {preq.rid} this step")
                     break
@@ -528,7 +537,7 @@ class DecodeEngine(Engine):
                  "retained_kv_share": cfg.retained_share, "retention_eviction_grace": cfg.grace,
                  "expiry_skew_margin": cfg.skew, "fork_window": cfg.fork_window,
                  "retention_idle_evict": cfg.idle_evict, "host_kv_budget_mib": 64 if cfg.host_slots else 0}
-        super().__init__(world, "decode-0", cfg.decode_blocks, extra, boot)
+        super().__init__(world, "decode-0", cfg.decode_blocks, extra, boot, cfg.reuse_first)
         self.pools: list[Memory] = []
         if cfg.host_slots:
             for rank, worker in enumerate(self.workers):
@@ -827,7 +836,8 @@ class World:
         self.decode.step()  # the workers report their host pools
         actions = [(self.start_turn, 3.0), (self.fork, 0.6), (self.prefill_step, 4.0), (self.decode_step, 4.0),
                    (self.poll, 1.5), (self.renew, 0.3), (self.advance, 2.0), (self.jump, 0.4), (self.fault, 0.3),
-                   (self.restart_decode, 0.04), (self.abort, 0.15), (self.reload, 0.1)]
+                   (self.restart_decode, 0.04), (self.abort, 0.15), (self.reload, 0.1), (self.starve, cfg.starve),
+                   (self.elsewhere, cfg.elsewhere)]
         funcs, weights = [a for a, _ in actions], [w for _, w in actions]
         for _ in range(cfg.ticks):
             self.rng.choices(funcs, weights)[0]()
@@ -884,6 +894,23 @@ class World:
                   + (f", offer {offer[wire.REMOTE_REQUEST_ID]} ({tier} {offer[wire.REMOTE_BLOCK_IDS][0]}, "
                      f"read by +{offer[wire.READ_BY] - self.clock.time():.1f}s)" if offer else ", no offer"))
 
+    def elsewhere(self) -> None:
+        """A turn prefilled by another prefill engine (not simulated): decode computes and retains it all the same,
+        so decode's blocks churn while this prefill is busy or starved. It reads no offer (its conversation's stored
+        one stays, superseded when this turn is retained)."""
+        idle = [c for c in self.convs if not c.busy]
+        if not idle:
+            return
+        conv = self.rng.choice(idle)
+        conv.busy = True
+        prompt = list(conv.tokens) + [token_at(conv.number, len(conv.tokens) + i)
+                                      for i in range(self.rng.randint(1, 2 * BS))]
+        rid = self.next_id("x")
+        params = {wire.DO_REMOTE_PREFILL: True, wire.DO_REMOTE_DECODE: False, wire.REMOTE_ENGINE_ID: "prefill-1",
+                  wire.REMOTE_REQUEST_ID: rid, wire.REMOTE_HOST: "host-prefill-1", wire.REMOTE_PORT: 5600}
+        self.note(f"turn {rid}: {conv.cid} ({conv.tenant}) prefilled by another engine")
+        self.decode.admit(PReq(rid, conv, prompt, SimRequest(rid, prompt, {}), None), params)
+
     def fork(self) -> None:
         """A fork of an idle conversation whose stored turn is fork-readable: same tenant, same history."""
         parents = [c for c in self.convs if not c.busy and wire.fork_window(
@@ -920,6 +947,12 @@ class World:
         seconds = self.rng.choice([5.0, 12.0, 30.0, 60.0, 200.0])
         self.note(f"time passes: {seconds:g} s")
         self.clock.advance(seconds)
+
+    def starve(self) -> None:
+        """Prefill has no KV room for new requests for a while (looked at every step meanwhile)."""
+        seconds = self.rng.choice([2.0, 5.0, 15.0, 40.0])
+        self.prefill.starved_until = self.clock.time() + seconds
+        self.note(f"prefill: no KV room for new requests for {seconds:g} s")
 
     def fault(self) -> None:
         rank = self.rng.randrange(self.cfg.tp)
