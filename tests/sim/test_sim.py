@@ -157,11 +157,11 @@ def test_no_default_schedule_reads_another_requests_kv(default_run: Summary):
 
 @pytest.mark.xfail(strict=False, reason=SPEC_DEFECT)
 def test_no_schedule_with_speculative_decoding_reads_another_requests_kv():
-    summary = run_many(range(300), scenario="spec", stop_after=1)
+    summary = run_many(range(300), scenario="spec", stop_after=1)  # most seeds past 0 fail on 3717d72
     assert not summary.failing, _verdict(summary, "spec")
 
 
 @pytest.mark.xfail(strict=False, reason=STALL_DEFECT)
 def test_no_schedule_with_stalled_reads_reads_another_requests_kv():
-    summary = run_many(range(300), scenario="stall", stop_after=1)
+    summary = run_many(range(1700, 1800), scenario="stall", stop_after=1)  # 1774 stalls on 3717d72
     assert not summary.failing, _verdict(summary, "stall")
