@@ -98,16 +98,18 @@ def install_host_pool(worker: SimWorker, pool: SimHostPool, rank: int) -> None:
 
 
 def admission_note(scheduler: SimScheduler, request_id: str) -> str:
-    """Prefill's per-request admission state, for the trace (private state, diagnostics only)."""
-    parts = []
-    for label, name in (("host-read", "_host_reads"), ("inline", "_inline_reqs"), ("read-by", "_read_deadlines"),
-                        ("verdict", "_verdicts")):
-        holder = getattr(scheduler, name, None)
-        if holder is None:
-            parts.append(f"{label}=?")
-        elif request_id in holder:
-            parts.append(label)
-    return ",".join(parts) or "-"
+    """Prefill's admission record of the request (``connector.admission``), for the trace: its verdict and, for a
+    pull, its read plan's tier, inline flag, deadline and seal (private state, diagnostics only)."""
+    ledger = getattr(scheduler, "_admissions", None)
+    admission = ledger.get(request_id) if ledger is not None else None
+    if admission is None:
+        return "-"
+    parts = [str(admission.verdict.value)]
+    if admission.pulls:
+        plan = admission.plan
+        parts += [str(plan.tier)] + (["inline"] if plan.inline else []) + \
+            (["read-by"] if plan.deadline is not None else []) + (["sealed"] if plan.seal is not None else [])
+    return ",".join(parts)
 
 
 @contextlib.contextmanager
