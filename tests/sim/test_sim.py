@@ -119,8 +119,8 @@ def test_replay(capsys):
     if "TURNKV_SIM_SEED" in os.environ:
         with capsys.disabled():
             print(f"\n{text}")
-    assert text.startswith(f"seed {seed} ({scenario}): ") and "prefill computed" in text
     assert "VIOLATION" not in text, f"seed {seed} ({scenario}) broke a promise; its story is above"
+    assert text.startswith(f"seed {seed} ({scenario}): no violation") and "prefill computed" in text
 
 
 # the seeded runs ---------------------------------------------------------------------------------------------------
