@@ -25,15 +25,13 @@ from tests.sim.runner import Summary, report, run_many, run_one
 
 SCHEDULES = int(os.environ.get("TURNKV_SIM_SCHEDULES", "2000"))
 
-HOST_DEFECT = ("known defect (issue #50): a host-tier offer the cost model declines at its first look loses its "
-               "host-read entry but keeps its params; when prefill has no KV room that step, the next look pulls "
-               "and the worker READs decode's DEVICE blocks at the host pool's slot numbers")
-SPEC_DEFECT = ("found by this harness: with speculative decoding decode's offer names its lookahead blocks too "
-               "(more blocks than cdiv(held tokens, block size)) and the proof verifies every offered token, so the "
-               "offer is not cut; upstream's READ end-trims decode's block list to prefill's and reads it shifted")
-STALL_DEFECT = ("found by this harness: a READ's deadline bounds when it starts, not when it ends; one that stalls "
-                "longer than the margin decode keeps after that deadline (expiry_skew_margin, plus the slack of "
-                "the feed's age) reads blocks decode has freed and reused")
+# What each zero-violation run proves fixed (issue #50); each failed on 3717d72 (tests/sim/README.md, the seeds).
+HOST_DEFECT = ("a host-tier offer the cost model declines at its first look, then allocated at a later one, is never "
+               "read (from decode's device blocks at the host pool's slot numbers): connector.admission")
+SPEC_DEFECT = ("with speculative decoding an offer naming its lookahead blocks is cut to the blocks its tokens fill "
+               "before upstream end-trims decode's block list: connector.scheduler._names_spare_blocks")
+STALL_DEFECT = ("a READ that ends after decode may have freed its blocks (its deadline plus expiry_skew_margin) is "
+                "recomputed; an inline one past the wait limit is released before it is failed: ReadPlan.safe_until")
 
 
 # the oracle and the fabric alone -------------------------------------------------------------------------------
@@ -150,18 +148,18 @@ def test_the_default_schedules_exercise_every_path_they_search(default_run: Summ
     assert default_run.schedules == SCHEDULES
 
 
-@pytest.mark.xfail(strict=False, reason=HOST_DEFECT)
 def test_no_default_schedule_reads_another_requests_kv(default_run: Summary):
+    """No default schedule computes on KV that is not its own (HOST_DEFECT: the path 3717d72 failed on)."""
     assert not default_run.failing, _verdict(default_run, "default")
 
 
-@pytest.mark.xfail(strict=False, reason=SPEC_DEFECT)
 def test_no_schedule_with_speculative_decoding_reads_another_requests_kv():
+    """Nor with speculative decoding's lookahead blocks (SPEC_DEFECT)."""
     summary = run_many(range(300), scenario="spec", stop_after=1)  # most seeds past 0 fail on 3717d72
     assert not summary.failing, _verdict(summary, "spec")
 
 
-@pytest.mark.xfail(strict=False, reason=STALL_DEFECT)
 def test_no_schedule_with_stalled_reads_reads_another_requests_kv():
+    """Nor with READs that stall past decode's free (STALL_DEFECT)."""
     summary = run_many(range(1700, 1800), scenario="stall", stop_after=1)  # 1774 stalls on 3717d72
     assert not summary.failing, _verdict(summary, "stall")

@@ -354,8 +354,9 @@ class Engine:
     def start_load(self, scheduled_tokens: int) -> Any:
         meta = self.scheduler.build_connector_meta(types.SimpleNamespace(total_num_scheduled_tokens=scheduled_tokens))
         stats = self.world.stats  # coverage: what the scheduler asked its workers to do this step
-        for name in ("turnkv_inline", "turnkv_to_host", "turnkv_evict", "turnkv_forkable"):
+        for name in ("turnkv_to_host", "turnkv_evict", "turnkv_forkable"):
             stats[name.removeprefix("turnkv_")] += len(getattr(meta, name, None) or ())
+        stats["inline"] += sum(1 for plan in (getattr(meta, "turnkv_reads", None) or {}).values() if plan.inline)
         for worker in self.workers:
             worker.start_load_kv(meta)
         return meta
