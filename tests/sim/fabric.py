@@ -196,6 +196,13 @@ class Fabric:
                 self._complete(xfer)
         return xfer.state
 
+    def release(self, handle: int) -> None:
+        """``releaseXferReq`` on a READ still in flight: NIXL aborts it (its bytes never land)."""
+        xfer = self.xfers.get(handle)
+        if xfer is not None and xfer.state == "PROC" and self.clock() < xfer.done_at:
+            xfer.state = "ERR"
+            self.on_event(f"fabric: READ {handle} of {xfer.tag} released in flight: aborted")
+
     def _complete(self, xfer: Xfer) -> None:
         """The bytes land: what the source blocks held when the READ ended (``done_at``), however late its
         completion is polled; a source block written while the READ was in flight makes it torn."""
@@ -279,7 +286,7 @@ class AgentView:
         return self.fabric.telemetry(handle)
 
     def release_xfer_handle(self, handle: int) -> None:
-        pass
+        self.fabric.release(handle)
 
     # notifications and peers
     def send_notif(self, agent: str, notif_msg: bytes) -> None:

@@ -289,6 +289,14 @@ class UpstreamWorker:
                 transfers[req_id] = in_progress
         return done, failed
 
+    def _try_release_xfer_handle(self, req_id: str, handle: int) -> bool:
+        """vLLM 0.32's: release a handle (an in-flight READ is aborted), False when the caller must keep it."""
+        try:
+            self.nixl_wrapper.release_xfer_handle(handle)
+        except NixlError:
+            return False
+        return True
+
     def _handle_failed_transfer(self, req_id: str, handle: int | None, failed_req_ids: set[str] | None = None,
                                 record_failed_transfer: bool = True) -> bool:
         if record_failed_transfer:
