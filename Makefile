@@ -122,7 +122,7 @@ GPU_UNIT_TESTS := tests/unit/test_platform_paths.py tests/unit/test_push_schedul
   tests/unit/test_tunables_file.py tests/unit/test_versions.py \
   tests/unit/test_shapes.py \
   tests/unit/test_host_pool_plan.py tests/unit/test_host_tier_cuda.py tests/unit/test_host_tier_race.py \
-  tests/unit/test_tier_costs.py
+  tests/unit/test_tier_costs.py tests/unit/test_kv_seals.py tests/unit/test_admission.py tests/unit/test_inline.py
 gpu-check: setup
 	@mkdir -p $(GPU_CHECK_OUT)
 	@test -x $(VENV_GPU)/bin/python || $(PYTHON) -m venv $(VENV_GPU)
