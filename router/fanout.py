@@ -27,7 +27,7 @@ from router.dispatch import Dispatch
 from router.legs import Opened, new_leg_id
 from router.merge import StreamMerge
 from router.outcomes import RequestKind
-from router.relay import ClientGone, chunks, client_write, error_event
+from router.relay import ClientGone, chunks, client_gone, client_write, error_event
 from router.reply import ReplyCollector
 from router.telemetry import Metrics
 
@@ -113,14 +113,7 @@ class FanIn:
         try:
             await self._write(d, response, merge, queue, len(readers), early, deadline)
         except ClientGone as gone:
-            self.metrics.client_disconnects.inc()
-            d.status, d.error = 499, "client disconnected"
-            if gone.slow:
-                self.metrics.slow_readers.inc()
-                d.error = "client did not read within write_timeout"
-                if request is not None and request.transport is not None:
-                    request.transport.close()
-            log.info("client %s mid-stream: decode aborted", "too slow" if gone.slow else "went away")
+            client_gone(self.metrics, d, gone, request)
         finally:
             for reader in readers:
                 reader.cancel()

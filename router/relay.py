@@ -131,14 +131,7 @@ class Relay:
                     tail.append(fed if api is None else api.stream_line(fed))
             await client_write(response, b"".join(tail), eof=True, deadline=deadline)
         except ClientGone as gone:
-            self.metrics.client_disconnects.inc()
-            d.status, d.error = 499, "client disconnected"
-            if gone.slow:
-                self.metrics.slow_readers.inc()
-                d.error = "client did not read within write_timeout"
-                if request is not None and request.transport is not None:
-                    request.transport.close()  # aiohttp would otherwise wait on the full buffer at the end
-            log.info("client %s mid-stream: decode aborted", "too slow" if gone.slow else "went away")
+            client_gone(self.metrics, d, gone, request)
         except (aiohttp.ClientError, TimeoutError) as exc:
             self.metrics.engine_errors.labels("decode", type(exc).__name__).inc()
             error = f"decode engine {opened.engine.name} failed mid-stream: {exc or type(exc).__name__}"
@@ -232,6 +225,19 @@ class ClientGone(Exception):
     def __init__(self, slow: bool = False) -> None:
         super().__init__()
         self.slow = slow
+
+
+def client_gone(metrics: Metrics, d: Dispatch, gone: ClientGone, request: web.Request | None) -> None:
+    """A client that went away mid-stream, or did not read within ``write_timeout`` (its connection is closed:
+    aiohttp would otherwise wait on the full buffer at the end): counted, and the request's status says which."""
+    metrics.client_disconnects.inc()
+    d.status, d.error = 499, "client disconnected"
+    if gone.slow:
+        metrics.slow_readers.inc()
+        d.error = "client did not read within write_timeout"
+        if request is not None and request.transport is not None:
+            request.transport.close()
+    log.info("client %s mid-stream: decode aborted", "too slow" if gone.slow else "went away")
 
 
 async def client_write(response: web.StreamResponse, data: bytes, eof: bool = False, *,
