@@ -360,9 +360,7 @@ class TurnkvSchedulerMixin:
         """Decode's per-rank block digests from a replay's seals (``wire.SEALS``), each cut to the offer's block ids
         (the token proof may have cut them to the verified prefix); None when absent, not valid for this offer, or
         shorter than the blocks offered."""
-        ranks = params.get(wire.TP_SIZE)
-        texts = wire.seal_digests(self._offer_secret, params,
-                                  ranks if isinstance(ranks, int) and not isinstance(ranks, bool) else 1)
+        texts = wire.seal_digests(self._offer_secret, params, wire.KVParams(params).tp_size)
         groups = params.get(wire.REMOTE_BLOCK_IDS) or []
         if texts is None or len(groups) != 1:
             return None

@@ -479,8 +479,8 @@ class TurnkvWorkerMixin:
         self._turnkv_device_done = set()
         self._turnkv_fork_reads.forget(sending)
         # Freed turns' seals (a host-tier turn's device blocks are reported sent once copied: its seal stays).
-        self._turnkv_seals.forget(time.time(), [r for r in sending if r not in self._turnkv_hosted])
-        self._turnkv_seals.forget(time.time(), [r for r, _ in self._turnkv_host_released])
+        self._turnkv_seals.forget(time.time(), [*(r for r in sending if r not in self._turnkv_hosted),
+                                                *(r for r, _ in self._turnkv_host_released)])
         # Inline reads were computed in the step they were read in: the scheduler never parked them, and a request
         # it did not park must not be reported received (it asserts). A failed one reported its blocks instead
         # (invalid_block_ids): the scheduler recomputes them.

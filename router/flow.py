@@ -91,10 +91,7 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
 
 def _sealed_ranks(params: Mapping[str, Any]) -> int:
     """Decode's tensor-parallel ranks whose seals a sealed offer needs (0: not sealed)."""
-    if not params.get(wire.SEALED):
-        return 0
-    ranks = params.get(wire.TP_SIZE)
-    return ranks if isinstance(ranks, int) and not isinstance(ranks, bool) and ranks > 0 else 1
+    return wire.KVParams(params).tp_size if params.get(wire.SEALED) else 0
 
 
 def client_request_id(raw: str | None) -> str:
