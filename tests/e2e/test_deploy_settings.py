@@ -13,7 +13,11 @@ model's word-level vocabulary cannot write; pythonic's forced call is the argume
 the rest of the example's settings reach the argv in the unit and infra tests. The tiny model has no ``<think>``
 tokens either, so no reasoning parser here. Its own stack (ports 18030/18130/18230, side channels from 15700): the
 package's engines run other settings. ``--trust-request-chat-template`` is the suites' own flag (a template that
-renders the calls, as Qwen3's does)."""
+renders the calls, as Qwen3's does).
+
+vLLM's CPU build runs an fp8 KV cache only on a CPU with AVX-512 or AMX. On one without (CI's runners vary), the
+stack refuses the config's fp8 before it starts a process, with the fix (checked here), and the suite runs the
+same settings with ``--kv-cache-dtype auto``, the override that fix names."""
 
 from __future__ import annotations
 
@@ -26,8 +30,9 @@ from openai import OpenAI
 
 from tests.e2e.client import OFF, OUTCOME, REUSED, engine_stack, pulled_tokens, words
 from tests.infra import configs
+from turnkv.local import engine_env
 from turnkv.local.settings import engine_settings_for
-from turnkv.local.stack import StackConfig
+from turnkv.local.stack import StackConfig, StackError, Supervisor
 
 pytestmark = pytest.mark.engines
 
@@ -44,6 +49,9 @@ TOOL_TEMPLATE = (
     "{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+#: The KV cache dtype the engines run here: the config's fp8 where this CPU runs it, else the named fix's auto.
+FP8_HERE = not engine_env.fp8_kv_refusal("fp8", engine_env.cpu_flags())
+KV_DTYPE = "fp8" if FP8_HERE else "auto"
 TOOLS = [{"type": "function", "function": {"name": "look", "description": "look around",
                                            "parameters": {"type": "object", "properties": {},
                                                           "additionalProperties": False}}}]
@@ -57,18 +65,27 @@ def settings_stack():
     settings = engine_settings_for(path)
     assert settings.args() == ["--kv-cache-dtype", "fp8", "--enable-auto-tool-choice", "--tool-call-parser",
                                "pythonic", "--trust-remote-code"]
-    config = StackConfig(state_dir=STATE_DIR, router_port=18030, prefill_port=18130, decode_port=18230,
-                         side_channel_base=15700, kv_cache_gib=1, prefill_prefix_caching=False,
-                         tunables={"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45}, engine_settings=settings,
-                         engine_extra_args=("--trust-request-chat-template",))
+    config = stack_config(settings)
+    if not FP8_HERE:
+        with pytest.raises(StackError, match=r"needs a CPU with AVX-512 or AMX.*--kv-cache-dtype auto"):
+            Supervisor(STATE_DIR).up(config)
+        assert not Supervisor(STATE_DIR).running()
+        config = stack_config(engine_settings_for(path, kv_cache_dtype="auto"))
     with engine_stack(config) as running:
         yield running
+
+
+def stack_config(settings) -> StackConfig:
+    return StackConfig(state_dir=STATE_DIR, router_port=18030, prefill_port=18130, decode_port=18230,
+                       side_channel_base=15700, kv_cache_gib=1, prefill_prefix_caching=False,
+                       tunables={"decoder_kv_blocks_ttl": 60, "conversation_ttl": 45}, engine_settings=settings,
+                       engine_extra_args=("--trust-request-chat-template",))
 
 
 def test_engines_run_the_configs_settings(settings_stack):
     for engine in ("prefill-0", "decode-0"):
         log = (STATE_DIR / "logs" / f"{engine}.log").read_text()
-        assert "'kv_cache_dtype': 'fp8'" in log and "'tool_call_parser': 'pythonic'" in log, engine
+        assert f"kv_cache_dtype={KV_DTYPE}," in log and "'tool_call_parser': 'pythonic'" in log, engine
         assert "'enable_auto_tool_choice': True" in log and "'trust_remote_code': True" in log, engine
 
 

@@ -252,6 +252,28 @@ def test_cuda_on_the_cpu_build_is_refused_before_anything_starts(tmp_path, monke
     assert not (tmp_path / "state.json").exists() and not (tmp_path / "models").exists()
 
 
+@pytest.mark.parametrize(("flags", "dtype", "refused"), [
+    ("fpu sse avx2 fma", "fp8", True), ("fpu avx2 avx512f avx512bw", "fp8", False),
+    ("fpu avx2 amx_tile amx_bf16", "fp8_e4m3", False), ("fpu avx2", "auto", False), ("", "fp8", False)])
+def test_an_fp8_kv_cache_on_a_cpu_without_avx512_or_amx_is_refused_with_the_fix(tmp_path, flags, dtype, refused):
+    """vLLM's CPU attention raises in engine start-up for fp8 KV without AVX-512/AMX; the stack says it first."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n" if flags else "")
+    why = stack.engine_env.fp8_kv_refusal(dtype, stack.engine_env.cpu_flags(cpuinfo))
+    assert bool(why) == refused and (not why or "--kv-cache-dtype auto" in why)
+
+
+def test_the_stack_refuses_fp8_kv_on_such_a_cpu_before_anything_starts(tmp_path, monkeypatch):
+    from turnkv.engine_settings import EngineSettings
+
+    monkeypatch.setattr(stack.engine_env, "cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr(stack, "port_in_use", lambda port, host="127.0.0.1": False)
+    config = StackConfig(state_dir=tmp_path, engine_settings=EngineSettings(kv_cache_dtype="fp8"))
+    with pytest.raises(StackError, match="AVX-512 or AMX"):
+        Supervisor(tmp_path).up(config)
+    assert not (tmp_path / "state.json").exists() and not (tmp_path / "models").exists()
+
+
 def test_a_run_starts_with_its_own_tunables_file_so_set_wins_over_one_left_behind(tmp_path):
     """`make demo`'s pressure rows left retained_kv_share 0.5 / host_kv_budget_mib 256 in .turnkv/tunables.json;
     the engines re-read that file over their start-up values, so the next `local up --set retained_kv_share=0.02`

@@ -35,6 +35,31 @@ def cpu_build_vllm() -> str:
     return version if CPU_LABEL in version else ""
 
 
+#: The CPU flags (Linux /proc/cpuinfo names) of which vLLM's CPU attention needs one for a quantized (fp8) KV cache:
+#: ``torch.cpu._is_avx512_supported`` or ``_is_amx_tile_supported`` (vllm/v1/attention/backends/cpu_attn.py).
+FP8_KV_CPU_FLAGS = ("avx512f", "amx_tile")
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """This host's CPU flags (empty where /proc/cpuinfo is not there: not Linux, so nothing is refused)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    line = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def fp8_kv_refusal(kv_cache_dtype: str, flags: frozenset[str]) -> str:
+    """Why vLLM's CPU build would not start with ``kv_cache_dtype`` on a CPU with ``flags`` ("" when it would):
+    the engine dies in start-up with a traceback, so the local stack says it first, with the fix."""
+    if not kv_cache_dtype.startswith("fp8") or not flags or flags & set(FP8_KV_CPU_FLAGS):
+        return ""
+    return (f"kv_cache_dtype {kv_cache_dtype} on vLLM's CPU build needs a CPU with AVX-512 or AMX, and this one has "
+            "neither: run the local stack with --kv-cache-dtype auto (the deploy config's fp8 stays for its GPU "
+            "nodes), or on a host that has them")
+
+
 def remove_conflicting_packages() -> list[str]:
     present = [name for name in versions.CPU_CONFLICTING_PACKAGES if installed_version(name)]
     if present:

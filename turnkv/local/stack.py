@@ -518,6 +518,9 @@ class Supervisor:
             raise StackError(f"--accelerator cuda needs vLLM's CUDA wheel; this environment has vllm {cpu_build} "
                              "(the CPU build). Run from a venv with the GPU image's pins: `make gpu-smoke` builds "
                              ".venv-gpu")
+        if config.accelerator == Accelerator.CPU and (why := engine_env.fp8_kv_refusal(
+                config.engine_settings.kv_cache_dtype, engine_env.cpu_flags())):
+            raise StackError(why)
         on_event("model", "building")
         model_maker.build(config.model_dir, config.model_spec)
         on_event("model", "ready")
