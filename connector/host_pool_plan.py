@@ -3,9 +3,12 @@ NUMA node, and the regions it is registered as, each inside the fabric's limits 
 
 - **Sizing.** A rank's share is the engine's ``host_kv_budget_mib`` over its tensor-parallel size, in whole slots (a
   slot is one KV block of every layer region), capped by its NUMA node's memory (``NODE_SHARE`` of it, split over
-  the node's GPUs: every GPU of a decode node runs a rank of some engine) and by the page entries the node's NICs
-  hold (every pool on a NUMA node is registered on that node's rails, NIXL's NUMA rail selection). On 4 KiB pages
-  the entries cap a p5en rank at ~21 GiB; on 2 MiB hugepages the budget is the limit.
+  the node's GPUs: every GPU of a decode node runs a rank of some engine), by what the host can back when the pool
+  is allocated (:func:`host_room`: ``NODE_SHARE`` of MemAvailable past a headroom, less the other pools' claims in
+  the host's ledger, ``connector.host_ledger``; a budget the host cannot back is not refused by the allocation but
+  ends in the OOM killer, so it is shrunk here, loudly) and by the page entries the
+  node's NICs hold (every pool on a NUMA node is registered on that node's rails, NIXL's NUMA rail selection). On
+  4 KiB pages the entries cap a p5en rank at ~21 GiB; on 2 MiB hugepages the budget is the limit.
 - **Regions.** The pool is laid out as the device cache (layer region after layer region, each ``blocks`` slots). It
   is registered as consecutive regions cut at slot boundaries, so that every descriptor a peer reads (one block of
   one layer region) lies in one registered region, and each region spans no more than the fabric's pages and bytes
@@ -28,6 +31,10 @@ from turnkv.fabric_limits import GIB, MIB, PAGE_2M, PAGE_4K, FabricLimits
 NODE_SHARE = 0.75
 #: Below this a pool is not worth its registration: the engine runs without the tier (loudly).
 MIN_POOL_BYTES = 256 * MIB
+#: Host memory left out of what the pools may take from MemAvailable: this share of the host's memory, and at least
+#: MIN_HEADROOM_BYTES (the OS, the page cache the engines' weights stream through, other engines' growth).
+HEADROOM_SHARE = 0.10
+MIN_HEADROOM_BYTES = 4 * GIB
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,8 @@ class NumaLayout:
 
     node_bytes: tuple[int, ...]
     gpu_node: tuple[int, ...]
+    #: What this pool may take of the host's available memory (``host_room``; None: not known, no cap from it).
+    room_bytes: int | None = None
 
     def gpus_on(self, node: int) -> int:
         return max(1, sum(1 for n in self.gpu_node if n == node))
@@ -44,12 +53,34 @@ class NumaLayout:
         return self.gpu_node[device] if 0 <= device < len(self.gpu_node) else 0
 
     @classmethod
-    def single(cls, total_bytes: int, gpus: int = 1) -> NumaLayout:
-        return cls((total_bytes,), (0,) * max(1, gpus))
+    def single(cls, total_bytes: int, gpus: int = 1, room_bytes: int | None = None) -> NumaLayout:
+        return cls((total_bytes,), (0,) * max(1, gpus), room_bytes)
 
 
 #: p5en.48xlarge: 2 NUMA nodes of 1 TiB, GPUs 0-3 on node 0 and 4-7 on node 1 (turnkv.fabric_limits).
 P5EN = NumaLayout((1024 * GIB, 1024 * GIB), (0, 0, 0, 0, 1, 1, 1, 1))
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Another pool of this host (``connector.host_ledger``): its bytes, and whether they are allocated yet (so
+    already out of MemAvailable) or only planned."""
+
+    nbytes: int
+    allocated: bool
+
+
+def host_room(available: int, total: int, pools: int, claims: Sequence[Claim], node_share: float = NODE_SHARE) -> int:
+    """What one more pool may take of a host with ``available`` bytes (MemAvailable) of ``total``, beside the pools
+    ``claims`` holds, when ``pools`` pools (every GPU of the host; a CPU engine's ranks) will be allocated in all:
+    ``node_share`` of the memory the pools may have past the headroom (the memory not theirs: available plus what
+    allocated pools took), less every claim, split evenly over the pools still to come, this one included. Engines
+    that start together each get their share; one that starts late gets what the others left, never what the host
+    cannot back."""
+    headroom = max(MIN_HEADROOM_BYTES, int(total * HEADROOM_SHARE))
+    without_pools = available + sum(c.nbytes for c in claims if c.allocated)
+    room = int(max(0, without_pools - headroom) * node_share) - sum(c.nbytes for c in claims)
+    return max(0, room) // max(1, pools - len(claims))
 
 
 @dataclass(frozen=True)
@@ -72,7 +103,8 @@ class PoolPlan:
     blocks: int
     #: The rank's share of the configured budget.
     configured_bytes: int
-    #: What bounded the pool: "budget", "numa-memory", "nic-page-entries" or "shrunk" (refused by the node).
+    #: What bounded the pool: "budget", "numa-memory", "host-available", "nic-page-entries" or "shrunk" (refused
+    #: by the node).
     limited_by: str
     regions: tuple[Region, ...] = field(default=())
 
@@ -167,6 +199,8 @@ def plan_rank(share_bytes: int, block_lens: Sequence[int], page_size: int, layou
     caps = {"budget": share_bytes,
             "numa-memory": int(layout.node_bytes[node] * node_share) // pools if node < len(layout.node_bytes)
             else share_bytes}
+    if layout.room_bytes is not None:
+        caps["host-available"] = layout.room_bytes
     limited_by = min(caps, key=lambda k: caps[k])
     blocks = caps[limited_by] // slot
     entries = limits.page_entries_per_nic // pools  # this pool's part of each of its NICs' entries

@@ -301,11 +301,21 @@ def node_memory_bytes(node: int, sys_root: str = "/sys") -> int | None:
     return None
 
 
-def host_memory_bytes(proc_root: str = "/proc") -> int:
+def host_memory_bytes(proc_root: str = "/proc", field: str = "MemTotal") -> int:
     for line in (_read(f"{proc_root}/meminfo") or "").splitlines():
-        if line.startswith("MemTotal:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def host_available_bytes(proc_root: str = "/proc") -> int | None:
+    """The host's MemAvailable now (None where /proc says nothing: no cap from it)."""
+    return host_memory_bytes(proc_root, "MemAvailable") or None
+
+
+def cpu_layout(tp_size: int = 1) -> host_pool_plan.NumaLayout:
+    """A CPU engine's host: one node of the host's memory, a pool for each of its ``tp_size`` ranks."""
+    return host_pool_plan.NumaLayout.single(host_memory_bytes(), tp_size)
 
 
 def free_hugepages(node: int, sys_root: str = "/sys") -> int:
@@ -335,12 +345,13 @@ def cuda_pci_ids() -> list[str]:
     return ids
 
 
-def numa_layout(pci_ids: list[str] | None = None, sys_root: str = "/sys") -> host_pool_plan.NumaLayout:
+def numa_layout(pci_ids: list[str] | None = None, sys_root: str = "/sys",
+                proc_root: str = "/proc") -> host_pool_plan.NumaLayout:
     """This node's NUMA layout: memory per node and the node of each CUDA device (one node when /sys says none)."""
     nodes = _node_ids(sys_root)
     sizes = tuple(node_memory_bytes(n, sys_root) or 0 for n in range(max(nodes) + 1)) if nodes else ()
     if not sizes or not any(sizes):
-        sizes = (host_memory_bytes(),)
+        sizes = (host_memory_bytes(proc_root),)
     gpus = gpu_numa_nodes(cuda_pci_ids() if pci_ids is None else pci_ids, sys_root)
     return host_pool_plan.NumaLayout(sizes, tuple(min(n, len(sizes) - 1) for n in gpus) or (0,))
 

@@ -69,7 +69,7 @@ def probe(budget_mib: int, tp: int, slot_bytes: int, backend: str, node: int | N
     from nixl._api import nixl_agent, nixl_agent_config
 
     cuda = torch.cuda.is_available()
-    layout = host_tier.numa_layout() if cuda else hp.NumaLayout.single(host_tier.host_memory_bytes(), tp)
+    layout = host_tier.numa_layout() if cuda else host_tier.cpu_layout(tp)
     limits = fl.EFA_P5EN if backend == "LIBFABRIC" else fl.UNLIMITED
     node = layout.node_of(0) if node is None else node
     share = hp.rank_share_bytes(budget_mib, tp)

@@ -35,7 +35,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
-from connector import boot, compat, fingerprint, host_pool_plan, host_tier, inline, seals
+from connector import boot, compat, fingerprint, host_ledger, host_pool_plan, host_tier, inline, seals
 from connector.admission import ReadPlan
 from connector.stats import TurnkvKVConnectorStats, counts_on_rank, rank_seconds
 from turnkv import fabric_limits, neuron, platforms, wire
@@ -342,18 +342,28 @@ class TurnkvWorkerMixin:
         return fabric_limits.EFA_P5EN if _caches_on_cuda(self) and "LIBFABRIC" in backends else fabric_limits.UNLIMITED
 
     def _turnkv_fit_pool(self, configured: int, plan: Any = None) -> Any:
-        """Plan this rank's pool (NUMA node, page size, regions), then allocate, pin and register the largest that
-        the node takes (``host_pool_plan.fit``); the pool, if any, becomes ``self._turnkv_pool``."""
+        """Plan this rank's pool (NUMA node, page size, regions, the room the host's ledger leaves it), then allocate,
+        pin and register the largest that the node takes (``host_pool_plan.fit``); the pool, if any, becomes
+        ``self._turnkv_pool``, and its bytes this process's claim in the ledger (``connector.host_ledger``)."""
         limits = self._turnkv_limits()
+        ledger = host_ledger.HostLedger()
+        device = _cuda_device(self)
+        layout = host_tier.numa_layout() if device is not None else host_tier.cpu_layout(self._turnkv_tp_size())
         if plan is None:
-            device = _cuda_device(self)
-            layout = host_tier.numa_layout() if device is not None else \
-                host_pool_plan.NumaLayout.single(host_tier.host_memory_bytes())
             node = layout.node_of(device or 0)
             page = host_pool_plan.page_size_for(host_tier.free_hugepages(node), configured) \
                 if device is not None else fabric_limits.PAGE_4K
-            plan = host_pool_plan.plan_rank(configured, self.block_len_per_layer, page, layout, limits,
-                                            rank=int(getattr(self, "tp_rank", 0)), device=device or 0)
+            planned: list[Any] = []
+
+            def plan_in(room: int | None) -> int:
+                nonlocal layout
+                layout = dataclasses.replace(layout, room_bytes=room)
+                planned.append(host_pool_plan.plan_rank(configured, self.block_len_per_layer, page, layout, limits,
+                                                        rank=int(getattr(self, "tp_rank", 0)), device=device or 0))
+                return planned[-1].allocated_bytes
+
+            ledger.reserve(len(layout.gpu_node), sum(layout.node_bytes), host_tier.host_available_bytes(), plan_in)
+            plan = planned[-1]
 
         def attempt(p: Any) -> None:
             self._turnkv_pool = host_tier.HostPool(self, p)
@@ -362,10 +372,11 @@ class TurnkvWorkerMixin:
         fitted = host_pool_plan.fit(plan, attempt, limits, host_pool_plan.MIN_POOL_BYTES)
         if fitted.plan is None and plan.page_size != fabric_limits.PAGE_4K:
             # The node's hugepages ran out (ranks of a node take them at once): regular pages, planned anew.
-            regular = host_pool_plan.plan_rank(configured, plan.block_lens, fabric_limits.PAGE_4K,
-                                               host_tier.numa_layout(), limits, rank=plan.rank, device=plan.device)
+            regular = host_pool_plan.plan_rank(configured, plan.block_lens, fabric_limits.PAGE_4K, layout, limits,
+                                               rank=plan.rank, device=plan.device)
             again = host_pool_plan.fit(regular, attempt, limits, host_pool_plan.MIN_POOL_BYTES)
             fitted = host_pool_plan.Fitted(again.plan, fitted.refused + again.refused)
+        ledger.settle(fitted.plan.allocated_bytes if fitted.plan is not None else 0)
         return fitted
 
     def _turnkv_drop_pool(self) -> None:
@@ -378,6 +389,7 @@ class TurnkvWorkerMixin:
             with contextlib.suppress(ValueError):
                 self._registered_descs.remove(descs)
         pool.close()
+        host_ledger.HostLedger().settle(0)
 
     def _turnkv_host_tier_off(self, budget_mib: int, configured: int, why: str) -> None:
         """The engine serves without a host tier: said in the log (error), on /metrics (granted 0 of the configured

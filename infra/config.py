@@ -588,6 +588,23 @@ def _cross_checks(c: DeploymentConfig) -> list[tuple[str, str]]:
                       f"{pool.instance_type}'s {host_gib} GiB of host memory (pools[{i}]; the rest is the OS's, the "
                       f"engines' and pinned buffers'): use at most {most}"))
 
+    budget = c.tunables.get("host_kv_budget_mib")
+    if isinstance(budget, int | float) and budget > 0:
+        from connector.host_pool_plan import NODE_SHARE
+
+        for i, pool in enumerate(c.pools):
+            if pool.role is not Role.DECODE:
+                continue
+            host_gib = INSTANCE_TYPES[pool.instance_type].host_memory_gib
+            engines = c.engines_per_node(pool)
+            most = int(host_gib * 1024 * NODE_SHARE) // engines
+            if budget > most:
+                fail(("tunables.host_kv_budget_mib",
+                      f"{budget:g} MiB x {engines} decode engine(s) per node exceeds {NODE_SHARE:g} of "
+                      f"{pool.instance_type}'s {host_gib} GiB of host memory (pools[{i}]), the most its engines can "
+                      f"back: they would shrink it at start (or less, by what the node has available); use at most "
+                      f"{most}"))
+
     rt = c.router
     if rt.max_replicas < rt.replicas:
         fail(("router.max_replicas", f"{rt.max_replicas} is below router.replicas ({rt.replicas}); raise it"))

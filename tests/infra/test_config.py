@@ -71,6 +71,8 @@ def _problems(raw) -> dict[str, str]:
     ({"tunables": {"decoder_kv_blocks_ttl": 99999}}, "tunables", "out of range"),
     ({"tunables": {"kv_ttl": 100}}, "tunables", "unknown tunable 'kv_ttl'"),
     ({"tunables": {"conversation_ttl": 900}}, "tunables", "must stay below decoder_kv_blocks_ttl"),
+    # issue #51 item 3: a host tier the decode node cannot back (p5.48xlarge: 2,048 GiB, one TP-8 engine).
+    ({"tunables": {"host_kv_budget_mib": 4000000}}, "tunables.host_kv_budget_mib", "use at most 1572864"),
     ({"model.tensor_parallel_size": 6}, "model.tensor_parallel_size", "power of two"),
     ({"model.tensor_parallel_size": 16}, "model.tensor_parallel_size", "lower it or pick a larger instance type"),
     ({"model.s3_uri": None}, "model.s3_uri", "network.nat_gateways: 1"),

@@ -4,6 +4,8 @@ when the node refuses a registration (a fake NIXL agent that refuses what EFA re
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import random
 
 import pytest
@@ -172,8 +174,11 @@ def test_the_numa_layout_is_read_from_sys(tmp_path):
         d = tmp_path / "bus/pci/devices" / address
         d.mkdir(parents=True)
         (d / "numa_node").write_text("0\n" if i < 4 else "1\n")
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc/meminfo").write_text("MemTotal:  2113929216 kB\nMemAvailable:  2000000000 kB\n")
     layout = host_tier.numa_layout(pci, str(tmp_path))
     assert layout == hp.P5EN
+    assert host_tier.host_available_bytes(str(tmp_path / "proc")) == 2000000000 * 1024
     assert host_tier.free_hugepages(1, str(tmp_path)) == 70000 and host_tier.free_hugepages(0, str(tmp_path)) == 0
     assert hp.page_size_for(70000, 128 * fl.GIB) == fl.PAGE_2M and hp.page_size_for(0, 128 * fl.GIB) == fl.PAGE_4K
 
@@ -206,3 +211,65 @@ def test_a_configured_pool_below_the_shrink_floor_is_tried_as_configured_once():
         raise MemoryError("no")
 
     assert hp.fit(plan, refuse, fl.UNLIMITED).plan is None and refused == [64 * fl.MIB]
+
+
+def test_a_budget_the_host_cannot_back_is_capped_by_the_room_the_host_has_past_the_headroom():
+    """issue #51 item 3: `--set host_kv_budget_mib=4000000` on a 24 GiB machine grew decode to 19.6 GB and the OOM
+    killer ended it (the cap was 75% of MemTotal). Now 75% of MemAvailable past max(4 GiB, 10%), less other pools."""
+    budget = params.get("host_kv_budget_mib").parse(4_000_000)
+    room = hp.host_room(14 * fl.GIB, 24 * fl.GIB, 1, [])
+    assert room == int(10 * fl.GIB * hp.NODE_SHARE)
+    layout = hp.NumaLayout.single(24 * fl.GIB, 1, room)
+    plan = hp.plan_rank(hp.rank_share_bytes(budget, 1), [64 * 1024], fl.PAGE_4K, layout, fl.UNLIMITED)
+    assert plan.limited_by == "host-available" and plan.pool_bytes <= room < plan.pool_bytes + plan.slot_bytes
+    assert "host-available" in hp.describe(plan)
+    # Nothing past the headroom: no pool (the engine serves without the tier, loudly).
+    assert hp.host_room(3 * fl.GIB, 24 * fl.GIB, 1, []) == 0
+
+
+def test_pools_planned_together_split_the_room_and_a_late_one_gets_what_is_left_never_more():
+    total, pools = 2048 * fl.GIB, 8
+    first = hp.host_room(1900 * fl.GIB, total, pools, [])
+    assert first == int((1900 - 204.8) * fl.GIB * hp.NODE_SHARE) // 8
+    # Seven engines planned at once (claims not yet out of MemAvailable): the eighth gets the same share.
+    planned = [hp.Claim(first, allocated=False)] * 7
+    assert abs(hp.host_room(1900 * fl.GIB, total, pools, planned) - first) <= 8
+    # The same seven allocated (MemAvailable fell by their bytes): still the same share, not 1/8 of what is left.
+    allocated = [hp.Claim(first, allocated=True)] * 7
+    assert abs(hp.host_room(1900 * fl.GIB - 7 * first, total, pools, allocated) - first) <= 8
+    # Seven pools took far more than their share (another budget, an operator's): the last gets the rest, or none.
+    greedy = [hp.Claim(200 * fl.GIB, allocated=True)] * 7
+    assert hp.host_room(500 * fl.GIB, total, pools, greedy) == 0
+
+
+def test_a_p5en_with_its_memory_available_keeps_the_deploy_default_budget():
+    """The deploy default (half the host over the node's engines) fits a fresh p5en's room, every rank of 8."""
+    budget = host_tier_budget_mib("p5en.48xlarge", 8)
+    room = hp.host_room(1900 * fl.GIB, 2048 * fl.GIB, 8, [])
+    layout = dataclasses.replace(hp.P5EN, room_bytes=room)
+    plan = hp.plan_rank(hp.rank_share_bytes(budget, 8), P5EN_BLOCK_LENS, fl.PAGE_2M, layout, fl.EFA_P5EN)
+    assert plan.limited_by == "budget" and plan.pool_bytes + plan.slot_bytes > hp.rank_share_bytes(budget, 8)
+
+
+def test_the_hosts_ledger_splits_room_between_processes_and_forgets_the_dead(tmp_path):
+    """Two engines' ranks (two processes) reserve on one host; a dead one's claim is dropped on the next read."""
+    from connector.host_ledger import HostLedger
+
+    path = tmp_path / "ledger.json"
+    dead = HostLedger(path, pid=2**22 + 12345)  # above any pid_max: never alive
+    mine = HostLedger(path)
+    avail, total = 20 * fl.GIB, 24 * fl.GIB
+    dead.settle(8 * fl.GIB)
+    assert dead.pid not in mine.claims()  # a claim of a process that is not alive is not counted
+    rooms: list[int | None] = []
+    claimed = mine.reserve(2, total, avail, lambda room: rooms.append(room) or min(room, 3 * fl.GIB))
+    assert rooms == [hp.host_room(avail, total, 2, [])] and claimed == 3 * fl.GIB
+    assert mine.claims() == {mine.pid: hp.Claim(3 * fl.GIB, allocated=False)}
+    other = HostLedger(path, pid=os.getppid())  # alive: another engine on this host
+    other.reserve(2, total, avail, lambda room: rooms.append(room) or room)
+    assert rooms[-1] == hp.host_room(avail, total, 2, [hp.Claim(3 * fl.GIB, False)])
+    mine.settle(2 * fl.GIB)
+    assert mine.claims()[mine.pid] == hp.Claim(2 * fl.GIB, allocated=True)
+    mine.settle(0)
+    assert mine.pid not in mine.claims()
+    assert HostLedger(path).reserve(1, total, None, lambda room: 7 if room is None else 0) == 7
