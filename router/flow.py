@@ -52,6 +52,7 @@ from router import (
     savings,
     telemetry,
     upstream,
+    usage,
 )
 from router.apis import stored
 from router.choices import Serving
@@ -543,6 +544,8 @@ class Flow:
                                 headers=self._reply_headers(d))
         result = orjson.loads(opened.raw)
         kv = result.pop("kv_transfer_params", None)
+        if isinstance(result.get("usage"), Mapping):
+            result["usage"] = usage.with_reuse(result["usage"], d)
         self._first_token(d)
         choices = result.get("choices") or [{}]
         reply = guard.reply_message(choices[0]) if d.kind == RequestKind.CHAT else str(choices[0].get("text") or "")

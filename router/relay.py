@@ -19,7 +19,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from router import apis, migrate, sse, upstream
+from router import apis, migrate, sse, upstream, usage
 from router.config import RouterConfig
 from router.deadline import WriteDeadline
 from router.dispatch import Dispatch
@@ -112,6 +112,7 @@ class Relay:
                                        f"prefill_cached_tokens={d.prefill_cached_tokens}\n\n".encode())
                     if fed is not None:
                         events = events or fed.startswith(b"data")
+                        fed = usage.rewrite_line(fed, d)
                         out.append(fed if api is None else api.stream_line(fed))
                 if first and (reply.has_content or reply.complete):
                     first = False

@@ -324,7 +324,9 @@ def _message_id(chat_id: Any) -> str:
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {"input_tokens": prompt, "output_tokens": completion, "cache_read_input_tokens": cached,
+    """Anthropic's usage: ``input_tokens`` are the prompt tokens not read from the cache (its total input is
+    input + cache read + cache creation), ``cache_read_input_tokens`` the ones that were (``router.usage``)."""
+    return {"input_tokens": max(0, prompt - cached), "output_tokens": completion, "cache_read_input_tokens": cached,
             "cache_creation_input_tokens": 0}
 
 

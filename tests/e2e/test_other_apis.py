@@ -125,6 +125,15 @@ def test_the_anthropic_sdk_reuses_from_turn_two(stack, stream):
     first = [{"role": "user", "content": words(model_dir, 600, 440 + stream)}]
     check_turns(stack, turn, first=first, stream=stream,
                 follow=lambda h, reply, n: [*h, reply, {"role": "user", "content": words(model_dir, 100, 450 + n)}])
+    # Reuse in Anthropic's own fields (issue #47 item 2): what was read, not computed, is cache_read_input_tokens,
+    # and input_tokens the rest, as Anthropic counts them (total input = input + cache read + cache creation).
+    reply, _, found, answer = message(client, first, stream=stream, system=words(model_dir, 200, 430 + stream))
+    second = [*first, reply, {"role": "user", "content": words(model_dir, 40, 459)}]
+    _, _, found, answer = message(client, second, stream=stream, system=words(model_dir, 200, 430 + stream))
+    read = answer.usage.cache_read_input_tokens
+    print(f"turn 2: {found[OUTCOME]} cache_read_input_tokens={read} input_tokens={answer.usage.input_tokens}")
+    assert found[OUTCOME] == "hit" and read == int(found[REUSED]) + int(found["X-TurnKV-Prefill-Cached-Tokens"]) > 600
+    assert answer.usage.input_tokens > 0
 
 
 def check_tool_turn(stack, second):

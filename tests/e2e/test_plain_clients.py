@@ -9,7 +9,7 @@ import pytest
 from openai import OpenAI
 
 from tests.e2e import ACME, GLOBEX
-from tests.e2e.client import OFF, OUTCOME, REUSED, check_turns, metric, pulled_tokens, words
+from tests.e2e.client import OFF, OUTCOME, PREFILL_CACHED, REUSED, check_turns, metric, pulled_tokens, words
 
 pytestmark = pytest.mark.engines
 ROUTER = "router-keyed"  # the clients send API keys (conftest.py)
@@ -54,6 +54,26 @@ def test_the_openai_sdk_with_no_id_reuses_from_turn_two(stack, stream):
 
     check_turns(stack, turn, first=messages, stream=stream,
                 follow=lambda h, reply, n: [*h, reply, {"role": "user", "content": words(model_dir, 100, 320 + n)}])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_the_sdks_usage_counts_the_prompt_tokens_prefill_did_not_compute_as_cached(stack, stream):
+    """issue #47 item 2: ``usage.prompt_tokens_details.cached_tokens`` is what cost trackers and SDK users read;
+    the router writes there what the headers say (pulled plus prefix-cached), and its outcome under ``turnkv``."""
+    client, model_dir = sdk(stack), stack["model_dir"]
+    messages = [{"role": "user", "content": words(model_dir, 600, 360 + stream)}]
+    reply, _, _ = ask(client, messages)
+    history = [*messages, reply, {"role": "user", "content": words(model_dir, 50, 362 + stream)}]
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=history, temperature=0, max_tokens=8, stream=stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}))
+    usage = [c.usage for c in raw.parse() if c.usage][-1] if stream else raw.parse().usage
+    headers = raw.headers
+    cached = usage.prompt_tokens_details.cached_tokens
+    print(f"turn 2: {headers[OUTCOME]} cached_tokens={cached} of {usage.prompt_tokens}")  # the figures (-s)
+    assert headers[OUTCOME] == "hit" and cached == int(headers[REUSED]) + int(headers[PREFILL_CACHED]) > 600
+    assert usage.model_extra["turnkv"] == {"reuse_outcome": "hit", "reused_tokens": int(headers[REUSED]),
+                                           "prefill_cached_tokens": int(headers[PREFILL_CACHED])}
 
 
 def test_an_edited_history_misses_and_answers_correctly(stack):
