@@ -176,8 +176,8 @@ class HostPool:
 
     ``plan`` (``connector.host_pool_plan``) gives its slots, page size, NUMA node and registered regions. On CUDA the
     pool is an exact-size :class:`HostBuffer`, pinned, and copies run on a side stream: :meth:`copy_in` returns a
-    :class:`Copy` whose event tells when the turn is hosted. On CPU engines it is a ``torch.zeros`` tensor and copies
-    are done when :meth:`copy_in` returns."""
+    :class:`Copy` whose event tells when the turn is hosted. On CPU engines it is a ``torch.empty`` tensor (committed
+    as it is used) and copies are done when :meth:`copy_in` returns."""
 
     def __init__(self, worker: Any, plan: host_pool_plan.PoolPlan, agent: Any = None, backends: Any = None) -> None:
         import torch
@@ -197,7 +197,10 @@ class HostPool:
             self.tensor = self._buffer.tensor
             self._stream = torch.cuda.Stream(device=caches[0].device)
         else:
-            self.tensor = torch.zeros(plan.pool_bytes, dtype=torch.uint8)
+            # Committed as slots are written (a slot is always written before an offer names it; seals check what
+            # is read): a CPU engine's pool, capped by the host's room (host_pool_plan.host_room), costs nothing
+            # until the tier fills, where zeroing it took ~1 s a GiB at start.
+            self.tensor = torch.empty(plan.pool_bytes, dtype=torch.uint8)
             self._stream = None
         self.base = int(self.tensor.data_ptr())
         # Per region: the device cache's blocks and the pool's slots as (rows, block bytes) byte views.
