@@ -79,20 +79,20 @@ $(AIPERF_VENV)/bin/aiperf: requirements/aiperf.txt
 	@touch $@
 
 # The Neuron image ships vLLM 0.29 (turnkv.versions.IMAGE_VLLM): its CPU build lives in a side venv, and the
-# connector's engine suites run there too, as the last step of `make test` (see docs/connector.md): pull and
-# push (tests/e2e, decode's retention eviction included; tests/e2e_push) and push dispatch with upstream's push
-# connector; and the connector's start-up and READs on a stand-in Neuron platform (tests/unit/test_neuron_nixl.py,
-# skipped on 0.32: this is the vLLM a trn2 node runs). Left to the 0.32 run: the unmodified SDK clients (router
-# code over the pull path tests/e2e proves), the router's production module (Valkey, API keys, engine kills:
-# router code over the same engine paths, 2.5 min of a 2P+2D stack), the planner's calibration test, the
-# MultiConnector beside vLLM's offload tier (the tier needs CUDA and Neuron refuses it: turnkv.engine_args) and the
-# deploy config's vllm serve settings (flags recorded for the GPU image's 0.32; each stack boot is ~80 s here). On
-# the 2-core machine: install 1.6 min (no pip cache), the suites ~5 min. VENV_VLLM029 may name a venv shared by
-# several checkouts: PYTHONPATH makes the engines import this checkout's connector, not the one the venv's
-# editable install points at.
+# connector's pull suites run there too, as the last step of `make test` (see docs/connector.md): tests/e2e
+# (decode's retention eviction included) and the connector's start-up and READs on a stand-in Neuron platform
+# (tests/unit/test_neuron_nixl.py, skipped on 0.32: this is the vLLM a trn2 node runs). Left to the 0.32 run: push
+# mode (tests/e2e_push, the router's push dispatch: Neuron refuses push, turnkv.neuron.MODE_REFUSALS, so no image
+# runs push on 0.29), the unmodified SDK clients (router code over the pull path tests/e2e proves), the router's
+# production module (Valkey, API keys, engine kills: router code over the same engine paths), the planner's
+# calibration test, the MultiConnector beside vLLM's offload tier (the tier needs CUDA and Neuron refuses it:
+# turnkv.engine_args) and the deploy config's vllm serve settings (flags recorded for the GPU image's 0.32). Each
+# stack boot is 50-110 s on the 2-core machine; install 1.6 min (no pip cache), the suites ~4 min. VENV_VLLM029
+# may name a venv shared by several checkouts: PYTHONPATH makes the engines import this checkout's connector, not
+# the one the venv's editable install points at.
 VENV_VLLM029 ?= .venv-vllm029
 READY_VLLM029 := $(VENV_VLLM029)/.turnkv-ready
-ENGINE_SUITES := tests/e2e tests/e2e_push tests/e2e_router/test_router_push.py tests/unit/test_neuron_nixl.py \
+ENGINE_SUITES := tests/e2e tests/unit/test_neuron_nixl.py \
   --deselect tests/e2e/test_plan_calibrate.py --ignore tests/e2e/test_plain_clients.py \
   --ignore tests/e2e/test_other_apis.py --ignore tests/e2e/test_multi_connector.py \
   --ignore tests/e2e/test_deploy_settings.py
