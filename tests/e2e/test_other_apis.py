@@ -12,7 +12,7 @@ from anthropic import Anthropic
 from openai import OpenAI
 
 from tests.e2e import ACME as KEY
-from tests.e2e.client import OFF, OUTCOME, REUSED, check_turns, pulled_tokens, words
+from tests.e2e.client import OFF, OUTCOME, PREFILL_CACHED, REUSED, check_turns, pulled_tokens, words
 
 pytestmark = pytest.mark.engines
 ROUTER = "router-keyed"  # the clients send API keys (conftest.py)
@@ -48,7 +48,7 @@ def respond(client: OpenAI, items, *, stream=False, headers=None, **extra):
         response = ends[0].response
     else:
         response = raw.parse()
-    return list(response.output), response.output_text, raw.headers
+    return list(response.output), response.output_text, raw.headers, response.usage
 
 
 def message(client: Anthropic, messages, *, stream=False, headers=None, extra_body=None, **extra):
@@ -71,13 +71,23 @@ def message(client: Anthropic, messages, *, stream=False, headers=None, extra_bo
 def test_the_openai_responses_sdk_reuses_from_turn_two(stack, stream):
     client, model_dir = openai_sdk(stack), stack["model_dir"]
 
+    seen = []
+
     def turn(items, *, stream, headers=None):  # as stateless agents ask (Codex CLI, the Agents SDK with store=False)
-        return respond(client, items, stream=stream, headers=headers, include=["reasoning.encrypted_content"])
+        output, text, found, usage = respond(client, items, stream=stream, headers=headers,
+                                             include=["reasoning.encrypted_content"])
+        seen.append((found, usage))
+        return output, text, found
 
     first = [{"role": "system", "content": words(model_dir, 200, 400 + stream)},
              {"role": "user", "content": words(model_dir, 400, 410 + stream)}]
     check_turns(stack, turn, first=first, stream=stream,  # input += response.output, as the SDK docs show
                 follow=lambda h, out, n: [*h, *out, {"role": "user", "content": words(model_dir, 100, 420 + n)}])
+    # Reuse in the Responses API's own field (issue #47 item 2): the tokens prefill did not compute.
+    found, usage = seen[2]  # turn 2, reuse on (each turn also asks with reuse off)
+    cached = usage.input_tokens_details.cached_tokens
+    print(f"turn 2: {found[OUTCOME]} cached_tokens={cached} of {usage.input_tokens}")
+    assert found[OUTCOME] == "hit" and cached == int(found[REUSED]) + int(found[PREFILL_CACHED]) > 600
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
@@ -98,7 +108,7 @@ def test_responses_continued_by_previous_response_id_pull_and_answer_as_if_resen
         else:
             response = raw.parse()
         moved = pulled_tokens(stack) - before
-        _, off, _ = respond(client, whole, stream=stream, headers=OFF, instructions=instructions)
+        _, off, _, _ = respond(client, whole, stream=stream, headers=OFF, instructions=instructions)
         assert response.output_text and response.output_text == off, f"turn {n + 1}: not the resent answer"
         assert response.previous_response_id == previous_id and response.store
         outcome, reused = raw.headers[OUTCOME], int(raw.headers[REUSED])
@@ -132,7 +142,7 @@ def test_the_anthropic_sdk_reuses_from_turn_two(stack, stream):
     _, _, found, answer = message(client, second, stream=stream, system=words(model_dir, 200, 430 + stream))
     read = answer.usage.cache_read_input_tokens
     print(f"turn 2: {found[OUTCOME]} cache_read_input_tokens={read} input_tokens={answer.usage.input_tokens}")
-    assert found[OUTCOME] == "hit" and read == int(found[REUSED]) + int(found["X-TurnKV-Prefill-Cached-Tokens"]) > 600
+    assert found[OUTCOME] == "hit" and read == int(found[REUSED]) + int(found[PREFILL_CACHED]) > 600
     assert answer.usage.input_tokens > 0
 
 
@@ -185,13 +195,13 @@ def test_a_responses_tool_call_round_trip_hits(stack):
     extra = {"tools": [{"type": "function", "name": "look", "parameters": PARAMS, "strict": False}],
              "extra_body": {"chat_template": TOOL_TEMPLATE}}
     items = [{"role": "user", "content": words(model_dir, 700, 480)}]
-    output, _, _ = respond(client, items, tool_choice={"type": "function", "name": "look"}, **extra)
+    output, _, _, _ = respond(client, items, tool_choice={"type": "function", "name": "look"}, **extra)
     call = next(o for o in output if o.type == "function_call")
     history = [*items, *output, {"type": "function_call_output", "call_id": call.call_id,
                                  "output": words(model_dir, 30, 481)}]
 
     def second(headers):
-        _, text, found = respond(client, history, headers=headers, tool_choice="none", **extra)
+        _, text, found, _ = respond(client, history, headers=headers, tool_choice="none", **extra)
         return text, found
 
     check_tool_turn(stack, second)
