@@ -336,6 +336,25 @@ def gpu_numa_nodes(pci_ids: list[str], sys_root: str = "/sys") -> tuple[int, ...
     return tuple(out)
 
 
+#: PCI vendor id of NVIDIA, and its GPUs' class prefixes (0x0302: 3D controller, as H100/H200 report; 0x0300: VGA).
+NVIDIA_VENDOR = "0x10de"
+GPU_CLASSES = ("0x0302", "0x0300")
+
+
+def host_gpu_count(sys_root: str = "/sys") -> int:
+    """Every NVIDIA GPU on the host's PCI bus, whatever CUDA_VISIBLE_DEVICES shows this engine: each runs a rank of
+    some engine of the node, so each may hold a pool (0 where /sys says nothing)."""
+    import os
+
+    root = f"{sys_root}/bus/pci/devices"
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return 0
+    return sum(1 for n in names if (_read(f"{root}/{n}/vendor") or "").strip() == NVIDIA_VENDOR
+               and (_read(f"{root}/{n}/class") or "").strip().startswith(GPU_CLASSES))
+
+
 def cuda_pci_ids() -> list[str]:
     """The PCI address of each visible CUDA device, as sysfs names it (``0000:53:00.0``)."""
     import torch

@@ -362,7 +362,9 @@ class TurnkvWorkerMixin:
                                                         rank=int(getattr(self, "tp_rank", 0)), device=device or 0))
                 return planned[-1].allocated_bytes
 
-            ledger.reserve(len(layout.gpu_node), sum(layout.node_bytes), host_tier.host_available_bytes(), plan_in)
+            # Pools to come on this host: every GPU of it (an engine sees only its own), or a CPU engine's ranks.
+            pools = max(len(layout.gpu_node), host_tier.host_gpu_count() if device is not None else 0)
+            ledger.reserve(pools, sum(layout.node_bytes), host_tier.host_available_bytes(), plan_in)
             plan = planned[-1]
 
         def attempt(p: Any) -> None:

@@ -178,6 +178,15 @@ def test_the_numa_layout_is_read_from_sys(tmp_path):
     (tmp_path / "proc/meminfo").write_text("MemTotal:  2113929216 kB\nMemAvailable:  2000000000 kB\n")
     layout = host_tier.numa_layout(pci, str(tmp_path))
     assert layout == hp.P5EN
+    # every GPU of the host counts as a pool to come, whichever this engine sees (CUDA_VISIBLE_DEVICES)
+    for address in pci:
+        (tmp_path / "bus/pci/devices" / address / "vendor").write_text("0x10de\n")
+        (tmp_path / "bus/pci/devices" / address / "class").write_text("0x030200\n")
+    nic = tmp_path / "bus/pci/devices/0000:e0:00.0"
+    nic.mkdir()
+    (nic / "vendor").write_text("0x1d0f\n")  # an EFA NIC: not a GPU
+    (nic / "class").write_text("0x020000\n")
+    assert host_tier.host_gpu_count(str(tmp_path)) == 8
     assert host_tier.host_available_bytes(str(tmp_path / "proc")) == 2000000000 * 1024
     assert host_tier.free_hugepages(1, str(tmp_path)) == 70000 and host_tier.free_hugepages(0, str(tmp_path)) == 0
     assert hp.page_size_for(70000, 128 * fl.GIB) == fl.PAGE_2M and hp.page_size_for(0, 128 * fl.GIB) == fl.PAGE_4K
