@@ -98,7 +98,7 @@ DEFAULT_MAX_NUM_SEQS = 8
 TIMEOUTS = {"VLLM_NEURON_COMPILATION_TIMEOUT": "2400", "VLLM_ENGINE_READY_TIMEOUT_S": "1800",
             "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1200"}
 #: Where compiled NEFFs are cached and reused on restart (setup guide's VLLM_CACHE_ROOT). On a node: on the root
-#: volume, so a cache compiled into the image (``ami/scripts/32-neuron-compile.sh``) ships with the AMI.
+#: volume, so a cache compiled into the image would ship with the AMI (no bake step fills it yet: docs/trainium.md).
 CACHE_ROOT_ENV = "VLLM_CACHE_ROOT"
 CACHE_ROOT = "/opt/turnkv/neuron-cache"
 #: Logical NeuronCores a Trainium2 chip has at LNC=2 (each chip is one device with its own EFA interface).

@@ -130,3 +130,30 @@ def test_the_docs_table_is_the_facts_module():
     page = (REPO / "docs/trainium.md").read_text()
     assert neuron.markdown_table() in page, "regenerate: python -c 'from turnkv import neuron; " \
                                             "print(neuron.markdown_table())'"
+
+
+def test_a_neuron_engine_says_whether_it_compiles_and_the_node_outwaits_it(tmp_path):
+    from infra import bootstrap
+    from infra.constructs import engine_group
+    from turnkv import engine_run
+
+    empty = engine_run.compile_note(str(tmp_path))
+    assert "is empty: this engine compiles its graphs before it serves" in empty
+    (tmp_path / "neuronxcc-2.22").mkdir()
+    assert "graphs present" in engine_run.compile_note(str(tmp_path))
+    # The register unit's wait for a first /health (720 polls, 10 s apart) outlasts the engine's own ready budget,
+    # and CloudFormation's signal wait (one hour) the ready budget too: a compiling node is not replaced.
+    text = bootstrap.register_script(bootstrap.pool_bootstrap(*_trn2_pool()))
+    assert "seq 1 720" in text and "sleep 10" in text and engine_run.HEALTH_WAIT_S == 720 * 10
+    ready = int(neuron.TIMEOUTS["VLLM_ENGINE_READY_TIMEOUT_S"])
+    assert ready < engine_run.HEALTH_WAIT_S and ready < engine_group.SIGNAL_TIMEOUT.to_seconds()
+
+
+def _trn2_pool():
+    import yaml
+
+    from infra.config import from_mapping
+    from infra.wheel import REPO_ROOT
+
+    config = from_mapping(yaml.safe_load((REPO_ROOT / "deploy/trn2.yaml").read_text()))
+    return config, config.pools[1]
