@@ -65,3 +65,29 @@ def test_held_out_published_tpot_is_predicted_within_the_tolerance(row):
 def test_docs_show_the_neuron_table():
     assert neuron_calibration.markdown() in (REPO / "docs/planning.md").read_text(), \
         "regenerate: python -m turnkv.plan.neuron_calibration"
+
+
+def test_trn2_plans_in_the_deployments_units_with_neurons_kv_cap_and_no_host_tier():
+    """TP in logical NeuronCores as deploy/trn2.yaml counts it (16: four engines a node, each on 4 chips), the KV
+    cache capped at vllm-neuron's 0.30 of the budget, and no host tier the Neuron image does not run (#45)."""
+    import yaml
+
+    from infra.config import from_mapping
+    from infra.wheel import REPO_ROOT
+    from turnkv import neuron
+    from turnkv.commands import plan as cli
+
+    deployed = from_mapping(yaml.safe_load((REPO_ROOT / "deploy/trn2.yaml").read_text()))
+    fleet = cli.build_fleet("Qwen3-32B", "trn2.48xlarge", deployed.model.tensor_parallel_size, None, None, None, None,
+                            None, "pull", 480.0, 64, True, Path(".turnkv"), None)
+    assert fleet.tp_prefill == fleet.tp_decode == 4  # chips the model prices
+    assert fleet.engines_per_node("decode") == deployed.engines_per_node(deployed.pools[1]) == 4
+    inst = fleet.decode
+    budget = 4 * inst.hbm_bytes * inst.memory_utilization
+    assert inst.kv_cache_bytes(4, 65e9) == pytest.approx(neuron.KV_CAP_FRACTION * budget)
+    assert inst.kv_cache_bytes(4, budget - 1e9) == pytest.approx(1e9)  # below the cap: what the weights leave
+    assert hardware.INSTANCES["p5en.48xlarge"].kv_cap_fraction is None
+    with pytest.raises(cli.typer.Exit):
+        cli.build_fleet("Qwen3-32B", "trn2.48xlarge", 2, None, None, None, None, None, "pull", 480.0, 64, True,
+                        Path(".turnkv"), None)  # half a chip: not a deployable engine the model prices
+    assert not inst.host_tiers and hardware.INSTANCES["p5en.48xlarge"].host_tiers
