@@ -91,3 +91,21 @@ def test_trn2_plans_in_the_deployments_units_with_neurons_kv_cap_and_no_host_tie
         cli.build_fleet("Qwen3-32B", "trn2.48xlarge", 2, None, None, None, None, None, "pull", 480.0, 64, True,
                         Path(".turnkv"), None)  # half a chip: not a deployable engine the model prices
     assert not inst.host_tiers and hardware.INSTANCES["p5en.48xlarge"].host_tiers
+
+
+def test_the_planner_takes_a_deploy_configs_shape(tmp_path):
+    """`turnkv plan --config`: the config's instance type, TP and engines a node per role (#45)."""
+    import yaml
+
+    from infra.wheel import REPO_ROOT
+    from turnkv.commands import plan as cli
+
+    raw = yaml.safe_load((REPO_ROOT / "deploy/trn2.yaml").read_text())
+    path = tmp_path / "trn2.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert cli.from_deploy_config(path, "Qwen3-8B", "p5en.48xlarge", None) == ("Qwen3-32B", "trn2.48xlarge", 16, (4, 4))
+    raw["pools"][1]["engines_per_node"] = 2
+    path.write_text(yaml.safe_dump(raw))
+    assert cli.from_deploy_config(path, "Qwen3-32B", "p5en.48xlarge", None)[3] == (4, 2)
+    with pytest.raises(cli.typer.Exit):
+        cli.from_deploy_config(path, "Qwen3-32B", "p5en.48xlarge", 8)  # --tp against the config's

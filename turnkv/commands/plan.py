@@ -110,6 +110,30 @@ KV_DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "
              "fp8_ds_mla": "fp8_ds_mla"}
 
 
+def from_deploy_config(path: Path, model: str, instance: str, tp: int | None
+                       ) -> tuple[str, str, int, tuple[int, int]]:
+    """(model, instance, TP, engines a node for prefill and decode) of a deploy config, as the deploy runs them: the
+    pools' one instance type, model.tensor_parallel_size (the deployment's unit), ``engines_per_node`` of the first
+    pool of each role, and model.id where the planner's catalog has it (else ``model`` as given)."""
+    from infra.config import validate_file
+    from turnkv.engine_args import Role
+    from turnkv.plan import architectures
+
+    config, problems = validate_file(path)
+    if problems or config is None:
+        _fail(f"--config {path}: invalid; run `turnkv config validate {path}`")
+    types = sorted({p.instance_type for p in config.pools})
+    if len(types) != 1:
+        _fail(f"--config {path}: pools on {', '.join(types)}; the planner prices one instance type")
+    if tp is not None and tp != config.model.tensor_parallel_size:
+        _fail(f"{TP} {tp} and --config's model.tensor_parallel_size {config.model.tensor_parallel_size}: give one")
+    name = config.model.id.rstrip("/").rsplit("/", 1)[-1]
+    known = next((k for k in architectures.CATALOG if k.lower() == name.lower()), None)
+    per_role = tuple(config.engines_per_node(next(p for p in config.pools if p.role is role))
+                     for role in (Role.PREFILL, Role.DECODE))
+    return known or model, types[0], config.model.tensor_parallel_size, per_role  # type: ignore[return-value]
+
+
 def _tp_unit(inputs: dict[str, Any]) -> str:
     """" logical NeuronCores (N chips an engine)" where the TP unit is not the device (trn2); "" elsewhere."""
     devices = inputs.get("devices_per_engine") or inputs["tp"]
@@ -142,10 +166,11 @@ def _precision(flag: str, value: str | None, allowed: dict[str, str | None]) -> 
     return allowed[value.lower()]
 
 
-def default_offload_gib(inst, tp: int) -> float:
+def default_offload_gib(inst, tp: int, engines: int | None = None) -> float:
     """An engine's default host tier (decode's retained turns, or a peer prefill's offload tier): half the node's
-    host memory over its engines, as the deploy sizes decode's (infra/instances.py host_tier_budget_mib)."""
-    return 0.5 * inst.host_memory_gib / max(1, inst.devices // max(1, tp))
+    host memory over its engines (``engines``, default devices // TP), as the deploy sizes decode's
+    (infra/instances.py host_tier_budget_mib)."""
+    return 0.5 * inst.host_memory_gib / max(1, engines or inst.devices // max(1, tp))
 
 
 def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, conversations: int,
@@ -487,6 +512,10 @@ def plan(
     = None,
     deployment: Annotated[str, typer.Option(help="Deployment name for the printed `turnkv params set` line.")]
     = "NAME",
+    config: Annotated[Path | None, typer.Option(help="A deploy config (deploy/*.yaml): plan its instance type, "
+                                                     "model.tensor_parallel_size, engines a node per role and (when "
+                                                     "the catalog knows it) model.id, instead of --instance, --tp "
+                                                     "and --model.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON only.")] = False,
     out: Annotated[Path, typer.Option(help="Folder for plan.json and plan.png.")] = Path("results/plan"),
     state_dir: Annotated[Path, typer.Option(help="Where `turnkv plan calibrate` stored local-cpu constants.")]
@@ -506,12 +535,18 @@ def plan(
         _fail(f"--workload: {exc}")
     except OSError as exc:  # a folder, no permission: a message, not a traceback
         _fail(f"--workload {workload}: cannot be read ({exc.strerror}); pass a workload JSON file")
+    engines_per_node = None
+    if config is not None:
+        model, instance, tp, engines_per_node = from_deploy_config(config, model, instance, tp)
     fleet = build_fleet(model, instance, tp, renamed(ctx, "prefill_tp", "tp_prefill"),
                         renamed(ctx, "decode_tp", "tp_decode"), dtype, kv_dtype, block_size, mode, ttl, threshold,
                         prefill_prefix_caching, state_dir, price)
+    if engines_per_node is not None:
+        fleet = replace(fleet, deployed_engines_per_node=engines_per_node)
     if routing not in ("prefix-aware", "round-robin"):
         _fail(f"--routing {routing!r}: use prefix-aware or round-robin")
-    host = default_offload_gib(fleet.decode, fleet.tp_decode) if host_kv_gib is None else host_kv_gib
+    host = (default_offload_gib(fleet.decode, fleet.tp_decode, fleet.engines_per_node("decode"))
+            if host_kv_gib is None else host_kv_gib)
     if not fleet.decode.host_tiers:
         for flag, value in (("--host-kv-gib", host_kv_gib), ("--prefill-offload-gib", prefill_offload_gib)):
             if value:
