@@ -4,6 +4,7 @@ and the held-out published row checks the planner's prediction."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,16 @@ def test_the_planner_takes_a_deploy_configs_shape(tmp_path):
     assert cli.from_deploy_config(path, "Qwen3-32B", "p5en.48xlarge", None)[3] == (4, 2)
     with pytest.raises(cli.typer.Exit):
         cli.from_deploy_config(path, "Qwen3-32B", "p5en.48xlarge", 8)  # --tp against the config's
+
+
+def test_no_offload_arm_where_the_image_runs_no_offload_tier(tmp_path):
+    from typer.testing import CliRunner
+
+    from infra.wheel import REPO_ROOT
+    from turnkv.cli import app
+
+    config = str(REPO_ROOT / "deploy/trn2.yaml")
+    run = CliRunner().invoke(app, ["plan", "--config", config, "--out", str(tmp_path), "--json"])
+    assert run.exit_code == 0, run.output
+    verdict = json.loads((tmp_path / "plan.json").read_text())["verdict"]
+    assert verdict["arms"]["peer"]["prefill_offload_gib"] == 0 and "peer+offload" not in verdict["reason"]

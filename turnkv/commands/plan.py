@@ -441,6 +441,8 @@ def print_verdict(out: Console, result: dict[str, Any]) -> None:
         t.add_column(col, justify="right")
     for name in ARMS:
         a = v["arms"][name]
+        if name == "peer" and not a.get("prefill_offload_gib", 1):
+            continue  # no offload tier (trn2's image runs none): the same arm as "peer"
         src = a["token_sources"]
         t.add_row(a["label"], _ms(a["ttft_ms"]["p50"]), _ms(a["ttft_ms"]["p90"]),
                   f"{a['nodes']['prefill']}P{a['nodes']['decode']}D" + (" (capped)" if a["capped"] else ""),
