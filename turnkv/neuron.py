@@ -241,6 +241,14 @@ FACTS: tuple[Fact, ...] = (
     Fact("compile cache", f"{CACHE_ROOT_ENV}={CACHE_ROOT}: NEFFs reused on restart; compiled off-device with "
                           "VLLM_NEURON_CPU_COMPILE=1 and NEURON_PLATFORM_TARGET_OVERRIDE=trn2",
          f"{SETUP_ENV}; {CPU_COMPILE_DESIGN}", f"{HERE} (env); a compile: {NOWHERE}"),
+    Fact("compile once, serve from the cache", "compile on a CPU instance with VLLM_NEURON_CPU_COMPILE=1, "
+                                               "NEURON_PLATFORM_TARGET_OVERRIDE=trn2 and NEURON_LIBTORCH_REMOTE_CACHE "
+                                               "on a shared filesystem; sync it to the nodes' cache; "
+                                               "NEURON_LIBTORCH_DISABLE_GRAPH_CAPTURE_BACKEND=1 and "
+                                               "VLLM_NEURON_DISABLE_WARMUP_COMPILE=1 make a cache miss fatal at start "
+                                               "(turnkv does none of this yet)",
+         "Neuron SDK docs, vllm-neuron/docs/design/compilation/cpu_compilation.md (aws-neuron/aws-neuron-sdk "
+         "81ce03a), Using Remote Cache for Production Deployments", NOWHERE),
     Fact("KV memory cap", f"{KV_CAP_ENV} (default {KV_CAP_FRACTION}) of the device budget after weights goes to KV",
          KV_MEMORY_DESIGN, f"{HERE} (planner: tests/unit/test_plan_neuron.py)"),
     Fact("side-channel ports", "VLLM_NIXL_SIDE_CHANNEL_PORT per server; open API, side-channel and all-traffic "
