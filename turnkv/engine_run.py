@@ -183,6 +183,8 @@ def prepare(variables: Mapping[str, str], read_text: Callable[[str], str | None]
         notes.append(f"devices {devices[0]}..{devices[-1]} ({len(devices)}, from the slot's env)")
     if spec.on_neuron:
         notes.append(compile_note(env.get(neuron.CACHE_ROOT_ENV, neuron.CACHE_ROOT)))
+        if not sync:  # a dry run: each Neuron setting with the upstream source it follows (docs/trainium.md)
+            notes += [f"neuron setting {name}: {source}" for name, source in neuron.setting_sources().items()]
     return argv, env, notes
 
 

@@ -268,6 +268,25 @@ FACTS: tuple[Fact, ...] = (
 )
 
 
+def setting_sources() -> dict[str, str]:
+    """Each setting a Neuron engine gets from turnkv (flag or variable) -> the upstream source it follows: what
+    ``turnkv engine run --dry-run`` prints beside the argv and environment."""
+    sources = {
+        "--additional-config (kv_segment_size_buckets, num_batched_tokens_buckets, num_seqs_buckets)":
+            f"{LLAMA70B_TUTORIAL}; {REFERENCE_CONFIG}",
+        "--max-num-batched-tokens, --max-num-seqs": LLAMA70B_TUTORIAL,
+        "--kv-transfer-config kv_buffer_device cuda, backends LIBFABRIC": f"{DI_DESIGN}, Configuration Reference",
+        "VLLM_PLUGINS ...,neuron": VLLM_PLUGINS_LOADER,
+        VISIBLE_DEVICES: DI_TUTORIAL,
+        "FI_EFA_ENABLE_SHM_TRANSFER": DI_TUTORIAL,
+        BIDIRECTIONAL_ENV: f"{DI_DESIGN}, Bi-directional KV Transfer",
+        SKIP_WARMUP["prefill"]: f"{DI_DESIGN}, Role-Specific Warmup (decode keeps prefill's graphs: turnkv)",
+        ", ".join(TIMEOUTS): f"{DI_TUTORIAL}, Prepare your environment",
+        CACHE_ROOT_ENV: SETUP_ENV,
+    }
+    return sources
+
+
 def markdown_table() -> str:
     """docs/trainium.md's fact table (a test compares it with the page)."""
     rows = ["| fact | value | source | checked |", "|---|---|---|---|"]

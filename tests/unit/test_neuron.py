@@ -157,3 +157,13 @@ def _trn2_pool():
 
     config = from_mapping(yaml.safe_load((REPO_ROOT / "deploy/trn2.yaml").read_text()))
     return config, config.pools[1]
+
+
+@pytest.mark.parametrize("role", list(engine_args.Role))
+def test_the_dry_run_names_the_upstream_source_of_every_neuron_setting(role):
+    named = " ".join(neuron.setting_sources())
+    for key in engine_args.neuron_env(_trn2(role)):
+        assert key in named, key
+    for flag in engine_args.NEURON_FLAGS:
+        assert flag in named
+    assert all(source.strip() for source in neuron.setting_sources().values())
