@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from turnkv import versions
+from turnkv import neuron, versions
 
 AMI_DIR = Path(__file__).resolve().parent
 COMPONENTS_DIR = AMI_DIR / "components"
@@ -40,7 +40,9 @@ SCRIPTS_DIR = AMI_DIR / "scripts"
 LOCK_FILE = AMI_DIR / "components.lock.json"
 
 GPU_PARENT_SSM = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id"
-NEURON_PARENT_SSM = "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id"
+#: The single-framework vLLM DLAMI of the pinned plugin (turnkv.neuron.dlami_parent_parameter): its image moves only
+#: within that plugin release, never to another Neuron SDK, unlike the multi-framework DLAMI's ``latest``.
+NEURON_PARENT_SSM = neuron.dlami_parent_parameter(versions.VLLM_NEURON)
 
 #: Deploy-time parameters (not pins): name -> what the image stack must pass.
 ASSET_PARAMETERS: dict[str, str] = {

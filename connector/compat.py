@@ -116,7 +116,8 @@ def start_read(worker: Any, req_id: str, meta: Any) -> None:
 
 
 def current_platform_name() -> str:
-    """The running vLLM platform in ``turnkv.platforms`` terms ("neuron" on vllm-neuron, whose device type is "cpu")."""
+    """The running vLLM platform in ``turnkv.platforms`` terms ("neuron" on vllm-neuron, whose native platform
+    declares device type "neuron": ``turnkv.neuron.DEVICE_TYPE``; "cpu" only in the plugin's CPU mode)."""
     from vllm.platforms import current_platform
 
     return platforms.platform_name(current_platform, sys.modules)

@@ -20,7 +20,8 @@ logger = logging.getLogger("vllm.turnkv.cpu")
 
 
 def _is_cpu_platform() -> bool:
-    """vLLM's CPU platform, not vllm-neuron's (which also declares device type "cpu")."""
+    """vLLM's CPU platform, not vllm-neuron's (device type "neuron", or "cpu" in the plugin's CPU mode: told apart by
+    its class and module, ``turnkv.platforms.platform_name``)."""
     from connector.compat import current_platform_name
 
     return current_platform_name() == "cpu"

@@ -543,6 +543,58 @@ USER_DATA_LIMIT = 16 * 1024
 _TOKEN = re.compile(r"\$\{Token\[[^\]]+\]\}")
 
 
+def deploy_time_stand_ins(config: DeploymentConfig) -> dict[str, str]:
+    """The longest values the user data's deploy-time tokens take: a Cloud Map service id (srv- and 16
+    characters), the offer secret's ARN (its name, and the 6 characters Secrets Manager appends), the log
+    group's name (the serving stack's)."""
+    return {"cloudmap_service_id": "srv-" + "x" * 16,
+            "offer_secret_id": f"arn:aws-us-gov:secretsmanager:{config.region}:{'0' * 12}:secret:"
+                               f"{config.prefix}/engine-offer-secret-AbCdEf",
+            "log_group": engine_log_group(config)}
+
+
+def engine_log_group(config: DeploymentConfig) -> str:
+    """The engines' CloudWatch log group (the serving stack creates it)."""
+    return f"/turnkv/{config.name}/engines"
+
+
+def user_data_size(config: DeploymentConfig, pool: PoolConfig, engines: int | None = None) -> int:
+    """Bytes of ``pool``'s user data with its deploy-time values at their longest (``engines`` a node: the pool's)."""
+    from dataclasses import replace
+
+    b = pool_bootstrap(config, pool, **deploy_time_stand_ins(config))
+    if engines is not None:
+        b = replace(b, engines=engines)
+    return len(user_data(b).encode())
+
+
+def user_data_problems(config: DeploymentConfig) -> list[tuple[str, str]]:
+    """``turnkv config validate``'s check of EC2's user-data limit, with the fix: the most engines a node of that
+    pool can run within it (``pools[].engines_per_node``), or a larger tensor-parallel size."""
+    problems = []
+    for i, pool in enumerate(config.pools):
+        engines = config.engines_per_node(pool)
+        size = user_data_size(config, pool)
+        if size <= USER_DATA_LIMIT:
+            continue
+        fits = next((n for n in range(engines - 1, 0, -1) if user_data_size(config, pool, n) <= USER_DATA_LIMIT), 0)
+        fix = (f"set pools[{i}].engines_per_node: {fits} (the node's other accelerators stay idle) or raise "
+               f"model.tensor_parallel_size to {_tp_for(config, pool, fits)}" if fits else
+               "shorten model.id / model.served_model_name")
+        problems.append((f"pools[{i}]", f"a {pool.instance_type} node of {engines} engines needs {size} bytes of user "
+                                        f"data, over EC2's {USER_DATA_LIMIT}-byte limit; {fix}"))
+    return problems
+
+
+def _tp_for(config: DeploymentConfig, pool: PoolConfig, engines: int) -> int:
+    """The smallest power-of-two tensor-parallel size at which the instance's accelerators give at most ``engines``."""
+    accelerators = INSTANCE_TYPES[pool.instance_type].accelerators
+    tp = config.model.tensor_parallel_size
+    while accelerators // tp > engines:
+        tp *= 2
+    return tp
+
+
 def checked_user_data(b: NodeBootstrap, stand_ins: dict[str, str]) -> str:
     """``user_data(b)``, after the size check at synth: rendered with ``stand_ins`` (worst-case literal values for
     the fields that are CDK tokens, by field name), it must fit EC2's limit, and no token may be left unmeasured."""

@@ -38,7 +38,15 @@ from turnkv.engine_settings import EngineSettings
 from turnkv.node_env import MAX_ENGINES_PER_NODE, MAX_PREFILL_OFFLOAD_GIB, MODEL, check_value
 from turnkv.plan.hardware import INSTANCES as PRICED_INSTANCES
 
-from .instances import HOST_TIER_SHARE, INSTANCE_TYPES, Flavor
+from .instances import (
+    HOST_TIER_SHARE,
+    INSTANCE_TYPES,
+    OFFERED_AZS,
+    OFFERINGS_SOURCE,
+    Flavor,
+    offered_in,
+    offering_command,
+)
 
 LOG_RETENTION_DAYS = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827, 2192, 2557, 2922,
                       3288, 3653)
@@ -258,12 +266,16 @@ class PoolConfig(_Model):
     #: Instances (at least one: a pool of none serves nothing and its role's alarm fires from the first minute).
     count: Annotated[StrictInt, _range(1, 64, "use 1 .. 64 (to stop paying for a pool, destroy the deployment: "
                                                 "every role needs a pool)")] = 1
-    #: On-Demand Capacity Reservation or Capacity Block id (``cr-...``). Expected for P-family pools (below).
+    #: On-Demand Capacity Reservation or Capacity Block id (``cr-...``). Expected for P-family and Trainium pools
+    #: (``reservation_expected``).
     capacity_reservation_id: Annotated[ReservationId, AfterValidator(_real_reservation)] | None = None
-    #: A P-family pool without a reservation asks EC2 for On-Demand capacity, which for p5/p5e/p5en is often not
-    #: there: the launch fails with InsufficientInstanceCapacity after the 1-2 h bake. Refused unless this says
-    #: so explicitly (``_cross_checks``).
+    #: A P-family or Trainium pool without a reservation asks EC2 for On-Demand capacity, which for p5/p5e/p5en and
+    #: trn2 is often not there: the launch fails with InsufficientInstanceCapacity after the 1-2 h bake. Refused
+    #: unless this says so explicitly (``_cross_checks``).
     allow_on_demand: StrictBool = False
+    #: You checked that EC2 offers ``instance_type`` in ``availability_zone`` now (``infra.instances.OFFERED_AZS`` is a
+    #: snapshot, so a zone it lacks is refused until this says so).
+    offering_confirmed: StrictBool = False
     #: True when the reservation is a Capacity Block (launch template market type ``capacity-block``).
     capacity_block: StrictBool = False
     #: The cluster placement group an On-Demand Capacity Reservation was created in: instances must launch into
@@ -488,10 +500,33 @@ class DeploymentConfig(_Model):
 # ---------------------------------------------------------------- rules across fields
 
 
-def reservation_expected(instance_type: str) -> bool:
-    """P-family (p4d, p5, p5e, p5en, ...): scarce On-Demand, bought as ODCRs or Capacity Blocks."""
-    return instance_type.startswith("p")
+#: Instance families whose On-Demand capacity is scarce, bought as ODCRs or Capacity Blocks: P-family (p4d, p5, p5e,
+#: p5en, ...) and Trainium (trn1, trn2; EC2 Capacity Blocks for ML sell both, and UltraServers of trn2 only as
+#: Capacity Blocks: EC2 API Reference, CapacityBlock).
+RESERVED_FAMILIES = ("p", "trn")
 
+
+def reservation_expected(instance_type: str) -> bool:
+    """Scarce On-Demand capacity (P-family, Trainium), bought as ODCRs or Capacity Blocks."""
+    return instance_type.startswith(RESERVED_FAMILIES)
+
+
+
+def _recipe_build_types(flavor: str) -> tuple[str, ...]:
+    from ami.recipes import IMAGES
+
+    return IMAGES[flavor].build_instance_types
+
+
+def build_types_offered(types: tuple[str, ...], region: str) -> tuple[str, ...]:
+    """The image recipe's build types the region offers (a type the offering table does not track is kept), in order;
+    all of them when none is: the bake then fails at launch, and ``config validate`` said so first."""
+    offered = tuple(t for t in types if offered_in(t, region) is not False)
+    return offered or types
+
+
+def _family(instance_type: str) -> str:
+    return "Trainium" if instance_type.startswith("trn") else "P-family"
 
 
 def _cross_checks(c: DeploymentConfig) -> list[tuple[str, str]]:
@@ -541,11 +576,20 @@ def _cross_checks(c: DeploymentConfig) -> list[tuple[str, str]]:
                                              "deployment's own placement group)"))
         if reservation_expected(pool.instance_type) and not pool.capacity_reservation_id and not pool.allow_on_demand:
             fail((f"{path}.capacity_reservation_id",
-                  f"missing for {pool.instance_type}: On-Demand P-family capacity is rarely there, and without it "
+                  f"missing for {pool.instance_type}: On-Demand {_family(pool.instance_type)} capacity is rarely "
+                  f"there, and without it "
                   f"the launch fails with InsufficientInstanceCapacity after the 1-2 h bake; give the id of an "
                   f"On-Demand Capacity Reservation (in a cluster placement group: name it in placement_group) or "
                   f"a Capacity Block (capacity_block: true) in {c.availability_zone}, or set allow_on_demand: true "
                   f"to try On-Demand knowingly"))
+        offered = offered_in(pool.instance_type, c.availability_zone)
+        if offered is False and not pool.offering_confirmed:
+            zones = sorted(OFFERED_AZS[pool.instance_type])
+            fail((f"{path}.instance_type",
+                  f"{pool.instance_type} is not offered in {c.availability_zone} as far as turnkv knows (offered in "
+                  f"{', '.join(zones)}; {OFFERINGS_SOURCE}); move availability_zone (and region) there, or check "
+                  f"with `{offering_command(pool.instance_type, region)}` and, if it is offered now, set "
+                  f"offering_confirmed: true on this pool"))
         accelerators = INSTANCE_TYPES[pool.instance_type].accelerators
         if tp > accelerators:
             fail(("model.tensor_parallel_size", f"{tp} exceeds the {accelerators} accelerators of "
@@ -633,6 +677,14 @@ def _cross_checks(c: DeploymentConfig) -> list[tuple[str, str]]:
         fail(("image.build_security_group_id" if img.build_subnet_id else "image.build_subnet_id",
               "given alone; give both image.build_subnet_id and image.build_security_group_id (Image Builder "
               "needs a security group in the subnet's VPC), or neither to build in the default VPC"))
+    if not img.ami_id:
+        for flavor in sorted({p.flavor for p in c.pools}):
+            types = img.build_instance_types or _recipe_build_types(flavor)
+            if all(offered_in(t, region) is False for t in types):
+                fail(("image.build_instance_types",
+                      f"none of the {flavor} image's build types ({', '.join(types)}) is offered in {region} as far as "
+                      f"turnkv knows ({OFFERINGS_SOURCE}); list one that is (check with "
+                      f"`{offering_command(types[0], region)}`), or bake elsewhere and give image.ami_id"))
     if img.ami_id and (img.build_instance_types or img.build_subnet_id):
         fail(("image.ami_id", "with your own AMI nothing is baked; drop the image.build_* settings, or ami_id"))
     return problems
@@ -788,6 +840,11 @@ def check(data: Any) -> tuple[DeploymentConfig | None, list[tuple[str, str]]]:
         problems += [p for p in _cross_checks(config)
                      if not any(_within(p[0], f) for f in reported)
                      and not any(_within(p[0], path) or _within(path, p[0]) for path in left_out)]
+        if not problems:
+            # What synth would refuse only after rendering the nodes' user data (EC2's 16 KB), said here instead.
+            from infra import bootstrap
+
+            problems += bootstrap.user_data_problems(config)
         return (None if problems else config), problems
     return None, problems
 

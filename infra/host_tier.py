@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from infra.instances import host_tier_budget_mib
+from infra.instances import Flavor, host_tier_budget_mib
 
 if TYPE_CHECKING:
     from infra.config import DeploymentConfig
@@ -37,6 +37,10 @@ def default_mib(config: DeploymentConfig) -> tuple[int, str]:
     decode = next((p for p in config.pools if p.role is Role.DECODE), None)
     if decode is None:
         return 0, "no decode pool"
+    if decode.flavor == Flavor.NEURON.value:
+        from turnkv import neuron
+
+        return 0, neuron.HOST_TIER_NOTE
     why = refusal(config.model.id)
     if why:
         return 0, why

@@ -54,6 +54,34 @@ class InterfaceSlot:
     interface_type: str  # "efa" (EFA + ENA, carries the instance's IP) or "efa-only" (no IP)
 
 
+#: Where EC2 offers the Neuron instance types (availability zones; a region's are the AZs that start with its name), as
+#: DescribeInstanceTypeOfferings answered when moto 5.2.5 recorded it (moto/ec2/resources/instance_type_offerings/
+#: availability-zone/*.json.gz). A snapshot: EC2 adds zones, so a zone missing here is refused with the command
+#: that checks it now and the key that confirms it (``pools[].offering_confirmed``). GPU types are not listed (not
+#: checked; trn1 is refused on other grounds).
+OFFERINGS_SOURCE = ("moto 5.2.5, ec2/resources/instance_type_offerings/availability-zone "
+                    "(EC2 DescribeInstanceTypeOfferings)")
+OFFERED_AZS: dict[str, frozenset[str]] = {
+    "trn2.48xlarge": frozenset({"ap-south-2a", "ap-south-2b", "ap-south-2c", "us-east-2a", "us-east-2b", "us-east-2c"}),
+    "trn2.3xlarge": frozenset({"ap-south-2a", "ap-south-2b", "ap-south-2c", "ap-southeast-4c", "sa-east-1a",
+                               "sa-east-1b", "sa-east-1c"}),
+}
+
+
+def offered_in(instance_type: str, zone_or_region: str) -> bool | None:
+    """Whether the snapshot lists ``instance_type`` in that AZ (or any AZ of that region); None: not tracked."""
+    zones = OFFERED_AZS.get(instance_type)
+    if zones is None:
+        return None
+    return any(zone_or_region in (z, z[:-1]) for z in zones)
+
+
+def offering_command(instance_type: str, region: str) -> str:
+    """The AWS CLI call that answers where ``instance_type`` is offered in ``region`` today."""
+    return (f"aws ec2 describe-instance-type-offerings --region {region} --location-type availability-zone "
+            f"--filters Name=instance-type,Values={instance_type} --query 'InstanceTypeOfferings[].Location'")
+
+
 def efa_layout(instance_type: str) -> tuple[InterfaceSlot, ...]:
     """Card 0 device 0: ``efa`` (the IP for HTTP and the NIXL side channel); every other card: ``efa-only``."""
     profile = INSTANCE_TYPES[instance_type]

@@ -189,7 +189,31 @@ def serve_args(spec: EngineSpec) -> list[str]:
             raise ValueError(f"allowed_media_domains: {internal} name internal addresses; engines must not fetch "
                              "media from inside the network")
         args += ["--allowed-media-domains", *spec.allowed_media_domains]
-    return args + spec.settings.args() + list(spec.extra_args)
+    return args + spec.settings.args() + neuron_args(spec) + list(spec.extra_args)
+
+
+#: Flags turnkv sets on a Neuron engine (:func:`neuron_args`), refused in extra_args there.
+NEURON_FLAGS = ("--additional-config", "--max-num-batched-tokens")
+
+
+def neuron_args(spec: EngineSpec) -> list[str]:
+    """A Neuron engine's bucket configuration, as the vllm-neuron tutorials run prefix caching: segmented prefill
+    (``kv_segment_size_buckets``) of one segment size, the prefill bucket and ``--max-num-batched-tokens`` equal to
+    it, one decode batch bucket equal to ``--max-num-seqs``. Prefix caching starts only with segmented prefill, and a
+    pulled turn is prior KV that only segmented prefill attends to. Nothing off Neuron."""
+    if not spec.on_neuron:
+        return []
+    given = [a for a in (*spec.extra_args, *spec.settings.extra_args) if a.split("=", 1)[0] in NEURON_FLAGS]
+    if given:
+        raise ValueError(f"{', '.join(given)} on Neuron: turnkv sets the bucket configuration "
+                         f"({', '.join(NEURON_FLAGS)}) from model.max_model_len and model.max_num_seqs; set those")
+    seqs = spec.settings.max_num_seqs or neuron.DEFAULT_MAX_NUM_SEQS
+    config = neuron.neuron_config(spec.max_model_len, spec.block_size, seqs)
+    args = ["--max-num-batched-tokens", str(config["num_batched_tokens_buckets"][-1]),
+            "--additional-config", json.dumps({"neuron_config": config}, separators=(",", ":"))]
+    if spec.settings.max_num_seqs is None:
+        args += ["--max-num-seqs", str(seqs)]
+    return args
 
 
 #: vLLM's switch for following redirects of media URLs (default on).
@@ -197,6 +221,27 @@ MEDIA_REDIRECTS = "VLLM_MEDIA_URL_ALLOW_REDIRECTS"
 
 #: prometheus_client's process-wide switch for the ``*_created`` series (read from the environment at import).
 PROMETHEUS_DISABLE_CREATED = "PROMETHEUS_DISABLE_CREATED_SERIES"
+
+
+def neuron_env(spec: EngineSpec) -> dict[str, str]:
+    """A Neuron engine's environment beyond the platform plugin (``VLLM_PLUGINS`` filters platform plugins too:
+    without vllm-neuron's entry point the Neuron platform never loads), each from the vllm-neuron docs
+    (``turnkv.neuron.FACTS``):
+
+    - libfabric off shared memory: engines share a node;
+    - the plugin's D->P switch when the engine is bi-directional;
+    - prefill skips decode's warmup; decode keeps prefill's graphs, because a READ that fails recomputes the prompt
+      there (``kv_load_failure_policy: recompute``): skipping them would compile a prefill graph on the request path;
+    - compilation and ready budgets that outlast a first compile, and the compile cache on the root volume.
+    """
+    env = dict(neuron.SHM_OFF)
+    if spec.bidirectional:
+        env[neuron.BIDIRECTIONAL_ENV] = "1"
+    if spec.role is Role.PREFILL:
+        env[neuron.SKIP_WARMUP["prefill"]] = "1"
+    env.update(neuron.TIMEOUTS)
+    env[neuron.CACHE_ROOT_ENV] = neuron.CACHE_ROOT
+    return env
 
 
 def serve_env(spec: EngineSpec) -> dict[str, str]:
@@ -217,11 +262,8 @@ def serve_env(spec: EngineSpec) -> dict[str, str]:
         **({wire.OFFER_SECRET_FILE_ENV: spec.offer_secret_file} if spec.offer_secret_file else {}),
     }
     if spec.on_neuron:
-        # VLLM_PLUGINS filters platform plugins too: without vllm-neuron's entry point the Neuron platform never
-        # loads. Colocated engines must keep libfabric off shared memory; each role skips the other's warmup.
+        env.update(neuron_env(spec))
         env["VLLM_PLUGINS"] += f",{neuron.PLATFORM_PLUGIN}"
-        env.update(neuron.SHM_OFF)
-        env[neuron.SKIP_WARMUP[spec.role.value]] = "1"
     if spec.model.startswith("/"):
         env["HF_HUB_OFFLINE"] = "1"
     return env

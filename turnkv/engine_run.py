@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from turnkv import node_env, params, platforms
+from turnkv import neuron, node_env, params, platforms
 from turnkv.engine_args import EngineSpec, serve_args, serve_env
 from turnkv.node_env import (
     FLAVOR_FILE,
@@ -181,4 +181,30 @@ def prepare(variables: Mapping[str, str], read_text: Callable[[str], str | None]
     devices = node_env.visible_devices(variables)
     if devices is not None:
         notes.append(f"devices {devices[0]}..{devices[-1]} ({len(devices)}, from the slot's env)")
+    if spec.on_neuron:
+        notes.append(compile_note(env.get(neuron.CACHE_ROOT_ENV, neuron.CACHE_ROOT)))
+        if not sync:  # a dry run: each Neuron setting with the upstream source it follows (docs/trainium.md)
+            notes += [f"neuron setting {name}: {source}" for name, source in neuron.setting_sources().items()]
     return argv, env, notes
+
+
+#: How long the node's register unit waits for a first /health before it gives the node up (infra.bootstrap: 720
+#: polls 10 s apart): a Neuron engine that compiles is not replaced before then.
+HEALTH_WAIT_S = 7200
+
+
+def cache_filled(path: str) -> bool:
+    """Whether the compile cache folder holds anything (compiled graphs from the bake or an earlier start)."""
+    folder = Path(path)
+    return folder.is_dir() and any(folder.iterdir())
+
+
+def compile_note(cache_root: str, filled: Callable[[str], bool] = cache_filled) -> str:
+    """What a Neuron engine says at start about compilation: graphs found in the cache, or it compiles first (the
+    vllm-neuron tutorials: 15-20 minutes for a 70B model) and the node waits for it."""
+    if filled(cache_root):
+        return f"compile cache {cache_root}: graphs present; graphs of this configuration are reused, others compile"
+    budget = int(neuron.TIMEOUTS["VLLM_NEURON_COMPILATION_TIMEOUT"]) // 60
+    return (f"compile cache {cache_root} is empty: this engine compiles its graphs before it serves (15-20 min for a "
+            f"70B model; up to {budget} min a graph allowed), and the node waits {HEALTH_WAIT_S // 3600} h for "
+            "its first /health before it is replaced")

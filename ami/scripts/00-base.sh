@@ -40,7 +40,17 @@ if [[ -f "$STATE_DIR/flavor" ]] && ! done_with flavor "$TURNKV_FLAVOR"; then
 fi
 record flavor "$TURNKV_FLAVOR"
 
-if [[ ! -x "$VENV/bin/python" ]]; then
+# Neuron: the engine venv is the DLAMI's vLLM venv, extended (its compiler, torch-neuronx, nki and plugin are the
+# Neuron SDK's; the vllm-neuron setup guide: a fresh venv has none of them). A relative link, so it resolves in the
+# image. A parent without exactly one such venv gets a fresh venv here, and step 31 refuses it by name.
+dlami_venvs=()
+if [[ "$TURNKV_FLAVOR" == neuron && ! -e "$VENV" ]]; then
+    mapfile -t dlami_venvs < <(compgen -G "$R/opt/aws_neuronx_venv_pytorch_inference_vllm_*" || true)
+fi
+if ((${#dlami_venvs[@]} == 1)) && [[ -x "${dlami_venvs[0]}/bin/python" ]]; then
+    log "extending the DLAMI's venv ${dlami_venvs[0]#"$R"} as ${VENV#"$R"}"
+    ln -s "../$(basename "${dlami_venvs[0]}")" "$VENV"
+elif [[ ! -x "$VENV/bin/python" ]]; then
     log "creating the virtualenv ${VENV#"$R"}"
     "${TURNKV_PYTHON:-python3}" -m venv "$VENV"
 fi

@@ -25,7 +25,7 @@ from aws_cdk import aws_imagebuilder as imagebuilder
 from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
-from infra.config import DeploymentConfig
+from infra.config import DeploymentConfig, build_types_offered
 from infra.constructs.engine_image import (  # noqa: F401  (ComponentLike re-exported with ImageLike)
     BakeInputs,
     BakeInputsProps,
@@ -79,7 +79,10 @@ class ImageStack(Stack):
                 region=config.region, ami_parameter=config.ami_parameter(flavor), inputs=inputs,
                 components=self.components, recipe_fingerprint=sources.recipe_fingerprint,
                 deploy_parameters=sources.deploy_parameters,
-                build_instance_types=config.image.build_instance_types,
+                # Only the recipe's build types the region offers (trn2.3xlarge is not offered where trn2.48xlarge
+                # is in us-east-2): the bake would otherwise spend its first launch on a type EC2 refuses there.
+                build_instance_types=config.image.build_instance_types or build_types_offered(
+                    sources.images[flavor].build_instance_types, config.region),
                 build_subnet_id=config.image.build_subnet_id,
                 build_security_group_id=config.image.build_security_group_id))
             self.distributions[flavor] = baked.distribution

@@ -75,7 +75,7 @@ class ServingStack(Stack):
         if config.alarm_email:
             self.events_topic.add_subscription(subscriptions.EmailSubscription(config.alarm_email))
 
-        self.log_group_name = f"/turnkv/{config.name}/engines"
+        self.log_group_name = bootstrap.engine_log_group(config)
         self.log_group = logs.LogGroup(self, "EngineLogs", log_group_name=self.log_group_name,
                                        retention=logs.RetentionDays.ONE_MONTH, removal_policy=RemovalPolicy.DESTROY)
         # The deployment's offer secret: decode engines sign the KV offers they return with it and prefill
@@ -109,14 +109,8 @@ class ServingStack(Stack):
         self._deregistration()
 
     def _user_data_stand_ins(self) -> dict[str, str]:
-        """The longest values the user data's deploy-time tokens take: a Cloud Map service id (srv- and 16
-        characters), the offer secret's ARN (its name, and the 6 characters Secrets Manager appends), the log
-        group's name."""
-        config = self.config
-        return {"cloudmap_service_id": "srv-" + "x" * 16,
-                "offer_secret_id": f"arn:aws-us-gov:secretsmanager:{config.region}:{'0' * 12}:secret:"
-                                   f"{config.prefix}/engine-offer-secret-AbCdEf",
-                "log_group": self.log_group_name}
+        """The longest values the user data's deploy-time tokens take (``bootstrap.deploy_time_stand_ins``)."""
+        return bootstrap.deploy_time_stand_ins(self.config)
 
     def model_token_arn(self, secret: str) -> str:
         """The gated model's token secret as an IAM resource: an ARN as given; a name as the ARN Secrets Manager

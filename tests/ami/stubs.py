@@ -9,6 +9,7 @@ The stubs act on ``$TURNKV_ROOT`` only. Knobs, all environment variables:
   FAKE_NIXL_BUILT_PLUGIN=efa|distro         what a NIXL source build's plugin links
   FAKE_SIGNING_DIR=DIR         where curl finds *.sig / *.key / *.gpg downloads (none: they are unreachable)
   FAKE_LIBCUDA=1|0             whether the image already has libcuda.so.1 (the Neuron bake links a stub if not)
+  FAKE_LIBCUDART=1|0           whether the image already has libcudart.so.13 (the Neuron bake links it if not)
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ venv="$(cd "$(dirname "$0")/.." && pwd)"
 case "$*" in
   *sysconfig*) echo "$venv/lib/python3.12/site-packages";;
   "-m turnkv.versions"*) PYTHONPATH="$TURNKV_REPO" exec "$REAL_PYTHON" "$@";;
+  # Step 31's load check of NIXL's plugins: the LIBFABRIC one links libcudart.so.13 (NIXL 1.5.1, readelf).
+  "-c "*"import ctypes"*)
+    if [[ "${FAKE_LIBCUDART:-0}" != 1 && ! -L "$TURNKV_ROOT/usr/local/lib/libcudart.so.13" ]]; then
+      echo "libcudart.so.13: cannot open shared object file: No such file or directory"; exit 1
+    fi
+    echo "1 NIXL plugins load";;
   *) echo "venv-python stub: unexpected $*" >&2; exit 2;;
 esac
 ''',
@@ -120,6 +127,9 @@ printf 'LINK=%s\n' "${FAKE_NIXL_BUILT_PLUGIN:-efa}" \
 [[ "${1:-}" == -p ]] || exit 0
 if [[ "${FAKE_LIBCUDA:-0}" == 1 || -L "$TURNKV_ROOT/usr/local/lib/libcuda.so.1" ]]; then
   printf '\tlibcuda.so.1 (libc6,x86-64) => /usr/local/lib/libcuda.so.1\n'
+fi
+if [[ "${FAKE_LIBCUDART:-0}" == 1 || -L "$TURNKV_ROOT/usr/local/lib/libcudart.so.13" ]]; then
+  printf '\tlibcudart.so.13 (libc6,x86-64) => /usr/local/lib/libcudart.so.13\n'
 fi
 ''',
     "aws": r'''

@@ -82,28 +82,45 @@ def test_second_bake_changes_nothing(bake):
     assert len(before) > 40
 
 
-def dlami(bake) -> Path:
+#: What the pinned plugin's DLAMI venv carries (the setup guide's Option B): the SDK's compiler, torch-neuronx and nki,
+#: the plugin and the vLLM it is built on.
+DLAMI_PACKAGES = {"neuronx-cc": "2.22.0", "torch-neuronx": "2.14.0", "nki": "0.3.0",
+                  "vllm-neuron": versions.VLLM_NEURON, "vllm": versions.VLLM_NEURON_CORE}
+
+
+def dlami(bake, packages: dict[str, str] | None = None) -> Path:
     """The parent's vLLM venv, as the Neuron DLAMI of the pinned plugin ships it."""
     venv = bake.root / neuron.dlami_vllm_venv(versions.VLLM_NEURON).lstrip("/")
-    venv.mkdir(parents=True)
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib/python3.12/site-packages").mkdir(parents=True)
+    for tool in ("python", "pip"):
+        shutil.copy(bake.stub_dir / f"venv-{tool}", venv / "bin" / tool)
+    (venv / ".fake-pip").mkdir()
+    for name, version in (DLAMI_PACKAGES if packages is None else packages).items():
+        (venv / ".fake-pip" / name).write_text(f"{version}\n")
     return venv
 
 
-def test_neuron_bake(bake):
-    dlami(bake)
+def test_neuron_bake_extends_the_dlami_venv(bake):
+    venv = dlami(bake)
     bake.bake("neuron")
     calls = bake.calls()
+    # /opt/turnkv/venv is the DLAMI's venv (relative link), extended with NIXL and the connector; the plugin is the
+    # DLAMI's own: nothing is installed from a git tag.
+    link = bake.root / "opt/turnkv/venv"
+    assert link.is_symlink() and os.readlink(link) == f"../{venv.name}" and link.resolve() == venv.resolve()
+    assert not any("git+" in c or c.startswith("python3 -m venv") for c in calls), calls
+    assert (venv / ".fake-pip/nixl").read_text().strip() == versions.NIXL
     order = positions(calls, "efa_installer.sh -y",
                       f"pip install --no-cache-dir --no-deps nixl=={versions.NIXL}",
-                      f"pip install --no-cache-dir --extra-index-url https://pip.repos.neuron.amazonaws.com "
-                      f"vllm-neuron @ git+https://github.com/vllm-project/vllm-neuron.git@v{versions.VLLM_NEURON} "
-                      f"vllm=={versions.VLLM_NEURON_CORE} nixl=={versions.NIXL}",
                       "ldconfig -p", "curl -fsSL --retry 3 -o", "dpkg -i",
                       "apt-get -o DPkg::Lock::Timeout=600 install -y --no-install-recommends cuda-cudart-dev-12-6",
+                      "apt-get -o DPkg::Lock::Timeout=600 install -y --no-install-recommends cuda-cudart-13-0",
                       "aws s3 cp", "dpkg --root=", "turnkv doctor --flavor neuron --image")
     assert order == sorted(set(order))
-    # NIXL's LIBFABRIC plugin dlopens libcuda.so.1 (the setup guide's stub; Neuron never calls it).
+    # NIXL's LIBFABRIC plugin dlopens libcuda.so.1 (the setup guide's stub) and links libcudart.so.13.
     assert os.readlink(bake.root / "usr/local/lib/libcuda.so.1").endswith("stubs/libcuda.so")
+    assert os.readlink(bake.root / "usr/local/lib/libcudart.so.13").endswith("lib/libcudart.so.13")
     assert (bake.root / "etc/turnkv/nixl.env").exists()  # NIXL's LIBFABRIC plugin, as on the GPU image
     assert "nvidia_gpu" not in (bake.root / "opt/aws/amazon-cloudwatch-agent/etc/turnkv.json").read_text()
     before = bake.manifest()
@@ -111,15 +128,44 @@ def test_neuron_bake(bake):
     assert bake.manifest() == before
 
 
-def test_a_neuron_image_that_has_libcuda_gets_no_stub(bake):
+def test_a_neuron_image_that_has_the_libraries_gets_none_installed(bake):
     dlami(bake)
-    bake.bake("neuron", extra_env={"FAKE_LIBCUDA": "1"})
+    bake.bake("neuron", extra_env={"FAKE_LIBCUDA": "1", "FAKE_LIBCUDART": "1"})
     assert not any("cuda-keyring" in c or "cuda-cudart" in c for c in bake.calls())
     assert not (bake.root / "usr/local/lib/libcuda.so.1").exists()
 
 
+def test_a_dlami_venv_without_the_plugin_gets_it_from_neurons_pip_repository(bake):
+    dlami(bake, {k: v for k, v in DLAMI_PACKAGES.items() if k not in ("vllm-neuron", "vllm")})
+    bake.bake("neuron")
+    assert any(c.startswith(f"pip install --no-cache-dir --extra-index-url https://pip.repos.neuron.amazonaws.com "
+                            f"vllm-neuron=={versions.VLLM_NEURON} vllm=={versions.VLLM_NEURON_CORE}")
+               for c in bake.calls())
+
+
+def test_a_dlami_venv_without_the_neuron_compiler_is_refused(bake):
+    dlami(bake, {k: v for k, v in DLAMI_PACKAGES.items() if k != "neuronx-cc"})
+    for name in ("turnkv-base", "turnkv-efa", "turnkv-nixl"):
+        bake.run_phase(component("neuron", name), "build")
+    result = bake.run_phase(component("neuron", "turnkv-vllm-neuron"), "build", check=False)
+    assert result.returncode != 0 and "neuronx-cc is missing" in result.stderr
+
+
+def test_a_nixl_plugin_that_does_not_load_fails_the_bake(bake):
+    """The load check itself: with libcudart.so.13 neither in the image nor linkable, the step stops."""
+    dlami(bake)
+    for name in ("turnkv-base", "turnkv-efa", "turnkv-nixl"):
+        bake.run_phase(component("neuron", name), "build")
+    (bake.root / "usr/local/lib").mkdir(parents=True, exist_ok=True)
+    result = bake.run_phase(component("neuron", "turnkv-vllm-neuron"), "build", check=True)
+    assert result.returncode == 0  # linked, then loaded
+    (bake.root / "usr/local/lib/libcudart.so.13").unlink()
+    check = bake.run_phase(component("neuron", "turnkv-vllm-neuron"), "validate", check=False)
+    assert check.returncode != 0 and "libcudart.so.13: cannot open shared object file" in check.stdout + check.stderr
+
+
 def test_a_parent_of_another_neuron_release_is_refused(bake):
-    """The DLAMI's SSM parameter has only a `latest`: a parent without the pinned plugin's venv stops the bake."""
+    """A parent without the pinned plugin's venv stops the bake, naming the versioned SSM parameter's release."""
     for name in ("turnkv-base", "turnkv-efa", "turnkv-nixl"):
         bake.run_phase(component("neuron", name), "build")
     result = bake.run_phase(component("neuron", "turnkv-vllm-neuron"), "build", check=False)
@@ -127,6 +173,11 @@ def test_a_parent_of_another_neuron_release_is_refused(bake):
     assert f"not the Neuron DLAMI of vllm-neuron {versions.VLLM_NEURON}" in result.stderr
     assert "image.ami_id" in result.stderr
     assert not any(c.startswith("pip install --no-cache-dir --extra-index-url") for c in bake.calls())
+
+
+def test_the_parent_is_the_pinned_plugins_versioned_dlami_parameter():
+    assert recipes.IMAGES["neuron"].parent_image_ssm_parameter == (
+        f"/aws/service/neuron/dlami/pytorch-inference-vllm-{versions.VLLM_NEURON}/ubuntu-24.04/latest/image_id")
 
 
 def test_the_bake_names_the_dlami_venv_as_turnkv_neuron_does():

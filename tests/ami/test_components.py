@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from ami import recipes
+from turnkv import versions
 
 DOCS = sorted(recipes.COMPONENTS_DIR.glob("*.yml"))
 ALL_COMPONENTS = {c.name: c for spec in recipes.IMAGES.values() for c in spec.components}
@@ -132,7 +133,8 @@ def test_images():
     gpu, neuron = recipes.IMAGES["gpu"], recipes.IMAGES["neuron"]
     assert gpu.parent_image_ssm_parameter == (
         "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id")
-    assert neuron.parent_image_ssm_parameter == "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id"
+    assert neuron.parent_image_ssm_parameter == (
+        f"/aws/service/neuron/dlami/pytorch-inference-vllm-{versions.VLLM_NEURON}/ubuntu-24.04/latest/image_id")
     assert "turnkv-nixl" in [c.name for c in gpu.components] and "turnkv-vllm-gpu" in [c.name for c in gpu.components]
     assert "turnkv-vllm-neuron" in [c.name for c in neuron.components]
     for spec in (gpu, neuron):

@@ -85,7 +85,7 @@ def _problems(raw) -> dict[str, str]:
     # Refused at synth, not at deploy or on the node (turnkv.neuron.TRN1_REFUSAL).
     ({"pools.0.instance_type": "trn2.48xlarge", "pools.1.instance_type": "trn2.48xlarge",
       "pools.2.instance_type": "trn1.32xlarge", "model.tensor_parallel_size": 8},
-     "pools[2].instance_type", "16 Neuron devices but 8 EFA interfaces"),
+     "pools[2].instance_type", "runs on Trn2 and Trn3 only"),
     ({"model.s3_uri": "s3://replace-me-model-bucket/Qwen3-32B/"}, "model.s3_uri", "is a placeholder; upload"),
     ({"model.s3_uri": "s3://my-bucket/Qwen3-32B/"}, "model.s3_uri", "network.nat_gateways: 1"),
     ({"network.cidr": "10.40.0.0/20"}, "network.cidr", "use a /18 or larger block"),

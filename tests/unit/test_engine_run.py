@@ -237,12 +237,14 @@ def test_neuron_node_stops_at_start_naming_what_is_unverified_without_a_restart_
     argv, env, _ = engine.prepare({**allowed, "TURNKV_MODE": "pull"}, files.get, run=lambda cmd: 0)
     assert argv[1] == "serve"
     # What the cited facts (turnkv.neuron) ask of a Neuron engine: the plugin's platform allow-listed, device-memory
-    # KV buffers, libfabric off shared memory, and the other role's warmup skipped.
+    # KV buffers, libfabric off shared memory, decode's warmup skipped on prefill only (decode recomputes a failed
+    # READ, so it keeps prefill's graphs), and the bucket configuration prefix caching needs.
     assert env["VLLM_PLUGINS"] == "turnkv,turnkv-leases,neuron" and env["FI_EFA_ENABLE_SHM_TRANSFER"] == "0"
     config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert config["kv_buffer_device"] == "cuda" and config["kv_connector_extra_config"]["backends"] == ["LIBFABRIC"]
-    skip = "VLLM_NEURON_SKIP_PREFILL_WARMUP" if FULL["TURNKV_ROLE"] == "decode" else "VLLM_NEURON_SKIP_DECODE_WARMUP"
-    assert env[skip] == "1"
+    assert "VLLM_NEURON_SKIP_PREFILL_WARMUP" not in env
+    assert ("VLLM_NEURON_SKIP_DECODE_WARMUP" in env) == (FULL["TURNKV_ROLE"] == "prefill")
+    assert "kv_segment_size_buckets" in argv[argv.index("--additional-config") + 1]
     gpu_argv, gpu_env, _ = engine.prepare(FULL, {engine.FLAVOR_FILE: "gpu\n"}.get, run=lambda cmd: 0)
     assert gpu_env["VLLM_PLUGINS"] == "turnkv,turnkv-leases" and "kv_buffer_device" not in gpu_argv[
         gpu_argv.index("--kv-transfer-config") + 1]

@@ -12,6 +12,7 @@ import pytest
 
 from tests.unit.neuron_standin import NativeNeuronPlatform
 from turnkv import engine_args, neuron, node_env, platforms
+from turnkv.engine_settings import EngineSettings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,26 +55,65 @@ def test_upstream_nixl_accepts_the_kv_buffer_turnkv_configures_on_neuron(monkeyp
         importlib.reload(utils)
 
 
-def test_a_trn2_decode_engine_argv_and_environment():
-    spec = engine_args.EngineSpec(role=engine_args.Role.DECODE, engine_id="i-1-2", model="Qwen/Qwen3-32B",
-                                  port=8002, side_channel_port=5632, tensor_parallel_size=16,
-                                  backends=neuron.NIXL_BACKENDS, flavor="neuron")
+def _trn2(role, **kw) -> engine_args.EngineSpec:
+    return engine_args.EngineSpec(role=role, engine_id="i-1-2", model="Qwen/Qwen3-32B", port=8002,
+                                  side_channel_port=5632, tensor_parallel_size=16, max_model_len=32768,
+                                  backends=neuron.NIXL_BACKENDS, flavor="neuron", **kw)
+
+
+@pytest.mark.parametrize("role", list(engine_args.Role))
+def test_a_trn2_engine_argv_and_environment_for_each_role(role):
+    spec = _trn2(role)
     env = engine_args.serve_env(spec)
     assert env["VLLM_PLUGINS"].split(",") == ["turnkv", "turnkv-leases", neuron.PLATFORM_PLUGIN]
-    assert env["FI_EFA_ENABLE_SHM_TRANSFER"] == "0" and env["VLLM_NEURON_SKIP_PREFILL_WARMUP"] == "1"
-    assert "VLLM_NEURON_SKIP_DECODE_WARMUP" not in env
+    assert env["FI_EFA_ENABLE_SHM_TRANSFER"] == "0"
+    assert env[neuron.BIDIRECTIONAL_ENV] == "1"  # the plugin's D->P switch (its DI design doc)
+    # Decode keeps prefill's graphs: a failed READ recomputes the prompt there (kv_load_failure_policy: recompute).
+    assert "VLLM_NEURON_SKIP_PREFILL_WARMUP" not in env
+    assert ("VLLM_NEURON_SKIP_DECODE_WARMUP" in env) == (role is engine_args.Role.PREFILL)
+    assert {k: env[k] for k in neuron.TIMEOUTS} == neuron.TIMEOUTS
+    assert env[neuron.CACHE_ROOT_ENV] == neuron.CACHE_ROOT
     args = engine_args.serve_args(spec)
     config = json.loads(args[args.index("--kv-transfer-config") + 1])
     assert config["kv_buffer_device"] == "cuda" and config["kv_connector_extra_config"]["backends"] == ["LIBFABRIC"]
     assert config["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
+    assert config["kv_load_failure_policy"] == "recompute"
+    # Prefix caching with segmented prefill, as the Llama-3.3-70B tutorial runs it: one segment size, the prefill
+    # bucket and --max-num-batched-tokens equal to it, the decode batch bucket equal to --max-num-seqs.
+    assert "--enable-prefix-caching" in args
+    extra = json.loads(args[args.index("--additional-config") + 1])["neuron_config"]
+    assert extra == {"kv_segment_size_buckets": [8192], "num_batched_tokens_buckets": [8192], "num_seqs_buckets": [8]}
+    assert args[args.index("--max-num-batched-tokens") + 1] == "8192" and args[args.index("--max-num-seqs") + 1] == "8"
+    assert 8192 % int(args[args.index("--block-size") + 1]) == 0
+
+
+def test_the_bucket_configuration_follows_the_model_length_block_size_and_batch():
+    assert neuron.segment_size(32768, 128) == 8192 and neuron.segment_size(4096, 128) == 4096
+    assert neuron.segment_size(3000, 128) == 2048 and neuron.segment_size(256, 32) == 512
+    with pytest.raises(ValueError, match="divides none"):
+        neuron.segment_size(8192, 3000)
+    spec = _trn2(engine_args.Role.DECODE, settings=EngineSettings(max_num_seqs=4))
+    args = engine_args.serve_args(spec)
+    assert json.loads(args[args.index("--additional-config") + 1])["neuron_config"]["num_seqs_buckets"] == [4]
+    assert args.count("--max-num-seqs") == 1
+    with pytest.raises(ValueError, match="turnkv sets the bucket configuration"):
+        engine_args.serve_args(_trn2(engine_args.Role.PREFILL, extra_args=("--max-num-batched-tokens=2048",)))
+    # Off Neuron nothing changes.
+    gpu = engine_args.EngineSpec(role=engine_args.Role.DECODE, engine_id="g", model="m", port=8000,
+                                 side_channel_port=5600, flavor="gpu")
+    assert "--additional-config" not in engine_args.serve_args(gpu)
+
+
+def test_push_is_refused_on_neuron_and_a_gpu_engine_is_unchanged():
     with pytest.raises(ValueError, match="read mode only"):
         engine_args.kv_transfer_config(engine_args.EngineSpec(
             role=engine_args.Role.PREFILL, engine_id="p", model="m", port=8000, side_channel_port=5600,
             mode=engine_args.Mode.PUSH, flavor="neuron"))
-    # A GPU engine is unchanged.
     gpu = engine_args.EngineSpec(role=engine_args.Role.DECODE, engine_id="g", model="m", port=8000,
                                  side_channel_port=5600, flavor="gpu")
-    assert engine_args.serve_env(gpu)["VLLM_PLUGINS"] == "turnkv,turnkv-leases"
+    env = engine_args.serve_env(gpu)
+    assert env["VLLM_PLUGINS"] == "turnkv,turnkv-leases"
+    assert not any(k.startswith(("VLLM_NEURON", "FI_EFA")) or k == neuron.CACHE_ROOT_ENV for k in env)
     assert "kv_buffer_device" not in engine_args.kv_transfer_config(gpu)
 
 
@@ -90,3 +130,40 @@ def test_the_docs_table_is_the_facts_module():
     page = (REPO / "docs/trainium.md").read_text()
     assert neuron.markdown_table() in page, "regenerate: python -c 'from turnkv import neuron; " \
                                             "print(neuron.markdown_table())'"
+
+
+def test_a_neuron_engine_says_whether_it_compiles_and_the_node_outwaits_it(tmp_path):
+    from infra import bootstrap
+    from infra.constructs import engine_group
+    from turnkv import engine_run
+
+    empty = engine_run.compile_note(str(tmp_path))
+    assert "is empty: this engine compiles its graphs before it serves" in empty
+    (tmp_path / "neuronxcc-2.22").mkdir()
+    assert "graphs present" in engine_run.compile_note(str(tmp_path))
+    # The register unit's wait for a first /health (720 polls, 10 s apart) outlasts the engine's own ready budget,
+    # and CloudFormation's signal wait (one hour) the ready budget too: a compiling node is not replaced.
+    text = bootstrap.register_script(bootstrap.pool_bootstrap(*_trn2_pool()))
+    assert "seq 1 720" in text and "sleep 10" in text and engine_run.HEALTH_WAIT_S == 720 * 10
+    ready = int(neuron.TIMEOUTS["VLLM_ENGINE_READY_TIMEOUT_S"])
+    assert ready < engine_run.HEALTH_WAIT_S and ready < engine_group.SIGNAL_TIMEOUT.to_seconds()
+
+
+def _trn2_pool():
+    import yaml
+
+    from infra.config import from_mapping
+    from infra.wheel import REPO_ROOT
+
+    config = from_mapping(yaml.safe_load((REPO_ROOT / "deploy/trn2.yaml").read_text()))
+    return config, config.pools[1]
+
+
+@pytest.mark.parametrize("role", list(engine_args.Role))
+def test_the_dry_run_names_the_upstream_source_of_every_neuron_setting(role):
+    named = " ".join(neuron.setting_sources())
+    for key in engine_args.neuron_env(_trn2(role)):
+        assert key in named, key
+    for flag in engine_args.NEURON_FLAGS:
+        assert flag in named
+    assert all(source.strip() for source in neuron.setting_sources().values())

@@ -4,6 +4,7 @@ and the held-out published row checks the planner's prediction."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,60 @@ def test_held_out_published_tpot_is_predicted_within_the_tolerance(row):
 def test_docs_show_the_neuron_table():
     assert neuron_calibration.markdown() in (REPO / "docs/planning.md").read_text(), \
         "regenerate: python -m turnkv.plan.neuron_calibration"
+
+
+def test_trn2_plans_in_the_deployments_units_with_neurons_kv_cap_and_no_host_tier():
+    """TP in logical NeuronCores as deploy/trn2.yaml counts it (16: four engines a node, each on 4 chips), the KV
+    cache capped at vllm-neuron's 0.30 of the budget, and no host tier the Neuron image does not run (#45)."""
+    import yaml
+
+    from infra.config import from_mapping
+    from infra.wheel import REPO_ROOT
+    from turnkv import neuron
+    from turnkv.commands import plan as cli
+
+    deployed = from_mapping(yaml.safe_load((REPO_ROOT / "deploy/trn2.yaml").read_text()))
+    fleet = cli.build_fleet("Qwen3-32B", "trn2.48xlarge", deployed.model.tensor_parallel_size, None, None, None, None,
+                            None, "pull", 480.0, 64, True, Path(".turnkv"), None)
+    assert fleet.tp_prefill == fleet.tp_decode == 4  # chips the model prices
+    assert fleet.engines_per_node("decode") == deployed.engines_per_node(deployed.pools[1]) == 4
+    inst = fleet.decode
+    budget = 4 * inst.hbm_bytes * inst.memory_utilization
+    assert inst.kv_cache_bytes(4, 65e9) == pytest.approx(neuron.KV_CAP_FRACTION * budget)
+    assert inst.kv_cache_bytes(4, budget - 1e9) == pytest.approx(1e9)  # below the cap: what the weights leave
+    assert hardware.INSTANCES["p5en.48xlarge"].kv_cap_fraction is None
+    with pytest.raises(cli.typer.Exit):
+        cli.build_fleet("Qwen3-32B", "trn2.48xlarge", 2, None, None, None, None, None, "pull", 480.0, 64, True,
+                        Path(".turnkv"), None)  # half a chip: not a deployable engine the model prices
+    assert not inst.host_tiers and hardware.INSTANCES["p5en.48xlarge"].host_tiers
+
+
+def test_the_planner_takes_a_deploy_configs_shape(tmp_path):
+    """`turnkv plan --config`: the config's instance type, TP and engines a node per role (#45)."""
+    import yaml
+
+    from infra.wheel import REPO_ROOT
+    from turnkv.commands import plan as cli
+
+    raw = yaml.safe_load((REPO_ROOT / "deploy/trn2.yaml").read_text())
+    path = tmp_path / "trn2.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert cli.from_deploy_config(path, "Qwen3-8B", "p5en.48xlarge", None) == ("Qwen3-32B", "trn2.48xlarge", 16, (4, 4))
+    raw["pools"][1]["engines_per_node"] = 2
+    path.write_text(yaml.safe_dump(raw))
+    assert cli.from_deploy_config(path, "Qwen3-32B", "p5en.48xlarge", None)[3] == (4, 2)
+    with pytest.raises(cli.typer.Exit):
+        cli.from_deploy_config(path, "Qwen3-32B", "p5en.48xlarge", 8)  # --tp against the config's
+
+
+def test_no_offload_arm_where_the_image_runs_no_offload_tier(tmp_path):
+    from typer.testing import CliRunner
+
+    from infra.wheel import REPO_ROOT
+    from turnkv.cli import app
+
+    config = str(REPO_ROOT / "deploy/trn2.yaml")
+    run = CliRunner().invoke(app, ["plan", "--config", config, "--out", str(tmp_path), "--json"])
+    assert run.exit_code == 0, run.output
+    verdict = json.loads((tmp_path / "plan.json").read_text())["verdict"]
+    assert verdict["arms"]["peer"]["prefill_offload_gib"] == 0 and "peer+offload" not in verdict["reason"]

@@ -52,20 +52,29 @@ def build_fleet(model: str, instance: str, tp: int | None, tp_prefill: int | Non
               f"{', '.join(sorted(set(KV_DTYPES) - {'fp8_ds_mla', 'auto'}))}")
     if price is not None:
         inst = replace(inst, price_per_hour=price)
-    default_tp = 1 if instance == "local-cpu" else inst.devices if inst.devices <= 8 else 16
+    # TP in the deployment's unit (model.tensor_parallel_size): GPUs, or logical NeuronCores on trn2 (4 a chip), so
+    # a node runs as many engines as the deploy gives it; the model prices whole devices (ranks_per_device).
+    per_device = inst.ranks_per_device
+    ranks = inst.devices * per_device
+    default_tp = 1 if instance == "local-cpu" else ranks if ranks <= 8 else 16
     given = {PREFILL_TP: tp_prefill, DECODE_TP: tp_decode} if tp is None else {
         TP: tp, PREFILL_TP: tp_prefill, DECODE_TP: tp_decode}
-    allowed = [str(2**k) for k in range(inst.devices.bit_length()) if 2**k <= inst.devices]
+    allowed = [str(2**k) for k in range(ranks.bit_length()) if per_device <= 2**k <= ranks]
+    unit = "" if per_device == 1 else f" logical NeuronCores ({per_device} a chip, LNC=2)"
     for name, value in given.items():
         # infra/config.py (model.tensor_parallel_size) accepts powers of two only, at most the accelerators
         if value is not None and value & (value - 1):
             _fail(f"{name} {value} is not a power of two, which a deployment's model.tensor_parallel_size must be "
                   f"(infra/config.py): use {', '.join(allowed)} on {inst.name}")
+        if value is not None and value % per_device:
+            _fail(f"{name} {value}: the planner prices whole chips of {inst.name}, TP in{unit}: use "
+                  f"{', '.join(allowed)}")
     tp_p, tp_d = tp_prefill or tp or default_tp, tp_decode or tp or default_tp
     for name, value in ((PREFILL_TP, tp_p), (DECODE_TP, tp_d)):
-        if value > inst.devices:
-            _fail(f"{name} {value} exceeds the {inst.devices} devices of one {inst.name}: use "
+        if value > ranks:
+            _fail(f"{name} {value} exceeds the {ranks}{unit or ' devices'} of one {inst.name}: use "
                   f"{', '.join(allowed)}")
+    tp_p, tp_d = tp_p // per_device, tp_d // per_device
     if mode not in ("pull", "push"):
         _fail(f"--mode {mode!r}: use pull or push")
     weights = arch.total_params() * arch.weight_bytes_per_param
@@ -88,6 +97,10 @@ def build_fleet(model: str, instance: str, tp: int | None, tp_prefill: int | Non
                  float(ttl), int(threshold), prefill_prefix_caching=prefill_prefix_caching)
 
 
+#: Why a Neuron plan counts no host tier (decode's or prefill's offload tier).
+HOST_TIER_REFUSAL = "decode's host tier and vLLM's offload tier need vLLM 0.32 and a GPU; the Neuron image runs 0.29"
+
+
 #: Precisions the planner models, as vLLM names them (``--dtype``, ``--quantization fp8``, ``--kv-cache-dtype``)
 #: and their short forms; "auto" keeps the model's own. Anything else (int4, fp4, ...) is refused, not guessed.
 WEIGHT_DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
@@ -95,6 +108,38 @@ WEIGHT_DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16
 KV_DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
              "fp32": "float32", "float32": "float32", "fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2",
              "fp8_ds_mla": "fp8_ds_mla"}
+
+
+def from_deploy_config(path: Path, model: str, instance: str, tp: int | None
+                       ) -> tuple[str, str, int, tuple[int, int]]:
+    """(model, instance, TP, engines a node for prefill and decode) of a deploy config, as the deploy runs them: the
+    pools' one instance type, model.tensor_parallel_size (the deployment's unit), ``engines_per_node`` of the first
+    pool of each role, and model.id where the planner's catalog has it (else ``model`` as given)."""
+    from infra.config import validate_file
+    from turnkv.engine_args import Role
+    from turnkv.plan import architectures
+
+    config, problems = validate_file(path)
+    if problems or config is None:
+        _fail(f"--config {path}: invalid; run `turnkv config validate {path}`")
+    types = sorted({p.instance_type for p in config.pools})
+    if len(types) != 1:
+        _fail(f"--config {path}: pools on {', '.join(types)}; the planner prices one instance type")
+    if tp is not None and tp != config.model.tensor_parallel_size:
+        _fail(f"{TP} {tp} and --config's model.tensor_parallel_size {config.model.tensor_parallel_size}: give one")
+    name = config.model.id.rstrip("/").rsplit("/", 1)[-1]
+    known = next((k for k in architectures.CATALOG if k.lower() == name.lower()), None)
+    per_role = tuple(config.engines_per_node(next(p for p in config.pools if p.role is role))
+                     for role in (Role.PREFILL, Role.DECODE))
+    return known or model, types[0], config.model.tensor_parallel_size, per_role  # type: ignore[return-value]
+
+
+def _tp_unit(inputs: dict[str, Any]) -> str:
+    """" logical NeuronCores (N chips an engine)" where the TP unit is not the device (trn2); "" elsewhere."""
+    devices = inputs.get("devices_per_engine") or inputs["tp"]
+    if devices == inputs["tp"]:
+        return ""
+    return f" logical NeuronCores ({devices['prefill']}/{devices['decode']} chips an engine)"
 
 
 def _check_workload(fleet, workload) -> None:
@@ -121,10 +166,11 @@ def _precision(flag: str, value: str | None, allowed: dict[str, str | None]) -> 
     return allowed[value.lower()]
 
 
-def default_offload_gib(inst, tp: int) -> float:
+def default_offload_gib(inst, tp: int, engines: int | None = None) -> float:
     """An engine's default host tier (decode's retained turns, or a peer prefill's offload tier): half the node's
-    host memory over its engines, as the deploy sizes decode's (infra/instances.py host_tier_budget_mib)."""
-    return 0.5 * inst.host_memory_gib / max(1, inst.devices // max(1, tp))
+    host memory over its engines (``engines``, default devices // TP), as the deploy sizes decode's
+    (infra/instances.py host_tier_budget_mib)."""
+    return 0.5 * inst.host_memory_gib / max(1, engines or inst.devices // max(1, tp))
 
 
 def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, conversations: int,
@@ -137,6 +183,8 @@ def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, convers
 
     turns = sample(workload, 5000, 0)
     offload = default_offload_gib(fleet.prefill, fleet.tp_prefill) if peer_offload_gib is None else peer_offload_gib
+    if not fleet.prefill.host_tiers:  # no offload tier on this image: the peer runs its prefix cache only
+        offload = 0.0
     arms = v.arms(fleet, workload, turns, ttft_target, offload)
     sized, target_met, plan = arms["reuse"].fleet, arms["reuse"].met, arms["reuse"].plan
     # Reuse off sized on its own, by the same function, for the same target and workload, with the same prefill
@@ -167,7 +215,11 @@ def run_plan(fleet, workload, ttft_target: float | None, simulate: bool, convers
         "capped": capped,
         "max_engines_per_role": m.MAX_ENGINES,
         "inputs": {"model": sized.model.name, "dtype": sized.model.dtype, "kv_dtype": sized.model.kv_dtype,
-                   "instance": sized.prefill.name, "tp": {"prefill": sized.tp_prefill, "decode": sized.tp_decode},
+                   "instance": sized.prefill.name,
+                   # In the deployment's unit (model.tensor_parallel_size); "devices": what the model prices.
+                   "tp": {"prefill": sized.tp_prefill * sized.prefill.ranks_per_device,
+                          "decode": sized.tp_decode * sized.decode.ranks_per_device},
+                   "devices_per_engine": {"prefill": sized.tp_prefill, "decode": sized.tp_decode},
                    "block_size": sized.block_size, "mode": sized.mode, "ttl_s": sized.ttl_s,
                    "threshold": sized.threshold, "prefill_prefix_caching": sized.prefill_prefix_caching,
                    "prefill_offload_gib": sized.prefill_offload_gib, "peer_offload_gib": offload,
@@ -305,7 +357,8 @@ def print_tables(result: dict[str, Any]) -> None:
     out = Console()
     inp = result["inputs"]
     t = Table(title=f"turnkv plan — {inp['model']} ({inp['dtype']}, KV {inp['kv_dtype']}) on {inp['instance']}, "
-                    f"TP {inp['tp']['prefill']}/{inp['tp']['decode']}, {inp['mode']}; reuse off on its own fleet")
+                    f"TP {inp['tp']['prefill']}/{inp['tp']['decode']}{_tp_unit(inp)}, {inp['mode']}; "
+                    "reuse off on its own fleet")
     for col in ("turn", "prompt tokens", "prefill cache (tokens)", "pulled (tokens)", "TTFT off (ms)",
                 "TTFT on (ms)", "transfer (ms)", "pull fixed (ms)", "compute saved (ms)"):
         t.add_column(col, justify="right")
@@ -388,6 +441,8 @@ def print_verdict(out: Console, result: dict[str, Any]) -> None:
         t.add_column(col, justify="right")
     for name in ARMS:
         a = v["arms"][name]
+        if name == "peer" and not a.get("prefill_offload_gib", 1):
+            continue  # no offload tier (trn2's image runs none): the same arm as "peer"
         src = a["token_sources"]
         t.add_row(a["label"], _ms(a["ttft_ms"]["p50"]), _ms(a["ttft_ms"]["p90"]),
                   f"{a['nodes']['prefill']}P{a['nodes']['decode']}D" + (" (capped)" if a["capped"] else ""),
@@ -459,6 +514,10 @@ def plan(
     = None,
     deployment: Annotated[str, typer.Option(help="Deployment name for the printed `turnkv params set` line.")]
     = "NAME",
+    config: Annotated[Path | None, typer.Option(help="A deploy config (deploy/*.yaml): plan its instance type, "
+                                                     "model.tensor_parallel_size, engines a node per role and (when "
+                                                     "the catalog knows it) model.id, instead of --instance, --tp "
+                                                     "and --model.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON only.")] = False,
     out: Annotated[Path, typer.Option(help="Folder for plan.json and plan.png.")] = Path("results/plan"),
     state_dir: Annotated[Path, typer.Option(help="Where `turnkv plan calibrate` stored local-cpu constants.")]
@@ -478,12 +537,24 @@ def plan(
         _fail(f"--workload: {exc}")
     except OSError as exc:  # a folder, no permission: a message, not a traceback
         _fail(f"--workload {workload}: cannot be read ({exc.strerror}); pass a workload JSON file")
+    engines_per_node = None
+    if config is not None:
+        model, instance, tp, engines_per_node = from_deploy_config(config, model, instance, tp)
     fleet = build_fleet(model, instance, tp, renamed(ctx, "prefill_tp", "tp_prefill"),
                         renamed(ctx, "decode_tp", "tp_decode"), dtype, kv_dtype, block_size, mode, ttl, threshold,
                         prefill_prefix_caching, state_dir, price)
+    if engines_per_node is not None:
+        fleet = replace(fleet, deployed_engines_per_node=engines_per_node)
     if routing not in ("prefix-aware", "round-robin"):
         _fail(f"--routing {routing!r}: use prefix-aware or round-robin")
-    host = default_offload_gib(fleet.decode, fleet.tp_decode) if host_kv_gib is None else host_kv_gib
+    host = (default_offload_gib(fleet.decode, fleet.tp_decode, fleet.engines_per_node("decode"))
+            if host_kv_gib is None else host_kv_gib)
+    if not fleet.decode.host_tiers:
+        for flag, value in (("--host-kv-gib", host_kv_gib), ("--prefill-offload-gib", prefill_offload_gib)):
+            if value:
+                _fail(f"{flag} {value:g} on {fleet.decode.name}: its image runs no host tier ({HOST_TIER_REFUSAL}); "
+                      "leave it out")
+        host = 0.0
     fleet = replace(fleet, host_kv_gib=float(host), prefill_offload_gib=float(prefill_offload_gib or 0.0),
                     routing=routing)
     _check_workload(fleet, wl)

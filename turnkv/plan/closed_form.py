@@ -63,9 +63,15 @@ class Fleet:
     #: Each decode engine's host tier of retained turns (``host_kv_budget_mib`` / 1024): turns that do not fit the
     #: device KV cache are held there and read with the same NIXL READ (connector.host_tier). 0: device only.
     host_kv_gib: float = 0.0
+    #: Engines a node of each role runs as a deploy config sets them (``pools[].engines_per_node``, prefill then
+    #: decode); None: every device used (the deploy's default).
+    deployed_engines_per_node: tuple[int, int] | None = None
 
     def engines_per_node(self, role: str) -> int:
-        """Engines one instance of ``role`` runs: its devices over the engine's tensor-parallel size."""
+        """Engines one instance of ``role`` runs: the deploy config's, else its devices over the engine's
+        tensor-parallel size."""
+        if self.deployed_engines_per_node is not None:
+            return self.deployed_engines_per_node[0 if role == "prefill" else 1]
         inst, tp = (self.prefill, self.tp_prefill) if role == "prefill" else (self.decode, self.tp_decode)
         return max(1, inst.devices // max(1, tp))
 

@@ -173,6 +173,15 @@ class Instance:
     #: KV block sizes the attention backend takes are multiples of this (vLLM 0.29: FlashAttention
     #: ``MultipleOf(16)``, the CPU backend ``MultipleOf(32)``; get_supported_kernel_block_sizes).
     kv_block_multiple: int = 16
+    #: Share of an engine's memory budget its KV cache may take beyond "what the weights leave": vllm-neuron caps it
+    #: at VLLM_NEURON_KV_GMU_BUDGET_CAP_FRACTION (0.30) of the budget (turnkv.neuron.KV_CAP_FRACTION). None: no cap.
+    kv_cap_fraction: float | None = None
+    #: Tensor-parallel ranks per device in the deployment's unit: trn2 counts TP in logical NeuronCores (4 a chip at
+    #: LNC=2, as deploy configs and vLLM's --tensor-parallel-size do) while ``devices`` counts chips. 1 on GPUs.
+    ranks_per_device: int = 1
+    #: Whether the node image runs decode's host tier and vLLM's prefill offload tier (the Neuron image's vLLM 0.29
+    #: runs neither: turnkv.neuron.HOST_TIER_NOTE, engine_args.OFFLOAD_PLATFORMS).
+    host_tiers: bool = True
 
     def peak(self, dtype: str) -> float:
         key = {"bfloat16": "bf16", "float16": "bf16", "float32": "fp32", "fp8": "fp8"}.get(dtype, dtype)
@@ -187,8 +196,11 @@ class Instance:
         return min(self.rank_link_bytes_s(), self.host_link_bytes_s)
 
     def kv_cache_bytes(self, tp: int, weight_bytes: float) -> float:
-        """KV cache capacity of one engine of ``tp`` devices after the weights."""
-        return max(0.0, tp * self.hbm_bytes * self.memory_utilization - weight_bytes)
+        """KV cache capacity of one engine of ``tp`` devices after the weights (at most the KV cap's share of the
+        budget, where the platform caps it)."""
+        budget = tp * self.hbm_bytes * self.memory_utilization
+        left = max(0.0, budget - weight_bytes)
+        return left if self.kv_cap_fraction is None else min(left, self.kv_cap_fraction * budget)
 
 
 H100_SRC = "NVIDIA H100 Tensor Core GPU datasheet (SXM: 989 TFLOPS BF16, 1,979 TFLOPS FP8 dense, 80 GB, 3.35 TB/s)"
@@ -230,7 +242,8 @@ INSTANCES: dict[str, Instance] = {
          "efficiency": "prefill factor and decode bandwidth fitted to published Neuron TTFT/TPOT "
                        "(turnkv/plan/data/neuron_measurements.json, turnkv.plan.neuron_calibration)"},
         Efficiency(allreduce_bus_bytes_s=0.8 * 1.28e12),
-        deployable=True, deployable_note=TRN2_UNVERIFIED),
+        deployable=True, deployable_note=TRN2_UNVERIFIED, kv_cap_fraction=neuron.KV_CAP_FRACTION,
+        ranks_per_device=neuron.CORES_PER_CHIP["trn2"], host_tiers=False),
     "trn1.32xlarge": Instance(
         "trn1.32xlarge", "16 x AWS Trainium", 16, {"bf16": 190e12, "fp8": 190e12, "fp32": 47.5e12}, 32 * GIB,
         0.82e12, 800e9, 21.50,

@@ -126,11 +126,17 @@ TERM_NAMES = {"compute": "prefill compute", "queueing": "prefill queueing", "tra
               "pull_fixed": "the pull's fixed cost"}
 
 
+def offload_arm(result: dict[str, Arm]) -> bool:
+    """Whether the peer+offload arm has an offload tier (else it is the peer arm again)."""
+    return result["peer"].fleet.prefill_offload_gib > 0
+
+
 def verdict(result: dict[str, Arm], ttft_target: float | None = None) -> dict[str, Any]:
     """``pays`` and the reason, against the best peer (the cheapest per 1k turns among those meeting the target).
     With a target both arms meet, TTFT under it does not count: cost decides (TTFT breaks a cost tie)."""
     reuse = result["reuse"]
-    peers = [result["peer"], result["peer_no_offload"]]
+    # Without an offload tier (none given, or an image that runs none: trn2) "peer+offload" is "peer": left out.
+    peers = [result["peer"], result["peer_no_offload"]] if offload_arm(result) else [result["peer_no_offload"]]
     best = min(peers, key=lambda a: (not a.met, a.cost_per_1k_turns(), a.ttft_ms()["p90"] or float("inf")))
     r_cost, p_cost = reuse.cost_per_1k_turns(), best.cost_per_1k_turns()
     r90, p90 = reuse.ttft_ms()["p90"], best.ttft_ms()["p90"]
