@@ -28,7 +28,7 @@ from infra.stacks.observability import ObservabilityStack
 from infra.stacks.params import ParamsStack
 from infra.stacks.router import RouterStack
 from infra.stacks.serving import ServingStack
-from infra.wheel import REPO_ROOT, build_wheel
+from infra.wheel import REPO_ROOT, build_node_wheel
 
 CONFIG_KEY = "turnkv"
 CONFIG_FILE_KEY = "turnkv:config"
@@ -59,7 +59,7 @@ def default_image_sources(app: cdk.App) -> ImageSources:
                                            "needs the AMI recipes (ami/ from the AMI work)")])
     from ami import recipes
     wheel = app.node.try_get_context(WHEEL_KEY)
-    wheel_path = Path(wheel) if wheel else build_wheel(REPO_ROOT / "dist" / "turnkv-wheel")
+    wheel_path = Path(wheel) if wheel else build_node_wheel(REPO_ROOT / "dist" / "turnkv-wheel")
     return ImageSources(images=recipes.IMAGES, scripts_dir=recipes.SCRIPTS_DIR, wheel=wheel_path,
                         deploy_parameters=recipes.deploy_parameters, recipe_fingerprint=recipes.recipe_fingerprint)
 

@@ -58,14 +58,14 @@ def image_sources(tmp_path_factory):
                         deploy_parameters=recipes.deploy_parameters, recipe_fingerprint=recipes.recipe_fingerprint)
 
 
-def synthesize(raw: dict, outdir: Path, image_sources, validation: bool = False) -> Synth:
+def synthesize(raw: dict, outdir: Path, image_sources, validation: bool = False, nag: bool = True) -> Synth:
     import aws_cdk as cdk
 
     from infra.app import build
     from infra.config import from_mapping
 
     app = cdk.App(outdir=str(outdir), builtin_cloud_formation_validation=validation)
-    result = build(app, config=from_mapping(raw), image_sources=image_sources)
+    result = build(app, config=from_mapping(raw), image_sources=image_sources, run_nag=nag)
     app.synth()
     templates = {s.stack_name: json.loads((outdir / f"{s.artifact_id}.template.json").read_text())
                  for s in result.stacks}
