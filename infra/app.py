@@ -113,7 +113,9 @@ def build(app: cdk.App, config: DeploymentConfig | None = None, image_sources: I
                          description="turnkv: KV-aware router on Fargate behind an ALB")
     router.add_stack_dependency(params, "the router reads its tunables")
     observability = ObservabilityStack(app, f"{prefix}-observability", config=config, serving=serving,
-                                       router=router, env=env, description="turnkv: dashboard and alarms")
+                                       env=env, description="turnkv: dashboard and alarms")
+    observability.add_stack_dependency(router, "the dashboard and alarms read the ALB and service names the router "
+                                               "stack publishes in SSM")
     result = TurnkvApp(config, network, params, image, serving, router, observability)
     for stack in result.stacks:
         lint.apply(stack, azs=stack is network)

@@ -462,6 +462,12 @@ class DeploymentConfig(_Model):
     def ami_parameter(self, flavor: str) -> str:
         return f"/turnkv/{self.name}/ami/{flavor}"
 
+    def stack_output_parameter(self, stack: str, key: str) -> str:
+        """Where stack ``stack`` publishes a value a later stack reads (SSM, not a CloudFormation export: an
+        export another stack imports can never change, so a config change that replaces the ALB or its listener
+        would fail the producing stack's update; docs/deploy-aws.md, "Change it without taking it down")."""
+        return f"/turnkv/{self.name}/outputs/{stack}/{key}"
+
     def prefill_engine_price_per_hour(self) -> float:
         """USD per prefill engine-hour, to price the prefill time reuse saves (``router.savings``): each prefill pool's
         on-demand instance price in ``turnkv.plan.hardware`` (the one price table) over its engines per instance,

@@ -74,6 +74,11 @@ class NetworkStack(Stack):
             restrict_default_security_group=True,
             gateway_endpoints={"S3": ec2.GatewayVpcEndpointOptions(service=ec2.GatewayVpcEndpointAwsService.S3)},
         )
+        # Export every subnet (and the VPC) whether a stack imports it now or not: toggling router.public moves the
+        # ALB between the public and private subnets, and an export that disappears while the deployed router
+        # stack still imports it stops this stack's update (CloudFormation refuses to delete an imported export).
+        for exported in (self.vpc.vpc_id, *(s.subnet_id for s in (*self.vpc.public_subnets, *self.private_subnets))):
+            self.export_value(exported)
         if not net.nat_gateways:
             # No internet path: engines and router talk to the interface endpoints (VPC CIDR) and S3 through the
             # gateway endpoint, whose addresses are the region's S3 prefix list. Its id differs per region and

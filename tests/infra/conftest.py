@@ -48,9 +48,9 @@ class Synth:
 def image_sources(tmp_path_factory):
     """The image stack's inputs: this tree's AMI recipes and a freshly built turnkv wheel."""
     from infra.stacks.image import ImageSources
-    from infra.wheel import REPO_ROOT, build_wheel
+    from infra.wheel import REPO_ROOT, build_node_wheel
 
-    wheel = build_wheel(tmp_path_factory.mktemp("wheel"))
+    wheel = build_node_wheel(tmp_path_factory.mktemp("wheel"))
     from ami import recipes
 
     assert Path(recipes.__file__).resolve().parent == (REPO_ROOT / "ami").resolve()
