@@ -64,6 +64,14 @@ def apply(app: cdk.App, t: TurnkvApp) -> None:
                 "Policy::arn:<AWS::Partition>:iam::aws:policy/service-role/AWSLambdaBasicExecutionRole")
             ack(provider, "L1", "aws-cdk-lib's AwsCustomResource provider function; aws-cdk-lib picks its runtime.")
 
+    # --- params
+    keeper_role = t.params.node.find_child("KeepTunablesRole")
+    ack(keeper_role, "IAM5", "The tunables keeper reads the deployment's live tunables (every one under "
+                             "/turnkv/<deployment>/) to keep the operator's values across upgrades.",
+        f"Resource::{ssm_prefix}")
+    ack(keeper_role, "IAM5", "The function's own log group; streams are created per invocation container.",
+        f"Resource::<{_logical(t.params.node.find_child('KeepTunablesLogs'))}.Arn>:*")
+
     # --- serving
     serving = t.serving
     engine_role = serving.role

@@ -27,12 +27,11 @@ from infra.constructs.engine_group import EngineGroup, EngineGroupProps, group_l
 from infra.instances import INSTANCE_TYPES
 from infra.lambdas import DEREGISTER
 from infra.stacks.network import NetworkStack, https_egress
-from infra.stacks.params import parameter_arn
+from infra.stacks.params import LAMBDA_RUNTIME, parameter_arn
 from turnkv import metric_names as mn
 from turnkv import node_env
 
 CLOUDMAP_SERVICE = "engines"
-LAMBDA_RUNTIME = lambda_.Runtime.PYTHON_3_14
 
 
 class ServingStack(Stack):
