@@ -15,6 +15,7 @@ from pathlib import Path
 
 from infra.config import DeploymentConfig, PoolConfig
 from infra.instances import INSTANCE_TYPES, Flavor
+from infra.roll import group_name
 from turnkv import metric_names as mn
 from turnkv import node_env
 from turnkv.engine_args import Mode, Role
@@ -29,14 +30,16 @@ LOG_DIR = "/var/log/turnkv"
 #: The units whose output goes to CloudWatch Logs: each writes its own file (a systemd drop-in), which the agent
 #: ships as its own stream (``<instance id>/<file>``). journald alone is not read by the agent.
 LOGGED_UNITS = {node_env.ENGINE_SERVICE: "engine", node_env.REGISTER_SERVICE: "register",
-                METRICS_SERVICE: "metrics", node_env.PARAMS_SYNC_SERVICE: "params-sync"}
+                METRICS_SERVICE: "metrics", node_env.PARAMS_SYNC_SERVICE: "params-sync",
+                node_env.DRAIN_SERVICE: "drain"}
 METRICS_SERVICE_TEMPLATE = "turnkv-metrics@.service"
 #: The AMI's engine unit: a node of several engines runs it as a template (``turnkv-engine@<slot>``), each instance
 #: reading its slot's file over engine.env (``engine_template_unit``).
 AMI_ENGINE_UNIT = Path(__file__).resolve().parents[1] / "ami" / "scripts" / "files" / node_env.ENGINE_SERVICE
 #: Several engines: one log file per engine; the registration and metrics units of all engines share one each.
 SLOT_LOGGED_UNITS = {node_env.ENGINE_SERVICE_TEMPLATE: "engine-%i", node_env.REGISTER_SERVICE_TEMPLATE: "register",
-                     METRICS_SERVICE_TEMPLATE: "metrics", node_env.PARAMS_SYNC_SERVICE: "params-sync"}
+                     METRICS_SERVICE_TEMPLATE: "metrics", node_env.PARAMS_SYNC_SERVICE: "params-sync",
+                     node_env.DRAIN_SERVICE: "drain"}
 #: Units enabled together before any starts: a failed start cannot leave a later one un-enabled (systemd brings
 #: each back at the next boot), and the register unit waits for the engine on its own.
 UNITS = (node_env.PARAMS_SYNC_TIMER, node_env.ENGINE_SERVICE, node_env.REGISTER_SERVICE, METRICS_SERVICE)
@@ -121,6 +124,10 @@ class NodeBootstrap:
     prefill_offload_gib: int = 0
     #: Hosts the engines may fetch media from (deploy config ``media_domains``; vLLM ``--allowed-media-domains``).
     media_domains: tuple[str, ...] = ()
+    #: The pool's Auto Scaling group and its drain bound (``pools[].drain_timeout_s``): ``turnkv-drain.service``
+    #: completes the terminate hook's action in that group once the node drained. No group: no drain unit.
+    group: str = ""
+    drain_timeout_s: int = 900
 
     @property
     def slots(self) -> tuple[node_env.EngineSlot, ...]:
@@ -152,7 +159,8 @@ def pool_bootstrap(config: DeploymentConfig, pool: PoolConfig, *, cloudmap_servi
         offer_secret_id=offer_secret_id, engines=config.engines_per_node(pool), accelerators=profile.accelerators,
         settings=model.engine_settings, hf_token_secret=model.hf_token_secret or "",
         allow_unverified=config.connector.allow_unverified, prefill_offload_gib=config.connector.prefill_offload_gib,
-        media_domains=config.media_domains)
+        media_domains=config.media_domains, group=group_name(config.prefix, pool.name),
+        drain_timeout_s=pool.drain_timeout_s)
 
 
 def static_engine_env(b: NodeBootstrap) -> str:
@@ -206,6 +214,25 @@ def agent_config(b: NodeBootstrap) -> dict:
             ]}},
         },
     }
+
+
+def drain_unit(b: NodeBootstrap) -> str:
+    """``turnkv-drain.service``: waits for the terminate hook, drains the node's engines, completes the action
+    (``turnkv.drain``)."""
+    ports = ",".join(str(slot.port) for slot in b.slots)
+    return f"""[Unit]
+Description=turnkv: drain this node when Auto Scaling terminates it, then let the termination go on
+After=network-online.target
+
+[Service]
+ExecStart={node_env.TURNKV_BIN} engine drain --group {b.group} --region {b.region} --timeout {b.drain_timeout_s} \\
+  --ports {ports} --deployment {b.deployment}
+Restart=always
+RestartSec=10
+
+[Install]
+WantedBy=multi-user.target
+"""
 
 
 def metrics_unit(b: NodeBootstrap) -> str:
@@ -518,22 +545,26 @@ def _units(b: NodeBootstrap) -> tuple[str, str, str, str]:
     """Shell installing the node's registration and metrics units, the units to enable, the engine unit(s) to
     start and the units started after them without waiting: the single units for one engine, the template units'
     instances (``@0``, ``@1``, ...) for several."""
+    drain = (f"\ncat > /etc/systemd/system/{node_env.DRAIN_SERVICE} <<'TURNKV_EOF'\n{drain_unit(b)}TURNKV_EOF"
+             if b.group else "")
+    drained = f" {node_env.DRAIN_SERVICE}" if b.group else ""
     if b.engines == 1:
         install = f"""cat > /etc/systemd/system/{node_env.REGISTER_SERVICE} <<'TURNKV_EOF'
 {REGISTER_UNIT}TURNKV_EOF
 cat > /etc/systemd/system/{METRICS_SERVICE} <<'TURNKV_EOF'
-{metrics_unit(b)}TURNKV_EOF"""
-        return install, " ".join(UNITS), node_env.ENGINE_SERVICE, f"{node_env.REGISTER_SERVICE} {METRICS_SERVICE}"
+{metrics_unit(b)}TURNKV_EOF{drain}"""
+        return (install, " ".join(UNITS) + drained, node_env.ENGINE_SERVICE,
+                f"{node_env.REGISTER_SERVICE} {METRICS_SERVICE}{drained}")
     each = f"{{0..{b.engines - 1}}}"  # bash brace expansion: one instance per slot
     install = f"""cat > /etc/systemd/system/{node_env.ENGINE_SERVICE_TEMPLATE} <<'TURNKV_EOF'
 {engine_template_unit()}TURNKV_EOF
 cat > /etc/systemd/system/{node_env.REGISTER_SERVICE_TEMPLATE} <<'TURNKV_EOF'
 {SLOT_REGISTER_UNIT}TURNKV_EOF
 cat > /etc/systemd/system/{METRICS_SERVICE_TEMPLATE} <<'TURNKV_EOF'
-{slot_metrics_unit(b)}TURNKV_EOF"""
+{slot_metrics_unit(b)}TURNKV_EOF{drain}"""
     engines = node_env.unit_instance(node_env.ENGINE_SERVICE_TEMPLATE, each)
     followers = " ".join(node_env.unit_instance(t, each)
-                         for t in (node_env.REGISTER_SERVICE_TEMPLATE, METRICS_SERVICE_TEMPLATE))
+                         for t in (node_env.REGISTER_SERVICE_TEMPLATE, METRICS_SERVICE_TEMPLATE)) + drained
     return install, f"{node_env.PARAMS_SYNC_TIMER} {engines} {followers}", engines, followers
 
 

@@ -275,6 +275,15 @@ class PoolConfig(_Model):
                                                   f"use 1 .. {MAX_ENGINES_PER_NODE} (at most accelerators / "
                                                   "model.tensor_parallel_size)")] | None = None
 
+    #: One instance above ``count`` while a new image or user data rolls over the pool (every engine keeps serving;
+    #: ``infra.roll``). Default: yes without a reservation, no with one (a reservation of exactly ``count`` has no
+    #: room); true for a reservation that holds ``count + 1``, false to roll in place without the surge's quota.
+    roll_surge: StrictBool | None = None
+    #: How long a node being replaced or scaled in drains (deregistered, in-flight streams finish) before it is
+    #: terminated: the terminate lifecycle hook's bound (Auto Scaling allows up to 7200 s with its margin).
+    drain_timeout_s: Annotated[StrictInt, _range(60, 7140, "use 60 .. 7140 s (Auto Scaling's lifecycle hook "
+                                                           "allows 7200 s, 60 of them its margin)")] = 900
+
     @model_validator(mode="before")
     @classmethod
     def _name_from_role(cls, data: Any) -> Any:
@@ -285,6 +294,12 @@ class PoolConfig(_Model):
     @property
     def flavor(self) -> str:
         return INSTANCE_TYPES[self.instance_type].flavor.value
+
+    @property
+    def joins_deployment_placement_group(self) -> bool:
+        """Whether the pool launches into the deployment's cluster placement group: only without a reservation (a
+        reserved pool launches into the group its reservation was made in, ``placement_group``, or into none)."""
+        return not self.capacity_reservation_id and not self.placement_group
 
 
 def _setting(check):

@@ -4,6 +4,7 @@ user data (``infra.bootstrap``), Cloud Map registration and deregistration on te
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping
 
@@ -21,7 +22,7 @@ from aws_cdk import aws_sns as sns
 from aws_cdk import aws_sns_subscriptions as subscriptions
 from constructs import Construct
 
-from infra import bootstrap
+from infra import bootstrap, roll
 from infra.config import DeploymentConfig
 from infra.constructs.engine_group import EngineGroup, EngineGroupProps, group_logical_id, group_name
 from infra.instances import INSTANCE_TYPES
@@ -42,9 +43,13 @@ class ServingStack(Stack):
         vpc = network.vpc
         subnet = network.engine_subnet()
 
-        self.placement_group = ec2.PlacementGroup(
-            self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER,
-            placement_group_name=f"{config.prefix}-engines")
+        # The deployment's cluster placement group, for the pools that launch into it (no reservation: a reserved
+        # pool launches into the group its reservation was made in, or into none; infra.constructs.engine_group).
+        self.placement_group: ec2.PlacementGroup | None = None
+        if any(p.joins_deployment_placement_group for p in config.pools):
+            self.placement_group = ec2.PlacementGroup(
+                self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER,
+                placement_group_name=f"{config.prefix}-engines")
 
         self.security_group = ec2.SecurityGroup(
             self, "EfaSecurityGroup", vpc=vpc, allow_all_outbound=False,
@@ -105,7 +110,17 @@ class ServingStack(Stack):
                 machine_image=images[profile.flavor.value], user_data=ec2.UserData.custom(script), role=self.role,
                 security_group=self.security_group, placement_group=self.placement_group,
                 notifications_topic=self.events_topic))
+        self._roll_one_group_at_a_time()
         self._deregistration()
+
+    def _roll_one_group_at_a_time(self) -> None:
+        """Each group after the one before it in ``infra.roll.roll_order`` (prefill pools, then decode pools): a
+        resource that depends on another is updated only after that one's update completed, its rolling update
+        included; without the chain CloudFormation rolls the groups in parallel and a role of one-node pools
+        is empty while they boot."""
+        ordered = [self.pools[p.name].group for p in roll.roll_order(self.config.pools)]
+        for before, after in itertools.pairwise(ordered):
+            after.node.default_child.add_dependency(before.node.default_child)  # type: ignore[union-attr]
 
     def _user_data_stand_ins(self) -> dict[str, str]:
         """The longest values the user data's deploy-time tokens take: a Cloud Map service id (srv- and 16
@@ -147,6 +162,11 @@ class ServingStack(Stack):
                                        resource_name=f"*:autoScalingGroupName/{group_name(config.prefix, p.name)}")
                        for p in config.pools]))
         role.add_to_policy(iam.PolicyStatement(
+            sid="CompleteDrain", actions=["autoscaling:CompleteLifecycleAction"],
+            resources=[self.format_arn(service="autoscaling", resource="autoScalingGroup",
+                                       resource_name=f"*:autoScalingGroupName/{group_name(config.prefix, p.name)}")
+                       for p in config.pools]))
+        role.add_to_policy(iam.PolicyStatement(
             sid="ReadOfferSecret", actions=["secretsmanager:GetSecretValue"],
             resources=[self.offer_secret.secret_arn]))
         if config.model.hf_token_secret:
@@ -181,18 +201,15 @@ class ServingStack(Stack):
         return role
 
     def _deregistration(self) -> None:
-        """ASG terminate lifecycle hook -> EventBridge -> Lambda: deregister from Cloud Map, continue."""
+        """ASG terminate lifecycle hook -> EventBridge -> Lambda: deregister from Cloud Map at once (even from a node
+        that cannot answer). The node's drain agent completes the action once its streams finished; the hook's
+        timeout continues it otherwise (``infra.roll``)."""
         config = self.config
         log_group = logs.LogGroup(self, "DeregisterLogs", retention=logs.RetentionDays.ONE_MONTH,
                                   removal_policy=RemovalPolicy.DESTROY)
         role = iam.Role(self, "DeregisterRole", assumed_by=iam.ServicePrincipal("lambda.amazonaws.com"))
         role.add_to_policy(iam.PolicyStatement(
             actions=["servicediscovery:DeregisterInstance"], resources=[self.cloudmap_service.service_arn]))
-        role.add_to_policy(iam.PolicyStatement(
-            actions=["autoscaling:CompleteLifecycleAction"],
-            resources=[self.format_arn(service="autoscaling", resource="autoScalingGroup",
-                                       resource_name=f"*:autoScalingGroupName/{p.group_name}")
-                       for p in self.pools.values()]))
         role.add_to_policy(iam.PolicyStatement(
             actions=["logs:CreateLogStream", "logs:PutLogEvents"], resources=[f"{log_group.log_group_arn}:*"]))
         self.deregister_function = lambda_.Function(
