@@ -78,7 +78,7 @@ class DeploymentAlarms:
             self._alarm("HostTierShort-decode", short, 0,
                         "A decode engine registered less host tier than host_kv_budget_mib asks (or none): the node "
                         "refused the registration plan (EFA page or region limits, locked-memory limit, hugepages). "
-                        "See the engine log's 'turnkv: host tier' lines and `turnkv doctor`.", periods=3)
+                        "See the engine log's 'turnkv: host tier' lines and `turnkv doctor`.", periods=3, datapoints=3)
         for role, want in props.wanted.items():
             # What the group's EC2 health check cannot see: instances that run but whose engines never serve
             # (an engine registers in Cloud Map only once its /health answers). Missing data: no router reports.
