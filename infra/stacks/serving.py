@@ -33,6 +33,8 @@ from turnkv import metric_names as mn
 from turnkv import node_env
 
 CLOUDMAP_SERVICE = "engines"
+#: EventBridge detail types of EC2's Capacity Block expiration warning (the user guide spells it both ways).
+CAPACITY_BLOCK_WARNINGS = ("Capacity Block Expiration Warning", "Capacity Block Reservation Expiration Warning")
 
 
 class ServingStack(Stack):
@@ -78,6 +80,7 @@ class ServingStack(Stack):
                                       display_name=f"turnkv {config.name} engine pool events")
         if config.alarm_email:
             self.events_topic.add_subscription(subscriptions.EmailSubscription(config.alarm_email))
+        self._capacity_block_warnings(key)
 
         self.log_group_name = f"/turnkv/{config.name}/engines"
         self.log_group = logs.LogGroup(self, "EngineLogs", log_group_name=self.log_group_name,
@@ -121,6 +124,24 @@ class ServingStack(Stack):
         ordered = [self.pools[p.name].group for p in roll.roll_order(self.config.pools)]
         for before, after in itertools.pairwise(ordered):
             after.node.default_child.add_dependency(before.node.default_child)  # type: ignore[union-attr]
+
+    def _capacity_block_warnings(self, key: kms.Key) -> None:
+        """A Capacity Block ends on its date: EC2 sends an EventBridge event 40 minutes before, and starts
+        terminating its instances 10 minutes later (EC2 user guide, "Monitor Capacity Blocks using EventBridge").
+        The warning goes to the engine events topic (alarm_email), naming the reservation, so the pool can be moved
+        (a new block id, or a reservation) before it empties."""
+        blocks = sorted({p.capacity_reservation_id for p in self.config.pools
+                         if p.capacity_block and p.capacity_reservation_id})
+        if not blocks:
+            return
+        key.grant(iam.ServicePrincipal("events.amazonaws.com"), "kms:GenerateDataKey*", "kms:Decrypt")
+        events.Rule(
+            self, "CapacityBlockExpiring",
+            description="turnkv: a Capacity Block of an engine pool ends in 40 minutes",
+            event_pattern=events.EventPattern(
+                source=["aws.ec2"], detail_type=list(CAPACITY_BLOCK_WARNINGS),
+                detail={"capacity-reservation-id": blocks}),
+            targets=[targets.SnsTopic(self.events_topic)])
 
     def _user_data_stand_ins(self) -> dict[str, str]:
         """The longest values the user data's deploy-time tokens take: a Cloud Map service id (srv- and 16
