@@ -109,3 +109,8 @@ class RouterStack(Stack):
         for key, value in values.items():
             ssm.StringParameter(self, f"Output-{key}", parameter_name=config.stack_output_parameter("router", key),
                                 string_value=value, description=f"turnkv {config.name}: {ROUTER_OUTPUTS[key]}")
+        # What the observability stack imported before it read SSM, still exported: a deployment made before can
+        # update (this stack deploys first, while its observability stack still imports them); nothing imports
+        # them afterwards, so a later change may drop or alter them.
+        for legacy in (*values.values(), self.listener.listener_arn):
+            self.export_value(legacy)

@@ -62,3 +62,7 @@ def test_the_handler_answers_cloudformation_and_fails_loudly():
     # a broken event is a FAILED answer with the reason, not an hour of CloudFormation waiting
     broken = module.handler({**event, "ResourceProperties": {}}, None, ssm=ssm, respond=lambda url, b: None)
     assert broken["Status"] == "FAILED" and "KeyError" in broken["Reason"]
+
+
+def test_inline_code_fits_cloudformation_zipfile_limit():
+    assert len(KEEP_TUNABLES.read_text().encode()) < 4096
