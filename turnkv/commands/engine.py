@@ -18,6 +18,7 @@ from typing import Annotated
 
 import typer
 
+from turnkv import node_env
 from turnkv.commands import renamed
 from turnkv.doctor import FLAVORS
 from turnkv.engine_run import EngineEnvError, parse_env_file, prepare, read_text
@@ -109,11 +110,11 @@ def run(
 @app.command("drain")
 def drain_(
     group: Annotated[str, typer.Option(help="This node's Auto Scaling group (its user data names it).")],
-    region: Annotated[str, typer.Option(envvar="AWS_REGION", help="AWS region.")],
+    region: Annotated[str, typer.Option(envvar=node_env.REGION, help="AWS region.")],
     timeout: Annotated[float, typer.Option(help="Drain bound in seconds (the pool's drain_timeout_s).")] = 900,
     ports: Annotated[str, typer.Option(help="The node's engines' HTTP ports, comma-separated.")] = "8000",
     deployment: Annotated[str | None, typer.Option(
-        envvar="TURNKV_DEPLOYMENT", help="Reads the routers' discovery_interval from SSM (settle time).")] = None,
+        envvar=node_env.DEPLOYMENT, help="Reads the routers' discovery_interval from SSM (settle time).")] = None,
 ) -> None:
     """Wait for the terminate lifecycle hook, then drain: routers drop the node, in-flight streams finish, and the
     lifecycle action completes (what turnkv-drain.service runs; turnkv/drain.py)."""

@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from turnkv import node_env
+
 
 def smoke(
     url: Annotated[str, typer.Option("--url", help="The router's base URL, e.g. https://<ALB DNS name>.")],
@@ -26,9 +28,9 @@ def smoke(
         "--via-ssm", help="Reach an internal ALB from outside the VPC: Session Manager port forwarding through one "
                           "of the deployment's engine nodes (needs --deployment, --region, the AWS CLI and its "
                           "Session Manager plugin). Prints the command it runs.")] = False,
-    deployment: Annotated[str | None, typer.Option("--deployment", "-d", envvar="TURNKV_DEPLOYMENT",
+    deployment: Annotated[str | None, typer.Option("--deployment", "-d", envvar=node_env.DEPLOYMENT,
                                                    help="With --via-ssm: the deployment's name.")] = None,
-    region: Annotated[str | None, typer.Option("--region", envvar="AWS_REGION",
+    region: Annotated[str | None, typer.Option("--region", envvar=node_env.REGION,
                                                help="With --via-ssm: the deployment's region.")] = None,
     local_port: Annotated[int, typer.Option("--local-port", help="With --via-ssm: the tunnel's local port.")
                           ] = 18080,
