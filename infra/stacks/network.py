@@ -92,7 +92,10 @@ class NetworkStack(Stack):
                     physical_resource_id=cr.PhysicalResourceId.of(f"s3-prefix-list-{self.region}"),
                     output_paths=["PrefixLists.0.PrefixListId"]),
                 policy=cr.AwsCustomResourcePolicy.from_sdk_calls(resources=cr.AwsCustomResourcePolicy.ANY_RESOURCE),
-                install_latest_aws_sdk=False)
+                install_latest_aws_sdk=False,
+                # its own log group, which `cdk destroy` removes (the function's default one outlives the stack)
+                log_group=logs.LogGroup(self, "S3PrefixListLogs", retention=logs.RetentionDays.ONE_MONTH,
+                                        removal_policy=RemovalPolicy.DESTROY))
             self.s3_prefix_list_id = lookup.get_response_field("PrefixLists.0.PrefixListId")
         private = ec2.SubnetSelection(subnet_type=private_type)
         # One group for all interface endpoints: HTTPS in from the VPC, nothing out (endpoints only answer).
