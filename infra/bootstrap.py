@@ -30,16 +30,14 @@ LOG_DIR = "/var/log/turnkv"
 #: The units whose output goes to CloudWatch Logs: each writes its own file (a systemd drop-in), which the agent
 #: ships as its own stream (``<instance id>/<file>``). journald alone is not read by the agent.
 LOGGED_UNITS = {node_env.ENGINE_SERVICE: "engine", node_env.REGISTER_SERVICE: "register",
-                METRICS_SERVICE: "metrics", node_env.PARAMS_SYNC_SERVICE: "params-sync",
-                node_env.DRAIN_SERVICE: "drain"}
+                METRICS_SERVICE: "metrics", node_env.PARAMS_SYNC_SERVICE: "params-sync"}
 METRICS_SERVICE_TEMPLATE = "turnkv-metrics@.service"
 #: The AMI's engine unit: a node of several engines runs it as a template (``turnkv-engine@<slot>``), each instance
 #: reading its slot's file over engine.env (``engine_template_unit``).
 AMI_ENGINE_UNIT = Path(__file__).resolve().parents[1] / "ami" / "scripts" / "files" / node_env.ENGINE_SERVICE
 #: Several engines: one log file per engine; the registration and metrics units of all engines share one each.
 SLOT_LOGGED_UNITS = {node_env.ENGINE_SERVICE_TEMPLATE: "engine-%i", node_env.REGISTER_SERVICE_TEMPLATE: "register",
-                     METRICS_SERVICE_TEMPLATE: "metrics", node_env.PARAMS_SYNC_SERVICE: "params-sync",
-                     node_env.DRAIN_SERVICE: "drain"}
+                     METRICS_SERVICE_TEMPLATE: "metrics", node_env.PARAMS_SYNC_SERVICE: "params-sync"}
 #: Units enabled together before any starts: a failed start cannot leave a later one un-enabled (systemd brings
 #: each back at the next boot), and the register unit waits for the engine on its own.
 UNITS = (node_env.PARAMS_SYNC_TIMER, node_env.ENGINE_SERVICE, node_env.REGISTER_SERVICE, METRICS_SERVICE)
@@ -216,23 +214,17 @@ def agent_config(b: NodeBootstrap) -> dict:
     }
 
 
-def drain_unit(b: NodeBootstrap) -> str:
-    """``turnkv-drain.service``: waits for the terminate hook, drains the node's engines, completes the action
-    (``turnkv.drain``)."""
-    ports = ",".join(str(slot.port) for slot in b.slots)
-    return f"""[Unit]
-Description=turnkv: drain this node when Auto Scaling terminates it, then let the termination go on
-After=network-online.target
-
-[Service]
-ExecStart={node_env.TURNKV_BIN} engine drain --group {b.group} --region {b.region} --timeout {b.drain_timeout_s} \\
-  --ports {ports} --deployment {b.deployment}
-Restart=always
-RestartSec=10
-
-[Install]
-WantedBy=multi-user.target
-"""
+def drain_command(b: NodeBootstrap) -> str:
+    """Starts ``turnkv-drain.service`` (a transient unit: user data is near EC2's 16 KB on a node of eight engines):
+    it waits for the terminate hook, drains the node's engines and completes the action (``turnkv.drain``). The
+    deployment and region come from node.env; its output goes to the register log (the same story: in and out of
+    Cloud Map). Not fatal: without it the hook's timeout still bounds the termination. Empty without a group."""
+    if not b.group:
+        return ""
+    unit = node_env.DRAIN_SERVICE.removesuffix(".service")
+    return (f"systemd-run -q -u {unit} -p Restart=always -p RestartSec=10 -p EnvironmentFile={node_env.NODE_ENV_FILE} "
+            f"-p StandardOutput=append:{LOG_DIR}/register.log {node_env.TURNKV_BIN} engine drain --group {b.group} "
+            f"--timeout {b.drain_timeout_s} --engines {b.engines} || echo 'no drain agent: the hook times out'\n")
 
 
 def metrics_unit(b: NodeBootstrap) -> str:
@@ -545,26 +537,22 @@ def _units(b: NodeBootstrap) -> tuple[str, str, str, str]:
     """Shell installing the node's registration and metrics units, the units to enable, the engine unit(s) to
     start and the units started after them without waiting: the single units for one engine, the template units'
     instances (``@0``, ``@1``, ...) for several."""
-    drain = (f"\ncat > /etc/systemd/system/{node_env.DRAIN_SERVICE} <<'TURNKV_EOF'\n{drain_unit(b)}TURNKV_EOF"
-             if b.group else "")
-    drained = f" {node_env.DRAIN_SERVICE}" if b.group else ""
     if b.engines == 1:
         install = f"""cat > /etc/systemd/system/{node_env.REGISTER_SERVICE} <<'TURNKV_EOF'
 {REGISTER_UNIT}TURNKV_EOF
 cat > /etc/systemd/system/{METRICS_SERVICE} <<'TURNKV_EOF'
-{metrics_unit(b)}TURNKV_EOF{drain}"""
-        return (install, " ".join(UNITS) + drained, node_env.ENGINE_SERVICE,
-                f"{node_env.REGISTER_SERVICE} {METRICS_SERVICE}{drained}")
+{metrics_unit(b)}TURNKV_EOF"""
+        return install, " ".join(UNITS), node_env.ENGINE_SERVICE, f"{node_env.REGISTER_SERVICE} {METRICS_SERVICE}"
     each = f"{{0..{b.engines - 1}}}"  # bash brace expansion: one instance per slot
     install = f"""cat > /etc/systemd/system/{node_env.ENGINE_SERVICE_TEMPLATE} <<'TURNKV_EOF'
 {engine_template_unit()}TURNKV_EOF
 cat > /etc/systemd/system/{node_env.REGISTER_SERVICE_TEMPLATE} <<'TURNKV_EOF'
 {SLOT_REGISTER_UNIT}TURNKV_EOF
 cat > /etc/systemd/system/{METRICS_SERVICE_TEMPLATE} <<'TURNKV_EOF'
-{slot_metrics_unit(b)}TURNKV_EOF{drain}"""
+{slot_metrics_unit(b)}TURNKV_EOF"""
     engines = node_env.unit_instance(node_env.ENGINE_SERVICE_TEMPLATE, each)
     followers = " ".join(node_env.unit_instance(t, each)
-                         for t in (node_env.REGISTER_SERVICE_TEMPLATE, METRICS_SERVICE_TEMPLATE)) + drained
+                         for t in (node_env.REGISTER_SERVICE_TEMPLATE, METRICS_SERVICE_TEMPLATE))
     return install, f"{node_env.PARAMS_SYNC_TIMER} {engines} {followers}", engines, followers
 
 
@@ -670,5 +658,5 @@ systemctl enable {enable}
 systemctl start {node_env.PARAMS_SYNC_TIMER}
 systemctl start {engines}
 systemctl start --no-block {followers}
-echo "turnkv user data done $(date -Is)"
+{drain_command(b)}echo "turnkv user data done $(date -Is)"
 """

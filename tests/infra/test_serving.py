@@ -353,4 +353,4 @@ def test_groups_roll_one_after_another_and_each_node_drains_on_its_hook(gpu):
     policies = json.dumps(gpu.resources("serving", "AWS::IAM::Policy"))
     assert '"Sid": "CompleteDrain"' in policies
     user_data = json.dumps(gpu.resources("serving", "AWS::EC2::LaunchTemplate"))
-    assert "turnkv-drain.service" in user_data and "engine drain --group turnkv-gpu-decode" in user_data
+    assert "systemd-run -q -u turnkv-drain" in user_data and "engine drain --group turnkv-gpu-decode" in user_data

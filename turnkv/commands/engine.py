@@ -112,7 +112,7 @@ def drain_(
     group: Annotated[str, typer.Option(help="This node's Auto Scaling group (its user data names it).")],
     region: Annotated[str, typer.Option(envvar=node_env.REGION, help="AWS region.")],
     timeout: Annotated[float, typer.Option(help="Drain bound in seconds (the pool's drain_timeout_s).")] = 900,
-    ports: Annotated[str, typer.Option(help="The node's engines' HTTP ports, comma-separated.")] = "8000",
+    engines: Annotated[int, typer.Option(help="Engines this node runs (their HTTP ports follow node_env).")] = 1,
     deployment: Annotated[str | None, typer.Option(
         envvar=node_env.DEPLOYMENT, help="Reads the routers' discovery_interval from SSM (settle time).")] = None,
 ) -> None:
@@ -154,7 +154,8 @@ def drain_(
 
         def running(self) -> int | None:
             counts = []
-            for port in (int(p) for p in ports.split(",") if p):
+            first, last = node_env.http_ports(engines)
+            for port in range(first, last + 1):
                 try:
                     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
                     counts.append(drain.running_requests(text))
