@@ -66,3 +66,23 @@ def test_only_pools_without_a_reservation_use_the_deployments_placement_group():
                                                             "pools.1.allow_on_demand": False}))
     assert not any(p.joins_deployment_placement_group for p in reserved.pools)
 
+
+
+def test_config_validate_states_the_rolls_cost(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from turnkv.cli import app
+
+    path = tmp_path / "prod.json"
+    path.write_text(json.dumps(configs.GPU))
+    done = CliRunner().invoke(app, ["config", "validate", str(path)])
+    assert done.exit_code == 0, done.output
+    assert "A roll (new image or user data), one group at a time; P/Trn vCPUs at its peak: 1152:" in done.output
+    lines = [line.strip() for line in done.output.splitlines()]
+    assert lines.index(next(x for x in lines if x.startswith("prefill (prefill"))) < lines.index(
+        next(x for x in lines if x.startswith("decode (decode")))
+    assert "decode-block (decode, 1 x p5e.48xlarge): one node at a time, in place (no room to surge); 0 of 1" in \
+        done.output
+    assert "warning:" not in done.output  # decode keeps the on-demand pool's engines while the block rolls
