@@ -64,3 +64,46 @@ def test_running_requests_sums_every_label_set():
             'vllm:num_requests_running_total 9\n'
             'vllm:num_requests_waiting{engine="0",model_name="m"} 4.0\n')
     assert drain.running_requests(text) == 3
+
+
+def test_the_cli_completes_the_hook_of_its_group_once_the_engines_are_idle(monkeypatch):
+    """`turnkv engine drain` (what turnkv-drain.service runs) against fake instance metadata, engine metrics and
+    Auto Scaling: it completes the drain hook's action for this instance in its group."""
+    import io
+    import time
+    import urllib.request
+
+    import boto3
+    from typer.testing import CliRunner
+
+    from turnkv.cli import app
+    from turnkv.node_env import DRAIN_HOOK
+
+    asked: list[str] = []
+
+    def urlopen(request, timeout=None):
+        url = request if isinstance(request, str) else request.full_url
+        asked.append(url)
+        answers = {"/latest/api/token": "tok", "/meta-data/instance-id": "i-0abc",
+                   "/meta-data/autoscaling/target-lifecycle-state": drain.TERMINATING,
+                   ":8000/metrics": 'vllm:num_requests_running{engine="0"} 0.0\n',
+                   ":8001/metrics": 'vllm:num_requests_running{engine="0"} 0.0\n'}
+        return io.BytesIO(next(v for k, v in answers.items() if url.endswith(k)).encode())
+
+    class Asg:
+        calls: list[dict] = []  # noqa: RUF012 (a recorder)
+
+        def complete_lifecycle_action(self, **kw):
+            Asg.calls.append(kw)
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(boto3, "client", lambda service, **kw: Asg() if service == "autoscaling" else None)
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    monkeypatch.delenv("TURNKV_DEPLOYMENT", raising=False)
+    done = CliRunner().invoke(app, ["engine", "drain", "--group", "turnkv-prod-decode", "--region", "us-east-2",
+                                    "--timeout", "30", "--engines", "2"])
+    assert done.exit_code == 0, done.output
+    assert Asg.calls == [{"LifecycleHookName": DRAIN_HOOK, "AutoScalingGroupName": "turnkv-prod-decode",
+                          "InstanceId": "i-0abc", "LifecycleActionResult": "CONTINUE"}]
+    assert any(u.endswith(":8001/metrics") for u in asked)  # both engines' ports
+    assert "drained i-0abc" in done.output
