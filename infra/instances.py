@@ -31,6 +31,8 @@ class InstanceProfile:
     #: compile caches and logs. Weights go to the instance NVMe every supported type has (``infra.bootstrap``), so
     #: 300 GiB of gp3 at its baseline IOPS, not 1000 GiB at 16k IOPS (~$30 a month per node instead of ~$180).
     root_volume_gib: int = 300
+    #: vCPUs (the unit of the Running On-Demand P / Trn instances quotas; EC2 instance type specifications).
+    vcpus: int = 192
 
 
 #: p5en 16 EFA, p5/p5e 32, trn2 16, trn1 8 (AWS HPC recipes, moto's instance data, EC2 user guide); host
@@ -42,7 +44,8 @@ INSTANCE_TYPES: dict[str, InstanceProfile] = {
         InstanceProfile("p5.48xlarge", Flavor.GPU, efa_interfaces=32, accelerators=8),
         InstanceProfile("p5e.48xlarge", Flavor.GPU, efa_interfaces=32, accelerators=8),
         InstanceProfile("trn2.48xlarge", Flavor.NEURON, efa_interfaces=16, accelerators=64),
-        InstanceProfile("trn1.32xlarge", Flavor.NEURON, efa_interfaces=8, accelerators=32, host_memory_gib=512),
+        InstanceProfile("trn1.32xlarge", Flavor.NEURON, efa_interfaces=8, accelerators=32, host_memory_gib=512,
+                        vcpus=128),
     )
 }
 

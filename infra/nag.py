@@ -64,6 +64,14 @@ def apply(app: cdk.App, t: TurnkvApp) -> None:
                 "Policy::arn:<AWS::Partition>:iam::aws:policy/service-role/AWSLambdaBasicExecutionRole")
             ack(provider, "L1", "aws-cdk-lib's AwsCustomResource provider function; aws-cdk-lib picks its runtime.")
 
+    # --- params
+    keeper_role = t.params.node.find_child("KeepTunablesRole")
+    ack(keeper_role, "IAM5", "The tunables keeper reads the deployment's live tunables (every one under "
+                             "/turnkv/<deployment>/) to keep the operator's values across upgrades.",
+        f"Resource::{ssm_prefix}")
+    ack(keeper_role, "IAM5", "The function's own log group; streams are created per invocation container.",
+        f"Resource::<{_logical(t.params.node.find_child('KeepTunablesLogs'))}.Arn>:*")
+
     # --- serving
     serving = t.serving
     engine_role = serving.role
@@ -88,12 +96,10 @@ def apply(app: cdk.App, t: TurnkvApp) -> None:
                                       "recomputed, never read.")
     dereg_role = serving.node.find_child("DeregisterRole")
     for pool in serving.pools.values():
-        ack(engine_role, "IAM5", "autoscaling:SetInstanceHealth on this deployment's engine groups, each by name: a "
-                                 "node whose engine fails or never serves marks itself unhealthy. A group ARN embeds "
-                                 "a generated id.",
-            f"Resource::arn:<AWS::Partition>:autoscaling:{region}:{account}:autoScalingGroup/*:"
-            f"autoScalingGroupName/{pool.group_name}")
-        ack(dereg_role, "IAM5", "An Auto Scaling group ARN embeds a generated id; the group is pinned by name.",
+        ack(engine_role, "IAM5", "autoscaling:SetInstanceHealth and CompleteLifecycleAction on this deployment's "
+                                 "engine groups, each by name: a node whose engine fails or never serves marks itself "
+                                 "unhealthy, and a node being terminated completes the drain hook once drained. A "
+                                 "group ARN embeds a generated id.",
             f"Resource::arn:<AWS::Partition>:autoscaling:{region}:{account}:autoScalingGroup/*:"
             f"autoScalingGroupName/{pool.group_name}")
     ack(dereg_role, "IAM5", "The function's own log group; streams are created per invocation container.",

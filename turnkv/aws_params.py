@@ -64,6 +64,33 @@ class StoredTunable:
 
 
 @dataclass(frozen=True)
+class Difference:
+    """A tunable whose stored value is not what this kit (and the deploy config) would create it with."""
+
+    name: str
+    stored: str | None
+    default: int | float
+
+    @property
+    def reason(self) -> str:
+        if self.stored is None:
+            return "missing: the next deploy of the params stack creates it with the default"
+        return "kept: deploys never overwrite a stored value; `turnkv params set` applies the default"
+
+
+def differences(entries: Mapping[str, StoredTunable], defaults: Mapping[str, int | float]) -> list[Difference]:
+    """The tunables whose stored value differs from ``defaults`` (the deployment's: ``infra.stacks.params.
+    deployment_defaults``, or the catalog's), in catalog order. The params stack keeps stored values across
+    upgrades (``infra/lambdas/keep_tunables.py``), so a default that changed shows here, never in SSM."""
+    out = []
+    for name, entry in entries.items():
+        default = defaults[name]
+        if entry.raw is None or entry.error or entry.value != default:
+            out.append(Difference(name, entry.raw, default))
+    return out
+
+
+@dataclass(frozen=True)
 class Change:
     name: str
     old: int | float

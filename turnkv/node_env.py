@@ -38,6 +38,10 @@ ENGINE_SERVICE = "turnkv-engine.service"
 PARAMS_SYNC_SERVICE = "turnkv-params-sync.service"
 PARAMS_SYNC_TIMER = "turnkv-params-sync.timer"
 REGISTER_SERVICE = "turnkv-register.service"
+#: Drains the node when Auto Scaling terminates it (``turnkv engine drain``), then completes the lifecycle action of
+#: the terminate hook named ``DRAIN_HOOK`` (``infra.constructs.engine_group`` creates it).
+DRAIN_SERVICE = "turnkv-drain.service"
+DRAIN_HOOK = "turnkv-drain"
 
 #: engine.env variables.
 ROLE = "TURNKV_ROLE"

@@ -10,11 +10,10 @@ from dataclasses import dataclass
 
 from aws_cdk import Duration
 from aws_cdk import aws_cloudwatch as cw
-from aws_cdk import aws_elasticloadbalancingv2 as elbv2
 from constructs import Construct
 
 from infra.config import AlarmsConfig
-from infra.constructs.dashboard import EngineMetricFactory, RouterMetricFactory
+from infra.constructs.dashboard import EngineMetricFactory, RouterLoadBalancerMetrics, RouterMetricFactory
 from turnkv import metric_names as mn
 
 
@@ -34,8 +33,8 @@ class AlarmsProps:
     action: cw.IAlarmAction
     router_metrics: RouterMetricFactory
     engine_metrics: EngineMetricFactory
-    #: The router's target group (5xx, unhealthy tasks).
-    targets: elbv2.IApplicationTargetGroupMetrics
+    #: The router's target group (5xx, unhealthy tasks), by the names the router stack publishes.
+    targets: RouterLoadBalancerMetrics
     #: Engine roles in the deployment (sorted) and how many engines each role's pools hold.
     wanted: Mapping[str, int]
     #: Pool name -> its size, for PoolBelowDesired-<pool>.
@@ -55,9 +54,7 @@ class DeploymentAlarms:
                     f"Router p99 time to first token above {t.ttft_p99_ms} ms for 3 of 5 minutes")
         self._alarm("RouterErrors", rf.metric(mn.ERRORS, "Sum"), t.errors_per_minute,
                     f"More than {t.errors_per_minute} router errors a minute")
-        self._alarm("Alb5xx", tg.http_code_target(
-            code=elbv2.HttpCodeTarget.TARGET_5XX_COUNT,
-            period=Duration.minutes(1), statistic="Sum"), t.errors_per_minute,
+        self._alarm("Alb5xx", tg.target_5xx(period=Duration.minutes(1)), t.errors_per_minute,
             f"More than {t.errors_per_minute} 5xx a minute from the router tasks")
         self._alarm("RouterUnhealthy", tg.unhealthy_host_count(period=Duration.minutes(1)), 0,
                     "A router task fails its /health check")
@@ -81,7 +78,7 @@ class DeploymentAlarms:
             self._alarm("HostTierShort-decode", short, 0,
                         "A decode engine registered less host tier than host_kv_budget_mib asks (or none): the node "
                         "refused the registration plan (EFA page or region limits, locked-memory limit, hugepages). "
-                        "See the engine log's 'turnkv: host tier' lines and `turnkv doctor`.", periods=3)
+                        "See the engine log's 'turnkv: host tier' lines and `turnkv doctor`.", periods=3, datapoints=3)
         for role, want in props.wanted.items():
             # What the group's EC2 health check cannot see: instances that run but whose engines never serve
             # (an engine registers in Cloud Map only once its /health answers). Missing data: no router reports.

@@ -3,6 +3,7 @@ and segments that turn them into rows of widgets. Names come from ``turnkv.metri
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from aws_cdk import Duration
@@ -11,6 +12,45 @@ from aws_cdk import aws_cloudwatch as cw
 from turnkv import metric_names as mn
 
 PERIOD = Duration.minutes(1)
+
+
+class RouterLoadBalancerMetrics:
+    """The ALB, target group and ECS service metrics the dashboard and alarms read, by the names the router stack
+    publishes in SSM (``infra.stacks.router.ROUTER_OUTPUTS``; the observability stack resolves them at each of its
+    deploys), so no CloudFormation export ties the two stacks: a replaced ALB or listener would make the router
+    stack's update fail on an export another stack imports. Same metric names, statistics and dimensions as
+    aws-cdk-lib's own ``metrics``."""
+
+    def __init__(self, names: Mapping[str, str]) -> None:
+        """``names``: ``infra.stacks.router.ROUTER_OUTPUTS``' keys -> their values (deploy-time tokens)."""
+        self._alb = {"LoadBalancer": names["alb-full-name"]}
+        self._targets = {**self._alb, "TargetGroup": names["target-group-full-name"]}
+        self._service = {"ClusterName": names["cluster-name"], "ServiceName": names["service-name"]}
+
+    @staticmethod
+    def _metric(namespace: str, name: str, dims: dict[str, str], statistic: str,
+                period: Duration | None = None) -> cw.Metric:
+        return cw.Metric(namespace=namespace, metric_name=name, dimensions_map=dims, statistic=statistic,
+                         period=period or Duration.minutes(5))
+
+    def request_count(self, period: Duration | None = None) -> cw.Metric:
+        return self._metric("AWS/ApplicationELB", "RequestCount", self._alb, "Sum", period)
+
+    def elb_5xx(self, period: Duration | None = None) -> cw.Metric:
+        return self._metric("AWS/ApplicationELB", "HTTPCode_ELB_5XX_Count", self._alb, "Sum", period)
+
+    def target_5xx(self, period: Duration | None = None) -> cw.Metric:
+        return self._metric("AWS/ApplicationELB", "HTTPCode_Target_5XX_Count", self._targets, "Sum", period)
+
+    def healthy_host_count(self, period: Duration | None = None) -> cw.Metric:
+        return self._metric("AWS/ApplicationELB", "HealthyHostCount", self._targets, "Average", period)
+
+    def unhealthy_host_count(self, period: Duration | None = None) -> cw.Metric:
+        return self._metric("AWS/ApplicationELB", "UnHealthyHostCount", self._targets, "Average", period)
+
+    def service(self, name: str) -> cw.Metric:
+        """``CPUUtilization`` or ``MemoryUtilization`` of the router service."""
+        return self._metric("AWS/ECS", name, self._service, "Average")
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,10 @@
 """One Auto Scaling group of engines of one role on one instance type, with capacity reservation targeting,
-a terminate lifecycle hook (Cloud Map deregistration runs on it) and a rolling replacement when the launch
-template changes (a new baked AMI, new user data).
+a terminate lifecycle hook (the node drains on it: ``turnkv engine drain``; Cloud Map deregistration runs on it
+too) and a rolling replacement when the launch template changes (a new baked AMI, new user data).
 
 The rolling update never takes the whole pool down: one instance at a time, and the next only after the new
-one has signalled that its engine is healthy and registered (``infra.bootstrap`` sends the signal). Without a
-capacity reservation the group may surge one instance above its size, so every engine keeps serving while
-its replacement boots (100 % of the pool stays in service). With a reservation there is usually no spare
-capacity to surge into: one engine at a time is replaced in place ((count-1)/count stay in service).
+one has signalled that its engine is healthy and registered (``infra.bootstrap`` sends the signal). Sizes,
+surge and the hook's timeout come from ``infra.roll`` (where the roll's order and cost are stated too).
 """
 
 from __future__ import annotations
@@ -21,7 +19,10 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_sns as sns
 from constructs import Construct
 
+from infra import roll
 from infra.config import PoolConfig
+from infra.roll import group_name
+from turnkv.node_env import DRAIN_HOOK
 
 from .efa_launch_template import EfaLaunchTemplate, EfaLaunchTemplateProps
 
@@ -29,23 +30,9 @@ from .efa_launch_template import EfaLaunchTemplate, EfaLaunchTemplateProps
 SIGNAL_TIMEOUT = Duration.hours(1)
 
 
-def group_name(deployment_prefix: str, pool_name: str) -> str:
-    """The pool's Auto Scaling group (and launch template) name: IAM statements name it exactly, so a wildcard
-    over the deployment's prefix never reaches another deployment's groups (``turnkv-prod-*`` would match
-    ``turnkv-prod-x-...``)."""
-    return f"{deployment_prefix}-{pool_name}"
-
-
 def group_logical_id(pool_name: str) -> str:
     """The Auto Scaling group's logical id: fixed, so the node's user data can name it in its signal."""
     return "EngineGroup" + "".join(part.capitalize() for part in re.split(r"[^a-z0-9]+", pool_name) if part)
-
-
-def rolling_sizes(count: int, reserved: bool) -> tuple[int, int]:
-    """(max size, min instances in service during a rolling update) for a pool of ``count`` engines."""
-    if reserved:
-        return count, max(count - 1, 0)
-    return count + 1, count
 
 
 @dataclass(frozen=True)
@@ -58,7 +45,8 @@ class EngineGroupProps:
     user_data: ec2.UserData
     role: iam.IRole
     security_group: ec2.ISecurityGroup
-    placement_group: ec2.IPlacementGroup
+    #: The deployment's cluster placement group (None when no pool of the deployment launches into it).
+    placement_group: ec2.IPlacementGroup | None
     notifications_topic: sns.ITopic
     #: A new instance loads weights and compiles before it is useful (minutes).
     health_grace_minutes: int = 30
@@ -73,7 +61,8 @@ class EngineGroup(Construct):
         pool = props.pool
         self.pool = pool
         self.group_name = group_name(props.deployment_prefix, pool.name)
-        max_size, in_service = rolling_sizes(pool.count, bool(pool.capacity_reservation_id))
+        self.roll = roll.pool_roll(pool)
+        max_size, in_service = self.roll.max_size, self.roll.min_in_service
         self.min_in_service = in_service
         # EC2: an instance uses a Capacity Reservation made in a cluster placement group only when it launches into
         # that group; a reservation outside any group is used only by instances outside groups; a Capacity Block
@@ -126,10 +115,12 @@ class EngineGroup(Construct):
                 capacity_reservation_target=spec.CapacityReservationTargetProperty(
                     capacity_reservation_ids=[pool.capacity_reservation_id]),
             )
+        # The node completes the action once drained (``turnkv engine drain``); CONTINUE after the timeout bounds a
+        # node that cannot (already impaired, or its agent gone).
         self.terminate_hook = self.group.add_lifecycle_hook(
             "Deregister",
-            lifecycle_hook_name="turnkv-deregister",
+            lifecycle_hook_name=DRAIN_HOOK,
             lifecycle_transition=autoscaling.LifecycleTransition.INSTANCE_TERMINATING,
             default_result=autoscaling.DefaultResult.CONTINUE,
-            heartbeat_timeout=Duration.minutes(2),
+            heartbeat_timeout=Duration.seconds(self.roll.hook_timeout_s),
         )

@@ -52,3 +52,12 @@ class RouterAccess:
             scope, "EngineFromRouter", group_id=props.engines.security_group_id, ip_protocol="tcp",
             from_port=first, to_port=last,
             source_security_group_id=self.router_sg.security_group_id, description="turnkv router to engines")
+        # `turnkv smoke --via-ssm` (turnkv.tunnel): Session Manager forwards a workstation's port to the ALB through
+        # an engine node, which therefore reaches the listener (the engines' group allows no other egress to it).
+        self.alb_sg.add_ingress_rule(props.engines, ec2.Port.tcp(listener_port), "engine nodes: Session Manager "
+                                                                                 "port forwarding (smoke --via-ssm)")
+        ec2.CfnSecurityGroupEgress(
+            scope, "EngineToAlb", group_id=props.engines.security_group_id, ip_protocol="tcp",
+            from_port=listener_port, to_port=listener_port,
+            destination_security_group_id=self.alb_sg.security_group_id,
+            description="turnkv engine node to the router ALB: Session Manager port forwarding (smoke --via-ssm)")

@@ -3,3 +3,4 @@
 from pathlib import Path
 
 DEREGISTER = Path(__file__).with_name("deregister.py")
+KEEP_TUNABLES = Path(__file__).with_name("keep_tunables.py")

@@ -1,6 +1,8 @@
-"""ASG terminate lifecycle hook (via EventBridge): take the engine out of Cloud Map, then let it go.
+"""ASG terminate lifecycle hook (via EventBridge): take the engine out of Cloud Map at once.
 
-Runs even when the instance is already unreachable, which the instance's own ExecStop cannot promise.
+Runs even when the instance is already unreachable, which the instance's own ExecStop cannot promise. It does not
+complete the lifecycle action: the node's drain agent does once its in-flight streams finished
+(``turnkv engine drain``), and the hook's heartbeat timeout continues the termination of a node that cannot.
 """
 
 import json
@@ -19,11 +21,10 @@ def cloudmap_ids(instance_id, engines):
     return [instance_id] + [f"{instance_id}-{slot}" for slot in range(1, max(1, engines))]
 
 
-def handler(event, context, sd=None, asg=None):
+def handler(event, context, sd=None):
     detail = event.get("detail", {})
     instance_id = detail.get("EC2InstanceId")
     sd = sd or boto3.client("servicediscovery")
-    asg = asg or boto3.client("autoscaling")
     if instance_id:
         engines = int(ENGINES_PER_NODE.get(detail.get("AutoScalingGroupName", ""), 1))
         for cloudmap_id in cloudmap_ids(instance_id, engines):
@@ -32,12 +33,4 @@ def handler(event, context, sd=None, asg=None):
                 print(f"deregistered {cloudmap_id} from {SERVICE_ID}")
             except sd.exceptions.InstanceNotFound:
                 print(f"{cloudmap_id} was not registered in {SERVICE_ID}")
-    if detail.get("LifecycleHookName") and detail.get("LifecycleActionToken"):
-        asg.complete_lifecycle_action(
-            LifecycleHookName=detail["LifecycleHookName"],
-            AutoScalingGroupName=detail["AutoScalingGroupName"],
-            LifecycleActionToken=detail["LifecycleActionToken"],
-            LifecycleActionResult="CONTINUE",
-            InstanceId=instance_id,
-        )
     return {"instance": instance_id}

@@ -74,6 +74,11 @@ class NetworkStack(Stack):
             restrict_default_security_group=True,
             gateway_endpoints={"S3": ec2.GatewayVpcEndpointOptions(service=ec2.GatewayVpcEndpointAwsService.S3)},
         )
+        # Export every subnet (and the VPC) whether a stack imports it now or not: toggling router.public moves the
+        # ALB between the public and private subnets, and an export that disappears while the deployed router
+        # stack still imports it stops this stack's update (CloudFormation refuses to delete an imported export).
+        for exported in (self.vpc.vpc_id, *(s.subnet_id for s in (*self.vpc.public_subnets, *self.private_subnets))):
+            self.export_value(exported)
         if not net.nat_gateways:
             # No internet path: engines and router talk to the interface endpoints (VPC CIDR) and S3 through the
             # gateway endpoint, whose addresses are the region's S3 prefix list. Its id differs per region and
@@ -87,7 +92,10 @@ class NetworkStack(Stack):
                     physical_resource_id=cr.PhysicalResourceId.of(f"s3-prefix-list-{self.region}"),
                     output_paths=["PrefixLists.0.PrefixListId"]),
                 policy=cr.AwsCustomResourcePolicy.from_sdk_calls(resources=cr.AwsCustomResourcePolicy.ANY_RESOURCE),
-                install_latest_aws_sdk=False)
+                install_latest_aws_sdk=False,
+                # its own log group, which `cdk destroy` removes (the function's default one outlives the stack)
+                log_group=logs.LogGroup(self, "S3PrefixListLogs", retention=logs.RetentionDays.ONE_MONTH,
+                                        removal_policy=RemovalPolicy.DESTROY))
             self.s3_prefix_list_id = lookup.get_response_field("PrefixLists.0.PrefixListId")
         private = ec2.SubnetSelection(subnet_type=private_type)
         # One group for all interface endpoints: HTTPS in from the VPC, nothing out (endpoints only answer).

@@ -6,24 +6,30 @@ from __future__ import annotations
 from aws_cdk import Duration, RemovalPolicy, Stack
 from aws_cdk import aws_cloudwatch as cw
 from aws_cdk import aws_cloudwatch_actions as cw_actions
-from aws_cdk import aws_elasticloadbalancingv2 as elbv2
 from aws_cdk import aws_iam as iam
 from aws_cdk import aws_kms as kms
 from aws_cdk import aws_sns as sns
 from aws_cdk import aws_sns_subscriptions as subscriptions
+from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
 from infra.config import DeploymentConfig
 from infra.constructs.alarms import AlarmsProps, DeploymentAlarms, PoolSize
-from infra.constructs.dashboard import EngineMetricFactory, RouterMetricFactory, engine_segment, router_segment
+from infra.constructs.dashboard import (
+    EngineMetricFactory,
+    RouterLoadBalancerMetrics,
+    RouterMetricFactory,
+    engine_segment,
+    router_segment,
+)
 from infra.instances import INSTANCE_TYPES, Flavor
-from infra.stacks.router import RouterStack
+from infra.stacks.router import ROUTER_OUTPUTS
 from infra.stacks.serving import ServingStack
 
 
 class ObservabilityStack(Stack):
     def __init__(self, scope: Construct, construct_id: str, *, config: DeploymentConfig, serving: ServingStack,
-                 router: RouterStack, **kwargs) -> None:
+                 **kwargs) -> None:
         super().__init__(scope, construct_id, **kwargs)
         key = kms.Key(self, "AlarmTopicKey", enable_key_rotation=True, removal_policy=RemovalPolicy.DESTROY,
                       description=f"turnkv {config.name} alarms")
@@ -38,21 +44,19 @@ class ObservabilityStack(Stack):
         gpu = any(INSTANCE_TYPES[p.instance_type].flavor is Flavor.GPU for p in config.pools)
         rf = RouterMetricFactory(config.name)
         ef = EngineMetricFactory(config.name)
-        alb = router.alb.metrics
-        tg = router.target_group.metrics
+        alb = tg = RouterLoadBalancerMetrics({key: ssm.StringParameter.value_for_string_parameter(
+            self, config.stack_output_parameter("router", key)) for key in ROUTER_OUTPUTS})
 
         rows = router_segment(rf) + engine_segment(ef, roles, gpu)
         rows.append([cw.TextWidget(markdown="## Load balancer and router tasks", width=24, height=1)])
         rows.append([
             cw.GraphWidget(title="ALB requests and 5xx", width=8, height=6,
                            left=[alb.request_count(period=Duration.minutes(1))],
-                           right=[alb.http_code_elb(code=elbv2.HttpCodeElb.ELB_5XX_COUNT, period=Duration.minutes(1)),
-                                  tg.http_code_target(
-                                      code=elbv2.HttpCodeTarget.TARGET_5XX_COUNT, period=Duration.minutes(1))]),
+                           right=[alb.elb_5xx(period=Duration.minutes(1)), tg.target_5xx(period=Duration.minutes(1))]),
             cw.GraphWidget(title="Healthy / unhealthy router tasks", width=8, height=6,
                            left=[tg.healthy_host_count(), tg.unhealthy_host_count()]),
             cw.GraphWidget(title="Router CPU / memory", width=8, height=6,
-                           left=[router.service.metric_cpu_utilization(), router.service.metric_memory_utilization()]),
+                           left=[alb.service("CPUUtilization"), alb.service("MemoryUtilization")]),
         ])
         # Engines that serve, next to what the pools hold: what EnginesNotRegistered-<role> alarms on.
         # Each instance runs engines_per_node engines, each registered on its own.

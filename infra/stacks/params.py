@@ -1,17 +1,31 @@
 """Params: every tunable of ``turnkv.params.CATALOG`` as an SSM parameter with its default, description and
-allowed pattern (the same ones ``turnkv params set`` writes)."""
+allowed pattern (the same ones ``turnkv params set`` writes).
+
+The operator owns the values: each parameter's Value is the ``Tunables`` custom resource's attribute of its
+name (``infra/lambdas/keep_tunables.py``), the live value where one exists and fits the catalog, else the
+deployment's default. A kit upgrade that changes a tunable's description or default rewrites the description and
+keeps an operator's ``turnkv params set``; ``turnkv params diff`` reports the defaults that differ."""
 
 from __future__ import annotations
 
-from aws_cdk import Stack
+import hashlib
+import json
+
+from aws_cdk import CfnCustomResource, Duration, RemovalPolicy, Stack, Token
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_lambda as lambda_
+from aws_cdk import aws_logs as logs
 from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
 from infra import host_tier
 from infra.config import DeploymentConfig
+from infra.lambdas import KEEP_TUNABLES
 from turnkv import params
 from turnkv.aws_params import allowed_pattern, description
 from turnkv.engine_args import Role
+
+LAMBDA_RUNTIME = lambda_.Runtime.PYTHON_3_14
 
 
 class ParamsStack(Stack):
@@ -21,17 +35,52 @@ class ParamsStack(Stack):
         params.cross_check(params.defaults())
         self.parameters: dict[str, ssm.CfnParameter] = {}
         values = deployment_defaults(config)
+        spec = tunable_spec(config.name, values)
+        described = {t.name: description(t) for t in params.CATALOG}
+        tags = {t.name: {"turnkv:deployment": config.name, "turnkv:scope": t.scope.value} for t in params.CATALOG}
+        kept = self._keeper(config, spec, revision=_digest([spec, described, tags]))
         for tunable in params.CATALOG:
             self.parameters[tunable.name] = ssm.CfnParameter(
                 self, _logical_id(tunable.name),
-                name=tunable.ssm_path(config.name),
+                name=spec[tunable.name]["path"],
                 type="String",
-                value=str(values[tunable.name]),
-                description=description(tunable),
-                allowed_pattern=allowed_pattern(tunable),
+                value=Token.as_string(kept.get_att(tunable.name)),
+                description=described[tunable.name],
+                allowed_pattern=spec[tunable.name]["pattern"],
                 tier="Standard",
-                tags={"turnkv:deployment": config.name, "turnkv:scope": tunable.scope.value},
+                tags=tags[tunable.name],
             )
+
+    def _keeper(self, config: DeploymentConfig, spec: dict[str, dict[str, str]], revision: str) -> CfnCustomResource:
+        """The custom resource whose attributes are the values to write (``infra/lambdas/keep_tunables.py``). Its
+        ``Revision`` is a digest of everything the parameter resources carry, so any change to them reads the live
+        values first; an unchanged template touches nothing."""
+        log_group = logs.LogGroup(self, "KeepTunablesLogs", retention=logs.RetentionDays.ONE_MONTH,
+                                  removal_policy=RemovalPolicy.DESTROY)
+        role = iam.Role(self, "KeepTunablesRole", assumed_by=iam.ServicePrincipal("lambda.amazonaws.com"))
+        role.add_to_policy(iam.PolicyStatement(actions=["ssm:GetParameters"],
+                                               resources=[parameter_arn(self, config.name, "*")]))
+        role.add_to_policy(iam.PolicyStatement(actions=["logs:CreateLogStream", "logs:PutLogEvents"],
+                                               resources=[f"{log_group.log_group_arn}:*"]))
+        self.keeper_function = lambda_.Function(
+            self, "KeepTunables", runtime=LAMBDA_RUNTIME, handler="index.handler",
+            code=lambda_.Code.from_inline(KEEP_TUNABLES.read_text()), role=role, timeout=Duration.seconds(60),
+            log_group=log_group, description=f"turnkv {config.name}: keep the operator's tunables across upgrades")
+        keeper = CfnCustomResource(self, "Tunables", service_token=self.keeper_function.function_arn)
+        keeper.add_property_override("Tunables", json.dumps(spec, sort_keys=True, separators=(",", ":")))
+        keeper.add_property_override("Revision", revision)
+        keeper.node.add_dependency(role)
+        return keeper
+
+
+def tunable_spec(deployment: str, values: dict[str, int | float]) -> dict[str, dict[str, str]]:
+    """What the keeper checks a live value against, per tunable: its path, SSM pattern, bounds and the default."""
+    return {t.name: {"path": t.ssm_path(deployment), "pattern": allowed_pattern(t), "min": str(t.minimum),
+                     "max": str(t.maximum), "default": str(values[t.name])} for t in params.CATALOG}
+
+
+def _digest(value: object) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def deployment_defaults(config: DeploymentConfig) -> dict[str, int | float]:

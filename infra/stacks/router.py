@@ -8,6 +8,7 @@ from __future__ import annotations
 from aws_cdk import CfnOutput, RemovalPolicy, Stack
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_secretsmanager as secretsmanager
+from aws_cdk import aws_ssm as ssm
 from constructs import Construct
 
 from infra.config import DeploymentConfig
@@ -31,6 +32,16 @@ from infra.constructs.router_service import (  # noqa: F401  (re-exported: the r
 )
 from infra.stacks.network import NetworkStack
 from infra.stacks.serving import CLOUDMAP_SERVICE, ServingStack
+
+#: What the router stack publishes for the observability stack (``DeploymentConfig.stack_output_parameter``,
+#: under ``router``): key -> description. SSM, never an export: toggling ``router.public`` replaces the ALB and
+#: adding a certificate replaces the listener, and CloudFormation refuses to change an export another stack imports.
+ROUTER_OUTPUTS: dict[str, str] = {
+    "alb-full-name": "the router ALB's full name (the LoadBalancer dimension of its metrics)",
+    "target-group-full-name": "the router target group's full name (the TargetGroup dimension)",
+    "cluster-name": "the router's ECS cluster (the ClusterName dimension)",
+    "service-name": "the router's ECS service (the ServiceName dimension)",
+}
 
 
 class RouterStack(Stack):
@@ -90,3 +101,16 @@ class RouterStack(Stack):
                               "DNS name, pointed at this)")
 
         router.autoscale(self.target_group)
+
+        values = {"alb-full-name": self.alb.load_balancer_full_name,
+                  "target-group-full-name": self.target_group.target_group_full_name,
+                  "cluster-name": self.service.cluster.cluster_name, "service-name": self.service.service_name}
+        assert values.keys() == ROUTER_OUTPUTS.keys()
+        for key, value in values.items():
+            ssm.StringParameter(self, f"Output-{key}", parameter_name=config.stack_output_parameter("router", key),
+                                string_value=value, description=f"turnkv {config.name}: {ROUTER_OUTPUTS[key]}")
+        # What the observability stack imported before it read SSM, still exported: a deployment made before can
+        # update (this stack deploys first, while its observability stack still imports them); nothing imports
+        # them afterwards, so a later change may drop or alter them.
+        for legacy in (*values.values(), self.listener.listener_arn):
+            self.export_value(legacy)

@@ -4,6 +4,7 @@ user data (``infra.bootstrap``), Cloud Map registration and deregistration on te
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping
 
@@ -21,18 +22,19 @@ from aws_cdk import aws_sns as sns
 from aws_cdk import aws_sns_subscriptions as subscriptions
 from constructs import Construct
 
-from infra import bootstrap
+from infra import bootstrap, roll
 from infra.config import DeploymentConfig
 from infra.constructs.engine_group import EngineGroup, EngineGroupProps, group_logical_id, group_name
 from infra.instances import INSTANCE_TYPES
 from infra.lambdas import DEREGISTER
 from infra.stacks.network import NetworkStack, https_egress
-from infra.stacks.params import parameter_arn
+from infra.stacks.params import LAMBDA_RUNTIME, parameter_arn
 from turnkv import metric_names as mn
 from turnkv import node_env
 
 CLOUDMAP_SERVICE = "engines"
-LAMBDA_RUNTIME = lambda_.Runtime.PYTHON_3_14
+#: EventBridge detail types of EC2's Capacity Block expiration warning (the user guide spells it both ways).
+CAPACITY_BLOCK_WARNINGS = ("Capacity Block Expiration Warning", "Capacity Block Reservation Expiration Warning")
 
 
 class ServingStack(Stack):
@@ -43,9 +45,13 @@ class ServingStack(Stack):
         vpc = network.vpc
         subnet = network.engine_subnet()
 
-        self.placement_group = ec2.PlacementGroup(
-            self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER,
-            placement_group_name=f"{config.prefix}-engines")
+        # The deployment's cluster placement group, for the pools that launch into it (no reservation: a reserved
+        # pool launches into the group its reservation was made in, or into none; infra.constructs.engine_group).
+        self.placement_group: ec2.PlacementGroup | None = None
+        if any(p.joins_deployment_placement_group for p in config.pools):
+            self.placement_group = ec2.PlacementGroup(
+                self, "PlacementGroup", strategy=ec2.PlacementGroupStrategy.CLUSTER,
+                placement_group_name=f"{config.prefix}-engines")
 
         self.security_group = ec2.SecurityGroup(
             self, "EfaSecurityGroup", vpc=vpc, allow_all_outbound=False,
@@ -74,6 +80,7 @@ class ServingStack(Stack):
                                       display_name=f"turnkv {config.name} engine pool events")
         if config.alarm_email:
             self.events_topic.add_subscription(subscriptions.EmailSubscription(config.alarm_email))
+        self._capacity_block_warnings(key)
 
         self.log_group_name = bootstrap.engine_log_group(config)
         self.log_group = logs.LogGroup(self, "EngineLogs", log_group_name=self.log_group_name,
@@ -106,7 +113,35 @@ class ServingStack(Stack):
                 machine_image=images[profile.flavor.value], user_data=ec2.UserData.custom(script), role=self.role,
                 security_group=self.security_group, placement_group=self.placement_group,
                 notifications_topic=self.events_topic))
+        self._roll_one_group_at_a_time()
         self._deregistration()
+
+    def _roll_one_group_at_a_time(self) -> None:
+        """Each group after the one before it in ``infra.roll.roll_order`` (prefill pools, then decode pools): a
+        resource that depends on another is updated only after that one's update completed, its rolling update
+        included; without the chain CloudFormation rolls the groups in parallel and a role of one-node pools
+        is empty while they boot."""
+        ordered = [self.pools[p.name].group for p in roll.roll_order(self.config.pools)]
+        for before, after in itertools.pairwise(ordered):
+            after.node.default_child.add_dependency(before.node.default_child)  # type: ignore[union-attr]
+
+    def _capacity_block_warnings(self, key: kms.Key) -> None:
+        """A Capacity Block ends on its date: EC2 sends an EventBridge event 40 minutes before, and starts
+        terminating its instances 10 minutes later (EC2 user guide, "Monitor Capacity Blocks using EventBridge").
+        The warning goes to the engine events topic (alarm_email), naming the reservation, so the pool can be moved
+        (a new block id, or a reservation) before it empties."""
+        blocks = sorted({p.capacity_reservation_id for p in self.config.pools
+                         if p.capacity_block and p.capacity_reservation_id})
+        if not blocks:
+            return
+        key.grant(iam.ServicePrincipal("events.amazonaws.com"), "kms:GenerateDataKey*", "kms:Decrypt")
+        events.Rule(
+            self, "CapacityBlockExpiring",
+            description="turnkv: a Capacity Block of an engine pool ends in 40 minutes",
+            event_pattern=events.EventPattern(
+                source=["aws.ec2"], detail_type=list(CAPACITY_BLOCK_WARNINGS),
+                detail={"capacity-reservation-id": blocks}),
+            targets=[targets.SnsTopic(self.events_topic)])
 
     def _user_data_stand_ins(self) -> dict[str, str]:
         """The longest values the user data's deploy-time tokens take (``bootstrap.deploy_time_stand_ins``)."""
@@ -138,6 +173,11 @@ class ServingStack(Stack):
                                        resource_name=f"{self.stack_name}/*")]))
         role.add_to_policy(iam.PolicyStatement(
             sid="MarkUnhealthy", actions=["autoscaling:SetInstanceHealth"],
+            resources=[self.format_arn(service="autoscaling", resource="autoScalingGroup",
+                                       resource_name=f"*:autoScalingGroupName/{group_name(config.prefix, p.name)}")
+                       for p in config.pools]))
+        role.add_to_policy(iam.PolicyStatement(
+            sid="CompleteDrain", actions=["autoscaling:CompleteLifecycleAction"],
             resources=[self.format_arn(service="autoscaling", resource="autoScalingGroup",
                                        resource_name=f"*:autoScalingGroupName/{group_name(config.prefix, p.name)}")
                        for p in config.pools]))
@@ -176,18 +216,15 @@ class ServingStack(Stack):
         return role
 
     def _deregistration(self) -> None:
-        """ASG terminate lifecycle hook -> EventBridge -> Lambda: deregister from Cloud Map, continue."""
+        """ASG terminate lifecycle hook -> EventBridge -> Lambda: deregister from Cloud Map at once (even from a node
+        that cannot answer). The node's drain agent completes the action once its streams finished; the hook's
+        timeout continues it otherwise (``infra.roll``)."""
         config = self.config
         log_group = logs.LogGroup(self, "DeregisterLogs", retention=logs.RetentionDays.ONE_MONTH,
                                   removal_policy=RemovalPolicy.DESTROY)
         role = iam.Role(self, "DeregisterRole", assumed_by=iam.ServicePrincipal("lambda.amazonaws.com"))
         role.add_to_policy(iam.PolicyStatement(
             actions=["servicediscovery:DeregisterInstance"], resources=[self.cloudmap_service.service_arn]))
-        role.add_to_policy(iam.PolicyStatement(
-            actions=["autoscaling:CompleteLifecycleAction"],
-            resources=[self.format_arn(service="autoscaling", resource="autoScalingGroup",
-                                       resource_name=f"*:autoScalingGroupName/{p.group_name}")
-                       for p in self.pools.values()]))
         role.add_to_policy(iam.PolicyStatement(
             actions=["logs:CreateLogStream", "logs:PutLogEvents"], resources=[f"{log_group.log_group_arn}:*"]))
         self.deregister_function = lambda_.Function(

@@ -48,9 +48,9 @@ class Synth:
 def image_sources(tmp_path_factory):
     """The image stack's inputs: this tree's AMI recipes and a freshly built turnkv wheel."""
     from infra.stacks.image import ImageSources
-    from infra.wheel import REPO_ROOT, build_wheel
+    from infra.wheel import REPO_ROOT, build_node_wheel
 
-    wheel = build_wheel(tmp_path_factory.mktemp("wheel"))
+    wheel = build_node_wheel(tmp_path_factory.mktemp("wheel"))
     from ami import recipes
 
     assert Path(recipes.__file__).resolve().parent == (REPO_ROOT / "ami").resolve()
@@ -58,14 +58,14 @@ def image_sources(tmp_path_factory):
                         deploy_parameters=recipes.deploy_parameters, recipe_fingerprint=recipes.recipe_fingerprint)
 
 
-def synthesize(raw: dict, outdir: Path, image_sources, validation: bool = False) -> Synth:
+def synthesize(raw: dict, outdir: Path, image_sources, validation: bool = False, nag: bool = True) -> Synth:
     import aws_cdk as cdk
 
     from infra.app import build
     from infra.config import from_mapping
 
     app = cdk.App(outdir=str(outdir), builtin_cloud_formation_validation=validation)
-    result = build(app, config=from_mapping(raw), image_sources=image_sources)
+    result = build(app, config=from_mapping(raw), image_sources=image_sources, run_nag=nag)
     app.synth()
     templates = {s.stack_name: json.loads((outdir / f"{s.artifact_id}.template.json").read_text())
                  for s in result.stacks}

@@ -226,11 +226,13 @@ def _slots_script(**kw) -> str:
 def test_a_node_of_several_engines_is_valid_bash_and_fits_ec2s_user_data_limit(tmp_path, engines, tp):
     script = bootstrap.user_data(_node(
         tp_size=tp, engines=engines, signal_stack="turnkv-prod-serving", signal_resource="EngineGroupDecode",
+        group="turnkv-prod-decode-block",  # the drain agent's line (issue 46) is measured too
         # tokens resolve at deploy time: stand-ins as long as the real values
         cloudmap_service_id="srv-abcdefghijklmnop",
         offer_secret_id="arn:aws:secretsmanager:us-east-2:123456789012:secret:turnkv-prod/engine-offer-secret-AbCdEf"))
     # EC2: user data is limited to 16 KB before base64 encoding.
     assert len(script.encode()) < 16 * 1024
+    assert f"engine drain --group turnkv-prod-decode-block --timeout 900 --engines {engines}" in script
     paths = {"user-data.sh": script, "register.sh": _heredoc(script, bootstrap.REGISTER_SCRIPT)}
     for name, text in paths.items():
         (tmp_path / name).write_text(text)
@@ -268,7 +270,7 @@ def test_each_engine_gets_its_devices_ports_ids_and_template_units():
     assert "EnvironmentFile=/etc/turnkv/engine-%i.env" in metrics
     # every engine enabled and started; the single units are not
     assert ("systemctl enable turnkv-params-sync.timer turnkv-engine@{0..1}.service turnkv-register@{0..1}.service "
-            "turnkv-metrics@{0..1}.service") in script
+            "turnkv-metrics@{0..1}.service") in script  # turnkv-drain.service follows where the pool names its group
     assert "systemctl start turnkv-engine@{0..1}.service\n" in script
     assert "systemctl start --no-block turnkv-register@{0..1}.service turnkv-metrics@{0..1}.service" in script
     assert "systemctl start turnkv-engine.service" not in script

@@ -3,6 +3,8 @@ refuses what would fail only at deploy. Each test fails on the templates of befo
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from infra.config import ConfigError
@@ -118,3 +120,16 @@ def test_the_dashboard_picture_is_drawn_from_the_synthesized_body(gpu, tmp_path)
     committed = Path(__file__).resolve().parents[2] / "docs" / "dashboard.png"
     assert committed.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "](docs/dashboard.png)" in (committed.parents[1] / "README.md").read_text()
+
+
+def test_a_capacity_block_warns_before_it_ends(gpu):
+    """EC2 terminates a Capacity Block's instances 30 minutes before its end and warns 10 minutes earlier on
+    EventBridge: the warning reaches the engine events topic (alarm_email), for the pool's block only."""
+    from infra.stacks.serving import CAPACITY_BLOCK_WARNINGS
+
+    (rule,) = [r["Properties"] for r in gpu.resources("serving", "AWS::Events::Rule").values()
+               if r["Properties"]["EventPattern"].get("source") == ["aws.ec2"]]
+    assert rule["EventPattern"]["detail-type"] == list(CAPACITY_BLOCK_WARNINGS)
+    assert rule["EventPattern"]["detail"] == {"capacity-reservation-id": ["cr-0f1e2d3c4b5a69788"]}
+    (target,) = rule["Targets"]
+    assert "EngineEvents" in json.dumps(target["Arn"])

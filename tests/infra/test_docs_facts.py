@@ -42,3 +42,21 @@ def test_the_deploy_path_ends_with_the_smoke_test():
     path = DOCS.split("## From a fresh clone to a passing smoke test", 1)[1].split("\n## ", 1)[0]
     commands = [ln for ln in path.splitlines() if ln.startswith(("make ", "npm ", "npx ", "turnkv ", ". "))]
     assert commands[-1].startswith("turnkv smoke --url")
+
+
+def test_the_quota_and_roll_figures_are_the_codes():
+    """The P quota row and the roll's figures (issue 46), from infra.instances, infra.roll and infra.config."""
+    from infra import roll
+    from infra.config import PoolConfig
+    from infra.instances import INSTANCE_TYPES
+
+    vcpus = {INSTANCE_TYPES[t].vcpus for t in ("p5en.48xlarge", "p5.48xlarge", "p5e.48xlarge")}
+    assert vcpus == {192}
+    assert "192 vCPUs per p5en / p5 / p5e instance: 384 for the smallest deployment, plus 192 while a surging pool " \
+           "rolls" in DOCS
+    lo, hi = roll.BOOT_TO_SERVE_MIN
+    assert f"a weight load ({lo}-{hi} min)" in DOCS and f"| {lo}-{hi} min |" in DOCS  # the roll, the deploy table
+    assert f"(default {PoolConfig.model_fields['drain_timeout_s'].default} s) bounds the wait" in DOCS
+    assert f"is {roll.HOOK_MARGIN_S} s longer" in DOCS
+    assert f"takes {roll.HOOK_TIMEOUT_RANGE[0]} to {roll.HOOK_TIMEOUT_RANGE[1]:,} s" in DOCS
+    assert "briefly empty" not in DOCS and "Cloud9" not in DOCS

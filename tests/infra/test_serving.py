@@ -3,6 +3,7 @@ volumes, capacity reservations, instance role, Cloud Map, deregistration on term
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -329,3 +330,27 @@ def test_only_a_deployment_with_a_model_token_may_read_that_one_secret(gpu, push
     assert text == "arn:<ref>:secretsmanager:us-east-2:<ref>:secret:turnkv/hf-token-??????", text
     assert [p for p in parts if not isinstance(p, str)] == [{"Ref": "AWS::Partition"}, {"Ref": "AWS::AccountId"}]
     assert grant(gpu) == []
+
+
+def test_groups_roll_one_after_another_and_each_node_drains_on_its_hook(gpu):
+    """Issue 46: prefill pools roll first, then decode pools, one group at a time (a DependsOn chain: CloudFormation
+    updates a resource after those it depends on); the terminate hook waits for the node's drain (the pool's
+    drain_timeout_s and the hook's margin) and continues at its timeout; the node may complete it."""
+    from infra import roll
+
+    groups = gpu.resources("serving", "AWS::AutoScaling::AutoScalingGroup")
+    order = ["EngineGroupPrefill", "EngineGroupDecode", "EngineGroupDecodeBlock"]
+    for before, after in itertools.pairwise(order):
+        assert before in groups[after].get("DependsOn", []), after
+    assert not set(groups["EngineGroupPrefill"].get("DependsOn", [])) & set(order)
+    hooks = gpu.resources("serving", "AWS::AutoScaling::LifecycleHook")
+    assert len(hooks) == 3
+    for hook in hooks.values():
+        p = hook["Properties"]
+        assert p["LifecycleHookName"] == "turnkv-drain" and p["DefaultResult"] == "CONTINUE"
+        assert p["HeartbeatTimeout"] == 900 + roll.HOOK_MARGIN_S
+        assert p["LifecycleTransition"] == "autoscaling:EC2_INSTANCE_TERMINATING"
+    policies = json.dumps(gpu.resources("serving", "AWS::IAM::Policy"))
+    assert '"Sid": "CompleteDrain"' in policies
+    user_data = json.dumps(gpu.resources("serving", "AWS::EC2::LaunchTemplate"))
+    assert "systemd-run -q -u turnkv-drain" in user_data and "engine drain --group turnkv-gpu-decode" in user_data

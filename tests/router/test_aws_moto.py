@@ -154,3 +154,80 @@ async def test_the_container_command_line_serves_from_cloud_map(moto_url, aws_en
             await r.cleanup()
     emf = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
     assert emf and emf[-1]["Deployment"] == "cli" and emf[-1]["status"] == 200
+
+
+async def test_a_roll_drains_the_old_decode_node_without_cutting_its_stream(moto_url, aws_env):
+    """Issue 46, a simulated roll of a one-node decode pool that can surge: the new node registers first, then the
+    terminate hook's Lambda (infra/lambdas/deregister.py) takes the old one out of Cloud Map and the old node's drain
+    (turnkv/drain.py) waits for its in-flight stream before it completes the lifecycle action. The stream that was
+    running on the old node ends with 200 and the same text as the same turn with reuse off; the next turn is served
+    by the new node."""
+    import importlib.util
+    import time
+    import urllib.request
+
+    from infra.lambdas import DEREGISTER
+    from tests.router.test_flow_fake import MSGS, next_turn
+    from turnkv import drain
+
+    sd = boto3.client("servicediscovery", region_name=REGION, endpoint_url=moto_url)
+    op = sd.create_http_namespace(Name="turnkv-roll")
+    ns_id = sd.get_operation(OperationId=op["OperationId"])["Operation"]["Targets"]["NAMESPACE"]
+    service_id = sd.create_service(Name="engines", NamespaceId=ns_id)["Service"]["Id"]
+    p = engines(1, "prefill", request_marker=False)
+    old, new = engines(2, "decode", request_marker=False)
+    register(sd, service_id, "i-p0", "prefill", "prefill-0", p[0].port, p[0].side_channel_port)
+    register(sd, service_id, "i-old", "decode", "decode-0", old.port, old.side_channel_port)
+    spec = importlib.util.spec_from_file_location("deregister_in_roll", DEREGISTER)
+    lam = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lam)
+    lam.SERVICE_ID = service_id
+
+    async with router_over(p, [old, new], discovery="cloudmap", namespace="turnkv-roll", aws_endpoint_url=moto_url,
+                           region=REGION, tunables={"discovery_interval": 1}) as (s, app):
+        pool = app[FLOW].pool
+        first = await chat(s, conversation=None, stream=True)
+        assert first["status"] == 200
+        turn2 = next_turn(MSGS, first["text"])
+        old.fault = {"token_delay": 0.4}  # a long stream, running on the old node while it is replaced
+        in_flight = asyncio.create_task(chat(s, turn2, conversation=None, stream=True, max_tokens=8))
+        for _ in range(50):
+            if old.stats["running"]:
+                break
+            await asyncio.sleep(0.05)
+        assert old.stats["running"] == 1
+
+        # the roll: the new node is healthy and registered, then the old one's terminate hook fires
+        register(sd, service_id, "i-new", "decode", "decode-1", new.port, new.side_channel_port)
+        lam.handler({"detail": {"EC2InstanceId": "i-old", "AutoScalingGroupName": "turnkv-roll-decode"}}, None,
+                    sd=sd)
+
+        class OldNode:
+            completed_at: float | None = None
+
+            def lifecycle_state(self):
+                return drain.TERMINATING
+
+            def running(self):
+                text = urllib.request.urlopen(f"http://127.0.0.1:{old.port}/metrics", timeout=5).read().decode()
+                return drain.running_requests(text)
+
+            def complete(self):
+                OldNode.completed_at = time.monotonic()
+
+            now = staticmethod(time.monotonic)
+            sleep = staticmethod(time.sleep)
+
+        drained = await asyncio.to_thread(drain.watch, OldNode(), 60, 2.0, 0.2)
+        streamed = await in_flight
+        finished = time.monotonic()
+        assert streamed["status"] == 200 and drained.running == 0 and not drained.timed_out
+        assert OldNode.completed_at is not None and OldNode.completed_at <= finished
+        assert {e.name for e in pool.decode} == {"decode-1"}  # the routers dropped the old node while it drained
+        old_served = old.stats["decode"]
+
+        reference = await chat(s, turn2, conversation=None, stream=True, max_tokens=8,
+                               headers={"X-TurnKV-Reuse": "off"})
+        assert reference["status"] == 200 and streamed["text"] == reference["text"]
+        third = await chat(s, next_turn(turn2, streamed["text"]), conversation=None, stream=True)
+        assert third["status"] == 200 and old.stats["decode"] == old_served  # the new node serves

@@ -1,6 +1,5 @@
-"""The lifecycle-hook Lambda (infra/lambdas/deregister.py) against Cloud Map in moto server mode.
-
-moto does not implement autoscaling:CompleteLifecycleAction, so that client is a recorder."""
+"""The lifecycle-hook Lambda (infra/lambdas/deregister.py) against Cloud Map in moto server mode. It deregisters and
+leaves the lifecycle action to the node's drain agent (tests/unit/test_drain.py)."""
 
 from __future__ import annotations
 
@@ -20,14 +19,6 @@ def sd(moto_url):
                         aws_access_key_id="testing", aws_secret_access_key="testing")
 
 
-class Recorder:
-    def __init__(self):
-        self.calls = []
-
-    def complete_lifecycle_action(self, **kw):
-        self.calls.append(kw)
-
-
 def _module():
     spec = importlib.util.spec_from_file_location("deregister_under_test", DEREGISTER)
     module = importlib.util.module_from_spec(spec)
@@ -42,26 +33,22 @@ def _handler(service_id: str, engines_per_node: dict[str, int] | None = None):
     return module.handler
 
 
-def test_deregisters_the_instance_and_continues_the_lifecycle(sd):
+def test_deregisters_the_instance_and_leaves_the_lifecycle_action_to_the_node(sd):
     ns = sd.create_http_namespace(Name="turnkv-unit")["OperationId"]
     namespace_id = sd.get_operation(OperationId=ns)["Operation"]["Targets"]["NAMESPACE"]
     service_id = sd.create_service(Name="engines", NamespaceId=namespace_id)["Service"]["Id"]
     for iid in ("i-0aaa", "i-0bbb"):
         sd.register_instance(ServiceId=service_id, InstanceId=iid,
                              Attributes={"AWS_INSTANCE_IPV4": "10.0.0.1", "role": "decode"})
-    asg = Recorder()
-    event = {"detail": {"EC2InstanceId": "i-0aaa", "LifecycleHookName": "turnkv-deregister",
+    event = {"detail": {"EC2InstanceId": "i-0aaa", "LifecycleHookName": "turnkv-drain",
                         "AutoScalingGroupName": "turnkv-unit-decode", "LifecycleActionToken": "tok-1"}}
-    assert _handler(service_id)(event, None, sd=sd, asg=asg) == {"instance": "i-0aaa"}
+    assert _handler(service_id)(event, None, sd=sd) == {"instance": "i-0aaa"}
     left = [i["Id"] for i in sd.list_instances(ServiceId=service_id)["Instances"]]
     assert left == ["i-0bbb"]
-    assert asg.calls == [{"LifecycleHookName": "turnkv-deregister", "AutoScalingGroupName": "turnkv-unit-decode",
-                          "LifecycleActionToken": "tok-1", "LifecycleActionResult": "CONTINUE",
-                          "InstanceId": "i-0aaa"}]
-    # an instance that never registered (it died while loading) still lets the termination continue
+    # an instance that never registered (it died while loading): nothing to take out, no error (the hook's
+    # timeout continues its termination)
     event["detail"]["EC2InstanceId"] = "i-0never"
-    _handler(service_id)(event, None, sd=sd, asg=asg)
-    assert len(asg.calls) == 2
+    assert _handler(service_id)(event, None, sd=sd) == {"instance": "i-0never"}
 
 
 def test_inline_code_fits_cloudformation_zipfile_limit():
@@ -77,7 +64,7 @@ def test_every_engine_of_a_node_that_runs_several_is_deregistered(sd):
     for iid in ("i-0ccc", "i-0ccc-1", "i-0ddd", "i-0ddd-1"):
         sd.register_instance(ServiceId=service_id, InstanceId=iid, Attributes={"AWS_INSTANCE_IPV4": "10.0.0.2"})
     event = {"detail": {"EC2InstanceId": "i-0ccc", "AutoScalingGroupName": "turnkv-slots-prefill"}}
-    _handler(service_id, {"turnkv-slots-prefill": 2})(event, None, sd=sd, asg=Recorder())
+    _handler(service_id, {"turnkv-slots-prefill": 2})(event, None, sd=sd)
     left = sorted(i["Id"] for i in sd.list_instances(ServiceId=service_id)["Instances"])
     assert left == ["i-0ddd", "i-0ddd-1"]
 

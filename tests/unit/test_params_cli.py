@@ -197,6 +197,29 @@ def test_set_dry_run_without_a_deployment_checks_offline(monkeypatch, tmp_path):
     assert bad.exit_code == 2 and "out of range" in bad.output
     no_deployment = CliRunner().invoke(app, ["params", "set", "decoder_kv_blocks_ttl=180"])
     assert no_deployment.exit_code == 2 and "--deployment" in no_deployment.output
+    # with a deployment too (issue 46: it exited 1, "no credentials", before the range check that needs no AWS)
+    named = CliRunner().invoke(app, ["params", "set", "decoder_kv_blocks_ttl=99999", "-d", "prod", "--dry-run",
+                                     "--region", "us-east-2"])
+    assert named.exit_code == 2 and "out of range" in named.output
+
+
+def test_diff_reports_stored_values_that_differ_from_the_defaults(aws):
+    """`turnkv params diff`: deploys never overwrite a stored value (infra/lambdas/keep_tunables.py), so a value
+    the operator set, or a default an upgrade changed, shows here."""
+    assert CliRunner().invoke(app, ["params", "set", "retained_kv_share=0.3", "-d", DEPLOYMENT, "--create",
+                                    "--who", "t"]).exit_code == 0
+    for tunable in params.CATALOG:  # the rest as the params stack creates them
+        path = tunable.ssm_path(DEPLOYMENT)
+        ssm = boto3.client("ssm")
+        if not ssm.get_parameters(Names=[path])["Parameters"]:
+            ssm.put_parameter(Name=path, Value=str(tunable.default), Type="String")
+    done = CliRunner().invoke(app, ["params", "diff", "-d", DEPLOYMENT, "--json"])
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.output) == {"retained_kv_share": {
+        "stored": "0.3", "default": params.get("retained_kv_share").default,
+        "reason": "kept: deploys never overwrite a stored value; `turnkv params set` applies the default"}}
+    text = CliRunner().invoke(app, ["params", "diff", "-d", DEPLOYMENT]).output
+    assert text.startswith("retained_kv_share: stored 0.3, default ")
 
 
 def test_set_fits_the_router_ttl_over_the_stored_values(aws):

@@ -35,12 +35,17 @@ def validate(file: Annotated[Path, typer.Argument(help="The deploy config, YAML 
         f"{config.router.replicas}..{config.router.max_replicas} replicas, Valkey "
         f"{'yes' if config.router.uses_valkey else 'no'}; AMI "
         f"{config.image.ami_id or 'baked by the deploy'}.", markup=False)
-    from infra import host_tier
+    from infra import host_tier, roll
 
     budget, why = host_tier.default_mib(config)
-    Console(highlight=False, soft_wrap=True).print(
-        f"Host tier: {budget} MiB per decode engine by default ({why})." if budget else
-        f"Host tier: off by default ({why}).", markup=False)
+    out = Console(highlight=False, soft_wrap=True)
+    out.print(f"Host tier: {budget} MiB per decode engine by default ({why})." if budget else
+              f"Host tier: off by default ({why}).", markup=False)
+    # What a new image or user data costs before the deploy that rolls it (infra.roll): groups roll one at a time.
+    out.print(f"A roll (new image or user data), one group at a time; P/Trn vCPUs at its peak: "
+              f"{roll.peak_vcpus(config)}:", markup=False)
+    for line in roll.plan(config):
+        out.print(f"  {line}", markup=False)
 
 
 @app.command("engine-env")

@@ -18,6 +18,7 @@ from typing import Annotated
 
 import typer
 
+from turnkv import node_env
 from turnkv.commands import renamed
 from turnkv.doctor import FLAVORS
 from turnkv.engine_run import EngineEnvError, parse_env_file, prepare, read_text
@@ -104,3 +105,72 @@ def run(
         return
     os.execvpe(argv[0], argv, {**os.environ, **env})
 
+
+
+@app.command("drain")
+def drain_(
+    group: Annotated[str, typer.Option(help="This node's Auto Scaling group (its user data names it).")],
+    region: Annotated[str, typer.Option(envvar=node_env.REGION, help="AWS region.")],
+    timeout: Annotated[float, typer.Option(help="Drain bound in seconds (the pool's drain_timeout_s).")] = 900,
+    engines: Annotated[int, typer.Option(help="Engines this node runs (their HTTP ports follow node_env).")] = 1,
+    deployment: Annotated[str | None, typer.Option(
+        envvar=node_env.DEPLOYMENT, help="Reads the routers' discovery_interval from SSM (settle time).")] = None,
+) -> None:
+    """Wait for the terminate lifecycle hook, then drain: routers drop the node, in-flight streams finish, and the
+    lifecycle action completes (what turnkv-drain.service runs; turnkv/drain.py)."""
+    import time
+    import urllib.request
+
+    import boto3
+
+    from turnkv import drain, params
+    from turnkv.node_env import DRAIN_HOOK
+
+    def imds(path: str) -> str | None:
+        try:
+            token = urllib.request.urlopen(urllib.request.Request(
+                "http://169.254.169.254/latest/api/token", method="PUT",
+                headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"}), timeout=2).read().decode()
+            return urllib.request.urlopen(urllib.request.Request(
+                f"http://169.254.169.254/latest/meta-data/{path}", headers={"X-aws-ec2-metadata-token": token}),
+                timeout=2).read().decode().strip()
+        except OSError:
+            return None
+
+    instance_id = imds("instance-id")
+    interval = params.get("discovery_interval").default
+    if deployment:
+        try:
+            from turnkv.aws_params import ParamStore
+
+            interval = ParamStore(boto3.client("ssm", region_name=region), deployment).entries()[
+                "discovery_interval"].value
+        except Exception as exc:  # the default is a sound settle time; say which one is used
+            typer.echo(f"discovery_interval from SSM failed ({exc}); using {interval} s")
+
+    class NodeProbe:
+        def lifecycle_state(self) -> str | None:
+            return imds("autoscaling/target-lifecycle-state")
+
+        def running(self) -> int | None:
+            counts = []
+            first, last = node_env.http_ports(engines)
+            for port in range(first, last + 1):
+                try:
+                    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+                    counts.append(drain.running_requests(text))
+                except OSError:
+                    continue  # an engine that is gone runs nothing
+            return sum(counts) if counts else None
+
+        def complete(self) -> None:
+            boto3.client("autoscaling", region_name=region).complete_lifecycle_action(
+                LifecycleHookName=DRAIN_HOOK, AutoScalingGroupName=group, InstanceId=instance_id,
+                LifecycleActionResult="CONTINUE")
+
+        now = staticmethod(time.monotonic)
+        sleep = staticmethod(time.sleep)
+
+    done = drain.watch(NodeProbe(), timeout_s=timeout, settle_s=2 * float(interval))
+    typer.echo(f"drained {instance_id} in {done.waited_s:.0f} s; {done.running} request(s) still running"
+               + (" (timed out)" if done.timed_out else ""))

@@ -189,6 +189,11 @@ def set_(assignments: Annotated[list[str], typer.Argument(help="NAME VALUE, or N
         changes = parse_assignments(assignments)
     except catalog.ParamError as exc:
         _refuse(str(exc))
+    for name, raw in changes.items():  # each value's range needs no AWS: refuse it before any call
+        try:
+            catalog.get(name).parse(raw)
+        except catalog.ParamError as exc:
+            _refuse(str(exc))
     if deployment is None:
         if not dry_run:
             _refuse("no deployment: pass --deployment NAME (or set TURNKV_DEPLOYMENT); --dry-run without one checks "
@@ -228,6 +233,42 @@ def _dry_run_offline(changes: dict[str, str]) -> None:
     for name in fitted:
         typer.echo(f"{name}: {catalog.get(name).default} -> {merged[name]} (dry run, offline: over the catalog's "
                    "defaults, nothing written)")
+
+
+@app.command("diff")
+def diff(deployment: Deployment, region: Region = None, as_json: AsJson = False,
+         config: Annotated[Path | None, typer.Option(
+             "--config", help="The deploy config (YAML): compare with its defaults (the host tier sized from its "
+                              "decode nodes, its `tunables`); left out: the catalog's defaults.")] = None) -> None:
+    """Stored values that differ from this kit's defaults. Deploys never overwrite a stored value (an upgrade that
+    changes a default reports it here); `params set NAME=DEFAULT` applies one."""
+    from turnkv.aws_params import differences
+
+    defaults = catalog.defaults()
+    if config is not None:
+        try:
+            from infra.config import ConfigError, from_mapping, load_file
+            from infra.stacks.params import deployment_defaults
+        except ImportError as exc:
+            _refuse(f"--config needs the infra extra ({exc}); pip install 'turnkv[infra]'")
+        try:
+            defaults = deployment_defaults(from_mapping(load_file(config)))
+        except ConfigError as exc:
+            _refuse(str(exc))
+    store, _ = _store(deployment, region)
+    try:
+        found = differences(store.entries(), defaults)
+    except _aws_errors() as exc:
+        _aws_error(exc)
+    if as_json:
+        typer.echo(json.dumps({d.name: {"stored": d.stored, "default": d.default, "reason": d.reason}
+                               for d in found}, indent=2))
+        return
+    if not found:
+        typer.echo(f"{deployment}: every stored tunable equals this kit's default")
+    for d in found:
+        typer.echo(f"{d.name}: stored {d.stored if d.stored is not None else '(none)'}, default {d.default} "
+                   f"({d.reason})")
 
 
 @app.command("catalog")

@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Annotated
 
 import typer
+
+from turnkv import node_env
 
 
 def smoke(
@@ -21,6 +24,16 @@ def smoke(
     insecure: Annotated[bool, typer.Option(
         "--insecure", help="Skip the TLS certificate check (the ALB's own DNS name with a certificate for your "
                            "domain); better: --url https://<your domain>.")] = False,
+    via_ssm: Annotated[bool, typer.Option(
+        "--via-ssm", help="Reach an internal ALB from outside the VPC: Session Manager port forwarding through one "
+                          "of the deployment's engine nodes (needs --deployment, --region, the AWS CLI and its "
+                          "Session Manager plugin). Prints the command it runs.")] = False,
+    deployment: Annotated[str | None, typer.Option("--deployment", "-d", envvar=node_env.DEPLOYMENT,
+                                                   help="With --via-ssm: the deployment's name.")] = None,
+    region: Annotated[str | None, typer.Option("--region", envvar=node_env.REGION,
+                                               help="With --via-ssm: the deployment's region.")] = None,
+    local_port: Annotated[int, typer.Option("--local-port", help="With --via-ssm: the tunnel's local port.")
+                          ] = 18080,
 ) -> None:
     """Play a short multi-turn conversation through the endpoint: turns 2+ must reuse KV and answer exactly as
     with reuse off. Prints TTFT per turn."""
@@ -33,8 +46,15 @@ def smoke(
     if problem := lib.argument_problem(url.rstrip("/"), turns):
         Console(stderr=True, highlight=False).print(f"[red]refused:[/red] {problem}")
         raise typer.Exit(2)
-    result = asyncio.run(lib.run(url, api_key=api_key, model=model, turns=turns, timeout_s=timeout,
-                                 verify_tls=not insecure))
+    if via_ssm:
+        with _ssm_tunnel(url, deployment, region, local_port) as tunneled:
+            # an internal ALB's certificate names your domain, never 127.0.0.1: TLS is checked by the ALB's DNS
+            # name only without the tunnel
+            result = asyncio.run(lib.run(tunneled, api_key=api_key, model=model, turns=turns, timeout_s=timeout,
+                                         verify_tls=False))
+    else:
+        result = asyncio.run(lib.run(url, api_key=api_key, model=model, turns=turns, timeout_s=timeout,
+                                     verify_tls=not insecure))
     console = Console(highlight=False)
     if result.turns:
         table = Table(title=f"turnkv smoke: {result.url} ({result.model})")
@@ -50,3 +70,53 @@ def smoke(
         raise typer.Exit(1)
     console.print(f"[green]smoke test passed:[/green] turns 2-{len(result.turns)} reused KV and every answer matched "
                   "reuse off")
+
+
+@contextlib.contextmanager
+def _ssm_tunnel(url: str, deployment: str | None, region: str | None, local_port: int):
+    """Start ``aws ssm start-session`` port forwarding to the ALB through an engine node, yield the local URL, stop
+    the session afterwards."""
+    import shlex
+    import socket
+    import subprocess
+    import time
+
+    from rich.console import Console
+
+    from turnkv import tunnel
+
+    err = Console(stderr=True, highlight=False)
+    if not deployment or not region:
+        err.print("[red]refused:[/red] --via-ssm needs --deployment NAME and --region REGION (the node it tunnels "
+                  "through is one of the deployment's engine nodes)")
+        raise typer.Exit(2)
+    try:
+        host, port = tunnel.remote(url)
+        import boto3
+
+        ec2 = boto3.client("ec2", region_name=region)
+        node = tunnel.pick_node(ec2.describe_instances(Filters=tunnel.describe_filters(deployment))["Reservations"])
+    except tunnel.TunnelError as exc:
+        err.print(f"[red]refused:[/red] {exc}")
+        raise typer.Exit(2) from None
+    except Exception as exc:  # credentials, region, permissions
+        err.print(f"[red]AWS error:[/red] {exc}")
+        raise typer.Exit(1) from None
+    command = tunnel.start_session_command(region, node, host, port, local_port)
+    typer.echo(f"tunnel: {shlex.join(command)}")
+    session = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if session.poll() is not None:
+                err.print(f"[red]the tunnel did not start[/red] (exit {session.returncode}): "
+                          f"{session.stderr.read().decode(errors='replace')[-800:] if session.stderr else ''}")
+                raise typer.Exit(1)
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", local_port), timeout=1):
+                break
+            time.sleep(1)
+        yield tunnel.local_url(url, local_port)
+    finally:
+        session.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            session.wait(timeout=10)
