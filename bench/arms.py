@@ -1,8 +1,8 @@
 """The three arms of every A/B (pure: no I/O): what each sends, and a level's and a sweep's summary.
 
-- ``off``: the seeds' setting. Reuse off (``X-TurnKV-Reuse: off``) through turnkv's router, and a fresh
+- ``off``: no prefix cache. Reuse off (``X-TurnKV-Reuse: off``) through turnkv's router, and a fresh
   ``cache_salt`` on every request, so prefill's prefix cache can hold nothing of it: prefill recomputes the
-  whole prompt, as with prefix caching off.
+  whole prompt, as with prefix caching off (the setting of the seed benchmarks, the weakest baseline).
 - ``peer``: peer-best, what a user would run instead of turnkv: a prefill engine of its own with prefix caching on
   and the offload tier's memory as more prefix cache (``StackConfig.peer``), prefix-cache-aware prefill choice (the
   router's, ``router.engines.prefix``), the same decode engines, and no decode-to-prefill reuse (reuse off).
@@ -25,7 +25,15 @@ from bench.client import REUSE_OFF_HEADERS, Result
 
 ARMS = ("off", "peer", "on")
 PLAY_ORDER = ARMS
-LABELS = {"off": "seeds' off", "peer": "peer-best", "on": "turnkv as deployed"}
+#: Each arm's name in tables, charts and headlines, and its definition where it first appears (one source).
+LABELS = {"off": "no prefix cache", "peer": "peer-best", "on": "turnkv as deployed", "best": "best case"}
+MEANINGS = {
+    "off": "reuse off and a fresh cache_salt on every request: prefill recomputes every prompt",
+    "peer": "what you would run instead of turnkv: prefill prefix caching on (and the offload tier's memory as more "
+            "prefix cache), prefix-aware prefill choice, no reuse from decode",
+    "on": "prefill prefix caching on, decode retains each turn, prefill pulls it back",
+    "best": "a prefill whose prefix cache holds the previous turn's prompt, which no busy fleet guarantees",
+}
 #: vLLM's ``vllm:prompt_tokens_by_source`` label values (PromptTokenStats): computed, own prefix cache, connector.
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"

@@ -1,5 +1,5 @@
-"""`turnkv demo`: local stack up, the multi-turn benchmark's three arms (seeds' off, peer-best, turnkv as deployed)
-and the best case, stack down."""
+"""`turnkv demo`: local stack up, the multi-turn benchmark's three arms (no prefix cache, peer-best, turnkv as
+deployed; ``bench.arms``) and the best case, stack down."""
 
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ def demo(
     pressure: Annotated[bool, typer.Option(help="Then twice the conversations decode's retention room holds, "
                                                 "device only and with the host tier (bench.pressure).")] = True,
 ) -> None:
-    """Show the gain end to end: ~4,000-token agentic conversations, TTFT of the three arms (seeds' off, peer-best,
-    turnkv as deployed) and the best case."""
+    """Show the gain end to end: ~4,000-token agentic conversations, TTFT of turnkv as deployed against peer-best (a
+    prefix-caching prefill, no reuse: what you would run instead), no prefix cache (reuse off, a fresh cache salt
+    per request) and the best case (a prefill whose cache holds the previous prompt)."""
     from bench.runner import RunSpec
     from bench.workload import WorkloadSpec
     from turnkv.commands.bench import run_benchmark
@@ -45,9 +46,9 @@ def demo(
     from turnkv.local.stack import StackConfig, Supervisor, tunables_file
     from turnkv.local.start import start_stack
 
-    # turnkv as deployed: prefix caching on prefill. The off arm salts every request (prefill recomputes it all, the
-    # seeds' setting); peer-best and best share the prefix-cached prefill engine under salts of their own
-    # (bench.runner), so no arm finds another's blocks. A host tier on decode (allocated at start): the pressure row
+    # turnkv as deployed: prefix caching on prefill. The off arm salts every request (prefill recomputes it all);
+    # peer-best and best share the prefix-cached prefill engine under salts of their own (bench.runner), so no arm
+    # finds another's blocks. A host tier on decode (allocated at start): the pressure row
     # turns it on and off by reload.
     config = StackConfig(prefill_prefix_caching=True, state_dir=state_dir, router_port=port, best_case=True,
                          tunables={"host_kv_budget_mib": PRESSURE_HOST_MIB})

@@ -44,9 +44,9 @@ def up(
     mode: Annotated[Mode, typer.Option(help="Connector mode of every engine, both bi-directional: pull (decode "
                                             "READs prefill's KV) or push (prefill WRITEs into decode).")] = Mode.PULL,
     prefill_prefix_caching: Annotated[bool, typer.Option(
-        help="Prefix caching on the prefill engine: on, as the deployment runs it; --no-prefill-prefix-caching is "
-             "the seeds' setting (prefill recomputes what it does not pull: a fleet whose prefill caches lost the "
-             "conversation), which the A/B benchmarks use.")] = True,
+        help="Prefix caching on the prefill engine: on, as the deployment runs it; --no-prefill-prefix-caching: "
+             "prefill recomputes what it does not pull (a fleet whose prefill caches lost the conversation), the "
+             "setting the project's first measurements ran.")] = True,
     best_case: Annotated[bool, typer.Option(
         help="Also start a prefix-caching prefill engine and a second router on --port+1 (benchmark best case).")]
     = False,

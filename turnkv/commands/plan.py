@@ -437,7 +437,8 @@ def plan(
     = _THRESHOLD.default,
     mode: Annotated[str, typer.Option(help="pull or push.")] = "pull",
     prefill_prefix_caching: Annotated[bool, typer.Option(help="Prefill keeps a prefix cache (on, as deployed; "
-                                                              "--no-prefill-prefix-caching: the seeds' benchmark).")]
+                                                              "--no-prefill-prefix-caching: the planner's "
+                                                              "calibration benchmarks, docs/planning.md).")]
     = True,
     prefill_offload_gib: Annotated[float | None, typer.Option(min=0, help="Each prefill engine's host offload tier "
                                                                      "(GiB, vLLM --kv-offloading-size): the peer arm's "
@@ -680,8 +681,9 @@ def twin_pressure(
                                                                   "default: the local stack's).")] = None,
     stagger: Annotated[float, typer.Option(min=0)] = 0.2,
     prefill_prefix_caching: Annotated[bool, typer.Option(help="Prefill keeps a prefix cache: off on the stacks "
-                                                              "bench pressure starts (bench.variants, the seeds' "
-                                                              "setting); on with --url against `turnkv local up`.")]
+                                                              "bench pressure starts (bench.variants: "
+                                                              "prefill recomputes what it does not pull); on with "
+                                                              "--url against `turnkv local up`.")]
     = False,
     attempt: Annotated[int, typer.Option(min=4, max=5, help="The simulation's model: 4 (as the constants say) or 5 "
                                                            "(a hop on a busy core also delays its engine's next step, "
