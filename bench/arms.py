@@ -20,20 +20,12 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
+from bench.arm_names import LABELS
 from bench.capacity import percentile
 from bench.client import REUSE_OFF_HEADERS, Result
 
 ARMS = ("off", "peer", "on")
 PLAY_ORDER = ARMS
-#: Each arm's name in tables, charts and headlines, and its definition where it first appears (one source).
-LABELS = {"off": "no prefix cache", "peer": "peer-best", "on": "turnkv as deployed", "best": "best case"}
-MEANINGS = {
-    "off": "reuse off and a fresh cache_salt on every request: prefill recomputes every prompt",
-    "peer": "what you would run instead of turnkv: prefill prefix caching on (and the offload tier's memory as more "
-            "prefix cache), prefix-aware prefill choice, no reuse from decode",
-    "on": "prefill prefix caching on, decode retains each turn, prefill pulls it back",
-    "best": "a prefill whose prefix cache holds the previous turn's prompt, which no busy fleet guarantees",
-}
 #: vLLM's ``vllm:prompt_tokens_by_source`` label values (PromptTokenStats): computed, own prefix cache, connector.
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from bench.arms import LABELS, MEANINGS
+from bench.arm_names import LABELS, MEANINGS
 from bench.client import Result
 from bench.run_files import write_run
 
