@@ -30,7 +30,8 @@ def demo(
     reply_tokens: Annotated[int, typer.Option(
         min=1, help="Tokens of each reply: agent-sized (tool calls, code), Mooncake's ~350-token replies scaled "
                     "by 1/4 as in bench.pressure --agent.")] = 96,
-    state_dir: Annotated[Path, typer.Option(help="State folder of the local stack.")] = Path(".turnkv"),
+    state_dir: Annotated[Path | None, typer.Option(help="State folder of the local stack (default: `turnkv "
+                                                      "local`'s).")] = None,
     load: Annotated[int, typer.Option(min=0, help="Then this many shorter conversations at once, reuse off "
                                                   "and on (0: skip).")] = 8,
     pressure: Annotated[bool, typer.Option(help="Then twice the conversations decode's retention room holds, "
@@ -43,8 +44,10 @@ def demo(
     from bench.workload import WorkloadSpec
     from turnkv.commands.bench import run_benchmark
     from turnkv.local.model import load_words
-    from turnkv.local.stack import StackConfig, Supervisor, tunables_file
+    from turnkv.local.stack import StackConfig, Supervisor, state_folder, tunables_file
     from turnkv.local.start import start_stack
+
+    state_dir = state_folder(state_dir)
 
     # turnkv as deployed: prefix caching on prefill. The off arm salts every request (prefill recomputes it all);
     # peer-best and best share the prefix-cached prefill engine under salts of their own (bench.runner), so no arm

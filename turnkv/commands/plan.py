@@ -13,6 +13,7 @@ from rich.markup import escape
 
 from turnkv import params
 from turnkv.commands import renamed
+from turnkv.local.stack import state_folder
 
 console = Console(stderr=True)
 
@@ -462,12 +463,13 @@ def plan(
     = "NAME",
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON only.")] = False,
     out: Annotated[Path, typer.Option(help="Folder for plan.json and plan.png.")] = Path("results/plan"),
-    state_dir: Annotated[Path, typer.Option(help="Where `turnkv plan calibrate` stored local-cpu constants.")]
-    = Path(".turnkv"),
+    state_dir: Annotated[Path | None, typer.Option(help="Where `turnkv plan calibrate` stored local-cpu constants "
+                                                      "(default: the local stack's state folder).")] = None,
 ) -> None:
     """Predict TTFT with reuse off and on, retained KV and hit share by TTL, nodes and cost; recommend a TTL and
     a threshold. First principles (FLOPs, bytes, published hardware figures); the GPU factors and fixed costs are
     fitted to published TTFT measurements (turnkv/plan/data/gpu_measurements.json), and every TTFT carries a band."""
+    state_dir = state_folder(state_dir)
     if ctx.invoked_subcommand:
         return
     from turnkv.plan.workload import WorkloadError
@@ -507,10 +509,11 @@ def plan(
 
 @app.command()
 def calibrate(
-    state_dir: Annotated[Path, typer.Option(help="State folder of the local stack (the constants go there).")]
-    = Path(".turnkv"),
+    state_dir: Annotated[Path | None, typer.Option(help="State folder of the local stack (the constants go there; "
+                                                      "default: `turnkv local`'s).")] = None,
 ) -> None:
     """Measure the local CPU engines (prefills of several lengths, one pull) and store local-cpu constants."""
+    state_dir = state_folder(state_dir)
     from turnkv.plan import calibrate as cal
 
     result = cal.run(state_dir, say=console.print)
@@ -536,8 +539,8 @@ def twin(
     max_tokens: Annotated[int, typer.Option(min=1, help="Reply length in tokens.")] = 16,
     prefill_prefix_caching: Annotated[bool, typer.Option(help="Prefill keeps a prefix cache (the local stack's "
                                                               "default).")] = True,
-    state_dir: Annotated[Path, typer.Option(help="Where `turnkv plan calibrate` stored local-cpu constants.")]
-    = Path(".turnkv"),
+    state_dir: Annotated[Path | None, typer.Option(help="Where `turnkv plan calibrate` stored local-cpu constants "
+                                                      "(default: the local stack's state folder).")] = None,
     out: Annotated[Path | None, typer.Option(help="Write the prediction here (JSON).")] = None,
     measured: Annotated[Path | None, typer.Option(help="A `turnkv bench capacity` capacity.json to compare with.")]
     = None,
@@ -561,6 +564,7 @@ def twin(
 ) -> None:
     """Predict what `turnkv bench capacity` measures on the local stack (TTFT p50/p90 per level and arm, reuse
     share, the level sustained) from `turnkv plan calibrate`'s constants, before it runs; --measured compares."""
+    state_dir = state_folder(state_dir)
     from turnkv.engine_args import EngineSpec
     from turnkv.plan import architectures, closed_form, hardware
     from turnkv.plan import twin as tw
@@ -689,13 +693,14 @@ def twin_pressure(
                                                            "(a hop on a busy core also delays its engine's next step, "
                                                            "and meets the engine as it is when the turn is sent).")]
     = 4,
-    state_dir: Annotated[Path, typer.Option(help="Where `turnkv plan calibrate` stored local-cpu constants.")]
-    = Path(".turnkv"),
+    state_dir: Annotated[Path | None, typer.Option(help="Where `turnkv plan calibrate` stored local-cpu constants "
+                                                      "(default: the local stack's state folder).")] = None,
     out: Annotated[Path | None, typer.Option(help="Write the prediction here (JSON).")] = None,
     measured: Annotated[Path | None, typer.Option(help="A `bench.pressure` summary.json to compare with.")] = None,
 ) -> None:
     """Predict what `python -m bench.pressure --stack-per variant` measures on one local stack (reuse share and
     TTFT p50/p90 of later turns per arm and level) by the event simulation, before it runs."""
+    state_dir = state_folder(state_dir)
     import dataclasses
 
     from turnkv.engine_args import EngineSpec
