@@ -345,3 +345,21 @@ def test_local_status_and_down_name_the_folder_they_looked_in(tmp_path, monkeypa
     down = runner.invoke(app, ["local", "down"], env={"COLUMNS": "200"})
     assert down.exit_code == 0 and f"nothing was running ({folder})" in down.output
     assert not (folder / stack.TUNABLES_FILE).exists()
+
+
+def test_local_logs_hides_the_routers_emf_lines_unless_asked(tmp_path, monkeypatch):
+    """Issue #49: `turnkv local logs router` printed a CloudWatch EMF JSON object per request between the lines a
+    person reads."""
+    from typer.testing import CliRunner
+
+    from turnkv.cli import app
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    emf = '{"Deployment":"local","ReuseOutcome":"hit","_aws":{"Timestamp":1,"CloudWatchMetrics":[]}}'
+    (logs / "router.log").write_text(f"router on http://127.0.0.1:8000\n{emf}\nrouter stopped after 3 s\n")
+    monkeypatch.setenv(stack.STATE_DIR_ENV, str(tmp_path))
+    runner = CliRunner()
+    plain = runner.invoke(app, ["local", "logs", "router"], env={"COLUMNS": "200"})
+    assert plain.exit_code == 0 and "router stopped after 3 s" in plain.output and "_aws" not in plain.output
+    assert "_aws" in runner.invoke(app, ["local", "logs", "router", "--emf"], env={"COLUMNS": "200"}).output

@@ -172,6 +172,8 @@ def logs(
     component: Annotated[str | None, typer.Argument(help="router, prefill-0, decode-0, ... (default: all)")] = None,
     lines: Annotated[int, typer.Option("-n", "--lines", help="Lines to show per log.")] = 40,
     follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep printing new lines.")] = False,
+    emf: Annotated[bool, typer.Option("--emf", help="Also the router's CloudWatch EMF lines (one JSON object per "
+                                                    "request; hidden by default).")] = False,
     state_dir: StateDir = None,
 ) -> None:
     """Print the logs of the stack's components."""
@@ -186,11 +188,15 @@ def logs(
     if not files:
         console.print(f"no logs under {log_dir}")
         raise typer.Exit(1)
-    if follow:
-        subprocess.run(["tail", "-n", str(lines), "-F", *map(str, files)], check=False)
-        return
-    from turnkv.local.stack import tail
+    from turnkv.local.stack import EMF_MARK, tail
 
+    if follow:
+        tailing = subprocess.Popen(["tail", "-n", str(lines), "-F", *map(str, files)],
+                                   stdout=None if emf else subprocess.PIPE)
+        if not emf:  # the EMF lines are for CloudWatch: a person reads the rest
+            subprocess.run(["grep", "--line-buffered", "-vF", EMF_MARK], stdin=tailing.stdout, check=False)
+        tailing.wait()
+        return
     for f in files:
         Console().rule(str(f))
-        print(tail(f, lines))
+        print(tail(f, lines, keep_emf=emf))

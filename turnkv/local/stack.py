@@ -476,9 +476,20 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+#: Seconds the group's leader (vLLM's API server) has to stop its own children before the whole group is signalled.
+LEADER_GRACE_S = 10.0
+
+
 def stop_group(pgid: int, grace: float = 20.0) -> None:
-    """SIGTERM a whole process group, then SIGKILL what is left after ``grace`` seconds."""
+    """SIGTERM the group's leader first (vLLM's API server stops its engine core itself), then the whole group, then
+    SIGKILL what is left after ``grace`` seconds. Signalling the group at once killed the engine core under the API
+    server, which logged an EngineDeadError traceback at every stop (issue #49)."""
     with contextlib.suppress(ProcessLookupError):
+        os.kill(pgid, signal.SIGTERM)
+    leader_deadline = time.monotonic() + min(grace, LEADER_GRACE_S)
+    while _pid_alive(pgid) and _group_alive(pgid) and time.monotonic() < leader_deadline:
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):  # what the leader left, if anything
         os.killpg(pgid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while _group_alive(pgid) and time.monotonic() < deadline:
@@ -490,11 +501,17 @@ def stop_group(pgid: int, grace: float = 20.0) -> None:
             time.sleep(0.1)
 
 
-def tail(path: Path, lines: int = 20) -> str:
+#: What marks a line of the router's log as a CloudWatch EMF object (router.telemetry.EmfWriter), not for a person.
+EMF_MARK = '"_aws":{'
+
+
+def tail(path: Path, lines: int = 20, keep_emf: bool = True) -> str:
+    """The last ``lines`` lines of a log (without EMF lines unless ``keep_emf``); empty when unreadable."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        text = path.read_text(errors="replace").splitlines()
     except OSError:
         return ""
+    return "\n".join([line for line in text if keep_emf or EMF_MARK not in line][-lines:])
 
 
 class Supervisor:
