@@ -459,7 +459,7 @@ def pressure(
         for v in result["variants"]:
             Console().print(arms.markdown(pressure_report.played(v["levels"]), opts.ttft_target_ms))
     else:
-        pressure_report.table_console().print(pressure_report.table(result))
+        pressure_report.show(result)
     for v in result["variants"]:
         console.print(pressure_report.fit_line(v), soft_wrap=True)
     console.print(f"wrote {out / 'summary.json'}, {out / 'results.jsonl'} and the chart [bold]{out / 'pressure.png'}"

@@ -125,7 +125,7 @@ def pressure_rows(state: dict, config: StackConfig, out: Path) -> None:
                                     # each row its own words: the second row would otherwise find the first row's
                                     # prompts, replies included, in prefill's prefix cache and pull nothing
                                     seed=7 + 100 * row)
-            pressure_report.table_console().print(pressure_report.table(result))
+            pressure_report.show(result)
     finally:
         write_tunables_file(config)
         time.sleep(1.5)

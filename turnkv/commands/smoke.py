@@ -40,15 +40,14 @@ def smoke(
     if result.turns:
         table = Table(title=f"turnkv smoke: {result.url} ({result.model})")
         # Short headers: the table fits 80 columns (each term is defined in the caption).
-        for column in ("turn", "TTFT off ms", "TTFT on ms", "outcome", "pulled", "prefix-cached", "reuse",
-                       "same"):
+        for column in ("turn", "TTFT off ms", "TTFT on ms", "outcome", "pulled", "cached", "reuse", "same"):
             table.add_column(column, justify="right")
         for row in lib.summary_rows(result):
             table.add_row(str(row["turn"]), f"{row['ttft_off_ms']:,.1f}", f"{row['ttft_on_ms']:,.1f}", row["outcome"],
                           f"{row['reused_tokens']:,}", f"{row['prefill_cached']:,}", row["reuse"],
                           "yes" if row["same_answer"] else "NO")
         table.caption = ("off: reuse off, a cache salt of its own; on: as a client sends it. pulled: tokens read "
-                         "from decode; prefix-cached: found in prefill's own cache; same: answers equal")
+                         "from decode; cached: found in prefill's own prefix cache; same: answers equal")
         console.print(table)
     if not result.ok:
         Console(stderr=True, highlight=False).print(f"[red]smoke test failed:[/red] {result.failure}")
