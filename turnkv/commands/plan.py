@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from turnkv import params
-from turnkv.commands import renamed
+from turnkv.commands import renamed, show_table
 from turnkv.local.stack import state_folder
 
 console = Console(stderr=True)
@@ -307,15 +307,18 @@ def print_tables(result: dict[str, Any]) -> None:
     inp = result["inputs"]
     t = Table(title=f"turnkv plan — {inp['model']} ({inp['dtype']}, KV {inp['kv_dtype']}) on {inp['instance']}, "
                     f"TP {inp['tp']['prefill']}/{inp['tp']['decode']}, {inp['mode']}; reuse off on its own fleet")
-    for col in ("turn", "prompt tokens", "prefill cache (tokens)", "pulled (tokens)", "TTFT off (ms)",
-                "TTFT on (ms)", "transfer (ms)", "pull fixed (ms)", "compute saved (ms)"):
+    # Short headers (80 columns), units and meanings in the caption.
+    for col in ("turn", "prompt", "cached", "pulled", "TTFT off", "TTFT on", "transfer", "pull fixed",
+                "saved"):
         t.add_column(col, justify="right")
+    t.caption = ("tokens: prompt, cached (prefill's prefix cache), pulled (from decode); ms: TTFT, the pull's "
+                 "transfer and fixed cost, compute saved by the pull")
     band = result["ttft_band"]["relative"]
     for r in result["per_turn"]:
         t.add_row(str(r["turn"]), str(r["prompt_tokens"]), str(r["prefill_cached_tokens"]), str(r["pulled_tokens"]),
                   _ms(r["ttft_ms_off"], band), _ms(r["ttft_ms_on"], band), f"{r['transfer_ms']:.0f}",
                   f"{r['pull_fixed_ms']:.0f}", f"{r['compute_saved_ms']:.0f}")
-    out.print(t)
+    show_table(out, t)
     s = Table(title="summary (all turns)")
     for col in ("", "mean", "p50", "p90"):
         s.add_column(col, justify="right")
@@ -326,7 +329,7 @@ def print_tables(result: dict[str, Any]) -> None:
         for arm in ("off", "on"):
             v = result["simulation"]["ttft_ms"][arm]
             s.add_row(f"simulated {arm} (ms)", *(_ms(v[k], band) for k in ("mean", "p50", "p90")))
-    out.print(s)
+    show_table(out, s)
     out.print(f"TTFT band: {result['ttft_band']['source']}", soft_wrap=True)
     rec = result["recommend"]
     a = result["assumptions"]
@@ -384,9 +387,11 @@ def print_verdict(out: Console, result: dict[str, Any]) -> None:
 
     v = result["verdict"]
     t = Table(title="does reuse pay? each arm sized on its own for the same load and target")
-    for col in ("arm", "TTFT p50 (ms)", "TTFT p90 (ms)", "nodes", "$/hour", "$ per 1k turns", "prefill cache hits",
-                "tokens computed", "tokens pulled"):
+    for col in ("arm", "TTFT p50", "TTFT p90", "nodes", "$/hour", "$ per 1k turns", "cache hits", "computed",
+                "pulled"):
         t.add_column(col, justify="right")
+    t.caption = ("TTFT in ms; cache hits: prompt tokens found in prefill's prefix cache; computed, pulled: shares of "
+                 "the prompt tokens")
     for name in ARMS:
         a = v["arms"][name]
         src = a["token_sources"]
@@ -394,7 +399,7 @@ def print_verdict(out: Console, result: dict[str, Any]) -> None:
                   f"{a['nodes']['prefill']}P{a['nodes']['decode']}D" + (" (capped)" if a["capped"] else ""),
                   f"{a['cost_per_hour']:.2f}", f"{a['cost_per_1k_turns']:.3f}", f"{a['prefill_cache_hit_share']:.0%}",
                   f"{src['computed']:.0%}", f"{src['pulled_device'] + src['pulled_host']:.0%}")
-    out.print(t)
+    show_table(out, t)
     a = result["assumptions"]
     parts = ", ".join(f"{c['name']} {c['ms']:.1f} ms" + ("" if c["per_turn"] else " (not per turn)")
                       for c in a["pull_fixed_components"])
