@@ -55,24 +55,25 @@ def demo(
     # turns it on and off by reload.
     config = StackConfig(prefill_prefix_caching=True, state_dir=state_dir, router_port=port, best_case=True,
                          tunables={"host_kv_budget_mib": PRESSURE_HOST_MIB})
-    console.rule("turnkv demo: starting the local stack (prefill, decode, prefix-cached prefill, 2 routers)")
+    section("turnkv demo: starting the local stack", "prefill, decode, a prefix-cached prefill, 2 routers")
     state = start_stack(config)
     try:
         if pressure:
             # First, while decode holds no one's turns: the row's device room must start empty (an evicted turn
             # keeps its room for retention_eviction_grace, longer than the row takes).
-            console.rule("retention pressure: twice the conversations decode's room holds (retained_kv_share "
-                         f"{PRESSURE_SHARE}), device only, then with the host tier")
+            section("retention pressure", f"twice the conversations decode's room holds (retained_kv_share "
+                                          f"{PRESSURE_SHARE}), device only, then with the host tier")
             pressure_rows(state, config, out / "pressure")
         workload = WorkloadSpec(conversations=conversations, turns=turns, max_tokens=reply_tokens)
-        console.rule(f"multi-turn, three arms and the best case: {conversations} conversations x {turns} turns, "
-                     f"~{workload.approx_last_prompt()} prompt tokens by the last turn")
+        section("multi-turn: turnkv against peer-best, no prefix cache and the best case",
+                f"{conversations} conversations x {turns} turns, ~{workload.approx_last_prompt()} prompt tokens by "
+                "the last turn")
         best = state["components"]["router-best"]["url"]
         spec = RunSpec(url=state["components"]["router"]["url"], workload=workload, ab=True, best_url=best,
                        peer_url=best, words=load_words(config.model_dir))
         summary = run_benchmark(spec, out, {"stack": "local", "workload": workload.__dict__})
         if load:
-            console.rule(f"under load: {load} conversations at once, reuse off then on")
+            section("under load", f"{load} conversations at once, reuse off then on")
             load_row(state["components"]["router"]["url"], load, out / "load", load_words(config.model_dir))
     finally:
         console.rule("stopping the local stack")
@@ -82,6 +83,13 @@ def demo(
     if summary["errors"]:
         console.print(f"[red]{summary['errors']} request(s) failed[/red]: {summary['error_samples']}")
         raise typer.Exit(1)
+
+
+def section(title: str, detail: str = "") -> None:
+    """A part of the demo: a rule with a short title (a long one was cut at 80 columns), then what it plays."""
+    console.rule(title)
+    if detail:
+        console.print(detail, highlight=False)
 
 
 def load_row(url: str, conversations: int, out: Path, words: list[str]) -> dict:
