@@ -173,12 +173,40 @@ def points(rows: list[dict[str, Any]], key: str) -> list[tuple[float, float]]:
     return [(r["prompt_tokens"], r[key]) for r in rows if r.get("prompt_tokens") and r.get(key) is not None]
 
 
+#: Each arm's colour and marker in the charts.
+STYLES = {"off": ("#c0392b", "o"), "on": ("#27ae60", "s"), "best": ("#2980b9", "^"), "peer": ("#8e44ad", "D")}
+
+
 def chart(summary: dict[str, Any], path: Path) -> Path:
-    """TTFT per turn, one line per arm, named as in the table (``bench.arms.LABELS``)."""
-    styles = {"off": ("#c0392b", "o"), "on": ("#27ae60", "s"), "best": ("#2980b9", "^"), "peer": ("#8e44ad", "D")}
-    lines = [(LABELS[arm], points(summary["turns"], f"ttft_ms_{arm}"),
-              {"color": styles[arm][0], "marker": styles[arm][1]}) for arm in summary["arms"]]
-    return plot_ttft(lines, "Multi-turn TTFT: turnkv as deployed against the baselines", path)
+    """Left: TTFT per turn, one line per arm, named as in the table (``bench.arms.LABELS``). Right: turnkv's
+    speedup over the arms with a prefix cache (peer-best, best case) per turn that reused something, higher is
+    better, 1x marked: the comparison the headline makes, which the no-prefix-cache line's scale flattens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ttft_ax, speed_ax) = plt.subplots(1, 2, figsize=(11, 4.4), dpi=120)
+    for arm in summary["arms"]:
+        if pts := points(summary["turns"], f"ttft_ms_{arm}"):
+            ttft_ax.plot(*zip(*pts, strict=True), label=LABELS[arm], color=STYLES[arm][0], marker=STYLES[arm][1])
+        if arm in ("peer", "best") and (pts := points(summary["turns"], f"speedup_vs_{arm}")):
+            speed_ax.plot(*zip(*pts, strict=True), label=f"over {LABELS[arm]}", color=STYLES[arm][0],
+                          marker=STYLES[arm][1])
+    speed_ax.axhline(1.0, color="#7f8c8d", linestyle=":", label="1x: as fast")
+    for ax, ylabel, title in ((ttft_ax, "TTFT, median (ms)", "TTFT per turn"),
+                              (speed_ax, "their TTFT / turnkv's", "speedup over prefix caching (higher is better)")):
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle("Multi-turn TTFT: turnkv as deployed against the baselines")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def write(results: list[Result], out: Path, meta: dict[str, Any] | None = None) -> dict[str, Any]:
