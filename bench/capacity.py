@@ -24,12 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from bench import report, runner
+from bench.arm_names import LABELS as ARM_LABELS
 from bench.client import Result
 from bench.workload import WorkloadSpec
 from turnkv import router_env
 
 ARMS = ("off", "on")
-LABELS = {"off": "reuse off (recompute)", "on": "reuse on (pull from decode)"}
+LABELS = {arm: ARM_LABELS[arm] for arm in ("off", "on")}  # the A/B's names (bench.arm_names): the off arm is salted
 STYLES = {"off": {"color": "#c0392b", "marker": "o"}, "on": {"color": "#27ae60", "marker": "s"}}
 #: The default target is this many times the reuse-off TTFT p90 of the lowest level.
 TARGET_FACTOR = 2.0
