@@ -127,7 +127,10 @@ def test_capacity_sustained_load_under_the_target(tmp_path):
     assert "| 8 | 3,960 | 4,320 | 880 | 960 | 4.50x | 88% | 0/0 |" in md and "capacity with reuse: 4.00x" in md
     assert (tmp_path / "capacity.png").read_bytes()[:4] == b"\x89PNG"
     short = capacity.markdown(result, per_turn=False)
-    assert "Per turn" not in short and "target" not in short and len(short.splitlines()) == 7
+    assert "Per turn" not in short and "target" not in short
+    assert len([line for line in short.splitlines() if line.startswith("|")]) == 7
+    assert "x p90: off's p90 / on's (higher is better)" in " ".join(short.split())  # the short headers defined
+    assert max(map(len, short.splitlines())) <= 80, short  # the demo prints it (issue #49)
     levels[1]["on"]["errors"] = 1  # an error at a level ends what a variant sustains
     assert capacity.sustained(levels, "on", 1200.0) == 1
 
