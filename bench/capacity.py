@@ -18,18 +18,20 @@ import asyncio
 import json
 import math
 import os
+import textwrap
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from bench import report, runner
+from bench.arm_names import LABELS as ARM_LABELS
 from bench.client import Result
 from bench.workload import WorkloadSpec
 from turnkv import router_env
 
 ARMS = ("off", "on")
-LABELS = {"off": "reuse off (recompute)", "on": "reuse on (pull from decode)"}
+LABELS = {arm: ARM_LABELS[arm] for arm in ("off", "on")}  # the A/B's names (bench.arm_names): the off arm is salted
 STYLES = {"off": {"color": "#c0392b", "marker": "o"}, "on": {"color": "#27ae60", "marker": "s"}}
 #: The default target is this many times the reuse-off TTFT p90 of the lowest level.
 TARGET_FACTOR = 2.0
@@ -94,8 +96,8 @@ def _ms(value: float | None) -> str:
 
 
 def markdown(result: dict[str, Any], per_turn: bool = True) -> str:
-    head = ["conversations at once", "TTFT p50 off (ms)", "TTFT p90 off (ms)", "TTFT p50 on (ms)",
-            "TTFT p90 on (ms)", "p90 off / on", "reuse share (turns 2+)", "errors off/on"]
+    # Short headers (80 columns), defined in the legend under the table.
+    head = ["at once", "off p50", "off p90", "on p50", "on p90", "x p90", "reused", "errors"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for level in result["levels"]:
         off, on = level["off"], level["on"]
@@ -104,6 +106,10 @@ def markdown(result: dict[str, Any], per_turn: bool = True) -> str:
         lines.append(f"| {level['concurrency']} | {_ms(off['ttft_p50_ms'])} | {_ms(off['ttft_p90_ms'])} | "
                      f"{_ms(on['ttft_p50_ms'])} | {_ms(on['ttft_p90_ms'])} | {ratio} | {share} | "
                      f"{off['errors']}/{on['errors']} |")
+    lines += ["", *textwrap.wrap(
+        f"at once: conversations played at once; TTFT in ms, off = {LABELS['off']} (reuse off, a fresh cache_salt per "
+        f"request), on = {LABELS['on']}; x p90: off's p90 / on's (higher is better); reused: share of turns 2+ that "
+        "reused KV; errors: off/on", 80)]
     if not per_turn:
         return "\n".join(lines) + "\n"
     c = result["conclusion"]

@@ -105,6 +105,30 @@ def table_console():
     return console if console.is_terminal else Console(width=220)
 
 
+#: Below this width the table's 13 columns fold every cell: the rows print as records instead.
+TABLE_WIDTH = 160
+
+
+def records(result: dict[str, Any]) -> str:
+    """The table's rows as records, one ``column: value`` line each, for a narrow terminal: a row reads whole where
+    the table wrapped mid-cell (issue #49). Pure."""
+    out = []
+    for row in rows(result):
+        out.append(f"{row[0]} at {row[1]} ({row[2]} conversations)")
+        out += [f"  {name}: {value}" for name, value in list(zip(COLUMNS, row, strict=True))[3:] if value]
+    return "\n".join(out)
+
+
+def show(result: dict[str, Any]) -> None:
+    """Print the table where it fits (a file or pipe gets it at 220 columns), else its rows as records."""
+    console = table_console()
+    if console.width >= TABLE_WIDTH:
+        console.print(table(result))
+    else:
+        console.print(f"[bold]{table(result).title}[/bold]")
+        console.print(records(result), markup=False, highlight=False)
+
+
 def table(result: dict[str, Any]):
     from rich.table import Table
 
@@ -131,11 +155,12 @@ def chart(result: dict[str, Any], path: Path) -> Path:
         share = [(x["level"], 100 * x["reuse_share"]) for x in lv if x["reuse_share"] is not None]
         if share:
             share_ax.plot(*zip(*share, strict=True), marker="o", color=c, label=v["variant"])
-        for arm, style in (("on", "-"), ("off", "--")):
+        # the arms apart by line, marker and shade, not by line alone (a one-level row showed two alike dots)
+        for arm, style, marker, alpha in (("on", "-", "o", 1.0), ("off", "--", "x", 0.55)):
             pts = [(x["level"], x[f"ttft_{arm}_later_p90_ms"]) for x in lv
                    if x[f"ttft_{arm}_later_p90_ms"] is not None]
             if pts:
-                ttft_ax.plot(*zip(*pts, strict=True), linestyle=style, marker="o", color=c,
+                ttft_ax.plot(*zip(*pts, strict=True), linestyle=style, marker=marker, color=c, alpha=alpha,
                              label=f"{v['variant']}, reuse {arm}")
     levels = sorted({x["level"] for v in result["variants"] for x in played(v["levels"])})
     for ax, ylabel in ((share_ax, "later turns reused (%)"), (ttft_ax, "TTFT p90 of turns 2+ (ms)")):

@@ -6,11 +6,42 @@ lazily, so ``turnkv --help`` stays fast.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from turnkv.commands import bench, config, demo, doctor, engine, local, params, plan, router, smoke
+
+
+def _fold_option_names() -> None:
+    """typer's help cuts an option's name to its column's width ("--engine-port-ba…" at 80 columns): its option
+    cells (and a help cell's long default) fold instead, so the whole name shows, over two lines where it must.
+    typer offers no setting for it: the module's functions that build those cells are wrapped."""
+    from typer import rich_utils
+
+    def folding(highlighter: Any) -> Any:
+        class Folding(type(highlighter)):  # type: ignore[misc]
+            def __call__(self, text: Any) -> Any:
+                out = super().__call__(text)
+                out.overflow = "fold"
+                return out
+
+        return Folding()
+
+    rich_utils.highlighter = folding(rich_utils.highlighter)
+    rich_utils.negative_highlighter = folding(rich_utils.negative_highlighter)
+    help_cell = rich_utils._get_parameter_help  # the help column's cell: a long default ends in "…" too
+
+    def folded_help(*args: Any, **kwargs: Any) -> Any:
+        out = help_cell(*args, **kwargs)  # rich Columns of Text pieces (help, default, env var)
+        for piece in out.renderables:
+            piece.overflow = "fold"
+        return out
+
+    rich_utils._get_parameter_help = folded_help
+
+
+_fold_option_names()
 
 app = typer.Typer(
     name="turnkv",

@@ -60,10 +60,11 @@ def load_tunables(path: str, read_text: Callable[[str], str | None]) -> tuple[di
 
 
 def spec_from_env(env: Mapping[str, str], tunables: Mapping[str, int | float] | None = None,
-                  model_path: str | None = None, flavor: str = "") -> EngineSpec:
+                  model_path: str | None = None, flavor: str = "", source: str = node_env.ENGINE_ENV_FILE,
+                  ) -> EngineSpec:
     """The EngineSpec for engine.env variables (defaults filled in) on an AMI of ``flavor``; raises EngineEnvError
-    naming every problem."""
-    return node_env.EngineEnv.from_variables(env).spec(tunables, model_path, flavor)
+    naming every problem and ``source``, where the variables came from."""
+    return node_env.EngineEnv.from_variables(env, source).spec(tunables, model_path, flavor)
 
 
 def model_dir(env: Mapping[str, str]) -> str:
@@ -146,7 +147,7 @@ def hf_token(text: str, secret: str) -> str:
 def prepare(variables: Mapping[str, str], read_text: Callable[[str], str | None],
             run: Callable[[Sequence[str]], int], sync: bool = True,
             flavor: str | None = None, get_secret: Callable[[str, str | None], str] = fetch_secret,
-            ) -> tuple[list[str], dict[str, str], list[str]]:
+            source: str = node_env.ENGINE_ENV_FILE) -> tuple[list[str], dict[str, str], list[str]]:
     """Everything `run` does short of exec: argv, the environment added to the node's, and notes for the log.
     ``flavor`` stands in for the AMI's record (a dry run off the node). ``sync`` False (a dry run): no weight sync
     and no secret read; a token shows as :data:`REDACTED`."""
@@ -161,7 +162,7 @@ def prepare(variables: Mapping[str, str], read_text: Callable[[str], str | None]
             sync_model(uri, model_path, run)
         notes.append(f"model from {uri} in {model_path}")
     flavor = (read_text(FLAVOR_FILE) or "").strip() if flavor is None else flavor
-    spec = spec_from_env(variables, tunables, model_path, flavor)
+    spec = spec_from_env(variables, tunables, model_path, flavor, source)
     refusal = platforms.refusal(flavor, variables) if flavor else None
     if refusal:
         # Exit status 2 (the unit's RestartPreventExitStatus): a configuration error, not a crash to retry.

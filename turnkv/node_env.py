@@ -196,6 +196,9 @@ SLOT_RUNTIME_VARIABLES = (ENGINE_ID, CLOUDMAP_INSTANCE_ID)
 KNOWN_BACKENDS = frozenset({"LIBFABRIC", "UCX", "UCCL", "GDS", "GDS_MT", "POSIX", "OBJ", "MOONCAKE", "GPUNETIO"})
 #: Variables engine.env must set (the others have the defaults of :class:`EngineEnv`).
 REQUIRED = (ROLE, ENGINE_ID, MODEL, SIDE_CHANNEL_HOST)
+#: The instance's own variables, which its user data writes at boot (``turnkv config engine-env`` prints every other
+#: one): a dry run off the node shows the engine with these stand-ins where the file leaves them out.
+INSTANCE_PLACEHOLDERS = {ENGINE_ID: "i-0123456789abcdef0", SIDE_CHANNEL_HOST: "10.0.0.10"}
 _NOT_ROUTABLE = re.compile(r"^(localhost|127\.\d+\.\d+\.\d+|0\.0\.0\.0|::1?|\[::1?\])$", re.I)
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 

@@ -7,6 +7,7 @@ Pure logic: no I/O.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -283,7 +284,15 @@ def get(name: str) -> Tunable:
     try:
         return BY_NAME[name]
     except KeyError:
-        raise ParamError(f"unknown tunable {name!r}; known: {', '.join(BY_NAME)}") from None
+        raise ParamError(unknown(name)) from None
+
+
+def unknown(name: str) -> str:
+    """The message for a name the catalog lacks: the closest names where some are close (a typo), else where the
+    list is (the catalog has ~60 names: listing them all buried the one meant)."""
+    close = difflib.get_close_matches(name, BY_NAME, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(close)}?" if close else "no tunable is named like it"
+    return f"unknown tunable {name!r}; {hint} (`turnkv params catalog` lists all {len(BY_NAME)})"
 
 
 def defaults(scope: Scope | None = None) -> dict[str, int | float]:
@@ -306,22 +315,30 @@ CROSS_CHECKS: tuple[str, ...] = (
 )
 
 
-def cross_check(values: Mapping[str, int | float]) -> None:
-    """Rules that span tunables. ``values`` holds a full set (defaults filled in)."""
+def cross_problems(values: Mapping[str, int | float]) -> list[str]:
+    """Every broken rule that spans tunables, in words (``CROSS_CHECKS``). ``values`` holds a full set."""
+    out = []
     ttl = values["conversation_ttl"]
     engine_ttl = values["decoder_kv_blocks_ttl"]
     margin = values["expiry_margin"]
     if not lifetime.conversation_fits(ttl, engine_ttl, margin):
-        raise ParamError(
+        out.append(
             f"conversation_ttl ({ttl} s) + expiry_margin ({margin} s) must stay below decoder_kv_blocks_ttl "
             f"({engine_ttl} s): the router would replay params for blocks decode has already freed; "
             f"lower conversation_ttl or raise decoder_kv_blocks_ttl")
     needed = eviction_grace_needed(values)
     if values["retention_eviction_grace"] < needed:
-        raise ParamError(
+        out.append(
             f"retention_eviction_grace ({values['retention_eviction_grace']} s) must be at least {needed:g} s "
             f"(replay_window + 2 x evictions_interval + max(1, evictions_interval) + expiry_skew_margin): decode would "
             f"free an evicted turn's blocks while a router may still replay its offer or a prefill still read it")
+    return out
+
+
+def cross_check(values: Mapping[str, int | float]) -> None:
+    """Rules that span tunables. ``values`` holds a full set (defaults filled in); raises naming every one broken."""
+    if found := cross_problems(values):
+        raise ParamError("; ".join(found))
 
 
 def eviction_grace_needed(values: Mapping[str, int | float]) -> float:
@@ -354,13 +371,34 @@ def fit_router_ttl(changes: Mapping[str, object],
     return out
 
 
-def validate(changes: Mapping[str, object], current: Mapping[str, int | float] | None = None) -> dict[str, int | float]:
-    """Parse ``changes`` over ``current`` (defaults when None) and cross-check the result."""
-    merged: dict[str, int | float] = dict(defaults())
-    merged.update(current or {})
+def _merged(changes: Mapping[str, object], current: Mapping[str, int | float] | None,
+            ) -> tuple[dict[str, int | float], list[tuple[str | None, str]]]:
+    """``changes`` parsed over ``current`` (defaults when None), and every problem found (:func:`problems`)."""
+    merged: dict[str, int | float] = {**defaults(), **(current or {})}
+    found: list[tuple[str | None, str]] = []
     for name, raw in changes.items():
-        merged[name] = get(name).parse(raw)  # type: ignore[arg-type]
-    cross_check(merged)
+        try:
+            merged[name] = get(name).parse(raw)  # type: ignore[arg-type]
+        except ParamError as exc:
+            found.append((name, str(exc)))
+    if not found:
+        found += [(None, message) for message in cross_problems(merged)]
+    return merged, found
+
+
+def problems(changes: Mapping[str, object], current: Mapping[str, int | float] | None = None,
+             ) -> list[tuple[str | None, str]]:
+    """Every problem of ``changes`` over ``current`` at once: (tunable, message) for each bad name or value, then
+    (None, message) for each cross rule broken (judged only when every value parsed)."""
+    return _merged(changes, current)[1]
+
+
+def validate(changes: Mapping[str, object], current: Mapping[str, int | float] | None = None) -> dict[str, int | float]:
+    """Parse ``changes`` over ``current`` (defaults when None) and cross-check the result; raises naming every
+    problem (:func:`problems`)."""
+    merged, found = _merged(changes, current)
+    if found:
+        raise ParamError("; ".join(message for _, message in found))
     return merged
 
 

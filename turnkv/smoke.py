@@ -1,10 +1,17 @@
 """`turnkv smoke`: after a deploy, prove the endpoint serves and reuses KV, through the plain OpenAI API.
 
 A short conversation is played turn by turn, streaming. Each turn is sent twice: first with reuse off
-(``X-TurnKV-Reuse: off``, the router's switch), then with reuse on. Turns 2+ must reuse KV (the router's
-``X-TurnKV-Reuse-Outcome`` header, or its trailing SSE comment when the headers left before the outcome was
-known) and both answers must be identical (greedy decoding: reuse may never change an answer). The first
-failure is the reason; nothing here prints (the command renders the result).
+(``X-TurnKV-Reuse: off``, the router's switch) and a ``cache_salt`` of its own, then with reuse on, as a client
+sends it. The salt keeps the reuse-off request out of the prefix cache the reuse-on request reads: without it,
+prefill's prefix cache (on, as deployed) held the very prompt when the reuse-on request came, nothing was left to
+pull, and a healthy stack failed as ``recompute``.
+
+Turns 2+ must reuse the previous turn (the router's ``X-TurnKV-Reuse-Outcome`` header, or its trailing SSE comment
+when the headers left before the outcome was known), in one of two ways, both healthy, and the result says which:
+``pulled`` (prefill read decode's retained KV) or ``cached`` (the router replayed decode's retained turn, and
+prefill's own prefix cache held the history: it recomputed the rest, fewer tokens than a pull is worth,
+``kv_recompute_threshold``). Each answer must equal the reuse-off one (greedy decoding: reuse may never change an
+answer). The first failure is the reason; nothing here prints (the command renders the result).
 """
 
 from __future__ import annotations
@@ -18,7 +25,15 @@ from typing import Any
 
 import aiohttp
 
-from turnkv.wire import REUSE_HEADER, REUSE_OFF, REUSE_OUTCOME_HEADER, REUSED_TOKENS_HEADER, ReuseOutcome
+from turnkv.wire import (
+    PREFILL_CACHED_HEADER,
+    REUSE_HEADER,
+    REUSE_OFF,
+    REUSE_OUTCOME_HEADER,
+    REUSED_TOKENS_HEADER,
+    ReuseOutcome,
+    outcome_advice,
+)
 
 #: An agent's standing instructions: long enough that the history a turn reuses is well above the engines'
 #: kv_recompute_threshold (64 tokens by default), as an agent's always is.
@@ -43,7 +58,13 @@ PROMPTS = (
 #: The outcomes the router reports when the previous turn's KV was pulled, and when reuse was switched off.
 HIT = ReuseOutcome.HIT
 DISABLED = ReuseOutcome.DISABLED
-_TRAILER = re.compile(rb"^: turnkv reuse_outcome=(\S+) reused_tokens=(\d+)")
+RECOMPUTE = ReuseOutcome.RECOMPUTE
+_TRAILER = re.compile(rb"^: turnkv reuse_outcome=(\S+) reused_tokens=(\d+)(?: prefill_cached_tokens=(\d+))?")
+#: Tokens per answer: above the engines' default kv_recompute_threshold (64), so that a retained answer is worth
+#: pulling even where prefill's prefix cache holds every earlier turn (an answer is the one part only decode has).
+MAX_TOKENS = 96
+#: How a turn 2+ reused the previous one (:func:`reuse_kind`).
+PULLED, CACHED = "pulled", "cached"
 
 
 class SmokeFailure(Exception):
@@ -59,6 +80,8 @@ class TimedReply:
     ttft_ms: float
     outcome: str
     reused_tokens: int
+    #: Prompt tokens prefill found in its own prefix cache (``X-TurnKV-Prefill-Cached-Tokens``).
+    prefill_cached: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,6 +95,22 @@ class PlayedTurn:
     @property
     def matches(self) -> bool:
         return self.on.text == self.off.text
+
+    @property
+    def reuse(self) -> str | None:
+        """How the reuse-on request reused the previous turn (:func:`reuse_kind`)."""
+        return reuse_kind(self.on)
+
+
+def reuse_kind(reply: TimedReply) -> str | None:
+    """``pulled`` (prefill read decode's retained KV), ``cached`` (the router replayed decode's retained turn and
+    prefill's own prefix cache held the history; prefill recomputed the rest, too few tokens to be worth a pull), or
+    None (no reuse: a failure from turn 2 on). Pure."""
+    if reply.outcome == HIT and reply.reused_tokens > 0:
+        return PULLED
+    if reply.outcome == RECOMPUTE and reply.prefill_cached > 0:
+        return CACHED
+    return None
 
 
 @dataclass
@@ -92,13 +131,10 @@ def check_turn(turn: PlayedTurn) -> str | None:
     if turn.off.outcome != DISABLED:
         return (f"turn {turn.index}: the endpoint did not honour '{REUSE_HEADER}: off' (reuse outcome "
                 f"{turn.off.outcome!r}); is it a turnkv router, and does the ALB pass the header?")
-    if turn.index > 1 and (turn.on.outcome != HIT or turn.on.reused_tokens <= 0):
-        return (f"turn {turn.index}: no KV reuse (router outcome {turn.on.outcome!r}, {turn.on.reused_tokens} "
-                "reused tokens); the next turn's prefill recomputed the history. Check that decode returns "
-                "kv_transfer_params (connector bidirectional), that decode has room to retain a turn "
-                "(retained_kv_share, host_kv_budget_mib; vllm:turnkv_retention_refusals_total on decode counts "
-                "turns it refused), the offer secret is the same on engines and router, and the router's "
-                "conversation_ttl")
+    if turn.index > 1 and turn.reuse is None:
+        return (f"turn {turn.index}: no KV reuse ({turn.on.reused_tokens} tokens pulled from decode, "
+                f"{turn.on.prefill_cached} found in prefill's prefix cache); router outcome "
+                f"{outcome_advice(turn.on.outcome)}")
     if not turn.matches:
         at = next((i for i, (a, b) in enumerate(zip(turn.on.text, turn.off.text, strict=False)) if a != b),
                   min(len(turn.on.text), len(turn.off.text)))
@@ -112,6 +148,7 @@ def check_turn(turn: PlayedTurn) -> str | None:
 
 
 def _headers(api_key: str | None, reuse: bool) -> dict[str, str]:
+    """A request's headers; reuse off is the router's switch."""
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -138,9 +175,12 @@ async def _model(session: aiohttp.ClientSession, url: str, api_key: str | None) 
 
 
 async def _chat(session: aiohttp.ClientSession, url: str, api_key: str | None, model: str,
-                messages: list[dict[str, str]], reuse: bool, max_tokens: int, what: str) -> TimedReply:
-    body = {"model": model, "messages": messages, "stream": True, "max_tokens": max_tokens, "temperature": 0,
-            "seed": 0}
+                messages: list[dict[str, str]], reuse: bool, max_tokens: int, what: str,
+                salt: str | None = None) -> TimedReply:
+    body: dict[str, Any] = {"model": model, "messages": messages, "stream": True, "max_tokens": max_tokens,
+                            "temperature": 0, "seed": 0}
+    if salt is not None:
+        body["cache_salt"] = salt
     start = time.perf_counter()
     ttft: float | None = None
     text = ""
@@ -149,10 +189,12 @@ async def _chat(session: aiohttp.ClientSession, url: str, api_key: str | None, m
             raise await _error(resp, what)
         outcome = resp.headers.get(REUSE_OUTCOME_HEADER, "")
         reused = resp.headers.get(REUSED_TOKENS_HEADER, "0")
+        cached = resp.headers.get(PREFILL_CACHED_HEADER, "0")
         async for raw in resp.content:
             line = raw.rstrip(b"\r\n")
             if trailer := _TRAILER.match(line):
                 outcome, reused = trailer.group(1).decode(), trailer.group(2).decode()
+                cached = (trailer.group(3) or b"0").decode()
                 continue
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
@@ -167,7 +209,8 @@ async def _chat(session: aiohttp.ClientSession, url: str, api_key: str | None, m
     if ttft is None:
         raise SmokeFailure(f"{what}: the stream carried no text")
     return TimedReply(text=text, ttft_ms=ttft, outcome=outcome or "unknown",
-                 reused_tokens=int(reused) if str(reused).isdigit() else 0)
+                      reused_tokens=int(reused) if str(reused).isdigit() else 0,
+                      prefill_cached=int(cached) if str(cached).isdigit() else 0)
 
 
 def argument_problem(url: str, turns: int) -> str | None:
@@ -180,7 +223,7 @@ def argument_problem(url: str, turns: int) -> str | None:
 
 
 async def run(url: str, api_key: str | None = None, model: str | None = None, turns: int = len(PROMPTS),
-              max_tokens: int = 32, timeout_s: float = 300.0, verify_tls: bool = True) -> SmokeResult:
+              max_tokens: int = MAX_TOKENS, timeout_s: float = 300.0, verify_tls: bool = True) -> SmokeResult:
     """Play the conversation against ``url`` (the router's base URL); never raises for the endpoint's faults."""
     url = url.rstrip("/")
     result = SmokeResult(url=url)
@@ -194,13 +237,15 @@ async def run(url: str, api_key: str | None = None, model: str | None = None, tu
             result.model = model or await _model(session, url, api_key)
             # A conversation of this run only: another run's identical turn, still readable by forks of its history
             # (decode's fork_window), would otherwise be pulled and prove nothing about this endpoint's retention.
-            system = f"{SYSTEM} Conversation reference {secrets.token_hex(4)}."
+            reference = secrets.token_hex(4)
+            system = f"{SYSTEM} Conversation reference {reference}."
+            off_salt = f"turnkv-smoke-off-{reference}"  # the reuse-off requests' own prefix cache (module docstring)
             history: list[dict[str, str]] = [{"role": "system", "content": system}]
             for index, prompt in enumerate(PROMPTS[:turns], start=1):
                 messages = [*history, {"role": "user", "content": prompt}]
                 # Reuse off first: the reuse-on request then holds the conversation's latest entry for the next turn.
                 off = await _chat(session, url, api_key, result.model, messages, False, max_tokens,
-                                  f"turn {index} (reuse off)")
+                                  f"turn {index} (reuse off)", salt=off_salt)
                 on = await _chat(session, url, api_key, result.model, messages, True, max_tokens,
                                  f"turn {index} (reuse on)")
                 turn = PlayedTurn(index, off, on)
@@ -229,5 +274,24 @@ async def run(url: str, api_key: str | None = None, model: str | None = None, tu
 def summary_rows(result: SmokeResult) -> list[dict[str, Any]]:
     """One row per turn, for the table (and --json)."""
     return [{"turn": t.index, "ttft_off_ms": round(t.off.ttft_ms, 1), "ttft_on_ms": round(t.on.ttft_ms, 1),
-             "outcome": t.on.outcome, "reused_tokens": t.on.reused_tokens, "same_answer": t.matches}
+             "outcome": t.on.outcome, "reused_tokens": t.on.reused_tokens, "prefill_cached": t.on.prefill_cached,
+             "reuse": t.reuse or "-", "same_answer": t.matches}
             for t in result.turns]
+
+
+def passed_line(result: SmokeResult) -> str:
+    """The verdict of a passed run, saying how turns 2+ reused KV (pulled, cached or both). Pure."""
+    later = result.turns[1:]
+    pulled = [t for t in later if t.reuse == PULLED]
+    cached = [t for t in later if t.reuse == CACHED]
+    parts = []
+    if pulled:
+        parts.append(f"{len(pulled)} pulled decode's retained KV ({sum(t.on.reused_tokens for t in pulled):,} tokens)")
+    if cached:
+        parts.append(f"{len(cached)} replayed decode's turn and found the history in prefill's prefix cache "
+                     "(the rest recomputed: fewer tokens than a pull is worth)")
+    line = f"turns 2-{len(result.turns)} reused KV: {'; '.join(parts)}; every answer matched reuse off"
+    if not pulled:
+        line += (". No turn pulled from decode here: prefill's prefix cache answered first, which is the deployment's "
+                 "choice, so the pull path itself was not exercised")
+    return line

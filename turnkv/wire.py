@@ -75,6 +75,62 @@ class ReuseOutcome(StrEnum):
     NONE = "none"
 
 
+#: Every outcome as a user reads it: what it means, whether a stack that shows it is healthy, and where to look when
+#: it is not. The one source of README.md's outcome table (checked by tests/unit/test_outcomes.py) and of
+#: ``turnkv smoke``'s failure advice.
+OUTCOME_DOCS: dict[ReuseOutcome, tuple[str, str, str]] = {
+    ReuseOutcome.HIT: (
+        "prefill pulled the previous turn's KV from decode (`X-TurnKV-Reused-Tokens` > 0)", "yes",
+        ""),
+    ReuseOutcome.RECOMPUTE: (
+        "the router replayed decode's retained turn but prefill pulled nothing: with "
+        "`X-TurnKV-Prefill-Cached-Tokens` > 0 its own prefix cache held the history and the rest was fewer tokens "
+        "than a pull is worth (`kv_recompute_threshold`, or computing was cheaper); with 0, the pull was refused or "
+        "failed",
+        "yes with prefill-cached tokens; no without",
+        "prefill refused or failed the read: the offer secret must be the same on engines and router (prefill's "
+        "vllm:turnkv_offers_* counters name the refusal), and prefill's log names a failed NIXL transfer"),
+    ReuseOutcome.MISS: (
+        "the router had nothing stored for this history",
+        "yes where the router never stored it (a forked or edited history); no on a steady conversation's turn 2+",
+        "decode returned no kv_transfer_params (connector not bi-directional) or had no room to retain the turn "
+        "(retained_kv_share, host_kv_budget_mib; decode's vllm:turnkv_retention_refusals_total counts the turns it "
+        "refused), or the router's store lost it (a restart with the memory store)"),
+    ReuseOutcome.MISMATCH: (
+        "completions: the prompt does not extend the session's stored text exactly", "yes (the client's edit)",
+        "something between turns rewrote the conversation (a proxy, the client's own truncation)"),
+    ReuseOutcome.TOKEN_MISMATCH: (
+        "replayed, but prefill's token proof found the history re-tokenized differently and pulled less",
+        "partly (the text re-renders to other tokens)",
+        "the chat template renders the previous answer to other tokens than decode generated (reasoning text "
+        "dropped, whitespace); docs/troubleshooting.md"),
+    ReuseOutcome.EXPIRED: (
+        "decode's retained turn was (nearly) freed", "yes after a pause longer than the TTLs",
+        "the time between turns exceeded decoder_kv_blocks_ttl or the router's conversation_ttl"),
+    ReuseOutcome.REFUSED: (
+        "the stored params name no known engine, lack a field, or decode was ejected or evicted the turn since",
+        "yes after an engine fault or under memory pressure",
+        "a decode engine restarted or was ejected (the router's log), or decode evicted retained turns for room"),
+    ReuseOutcome.DISABLED: ("the client sent `X-TurnKV-Reuse: off`", "yes", ""),
+    ReuseOutcome.STORE_ERROR: (
+        "the conversation store was down or slower than `store_timeout_ms`: the request went on without reuse", "no",
+        "the router's store (Valkey) and store_timeout_ms"),
+    ReuseOutcome.NONE: (
+        "nothing to look up: a first turn, `n > 1`, a list of prompts, a token prompt, a completion without a "
+        "session hint", "yes",
+        "is the URL a turnkv router? it saw no earlier turn to look up"),
+}
+
+
+def outcome_advice(outcome: str) -> str:
+    """What an outcome means and where to look, for a person (``OUTCOME_DOCS``)."""
+    try:
+        meaning, _, advice = OUTCOME_DOCS[ReuseOutcome(outcome)]
+    except ValueError:
+        return f"{outcome!r} is no turnkv outcome: is the URL a turnkv router?"
+    return f"{outcome!r}: {meaning}." + (f" Check: {advice}." if advice else "")
+
+
 # -- upstream's kv_transfer_params keys (vLLM 0.32's NIXL connector) ---------------------------------
 # Named here so the router, the connector and the fake engine spell each one once; the strings are upstream's,
 # read and written by ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/`` (pull_scheduler, push_scheduler,

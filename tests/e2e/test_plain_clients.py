@@ -136,3 +136,17 @@ def test_two_tenants_with_identical_histories_never_share(stack):
     assert text == ask(globex, follow, extra_headers=OFF)[1]
     _, _, headers = ask(acme, follow)
     assert headers[OUTCOME] == "hit" and pulled_tokens(stack) > before
+
+
+def test_the_readmes_python_snippet_reuses_from_turn_two(stack, capsys):
+    """README.md's snippet, run as written (its URL and key aside): turn 2 ended in token_mismatch with 0 reused
+    tokens, and its loop never sent the last question (issue #49). Three short turns on the package's stack."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    code = code.replace('"http://127.0.0.1:8000/v1"', repr(stack["router"] + "/v1"))
+    exec(code.replace('"unused-when-open"', repr(ACME)), {})
+    printed = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert [outcome for outcome, _ in printed] == ["none", "hit", "hit"], printed
+    assert all(int(reused) > 0 for _, reused in printed[1:]), printed

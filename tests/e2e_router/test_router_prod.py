@@ -4,6 +4,7 @@ engines (last, they change the stack). Ports 28000+ (router), 28100+/28200+ (eng
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -19,6 +20,7 @@ import requests
 
 from router.state import Entry
 from tests.e2e.client import metric, words
+from turnkv import smoke
 from turnkv.local.stack import StackConfig, Supervisor
 
 pytestmark = pytest.mark.engines
@@ -150,6 +152,16 @@ def test_a_prefix_cached_prefill_hits_its_own_cache_and_pulls_only_the_rest_from
         off = post(router, messages, reuse=False)
         assert on.json()["choices"][0]["token_ids"] == off.json()["choices"][0]["token_ids"]
         print(f"conversation {name}: {local} prompt tokens from prefill's cache, {reused} pulled from decode")
+
+
+def test_the_smoke_test_passes_on_a_stack_as_deployed(prod):
+    """Issue #49: `turnkv smoke` against a stack as deployed (prefill prefix caching on, API keys, two of each
+    engine) passes, each turn 2+ pulled from decode or found in prefill's cache after a replay, and says which. It
+    failed every healthy stack before: its reuse-off request filled prefill's cache with the very prompt."""
+    result = asyncio.run(smoke.run(prod["router"], api_key=ACME, timeout_s=300))
+    assert result.ok, result.failure
+    assert all(t.reuse in (smoke.PULLED, smoke.CACHED) for t in result.turns[1:])
+    print(smoke.passed_line(result))
 
 
 def test_two_tenants_with_one_conversation_id_never_share(prod):

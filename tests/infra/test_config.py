@@ -70,8 +70,10 @@ def _problems(raw) -> dict[str, str]:
     ({"pools.0.capacity_reservation_id": "cr-0123456789abcdef0"}, "pools[0].capacity_reservation_id",
      "the example's placeholder; put the id of your own"),
     ({"model.s3_uri": "s3://acme-llm-weights/Qwen3-32B/"}, "model.s3_uri", "is a placeholder"),
-    ({"tunables": {"decoder_kv_blocks_ttl": 99999}}, "tunables", "out of range"),
-    ({"tunables": {"kv_ttl": 100}}, "tunables", "unknown tunable 'kv_ttl'"),
+    ({"tunables": {"decoder_kv_blocks_ttl": 99999}}, "tunables.decoder_kv_blocks_ttl", "out of range"),
+    ({"tunables": {"kv_ttl": 100}}, "tunables.kv_ttl", "unknown tunable 'kv_ttl'"),
+    ({"region": "us-east-9"}, "region", "'us-east-9' is no AWS region; use us-east-2 or us-east-1"),
+    ({"model.max_model_len": 999999}, "model.max_model_len", "more than Qwen/Qwen3-32B serves (40,960"),
     ({"tunables": {"conversation_ttl": 900}}, "tunables", "must stay below decoder_kv_blocks_ttl"),
     # issue #51 item 3: a host tier the decode node cannot back (p5.48xlarge: 2,048 GiB, one TP-8 engine).
     ({"tunables": {"host_kv_budget_mib": 4000000}}, "tunables.host_kv_budget_mib", "use at most 1572864"),
@@ -241,3 +243,15 @@ def test_engines_per_node_defaults_to_every_accelerator_and_may_be_lowered():
     assert [tp8.engines_per_node(p) for p in tp8.pools] == [1, 1, 1]
     one = from_mapping(configs.variant(configs.GPU, **{"model.tensor_parallel_size": 1, "pools.1.engines_per_node": 3}))
     assert [one.engines_per_node(p) for p in one.pools] == [8, 3, 8]
+
+
+def test_every_problem_at_once_with_a_wrong_region():
+    """Issue #49: two bad tunables read as "1 problem", and a wrong region stopped the rules that read it (the
+    context length among them). Now each is its own problem, and a wrong region's rules run with its AZ's region."""
+    problems = _problems(configs.variant(configs.GPU, **{
+        "region": "us-east-9", "model.max_model_len": 999999,
+        "tunables": {"decoder_kv_blocks_ttl": -5, "kv_recompute_threshold": "abc", "decoder_kv_block_ttl": 60}}))
+    assert set(problems) == {"region", "model.max_model_len", "tunables.decoder_kv_blocks_ttl",
+                             "tunables.kv_recompute_threshold", "tunables.decoder_kv_block_ttl"}, problems
+    assert "did you mean decoder_kv_blocks_ttl" in problems["tunables.decoder_kv_block_ttl"]
+    assert problems["tunables.kv_recompute_threshold"].startswith("'abc' is not a number")

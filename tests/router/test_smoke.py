@@ -46,6 +46,49 @@ async def test_smoke_fails_on_a_wrong_api_key_and_on_an_unreachable_endpoint():
     assert unreachable.failure.startswith("cannot reach http://127.0.0.1:9")
 
 
+def _turn(index: int, outcome: str, pulled: int, cached: int) -> smoke.PlayedTurn:
+    off = smoke.TimedReply("same", 10.0, "disabled", 0)
+    return smoke.PlayedTurn(index, off, smoke.TimedReply("same", 5.0, outcome, pulled, cached))
+
+
+def test_a_turn_reuses_by_a_pull_or_by_prefills_prefix_cache_after_a_replay():
+    """Issue #49: with prefill's prefix cache on (as deployed), a healthy turn 2+ may find the history there and
+    recompute only the previous answer (`recompute`, prefill-cached tokens > 0): reuse, said as such, not a failure.
+    `recompute` with nothing cached is a refused or failed pull; `miss` is nothing retained: each names what it saw."""
+    assert smoke.check_turn(_turn(2, "hit", 120, 300)) is None and _turn(2, "hit", 120, 300).reuse == smoke.PULLED
+    assert smoke.check_turn(_turn(2, "recompute", 0, 300)) is None
+    assert _turn(2, "recompute", 0, 300).reuse == smoke.CACHED
+    refused = smoke.check_turn(_turn(2, "recompute", 0, 0))
+    assert refused.startswith("turn 2: no KV reuse (0 tokens pulled from decode, 0 found in prefill's prefix cache)")
+    assert "offer secret" in refused
+    missed = smoke.check_turn(_turn(3, "miss", 0, 250))
+    assert "250 found in prefill's prefix cache); router outcome 'miss'" in missed and "retained_kv_share" in missed
+    assert smoke.check_turn(_turn(1, "none", 0, 0)) is None  # turn 1 has nothing to reuse
+    both = smoke.SmokeResult("u", turns=[_turn(1, "none", 0, 0), _turn(2, "hit", 120, 10), _turn(3, "recompute", 0, 9)])
+    assert smoke.passed_line(both).startswith("turns 2-3 reused KV: 1 pulled decode's retained KV (120 tokens); 1 "
+                                              "replayed decode's turn")
+    cached = smoke.SmokeResult("u", turns=[_turn(1, "none", 0, 0), _turn(2, "recompute", 0, 9)])
+    assert "No turn pulled from decode here" in smoke.passed_line(cached)
+
+
+async def test_the_reuse_off_requests_carry_a_salt_of_their_own(monkeypatch):
+    """The reuse-off request of a turn must not fill the prefix cache its reuse-on request reads (issue #49)."""
+    bodies = []
+    async with router_over(engines(1, "prefill", **GREEDY), engines(1, "decode", **GREEDY)) as (s, _):
+        real = smoke._chat
+
+        async def spy(*args, **kw):
+            bodies.append((args[5], kw.get("salt")))
+            return await real(*args, **kw)
+
+        monkeypatch.setattr(smoke, "_chat", spy)
+        result = await _run(s, model="tiny", turns=2)
+    assert result.ok, result.failure
+    assert [reuse for reuse, _ in bodies] == [False, True, False, True]
+    salts = [salt for reuse, salt in bodies if not reuse]
+    assert salts[0] and salts[0] == salts[1] and all(salt is None for reuse, salt in bodies if reuse)
+
+
 def test_a_mismatch_names_the_turn_and_where_the_answers_differ():
     off = smoke.TimedReply("the same start, then A", 10.0, "disabled", 0)
     on = smoke.TimedReply("the same start, then B", 5.0, "hit", 120)

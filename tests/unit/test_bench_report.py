@@ -19,15 +19,23 @@ def test_summary_medians_speedup_and_identity():
     assert s["arms"] == ["off", "on", "best"]
     last = s["turns"][-1]
     assert last == {"turn": 2, "prompt_tokens": 4000, "ttft_ms_off": 2401.0, "ttft_ms_on": 301.0,
-                    "ttft_ms_best": 261.0, "reused_tokens_on": 3500.0, "speedup": 7.98, "on_vs_best": 1.15}
-    assert s["speedup_last_turn"] == 7.98 and s["errors"] == 1
+                    "ttft_ms_best": 261.0, "reused_tokens_on": 3500.0, "speedup_vs_off": 7.98, "speedup_vs_best": 0.87}
+    assert s["speedup_vs_off_last_turn"] == 7.98 and s["speedup_vs_best_last_turn"] == 0.87 and s["errors"] == 1
+    # turn 1 reused nothing: no speedup printed for it, whatever its TTFTs (issue #49)
+    assert not any(k.startswith("speedup") for k in s["turns"][0])
     assert s["answers_identical"] == s["answers_compared"] == 6
 
 
 def test_markdown_and_chart(tmp_path):
     s = report.write(results(), tmp_path)
     md = (tmp_path / "summary.md").read_text()
-    assert "| 2 | 4000 | 2401 | 301 | 261 | 3500 | 7.98x | 1.15 |" in md
+    assert "| 2 | 4000 | 2401 | 301 | 261 | 3500 | 7.98x | 0.87x |" in md
+    assert "| 1 | 1000 | 601 | 581 | 151 | 0 | - | - |" in md
+    # issue #49: the first line compares with the strongest baseline played, one direction, higher is better;
+    # every arm is defined; every line fits 80 columns
+    assert md.splitlines()[0] == "turnkv's TTFT speedup over best case, last turn: 0.87x (higher is better)"
+    assert "- off = no prefix cache: reuse off and a fresh cache_salt" in md
+    assert max(len(line) for line in md.splitlines()) <= 80, md
     png = (tmp_path / "ttft.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == len(results())
@@ -119,7 +127,10 @@ def test_capacity_sustained_load_under_the_target(tmp_path):
     assert "| 8 | 3,960 | 4,320 | 880 | 960 | 4.50x | 88% | 0/0 |" in md and "capacity with reuse: 4.00x" in md
     assert (tmp_path / "capacity.png").read_bytes()[:4] == b"\x89PNG"
     short = capacity.markdown(result, per_turn=False)
-    assert "Per turn" not in short and "target" not in short and len(short.splitlines()) == 7
+    assert "Per turn" not in short and "target" not in short
+    assert len([line for line in short.splitlines() if line.startswith("|")]) == 7
+    assert "x p90: off's p90 / on's (higher is better)" in " ".join(short.split())  # the short headers defined
+    assert max(map(len, short.splitlines())) <= 80, short  # the demo prints it (issue #49)
     levels[1]["on"]["errors"] = 1  # an error at a level ends what a variant sustains
     assert capacity.sustained(levels, "on", 1200.0) == 1
 
@@ -209,4 +220,4 @@ def test_the_peer_arm_goes_to_its_router_with_reuse_off_and_salts_keep_the_arms_
     assert len(peer_salts) == len(best_salts) == 1 and peer_salts != best_salts  # one each, never shared
     summary = report.summarize(results)
     assert summary["arms"] == ["off", "on", "best", "peer"] and "ttft_ms_peer" in summary["turns"][0]
-    assert "on / peer" in report.markdown(summary)
+    assert "| x peer |" in report.markdown(summary)

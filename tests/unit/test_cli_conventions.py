@@ -156,7 +156,7 @@ def test_engine_run_tensor_parallel_size_and_its_former_name(monkeypatch):
 
     seen: list[dict] = []
 
-    def prepare(variables, read_text, run, sync=True, flavor=None):
+    def prepare(variables, read_text, run, sync=True, flavor=None, source=None):
         seen.append(dict(variables))
         return ["vllm"], {}, []
 
@@ -166,3 +166,27 @@ def test_engine_run_tensor_parallel_size_and_its_former_name(monkeypatch):
         result = CliRunner().invoke(app, ["engine", "run", flag, "4"])
         assert result.exit_code == 0, result.output
     assert [v["TURNKV_TP_SIZE"] for v in seen] == ["4", "4", "4"]
+
+
+def test_no_help_cuts_a_name_at_80_columns():
+    """Issue #49: at 80 columns typer's help cut option names and defaults ("--engine-port-ba…"); they fold."""
+    import click
+    import typer
+    from typer.testing import CliRunner
+
+    from turnkv.cli import app
+
+    def paths(command: click.Command, prefix: tuple[str, ...] = ()):
+        yield prefix
+        if isinstance(command, click.Group):
+            for name, sub in command.commands.items():
+                yield from paths(sub, (*prefix, name))
+
+    runner = CliRunner()
+    cut = {}
+    for path in paths(typer.main.get_command(app)):
+        done = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "80"})
+        assert done.exit_code == 0, (path, done.output)
+        if "…" in done.output:
+            cut[" ".join(path)] = [line for line in done.output.splitlines() if "…" in line]
+    assert cut == {}

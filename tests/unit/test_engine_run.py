@@ -291,3 +291,28 @@ def test_the_engines_of_a_node_sync_the_weights_one_at_a_time(tmp_path, monkeypa
         t.join()
     events = [line.split()[0] for line in log.read_text().splitlines()]
     assert events == ["start", "end", "start", "end"] and time.monotonic() - started >= 0.6
+
+
+def test_the_engine_env_a_config_gives_runs_dry_as_the_help_says(tmp_path):
+    """Issue #49: `turnkv config engine-env FILE > F; turnkv engine run --env-file F --dry-run`, as both helps say,
+    failed naming /etc/turnkv/engine.env: F leaves out the instance's id and address (user data writes them at
+    boot). The dry run shows stand-ins for them and says so; a real run's error names the file it read."""
+    import yaml
+
+    from tests.infra import configs
+    from turnkv.cli import app
+    from turnkv.node_env import INSTANCE_PLACEHOLDERS
+
+    deploy, env_file = tmp_path / "deploy.yaml", tmp_path / "engine.env"
+    deploy.write_text(yaml.safe_dump(configs.GPU))
+    runner = CliRunner()
+    printed = runner.invoke(app, ["config", "engine-env", str(deploy)])
+    assert printed.exit_code == 0, printed.output
+    env_file.write_text(printed.stdout)
+    dry = runner.invoke(app, ["engine", "run", "--env-file", str(env_file), "--dry-run", "--flavor", "gpu"])
+    assert dry.exit_code == 0, dry.output
+    assert "stand-ins here: " + ", ".join(INSTANCE_PLACEHOLDERS.values()) in dry.stderr
+    assert json.loads(dry.stdout)["argv"][1] == "serve"
+    env_file.write_text("TURNKV_ROLE=prefill\n")
+    real = runner.invoke(app, ["engine", "run", "--env-file", str(env_file)])
+    assert real.exit_code == 2 and f"{env_file}: TURNKV_ENGINE_ID is missing" in real.stderr

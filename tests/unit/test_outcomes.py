@@ -12,9 +12,10 @@ from router import telemetry
 from router.app import ROUTES
 from router.dispatch import Dispatch
 from router.outcomes import RequestKind, ReuseOutcome
+from turnkv.wire import OUTCOME_DOCS
 
 REPO = Path(__file__).resolve().parents[2]
-#: The values clients read in ``X-TurnKV-Reuse-Outcome`` (docs/router.md "Reuse outcomes"), in label order.
+#: The values clients read in ``X-TurnKV-Reuse-Outcome`` (README.md "Reuse outcomes"), in label order.
 DOCUMENTED = ("hit", "miss", "mismatch", "expired", "refused", "recompute", "token_mismatch", "disabled",
               "store_error", "none")
 
@@ -48,14 +49,27 @@ def test_emf_field_is_the_value():
         assert line["ReuseOutcome"] == o.value and line["ReuseHit"] == (1 if o.value == "hit" else 0)
 
 
-def test_every_outcome_is_documented():
-    text = (REPO / "docs" / "router.md").read_text()
-    section = text.split("## Reuse outcomes", 1)[1].split("\n## ", 1)[0]
-    missing = [o.value for o in ReuseOutcome if f"`{o.value}`" not in section]
-    assert not missing, f"docs/router.md 'Reuse outcomes' does not list {missing}"
-
-
 def test_dispatch_is_typed():
     d = Dispatch(RequestKind.CHAT, "/v1/chat/completions", {}, "r", None, None)
     assert d.outcome is ReuseOutcome.NONE and d.avoid_decode == []
     assert not hasattr(d, "extra")
+
+
+def outcome_table() -> str:
+    """README.md's outcome table as ``turnkv.wire.OUTCOME_DOCS`` renders it."""
+    rows = ["| outcome | what it means | healthy |", "|---|---|---|"]
+    rows += [f"| `{o}` | {meaning} | {healthy} |" for o, (meaning, healthy, _) in OUTCOME_DOCS.items()]
+    return "\n".join(rows)
+
+
+def test_the_readme_documents_every_outcome_and_whether_it_is_healthy():
+    """Issue #49: the README listed 6 of the 10 outcomes and the troubleshooting page called a healthy `recompute` a
+    failure. Every outcome has its meaning, health and (where unhealthy) advice in one place, which the README's
+    table and `turnkv smoke` read."""
+    assert set(OUTCOME_DOCS) == set(ReuseOutcome)
+    for o, (meaning, healthy, advice) in OUTCOME_DOCS.items():
+        assert meaning and healthy and (advice or healthy == "yes"), o
+    readme = (REPO / "README.md").read_text()
+    assert outcome_table() in readme, "README.md's outcome table: regenerate it from OUTCOME_DOCS"
+    assert "X-TurnKV-Prefill-Cached-Tokens" in readme
+    assert "(../README.md#reuse-outcomes)" in (REPO / "docs" / "router.md").read_text()  # one table, not two

@@ -30,6 +30,17 @@ def test_router_ttl_must_stay_below_engine_ttl():
     assert fitted["conversation_ttl"] == 110 and fitted["decoder_kv_blocks_ttl"] == 120
 
 
-def test_unknown_tunable_names_the_known_ones():
-    with pytest.raises(params.ParamError, match="unknown tunable 'ttl'; known: decoder_kv_blocks_ttl"):
-        params.validate({"ttl": 3})
+def test_an_unknown_tunable_names_the_close_ones_not_all_sixty():
+    """Issue #49: an unknown name listed every tunable (~60) without saying which was meant."""
+    with pytest.raises(params.ParamError) as typo:
+        params.validate({"decoder_kv_block_ttl": 3})
+    assert str(typo.value).startswith("unknown tunable 'decoder_kv_block_ttl'; did you mean decoder_kv_blocks_ttl")
+    assert "`turnkv params catalog` lists all" in str(typo.value) and "kv_recompute_threshold" not in str(typo.value)
+    assert "no tunable is named like it" in params.unknown("zzzz")
+
+
+def test_every_problem_at_once():
+    """Two bad values are two problems, each naming its tunable; cross rules are judged once every value parsed."""
+    found = params.problems({"decoder_kv_blocks_ttl": -5, "kv_recompute_threshold": "abc", "ttl": 1})
+    assert [name for name, _ in found] == ["decoder_kv_blocks_ttl", "kv_recompute_threshold", "ttl"]
+    assert params.problems({"conversation_ttl": 500, "decoder_kv_blocks_ttl": 100})[0][0] is None

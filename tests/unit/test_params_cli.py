@@ -244,3 +244,17 @@ def test_a_region_that_is_no_region_name_is_refused_not_a_traceback(aws):
     done = CliRunner().invoke(app, ["params", "list", "-d", DEPLOYMENT, "--region", "us east"])
     assert done.exit_code == 2 and "not an AWS region name" in done.output and done.exception is not None
     assert isinstance(done.exception, SystemExit)
+
+
+def test_the_offline_dry_run_previews_what_set_does(aws):
+    """Issue #49: `set decoder_kv_blocks_ttl=600 --dry-run` offline previewed `conversation_ttl: 450 -> 590`, a raise
+    the real command never makes (it only lowers a stored value that no longer fits). Offline, the catalog's
+    defaults stand in for the stored values: the preview is a dry run against a deployment that holds them."""
+    for change in ("decoder_kv_blocks_ttl=600", "decoder_kv_blocks_ttl=300"):
+        offline = CliRunner().invoke(app, ["params", "set", change, "--dry-run"])
+        stored = run("set", change, "--dry-run")
+        assert offline.exit_code == stored.exit_code == 0, (offline.output, stored.output)
+        assert ([line.split(" (dry run")[0] for line in offline.output.splitlines()]
+                == [line.split(" (dry run")[0] for line in stored.output.splitlines()]), (offline.output, stored.output)
+    assert "conversation_ttl" not in CliRunner().invoke(app, ["params", "set", "decoder_kv_blocks_ttl=600",
+                                                              "--dry-run"]).output

@@ -115,3 +115,17 @@ def test_unreadable_inputs_and_unwritable_outputs_are_messages_not_tracebacks(tm
         res = runner.invoke(app, ["plan", "--out", str(out)])
         assert res.exit_code == 2 and "cannot write plan.json" in " ".join(res.output.split()), res.output
         assert isinstance(res.exception, SystemExit)
+
+
+def test_the_plan_fits_80_columns_without_cutting_a_name(tmp_path):
+    """Issue #49: at 80 columns rich cut the tables' headers and arm names ("prefi…", "peer+…"). Headers are
+    short (units in the caption), no column is narrower than its longest word, and a table wider than the terminal
+    prints one record per row."""
+    from typer.testing import CliRunner
+
+    from turnkv.cli import app
+
+    done = CliRunner().invoke(app, ["plan", "--model", "Qwen3-32B", "--ttft-target-ms", "300", "--out",
+                                    str(tmp_path)], env={"COLUMNS": "80"})
+    assert done.exit_code == 0, done.output
+    assert "…" not in done.output and "peer+offload" in done.output, done.output

@@ -283,6 +283,10 @@ def test_sweep_over_fake_engines_reports_reuse_falling_past_the_fit(tmp_path, mo
     assert len(lines) == (2 + 4) * 3 * 2 and {x["arm"] for x in lines} == {"on", "off"}
     assert (tmp_path / "pressure.png").stat().st_size > 10_000
     assert len(report.rows(result)) == 2 and report.fit_line(variant).startswith("fake: fit 2 conversations")
+    # at 80 columns the rows print as records that fit, not as a 13-column table folded mid-cell (issue #49)
+    text = report.records(result)
+    assert text.splitlines()[0] == "fake at 1x (2 conversations)" and "  identical: 6/6" in text
+    assert max(map(len, text.splitlines())) <= 80, text
 
 
 def test_turnkv_bench_pressure_command_over_fake_engines(tmp_path, monkeypatch):

@@ -310,3 +310,56 @@ def test_the_routers_decode_share_is_what_the_local_decode_engines_run_at_once(t
                                                                engine_settings=EngineSettings(max_num_seqs=8)))
     assert "decode_fair_sequences=5" in router_set(StackConfig(state_dir=tmp_path,
                                                                tunables={"decode_fair_sequences": 5}))
+
+
+def test_the_default_state_folder_does_not_depend_on_the_working_directory(tmp_path):
+    """Issue #49: `.turnkv` under the working directory made `local status` / `local down` elsewhere say "no local
+    stack" / "nothing was running" while three engines kept running. The default is the environment's folder, else
+    the checkout's, else the home folder's."""
+    checkout = tmp_path / "clone"
+    (checkout / "connector").mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text("")
+    home = tmp_path / "home"
+    assert stack.default_state_dir({}, checkout, home) == checkout / ".turnkv"
+    assert stack.default_state_dir({}, tmp_path / "site-packages", home) == home / ".turnkv"
+    assert stack.default_state_dir({stack.STATE_DIR_ENV: str(tmp_path / "s")}, checkout, home) == tmp_path / "s"
+    assert stack.default_state_dir({}) == stack.SOURCE_ROOT / ".turnkv"  # this checkout
+    assert stack.state_folder(Path("given")) == Path("given")
+
+
+def test_local_status_and_down_name_the_folder_they_looked_in(tmp_path, monkeypatch):
+    """From any working directory, the commands look in the same folder and say which; `down` removes the
+    hot-reloaded tunables file it would otherwise leave behind."""
+    from typer.testing import CliRunner
+
+    from turnkv.cli import app
+
+    folder = tmp_path / "state"
+    folder.mkdir()
+    (folder / stack.TUNABLES_FILE).write_text("{}")
+    monkeypatch.setenv(stack.STATE_DIR_ENV, str(folder))
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    status = runner.invoke(app, ["local", "status"], env={"COLUMNS": "200"})
+    assert status.exit_code == 1 and f"no local stack in {folder}" in status.output
+    down = runner.invoke(app, ["local", "down"], env={"COLUMNS": "200"})
+    assert down.exit_code == 0 and f"nothing was running ({folder})" in down.output
+    assert not (folder / stack.TUNABLES_FILE).exists()
+
+
+def test_local_logs_hides_the_routers_emf_lines_unless_asked(tmp_path, monkeypatch):
+    """Issue #49: `turnkv local logs router` printed a CloudWatch EMF JSON object per request between the lines a
+    person reads."""
+    from typer.testing import CliRunner
+
+    from turnkv.cli import app
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    emf = '{"Deployment":"local","ReuseOutcome":"hit","_aws":{"Timestamp":1,"CloudWatchMetrics":[]}}'
+    (logs / "router.log").write_text(f"router on http://127.0.0.1:8000\n{emf}\nrouter stopped after 3 s\n")
+    monkeypatch.setenv(stack.STATE_DIR_ENV, str(tmp_path))
+    runner = CliRunner()
+    plain = runner.invoke(app, ["local", "logs", "router"], env={"COLUMNS": "200"})
+    assert plain.exit_code == 0 and "router stopped after 3 s" in plain.output and "_aws" not in plain.output
+    assert "_aws" in runner.invoke(app, ["local", "logs", "router", "--emf"], env={"COLUMNS": "200"}).output

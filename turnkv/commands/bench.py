@@ -389,8 +389,10 @@ def pressure(
     quick: Annotated[bool, typer.Option("--quick", help="make demo's short mode: levels 1,2, 3 short turns, 1 s "
                                                         "think, one stack (retained_kv_share 0.01); overrides those "
                                                         "options.")] = False,
-    agent: Annotated[bool, typer.Option("--agent", help="Issue 36's three arms (seeds' off, peer-best, turnkv as "
-                                                        "deployed) on agent traffic at a 1P5D p5en fleet's memory "
+    agent: Annotated[bool, typer.Option("--agent", help="Three arms (no prefix cache: reuse off "
+                                                        "and a fresh cache salt per request; peer-best: a "
+                                                        "prefix-caching prefill, no reuse; turnkv as deployed) "
+                                                        "on agent traffic at a 1P5D p5en fleet's memory "
                                                         "ratios (docs/benchmarks.md); overrides those options, "
                                                         "--levels aside.")] = False,
     ttft_target_ms: Annotated[float, typer.Option(min=1, help="With --agent: capacity is counted at this TTFT p90 of "
@@ -457,7 +459,7 @@ def pressure(
         for v in result["variants"]:
             Console().print(arms.markdown(pressure_report.played(v["levels"]), opts.ttft_target_ms))
     else:
-        pressure_report.table_console().print(pressure_report.table(result))
+        pressure_report.show(result)
     for v in result["variants"]:
         console.print(pressure_report.fit_line(v), soft_wrap=True)
     console.print(f"wrote {out / 'summary.json'}, {out / 'results.jsonl'} and the chart [bold]{out / 'pressure.png'}"

@@ -1,5 +1,5 @@
-"""`turnkv demo`: local stack up, the multi-turn benchmark's three arms (seeds' off, peer-best, turnkv as deployed)
-and the best case, stack down."""
+"""`turnkv demo`: local stack up, the multi-turn benchmark's three arms (no prefix cache, peer-best, turnkv as
+deployed; ``bench.arms``) and the best case, stack down."""
 
 from __future__ import annotations
 
@@ -30,45 +30,50 @@ def demo(
     reply_tokens: Annotated[int, typer.Option(
         min=1, help="Tokens of each reply: agent-sized (tool calls, code), Mooncake's ~350-token replies scaled "
                     "by 1/4 as in bench.pressure --agent.")] = 96,
-    state_dir: Annotated[Path, typer.Option(help="State folder of the local stack.")] = Path(".turnkv"),
+    state_dir: Annotated[Path | None, typer.Option(help="State folder of the local stack (default: `turnkv "
+                                                      "local`'s).")] = None,
     load: Annotated[int, typer.Option(min=0, help="Then this many shorter conversations at once, reuse off "
                                                   "and on (0: skip).")] = 8,
     pressure: Annotated[bool, typer.Option(help="Then twice the conversations decode's retention room holds, "
                                                 "device only and with the host tier (bench.pressure).")] = True,
 ) -> None:
-    """Show the gain end to end: ~4,000-token agentic conversations, TTFT of the three arms (seeds' off, peer-best,
-    turnkv as deployed) and the best case."""
+    """Show the gain end to end: ~4,000-token agentic conversations, TTFT of turnkv as deployed against peer-best (a
+    prefix-caching prefill, no reuse: what you would run instead), no prefix cache (reuse off, a fresh cache salt
+    per request) and the best case (a prefill whose cache holds the previous prompt)."""
     from bench.runner import RunSpec
     from bench.workload import WorkloadSpec
     from turnkv.commands.bench import run_benchmark
     from turnkv.local.model import load_words
-    from turnkv.local.stack import StackConfig, Supervisor, tunables_file
+    from turnkv.local.stack import StackConfig, Supervisor, state_folder, tunables_file
     from turnkv.local.start import start_stack
 
-    # turnkv as deployed: prefix caching on prefill. The off arm salts every request (prefill recomputes it all, the
-    # seeds' setting); peer-best and best share the prefix-cached prefill engine under salts of their own
-    # (bench.runner), so no arm finds another's blocks. A host tier on decode (allocated at start): the pressure row
+    state_dir = state_folder(state_dir)
+
+    # turnkv as deployed: prefix caching on prefill. The off arm salts every request (prefill recomputes it all);
+    # peer-best and best share the prefix-cached prefill engine under salts of their own (bench.runner), so no arm
+    # finds another's blocks. A host tier on decode (allocated at start): the pressure row
     # turns it on and off by reload.
     config = StackConfig(prefill_prefix_caching=True, state_dir=state_dir, router_port=port, best_case=True,
                          tunables={"host_kv_budget_mib": PRESSURE_HOST_MIB})
-    console.rule("turnkv demo: starting the local stack (prefill, decode, prefix-cached prefill, 2 routers)")
+    section("turnkv demo: starting the local stack", "prefill, decode, a prefix-cached prefill, 2 routers")
     state = start_stack(config)
     try:
         if pressure:
             # First, while decode holds no one's turns: the row's device room must start empty (an evicted turn
             # keeps its room for retention_eviction_grace, longer than the row takes).
-            console.rule("retention pressure: twice the conversations decode's room holds (retained_kv_share "
-                         f"{PRESSURE_SHARE}), device only, then with the host tier")
+            section("retention pressure", f"twice the conversations decode's room holds (retained_kv_share "
+                                          f"{PRESSURE_SHARE}), device only, then with the host tier")
             pressure_rows(state, config, out / "pressure")
         workload = WorkloadSpec(conversations=conversations, turns=turns, max_tokens=reply_tokens)
-        console.rule(f"multi-turn, three arms and the best case: {conversations} conversations x {turns} turns, "
-                     f"~{workload.approx_last_prompt()} prompt tokens by the last turn")
+        section("multi-turn: turnkv against peer-best, no prefix cache and the best case",
+                f"{conversations} conversations x {turns} turns, ~{workload.approx_last_prompt()} prompt tokens by "
+                "the last turn")
         best = state["components"]["router-best"]["url"]
         spec = RunSpec(url=state["components"]["router"]["url"], workload=workload, ab=True, best_url=best,
                        peer_url=best, words=load_words(config.model_dir))
         summary = run_benchmark(spec, out, {"stack": "local", "workload": workload.__dict__})
         if load:
-            console.rule(f"under load: {load} conversations at once, reuse off then on")
+            section("under load", f"{load} conversations at once, reuse off then on")
             load_row(state["components"]["router"]["url"], load, out / "load", load_words(config.model_dir))
     finally:
         console.rule("stopping the local stack")
@@ -78,6 +83,13 @@ def demo(
     if summary["errors"]:
         console.print(f"[red]{summary['errors']} request(s) failed[/red]: {summary['error_samples']}")
         raise typer.Exit(1)
+
+
+def section(title: str, detail: str = "") -> None:
+    """A part of the demo: a rule with a short title (a long one was cut at 80 columns), then what it plays."""
+    console.rule(title)
+    if detail:
+        console.print(detail, highlight=False)
 
 
 def load_row(url: str, conversations: int, out: Path, words: list[str]) -> dict:
@@ -121,7 +133,7 @@ def pressure_rows(state: dict, config: StackConfig, out: Path) -> None:
                                     # each row its own words: the second row would otherwise find the first row's
                                     # prompts, replies included, in prefill's prefix cache and pull nothing
                                     seed=7 + 100 * row)
-            pressure_report.table_console().print(pressure_report.table(result))
+            pressure_report.show(result)
     finally:
         write_tunables_file(config)
         time.sleep(1.5)

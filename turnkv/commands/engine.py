@@ -29,6 +29,7 @@ from turnkv.node_env import (
     BIDIRECTIONAL,
     ENGINE_ENV_FILE,
     ENGINE_ID,
+    INSTANCE_PLACEHOLDERS,
     MAX_MODEL_LEN,
     MODE,
     MODEL,
@@ -92,9 +93,17 @@ def run(
         variables = parse_env_file(env_file.read_text()) if env_file else {}
         variables.update({k: v for k, v in os.environ.items() if k.startswith("TURNKV_")})
         variables.update({k: str(v) for k, v in flags.items() if v is not None})
+        # A dry run of a file (`turnkv config engine-env`'s, off the node) shows the instance's own values as
+        # stand-ins; on the node (no --env-file: systemd's environment) a missing one stays an error.
+        stand_ins = ({k: v for k, v in INSTANCE_PLACEHOLDERS.items() if not variables.get(k)}
+                     if dry_run and env_file else {})
+        variables.update(stand_ins)
         argv, env, notes = prepare(variables, read_text=read_text,
                                    run=lambda cmd: subprocess.run(list(cmd)).returncode, sync=not dry_run,
-                                   flavor=flavor)
+                                   flavor=flavor, source=str(env_file) if env_file else ENGINE_ENV_FILE)
+        if stand_ins:
+            notes.append(f"{', '.join(stand_ins)}: the instance's own (its user data writes them at boot); "
+                         f"stand-ins here: {', '.join(stand_ins.values())}")
     except (EngineEnvError, OSError) as exc:
         typer.secho(f"turnkv engine run: {exc}", err=True, fg=typer.colors.RED)
         raise typer.Exit(2) from None

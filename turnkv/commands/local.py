@@ -14,14 +14,16 @@ from turnkv import router_env
 from turnkv.engine_args import Mode
 from turnkv.engine_settings import SettingError
 from turnkv.local.settings import engine_settings_for
-from turnkv.local.stack import Accelerator
+from turnkv.local.stack import Accelerator, state_folder
 from turnkv.local.start import start_stack
 
 app = typer.Typer(help="Run prefill + decode vLLM engines and the router on 127.0.0.1.", no_args_is_help=True)
 console = Console(stderr=True)
 
-StateDir = Annotated[Path, typer.Option("--state-dir", help="Where logs, state, model and caches live.")]
-DEFAULT_DIR = Path(".turnkv")
+StateDir = Annotated[Path | None, typer.Option(
+    "--state-dir", show_default=False,
+    help="Where logs, state, model and caches live (default: $TURNKV_STATE_DIR, else .turnkv in the turnkv "
+         "checkout, else ~/.turnkv: the same from every working directory).")]
 
 
 def parse_sets(items: list[str] | None) -> dict[str, str]:
@@ -44,9 +46,9 @@ def up(
     mode: Annotated[Mode, typer.Option(help="Connector mode of every engine, both bi-directional: pull (decode "
                                             "READs prefill's KV) or push (prefill WRITEs into decode).")] = Mode.PULL,
     prefill_prefix_caching: Annotated[bool, typer.Option(
-        help="Prefix caching on the prefill engine: on, as the deployment runs it; --no-prefill-prefix-caching is "
-             "the seeds' setting (prefill recomputes what it does not pull: a fleet whose prefill caches lost the "
-             "conversation), which the A/B benchmarks use.")] = True,
+        help="Prefix caching on the prefill engine: on, as the deployment runs it; --no-prefill-prefix-caching: "
+             "prefill recomputes what it does not pull (a fleet whose prefill caches lost the conversation), the "
+             "setting the project's first measurements ran.")] = True,
     best_case: Annotated[bool, typer.Option(
         help="Also start a prefix-caching prefill engine and a second router on --port+1 (benchmark best case).")]
     = False,
@@ -82,12 +84,13 @@ def up(
     accelerator: Annotated[Accelerator, typer.Option(
         help="cpu: vLLM's CPU build (this venv); cuda: both engines on one GPU, from a venv with vLLM's CUDA wheel "
              "(`make gpu-smoke` builds .venv-gpu).")] = Accelerator.CPU,
-    state_dir: StateDir = DEFAULT_DIR,
+    state_dir: StateDir = None,
 ) -> None:
     """Start one prefill and one decode real vLLM engine and the router; wait until all are healthy."""
     from turnkv import params
     from turnkv.local.stack import StackConfig
 
+    state_dir = state_folder(state_dir)
     changes = params.fit_router_ttl(parse_sets(tunable))
     try:
         tunables = params.validate(changes)
@@ -117,17 +120,20 @@ def up(
 
 
 @app.command()
-def down(state_dir: StateDir = DEFAULT_DIR) -> None:
-    """Stop every process the stack started (whole process groups)."""
-    from turnkv.local.stack import Supervisor
+def down(state_dir: StateDir = None) -> None:
+    """Stop every process the stack started (whole process groups) and remove its hot-reloaded tunables file."""
+    from turnkv.local.stack import TUNABLES_FILE, Supervisor
 
+    state_dir = state_folder(state_dir)
     stopped = Supervisor(state_dir).down(lambda name, event: console.print(f"{name}: {event}")
                                          if event == "stopping" else None)
-    console.print(f"stopped {len(stopped)} process group(s)" if stopped else "nothing was running")
+    # The next `local up` writes its own; left behind, it read as the stack's settings (issue #49).
+    (state_dir / TUNABLES_FILE).unlink(missing_ok=True)
+    console.print(f"stopped {len(stopped)} process group(s)" if stopped else f"nothing was running ({state_dir})")
 
 
 @app.command()
-def status(state_dir: StateDir = DEFAULT_DIR,
+def status(state_dir: StateDir = None,
            as_json: Annotated[bool, typer.Option("--json", help="Print the components as a JSON list.")] = False,
            ) -> None:
     """Show each component: process, health, URL and log file (exit 1 when one is unhealthy or none runs)."""
@@ -135,6 +141,7 @@ def status(state_dir: StateDir = DEFAULT_DIR,
 
     from turnkv.local.stack import Supervisor
 
+    state_dir = state_folder(state_dir)
     rows = list(Supervisor(state_dir).status())
     if as_json:
         typer.echo(json.dumps([{"name": r["name"], "pid": r["pid"], "alive": bool(r["alive"]),
@@ -144,13 +151,18 @@ def status(state_dir: StateDir = DEFAULT_DIR,
             raise typer.Exit(1)
         return
     if not rows:
-        console.print("no local stack (start one with `turnkv local up`)")
+        console.print(f"no local stack in {state_dir} (start one with `turnkv local up`, or pass its --state-dir)")
         raise typer.Exit(1)
-    table = Table("component", "pid", "process", "health", "url", "log")
+    # Four narrow columns (80 fit): the logs' common folder once below, not a path per row.
+    table = Table("component", "pid", "state", "url")
     for r in rows:
-        table.add_row(r["name"], str(r["pid"]), "running" if r["alive"] else "[red]exited[/red]",
-                      "[green]healthy[/green]" if r["healthy"] else "[red]unhealthy[/red]", r["url"], r["log"])
-    Console().print(table)
+        table.add_row(r["name"], str(r["pid"]), ("running" if r["alive"] else "[red]exited[/red]") + ", " +
+                      ("[green]healthy[/green]" if r["healthy"] else "[red]unhealthy[/red]"), r["url"])
+    out = Console()
+    out.print(table)
+    folders = {str(Path(r["log"]).parent) for r in rows}
+    out.print(f"logs: {folders.pop()}/<component>.log" if len(folders) == 1 else
+              "logs: " + ", ".join(str(r["log"]) for r in rows), soft_wrap=True)
     if not all(r["healthy"] for r in rows):
         raise typer.Exit(1)
 
@@ -160,10 +172,12 @@ def logs(
     component: Annotated[str | None, typer.Argument(help="router, prefill-0, decode-0, ... (default: all)")] = None,
     lines: Annotated[int, typer.Option("-n", "--lines", help="Lines to show per log.")] = 40,
     follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep printing new lines.")] = False,
-    state_dir: StateDir = DEFAULT_DIR,
+    emf: Annotated[bool, typer.Option("--emf", help="Also the router's CloudWatch EMF lines (one JSON object per "
+                                                    "request; hidden by default).")] = False,
+    state_dir: StateDir = None,
 ) -> None:
     """Print the logs of the stack's components."""
-    log_dir = state_dir / "logs"
+    log_dir = state_folder(state_dir) / "logs"
     files = sorted(log_dir.glob("*.log")) if log_dir.exists() else []
     if component:
         files = [f for f in files if f.stem == component]
@@ -174,11 +188,15 @@ def logs(
     if not files:
         console.print(f"no logs under {log_dir}")
         raise typer.Exit(1)
-    if follow:
-        subprocess.run(["tail", "-n", str(lines), "-F", *map(str, files)], check=False)
-        return
-    from turnkv.local.stack import tail
+    from turnkv.local.stack import EMF_MARK, tail
 
+    if follow:
+        tailing = subprocess.Popen(["tail", "-n", str(lines), "-F", *map(str, files)],
+                                   stdout=None if emf else subprocess.PIPE)
+        if not emf:  # the EMF lines are for CloudWatch: a person reads the rest
+            subprocess.run(["grep", "--line-buffered", "-vF", EMF_MARK], stdin=tailing.stdout, check=False)
+        tailing.wait()
+        return
     for f in files:
         Console().rule(str(f))
-        print(tail(f, lines))
+        print(tail(f, lines, keep_emf=emf))

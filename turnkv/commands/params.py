@@ -224,9 +224,11 @@ def set_(assignments: Annotated[list[str], typer.Argument(help="NAME VALUE, or N
 
 
 def _dry_run_offline(changes: dict[str, str]) -> None:
-    """``set --dry-run`` without a deployment: ranges and cross-checks over the catalog's defaults, no AWS call."""
+    """``set --dry-run`` without a deployment: ranges and cross-checks over the catalog's defaults, no AWS call. The
+    defaults stand in for the stored values, as ``set`` fits them (only lowering conversation_ttl where it no longer
+    fits): the preview showed a raise the real command never makes (issue #49)."""
     try:
-        fitted = catalog.fit_router_ttl(changes)
+        fitted = catalog.fit_router_ttl(changes, catalog.defaults())
         merged = catalog.validate(fitted)
     except catalog.ParamError as exc:
         _refuse(str(exc))

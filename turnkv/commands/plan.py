@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from turnkv import params
-from turnkv.commands import renamed
+from turnkv.commands import renamed, show_table
+from turnkv.local.stack import state_folder
 
 console = Console(stderr=True)
 
@@ -359,15 +360,18 @@ def print_tables(result: dict[str, Any]) -> None:
     t = Table(title=f"turnkv plan — {inp['model']} ({inp['dtype']}, KV {inp['kv_dtype']}) on {inp['instance']}, "
                     f"TP {inp['tp']['prefill']}/{inp['tp']['decode']}{_tp_unit(inp)}, {inp['mode']}; "
                     "reuse off on its own fleet")
-    for col in ("turn", "prompt tokens", "prefill cache (tokens)", "pulled (tokens)", "TTFT off (ms)",
-                "TTFT on (ms)", "transfer (ms)", "pull fixed (ms)", "compute saved (ms)"):
+    # Short headers (80 columns), units and meanings in the caption.
+    for col in ("turn", "prompt", "cached", "pulled", "TTFT off", "TTFT on", "transfer", "pull fixed",
+                "saved"):
         t.add_column(col, justify="right")
+    t.caption = ("tokens: prompt, cached (prefill's prefix cache), pulled (from decode); ms: TTFT, the pull's "
+                 "transfer and fixed cost, compute saved by the pull")
     band = result["ttft_band"]["relative"]
     for r in result["per_turn"]:
         t.add_row(str(r["turn"]), str(r["prompt_tokens"]), str(r["prefill_cached_tokens"]), str(r["pulled_tokens"]),
                   _ms(r["ttft_ms_off"], band), _ms(r["ttft_ms_on"], band), f"{r['transfer_ms']:.0f}",
                   f"{r['pull_fixed_ms']:.0f}", f"{r['compute_saved_ms']:.0f}")
-    out.print(t)
+    show_table(out, t)
     s = Table(title="summary (all turns)")
     for col in ("", "mean", "p50", "p90"):
         s.add_column(col, justify="right")
@@ -378,7 +382,7 @@ def print_tables(result: dict[str, Any]) -> None:
         for arm in ("off", "on"):
             v = result["simulation"]["ttft_ms"][arm]
             s.add_row(f"simulated {arm} (ms)", *(_ms(v[k], band) for k in ("mean", "p50", "p90")))
-    out.print(s)
+    show_table(out, s)
     out.print(f"TTFT band: {result['ttft_band']['source']}", soft_wrap=True)
     rec = result["recommend"]
     a = result["assumptions"]
@@ -436,9 +440,11 @@ def print_verdict(out: Console, result: dict[str, Any]) -> None:
 
     v = result["verdict"]
     t = Table(title="does reuse pay? each arm sized on its own for the same load and target")
-    for col in ("arm", "TTFT p50 (ms)", "TTFT p90 (ms)", "nodes", "$/hour", "$ per 1k turns", "prefill cache hits",
-                "tokens computed", "tokens pulled"):
+    for col in ("arm", "TTFT p50", "TTFT p90", "nodes", "$/hour", "$ per 1k turns", "cache hits", "computed",
+                "pulled"):
         t.add_column(col, justify="right")
+    t.caption = ("TTFT in ms; cache hits: prompt tokens found in prefill's prefix cache; computed, pulled: shares of "
+                 "the prompt tokens")
     for name in ARMS:
         a = v["arms"][name]
         if name == "peer" and not a.get("prefill_offload_gib", 1):
@@ -448,7 +454,7 @@ def print_verdict(out: Console, result: dict[str, Any]) -> None:
                   f"{a['nodes']['prefill']}P{a['nodes']['decode']}D" + (" (capped)" if a["capped"] else ""),
                   f"{a['cost_per_hour']:.2f}", f"{a['cost_per_1k_turns']:.3f}", f"{a['prefill_cache_hit_share']:.0%}",
                   f"{src['computed']:.0%}", f"{src['pulled_device'] + src['pulled_host']:.0%}")
-    out.print(t)
+    show_table(out, t)
     a = result["assumptions"]
     parts = ", ".join(f"{c['name']} {c['ms']:.1f} ms" + ("" if c["per_turn"] else " (not per turn)")
                       for c in a["pull_fixed_components"])
@@ -492,7 +498,8 @@ def plan(
     = _THRESHOLD.default,
     mode: Annotated[str, typer.Option(help="pull or push.")] = "pull",
     prefill_prefix_caching: Annotated[bool, typer.Option(help="Prefill keeps a prefix cache (on, as deployed; "
-                                                              "--no-prefill-prefix-caching: the seeds' benchmark).")]
+                                                              "--no-prefill-prefix-caching: the planner's "
+                                                              "calibration benchmarks, docs/planning.md).")]
     = True,
     prefill_offload_gib: Annotated[float | None, typer.Option(min=0, help="Each prefill engine's host offload tier "
                                                                      "(GiB, vLLM --kv-offloading-size): the peer arm's "
@@ -520,12 +527,13 @@ def plan(
                                                      "and --model.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON only.")] = False,
     out: Annotated[Path, typer.Option(help="Folder for plan.json and plan.png.")] = Path("results/plan"),
-    state_dir: Annotated[Path, typer.Option(help="Where `turnkv plan calibrate` stored local-cpu constants.")]
-    = Path(".turnkv"),
+    state_dir: Annotated[Path | None, typer.Option(help="Where `turnkv plan calibrate` stored local-cpu constants "
+                                                      "(default: the local stack's state folder).")] = None,
 ) -> None:
     """Predict TTFT with reuse off and on, retained KV and hit share by TTL, nodes and cost; recommend a TTL and
     a threshold. First principles (FLOPs, bytes, published hardware figures); the GPU factors and fixed costs are
     fitted to published TTFT measurements (turnkv/plan/data/gpu_measurements.json), and every TTFT carries a band."""
+    state_dir = state_folder(state_dir)
     if ctx.invoked_subcommand:
         return
     from turnkv.plan.workload import WorkloadError
@@ -577,10 +585,11 @@ def plan(
 
 @app.command()
 def calibrate(
-    state_dir: Annotated[Path, typer.Option(help="State folder of the local stack (the constants go there).")]
-    = Path(".turnkv"),
+    state_dir: Annotated[Path | None, typer.Option(help="State folder of the local stack (the constants go there; "
+                                                      "default: `turnkv local`'s).")] = None,
 ) -> None:
     """Measure the local CPU engines (prefills of several lengths, one pull) and store local-cpu constants."""
+    state_dir = state_folder(state_dir)
     from turnkv.plan import calibrate as cal
 
     result = cal.run(state_dir, say=console.print)
@@ -606,8 +615,8 @@ def twin(
     max_tokens: Annotated[int, typer.Option(min=1, help="Reply length in tokens.")] = 16,
     prefill_prefix_caching: Annotated[bool, typer.Option(help="Prefill keeps a prefix cache (the local stack's "
                                                               "default).")] = True,
-    state_dir: Annotated[Path, typer.Option(help="Where `turnkv plan calibrate` stored local-cpu constants.")]
-    = Path(".turnkv"),
+    state_dir: Annotated[Path | None, typer.Option(help="Where `turnkv plan calibrate` stored local-cpu constants "
+                                                      "(default: the local stack's state folder).")] = None,
     out: Annotated[Path | None, typer.Option(help="Write the prediction here (JSON).")] = None,
     measured: Annotated[Path | None, typer.Option(help="A `turnkv bench capacity` capacity.json to compare with.")]
     = None,
@@ -631,6 +640,7 @@ def twin(
 ) -> None:
     """Predict what `turnkv bench capacity` measures on the local stack (TTFT p50/p90 per level and arm, reuse
     share, the level sustained) from `turnkv plan calibrate`'s constants, before it runs; --measured compares."""
+    state_dir = state_folder(state_dir)
     from turnkv.engine_args import EngineSpec
     from turnkv.plan import architectures, closed_form, hardware
     from turnkv.plan import twin as tw
@@ -751,20 +761,22 @@ def twin_pressure(
                                                                   "default: the local stack's).")] = None,
     stagger: Annotated[float, typer.Option(min=0)] = 0.2,
     prefill_prefix_caching: Annotated[bool, typer.Option(help="Prefill keeps a prefix cache: off on the stacks "
-                                                              "bench pressure starts (bench.variants, the seeds' "
-                                                              "setting); on with --url against `turnkv local up`.")]
+                                                              "bench pressure starts (bench.variants: "
+                                                              "prefill recomputes what it does not pull); on with "
+                                                              "--url against `turnkv local up`.")]
     = False,
     attempt: Annotated[int, typer.Option(min=4, max=5, help="The simulation's model: 4 (as the constants say) or 5 "
                                                            "(a hop on a busy core also delays its engine's next step, "
                                                            "and meets the engine as it is when the turn is sent).")]
     = 4,
-    state_dir: Annotated[Path, typer.Option(help="Where `turnkv plan calibrate` stored local-cpu constants.")]
-    = Path(".turnkv"),
+    state_dir: Annotated[Path | None, typer.Option(help="Where `turnkv plan calibrate` stored local-cpu constants "
+                                                      "(default: the local stack's state folder).")] = None,
     out: Annotated[Path | None, typer.Option(help="Write the prediction here (JSON).")] = None,
     measured: Annotated[Path | None, typer.Option(help="A `bench.pressure` summary.json to compare with.")] = None,
 ) -> None:
     """Predict what `python -m bench.pressure --stack-per variant` measures on one local stack (reuse share and
     TTFT p50/p90 of later turns per arm and level) by the event simulation, before it runs."""
+    state_dir = state_folder(state_dir)
     import dataclasses
 
     from turnkv.engine_args import EngineSpec

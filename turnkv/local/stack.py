@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
@@ -32,8 +32,32 @@ from turnkv.local import engine_env
 from turnkv.local import model as model_maker
 from turnkv.plan import ratios
 
-DEFAULT_STATE_DIR = Path(".turnkv")
+#: The checkout this turnkv runs from (holds ``connector/``, which the engines load).
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
+#: Overrides where the local stack lives by default (``--state-dir`` overrides it).
+STATE_DIR_ENV = "TURNKV_STATE_DIR"
 SERVED_MODEL_NAME = "tiny"
+#: The engines' hot-reloaded tunables file in the state folder (:func:`tunables_file`).
+TUNABLES_FILE = "tunables.json"
+
+
+def default_state_dir(env: Mapping[str, str] | None = None, root: Path = SOURCE_ROOT,
+                      home: Path | None = None) -> Path:
+    """Where the local stack lives without ``--state-dir``: the same folder from every working directory.
+    ``$TURNKV_STATE_DIR``, else ``.turnkv`` in the checkout turnkv runs from (the README's clone), else
+    ``~/.turnkv`` (an installed package). It was ``.turnkv`` under the working directory: `local status` or `local
+    down` from another folder said "no local stack" while three engines kept running (issue #49)."""
+    env = os.environ if env is None else env
+    if env.get(STATE_DIR_ENV):
+        return Path(env[STATE_DIR_ENV]).expanduser().resolve()
+    if (root / "pyproject.toml").is_file() and (root / "connector").is_dir():
+        return root / ".turnkv"
+    return (home or Path.home()) / ".turnkv"
+
+
+def state_folder(given: Path | None) -> Path:
+    """A command's ``--state-dir`` as given, else the default every command shares (:func:`default_state_dir`)."""
+    return default_state_dir() if given is None else given
 
 
 class StackError(RuntimeError):
@@ -64,7 +88,7 @@ class ExtraRouter:
 
 @dataclass
 class StackConfig:
-    state_dir: Path = DEFAULT_STATE_DIR
+    state_dir: Path = field(default_factory=default_state_dir)
     router_port: int = router_env.PORT
     prefill_port: int = router_env.LOCAL_PREFILL_PORT
     decode_port: int = router_env.LOCAL_DECODE_PORT
@@ -198,9 +222,6 @@ def ensure_offer_secret(path: Path) -> None:
         f.write(secrets.token_hex(32) + "\n")
 
 
-#: The checkout this turnkv runs from (holds ``connector/``, which the engines load).
-SOURCE_ROOT = Path(__file__).resolve().parents[2]
-
 
 def _cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
@@ -273,7 +294,7 @@ def _router_process(config: StackConfig, name: str, port: int, prefill: list[str
 
 def tunables_file(config: StackConfig) -> Path:
     """The file the engines hot-reload (``params.TUNABLES_FILE_ENV``): the local stand-in for the node's SSM sync."""
-    return config.state_dir.resolve() / "tunables.json"
+    return config.state_dir.resolve() / TUNABLES_FILE
 
 
 def engine_tunables_of(config: StackConfig) -> dict[str, int | float]:
@@ -455,9 +476,20 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+#: Seconds the group's leader (vLLM's API server) has to stop its own children before the whole group is signalled.
+LEADER_GRACE_S = 10.0
+
+
 def stop_group(pgid: int, grace: float = 20.0) -> None:
-    """SIGTERM a whole process group, then SIGKILL what is left after ``grace`` seconds."""
+    """SIGTERM the group's leader first (vLLM's API server stops its engine core itself), then the whole group, then
+    SIGKILL what is left after ``grace`` seconds. Signalling the group at once killed the engine core under the API
+    server, which logged an EngineDeadError traceback at every stop (issue #49)."""
     with contextlib.suppress(ProcessLookupError):
+        os.kill(pgid, signal.SIGTERM)
+    leader_deadline = time.monotonic() + min(grace, LEADER_GRACE_S)
+    while _pid_alive(pgid) and _group_alive(pgid) and time.monotonic() < leader_deadline:
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):  # what the leader left, if anything
         os.killpg(pgid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while _group_alive(pgid) and time.monotonic() < deadline:
@@ -469,15 +501,22 @@ def stop_group(pgid: int, grace: float = 20.0) -> None:
             time.sleep(0.1)
 
 
-def tail(path: Path, lines: int = 20) -> str:
+#: What marks a line of the router's log as a CloudWatch EMF object (router.telemetry.EmfWriter), not for a person.
+EMF_MARK = '"_aws":{'
+
+
+def tail(path: Path, lines: int = 20, keep_emf: bool = True) -> str:
+    """The last ``lines`` lines of a log (without EMF lines unless ``keep_emf``); empty when unreadable."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        text = path.read_text(errors="replace").splitlines()
     except OSError:
         return ""
+    return "\n".join([line for line in text if keep_emf or EMF_MARK not in line][-lines:])
 
 
 class Supervisor:
-    def __init__(self, state_dir: Path = DEFAULT_STATE_DIR) -> None:
+    def __init__(self, state_dir: Path | None = None) -> None:
+        state_dir = default_state_dir() if state_dir is None else state_dir
         self.state_dir = state_dir
         self.state_file = state_dir / "state.json"
 
