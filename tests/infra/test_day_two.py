@@ -59,11 +59,13 @@ def test_mark_unhealthy_names_only_this_deployments_groups(any_app):
 
 
 def test_user_data_over_ec2s_limit_stops_the_synth(tmp_path, image_sources):
-    """EC2 refuses user data over 16 KB at launch (after the bake); the synth measures it with the deploy-time
-    values in place of its tokens and refuses it, naming the pool and the fix."""
+    """EC2 refuses user data over 16 KB at launch (after the bake); the deploy config's check (the synth's first
+    step, and `turnkv config validate`'s) measures it with the deploy-time values in place of its tokens and
+    refuses it, naming the pool and the fix."""
     raw = configs.variant(configs.PUSH, **{"model.tensor_parallel_size": 1, "pools.0.engines_per_node": 8,
                                            "model.served_model_name": "m" * 900})
-    with pytest.raises(ValueError, match=r"user data of pool prefill is \d+ bytes .* over EC2's 16384-byte limit"):
+    with pytest.raises(ValueError, match=r"pools\[0\]: a p5\.48xlarge node of 8 engines needs \d+ bytes of user "
+                                         r"data, over EC2's 16384-byte limit; set pools\[0\]\.engines_per_node"):
         synthesize(raw, tmp_path, image_sources)
 
 
