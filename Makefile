@@ -91,8 +91,9 @@ $(AIPERF_VENV)/bin/aiperf: requirements/aiperf.txt
 # (decode's retention eviction included) and the connector's start-up and READs on a stand-in Neuron platform
 # (tests/unit/test_neuron_nixl.py, skipped on 0.32: this is the vLLM a trn2 node runs). Left to the 0.32 run: push
 # mode (tests/e2e_push, the router's push dispatch: Neuron refuses push, turnkv.neuron.MODE_REFUSALS, so no image
-# runs push on 0.29), the unmodified SDK clients (router code over the pull path tests/e2e proves), the router's
-# production module (Valkey, API keys, engine kills: router code over the same engine paths), the planner's
+# runs push on 0.29), the unmodified SDK clients, `turnkv smoke` and the router's prompt-list and `n` fan-out (router
+# and CLI code over the pull path tests/e2e proves), the router's production module (Valkey, API keys, engine
+# kills: router code over the same engine paths), the planner's
 # calibration test, the MultiConnector beside vLLM's offload tier (the tier needs CUDA and Neuron refuses it:
 # turnkv.engine_args) and the deploy config's vllm serve settings (flags recorded for the GPU image's 0.32). Each
 # stack boot is 50-110 s on the 2-core machine; install 1.6 min (no pip cache), the suites ~4 min. VENV_VLLM029
@@ -103,7 +104,8 @@ READY_VLLM029 := $(VENV_VLLM029)/.turnkv-ready
 ENGINE_SUITES := tests/e2e tests/unit/test_neuron_nixl.py \
   --deselect tests/e2e/test_plan_calibrate.py --ignore tests/e2e/test_plain_clients.py \
   --ignore tests/e2e/test_other_apis.py --ignore tests/e2e/test_multi_connector.py \
-  --ignore tests/e2e/test_deploy_settings.py
+  --ignore tests/e2e/test_deploy_settings.py --ignore tests/e2e/test_smoke.py \
+  --ignore tests/e2e/test_several_sequences.py
 
 vllm029: $(READY_VLLM029)
 

@@ -59,13 +59,14 @@ def test_make_test_runs_the_engine_suites_on_the_side_venv_too():
     suites = re.search(r"^ENGINE_SUITES := ((?:.*\\\n)*.*)$", makefile, re.MULTILINE)
     assert suites is not None
     # the connector's pull suites and the stand-in Neuron platform's (vLLM 0.29's worker); push (refused on Neuron),
-    # the SDK clients, the router's production module, the planner's test, the MultiConnector (offload: CUDA only)
-    # and the GPU image's serve flags run on 0.32 only
+    # the SDK clients, smoke and the router's fan-out, the router's production module, the planner's test, the
+    # MultiConnector (offload: CUDA only) and the GPU image's serve flags run on 0.32 only
     assert suites[1].replace("\\", " ").split() == [
         "tests/e2e", "tests/unit/test_neuron_nixl.py",
         "--deselect", "tests/e2e/test_plan_calibrate.py", "--ignore", "tests/e2e/test_plain_clients.py",
         "--ignore", "tests/e2e/test_other_apis.py", "--ignore", "tests/e2e/test_multi_connector.py",
-        "--ignore", "tests/e2e/test_deploy_settings.py"]
+        "--ignore", "tests/e2e/test_deploy_settings.py", "--ignore", "tests/e2e/test_smoke.py",
+        "--ignore", "tests/e2e/test_several_sequences.py"]
     from turnkv import neuron
 
     assert neuron.MODE_REFUSALS["push"], "push runs on Neuron now: put tests/e2e_push back in the 0.29 run"
