@@ -313,7 +313,7 @@ def chart(result: dict[str, Any], path: Path) -> Path:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4), dpi=120)
     rows = result["per_turn"]
     x = [r["prompt_tokens"] for r in rows]
-    left.plot(x, [r["ttft_ms_off"] for r in rows], "o-", color="#c0392b", label="reuse off (recompute)")
+    left.plot(x, [r["ttft_ms_off"] for r in rows], "o-", color="#c0392b", label="reuse off (prefill prefix cache only)")
     left.plot(x, [r["ttft_ms_on"] for r in rows], "s-", color="#27ae60", label="reuse on (pull from decode)")
     left.plot(x, [r["transfer_ms"] for r in rows], "^--", color="#7f8c8d", label="KV transfer (D->P)")
     band = result["ttft_band"]["relative"]
