@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 
+from router import sse
 from router.dispatch import Dispatch
 
 #: The usage object's extension key.
@@ -41,9 +42,8 @@ def with_reuse(usage: Mapping[str, Any], d: Dispatch) -> dict[str, Any]:
 
 def rewrite_line(line: bytes, d: Dispatch) -> bytes:
     """An SSE ``data:`` line of decode's stream with its usage (if it has one) rewritten; any other line as is."""
-    if not any(mark in line for mark in _MARKS):
+    if not any(mark in line for mark in _MARKS) or (payload := sse.data_of(line)) is None:
         return line
-    head, _, payload = line.partition(b":")
     try:
         chunk = orjson.loads(payload)
     except orjson.JSONDecodeError:
@@ -51,4 +51,4 @@ def rewrite_line(line: bytes, d: Dispatch) -> bytes:
     if not isinstance(chunk, dict) or not isinstance(chunk.get("usage"), Mapping):
         return line
     chunk["usage"] = with_reuse(chunk["usage"], d)
-    return head + b": " + orjson.dumps(chunk) + b"\n"
+    return b"data: " + orjson.dumps(chunk) + b"\n"

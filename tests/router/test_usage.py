@@ -39,7 +39,7 @@ def test_only_a_usage_line_is_rewritten():
     event = orjson.loads(usage.rewrite_line(line, d)[6:])
     assert event["usage"]["prompt_tokens_details"] == {"cached_tokens": 1000} and event["choices"] == []
     for other in (b'data: {"choices":[{"delta":{"content":"usage"}}]}\n', b"data: [DONE]\n", b": keepalive\n",
-                  b'data: {"usage":{bad json\n'):
+                  b'data: {"usage":{bad json\n', b': a comment naming "usage":{"prompt_tokens":1}\n'):
         assert usage.rewrite_line(other, d) == other
 
 
