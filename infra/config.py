@@ -15,7 +15,7 @@ import difflib
 import ipaddress
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -549,10 +549,20 @@ class DeploymentConfig(_Model):
 RESERVED_FAMILIES = ("p", "trn")
 
 
+def _engine_shares(c: DeploymentConfig, role: Role, share: float, per_gib: int) -> Iterator[
+        tuple[int, PoolConfig, int, int, int]]:
+    """For each pool of ``role``: its index, the pool, its host memory (GiB), its engines a node, and the most host
+    memory each engine may take (``share`` of the node's over its engines, in units of 1/``per_gib`` GiB)."""
+    for i, pool in enumerate(c.pools):
+        if pool.role is role:
+            host_gib = INSTANCE_TYPES[pool.instance_type].host_memory_gib
+            engines = c.engines_per_node(pool)
+            yield i, pool, host_gib, engines, int(host_gib * per_gib * share) // engines
+
+
 def reservation_expected(instance_type: str) -> bool:
     """Scarce On-Demand capacity (P-family, Trainium), bought as ODCRs or Capacity Blocks."""
     return instance_type.startswith(RESERVED_FAMILIES)
-
 
 
 def _recipe_build_types(flavor: str) -> tuple[str, ...]:
@@ -664,11 +674,8 @@ def _cross_checks(c: DeploymentConfig) -> list[tuple[str, str]]:
         if c.connector.prefill_offload_gib:
             fail(("connector.prefill_offload_gib", f"{OFFLOAD_PLATFORMS}; set it to 0 on Neuron pools"))
     offload = c.connector.prefill_offload_gib
-    for i, pool in enumerate(c.pools):
-        if offload and pool.role is Role.PREFILL:
-            host_gib = INSTANCE_TYPES[pool.instance_type].host_memory_gib
-            engines = c.engines_per_node(pool)
-            most = int(host_gib * HOST_TIER_SHARE) // engines
+    if offload:
+        for i, pool, host_gib, engines, most in _engine_shares(c, Role.PREFILL, HOST_TIER_SHARE, 1):
             if offload > most:
                 fail(("connector.prefill_offload_gib",
                       f"{offload} GiB x {engines} engine(s) per node exceeds {HOST_TIER_SHARE:g} of "
@@ -679,12 +686,7 @@ def _cross_checks(c: DeploymentConfig) -> list[tuple[str, str]]:
     if isinstance(budget, int | float) and budget > 0:
         from connector.host_pool_plan import NODE_SHARE
 
-        for i, pool in enumerate(c.pools):
-            if pool.role is not Role.DECODE:
-                continue
-            host_gib = INSTANCE_TYPES[pool.instance_type].host_memory_gib
-            engines = c.engines_per_node(pool)
-            most = int(host_gib * 1024 * NODE_SHARE) // engines
+        for i, pool, host_gib, engines, most in _engine_shares(c, Role.DECODE, NODE_SHARE, 1024):
             if budget > most:
                 fail(("tunables.host_kv_budget_mib",
                       f"{budget:g} MiB x {engines} decode engine(s) per node exceeds {NODE_SHARE:g} of "
